@@ -1,0 +1,30 @@
+"""Errors autopar raises to users. Every message says what is wrong and what to change."""
+
+
+class PlanError(Exception):
+    """Planning failed for a reason the user can act on."""
+
+
+class ClusterError(PlanError):
+    """A cluster description (preset, YAML file, arguments) is invalid."""
+
+
+class TraceError(PlanError):
+    """The model could not be traced; the message names the module and source line."""
+
+
+class ConstraintError(PlanError):
+    """A pinned constraint (``constraints=``) cannot be met."""
+
+
+class MemoryBudgetError(PlanError):
+    """No plan fits in the memory budget; the message states the smallest peak any plan reaches."""
+
+    def __init__(self, message: str, min_peak_bytes: int | None = None, budget_bytes: int | None = None):
+        super().__init__(message)
+        self.min_peak_bytes = min_peak_bytes
+        self.budget_bytes = budget_bytes
+
+
+class ExecutionError(Exception):
+    """Running a plan failed (wrong model, wrong world size, a rank died)."""

@@ -1,0 +1,61 @@
+"""The declarative form of an op rule: an einsum-like annotation of one traced node.
+
+Every tensor dimension gets a letter. A letter shared by an input and the output is a free
+dimension: splitting it splits both, no communication. A letter on inputs only is contracted:
+splitting it leaves the output a partial sum over that mesh axis (when ``reduce == "sum"``).
+Letters in ``unsplittable`` are never split (the normalised dim of a layer norm, the softmax
+dim, a view dim that is not the leading dim of its merged group). Letters in ``special`` may be
+split only through a named algorithm that costs extra communication (vocab-parallel
+cross-entropy); see ``extra_comm``.
+
+Merged and split views use the leading-dim convention: a view ``b s h -> (b s) h`` is written
+``bsh -> bh`` with ``s`` unsplittable: splitting ``b`` into n contiguous blocks splits the
+merged dim into n contiguous blocks too.
+
+Sizes are global sizes per letter. ``flops`` and ``bytes`` are for the unsplit forward op;
+a split divides them by the number of ranks that share the work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A tensor autograd keeps for backward.
+
+    kind "input"/"output": the op's index-th tensor input/output (aliases of the same storage
+    are counted once by the memory model). kind "extra": a tensor the backward formula keeps
+    that is not an fx value (e.g. layer norm's mean and rstd), with its letters and itemsize.
+    """
+    kind: str
+    index: int = 0
+    letters: str = ""
+    itemsize: int = 4
+
+
+@dataclass(frozen=True)
+class Comm:
+    """A collective a special algorithm needs: kind on the split axis, over a tensor with
+    these letters (global sizes from the spec), of this itemsize; ``count`` times per forward
+    (backward traffic is priced by the cost model from the kind)."""
+    kind: str
+    letters: str
+    itemsize: int = 4
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    rule: str                                 # name of the rule that produced this spec
+    inputs: tuple[str | None, ...]            # letters per tensor input (None: not a tensor / not splittable at all)
+    outputs: tuple[str, ...]                  # letters per tensor output
+    sizes: dict                               # letter -> global size
+    unsplittable: frozenset = frozenset()
+    reduce: str = "sum"                       # "sum": contracted split letters give a partial sum; "none": may not split them
+    special: dict = field(default_factory=dict)   # letter -> (algorithm name, tuple[Comm, ...])
+    partial_inputs: tuple[int, ...] = ()      # inputs the op is linear in: a partial input gives a partial output
+    flops: float = 0.0                        # forward FLOPs, unsplit
+    bytes: float = 0.0                        # forward bytes read + written, unsplit (memory-bound ops)
+    saved: tuple[Saved, ...] = ()
+    replicate_only: bool = False              # fallback rule: only the fully replicated strategy

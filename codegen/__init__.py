@@ -1,0 +1,1 @@
+"""Turns (traced fx graph, Plan) into one GraphModule per rank."""

@@ -1,0 +1,1 @@
+"""What runs on each rank: collectives, sharded optimizers, pipeline schedules, launching."""
