@@ -1,0 +1,24 @@
+"""autopar: an auto-parallel training compiler for PyTorch.
+
+trace (torch.export) -> price every sharding of every op -> one ILP per configuration inside an
+outer search -> a Plan (JSON) -> per-rank programs run with torch.distributed.
+"""
+from autopar.cluster import Cluster
+from autopar.errors import ClusterError, ConstraintError, ExecutionError, MemoryBudgetError, PlanError, TraceError
+from autopar.plan import Plan
+
+
+def plan(*args, **kwargs):
+    """See autopar.api.plan (imported lazily so `import autopar` stays light)."""
+    from autopar.api import plan as _plan
+    return _plan(*args, **kwargs)
+
+
+def compile(*args, **kwargs):
+    """See autopar.compiled.compile."""
+    from autopar.compiled import compile as _compile
+    return _compile(*args, **kwargs)
+
+
+__all__ = ["Cluster", "Plan", "plan", "compile", "PlanError", "ClusterError", "ConstraintError",
+           "MemoryBudgetError", "TraceError", "ExecutionError"]

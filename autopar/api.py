@@ -1,0 +1,92 @@
+"""The public planning entry point: ``autopar.plan`` (see shared/api.md).
+
+trace -> outer search (candidates, pricing, ILP per configuration) -> Plan JSON.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from autopar.build import Settings
+from autopar.cluster import Cluster
+from autopar.errors import PlanError
+from autopar.memory import check_optimizer, check_precision
+from autopar.plan import PLAN_VERSION, Plan
+from autopar.rules import tensor_inputs
+from autopar.search import Result, degrees_of, search
+from autopar.trace import trace
+
+
+def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=None, optimizer: str = "adamw",
+         precision: str = "bf16", memory_budget: float | None = None, constraints: dict | None = None,
+         time_limit: float | None = None, overlap_grad_comm: bool = True, verbose: bool = False,
+         traced=None) -> Plan:
+    """Find the fastest configuration of ``model`` on ``cluster`` that fits in memory."""
+    if not isinstance(model, torch.nn.Module):
+        raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(cluster, Cluster):
+        raise PlanError(f"cluster must be an autopar.Cluster (e.g. Cluster.preset('dgx-a100')), got "
+                        f"{type(cluster).__name__}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    check_optimizer(optimizer)
+    check_precision(precision)
+    if memory_budget is not None and memory_budget <= 0:
+        raise PlanError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
+    t0 = time.perf_counter()
+    graph = traced if traced is not None else trace(model, example_inputs, loss_fn=loss_fn)
+    t_trace = time.perf_counter() - t0
+    budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
+    base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm)
+    log = print if verbose else None
+    result, stats = search(graph, cluster, base, constraints, time_limit=time_limit, log=log)
+    data = plan_data(result, cluster, graph, optimizer, precision, budget, overlap_grad_comm, stats)
+    stats.update(trace_seconds=t_trace, total_seconds=time.perf_counter() - t0)
+    return Plan(data, stats=stats)
+
+
+def plan_data(result: Result, cluster: Cluster, graph, optimizer, precision, budget, overlap, stats) -> dict:
+    cands = result.cands
+    mesh = result.config.mesh
+    sol = result.solution
+    pick = {n: sol.choice[i] for i, n in enumerate(result.problem.node_names)}
+    names = mesh.names
+    ops, params = [], {}
+    first_op = last_op = None
+    for name in cands.order:
+        info = cands.nodes[name]
+        st = info.strategies[pick[info.rep]]
+        if info.kind == "param":
+            fqn = graph.param_fqn[name]
+            params[fqn] = {"node": name, "shape": list(info.node.meta["val"].shape),
+                           "layout": st.outputs[0].to_json(), "tied": sorted(graph.tied.get(fqn, []))}
+        elif info.kind == "op":
+            first_op = first_op or name
+            last_op = name
+            ops.append({
+                "node": name, "target": str(info.node.target), "module": graph.module_of(info.node),
+                "rule": info.spec.rule, "strategy": st.name,
+                "inputs": [None if l is None else l.to_json() for l in st.inputs],
+                "outputs": [l.to_json() for l in st.outputs],
+                "splits": [s for s in st.splits], "special": list(getattr(st, "special", ()) or ()),
+                "args": [p.name for p in tensor_inputs(info.node)],
+            })
+    pred = result.prediction
+    return {
+        "version": PLAN_VERSION,
+        "fingerprint": graph.fingerprint,
+        "cluster": cluster.to_dict(),
+        "mesh": mesh.to_json(),
+        "settings": {"optimizer": optimizer, "precision": precision, "memory_budget": budget,
+                     "overlap_grad_comm": overlap},
+        "degrees": degrees_of(result),
+        "stages": [{"index": 0, "ranks": [0, mesh.size - 1], "nodes": [first_op, last_op],
+                    "checkpoint": pred["checkpoint"]}],
+        "ops": ops,
+        "params": params,
+        "inputs": graph.input_names,
+        "predictions": {k: v for k, v in pred.items() if k != "checkpoint"},
+        "solver": {"status": sol.status, "gap": sol.gap, "configs": stats["configs"], "pruned": stats["pruned"],
+                   "ilp_nodes": result.problem.num_nodes, "ilp_strategy_vars": result.problem.num_strategy_vars()},
+    }

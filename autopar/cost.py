@@ -1,0 +1,182 @@
+"""Time model: seconds for compute, collectives and the optimizer step on a Cluster.
+
+Every function here returns seconds (never FLOPs or bytes), so the ILP's objective adds
+like with like. The module is torch-free; its inputs are plain numbers, a ``Device``, a
+``Cluster`` and a ``Mesh``.
+
+Compute (``compute_time``): a roofline with an efficiency curve and a launch overhead::
+
+    t = max(flops / (peak[dtype] * eff(flops)), nbytes / hbm_bandwidth) + kernel_overhead
+    eff(f) = 0.8 * f / (f + F0),   F0 = peak[dtype] * T_SAT
+
+``eff`` says that large matmuls reach ~80% of peak and small ones far less (they cannot fill
+the machine). ``F0`` is the work at which a kernel reaches half of that ceiling; it scales with
+the device's peak (a faster device needs more work to fill), fixed by one calibration point: a
+4096³ bf16 GEMM (1.37e11 FLOP) on an A100 (312 TFLOP/s) runs at ~70% of peak, as cuBLAS
+measurements show, so ``T_SAT = (2·4096³ / 7) / 312e12 ≈ 63 µs``. ``kernel_overhead`` comes from
+the device (5 µs for GPUs: launch plus tail; 1 µs for the rough ``cpu`` preset). An op that does
+no work (a view) costs 0.
+
+Backward (``fwd_bwd_compute``): an op with a weight gradient (a contraction, e.g. linear or
+matmul) runs two kernels of the forward's size in backward (input gradient and weight
+gradient), so backward = 2 × forward; every other op's backward costs one forward.
+
+Collectives (``Collectives``): the shared convention ``comm(kind, nbytes, axis) -> seconds``
+with ``nbytes`` the per-rank size of the larger buffer (all_reduce: the tensor; all_gather:
+the gathered output; reduce_scatter: the unreduced input; all_to_all: the local tensor;
+broadcast: the tensor). On an axis of ``n`` ranks inside one node, ring alpha-beta::
+
+    all_reduce       2(n-1)/n · S / B + 2(n-1) · α
+    all_gather       (n-1)/n  · S / B +  (n-1) · α
+    reduce_scatter   (n-1)/n  · S / B +  (n-1) · α
+    all_to_all       (n-1)/n  · S / B +  (n-1) · α
+    broadcast               S / B     +  (n-1) · α       (pipelined ring)
+
+where ``B`` is the link's effective (bus) bandwidth and ``α`` its latency. An axis whose group
+spans nodes (``mesh.placement(axis).inter > 1``) with ``intra`` ranks per node is hierarchical:
+all_reduce = intra reduce_scatter(S) + inter all_reduce(S/intra) + intra all_gather(S);
+all_gather = inter all_gather(S/intra) + intra all_gather(S); reduce_scatter = intra
+reduce_scatter(S) + inter reduce_scatter(S/intra); broadcast = inter broadcast + intra
+broadcast; all_to_all = flat over all n ranks at the inter-node link (most of its bytes leave
+the node). A size-1 axis or an empty buffer costs 0.
+
+Optimizer (``optimizer_step_time``): elementwise and memory-bound, so bytes touched per local
+element / HBM bandwidth + one kernel overhead. Bytes per element (read + write):
+
+    adam/adamw: grad (2 bf16 | 4 fp32) + master/param r/w 8 + m, v r/w 16 [+ bf16 copy write 2]  = 28
+    sgd:        grad + param r/w 8 + momentum r/w 8 [+ bf16 copy write 2]                           = 20
+    lamb:       adam + update write 4, read back twice for its norm and the apply 8                 = 40
+    lars:       sgd + one extra read of params and grads for the trust-ratio norms                  = 20 + 4 + g
+
+(bf16 precision reads a 2-byte grad and writes the 2-byte working copy; fp32 reads a 4-byte
+grad; both come to the totals above.)
+
+``exposed_comm``: communication that overlaps with independent compute only shows what is
+left over: ``max(0, comm - compute)``; without overlap all of it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster, Device, Link
+from autopar.errors import PlanError
+from autopar.memory import check_optimizer, check_precision
+from autopar.mesh import Mesh
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+MAX_EFFICIENCY = 0.8
+# seconds of peak-rate work at which efficiency is half of MAX_EFFICIENCY (see module docstring)
+T_SAT = (2 * 4096**3 / 7) / 312e12
+
+
+def efficiency(flops: float, peak: float) -> float:
+    """Fraction of ``peak`` a kernel of ``flops`` reaches: 0.8 · f / (f + peak · T_SAT)."""
+    if flops <= 0:
+        return MAX_EFFICIENCY
+    return MAX_EFFICIENCY * flops / (flops + peak * T_SAT)
+
+
+def compute_time(flops: float, nbytes: float, dtype: str, device: Device) -> float:
+    """Seconds for one kernel doing ``flops`` arithmetic and moving ``nbytes`` of device memory."""
+    _non_negative(flops=flops, nbytes=nbytes)
+    if flops == 0 and nbytes == 0:
+        return 0.0
+    peak = device.peak(dtype)
+    t_math = flops / (peak * efficiency(flops, peak)) if flops > 0 else 0.0
+    t_mem = nbytes / device.hbm_bandwidth
+    return max(t_math, t_mem) + device.kernel_overhead
+
+
+def fwd_bwd_compute(flops: float, nbytes: float, dtype: str, device: Device,
+                    weight_grad: bool) -> tuple[float, float]:
+    """(forward seconds, backward seconds). Ops with a weight gradient run two forward-sized
+    kernels in backward (grad input, grad weight); other ops one."""
+    fwd = compute_time(flops, nbytes, dtype, device)
+    return fwd, (2.0 if weight_grad else 1.0) * fwd
+
+
+def _ring(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Flat ring alpha-beta on ``n`` ranks over ``link``."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    frac = (n - 1) / n
+    if kind == "all_reduce":
+        return 2 * frac * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return frac * nbytes / link.bandwidth + (n - 1) * link.latency
+    # broadcast: pipelined along the ring, every rank receives the whole tensor once
+    return nbytes / link.bandwidth + (n - 1) * link.latency
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """``comm(kind, nbytes, axis) -> seconds`` for one (cluster, mesh). Frozen and hashable so
+    resharding planners can cache on it."""
+    cluster: Cluster
+    mesh: Mesh
+
+    def __call__(self, kind: str, nbytes: float, axis: int) -> float:
+        if kind not in KINDS:
+            raise PlanError(f"unknown collective {kind!r}; expected one of {', '.join(KINDS)}")
+        if not 0 <= axis < self.mesh.ndim:
+            raise PlanError(f"mesh axis {axis} out of range for mesh {self.mesh.describe()} "
+                            f"({self.mesh.ndim} axes)")
+        _non_negative(nbytes=nbytes)
+        p = self.mesh.placement(axis)
+        if p.size <= 1 or nbytes == 0:
+            return 0.0
+        intra, inter = self.cluster.intra_link, self.cluster.inter_link
+        if p.inter <= 1:
+            return _ring(kind, nbytes, p.size, intra)
+        a, b = p.intra, p.inter   # ranks per node in one group, nodes one group spans
+        if kind == "all_reduce":
+            return (_ring("reduce_scatter", nbytes, a, intra) + _ring("all_reduce", nbytes / a, b, inter)
+                    + _ring("all_gather", nbytes, a, intra))
+        if kind == "all_gather":
+            return _ring("all_gather", nbytes / a, b, inter) + _ring("all_gather", nbytes, a, intra)
+        if kind == "reduce_scatter":
+            return _ring("reduce_scatter", nbytes, a, intra) + _ring("reduce_scatter", nbytes / a, b, inter)
+        if kind == "broadcast":
+            return _ring("broadcast", nbytes, b, inter) + _ring("broadcast", nbytes, a, intra)
+        return _ring("all_to_all", nbytes, p.size, inter)
+
+
+# bytes touched per element by one optimizer step, by precision (see module docstring)
+_OPT_BYTES = {
+    "adamw": {"bf16": 2 + 8 + 16 + 2, "fp32": 4 + 8 + 16},
+    "adam": {"bf16": 2 + 8 + 16 + 2, "fp32": 4 + 8 + 16},
+    "sgd": {"bf16": 2 + 8 + 8 + 2, "fp32": 4 + 8 + 8},
+    "lamb": {"bf16": 2 + 8 + 16 + 2 + 12, "fp32": 4 + 8 + 16 + 12},
+    "lars": {"bf16": 2 + 8 + 8 + 2 + 4 + 2, "fp32": 4 + 8 + 8 + 4 + 4},
+}
+
+
+def optimizer_bytes_per_element(optimizer: str, precision: str) -> int:
+    check_optimizer(optimizer)
+    check_precision(precision)
+    return _OPT_BYTES[optimizer][precision]
+
+
+def optimizer_step_time(numel_local: float, optimizer: str, precision: str, device: Device) -> float:
+    """Seconds for one optimizer step over ``numel_local`` parameter elements on one device."""
+    _non_negative(numel_local=numel_local)
+    per = optimizer_bytes_per_element(optimizer, precision)
+    if numel_local == 0:
+        return 0.0
+    return numel_local * per / device.hbm_bandwidth + device.kernel_overhead
+
+
+def exposed_comm(comm_seconds: float, overlappable_compute_seconds: float, overlap: bool) -> float:
+    """Communication time left visible after overlapping it with independent compute."""
+    _non_negative(comm_seconds=comm_seconds, overlappable_compute_seconds=overlappable_compute_seconds)
+    if not overlap:
+        return float(comm_seconds)
+    return max(0.0, comm_seconds - overlappable_compute_seconds)
+
+
+def _non_negative(**values: float) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+            raise PlanError(f"cost model: {name} = {v!r}; expected a number >= 0")

@@ -1,0 +1,122 @@
+"""The Plan: versioned, deterministic JSON — the only thing that crosses from planning to running.
+
+Schema (version 1):
+  version, fingerprint (of the traced graph), cluster (Cluster.to_dict), mesh (Mesh.to_json),
+  settings (optimizer, precision, memory budget, overlap), degrees (api.md's keys),
+  stages: [{index, ranks: [first, last], nodes: [first node, last node], checkpoint: {block group: bool}}]
+  (one stage until pipelining lands), ops: [{node, target, module, rule, strategy, inputs, outputs,
+  splits, special}], params: {fqn: {node, shape, layout}}, predictions (step time and breakdown,
+  peak memory and breakdown, comm bytes per mesh axis, model FLOPs, MFU), solver (status, gap, backend).
+
+Byte-identical for identical inputs: keys sorted, floats written with repr (deterministic), and
+nothing time-dependent (planning wall time lives in ``Plan.stats``, outside the JSON).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autopar.errors import PlanError
+
+PLAN_VERSION = 1
+
+
+def _round(x):
+    """Round floats to 12 significant digits so tiny platform noise cannot change the bytes."""
+    if isinstance(x, float):
+        return float(f"{x:.12g}")
+    if isinstance(x, dict):
+        return {k: _round(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_round(v) for v in x]
+    return x
+
+
+@dataclass
+class Plan:
+    data: dict
+    stats: dict = field(default_factory=dict)   # not serialised: planning wall time, configs tried
+
+    # ---- api.md properties
+    @property
+    def step_time(self) -> float:
+        return self.data["predictions"]["step_time"]
+
+    @property
+    def peak_memory(self) -> int:
+        return self.data["predictions"]["peak_memory"]
+
+    @property
+    def memory_breakdown(self) -> dict:
+        return dict(self.data["predictions"]["memory_breakdown"])
+
+    @property
+    def comm_bytes(self) -> dict:
+        return dict(self.data["predictions"]["comm_bytes"])
+
+    @property
+    def mfu(self) -> float:
+        return self.data["predictions"]["mfu"]
+
+    @property
+    def degrees(self) -> dict:
+        return dict(self.data["degrees"])
+
+    @property
+    def fingerprint(self) -> str:
+        return self.data["fingerprint"]
+
+    @property
+    def predictions(self) -> dict:
+        return self.data["predictions"]
+
+    @property
+    def ops(self) -> list[dict]:
+        return self.data["ops"]
+
+    @property
+    def mesh(self):
+        from autopar.mesh import Mesh
+        return Mesh.from_json(self.data["mesh"])
+
+    @property
+    def cluster(self):
+        from autopar.cluster import Cluster
+        return Cluster.from_dict(self.data["cluster"])
+
+    # ---- serialisation
+    def to_json(self) -> str:
+        return json.dumps(_round(self.data), sort_keys=True, indent=1) + "\n"
+
+    def save(self, path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"not a plan file: invalid JSON ({e})") from None
+        if not isinstance(data, dict) or "version" not in data:
+            raise PlanError("not a plan file: no 'version' field")
+        if data["version"] != PLAN_VERSION:
+            raise PlanError(f"plan version {data['version']} is not supported by this autopar "
+                            f"(it reads version {PLAN_VERSION}); re-plan with this version")
+        return Plan(data)
+
+    @staticmethod
+    def load(path) -> "Plan":
+        p = Path(path)
+        if not p.exists():
+            raise PlanError(f"plan file {p} does not exist")
+        return Plan.from_json(p.read_text())
+
+    def summary(self) -> str:
+        from autopar.report import summary_text
+        return summary_text(self)
+
+    def __repr__(self) -> str:
+        d = self.degrees
+        return (f"Plan(step_time={self.step_time:.4g}s, peak_memory={self.peak_memory / 2**30:.2f}GiB, "
+                f"dp={d['dp']}, tp={d['tp']}, zero={d['zero']}, mbs={d['micro_batch_size']})")

@@ -1,0 +1,107 @@
+"""Predictions of a solved configuration: step time and its breakdown, memory breakdown,
+communication bytes per mesh axis, MFU. Computed from the same priced arrays the ILP saw,
+so the plan's numbers and the solver's objective cannot drift apart.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from autopar.build import Candidates, Priced, Settings
+from autopar.cluster import Cluster
+from solver.problem import Problem, Solution
+
+
+def model_flops(c: Candidates) -> float:
+    """Training FLOPs of one step on the global batch: forward + backward (2x for contractions)."""
+    from autopar.build import _has_contraction
+    total = 0.0
+    for info in c.nodes.values():
+        if info.kind == "op" and info.spec is not None:
+            total += info.spec.flops * (3 if _has_contraction(info.spec) else 2)
+    return total
+
+
+def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Solution, cluster: Cluster) -> dict:
+    mesh = c.mesh
+    pick = {n: sol.choice[i] for i, n in enumerate(problem.node_names)}
+    ckpt = {g.name: bool(sol.checkpoint[i]) for i, g in enumerate(problem.checkpoint_groups)}
+
+    def total(d: dict) -> float:
+        return float(sum(arr[pick[n]] for n, arr in d.items() if n in pick))
+
+    compute = total(P.compute)
+    fwd = total(P.fwd_compute)
+    grad_comm = total(P.grad_comm)
+    op_comm = total(P.comm) - grad_comm
+    optimizer = total(P.optimizer)
+    reshard = 0.0
+    for (u, v), m in P.edges.items():
+        if u in pick and v in pick:
+            reshard += float(m[pick[u], pick[v]]) if u != v else float(m[pick[u], pick[u]])
+    recompute = 0.0
+    for i, g in enumerate(problem.checkpoint_groups):
+        if sol.checkpoint[i]:
+            recompute += sum(float(arr[pick[problem.node_names[n]]]) for n, arr in g.recompute_time)
+    backward = compute - fwd
+    exposed_grad = max(0.0, grad_comm - backward) if s.overlap_grad_comm else grad_comm
+    step = compute + op_comm + reshard + exposed_grad + optimizer + recompute
+
+    static = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    for n, st in P.static.items():
+        for k in static:
+            static[k] += float(st[k][pick[n]])
+    peak_name = max(sol.peak_memory, key=lambda k: sol.peak_memory[k]) if sol.peak_memory else None
+    peak = float(sol.peak_memory[peak_name]) if peak_name else sum(static.values())
+    activations = peak - sum(static.values())
+    other = 0.0
+    if peak_name and peak_name.startswith("backward@"):
+        n = peak_name.split("@", 1)[1]
+        if n in pick:
+            other = 2 * float(P.transient[n][pick[n]])
+    activations -= other
+
+    comm_bytes = {name: 0.0 for name in mesh.names}
+    for n, per_axis in P.comm_bytes.items():
+        if n in pick:
+            for a, arr in enumerate(per_axis):
+                comm_bytes[mesh.names[a]] += float(arr[pick[n]])
+    for (u, v), per_axis in P.edge_bytes.items():
+        if u in pick and v in pick:
+            for a, arr in enumerate(per_axis):
+                comm_bytes[mesh.names[a]] += float(arr[pick[u], pick[v]])
+
+    dtype = "bf16" if s.precision == "bf16" else "fp32"
+    flops = model_flops(c)
+    mfu = flops / (step * mesh.size * cluster.device.peak_flops[dtype]) if step > 0 else 0.0
+    return {
+        "step_time": step,
+        "time_breakdown": {"compute": compute, "recompute": recompute, "op_comm": op_comm,
+                           "reshard_comm": reshard, "grad_comm": grad_comm, "grad_comm_exposed": exposed_grad,
+                           "optimizer": optimizer, "bubble": 0.0},
+        "overlap_grad_comm": s.overlap_grad_comm,
+        "peak_memory": int(math.ceil(peak)),
+        "memory_breakdown": {k: int(round(v)) for k, v in
+                             {**static, "activations": max(0.0, activations), "other": other}.items()},
+        "comm_bytes": {k: int(round(v)) for k, v in comm_bytes.items()},
+        "model_flops": flops,
+        "mfu": mfu,
+        "checkpoint": ckpt,
+    }
+
+
+def checkpoint_mode(ckpt: dict[str, bool]) -> str:
+    if not ckpt:
+        return "none"
+    vals = set(ckpt.values())
+    if vals == {True}:
+        return "full"
+    if vals == {False}:
+        return "none"
+    return "mixed"
+
+
+def objective_lower_bound(P: Priced, problem: Problem) -> float:
+    """A cheap lower bound of the ILP objective: each node's cheapest strategy, edges free."""
+    return float(sum(np.min(cost) for cost in problem.costs if len(cost)))

@@ -1,0 +1,170 @@
+"""The resharding planner: the cheapest collective sequence between two Layouts of a tensor.
+
+A tensor of a given global shape on a mesh (only the mesh shape matters here) moves from a
+source Layout to a destination Layout by a sequence of Steps, each acting on one mesh axis a:
+
+- ``all_reduce``     removes a from the partial axes;
+- ``reduce_scatter`` removes a from the partial axes and appends a as the innermost split of ``dim``;
+- ``all_gather``     removes a from ``dim``'s split axes (only when a is the innermost one, so every
+                     rank's block stays one contiguous piece of the global tensor);
+- ``all_to_all``     moves a from the innermost split of ``dim`` to the innermost split of ``dst_dim``;
+- ``slice``          appends an unused axis a as the innermost split of ``dim`` (a local slice: free);
+- ``partial``        makes the tensor a partial sum over an unused axis a (rank 0 of the axis keeps
+                     the value, the others hold zeros: free). Not in the original step list; it exists
+                     so that every (src, dst) pair has a path even when dst has partial axes src lacks.
+
+``plan_reshard`` runs a uniform-cost (Dijkstra) search over layout states with these moves,
+pricing each collective with the shared ``comm(kind, nbytes, axis) -> seconds`` convention
+(nbytes: per rank, the larger buffer involved). Times are forward only; the backward of each
+step is its conjugate and moves the same bytes, the caller adds it. Results are memoised, the
+ILP builder asks for thousands of (src, dst) pairs.
+"""
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from autopar.layout import Layout
+
+STEP_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "slice", "partial")
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str
+    axis: int
+    dim: int | None = None       # tensor dim; None for all_reduce / partial
+    dst_dim: int | None = None   # all_to_all only: the dim that becomes split (``dim`` becomes gathered)
+
+    def __post_init__(self):
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"unknown reshard step kind {self.kind!r}; expected one of {STEP_KINDS}")
+
+    def describe(self) -> str:
+        if self.kind == "all_to_all":
+            return f"all_to_all[axis {self.axis}](S({self.dim})->S({self.dst_dim}))"
+        if self.dim is None:
+            return f"{self.kind}[axis {self.axis}]"
+        return f"{self.kind}[axis {self.axis}](dim {self.dim})"
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    steps: tuple[Step, ...]
+    time: float   # seconds, forward only
+
+    def describe(self) -> str:
+        return " ; ".join(s.describe() for s in self.steps) or "(no-op)"
+
+
+def _validate(layout: Layout, shape: tuple[int, ...], mesh_shape: tuple[int, ...], what: str) -> None:
+    if layout.ndim != len(shape):
+        raise ValueError(f"{what} layout {layout} has {layout.ndim} dims but the tensor shape {shape} has {len(shape)}")
+    used = [a for axes in layout.dims for a in axes] + list(layout.partial)
+    for a in used:
+        if not 0 <= a < len(mesh_shape):
+            raise ValueError(f"{what} layout {layout} uses mesh axis {a}; the mesh {mesh_shape} has {len(mesh_shape)} axes")
+    if len(used) != len(set(used)):
+        raise ValueError(f"{what} layout {layout} uses a mesh axis twice (split and/or partial)")
+    for d, s in enumerate(shape):
+        f = layout.split_factor(d, mesh_shape)
+        if s % f:
+            raise ValueError(f"{what} layout {layout}: dim {d} of size {s} does not split evenly into {f} blocks")
+
+
+def _moves(state: Layout, shape, mesh_shape, itemsize):
+    """Every legal (step, next_state, kind, nbytes) from ``state``, in a fixed order."""
+    local = state.local_shape(shape, mesh_shape)
+    nbytes = float(math.prod(local) * itemsize)
+    used = state.axes_used()
+    ndim = state.ndim
+
+    def with_dims(new_dims, partial=state.partial):
+        return Layout(tuple(new_dims), tuple(sorted(partial)))
+
+    for a in state.partial:
+        rest = tuple(p for p in state.partial if p != a)
+        yield Step("all_reduce", a), with_dims(state.dims, rest), "all_reduce", nbytes
+        for d in range(ndim):
+            if local[d] % mesh_shape[a] == 0:
+                dims = list(state.dims)
+                dims[d] = dims[d] + (a,)
+                yield Step("reduce_scatter", a, d), with_dims(dims, rest), "reduce_scatter", nbytes
+    for d in range(ndim):
+        if not state.dims[d]:
+            continue
+        a = state.dims[d][-1]
+        dims = list(state.dims)
+        dims[d] = dims[d][:-1]
+        yield Step("all_gather", a, d), with_dims(dims), "all_gather", nbytes * mesh_shape[a]
+        for e in range(ndim):
+            if e != d and local[e] % mesh_shape[a] == 0:
+                dims2 = list(dims)
+                dims2[e] = dims2[e] + (a,)
+                yield Step("all_to_all", a, d, e), with_dims(dims2), "all_to_all", nbytes
+    for a in range(len(mesh_shape)):
+        if a in used:
+            continue
+        for d in range(ndim):
+            if local[d] % mesh_shape[a] == 0:
+                dims = list(state.dims)
+                dims[d] = dims[d] + (a,)
+                yield Step("slice", a, d), with_dims(dims), None, 0.0
+        yield Step("partial", a), with_dims(state.dims, state.partial + (a,)), None, 0.0
+
+
+def _key(cost: float) -> float:
+    # Equal-cost paths (all_reduce vs reduce_scatter + all_gather under a ring model) differ in
+    # the last bits of a float sum; round so the step count decides ties, not rounding noise.
+    return float(f"{cost:.9g}")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _plan_cached(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
+                 mesh_shape: tuple[int, ...], comm) -> ReshardPlan:
+    _validate(src, shape, mesh_shape, "source")
+    _validate(dst, shape, mesh_shape, "destination")
+    src = Layout(src.dims, tuple(sorted(src.partial)))
+    dst = Layout(dst.dims, tuple(sorted(dst.partial)))
+    tie = itertools.count()
+    # heap entries: (rounded cost, number of steps, insertion order, exact cost, state, steps)
+    heap = [(0.0, 0, next(tie), 0.0, src, ())]
+    done: set[Layout] = set()
+    while heap:
+        _, n, _, cost, state, steps = heapq.heappop(heap)
+        if state in done:
+            continue
+        if state == dst:
+            return ReshardPlan(steps, cost)
+        done.add(state)
+        for step, nxt, kind, nbytes in _moves(state, shape, mesh_shape, itemsize):
+            if nxt in done:
+                continue
+            c = cost + (float(comm(kind, nbytes, step.axis)) if kind else 0.0)
+            heapq.heappush(heap, (_key(c), n + 1, next(tie), c, nxt, steps + (step,)))
+    # Unreachable: gather/reduce everything, then slice and make partial, is always a path.
+    raise AssertionError(f"no reshard path from {src} to {dst}")  # pragma: no cover
+
+
+def plan_reshard(src: Layout, dst: Layout, shape, itemsize: int, mesh_shape,
+                 comm: Callable[[str, float, int], float]) -> ReshardPlan:
+    """Cheapest step sequence turning ``src`` into ``dst`` (forward seconds). ``comm`` must be
+    hashable (a frozen dataclass); results are memoised per argument tuple."""
+    return _plan_cached(src, dst, tuple(int(s) for s in shape), int(itemsize),
+                        tuple(int(m) for m in mesh_shape), comm)
+
+
+def reshard_cost_matrix(srcs: list[Layout], dsts: list[Layout], shape, itemsize: int, mesh_shape,
+                        comm: Callable[[str, float, int], float]) -> np.ndarray:
+    """``out[i, j]`` = forward seconds of resharding ``srcs[i]`` into ``dsts[j]``."""
+    out = np.zeros((len(srcs), len(dsts)), dtype=np.float64)
+    for i, s in enumerate(srcs):
+        for j, d in enumerate(dsts):
+            out[i, j] = plan_reshard(s, d, shape, itemsize, mesh_shape, comm).time
+    return out

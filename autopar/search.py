@@ -1,0 +1,189 @@
+"""The outer search: mesh shapes × ZeRO stage × micro-batch count, each priced by one ILP.
+
+For every logical mesh of the cluster (dp × tp[, tp2]) the candidate strategies are enumerated
+once (``build.candidates``); then each (ZeRO stage, number of micro-batches) prices them
+(``build.price``), builds the Problem and solves it. A configuration whose lower bound (every
+node at its cheapest strategy, resharding free) cannot beat the best plan so far is pruned
+without calling the solver. ``constraints`` pin any of the degrees and the search completes
+the rest.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from autopar.build import Candidates, Settings, build_problem, candidates, price
+from autopar.cluster import Cluster
+from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
+from autopar.predict import checkpoint_mode, objective_lower_bound, predict
+from autopar.trace import TracedGraph
+from solver.ilp import min_peak_memory, solve
+
+DEGREE_KEYS = ("dp", "tp", "tp_mode", "sp", "sp_mode", "pp", "pp_schedule", "micro_batch_size",
+               "num_micro_batches", "zero", "checkpoint", "offload")
+
+
+@dataclass
+class Config:
+    mesh: object
+    settings: Settings
+
+
+@dataclass
+class Result:
+    config: Config
+    cands: Candidates
+    priced: object
+    problem: object
+    solution: object
+    prediction: dict
+
+
+def check_constraints(constraints: dict | None) -> dict:
+    """Validate ``constraints=``: known keys, sane values; dimensions not built yet are clear errors."""
+    constraints = dict(constraints or {})
+    for k in constraints:
+        if k not in DEGREE_KEYS:
+            import difflib
+            hint = difflib.get_close_matches(k, DEGREE_KEYS, n=1)
+            raise ConstraintError(f"unknown constraint {k!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                                  + f"; valid keys: {', '.join(DEGREE_KEYS)}")
+    unsupported = {"pp": 1, "sp": 1, "offload": False}
+    for k, ok in unsupported.items():
+        if k in constraints and constraints[k] != ok:
+            raise ConstraintError(f"constraint {k}={constraints[k]!r} cannot be met: this version of autopar "
+                                  f"plans {k}={ok!r} only (pipeline, sequence parallelism and offload are not "
+                                  f"implemented yet)")
+    if constraints.get("tp_mode") not in (None, "1d"):
+        raise ConstraintError(f"constraint tp_mode={constraints['tp_mode']!r} cannot be met: only '1d' tensor "
+                              f"parallelism is implemented (2d/2.5d/3d are planned)")
+    if constraints.get("sp_mode") is not None:
+        raise ConstraintError("constraint sp_mode cannot be met: sequence parallelism is not implemented yet")
+    if constraints.get("pp_schedule") is not None:
+        raise ConstraintError("constraint pp_schedule cannot be met: pipeline parallelism is not implemented yet")
+    if "zero" in constraints and constraints["zero"] not in (0, 1, 2, 3):
+        raise ConstraintError(f"constraint zero={constraints['zero']!r}: must be 0, 1, 2 or 3")
+    if "checkpoint" in constraints and constraints["checkpoint"] not in ("none", "full"):
+        raise ConstraintError(f"constraint checkpoint={constraints['checkpoint']!r}: must be 'none' or 'full' "
+                              f"(selective recompute is not implemented yet)")
+    for k in ("dp", "tp", "micro_batch_size", "num_micro_batches"):
+        if k in constraints and (not isinstance(constraints[k], int) or constraints[k] < 1):
+            raise ConstraintError(f"constraint {k}={constraints[k]!r}: must be a positive integer")
+    return constraints
+
+
+def global_batch(graph: TracedGraph) -> int:
+    for name in graph.input_names:
+        node = next(n for n in graph.gm.graph.nodes if n.name == name)
+        val = node.meta.get("val")
+        if val is not None and getattr(val, "ndim", 0) >= 1:
+            return int(val.shape[0])
+    raise PlanError("the example inputs have no batch dimension (no tensor input with at least one dim)")
+
+
+def _micro_choices(per_dp: int, constraints: dict) -> list[int]:
+    """Numbers of micro-batches: micro-batch sizes that are powers of two (plus the whole batch)."""
+    if "num_micro_batches" in constraints:
+        return [constraints["num_micro_batches"]]
+    if "micro_batch_size" in constraints:
+        mbs = constraints["micro_batch_size"]
+        return [per_dp // mbs] if per_dp % mbs == 0 else []
+    sizes = {per_dp}
+    m = 1
+    while m < per_dp:
+        if per_dp % m == 0:
+            sizes.add(m)
+        m *= 2
+    return sorted({per_dp // s for s in sizes})
+
+
+def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict):
+    batch = global_batch(graph)
+    for mesh in cluster.meshes():
+        dp, tp = mesh.degree("dp"), mesh.size // mesh.degree("dp")
+        if constraints.get("dp", dp) != dp or constraints.get("tp", tp) != tp:
+            continue
+        if batch % dp:
+            continue
+        zeros = [constraints["zero"]] if "zero" in constraints else ([0, 1, 2, 3] if dp > 1 else [0])
+        for nm in _micro_choices(batch // dp, constraints):
+            for z in zeros:
+                yield Config(mesh, Settings(optimizer=base.optimizer, precision=base.precision, zero=z,
+                                            num_micro_batches=nm, budget=base.budget,
+                                            overlap_grad_comm=base.overlap_grad_comm,
+                                            checkpoint=constraints.get("checkpoint")))
+
+
+def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict | None = None,
+           time_limit: float | None = None, log=None) -> tuple[Result, dict]:
+    constraints = check_constraints(constraints)
+    t0 = time.perf_counter()
+    best: Result | None = None
+    stats = {"configs": 0, "pruned": 0, "solved": 0, "infeasible": 0, "gap": 0.0}
+    infeasible: list = []
+    cand_cache: dict = {}
+    configs = list(configurations(graph, cluster, base, constraints))
+    if not configs:
+        raise ConstraintError(_no_config_message(graph, cluster, constraints))
+    for cfg in configs:
+        stats["configs"] += 1
+        remaining = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - t0))
+        if time_limit is not None and time.perf_counter() - t0 > time_limit and best is not None:
+            stats["pruned"] += 1
+            continue
+        key = cfg.mesh
+        if key not in cand_cache:
+            cand_cache[key] = candidates(graph, cfg.mesh)
+        cands = cand_cache[key]
+        P = price(cands, cluster, cfg.settings)
+        problem = build_problem(cands, P, cfg.settings)
+        if best is not None and objective_lower_bound(P, problem) >= best.prediction["step_time"]:
+            stats["pruned"] += 1
+            continue
+        sol = solve(problem, time_limit=remaining)
+        stats["solved"] += 1
+        if sol.status == "infeasible":
+            stats["infeasible"] += 1
+            infeasible.append(problem)
+            continue
+        pred = predict(cands, P, cfg.settings, problem, sol, cluster)
+        if log:
+            log(f"{cfg.mesh.describe():>18}  zero={cfg.settings.zero} micro={cfg.settings.num_micro_batches:<4} "
+                f"step={pred['step_time']:.4g}s peak={pred['peak_memory'] / 2**30:.2f}GiB")
+        if best is None or pred["step_time"] < best.prediction["step_time"] - 1e-12:
+            best = Result(cfg, cands, P, problem, sol, pred)
+            stats["gap"] = sol.gap
+    stats["seconds"] = time.perf_counter() - t0
+    if best is None:
+        if infeasible:
+            floor = min(min_peak_memory(p) for p in infeasible)
+            raise MemoryBudgetError(
+                f"no plan fits in the memory budget of {base.budget / 2**30:.2f} GiB per device: the smallest "
+                f"peak memory any plan reaches is {floor / 2**30:.2f} GiB. Raise memory_budget to at least "
+                f"that, add devices, use a smaller batch, or relax constraints.",
+                min_peak_bytes=int(floor), budget_bytes=int(base.budget))
+        raise ConstraintError(_no_config_message(graph, cluster, constraints))
+    return best, stats
+
+
+def _no_config_message(graph, cluster, constraints) -> str:
+    batch = global_batch(graph)
+    return (f"no configuration satisfies the constraints {constraints} on {cluster.num_devices} devices "
+            f"({cluster.nodes} node(s) × {cluster.devices_per_node}) with global batch {batch}: dp × tp must "
+            f"equal the number of devices, tp at most {cluster.devices_per_node} (one node), the batch must "
+            f"divide by dp × num_micro_batches")
+
+
+def degrees_of(result: Result) -> dict:
+    mesh = result.config.mesh
+    s = result.config.settings
+    dp = mesh.degree("dp")
+    model = [mesh.shape[a] for a in mesh.model_axes()]
+    batch = global_batch(result.cands.graph)
+    return {
+        "dp": dp, "tp": math.prod(model) if model else 1, "tp_mode": "1d" if len(model) <= 1 else "1d-multiaxis",
+        "tp_shape": model, "sp": 1, "sp_mode": None, "pp": 1, "pp_schedule": None,
+        "micro_batch_size": batch // dp // s.num_micro_batches, "num_micro_batches": s.num_micro_batches,
+        "zero": s.zero, "checkpoint": checkpoint_mode(result.prediction["checkpoint"]), "offload": False,
+    }

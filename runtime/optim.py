@@ -1,0 +1,242 @@
+"""Functional optimizers on flat fp32 buffers: AdamW, Adam, SGD(momentum), LAMB, LARS.
+
+A ``FlatOptimizer`` updates one flat parameter buffer (or one shard of it) in place from the
+matching flat gradient, with its state in plain tensors returned by ``init_state``. It holds no
+reference to parameters, which is what lets the ZeRO optimizer (runtime/zero.py) run it on
+whatever slice of a chunk a rank owns.
+
+AdamW, Adam and SGD use exactly the formulas of torch.optim's single-tensor (CPU default)
+code path, op for op, so a flat update equals torch.optim's per-tensor update element for element.
+
+LAMB and LARS scale the update of each *tensor* by a trust ratio built from per-tensor norms.
+On a flat shard one tensor may be split across ranks, so ``step`` takes ``Segments`` (which
+element ranges of the buffer belong to which logical tensor) and an optional
+``reduce_sq_norms`` callable that sums per-tensor squared norms in place across the shards
+holding parts of the same tensors (e.g. an all_reduce over the data-parallel group).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+ReduceFn = Callable[[Tensor], None]  # sums a [k, num_ids] fp32 tensor in place across shards
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Element ranges of a flat buffer and the logical tensor (id) each belongs to.
+
+    ``bounds`` has one more entry than ``ids``: segment i is ``[bounds[i], bounds[i+1])`` and
+    belongs to tensor ``ids[i]`` (0 <= id < num_ids). Segments must cover the buffer.
+    """
+
+    bounds: tuple[int, ...]
+    ids: tuple[int, ...]
+    num_ids: int
+
+    @staticmethod
+    def from_sizes(sizes: Sequence[int]) -> "Segments":
+        """One segment per tensor, laid out back to back (tensor i has id i)."""
+        bounds = [0]
+        for s in sizes:
+            bounds.append(bounds[-1] + int(s))
+        return Segments(tuple(bounds), tuple(range(len(sizes))), len(sizes))
+
+    def sq_norms(self, *xs: Tensor) -> Tensor:
+        """[len(xs), num_ids] squared L2 norms of each x restricted to each logical tensor."""
+        out = torch.zeros(len(xs), self.num_ids, dtype=torch.float32)
+        for i, tid in enumerate(self.ids):
+            a, b = self.bounds[i], self.bounds[i + 1]
+            if b > a:
+                for k, x in enumerate(xs):
+                    seg = x[a:b]
+                    out[k, tid] += torch.dot(seg, seg)
+        return out
+
+    def scale_(self, x: Tensor, per_id: Tensor) -> None:
+        """x[segment] *= per_id[id of segment], in place."""
+        for i, tid in enumerate(self.ids):
+            a, b = self.bounds[i], self.bounds[i + 1]
+            if b > a:
+                x[a:b].mul_(per_id[tid])
+
+
+class FlatOptimizer:
+    """Base: ``init_state(numel)``, ``step(param, grad, state, step_no, ...)`` (step_no from 1)."""
+
+    name = "base"
+    state_names: tuple[str, ...] = ()
+    needs_segments = False  # True: per-tensor trust ratios need Segments
+
+    def __init__(self, lr: float):
+        self.lr = float(lr)
+
+    @property
+    def state_bytes_per_element(self) -> int:
+        return 4 * len(self.state_names)  # every state tensor is fp32, one value per element
+
+    def init_state(self, numel: int) -> dict[str, Tensor]:
+        return {n: torch.zeros(numel, dtype=torch.float32) for n in self.state_names}
+
+    @torch.no_grad()
+    def step(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], step_no: int,
+             segments: Optional[Segments] = None, reduce_sq_norms: Optional[ReduceFn] = None) -> None:
+        raise NotImplementedError
+
+
+class Adam(FlatOptimizer):
+    """torch.optim.Adam (decoupled=False) / AdamW (decoupled=True), amsgrad=False."""
+
+    name = "adam"
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, decoupled: bool = False):
+        super().__init__(lr)
+        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
+        self.eps, self.weight_decay, self.decoupled = float(eps), float(weight_decay), decoupled
+        if decoupled:
+            self.name = "adamw"
+
+    @torch.no_grad()
+    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None):
+        lr, b1, b2 = self.lr, self.beta1, self.beta2
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        # Same op sequence as torch.optim.adam._single_tensor_adam (capturable=False).
+        if self.weight_decay != 0:
+            if self.decoupled:
+                param.mul_(1 - lr * self.weight_decay)
+            else:
+                grad = grad.add(param, alpha=self.weight_decay)
+        exp_avg.lerp_(grad, 1 - b1)
+        exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        step = float(step_no)
+        bias_correction1 = 1 - b1 ** step
+        bias_correction2 = 1 - b2 ** step
+        step_size = lr / bias_correction1
+        denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(self.eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class SGD(FlatOptimizer):
+    """torch.optim.SGD: momentum, dampening, nesterov, weight_decay (coupled)."""
+
+    name = "sgd"
+
+    def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False):
+        super().__init__(lr)
+        self.momentum, self.dampening = float(momentum), float(dampening)
+        self.weight_decay, self.nesterov = float(weight_decay), nesterov
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov momentum requires momentum > 0 and dampening = 0")
+        # No momentum: no state at all, like torch.optim.SGD.
+        self.state_names = ("momentum_buffer",) if self.momentum != 0 else ()
+
+    @torch.no_grad()
+    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None):
+        if self.weight_decay != 0:
+            grad = grad.add(param, alpha=self.weight_decay)
+        if self.momentum != 0:
+            buf = state["momentum_buffer"]
+            if step_no == 1:  # torch initialises the buffer to the first gradient
+                buf.copy_(grad)
+            else:
+                buf.mul_(self.momentum).add_(grad, alpha=1 - self.dampening)
+            grad = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
+        param.add_(grad, alpha=-self.lr)
+
+
+def _trust(numer: Tensor, denom: Tensor) -> Tensor:
+    # Standard convention: ratio 1 where either norm is zero (fresh/zero tensors, padding).
+    ok = (numer > 0) & (denom > 0)
+    return torch.where(ok, numer / torch.where(ok, denom, torch.ones_like(denom)), torch.ones_like(numer))
+
+
+def _segments_or_whole(segments: Optional[Segments], numel: int) -> Segments:
+    return segments if segments is not None else Segments.from_sizes([numel])
+
+
+class LAMB(FlatOptimizer):
+    """LAMB (You et al. 2019): Adam direction + decoupled decay, scaled per tensor by ||p||/||u||."""
+
+    name = "lamb"
+    state_names = ("exp_avg", "exp_avg_sq")
+    needs_segments = True
+
+    def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, bias_correction: bool = True):
+        super().__init__(lr)
+        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
+        self.eps, self.weight_decay, self.bias_correction = float(eps), float(weight_decay), bias_correction
+
+    @torch.no_grad()
+    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None):
+        segs = _segments_or_whole(segments, param.numel())
+        b1, b2 = self.beta1, self.beta2
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.mul_(b1).add_(grad, alpha=1 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        bc1 = 1 - b1 ** step_no if self.bias_correction else 1.0
+        bc2 = 1 - b2 ** step_no if self.bias_correction else 1.0
+        update = (m / bc1) / ((v / bc2).sqrt().add_(self.eps))
+        if self.weight_decay != 0:
+            update.add_(param, alpha=self.weight_decay)
+        norms = segs.sq_norms(param, update)  # [2, num_ids]: ||p||^2, ||u||^2 of the local parts
+        if reduce_sq_norms is not None:
+            reduce_sq_norms(norms)
+        ratio = _trust(norms[0].sqrt(), norms[1].sqrt())
+        segs.scale_(update, ratio)
+        param.add_(update, alpha=-self.lr)
+
+
+class LARS(FlatOptimizer):
+    """LARS (You et al. 2017) with momentum: local_lr = coef*||p|| / (||g|| + wd*||p|| + eps)."""
+
+    name = "lars"
+    state_names = ("momentum_buffer",)
+    needs_segments = True
+
+    def __init__(self, lr: float = 1e-3, momentum: float = 0.9, weight_decay: float = 0.0,
+                 trust_coefficient: float = 0.001, eps: float = 1e-8):
+        super().__init__(lr)
+        self.momentum, self.weight_decay = float(momentum), float(weight_decay)
+        self.trust_coefficient, self.eps = float(trust_coefficient), float(eps)
+
+    @torch.no_grad()
+    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None):
+        segs = _segments_or_whole(segments, param.numel())
+        norms = segs.sq_norms(param, grad)
+        if reduce_sq_norms is not None:
+            reduce_sq_norms(norms)
+        p_norm, g_norm = norms[0].sqrt(), norms[1].sqrt()
+        local_lr = _trust(self.trust_coefficient * p_norm, g_norm + self.weight_decay * p_norm + self.eps)
+        d = grad.add(param, alpha=self.weight_decay) if self.weight_decay != 0 else grad.clone()
+        segs.scale_(d, local_lr * self.lr)
+        buf = state["momentum_buffer"]
+        buf.mul_(self.momentum).add_(d)
+        param.sub_(buf)
+
+
+def make_optimizer(name: str, lr: float, **hparams) -> FlatOptimizer:
+    """``name`` in adamw | adam | sgd | lamb | lars; hparams as in the matching class."""
+    key = name.lower()
+    if key == "adamw":
+        hparams.setdefault("weight_decay", 1e-2)  # torch.optim.AdamW's default
+        return Adam(lr, decoupled=True, **hparams)
+    if key == "adam":
+        return Adam(lr, decoupled=False, **hparams)
+    if key == "sgd":
+        return SGD(lr, **hparams)
+    if key == "lamb":
+        return LAMB(lr, **hparams)
+    if key == "lars":
+        return LARS(lr, **hparams)
+    raise ValueError(f"unknown optimizer {name!r}: expected adamw, adam, sgd, lamb or lars")
+
+
+__all__ = ["FlatOptimizer", "Adam", "SGD", "LAMB", "LARS", "Segments", "make_optimizer"]

@@ -1,0 +1,487 @@
+"""The intra-stage sharding ILP: Problem -> Solution with PuLP (HiGHS or CBC). Torch-free.
+
+Variables and constraint families (each added by the function named):
+
+- ``x[n,s]`` binary, one per strategy of each node; **one-hot choice**
+  ``sum_s x[n,s] == 1`` -- ``_add_choice``.
+- **Edges, linearised** -- ``_add_edges``, after ``_fold_edges`` has simplified them: parallel
+  edges between the same pair are summed (a reversed pair is transposed first), self edges
+  (``src == dst``) become node costs ``M[s,s]``, all-zero matrices are dropped and separable
+  matrices (``M[s,t] = a[s] + b[t]``, e.g. a producer or consumer with one strategy) are folded
+  into the two node costs. Each remaining pair (u,v) gets continuous ``e[s,t] >= 0`` with
+  ``sum_t e[s,t] == x[u,s]`` (every s) and ``sum_s e[s,t] == x[v,t]`` (every t but the last,
+  which the others and the two one-hots imply). For binary x this forces ``e = x[u,s]*x[v,t]``.
+- **Checkpoint groups** -- ``_add_checkpoint_groups``: binary ``c[g]`` (a constant when
+  ``forced``), continuous ``z[g,n,s] = x[n,s] AND NOT c[g]`` via ``z <= x[n,s]``,
+  ``z >= x[n,s] - c`` and ``sum_s z[n,s] <= 1 - c`` (the per-node sum of ``z <= 1 - c``, valid
+  because of the one-hot). z exists only for nodes in the group's term lists and only for
+  strategies where it changes a coefficient. Group activation bytes
+  ``= sum_saved z*a + sum_{kept, recompute_memory} (x - z)*b``; extra time
+  ``= sum_recompute_time (x - z)*t``.
+- **Memory (liveness sets)** -- ``_add_memory``: ``const + sum terms + group bytes <= budget``
+  per MemoryConstraint with a finite budget; each row is divided by its largest magnitude so
+  the solver's feasibility tolerance is relative. A row with no variables is checked directly.
+- **Objective** -- ``_set_objective``: node costs + edge costs + recompute time. Each node's
+  cheapest cost is moved into a constant offset and the rest is scaled so the largest
+  coefficient is ``_OBJ_TARGET``; costs from 1e-6 s to 100 s then sit well above solver
+  tolerances. The reported objective is recomputed exactly in seconds by ``evaluate``.
+- **Peak rows** (``min_peak_memory`` only) -- ``_add_peak_rows``: ``total_k <= P`` for every
+  memory constraint, objective ``min P``; budgets are ignored.
+
+Optimality gap when a time limit stops the search with an incumbent (status "feasible"):
+HiGHS reports its MIP dual bound (``Highs.getInfo().mip_dual_bound``), which we use; PuLP does
+not expose CBC's bound, so for CBC we re-solve the LP relaxation (``mip=False``) and use its
+optimum as the bound (``inf`` gap if that LP does not finish). Either way
+``gap = (objective - bound) / |objective|`` in true seconds.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+
+from solver.problem import Problem, Solution
+
+_OBJ_TARGET = 1e3      # largest objective coefficient after scaling
+_SEP_RTOL = 1e-12      # a matrix is separable when its residual is below this * max|M|
+_MEM_RTOL = 1e-9       # relative slack allowed when checking a budget in numpy
+_GAP_REL = 1e-9        # solver MIP gap: tight, so ILP == brute force to 1e-6 in tests
+_GAP_ABS = 1e-9        # in scaled objective units (largest coefficient = _OBJ_TARGET)
+_MAX_TIME_LIMIT_GAP = math.inf
+
+
+def _input_error(message: str) -> Exception:
+    # Imported lazily: solver/ must stay torch-free even if autopar/__init__ grows imports.
+    from autopar.errors import PlanError
+    return PlanError(message)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def validate(problem: Problem) -> None:
+    """Raise ``autopar.errors.PlanError`` naming the first malformed part of ``problem``."""
+    n = problem.num_nodes
+    if len(problem.node_names) != n:
+        raise _input_error(f"Problem has {len(problem.node_names)} node_names but {n} cost arrays; "
+                           "give one name per node")
+    sizes = []
+    for i, c in enumerate(problem.costs):
+        a = np.asarray(c, dtype=float)
+        if a.ndim != 1 or a.size == 0:
+            raise _input_error(f"node {i} ({problem.node_names[i]!r}): costs must be a 1-D array with "
+                               f"at least one strategy, got shape {a.shape}")
+        if not np.all(np.isfinite(a)):
+            raise _input_error(f"node {i} ({problem.node_names[i]!r}): costs contain NaN or inf")
+        sizes.append(a.size)
+    if problem.strategy_names is not None:
+        for i, names in enumerate(problem.strategy_names):
+            if i >= n or len(names) != sizes[i]:
+                raise _input_error(f"strategy_names[{i}] does not match node {i}'s number of strategies")
+
+    def check_node(where: str, node: int) -> None:
+        if not isinstance(node, (int, np.integer)) or not 0 <= node < n:
+            raise _input_error(f"{where}: node index {node!r} is not in [0, {n})")
+
+    for k, e in enumerate(problem.edges):
+        check_node(f"edge {k} src", e.src)
+        check_node(f"edge {k} dst", e.dst)
+        m = np.asarray(e.cost, dtype=float)
+        want = (sizes[e.src], sizes[e.dst])
+        if m.shape != want:
+            raise _input_error(f"edge {k} ({problem.node_names[e.src]!r} -> {problem.node_names[e.dst]!r}): "
+                               f"cost matrix has shape {m.shape}, expected {want} "
+                               "(src strategies x dst strategies)")
+        if not np.all(np.isfinite(m)):
+            raise _input_error(f"edge {k}: cost matrix contains NaN or inf")
+
+    def check_terms(where: str, terms) -> None:
+        for node, arr in terms:
+            check_node(where, node)
+            a = np.asarray(arr, dtype=float)
+            if a.shape != (sizes[node],):
+                raise _input_error(f"{where}: array for node {node} has shape {a.shape}, "
+                                   f"expected ({sizes[node]},) (one value per strategy)")
+            if not np.all(np.isfinite(a)):
+                raise _input_error(f"{where}: array for node {node} contains NaN or inf")
+
+    g_count = len(problem.checkpoint_groups)
+    for gi, g in enumerate(problem.checkpoint_groups):
+        for part in ("saved", "kept", "recompute_memory", "recompute_time"):
+            check_terms(f"checkpoint group {g.name!r} {part}", getattr(g, part))
+    seen = set()
+    for m in problem.memory:
+        if m.name in seen:
+            raise _input_error(f"two memory constraints are named {m.name!r}; names key "
+                               "Solution.peak_memory, make them unique")
+        seen.add(m.name)
+        if math.isnan(m.budget) or not math.isfinite(m.const):
+            raise _input_error(f"memory constraint {m.name!r}: budget must not be NaN and const must be finite")
+        check_terms(f"memory constraint {m.name!r}", m.terms)
+        for gi in m.groups:
+            if not isinstance(gi, (int, np.integer)) or not 0 <= gi < g_count:
+                raise _input_error(f"memory constraint {m.name!r}: checkpoint group index {gi!r} "
+                                   f"is not in [0, {g_count})")
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def _group_bytes(group, choice, checkpointed: bool) -> float:
+    parts = (group.kept, group.recompute_memory) if checkpointed else (group.saved,)
+    return float(sum(float(arr[choice[n]]) for terms in parts for n, arr in terms))
+
+
+def evaluate(problem: Problem, choice, checkpoint) -> tuple[float, dict[str, float]]:
+    """Objective (seconds) and bytes per memory constraint of one decision. Pure numpy.
+
+    ``checkpoint`` is taken as given (a ``forced`` pin is not applied here).
+    """
+    if len(choice) != problem.num_nodes:
+        raise _input_error(f"choice has {len(choice)} entries for {problem.num_nodes} nodes")
+    if len(checkpoint) != len(problem.checkpoint_groups):
+        raise _input_error(f"checkpoint has {len(checkpoint)} entries for "
+                           f"{len(problem.checkpoint_groups)} checkpoint groups")
+    obj = sum(float(c[s]) for c, s in zip(problem.costs, choice))
+    # A self edge reads M[s, s] here automatically, since choice[src] == choice[dst].
+    obj += sum(float(e.cost[choice[e.src], choice[e.dst]]) for e in problem.edges)
+    for g, on in zip(problem.checkpoint_groups, checkpoint):
+        if on:
+            obj += sum(float(arr[choice[n]]) for n, arr in g.recompute_time)
+    mem = {}
+    for m in problem.memory:
+        total = m.const + sum(float(arr[choice[n]]) for n, arr in m.terms)
+        total += sum(_group_bytes(problem.checkpoint_groups[gi], choice, bool(checkpoint[gi]))
+                     for gi in m.groups)
+        mem[m.name] = float(total)
+    return float(obj), mem
+
+
+def fits(problem: Problem, memory_bytes: dict[str, float]) -> bool:
+    """True when every memory constraint's bytes are within its budget (relative 1e-9 slack)."""
+    return all(memory_bytes[m.name] <= m.budget + _MEM_RTOL * max(1.0, abs(m.budget))
+               for m in problem.memory)
+
+
+# ----------------------------------------------------------------------------- model building
+
+@dataclass
+class _Model:
+    lp: pulp.LpProblem
+    x: list[list[pulp.LpVariable]]
+    c: list                        # per group: LpVariable, or bool when forced
+    offset: float = 0.0            # objective constant (seconds) removed before scaling
+    scale: float = 1.0             # scaled objective = (true objective - offset) * scale
+    infeasible: bool = False       # a variable-free memory row is already violated
+
+
+@dataclass
+class _GroupParts:
+    """A checkpoint group's bytes and time as x-coefficients plus z terms."""
+    mem_x: dict[int, np.ndarray]
+    mem_z: list[tuple[pulp.LpVariable, float]]
+    time_x: dict[int, np.ndarray]
+    time_z: list[tuple[pulp.LpVariable, float]]
+
+
+def _sum_terms(terms, sizes) -> dict[int, np.ndarray]:
+    out: dict[int, np.ndarray] = {}
+    for n, arr in terms:
+        out.setdefault(n, np.zeros(sizes[n]))
+        out[n] = out[n] + np.asarray(arr, dtype=float)
+    return out
+
+
+def _add_choice(lp: pulp.LpProblem, sizes: list[int]) -> list[list[pulp.LpVariable]]:
+    x = [[pulp.LpVariable(f"x_{n}_{s}", cat=pulp.LpBinary) for s in range(k)] for n, k in enumerate(sizes)]
+    for n, xs in enumerate(x):
+        lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(v, 1.0) for v in xs]),
+                                           pulp.LpConstraintEQ, rhs=1.0), f"onehot_{n}")
+    return x
+
+
+def _fold_edges(problem: Problem, node_obj: list[np.ndarray]) -> list[tuple[int, int, np.ndarray]]:
+    """Sum, drop and fold edges (see module docstring); adds folded parts to ``node_obj``."""
+    pairs: dict[tuple[int, int], np.ndarray] = {}
+    for e in problem.edges:
+        m = np.asarray(e.cost, dtype=float)
+        if e.src == e.dst:
+            node_obj[e.src] = node_obj[e.src] + np.diag(m)
+            continue
+        key, m = ((e.src, e.dst), m) if e.src < e.dst else ((e.dst, e.src), m.T)
+        pairs[key] = pairs[key] + m if key in pairs else m.copy()
+    kept = []
+    for (u, v) in sorted(pairs):
+        m = pairs[(u, v)]
+        big = float(np.abs(m).max())
+        if big == 0.0:
+            continue
+        a, b = m[:, 0], m[0, :] - m[0, 0]
+        if float(np.abs(m - a[:, None] - b[None, :]).max()) <= _SEP_RTOL * big:
+            node_obj[u] = node_obj[u] + a
+            node_obj[v] = node_obj[v] + b
+            continue
+        kept.append((u, v, m))
+    return kept
+
+
+def _add_edges(lp: pulp.LpProblem, x, edges) -> list[tuple[pulp.LpVariable, float]]:
+    """Edge variables and marginal rows; returns the (e, cost) objective terms."""
+    obj_terms = []
+    for k, (u, v, m) in enumerate(edges):
+        ns, nt = m.shape
+        e = [[pulp.LpVariable(f"e_{k}_{s}_{t}", lowBound=0.0) for t in range(nt)] for s in range(ns)]
+        for s in range(ns):
+            lp.addConstraint(pulp.LpConstraint(
+                pulp.LpAffineExpression([(e[s][t], 1.0) for t in range(nt)] + [(x[u][s], -1.0)]),
+                pulp.LpConstraintEQ, rhs=0.0), f"erow_{k}_{s}")
+        for t in range(nt - 1):
+            lp.addConstraint(pulp.LpConstraint(
+                pulp.LpAffineExpression([(e[s][t], 1.0) for s in range(ns)] + [(x[v][t], -1.0)]),
+                pulp.LpConstraintEQ, rhs=0.0), f"ecol_{k}_{t}")
+        obj_terms.extend((e[s][t], float(m[s, t])) for s in range(ns) for t in range(nt) if m[s, t] != 0.0)
+    return obj_terms
+
+
+def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tuple[list, list[_GroupParts]]:
+    cs, parts = [], []
+    for gi, g in enumerate(problem.checkpoint_groups):
+        saved = _sum_terms(g.saved, sizes)
+        ckpt = _sum_terms(list(g.kept) + list(g.recompute_memory), sizes)
+        rtime = _sum_terms(g.recompute_time, sizes)
+        nodes = sorted(set(saved) | set(ckpt) | set(rtime))
+        zero = {n: np.zeros(sizes[n]) for n in nodes}
+        a = {n: saved.get(n, zero[n]) for n in nodes}
+        b = {n: ckpt.get(n, zero[n]) for n in nodes}
+        t = {n: rtime.get(n, zero[n]) for n in nodes}
+        if g.forced is not None:
+            # A pinned decision needs no c or z: the bytes and time are linear in x alone.
+            cs.append(bool(g.forced))
+            if g.forced:
+                parts.append(_GroupParts(mem_x=b, mem_z=[], time_x=t, time_z=[]))
+            else:
+                parts.append(_GroupParts(mem_x=a, mem_z=[], time_x={}, time_z=[]))
+            continue
+        c = pulp.LpVariable(f"c_{gi}", cat=pulp.LpBinary)
+        cs.append(c)
+        mem_z, time_z = [], []
+        for n in nodes:
+            zs = []
+            for s in range(sizes[n]):
+                dm, dt = a[n][s] - b[n][s], -t[n][s]
+                if dm == 0.0 and dt == 0.0:
+                    continue  # z would not change any coefficient
+                z = pulp.LpVariable(f"z_{gi}_{n}_{s}", lowBound=0.0, upBound=1.0)
+                zs.append(z)
+                lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(z, 1.0), (x[n][s], -1.0)]),
+                                                   pulp.LpConstraintLE, rhs=0.0), f"zx_{gi}_{n}_{s}")
+                lp.addConstraint(pulp.LpConstraint(
+                    pulp.LpAffineExpression([(z, 1.0), (x[n][s], -1.0), (c, 1.0)]),
+                    pulp.LpConstraintGE, rhs=0.0), f"zlo_{gi}_{n}_{s}")
+                if dm != 0.0:
+                    mem_z.append((z, dm))
+                if dt != 0.0:
+                    time_z.append((z, dt))
+            if zs:
+                lp.addConstraint(pulp.LpConstraint(
+                    pulp.LpAffineExpression([(z, 1.0) for z in zs] + [(c, 1.0)]),
+                    pulp.LpConstraintLE, rhs=1.0), f"zc_{gi}_{n}")
+        parts.append(_GroupParts(mem_x=b, mem_z=mem_z, time_x=t, time_z=time_z))
+    return cs, parts
+
+
+def _memory_row(problem: Problem, mi: int, sizes, x, parts: list[_GroupParts]):
+    """(list of (var, bytes), const bytes) of memory constraint ``mi``'s total."""
+    m = problem.memory[mi]
+    coef = _sum_terms(m.terms, sizes)
+    zterms: list[tuple[pulp.LpVariable, float]] = []
+    for gi in m.groups:
+        for n, arr in parts[gi].mem_x.items():
+            coef[n] = coef.get(n, np.zeros(sizes[n])) + arr
+        zterms.extend(parts[gi].mem_z)
+    terms = [(x[n][s], float(w)) for n in sorted(coef) for s, w in enumerate(coef[n]) if w != 0.0]
+    zsum: dict[str, list] = {}
+    for z, w in zterms:  # a group listed twice in one constraint counts twice
+        if z.name in zsum:
+            zsum[z.name][1] += w
+        else:
+            zsum[z.name] = [z, w]
+    terms.extend((z, w) for z, w in zsum.values() if w != 0.0)
+    return terms, float(m.const)
+
+
+def _add_memory(lp: pulp.LpProblem, problem: Problem, sizes, x, parts) -> bool:
+    """Budget rows; returns False when a variable-free row is already over budget."""
+    for mi, m in enumerate(problem.memory):
+        if not math.isfinite(m.budget) and m.budget > 0:
+            continue
+        terms, const = _memory_row(problem, mi, sizes, x, parts)
+        rhs = m.budget - const
+        if not terms:
+            if rhs < -_MEM_RTOL * max(1.0, abs(m.budget)):
+                return False
+            continue
+        if not math.isfinite(rhs):  # budget == -inf
+            return False
+        norm = max(abs(rhs), max(abs(w) for _, w in terms))
+        lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(v, w / norm) for v, w in terms]),
+                                           pulp.LpConstraintLE, rhs=rhs / norm), f"mem_{mi}")
+    return True
+
+
+def _set_objective(lp: pulp.LpProblem, x, node_obj, edge_terms, parts) -> tuple[float, float]:
+    """Set the scaled objective; returns (offset, scale)."""
+    node_obj = [o.copy() for o in node_obj]
+    zterms: list[tuple[pulp.LpVariable, float]] = []
+    for p in parts:
+        for n, arr in p.time_x.items():
+            node_obj[n] = node_obj[n] + arr
+        zterms.extend(p.time_z)
+    offset = 0.0
+    for n, o in enumerate(node_obj):
+        lo = float(o.min())
+        offset += lo
+        node_obj[n] = o - lo
+    big = max([float(o.max()) for o in node_obj] + [abs(w) for _, w in edge_terms] + [abs(w) for _, w in zterms]
+              + [0.0])
+    scale = _OBJ_TARGET / big if big > 0 else 1.0
+    terms = [(x[n][s], float(o[s]) * scale) for n, o in enumerate(node_obj) for s in range(len(o)) if o[s] != 0.0]
+    terms += [(v, w * scale) for v, w in edge_terms]
+    terms += [(v, w * scale) for v, w in zterms]
+    lp.setObjective(pulp.LpAffineExpression(terms))
+    return offset, scale
+
+
+def _add_peak_rows(lp: pulp.LpProblem, problem: Problem, sizes, x, parts) -> None:
+    rows = [_memory_row(problem, mi, sizes, x, parts) for mi in range(len(problem.memory))]
+    # One common scale: every row shares the variable P.
+    norm = max([abs(c) for _, c in rows] + [abs(w) for t, _ in rows for _, w in t] + [1.0])
+    peak = pulp.LpVariable("peak")
+    for mi, (terms, const) in enumerate(rows):
+        lp.addConstraint(pulp.LpConstraint(
+            pulp.LpAffineExpression([(v, w / norm) for v, w in terms] + [(peak, -1.0)]),
+            pulp.LpConstraintLE, rhs=-const / norm), f"peak_{mi}")
+    lp.setObjective(pulp.LpAffineExpression([(peak, 1.0)]))
+
+
+def build(problem: Problem, peak: bool = False) -> _Model:
+    """Build the PuLP model (``peak=True``: the min-peak-memory model). Exposed for timing."""
+    sizes = [len(c) for c in problem.costs]
+    lp = pulp.LpProblem("autopar_min_peak" if peak else "autopar_sharding", pulp.LpMinimize)
+    x = _add_choice(lp, sizes)
+    cs, parts = _add_checkpoint_groups(lp, problem, x, sizes)
+    model = _Model(lp=lp, x=x, c=cs)
+    if peak:
+        _add_peak_rows(lp, problem, sizes, x, parts)
+        return model
+    node_obj = [np.asarray(c, dtype=float).copy() for c in problem.costs]
+    edges = _fold_edges(problem, node_obj)
+    edge_terms = _add_edges(lp, x, edges)
+    model.infeasible = not _add_memory(lp, problem, sizes, x, parts)
+    model.offset, model.scale = _set_objective(lp, x, node_obj, edge_terms, parts)
+    return model
+
+
+# ----------------------------------------------------------------------------- solving
+
+def _make_solver(backend: str, time_limit: float | None, threads: int, mip: bool = True):
+    use_highs = backend == "highs"
+    if backend == "auto":
+        try:
+            import highspy  # noqa: F401
+            use_highs = pulp.HiGHS(msg=False).available()
+        except ImportError:
+            use_highs = False
+    elif backend not in ("highs", "cbc"):
+        raise _input_error(f"unknown solver backend {backend!r}; use 'auto', 'highs' or 'cbc'")
+    if use_highs:
+        if not pulp.HiGHS(msg=False).available():
+            raise _input_error("backend='highs' needs the highspy package: pip install highspy, or use backend='cbc'")
+        return pulp.HiGHS(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
+                          gapRel=_GAP_REL, gapAbs=_GAP_ABS, random_seed=0)
+    with warnings.catch_warnings():
+        # PULP_CBC_CMD is the bundled CBC (facts.md: no system cbc); PuLP 3.3 flags it for 4.0.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
+                                 gapRel=_GAP_REL, gapAbs=_GAP_ABS)
+
+
+def _run(model: _Model, backend, time_limit, threads) -> str:
+    """Solve the model; returns 'optimal' | 'feasible' | 'infeasible'."""
+    solver = _make_solver(backend, time_limit, threads)
+    model.lp.solve(solver)
+    if model.lp.sol_status == pulp.LpSolutionOptimal:
+        return "optimal"
+    if model.lp.sol_status == pulp.LpSolutionIntegerFeasible:
+        return "feasible"
+    if model.lp.status == pulp.LpStatusInfeasible or model.lp.sol_status == pulp.LpSolutionInfeasible:
+        return "infeasible"
+    if time_limit is not None:
+        raise _input_error(f"the {solver.name} solver found no feasible plan within time_limit={time_limit} s; "
+                           "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
+    raise _input_error(f"the {solver.name} solver returned status {pulp.LpStatus[model.lp.status]!r}")
+
+
+def _extract(model: _Model) -> tuple[list[int], list[bool]]:
+    choice = [int(np.argmax([v.varValue or 0.0 for v in xs])) for xs in model.x]
+    ckpt = [c if isinstance(c, bool) else (c.varValue or 0.0) > 0.5 for c in model.c]
+    return choice, ckpt
+
+
+def _bound(model: _Model, backend, time_limit, threads) -> float:
+    """Lower bound (scaled units) after a time-limited stop; see the module docstring."""
+    solver_model = getattr(model.lp, "solverModel", None)
+    if solver_model is not None and hasattr(solver_model, "getInfo"):  # HiGHS
+        return float(solver_model.getInfo().mip_dual_bound)
+    lp_solver = _make_solver(backend, time_limit, threads, mip=False)
+    model.lp.solve(lp_solver)
+    if model.lp.status != pulp.LpStatusOptimal:
+        return -math.inf
+    return float(pulp.value(model.lp.objective) or 0.0)
+
+
+def _is_trivial(problem: Problem) -> bool:
+    return not problem.checkpoint_groups and all(len(c) == 1 for c in problem.costs)
+
+
+def solve(problem: Problem, time_limit: float | None = None, backend: str = "auto", threads: int = 2) -> Solution:
+    """Cheapest strategy per node and checkpoint decision per group within every memory budget."""
+    t0 = time.perf_counter()
+    validate(problem)
+    if _is_trivial(problem):
+        choice = [0] * problem.num_nodes
+        obj, mem = evaluate(problem, choice, [])
+        if not fits(problem, mem):
+            return Solution([], [], math.inf, "infeasible", solve_seconds=time.perf_counter() - t0)
+        return Solution(choice, [], obj, "optimal", solve_seconds=time.perf_counter() - t0, peak_memory=mem)
+    model = build(problem)
+    if model.infeasible:
+        return Solution([], [], math.inf, "infeasible", solve_seconds=time.perf_counter() - t0)
+    status = _run(model, backend, time_limit, threads)
+    if status == "infeasible":
+        return Solution([], [], math.inf, "infeasible", solve_seconds=time.perf_counter() - t0)
+    choice, ckpt = _extract(model)
+    obj, mem = evaluate(problem, choice, ckpt)
+    gap = 0.0
+    if status == "feasible":
+        bound = model.offset + _bound(model, backend, time_limit, threads) / model.scale
+        gap = max(0.0, obj - bound) / max(abs(obj), 1e-300) if math.isfinite(bound) else _MAX_TIME_LIMIT_GAP
+    return Solution(choice, ckpt, obj, status, gap=gap, solve_seconds=time.perf_counter() - t0, peak_memory=mem)
+
+
+def min_peak_memory(problem: Problem, time_limit: float | None = None, backend: str = "auto",
+                    threads: int = 2) -> float:
+    """Smallest achievable max over memory constraints (bytes), budgets ignored; 0 with none."""
+    validate(problem)
+    if not problem.memory:
+        return 0.0
+    if _is_trivial(problem):
+        return max(evaluate(problem, [0] * problem.num_nodes, [])[1].values())
+    model = build(problem, peak=True)
+    if _run(model, backend, time_limit, threads) == "infeasible":
+        raise _input_error("min_peak_memory: the peak model is infeasible, which should not happen")
+    choice, ckpt = _extract(model)
+    # Report the exact bytes of the plan found, not the solver's scaled P.
+    return max(evaluate(problem, choice, ckpt)[1].values())
