@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from autopar.cluster import Cluster
+from autopar.conjugates import region_inputs, step_traffic
 from autopar.cost import Collectives, fwd_bwd_compute, optimizer_step_time
 from autopar.layout import Layout
 from autopar.memory import state_bytes, zero_shard
@@ -72,6 +73,7 @@ class Candidates:
     storage_root: dict[str, str]    # node -> the node whose storage it aliases
     root_bytes: dict[str, int]      # root -> storage bytes (global, as traced)
     block_of_rep: dict[str, int] = field(default_factory=dict)   # rep op node -> block group index
+    needs_grad: set[str] = field(default_factory=set)   # values autograd differentiates (params and what they reach)
 
 
 def _val(node):
@@ -155,9 +157,20 @@ def candidates(graph: TracedGraph, mesh: Mesh) -> Candidates:
             nodes[node.name] = NodeInfo(node.name, "op", node, strategies, spec=spec, batch_dims=tuple(out_batch))
             order.append(node.name)
     roots, root_bytes = _storage_roots(gm, nodes)
-    cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes)
+    cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=_needs_grad(gm, nodes))
     _assign_representatives(cands)
     return cands
+
+
+def _needs_grad(gm, nodes) -> set[str]:
+    out = {n for n, info in nodes.items() if info.kind == "param"}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and any(p.name in out for p in tensor_inputs(node)):
+            val = _val(node)
+            vals = val if isinstance(val, (tuple, list)) else (val,)
+            if any(isinstance(v, torch.Tensor) and v.dtype in FLOAT_DTYPES for v in vals):
+                out.add(node.name)
+    return out
 
 
 def _storage_roots(gm, nodes) -> tuple[dict[str, str], dict[str, int]]:
@@ -324,6 +337,10 @@ def price(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                     # forward collective and its backward conjugate move the same bytes
                     comm_t[j] += 2 * nm * comm(kind, nb, a) * k
                     axis_bytes[a][j] += 2 * nbytes * k
+                t, per_axis = _region_cost(c, info, st, s.precision, nm, comm)
+                comm_t[j] += t * k
+                for a, nb in per_axis.items():
+                    axis_bytes[a][j] += nb * k
             saved_roots = _saved_roots(c, info, s.precision, charged_roots)
             for j, st in enumerate(info.strategies):
                 saved[j] = sum(fn(st) for fn in saved_roots) / nm * k
@@ -340,6 +357,31 @@ def price(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
             P.static[name] = static
     _price_edges(c, cluster, s, comm, P)
     return P
+
+
+def _region_cost(c: Candidates, info: NodeInfo, st: Strategy, precision: str, nm: int, comm):
+    """Backward all-reduces of inputs replicated on an axis the op splits its work on (see
+    autopar/conjugates.py). A parameter's data-axis reduction is its gradient sync, priced with
+    the parameter (once per step, not per micro-batch)."""
+    mesh = c.mesh
+    ins = tensor_inputs(info.node)
+    t, per_axis = 0.0, {}
+    for i, a in region_inputs(st, info.spec.inputs):
+        p = ins[i]
+        if p.name not in c.needs_grad:
+            continue
+        if mesh.is_data_axis(a) and c.nodes[p.name].kind == "param":
+            continue
+        pv = _val(p)
+        if isinstance(pv, (tuple, list)):
+            continue
+        nb = pv.numel() * _itemsize(pv.dtype, precision) * _fraction(st.inputs[i], mesh)
+        # backward runs once per micro-batch; a batch-carrying tensor is 1/nm of its size each time
+        batchy = bool(c.nodes[p.name].batch_dims and c.nodes[p.name].batch_dims[0])
+        size = nb / nm if batchy else nb
+        t += comm("all_reduce", size, a) * nm
+        per_axis[a] = per_axis.get(a, 0.0) + size * nm
+    return t, per_axis
 
 
 def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str]):
@@ -410,8 +452,10 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
                 continue
             shape = _tensor_shape(pval)
             itemsize = _itemsize(pval.dtype, s.precision)
-            batchy = bool(prod.batch_dims and prod.batch_dims[0])
-            micro = nm if batchy else 1
+            bdims = prod.batch_dims[0] if prod.batch_dims else frozenset()
+            if info.node.target is operator.getitem and len(prod.batch_dims) > 1:
+                bdims = prod.batch_dims[info.node.args[1]]
+            bdim = min(bdims) if bdims else None
             key = (prod.rep, info.rep)
             S, T = len(prod.strategies), len(info.strategies)
             mat = np.zeros((S, T))
@@ -422,17 +466,9 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
                     dst = cs.inputs[i] if i < len(cs.inputs) and cs.inputs[i] is not None else Layout.replicated(len(shape))
                     if src == dst:
                         continue
-                    ck = (src, dst, shape, itemsize, micro)
+                    ck = (src, dst, shape, itemsize, bdim)
                     if ck not in cache:
-                        local_shape = tuple(shape)
-                        if micro > 1:
-                            d0 = min(prod.batch_dims[0])
-                            local_shape = tuple(x // micro if d == d0 and x % micro == 0 else x for d, x in enumerate(shape))
-                        rp = plan_reshard(src, dst, local_shape, itemsize, mesh.shape, comm)
-                        per_axis = [0.0] * len(mesh.shape)
-                        for step, nb in _step_bytes(rp, src, local_shape, itemsize, mesh):
-                            per_axis[step.axis] += nb * micro * 2
-                        cache[ck] = (2 * micro * rp.time, per_axis)
+                        cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm)
                     t, per_axis = cache[ck]
                     mat[a_i, b_i] = t
                     for a in range(len(mesh.shape)):
@@ -447,23 +483,21 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
                 P.edge_bytes[key] = bytes_axes
 
 
-def _step_bytes(rp, src: Layout, shape, itemsize, mesh: Mesh):
-    """(step, nbytes) for each collective of a reshard plan, nbytes by the shared convention
-    (per rank, the larger buffer), walking the layout through the steps."""
-    from autopar.reshard import apply_step_to_layout
-    lay = src
-    for step in rp.steps:
-        local = math.prod(lay.local_shape(shape, mesh.shape)) * itemsize
-        nxt = apply_step_to_layout(lay, step)
-        if step.kind == "all_gather":
-            nb = local * mesh.shape[step.axis]
-        elif step.kind == "slice":
-            nb = 0
-        else:
-            nb = local
-        if nb:
-            yield step, nb
-        lay = nxt
+def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm):
+    """(seconds, bytes per mesh axis) of resharding one tensor, forward and backward, over all
+    ``nm`` micro-batches; a batch-carrying tensor (batch dim ``bdim``) is 1/nm of its size each time."""
+    local_shape = tuple(shape)
+    if bdim is not None and shape[bdim] % nm == 0:
+        local_shape = tuple(x // nm if d == bdim else x for d, x in enumerate(shape))
+    rp = plan_reshard(src, dst, local_shape, itemsize, mesh.shape, comm)
+    per_axis = [0.0] * len(mesh.shape)
+    t = 0.0
+    for tr in step_traffic(rp.steps, src, local_shape, itemsize, mesh.shape):
+        for kind in (tr.forward, tr.backward):
+            if kind:
+                t += comm(kind, tr.nbytes, tr.axis) * nm
+                per_axis[tr.axis] += tr.nbytes * nm
+    return t, per_axis
 
 
 # ---------------------------------------------------------------- the Problem

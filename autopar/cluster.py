@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -264,7 +265,7 @@ def _check_count(what: str, v, preset: str) -> None:
 
 
 def _positive(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def _dgx(name: str, device: Device, intra: Link, inter: Link):
@@ -461,7 +462,11 @@ def _parse(data, source: str) -> Cluster:
                 r.mapping(data[key], key, allowed)
         base = PRESETS[name](1, None).to_dict()
         if "devices" in data and "nodes" not in data:
-            del base["nodes"]   # let the total device count decide the node count
+            if name == "cpu" and "devices_per_node" not in data:
+                # the cpu preset is one machine: "devices" is its process count
+                base["devices_per_node"] = r.count(data["devices"], "devices")
+            else:
+                del base["nodes"]   # let the total device count decide the node count
         data = _merge(base, {k: v for k, v in data.items() if k != "preset"})
 
     r.mapping(data, "", _TOP, required=("devices_per_node", "device", "links"))

@@ -7,15 +7,18 @@ like with like. The module is torch-free; its inputs are plain numbers, a ``Devi
 Compute (``compute_time``): a roofline with an efficiency curve and a launch overhead::
 
     t = max(flops / (peak[dtype] * eff(flops)), nbytes / hbm_bandwidth) + kernel_overhead
-    eff(f) = 0.8 * f / (f + F0),   F0 = peak[dtype] * T_SAT
+    eff(f) = 0.8 * sqrt(f / (f + F0)),   F0 = peak[dtype] * T_SAT
 
 ``eff`` says that large matmuls reach ~80% of peak and small ones far less (they cannot fill
-the machine). ``F0`` is the work at which a kernel reaches half of that ceiling; it scales with
-the device's peak (a faster device needs more work to fill), fixed by one calibration point: a
-4096³ bf16 GEMM (1.37e11 FLOP) on an A100 (312 TFLOP/s) runs at ~70% of peak, as cuBLAS
-measurements show, so ``T_SAT = (2·4096³ / 7) / 312e12 ≈ 63 µs``. ``kernel_overhead`` comes from
-the device (5 µs for GPUs: launch plus tail; 1 µs for the rough ``cpu`` preset). An op that does
-no work (a view) costs 0.
+the machine). ``F0`` scales with the device's peak (a faster device needs more work to fill)
+and is fixed by one calibration point: a 4096³ bf16 GEMM (1.37e11 FLOP) on an A100
+(312 TFLOP/s) reaches ~70% of peak, so ``F0 = f · ((0.8/0.7)² − 1)``, ``T_SAT ≈ 135 µs``.
+The square root is deliberate: the simpler ``0.8 · f / (f + F0)`` makes the math time
+``(f + F0) / (0.8 · peak)``, i.e. a fixed ~78 µs floor for *every* op however small, which
+would swamp graphs of many small kernels; with the square root the math time
+``sqrt(f · (f + F0)) / (0.8 · peak)`` goes to 0 with f (e.g. 512³ GEMM ≈ 14 µs, 2048³ ≈ 127 µs
+on A100: within ~1.5× of cuBLAS). ``kernel_overhead`` comes from the device (5 µs for GPUs:
+launch plus tail; 1 µs for the rough ``cpu`` preset). An op that does no work (a view) costs 0.
 
 Backward (``fwd_bwd_compute``): an op with a weight gradient (a contraction, e.g. linear or
 matmul) runs two kernels of the forward's size in backward (input gradient and weight
@@ -46,7 +49,7 @@ element / HBM bandwidth + one kernel overhead. Bytes per element (read + write):
     adam/adamw: grad (2 bf16 | 4 fp32) + master/param r/w 8 + m, v r/w 16 [+ bf16 copy write 2]  = 28
     sgd:        grad + param r/w 8 + momentum r/w 8 [+ bf16 copy write 2]                           = 20
     lamb:       adam + update write 4, read back twice for its norm and the apply 8                 = 40
-    lars:       sgd + one extra read of params and grads for the trust-ratio norms                  = 20 + 4 + g
+    lars:       sgd + one extra read of params (4) and grads (2 | 4) for the trust-ratio norms     = 26 | 28
 
 (bf16 precision reads a 2-byte grad and writes the 2-byte working copy; fp32 reads a 4-byte
 grad; both come to the totals above.)
@@ -57,6 +60,7 @@ left over: ``max(0, comm - compute)``; without overlap all of it.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster, Device, Link
@@ -67,15 +71,17 @@ from autopar.mesh import Mesh
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 MAX_EFFICIENCY = 0.8
-# seconds of peak-rate work at which efficiency is half of MAX_EFFICIENCY (see module docstring)
-T_SAT = (2 * 4096**3 / 7) / 312e12
+# Calibration (module docstring): a 4096³ bf16 GEMM on an A100 reaches CALIBRATION_EFFICIENCY.
+CALIBRATION_EFFICIENCY = 0.7
+# seconds of peak-rate work that sets the efficiency curve's knee (F0 = peak · T_SAT)
+T_SAT = (2 * 4096**3) * ((MAX_EFFICIENCY / CALIBRATION_EFFICIENCY) ** 2 - 1) / 312e12
 
 
 def efficiency(flops: float, peak: float) -> float:
-    """Fraction of ``peak`` a kernel of ``flops`` reaches: 0.8 · f / (f + peak · T_SAT)."""
+    """Fraction of ``peak`` a kernel of ``flops`` reaches: 0.8 · sqrt(f / (f + peak · T_SAT))."""
     if flops <= 0:
         return MAX_EFFICIENCY
-    return MAX_EFFICIENCY * flops / (flops + peak * T_SAT)
+    return MAX_EFFICIENCY * math.sqrt(flops / (flops + peak * T_SAT))
 
 
 def compute_time(flops: float, nbytes: float, dtype: str, device: Device) -> float:
@@ -178,5 +184,5 @@ def exposed_comm(comm_seconds: float, overlappable_compute_seconds: float, overl
 
 def _non_negative(**values: float) -> None:
     for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v) or v < 0:
             raise PlanError(f"cost model: {name} = {v!r}; expected a number >= 0")

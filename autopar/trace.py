@@ -214,10 +214,15 @@ def _via_fx(root: nn.Module, inputs: tuple):
     params = dict(root.named_parameters())
     bufs = dict(root.named_buffers())
 
-    def fn(p, b, *xs):
-        return torch.func.functional_call(root, (p, b), xs)
+    pnames, bnames = list(params), list(bufs)
 
-    gm = make_fx(fn, tracing_mode="fake", pre_dispatch=True)(params, bufs, *inputs)
+    def fn(*flat):
+        # Flat positional arguments so the graph's placeholders are plain tensors, as in export.
+        p = dict(zip(pnames, flat[:len(pnames)]))
+        b = dict(zip(bnames, flat[len(pnames):len(pnames) + len(bnames)]))
+        return torch.func.functional_call(root, (p, b), flat[len(pnames) + len(bnames):])
+
+    gm = make_fx(fn, tracing_mode="fake", pre_dispatch=True)(*params.values(), *bufs.values(), *inputs)
     # Rename placeholders to export's convention (p_/b_ + FQN) so both front ends look alike.
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = ([("p_" + f.replace(".", "_"), f, False) for f in params]
@@ -438,8 +443,9 @@ def _instance_signature(names: list[str], nodes: dict[str, Node], param_fqn, buf
         if isinstance(x, Node):
             if x.name in pos:
                 return f"%{pos[x.name]}"
-            kind = ("buffer" if x.name in buffers else "param" if x.name in param_fqn
-                    else "input" if x.op == "placeholder" else "act")
+            # A user input and an activation play the same role (block 0 reads the input,
+            # block i the previous block's output); parameters and buffers do not.
+            kind = "buffer" if x.name in buffers else "param" if x.name in param_fqn else "act"
             return f"ext:{kind}:{_val_text(x.meta.get('val'))}"
         if isinstance(x, (list, tuple)):
             return "(" + ",".join(ref(a) for a in x) + ")"

@@ -16,7 +16,6 @@ holding parts of the same tensors (e.g. an all_reduce over the data-parallel gro
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 

@@ -49,7 +49,6 @@ from solver.problem import Problem, Solution
 _OBJ_TARGET = 1e3      # largest objective coefficient after scaling
 _SEP_RTOL = 1e-12      # a matrix is separable when its residual is below this * max|M|
 _MEM_RTOL = 1e-9       # relative slack allowed when checking a budget in numpy
-_GAP_REL = 1e-9        # solver MIP gap: tight, so ILP == brute force to 1e-6 in tests
 _GAP_ABS = 1e-9        # in scaled objective units (largest coefficient = _OBJ_TARGET)
 _MAX_TIME_LIMIT_GAP = math.inf
 
@@ -194,8 +193,15 @@ def _sum_terms(terms, sizes) -> dict[int, np.ndarray]:
     return out
 
 
+def _var(lp: pulp.LpProblem, name: str, low=None, up=None, cat=pulp.LpContinuous) -> pulp.LpVariable:
+    # PuLP >= 3.3 wants variables created through the problem (the 4.0 API); older PuLP lacks it.
+    if hasattr(lp, "add_variable"):
+        return lp.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, low, up, cat=cat)
+
+
 def _add_choice(lp: pulp.LpProblem, sizes: list[int]) -> list[list[pulp.LpVariable]]:
-    x = [[pulp.LpVariable(f"x_{n}_{s}", cat=pulp.LpBinary) for s in range(k)] for n, k in enumerate(sizes)]
+    x = [[_var(lp, f"x_{n}_{s}", cat=pulp.LpBinary) for s in range(k)] for n, k in enumerate(sizes)]
     for n, xs in enumerate(x):
         lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(v, 1.0) for v in xs]),
                                            pulp.LpConstraintEQ, rhs=1.0), f"onehot_{n}")
@@ -232,7 +238,7 @@ def _add_edges(lp: pulp.LpProblem, x, edges) -> list[tuple[pulp.LpVariable, floa
     obj_terms = []
     for k, (u, v, m) in enumerate(edges):
         ns, nt = m.shape
-        e = [[pulp.LpVariable(f"e_{k}_{s}_{t}", lowBound=0.0) for t in range(nt)] for s in range(ns)]
+        e = [[_var(lp, f"e_{k}_{s}_{t}", 0.0) for t in range(nt)] for s in range(ns)]
         for s in range(ns):
             lp.addConstraint(pulp.LpConstraint(
                 pulp.LpAffineExpression([(e[s][t], 1.0) for t in range(nt)] + [(x[u][s], -1.0)]),
@@ -264,7 +270,7 @@ def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tu
             else:
                 parts.append(_GroupParts(mem_x=a, mem_z=[], time_x={}, time_z=[]))
             continue
-        c = pulp.LpVariable(f"c_{gi}", cat=pulp.LpBinary)
+        c = _var(lp, f"c_{gi}", cat=pulp.LpBinary)
         cs.append(c)
         mem_z, time_z = [], []
         for n in nodes:
@@ -273,7 +279,7 @@ def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tu
                 dm, dt = a[n][s] - b[n][s], -t[n][s]
                 if dm == 0.0 and dt == 0.0:
                     continue  # z would not change any coefficient
-                z = pulp.LpVariable(f"z_{gi}_{n}_{s}", lowBound=0.0, upBound=1.0)
+                z = _var(lp, f"z_{gi}_{n}_{s}", 0.0, 1.0)
                 zs.append(z)
                 lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(z, 1.0), (x[n][s], -1.0)]),
                                                    pulp.LpConstraintLE, rhs=0.0), f"zx_{gi}_{n}_{s}")
@@ -358,7 +364,7 @@ def _add_peak_rows(lp: pulp.LpProblem, problem: Problem, sizes, x, parts) -> Non
     rows = [_memory_row(problem, mi, sizes, x, parts) for mi in range(len(problem.memory))]
     # One common scale: every row shares the variable P.
     norm = max([abs(c) for _, c in rows] + [abs(w) for t, _ in rows for _, w in t] + [1.0])
-    peak = pulp.LpVariable("peak")
+    peak = _var(lp, "peak")
     for mi, (terms, const) in enumerate(rows):
         lp.addConstraint(pulp.LpConstraint(
             pulp.LpAffineExpression([(v, w / norm) for v, w in terms] + [(peak, -1.0)]),
@@ -386,7 +392,7 @@ def build(problem: Problem, peak: bool = False) -> _Model:
 
 # ----------------------------------------------------------------------------- solving
 
-def _make_solver(backend: str, time_limit: float | None, threads: int, mip: bool = True):
+def _make_solver(backend: str, time_limit: float | None, threads: int, mip: bool = True, mip_gap: float = 1e-7):
     use_highs = backend == "highs"
     if backend == "auto":
         try:
@@ -400,17 +406,17 @@ def _make_solver(backend: str, time_limit: float | None, threads: int, mip: bool
         if not pulp.HiGHS(msg=False).available():
             raise _input_error("backend='highs' needs the highspy package: pip install highspy, or use backend='cbc'")
         return pulp.HiGHS(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
-                          gapRel=_GAP_REL, gapAbs=_GAP_ABS, random_seed=0)
+                          gapRel=mip_gap, gapAbs=_GAP_ABS, random_seed=0)
     with warnings.catch_warnings():
         # PULP_CBC_CMD is the bundled CBC (facts.md: no system cbc); PuLP 3.3 flags it for 4.0.
         warnings.simplefilter("ignore", DeprecationWarning)
         return pulp.PULP_CBC_CMD(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
-                                 gapRel=_GAP_REL, gapAbs=_GAP_ABS)
+                                 gapRel=mip_gap, gapAbs=_GAP_ABS)
 
 
-def _run(model: _Model, backend, time_limit, threads) -> str:
+def _run(model: _Model, backend, time_limit, threads, mip_gap) -> str:
     """Solve the model; returns 'optimal' | 'feasible' | 'infeasible'."""
-    solver = _make_solver(backend, time_limit, threads)
+    solver = _make_solver(backend, time_limit, threads, mip_gap=mip_gap)
     model.lp.solve(solver)
     if model.lp.sol_status == pulp.LpSolutionOptimal:
         return "optimal"
@@ -446,8 +452,14 @@ def _is_trivial(problem: Problem) -> bool:
     return not problem.checkpoint_groups and all(len(c) == 1 for c in problem.costs)
 
 
-def solve(problem: Problem, time_limit: float | None = None, backend: str = "auto", threads: int = 2) -> Solution:
-    """Cheapest strategy per node and checkpoint decision per group within every memory budget."""
+def solve(problem: Problem, time_limit: float | None = None, backend: str = "auto", threads: int = 2,
+          mip_gap: float = 1e-7) -> Solution:
+    """Cheapest strategy per node and checkpoint decision per group within every memory budget.
+
+    ``mip_gap`` is the relative gap at which the solver may stop and call the result optimal
+    (1e-7 by default so results match brute force; 1e-4, HiGHS's own default, is much faster
+    on large problems). ``backend``: "auto" (HiGHS if available, else CBC), "highs", "cbc".
+    """
     t0 = time.perf_counter()
     validate(problem)
     if _is_trivial(problem):
@@ -459,7 +471,7 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
     model = build(problem)
     if model.infeasible:
         return Solution([], [], math.inf, "infeasible", solve_seconds=time.perf_counter() - t0)
-    status = _run(model, backend, time_limit, threads)
+    status = _run(model, backend, time_limit, threads, mip_gap)
     if status == "infeasible":
         return Solution([], [], math.inf, "infeasible", solve_seconds=time.perf_counter() - t0)
     choice, ckpt = _extract(model)
@@ -472,7 +484,7 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
 
 
 def min_peak_memory(problem: Problem, time_limit: float | None = None, backend: str = "auto",
-                    threads: int = 2) -> float:
+                    threads: int = 2, mip_gap: float = 1e-7) -> float:
     """Smallest achievable max over memory constraints (bytes), budgets ignored; 0 with none."""
     validate(problem)
     if not problem.memory:
@@ -480,7 +492,7 @@ def min_peak_memory(problem: Problem, time_limit: float | None = None, backend: 
     if _is_trivial(problem):
         return max(evaluate(problem, [0] * problem.num_nodes, [])[1].values())
     model = build(problem, peak=True)
-    if _run(model, backend, time_limit, threads) == "infeasible":
+    if _run(model, backend, time_limit, threads, mip_gap) == "infeasible":
         raise _input_error("min_peak_memory: the peak model is infeasible, which should not happen")
     choice, ckpt = _extract(model)
     # Report the exact bytes of the plan found, not the solver's scaled P.

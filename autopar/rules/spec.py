@@ -59,3 +59,6 @@ class OpSpec:
     bytes: float = 0.0                        # forward bytes read + written, unsplit (memory-bound ops)
     saved: tuple[Saved, ...] = ()
     replicate_only: bool = False              # fallback rule: only the fully replicated strategy
+    addend_inputs: tuple[int, ...] = ()       # inputs added into the result (a linear's bias): when a
+                                              # contracted letter is split on an axis they are partial there too
+                                              # (rank 0 of the axis keeps the value, the others zeros)

@@ -1,0 +1,374 @@
+"""ZeRO stages 0-3 over flat fp32 chunks, with any FlatOptimizer (runtime/optim.py).
+
+``ShardedOptimizer(param_groups, dp_group, zero_stage, optimizer, grad_clip=None)``: every inner
+list of parameters is one *chunk* (e.g. one transformer block). A chunk's parameters become views
+into one flat fp32 buffer of ``padded`` elements (the chunk's numel rounded up to a multiple of
+the data-parallel size W); rank r owns the shard ``[r*S, (r+1)*S)``, ``S = padded / W``.
+Parameters must be identical on all ranks at construction (rank 0's are broadcast, to be sure).
+
+Stage 0  gradients all-reduced by ``GradAllReducer`` (bucketed, overlapped with backward); the
+         whole optimizer runs on every rank. Persistent: params padded, grads N (p.grad),
+         optimizer state padded.
+Stage 1  at ``step()``: each chunk's flat gradient is reduce-scattered (sum, then / W), each rank
+         updates its shard, the params are all-gathered. Persistent: params padded, grads N,
+         optimizer state S.
+Stage 2  same traffic, but a chunk's gradient is reduce-scattered (async) as soon as backward has
+         produced all of it (post-accumulate-grad hooks) and the full ``p.grad`` is freed; only the
+         S-element gradient shard is kept. Persistent: params padded, grads S, optimizer S.
+Stage 3  like stage 2, and parameters are stored as the S-element shard only. The full flat
+         buffer keeps its shape but its storage is resized to 0 when not in use (the parameters
+         stay views of it, so modules and autograd see the same tensors throughout).
+         ``zero3_hooks(modules)`` (one module per chunk): all-gather before the module's forward,
+         free after it; a hook on the module's outputs re-gathers when backward reaches the module
+         (the gradient of the output is computed first); the buffer is freed again once every
+         parameter of the chunk has its gradient. Simple and correct, no prefetching.
+         Persistent: params S, grads S, optimizer S.
+
+Traffic accounting (``bytes_sent``, ``comm_log``): per rank, the bytes of the tensor handed to
+each collective, i.e. the full padded flat buffer for all_reduce, reduce_scatter (its input) and
+all_gather (its output), plus the 4-byte norms of clipping and LAMB/LARS. Where the backend has
+no reduce_scatter (probed once at construction; older gloo builds), it is replaced by an
+all_reduce of the same flat buffer plus a local slice, and logged as ``all_reduce``: the same
+payload bytes, but a ring all-reduce moves twice what a reduce-scatter would over the wire.
+
+Collectives must be issued in the same order on every rank: all ranks must run the same graph
+(same chunks used, in the same order). A parameter may belong to one chunk only (no tying across
+chunks), and all parameters must be fp32.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from runtime.clip import clip_grad_norm
+from runtime.ddp import GradAllReducer
+from runtime.optim import FlatOptimizer, Segments
+
+_reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Chunk:
+    """Layout of one chunk: offsets, padding, this rank's shard; plus its buffers."""
+
+    def __init__(self, params: list[nn.Parameter], world: int, rank: int):
+        self.params = params
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.padded = -(-n // world) * world
+        self.shard = self.padded // world
+        self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
+        self.flat = torch.zeros(self.padded, dtype=torch.float32)
+        self.shard_param: Optional[Tensor] = None   # stage 3 only
+        self.grad_shard: Optional[Tensor] = None    # stages 2, 3 (persistent)
+        self.state: dict[str, Tensor] = {}
+        self.segments: Optional[Segments] = None
+        self.ready = 0          # params whose gradient arrived in this backward (stages 2, 3)
+        self.gathered = True    # stage 3: full buffer materialised
+
+    def local_segments(self, sharded: bool) -> Segments:
+        """Which logical tensor each element of the local buffer belongs to (padding: own id)."""
+        lo, hi = (self.lo, self.hi) if sharded else (0, self.padded)
+        pad_id = len(self.params)
+        pieces = [(off, off + p.numel(), i) for i, (off, p) in enumerate(zip(self.offsets, self.params))]
+        pieces.append((self.numel, self.padded, pad_id))
+        bounds, ids = [0], []
+        for a, b, i in pieces:
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                ids.append(i)
+                bounds.append(b - lo)
+        return Segments(tuple(bounds), tuple(ids), pad_id + 1)
+
+    def flat_grad(self, free: bool) -> Tensor:
+        """Padded flat copy of the chunk's p.grad (zeros for missing); optionally free p.grad."""
+        g = torch.zeros(self.padded, dtype=torch.float32)
+        for p, off in zip(self.params, self.offsets):
+            if p.grad is not None:
+                g[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                if free:
+                    p.grad = None
+        return g
+
+
+class ShardedOptimizer:
+    def __init__(self, param_groups: Sequence[Sequence[nn.Parameter]],
+                 dp_group: Optional[dist.ProcessGroup], zero_stage: int, optimizer: FlatOptimizer,
+                 grad_clip: Optional[float] = None,
+                 extra_norm_groups: Sequence[dist.ProcessGroup] = (),
+                 bucket_bytes: int = 25 * 2 ** 20, sync_params: bool = True):
+        """``extra_norm_groups``: groups over which the gradients are *additionally* split into
+        disjoint pieces (e.g. tensor parallel), for the global clipping norm."""
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+        self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
+        self.grad_clip, self.extra_norm_groups = grad_clip, tuple(extra_norm_groups)
+        self.world, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        self.step_count = 0
+        self.comm_log: list[tuple[str, int]] = []
+        self.last_grad_norm: Optional[Tensor] = None
+        seen = set()
+        for group in param_groups:
+            for p in group:
+                if id(p) in seen:
+                    raise ValueError("ShardedOptimizer: a parameter appears in two chunks")
+                if p.dtype != torch.float32:
+                    raise TypeError(f"ShardedOptimizer keeps fp32 flat buffers; got a {p.dtype} parameter")
+                seen.add(id(p))
+        self.chunks = [_Chunk(list(g), self.world, self.rank) for g in param_groups if len(g)]
+        self._chunk_of = {id(p): c for c in self.chunks for p in c.params}
+        self._rs_native = self._probe_reduce_scatter()
+
+        with torch.no_grad():
+            for c in self.chunks:
+                for p, off in zip(c.params, c.offsets):
+                    c.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                if sync_params and self.world > 1:
+                    dist.broadcast(c.flat, src=self._global_rank(0), group=dp_group)
+                # The parameters become views of the flat buffer: an in-place update of the buffer
+                # (optimizer, all-gather) is an update of the parameters. Setting .data keeps each
+                # parameter's own autograd identity and version counter.
+                for p, off in zip(c.params, c.offsets):
+                    p.data = c.flat[off:off + p.numel()].view(p.shape)
+                sharded = zero_stage >= 1
+                c.state = optimizer.init_state(c.shard if sharded else c.padded)
+                if optimizer.needs_segments:
+                    c.segments = c.local_segments(sharded)
+                if zero_stage >= 2:
+                    c.grad_shard = torch.zeros(c.shard, dtype=torch.float32)
+                if zero_stage == 3:
+                    c.shard_param = c.flat[c.lo:c.hi].clone()
+                    self._free(c)
+
+        self.reducer: Optional[GradAllReducer] = None
+        self._hooks = []
+        self._pending: list[tuple[_Chunk, object, Tensor]] = []
+        if zero_stage == 0:
+            self.reducer = GradAllReducer([p for c in self.chunks for p in c.params], dp_group,
+                                          bucket_bytes=bucket_bytes, average=True)
+        elif zero_stage >= 2:
+            for c in self.chunks:
+                for p in c.params:
+                    if p.requires_grad:
+                        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.reset_comm_stats()  # construction traffic (probe, broadcast) is not a step's
+
+    # ---------------------------------------------------------------- collectives
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None or self.group is dist.group.WORLD:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def _probe_reduce_scatter(self) -> bool:
+        # Every rank runs the same probe, so all take the same branch afterwards.
+        try:
+            _reduce_scatter_fn(torch.zeros(1), torch.zeros(self.world), group=self.group)
+            return True
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return False
+
+    def _reduce_scatter_async(self, c: _Chunk, flat: Tensor):
+        """Start summing ``flat`` over the group; returns (work, tensor holding this rank's shard
+        once the work is done)."""
+        if self._rs_native:
+            out = torch.empty(c.shard, dtype=torch.float32)
+            work = _reduce_scatter_fn(out, flat, group=self.group, async_op=True)
+            self.comm_log.append(("reduce_scatter", _nbytes(flat)))
+            return work, out
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self.comm_log.append(("all_reduce", _nbytes(flat)))
+        return work, flat[c.lo:c.hi]
+
+    def _all_gather_async(self, c: _Chunk, shard: Tensor):
+        self.comm_log.append(("all_gather", _nbytes(c.flat)))
+        return _all_gather_fn(c.flat, shard, group=self.group, async_op=True)
+
+    def _all_reduce_norms(self, t: Tensor) -> None:
+        dist.all_reduce(t, group=self.group)
+        self.comm_log.append(("all_reduce", _nbytes(t)))
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(n for _, n in self.comm_log) + (self.reducer.bytes_sent if self.reducer else 0)
+
+    def reset_comm_stats(self) -> None:
+        self.comm_log.clear()
+        if self.reducer is not None:
+            self.reducer.bytes_sent = 0
+
+    # ---------------------------------------------------------------- stage 3 gather / free
+    def _gather(self, c: _Chunk) -> None:
+        if c.gathered:
+            return
+        c.flat.untyped_storage().resize_(c.padded * c.flat.element_size())
+        self._all_gather_async(c, c.shard_param).wait()
+        c.gathered = True
+
+    def _free(self, c: _Chunk) -> None:
+        # The parameters are views of c.flat: they keep their shapes, their storage goes.
+        c.flat.untyped_storage().resize_(0)
+        c.gathered = False
+
+    def zero3_hooks(self, modules: Sequence[nn.Module]) -> list:
+        """Stage 3: gather chunk i around ``modules[i]``'s forward and backward (see module doc)."""
+        if self.stage != 3:
+            raise ValueError("zero3_hooks is for zero_stage 3")
+        if len(modules) != len(self.chunks):
+            raise ValueError(f"{len(modules)} modules for {len(self.chunks)} chunks")
+        handles = []
+        for c, m in zip(self.chunks, modules):
+            owned = {id(p) for p in m.parameters()}
+            if any(id(p) not in owned for p in c.params):
+                raise ValueError(f"module {type(m).__name__} does not own all parameters of its chunk")
+
+            def pre(mod, args, c=c):
+                self._gather(c)
+
+            def post(mod, args, out, c=c):
+                if torch.is_grad_enabled():
+                    for t in _tensors(out):
+                        if t.requires_grad:
+                            t.register_hook(lambda g, c=c: self._gather(c))
+                self._free(c)
+
+            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_hook(post))
+        self._hooks.extend(handles)
+        return handles
+
+    # ---------------------------------------------------------------- backward (stages 2, 3)
+    def _on_grad(self, p: Tensor) -> None:
+        c = self._chunk_of[id(p)]
+        c.ready += 1
+        if c.ready == len(c.params):
+            self._reduce_chunk(c)
+
+    def _reduce_chunk(self, c: _Chunk) -> None:
+        flat = c.flat_grad(free=True)  # the full gradient is gone once it is in flight
+        work, out = self._reduce_scatter_async(c, flat)
+        self._pending.append((c, work, out))
+        c.ready = 0
+        if self.stage == 3:
+            self._free(c)
+
+    @torch.no_grad()
+    def _finish_backward(self) -> list[Tensor]:
+        """Bring every chunk's averaged gradient (full for stage 0, shard otherwise); return them."""
+        if self.stage == 0:
+            self.reducer.wait()
+            return [c.flat_grad(free=False) for c in self.chunks]
+        if self.stage == 1:
+            pending = [(c, *self._reduce_scatter_async(c, c.flat_grad(free=False))) for c in self.chunks]
+            grads = []
+            for c, work, out in pending:
+                work.wait()
+                grads.append(out.div_(self.world) if self._rs_native else out.div(self.world))
+            return grads
+        # Stages 2, 3: chunks not completed by the hooks (a parameter without gradient) go now.
+        for c in self.chunks:
+            if c.ready:
+                self._reduce_chunk(c)
+        for c, work, out in self._pending:
+            work.wait()
+            c.grad_shard.add_(out)
+        self._pending.clear()
+        for c in self.chunks:
+            c.grad_shard.div_(self.world)
+        return [c.grad_shard for c in self.chunks]
+
+    # ---------------------------------------------------------------- public
+    @torch.no_grad()
+    def step(self) -> None:
+        grads = self._finish_backward()
+        if self.grad_clip is not None:
+            groups = ([] if self.stage == 0 else [self.group]) + list(self.extra_norm_groups)
+            self.last_grad_norm = clip_grad_norm(grads, self.grad_clip, groups, comm_counter=self.comm_log)
+        self.step_count += 1
+        reduce = None if self.stage == 0 else self._all_reduce_norms
+        works = []
+        for c, g in zip(self.chunks, grads):
+            if self.stage == 0:
+                param = c.flat
+            elif self.stage == 3:
+                param = c.shard_param
+            else:
+                param = c.flat[c.lo:c.hi]
+            self.opt.step(param, g, c.state, self.step_count, segments=c.segments, reduce_sq_norms=reduce)
+            if self.stage in (1, 2):
+                works.append(self._all_gather_async(c, param.clone()))
+        for w in works:
+            w.wait()
+        if self.stage >= 2:
+            for c in self.chunks:
+                c.grad_shard.zero_()  # averaged and consumed: the next backward accumulates anew
+
+    def zero_grad(self) -> None:
+        for c in self.chunks:
+            for p in c.params:
+                p.grad = None
+            if c.grad_shard is not None:
+                c.grad_shard.zero_()
+            c.ready = 0
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes held on this rank by persistent state, measured on the storages actually alive."""
+        def total(tensors):
+            seen, n = set(), 0
+            for t in tensors:
+                if t is None:
+                    continue
+                s = t.untyped_storage()
+                if s.nbytes() and s.data_ptr() not in seen:  # freed (resized-to-0) storage: nothing
+                    seen.add(s.data_ptr())
+                    n += s.nbytes()
+            return n
+
+        params = [c.shard_param if self.stage == 3 else c.flat for c in self.chunks]
+        if self.stage == 3:
+            params += [c.flat for c in self.chunks if c.gathered]  # only if left gathered
+        grads = [p.grad for c in self.chunks for p in c.params] + [c.grad_shard for c in self.chunks]
+        optim = [t for c in self.chunks for t in c.state.values()]
+        return dict(params=total(params), grads=total(grads), optimizer=total(optim))
+
+    @torch.no_grad()
+    def full_parameters(self) -> list[Tensor]:
+        """Full parameter values, chunk by chunk in parameter order (collective under stage 3)."""
+        out = []
+        for c in self.chunks:
+            was = c.gathered
+            self._gather(c)
+            out += [p.detach().clone() for p in c.params]
+            if not was:
+                self._free(c)
+        return out
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.reducer is not None:
+            self.reducer.remove()
+
+
+def _tensors(out):
+    if isinstance(out, Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+
+
+__all__ = ["ShardedOptimizer"]

@@ -1,0 +1,224 @@
+"""Cost model: roofline compute, collectives (flat and hierarchical), optimizer step, overlap."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.cluster import Cluster
+from autopar.cost import (KINDS, MAX_EFFICIENCY, Collectives, compute_time, efficiency, exposed_comm,
+                          fwd_bwd_compute, optimizer_bytes_per_element, optimizer_step_time)
+from autopar.errors import PlanError
+from autopar.memory import OPTIMIZERS, PRECISIONS
+from autopar.mesh import Mesh
+
+A100 = Cluster.preset("dgx-a100", nodes=4)
+H100 = Cluster.preset("dgx-h100", nodes=2)
+CPU = Cluster.preset("cpu", devices=4)
+
+
+def mesh(shape, dpn=8):
+    names = ("dp", "tp", "tp2")[:len(shape)]
+    return Mesh(tuple(shape), names, dpn)
+
+
+# ---- compute -------------------------------------------------------------------------------
+
+def test_gemm_4096_reaches_70_percent_on_a100():
+    f = 2 * 4096**3
+    dev = A100.device
+    t = compute_time(f, 3 * 4096 * 4096 * 2, "bf16", dev)
+    achieved = f / (t - dev.kernel_overhead) / dev.peak("bf16")
+    assert achieved == pytest.approx(0.70, abs=0.005)
+
+
+def test_roofline_regimes():
+    dev = A100.device
+    # memory bound: an elementwise op on 1 GB does (almost) no math
+    nbytes = 1e9
+    assert compute_time(1e6, nbytes, "bf16", dev) == pytest.approx(nbytes / dev.hbm_bandwidth + dev.kernel_overhead)
+    # compute bound: a huge GEMM approaches the 80% ceiling
+    f = 2 * 32768**3
+    t = compute_time(f, 1e6, "bf16", dev)
+    assert f / t / dev.peak("bf16") == pytest.approx(MAX_EFFICIENCY, rel=0.01)
+    assert t > 1e6 / dev.hbm_bandwidth
+    # tiny kernels are dominated by launch overhead
+    assert compute_time(10, 10, "bf16", dev) == pytest.approx(dev.kernel_overhead, rel=0.01)
+    # no work (a view) is free
+    assert compute_time(0, 0, "bf16", dev) == 0.0
+    # fp32 (TF32) compute-bound work is slower than bf16; memory-bound work is not
+    assert compute_time(f, 0, "fp32", dev) > compute_time(f, 0, "bf16", dev)
+    assert compute_time(0, nbytes, "fp32", dev) == compute_time(0, nbytes, "bf16", dev)
+    # a faster device is faster
+    assert compute_time(f, 1e9, "bf16", H100.device) < compute_time(f, 1e9, "bf16", dev)
+
+
+@settings(deadline=None, max_examples=60)
+@given(f1=st.floats(1, 1e16), f2=st.floats(1, 1e16), b=st.floats(0, 1e11))
+def test_compute_monotone(f1, f2, b):
+    lo, hi = sorted((f1, f2))
+    dev = A100.device
+    assert compute_time(lo, b, "bf16", dev) <= compute_time(hi, b, "bf16", dev)
+    assert 0 < efficiency(lo, dev.peak("bf16")) <= efficiency(hi, dev.peak("bf16")) < MAX_EFFICIENCY
+    assert compute_time(lo, b, "bf16", dev) <= compute_time(lo, b * 2 + 1, "bf16", dev)
+
+
+def test_fwd_bwd():
+    dev = A100.device
+    f, b = fwd_bwd_compute(1e12, 1e8, "bf16", dev, weight_grad=True)
+    assert f == compute_time(1e12, 1e8, "bf16", dev) and b == pytest.approx(2 * f)
+    f, b = fwd_bwd_compute(1e9, 1e9, "bf16", dev, weight_grad=False)
+    assert b == pytest.approx(f)
+
+
+def test_compute_bad_input():
+    with pytest.raises(PlanError, match="flops"):
+        compute_time(-1, 0, "bf16", A100.device)
+    with pytest.raises(PlanError, match="int8"):
+        compute_time(1, 0, "int8", A100.device)
+
+
+# ---- collectives ---------------------------------------------------------------------------
+
+def test_intra_node_ring_formulas():
+    m = mesh((4, 8))
+    comm = Collectives(A100, m)
+    bw, lat = A100.intra_link.bandwidth, A100.intra_link.latency
+    S = 1e8
+    assert comm("all_reduce", S, 1) == pytest.approx(2 * 7 / 8 * S / bw + 14 * lat)
+    assert comm("all_gather", S, 1) == pytest.approx(7 / 8 * S / bw + 7 * lat)
+    assert comm("reduce_scatter", S, 1) == pytest.approx(7 / 8 * S / bw + 7 * lat)
+    assert comm("all_to_all", S, 1) == pytest.approx(7 / 8 * S / bw + 7 * lat)
+    assert comm("broadcast", S, 1) == pytest.approx(S / bw + 7 * lat)
+
+
+def test_hierarchical_formula():
+    m = mesh((32,))        # 4 nodes × 8: intra 8, inter 4
+    p = m.placement(0)
+    assert (p.intra, p.inter) == (8, 4)
+    comm = Collectives(A100, m)
+    ib, il = A100.intra_link.bandwidth, A100.intra_link.latency
+    eb, el = A100.inter_link.bandwidth, A100.inter_link.latency
+    S = 1e9
+    rs_intra = 7 / 8 * S / ib + 7 * il
+    ar_inter = 2 * 3 / 4 * (S / 8) / eb + 6 * el
+    assert comm("all_reduce", S, 0) == pytest.approx(2 * rs_intra + ar_inter)
+    assert comm("all_gather", S, 0) == pytest.approx(rs_intra + 3 / 4 * (S / 8) / eb + 3 * el)
+    assert comm("reduce_scatter", S, 0) == comm("all_gather", S, 0)
+    assert comm("all_to_all", S, 0) == pytest.approx(31 / 32 * S / eb + 31 * el)
+
+
+def test_cross_node_slower_than_intra_node():
+    S = 256e6
+    intra = Collectives(A100, mesh((4, 8)))      # axis 1: one node
+    inter = Collectives(A100, mesh((8, 4)))      # axis 0 (size 8, stride 4): spans 4 nodes, 2 per node
+    flat = Collectives(A100, mesh((2, 16)))      # axis 1 (size 16): 2 nodes × 8
+    assert inter.mesh.placement(0).inter == 4 and flat.mesh.placement(1).inter == 2
+    for kind in KINDS:
+        assert inter(kind, S, 0) > intra(kind, S, 1), kind
+    # 16 ranks across 2 nodes vs 8 ranks in one node: hierarchical all_reduce costs more
+    assert flat("all_reduce", S, 1) > intra("all_reduce", S, 1)
+    # a group of 2 split over two nodes is slower than 2 ranks sharing a node
+    two_nodes = Collectives(A100, mesh((2, 16)))
+    same_node = Collectives(A100, mesh((16, 2)))
+    assert two_nodes.mesh.placement(0).inter == 2 and same_node.mesh.placement(1).inter == 1
+    assert two_nodes("all_reduce", S, 0) > same_node("all_reduce", S, 1)
+
+
+def test_size_one_axis_and_empty_buffer_are_free():
+    comm = Collectives(A100, mesh((1, 8)))
+    for kind in KINDS:
+        assert comm(kind, 1e9, 0) == 0.0
+        assert comm(kind, 0, 1) == 0.0
+    single = Collectives(Cluster.preset("cpu", devices=1), Mesh((1,), ("dp",), 1))
+    assert single("all_reduce", 1e6, 0) == 0.0
+
+
+@settings(deadline=None, max_examples=80)
+@given(kind=st.sampled_from(KINDS), b1=st.floats(1, 1e11), b2=st.floats(1, 1e11),
+       shape=st.sampled_from([(32,), (4, 8), (8, 4), (2, 16), (16, 2), (2, 4, 4), (4, 2, 4)]),
+       data=st.data())
+def test_monotone_in_bytes(kind, b1, b2, shape, data):
+    m = mesh(shape)
+    axis = data.draw(st.integers(0, m.ndim - 1))
+    comm = Collectives(A100, m)
+    lo, hi = sorted((b1, b2))
+    t_lo, t_hi = comm(kind, lo, axis), comm(kind, hi, axis)
+    assert 0 < t_lo <= t_hi
+
+
+@pytest.mark.parametrize("cluster", [A100, H100, CPU], ids=["a100", "h100", "cpu"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_monotone_in_group_size(cluster, kind):
+    # 1-D meshes with stride 1: sizes inside a node, then across 2, 4 nodes
+    sizes = [n for n in (2, 4, 8, 16, 32) if n <= cluster.num_devices]
+    for nbytes in (1e3, 1e6, 1e9):
+        times = [Collectives(cluster, Mesh((n,), ("dp",), cluster.devices_per_node))(kind, nbytes, 0)
+                 for n in sizes]
+        assert times == sorted(times) and len(set(times)) == len(times), (kind, nbytes, times)
+
+
+def test_all_reduce_is_twice_all_gather_bandwidth():
+    comm = Collectives(H100, mesh((2, 8)))
+    S = 1e10   # large: latency negligible
+    assert comm("all_reduce", S, 1) / comm("all_gather", S, 1) == pytest.approx(2.0, rel=1e-3)
+    assert comm("all_reduce", S, 1) == pytest.approx(comm("reduce_scatter", S, 1) + comm("all_gather", S, 1))
+
+
+def test_collectives_hashable_and_equal():
+    a = Collectives(A100, mesh((4, 8)))
+    b = Collectives(Cluster.preset("dgx-a100", nodes=4), mesh((4, 8)))
+    assert a == b and hash(a) == hash(b)
+    assert a != Collectives(A100, mesh((8, 4)))
+    assert {a: "x"}[b] == "x"
+    with pytest.raises(Exception):
+        a.mesh = mesh((8, 4))
+
+
+def test_collectives_bad_input():
+    comm = Collectives(A100, mesh((4, 8)))
+    with pytest.raises(PlanError, match="all_reduce"):
+        comm("allreduce", 1e6, 0)
+    with pytest.raises(PlanError, match="axis 2"):
+        comm("all_reduce", 1e6, 2)
+    with pytest.raises(PlanError, match="nbytes"):
+        comm("all_reduce", -1, 0)
+
+
+def test_cpu_preset_matches_measured_gloo_order_of_magnitude():
+    # facts.md: a 4 MB all_reduce takes ~5 ms on 2 local gloo processes
+    t = Collectives(Cluster.preset("cpu", devices=2), Mesh((2,), ("dp",), 2))("all_reduce", 4e6, 0)
+    assert 2e-3 < t < 10e-3
+
+
+# ---- optimizer and overlap -----------------------------------------------------------------
+
+def test_optimizer_step_time():
+    dev = A100.device
+    n = 1e9
+    t = optimizer_step_time(n, "adamw", "bf16", dev)
+    assert t == pytest.approx(n * 28 / dev.hbm_bandwidth + dev.kernel_overhead)
+    assert optimizer_step_time(0, "adamw", "bf16", dev) == 0.0
+    assert optimizer_step_time(n, "sgd", "bf16", dev) < t < optimizer_step_time(n, "lamb", "bf16", dev)
+    assert optimizer_step_time(n, "lars", "fp32", dev) > optimizer_step_time(n, "sgd", "fp32", dev)
+    assert optimizer_step_time(n, "adamw", "bf16", H100.device) < t
+    for o in OPTIMIZERS:
+        for p in PRECISIONS:
+            per = optimizer_bytes_per_element(o, p)
+            assert 16 <= per <= 48
+            assert optimizer_step_time(2 * n, o, p, dev) > optimizer_step_time(n, o, p, dev)
+    with pytest.raises(PlanError, match="adamw"):
+        optimizer_step_time(n, "adagrad", "bf16", dev)
+    with pytest.raises(PlanError, match="bf16"):
+        optimizer_step_time(n, "adamw", "fp8", dev)
+
+
+@settings(deadline=None, max_examples=50)
+@given(c=st.floats(0, 10), k=st.floats(0, 10))
+def test_exposed_comm(c, k):
+    assert exposed_comm(c, k, overlap=False) == c
+    e = exposed_comm(c, k, overlap=True)
+    assert e == max(0.0, c - k) and 0 <= e <= c
+
+
+def test_exposed_comm_bad_input():
+    with pytest.raises(PlanError):
+        exposed_comm(-1.0, 0.0, True)

@@ -1,0 +1,245 @@
+"""The ILP (solver.ilp) against the exhaustive reference (solver.bruteforce) on random problems."""
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pulp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autopar.errors import PlanError
+from solver.bruteforce import brute_force, brute_force_min_peak
+from solver.ilp import build, evaluate, fits, min_peak_memory, solve
+from solver.problem import CheckpointGroup, Edge, MemoryConstraint, Problem
+
+SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ----------------------------------------------------------------------------- generators
+
+@st.composite
+def arrays(draw, size: int, hi: float, unit: float = 1.0, integer: bool = False) -> np.ndarray:
+    if integer:
+        vals = draw(st.lists(st.integers(0, int(hi)), min_size=size, max_size=size))
+    else:
+        vals = draw(st.lists(st.floats(0, hi, allow_nan=False, width=32), min_size=size, max_size=size))
+    return np.array(vals, dtype=float) * unit
+
+
+@st.composite
+def matrices(draw, rows: int, cols: int, unit: float) -> np.ndarray:
+    kind = draw(st.sampled_from(["dense", "zero", "separable", "dense"]))
+    if kind == "zero":
+        return np.zeros((rows, cols))
+    if kind == "separable":  # folds into node costs: exercises _fold_edges
+        a, b = draw(arrays(rows, 5.0, unit)), draw(arrays(cols, 5.0, unit))
+        return a[:, None] + b[None, :]
+    vals = draw(st.lists(st.floats(0, 10.0, width=32), min_size=rows * cols, max_size=rows * cols))
+    return np.array(vals, dtype=float).reshape(rows, cols) * unit
+
+
+@st.composite
+def terms(draw, sizes: list[int], hi: int, unit: float = 1.0, integer: bool = True):
+    nodes = draw(st.lists(st.integers(0, len(sizes) - 1), max_size=3))
+    return [(n, draw(arrays(sizes[n], hi, unit, integer))) for n in nodes]
+
+
+@st.composite
+def problems(draw, max_nodes: int = 5, max_strategies: int = 4) -> Problem:
+    n = draw(st.integers(2, max_nodes))
+    sizes = draw(st.lists(st.integers(1, max_strategies), min_size=n, max_size=n))
+    # Costs span 1e-6 s to 100 s across nodes so the objective scaling is exercised.
+    units = draw(st.lists(st.sampled_from([1e-6, 1e-3, 1.0, 10.0]), min_size=n, max_size=n))
+    costs = [draw(arrays(k, 10.0, u)) for k, u in zip(sizes, units)]
+    edges = []
+    for _ in range(draw(st.integers(0, 6))):
+        u, v = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))  # u == v: a self edge
+        edges.append(Edge(u, v, draw(matrices(sizes[u], sizes[v], draw(st.sampled_from([1e-6, 1e-3, 1.0]))))))
+    groups = []
+    for g in range(draw(st.integers(0, 2))):
+        groups.append(CheckpointGroup(
+            name=f"g{g}", saved=draw(terms(sizes, 100)), kept=draw(terms(sizes, 30)),
+            recompute_memory=draw(terms(sizes, 30)),
+            recompute_time=draw(terms(sizes, 10, unit=draw(st.sampled_from([1e-3, 1.0])), integer=False)),
+            forced=draw(st.sampled_from([None, None, True, False]))))
+    memory = []
+    for m in range(draw(st.integers(0, 3))):
+        budget = draw(st.one_of(st.integers(0, 400).map(float), st.just(math.inf)))
+        memory.append(MemoryConstraint(
+            name=f"m{m}", budget=budget, const=float(draw(st.integers(0, 60))), terms=draw(terms(sizes, 100)),
+            groups=draw(st.lists(st.integers(0, len(groups) - 1), max_size=2)) if groups else []))
+    return Problem([f"n{i}" for i in range(n)], costs, edges, memory, groups)
+
+
+def random_problem(n: int, s: int, e: int, seed: int, budget_frac: float = 0.4, chain: bool = False) -> Problem:
+    rng = np.random.default_rng(seed)
+    costs = [rng.uniform(1e-4, 1e-2, s) for _ in range(n)]
+    edges = []
+    for _ in range(e):
+        u = int(rng.integers(0, n - 4))
+        v = u + int(rng.integers(1, 4)) if chain else int(rng.integers(u + 1, n))
+        edges.append(Edge(u, v, rng.uniform(0, 1e-2, (s, s))))
+    mem = [MemoryConstraint("dev", budget=n * s * budget_frac, terms=[(i, rng.uniform(0, s, s)) for i in range(n)])]
+    return Problem([f"n{i}" for i in range(n)], costs, edges, mem)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def assert_matches(problem: Problem, sol, ref) -> None:
+    assert sol.status in ("optimal", "infeasible")
+    assert (sol.status == "infeasible") == (ref.status == "infeasible"), (sol, ref)
+    if ref.status == "infeasible":
+        assert sol.choice == []
+        return
+    assert math.isclose(sol.objective, ref.objective, rel_tol=1e-6, abs_tol=1e-12), (sol, ref)
+    # The ILP's decision is itself feasible and its reported numbers are that decision's.
+    obj, mem = evaluate(problem, sol.choice, sol.checkpoint)
+    assert fits(problem, mem)
+    assert obj == sol.objective and mem == sol.peak_memory
+    for g, on in zip(problem.checkpoint_groups, sol.checkpoint):
+        assert g.forced is None or g.forced == on
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(problems())
+def test_highs_matches_brute_force(problem):
+    assert_matches(problem, solve(problem, backend="highs"), brute_force(problem))
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(problems())
+def test_cbc_matches_brute_force_and_highs(problem):
+    ref = brute_force(problem)
+    cbc = solve(problem, backend="cbc")
+    assert_matches(problem, cbc, ref)
+    highs = solve(problem, backend="highs")
+    assert highs.status == cbc.status
+    if cbc.status == "optimal":
+        assert math.isclose(highs.objective, cbc.objective, rel_tol=1e-6, abs_tol=1e-12)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(problems())
+def test_min_peak_memory_matches_brute_force(problem):
+    got = min_peak_memory(problem, backend="highs")
+    want = brute_force_min_peak(problem)
+    assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-6), (got, want)
+
+
+@settings(max_examples=15, **SETTINGS)
+@given(problems())
+def test_min_peak_memory_cbc(problem):
+    assert math.isclose(min_peak_memory(problem, backend="cbc"), brute_force_min_peak(problem),
+                        rel_tol=1e-6, abs_tol=1e-6)
+
+
+def test_min_peak_is_the_threshold_of_feasibility():
+    # A budget exactly at the min peak is feasible, just below it is not.
+    p = random_problem(8, 3, 10, seed=3)
+    peak = min_peak_memory(p)
+    p.memory[0].budget = peak
+    assert solve(p).status == "optimal"
+    p.memory[0].budget = peak * (1 - 1e-3)
+    assert solve(p).status == "infeasible"
+
+
+# ----------------------------------------------------------------------------- determinism, limits
+
+@pytest.mark.parametrize("backend", ["highs", "cbc"])
+def test_deterministic(backend):
+    # Integer costs make many ties: a solver free to break them differently would show it.
+    rng = np.random.default_rng(7)
+    n, s = 30, 4
+    costs = [rng.integers(0, 3, s).astype(float) for _ in range(n)]
+    edges = [Edge(i, i + 1, rng.integers(0, 2, (s, s)).astype(float)) for i in range(n - 1)]
+    mem = [MemoryConstraint("dev", budget=60.0, terms=[(i, rng.integers(0, 5, s).astype(float)) for i in range(n)])]
+    p = Problem([f"n{i}" for i in range(n)], costs, edges, mem)
+    first = solve(p, backend=backend)
+    for again in (solve(p, backend=backend), solve(copy.deepcopy(p), backend=backend)):
+        assert (again.choice, again.checkpoint, again.objective, again.status) == \
+               (first.choice, first.checkpoint, first.objective, first.status)
+
+
+@pytest.mark.parametrize("backend", ["highs", "cbc"])
+def test_time_limit_returns_incumbent_with_gap(backend):
+    p = random_problem(300, 8, 400, seed=1, budget_frac=0.35)
+    sol = solve(p, time_limit=1.0, backend=backend)
+    assert sol.status in ("feasible", "optimal")
+    assert sol.gap >= 0.0 and math.isfinite(sol.gap)
+    if sol.status == "optimal":
+        assert sol.gap == 0.0
+    obj, mem = evaluate(p, sol.choice, sol.checkpoint)
+    assert fits(p, mem) and obj == sol.objective
+    # A cheap valid lower bound (node minima; edge costs are >= 0) bounds the gap from above.
+    trivial_bound = sum(float(c.min()) for c in p.costs)
+    assert sol.gap <= (sol.objective - trivial_bound) / sol.objective + 1e-9
+
+
+# ----------------------------------------------------------------------------- short cuts and folding
+
+def test_trivial_problem_does_not_call_a_solver(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a MIP solver was called for a trivial problem")
+    monkeypatch.setattr(pulp.LpProblem, "solve", boom)
+    p = Problem(["a", "b"], [np.array([1.0]), np.array([2.0])], [Edge(0, 1, np.array([[0.5]])), Edge(1, 1, np.array([[0.25]]))],
+                [MemoryConstraint("dev", budget=10.0, const=1.0, terms=[(0, np.array([4.0])), (1, np.array([5.0]))])])
+    sol = solve(p)
+    assert (sol.status, sol.choice, sol.objective, sol.peak_memory) == ("optimal", [0, 0], 3.75, {"dev": 10.0})
+    assert min_peak_memory(p) == 10.0
+    p.memory[0].budget = 9.0
+    assert solve(p).status == "infeasible"
+
+
+def test_constant_memory_row_over_budget_is_infeasible():
+    p = Problem(["a", "b"], [np.array([1.0, 2.0]), np.array([1.0])], [],
+                [MemoryConstraint("dev", budget=5.0, const=6.0)])
+    assert solve(p).status == "infeasible" and brute_force(p).status == "infeasible"
+
+
+def _edge_vars(problem):
+    return [v for v in build(problem).lp.variables() if v.name.startswith("e_")]
+
+
+def test_edges_are_folded_summed_and_dropped():
+    costs = [np.array([1.0, 2.0, 0.5]), np.array([0.3, 0.1]), np.array([0.2, 0.4])]
+    sep = np.array([1.0, 2.0, 3.0])[:, None] + np.array([0.0, 5.0])[None, :]
+    p = Problem(["a", "b", "c"], costs, [
+        Edge(0, 1, sep),                          # separable: folded into node costs
+        Edge(1, 2, np.zeros((2, 2))),             # zero: dropped
+        Edge(2, 2, np.array([[1.0, 9.0], [9.0, 0.0]])),  # self edge: diagonal only
+    ])
+    assert _edge_vars(p) == []
+    assert math.isclose(solve(p).objective, brute_force(p).objective, rel_tol=1e-9)
+    # Two edges u->v and v->u become one pair with one set of e variables.
+    dense = np.array([[0.0, 3.0], [3.0, 0.0]])
+    q = Problem(["b", "c"], costs[1:], [Edge(0, 1, dense), Edge(1, 0, dense.T * 2)])
+    assert len(_edge_vars(q)) == 4
+    assert math.isclose(solve(q).objective, brute_force(q).objective, rel_tol=1e-9)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda p: p.edges.append(Edge(0, 1, np.zeros((3, 3)))), "expected \\(2, 2\\)"),
+    (lambda p: p.edges.append(Edge(0, 5, np.zeros((2, 2)))), "not in \\[0, 2\\)"),
+    (lambda p: p.costs.__setitem__(0, np.array([])), "at least one strategy"),
+    (lambda p: p.costs.__setitem__(0, np.array([np.nan, 1.0])), "NaN"),
+    (lambda p: p.memory.append(MemoryConstraint("dev", 1.0)), "unique"),
+    (lambda p: p.memory.append(MemoryConstraint("x", 1.0, groups=[3])), "checkpoint group index"),
+    (lambda p: p.memory.append(MemoryConstraint("x", 1.0, terms=[(1, np.ones(3))])), "one value per strategy"),
+])
+def test_bad_input_raises_plan_error(mutate, match):
+    p = Problem(["a", "b"], [np.array([1.0, 2.0]), np.array([1.0, 0.0])], [],
+                [MemoryConstraint("dev", 10.0)])
+    mutate(p)
+    with pytest.raises(PlanError, match=match):
+        solve(p)
+
+
+def test_unknown_backend():
+    p = Problem(["a"], [np.array([1.0, 2.0])])
+    with pytest.raises(PlanError, match="unknown solver backend"):
+        solve(p, backend="gurobi")
