@@ -63,16 +63,18 @@ class Mesh:
         return math.prod(s for s, n in zip(self.shape, self.names) if n.startswith(prefix))
 
     def placement(self, axis: int) -> AxisPlacement:
+        """How one axis' groups sit on nodes: the worst group decides (the most nodes spanned),
+        so an axis whose groups straddle node boundaries is never priced as intra-node."""
         size = self.shape[axis]
         stride = math.prod(self.shape[axis + 1:])
-        dpn = self.devices_per_node
         if size == 1:
             return AxisPlacement(1, stride, 1, 1)
-        if stride >= dpn:
-            intra = 1
-        else:
-            intra = min(size, max(1, dpn // stride))
-        return AxisPlacement(size, stride, intra, max(1, size // intra))
+        dpn = self.devices_per_node
+        inter = 1
+        for group in self.axis_groups(axis):
+            inter = max(inter, len({r // dpn for r in group}))
+        intra = max(1, size // inter)
+        return AxisPlacement(size, stride, intra, inter)
 
     def coords(self, rank: int) -> tuple[int, ...]:
         out = []

@@ -47,6 +47,8 @@ def _child(rank, world_size, port, fn, args, queue, pg_timeout):
 
 def run_local(fn, nprocs: int, args: tuple = (), timeout: float = 300.0, pg_timeout: float = 60.0):
     """Run ``fn(rank, world_size, *args)`` on ``nprocs`` forked gloo ranks; return results by rank."""
+    # Import once in the parent: a forked rank's first backward otherwise spends 1-2 s importing it.
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = _free_port()

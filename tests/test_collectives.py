@@ -5,7 +5,9 @@ own block, and compares forward values, input gradients and COMM_STATS bytes aga
 """
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -18,7 +20,23 @@ from runtime import collectives as C
 from runtime.collectives import COMM_STATS
 from runtime.launch import run_local
 from runtime.reshard_exec import apply_steps
-from tests.test_reshard import ToyComm
+
+# Imported here, before run_local forks: backward(grad) lazily imports this sympy-heavy module
+# (1-2 s per child on 2 cores); forked children inherit it already imported.
+import torch.fx.experimental.symbolic_shapes  # noqa: E402,F401
+
+
+
+@dataclass(frozen=True)
+class ToyComm:
+    """Ring alpha-beta model (the planner only needs a hashable comm(kind, nbytes, axis))."""
+    mesh_shape: tuple[int, ...]
+
+    def __call__(self, kind: str, nbytes: float, axis: int) -> float:
+        n = self.mesh_shape[axis]
+        factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+        return 0.0 if n == 1 else 1e-5 + factor * nbytes / 1e9
+
 
 SHAPE = (4, 8, 12)
 DT = torch.float64
@@ -117,7 +135,6 @@ def _local(X, layout: Layout, mesh: Mesh, coords, seed=0):
     seeded addends every other coordinate holds."""
     value = X
     if layout.partial:
-        import itertools
         combos = list(itertools.product(*(range(mesh.shape[p]) for p in layout.partial)))
         mine = tuple(coords[p] for p in layout.partial)
         addend = {c: _rand(seed + 1 + i, X.shape) for i, c in enumerate(combos[1:], 0)}

@@ -251,3 +251,24 @@ def test_cost_matrix_matches_plans_and_is_memoised():
             assert m[i, j] == plan_reshard(s, d, [8, 16], 2, list(MESH), COMM).time
     assert plan_reshard(lays[1], lays[2], (8, 16), 2, MESH, COMM) is \
         plan_reshard(lays[1], lays[2], (8, 16), 2, MESH, COMM)
+
+
+def _all_layouts(ndim, naxes):
+    """Every layout of an ndim tensor on an naxes mesh (each axis unused, partial or on a dim)."""
+    out = set()
+    for where in itertools.product(range(-2, ndim), repeat=naxes):
+        for order in itertools.permutations(range(naxes)):
+            dims = tuple(tuple(a for a in order if where[a] == d) for d in range(ndim))
+            out.add(Layout(dims, tuple(a for a in range(naxes) if where[a] == -1)))
+    return sorted(out)
+
+
+def test_costs_obey_the_triangle_inequality():
+    # Shortest paths cannot be beaten by going through an intermediate layout.
+    mesh = (2, 4)
+    comm = ToyComm(mesh, alpha=3e-6)
+    lays = _all_layouts(2, 2)
+    m = reshard_cost_matrix(lays, lays, (8, 16), 4, mesh, comm)
+    via = (m[:, :, None] + m[None, :, :]).min(axis=1)
+    assert np.all(m <= via * (1 + 1e-9) + 1e-15)
+    assert np.all(np.isfinite(m)) and np.all(np.diag(m) == 0)

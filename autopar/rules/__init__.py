@@ -1,0 +1,9 @@
+"""Op rules: a table from ATen ops to declarative einsum-style OpSpecs.
+
+Importing this package registers every rule family (``ops_*`` modules) into ``RULES``.
+"""
+from autopar.rules import ops_matmul, ops_nn, ops_pointwise, ops_shape  # noqa: F401  (registration)
+from autopar.rules.spec import Comm, OpSpec, Saved
+from autopar.rules.table import RULES, coverage, rule, spec_for, tensor_inputs
+
+__all__ = ["RULES", "coverage", "rule", "spec_for", "tensor_inputs", "OpSpec", "Saved", "Comm"]

@@ -123,10 +123,6 @@ def fallback_spec(node: fx.Node, rule_name: str = "fallback") -> OpSpec:
                   unsplittable=frozenset(sizes), bytes=io_bytes(node), replicate_only=True)
 
 
-def target_name(target) -> str:
-    return getattr(target, "__name__", None) and str(target) or repr(target)
-
-
 def spec_for(node: fx.Node) -> OpSpec:
     """The OpSpec of a call_function node; replicate-only fallback (with one warning per op)."""
     fn = RULES.get(node.target)
