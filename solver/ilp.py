@@ -25,6 +25,8 @@ Variables and constraint families (each added by the function named):
   cheapest cost is moved into a constant offset and the rest is scaled so the largest
   coefficient is ``_OBJ_TARGET``; costs from 1e-6 s to 100 s then sit well above solver
   tolerances. The reported objective is recomputed exactly in seconds by ``evaluate``.
+  Accuracy: plans whose costs differ by less than about 1e-9 of the largest cost coefficient
+  are ties to the solver (its tolerances are ~1e-7 of the scaled coefficients).
 - **Peak rows** (``min_peak_memory`` only) -- ``_add_peak_rows``: ``total_k <= P`` for every
   memory constraint, objective ``min P``; budgets are ignored.
 

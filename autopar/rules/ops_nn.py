@@ -121,8 +121,9 @@ def sdpa(node):
     else:
         saved = (Saved("input", 0), Saved("input", 1), Saved("input", 2), Saved("output", 0),
                  Saved("extra", letters="bhs", itemsize=4))
-        if is_tensor(mask):
-            saved += (Saved("input", 3),)
+        if is_tensor(mask):   # a bool mask is converted to q's dtype and that copy is saved
+            saved += ((Saved("input", 3),) if val(mask).dtype == val(q).dtype
+                      else (Saved("extra", letters=ins[3], itemsize=isz),))
     return OpSpec("sdpa", tuple(ins), ("bhse",), sizes, unsplittable=frozenset(unsplit),
                   flops=2.0 * b * h * s * t * (d + e), bytes=io_bytes(node), saved=saved)
 

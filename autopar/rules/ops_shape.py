@@ -213,3 +213,19 @@ def index_select(node):
 def creation(node):
     # Made on every rank whole: no input to take a layout from, and it is cheap.
     return fallback_spec(node, "creation")
+
+
+@rule(aten.repeat_interleave.self_int)
+def repeat_interleave(node):
+    xs = shape(node.args[0])
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if dim is None:
+        return None     # flattening form: fall back
+    dim %= len(xs)
+    L = Letters()
+    ls = L.fresh(len(xs))
+    ch = L.fresh()
+    sizes = dict(zip(ls, xs), **{ch: shape(node)[dim]})
+    # the repeated dim stays whole; every other dim splits freely (GQA's kv-head expansion)
+    return OpSpec("repeat_interleave", (ls,), (ls[:dim] + ch + ls[dim + 1:],), sizes,
+                  unsplittable=frozenset({ls[dim], ch}), bytes=io_bytes(node), partial_inputs=(0,))

@@ -1,0 +1,175 @@
+"""The per-process execution context: mesh, this rank's coordinates, one process group per
+mesh axis, and the functions generated per-rank programs call.
+
+``setup(mesh, device)`` builds the groups with ``init_device_mesh(device, shape,
+mesh_dim_names=names)`` (gloo on CPU, NCCL on CUDA) and installs them as the current context.
+Generated code refers to mesh axes by index, e.g. ``all_gather(x, 1, axis=1)``; the functions
+below look the axis' group up in the current context, so the printed program reads like the
+plan and does not embed process-group objects. Bytes are counted in ``COMM_STATS`` under the
+axis name (see runtime/collectives.py for the autograd conjugates).
+
+ZeRO-3 hooks (``zero3_gather`` / ``zero3_free`` / ``zero3_exit``) call into the sharded
+optimizer registered with ``set_zero3``: the generated graph gathers a chunk of parameters
+before its first use, frees it after its last forward use, and re-gathers it when backward
+reaches the values that leave the chunk's region.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from runtime import collectives as C
+
+
+@dataclass
+class Context:
+    mesh: object                         # autopar.mesh.Mesh
+    rank: int
+    coords: tuple[int, ...]
+    groups: dict[int, object]            # mesh axis -> process group (this rank's)
+    labels: dict[int, str]               # mesh axis -> name (COMM_STATS key)
+    data_group: object = None            # all data axes together (the DP/ZeRO reducer's group)
+    zero3: object = None                 # ShardedOptimizer running stage 3, if any
+    device_mesh: object = None
+    extra: dict = field(default_factory=dict)
+
+
+_CTX: Context | None = None
+
+
+def current() -> Context:
+    if _CTX is None:
+        raise RuntimeError("no autopar execution context on this process: autopar.compile sets it up")
+    return _CTX
+
+
+def set_current(ctx: Context | None) -> None:
+    global _CTX
+    _CTX = ctx
+
+
+def setup(mesh, device: str = "cpu") -> Context:
+    """Create the process groups of ``mesh`` (collective: every rank must call it) and make them
+    the current context. Requires an initialised default process group of ``mesh.size`` ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    dm = init_device_mesh(device, tuple(mesh.shape), mesh_dim_names=tuple(mesh.names))
+    groups = {a: dm.get_group(a) for a in range(mesh.ndim)}
+    labels = {a: mesh.names[a] for a in range(mesh.ndim)}
+    data_axes = [a for a in mesh.data_axes() if mesh.shape[a] > 1]
+    if len(data_axes) == 1:
+        data_group = groups[data_axes[0]]
+    else:
+        # Zero or several data axes: one group per set of ranks that share the model coordinates.
+        # new_group is collective over the world, so every rank creates every group in one order.
+        data_group = None
+        coords = mesh.coords(rank)
+        model_axes = [a for a in range(mesh.ndim) if a not in data_axes]
+        buckets: dict[tuple, list[int]] = {}
+        for r in range(mesh.size):
+            c = mesh.coords(r)
+            buckets.setdefault(tuple(c[a] for a in model_axes), []).append(r)
+        for key in sorted(buckets):
+            g = dist.new_group(buckets[key])
+            if key == tuple(coords[a] for a in model_axes):
+                data_group = g
+    ctx = Context(mesh=mesh, rank=rank, coords=tuple(mesh.coords(rank)), groups=groups, labels=labels,
+                  data_group=data_group, device_mesh=dm)
+    set_current(ctx)
+    return ctx
+
+
+def _g(axis: int):
+    ctx = current()
+    return ctx.groups[axis], ctx.labels[axis]
+
+
+# ------------------------------------------------------------------ reshard steps (generated code calls these)
+
+def all_reduce(x: torch.Tensor, *, axis: int) -> torch.Tensor:
+    """Partial sum over ``axis`` -> replicated. Backward: identity."""
+    return C.all_reduce(x, *_g(axis))
+
+
+def copy(x: torch.Tensor, *, axis: int) -> torch.Tensor:
+    """Identity; backward all-reduces the (partial) gradient over ``axis``."""
+    return C.copy(x, *_g(axis))
+
+
+def all_gather(x: torch.Tensor, dim: int, *, axis: int, partial_grad: bool = False) -> torch.Tensor:
+    """Concatenate the blocks of ``dim`` over ``axis``. Backward: my block of the gradient
+    (reduce-scattered when ``partial_grad``: the consumer's grads are partial over ``axis``)."""
+    g, lab = _g(axis)
+    return C.all_gather(x, dim, g, lab, partial_grad=partial_grad)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, *, axis: int) -> torch.Tensor:
+    """Sum over ``axis`` and keep my block of ``dim``. Backward: all_gather."""
+    g, lab = _g(axis)
+    return C.reduce_scatter(x, dim, g, lab)
+
+
+def all_to_all(x: torch.Tensor, dim: int, dst_dim: int, *, axis: int) -> torch.Tensor:
+    """``dim`` (split over ``axis``) becomes whole, ``dst_dim`` becomes split over ``axis``."""
+    g, lab = _g(axis)
+    return C.all_to_all(x, dst_dim, dim, g, lab)
+
+
+def slice_block(x: torch.Tensor, dim: int, *, axis: int) -> torch.Tensor:
+    """Keep my block of ``dim`` along ``axis`` (free). Backward: all_gather."""
+    g, lab = _g(axis)
+    return C.slice_block(x, dim, g, lab)
+
+
+def make_partial(x: torch.Tensor, *, axis: int) -> torch.Tensor:
+    """Replicated -> partial sum over ``axis`` (coordinate 0 keeps x, the others zeros)."""
+    g, _ = _g(axis)
+    return C.make_partial(x, g)
+
+
+# ------------------------------------------------------------------ ZeRO-3 parameter gathering
+
+def set_zero3(optimizer) -> None:
+    current().zero3 = optimizer
+
+
+def zero3_gather(chunk: int) -> None:
+    """Materialise chunk ``chunk``'s full parameters (all-gather over the data group)."""
+    opt = current().zero3
+    if opt is not None:
+        opt._gather(opt.chunks[chunk])
+
+
+def zero3_free(chunk: int) -> None:
+    """Drop the chunk's full parameters after their last forward use (only when autograd will
+    re-gather them: under no_grad nothing needs them again either)."""
+    opt = current().zero3
+    if opt is not None:
+        opt._free(opt.chunks[chunk])
+
+
+class _Zero3Exit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, chunks):
+        ctx.chunks = chunks
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        for c in ctx.chunks:
+            zero3_gather(c)
+        return g, None
+
+
+def zero3_exit(x: torch.Tensor, chunks: tuple[int, ...]) -> torch.Tensor:
+    """Identity; when backward reaches ``x``, re-gather the chunks whose region it leaves."""
+    if not isinstance(x, torch.Tensor) or not x.requires_grad:
+        return x
+    return _Zero3Exit.apply(x, tuple(chunks))
+
+
+__all__ = ["Context", "current", "set_current", "setup", "all_reduce", "copy", "all_gather", "reduce_scatter",
+           "all_to_all", "slice_block", "make_partial", "set_zero3", "zero3_gather", "zero3_free", "zero3_exit"]

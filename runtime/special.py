@@ -1,0 +1,127 @@
+"""Special algorithms for ops whose split dimension needs more than a reshard: the vocabulary
+dimension of an embedding table and of the cross-entropy's logits (Megatron-style).
+
+Both take the mesh axes the vocabulary is split over (contiguous blocks, first axis outer, as in
+autopar/layout.py) and find this rank's block from the execution context (runtime/context.py).
+
+- ``vocab_parallel_embedding(weight, indices, axes)``: my block of the table holds rows
+  [start, start + V_local); indices outside it read row 0 and are zeroed, so the output is a
+  PARTIAL SUM over ``axes`` (the plan's output layout says so; a later reshard all-reduces).
+- ``vocab_parallel_cross_entropy(logits, target, axes, ...)``: logits split on the class dim;
+  forward all-reduces the row max (MAX), the sum of exponentials (SUM) and the target's logit
+  (SUM) over ``axes``; the loss is complete (replicated over ``axes``). Backward is local:
+  softmax - onehot on my block, scaled by the incoming gradient.
+
+Bytes go to ``COMM_STATS`` under the axis name, kind "all_reduce".
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from runtime import context
+from runtime.collectives import COMM_STATS
+
+
+def _block(axes: tuple[int, ...]) -> tuple[int, int]:
+    """(my block index, number of blocks) for a dim split over ``axes`` (first axis outer)."""
+    ctx = context.current()
+    idx, n = 0, 1
+    for a in axes:
+        idx = idx * ctx.mesh.shape[a] + ctx.coords[a]
+        n *= ctx.mesh.shape[a]
+    return idx, n
+
+
+def _all_reduce_(t: torch.Tensor, axes, op) -> torch.Tensor:
+    ctx = context.current()
+    for a in axes:
+        COMM_STATS.add(ctx.labels[a], "all_reduce", t.numel() * t.element_size())
+        if ctx.mesh.shape[a] > 1:
+            dist.all_reduce(t, op=op, group=ctx.groups[a])
+    return t
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1,
+                             scale_grad_by_freq: bool = False, sparse: bool = False, *,
+                             axes: tuple[int, ...]) -> torch.Tensor:
+    """Embedding with the table's rows split over ``axes``; returns a partial sum over them."""
+    if scale_grad_by_freq or sparse:
+        raise NotImplementedError("vocab-parallel embedding: scale_grad_by_freq / sparse are not supported")
+    block, _ = _block(tuple(axes))
+    v_local = weight.shape[0]
+    start = block * v_local
+    outside = (indices < start) | (indices >= start + v_local)
+    local = (indices - start).masked_fill(outside, 0)
+    out = torch.nn.functional.embedding(local, weight)
+    # Zero the rows other ranks own: multiply (not index) so backward puts no gradient there.
+    out = out * (~outside).unsqueeze(-1).to(out.dtype)
+    if padding_idx is not None and padding_idx >= 0:
+        out = out * (indices != padding_idx).unsqueeze(-1).to(out.dtype)
+    return out
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, axes, reduction, ignore_index):
+        block, _ = _block(axes)
+        v_local = logits.shape[-1]
+        start = block * v_local
+        x = logits.float()
+        row_max = x.max(dim=-1).values
+        _all_reduce_(row_max, axes, dist.ReduceOp.MAX)
+        shifted = x - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        _all_reduce_(sum_exp, axes, dist.ReduceOp.SUM)
+        valid = target != ignore_index
+        inside = (target >= start) & (target < start + v_local) & valid
+        local_t = (target - start).masked_fill(~inside, 0)
+        t_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * inside.to(x.dtype)
+        _all_reduce_(t_logit, axes, dist.ReduceOp.SUM)
+        loss = (sum_exp.log() - t_logit) * valid.to(x.dtype)
+        count = valid.sum()
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local_t, inside, valid, count)
+        ctx.reduction, ctx.in_dtype = reduction, logits.dtype
+        if reduction == 0:
+            return loss.to(logits.dtype)
+        total = loss.sum()
+        if reduction == 1:
+            total = total / count
+        return total.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local_t, inside, valid, count = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0])
+        grad[rows, local_t] -= inside.to(grad.dtype)
+        if ctx.reduction == 0:
+            scale = g.float() * valid.to(grad.dtype)
+        else:
+            scale = g.float() * valid.to(grad.dtype)
+            if ctx.reduction == 1:
+                scale = scale / count
+        grad = grad * scale.unsqueeze(-1)
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight=None, reduction: int = 1,
+                                 ignore_index: int = -100, label_smoothing: float = 0.0, *,
+                                 axes: tuple[int, ...]) -> torch.Tensor:
+    """aten.cross_entropy_loss with the class dim (dim 1) of ``logits`` split over ``axes``."""
+    if weight is not None or label_smoothing:
+        raise NotImplementedError("vocab-parallel cross-entropy supports neither class weights nor "
+                                  "label smoothing; plan with the vocabulary replicated")
+    if logits.dim() > 2:
+        # (N, C, d1, ...) -> (N * d1 * ..., C): the class dim last, rows flattened.
+        logits = logits.movedim(1, -1).reshape(-1, logits.shape[1])
+        target = target.reshape(-1)
+    return _VocabParallelCE.apply(logits, target, tuple(axes), int(reduction), int(ignore_index))
+
+
+ALGORITHMS = {"vocab_parallel_embedding": vocab_parallel_embedding,
+              "vocab_parallel_ce": vocab_parallel_cross_entropy}
+
+__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "ALGORITHMS"]

@@ -1,0 +1,106 @@
+"""Pipeline stage partitioning: contiguous block ranges onto sub-meshes, by dynamic program.
+
+Minimises the 1F1B step time ``sum(stage times) + (micro_batches - 1) * max(stage time)``
+over every split of ``num_blocks`` blocks into ``num_stages`` non-empty contiguous ranges,
+each stage taking a device count from ``device_options`` with the counts summing to at most
+``total_devices``, and each stage's memory within ``memory_budget``.
+
+The sum-plus-max objective is not decomposable, so the DP runs once per candidate bottleneck
+``T`` (every distinct stage time, ascending): minimise the sum of stage times with every stage
+``<= T``, score it ``sum + (micro_batches - 1) * T``. At the optimum's own bottleneck this is
+exact and no other candidate scores below the optimum, so the minimum over candidates is
+optimal. Candidates stop once ``micro_batches * T`` (a lower bound on any plan with that
+bottleneck) cannot beat the best found. Costs are asked for once per (range, devices):
+the callback is typically an intra-stage ILP.
+
+The callback's memory figure must already include what the schedule keeps alive on that
+stage (for 1F1B, up to ``num_stages`` micro-batches of activations on the first stage).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from solver.ilp import _input_error
+
+StageCost = Callable[[int, int, int], "tuple[float, float]"]
+
+
+@dataclass
+class PipelinePlan:
+    stages: list[tuple[int, int, int]]   # (first block, end block exclusive, devices) per stage
+    stage_times: list[float]             # seconds per micro-batch, per stage
+    objective: float                     # sum(stage_times) + (micro_batches - 1) * max(stage_times)
+
+
+def pipeline_objective(stage_times: Sequence[float], micro_batches: int) -> float:
+    """1F1B step time of a partition: every stage once, the slowest one micro_batches - 1 more times."""
+    return float(sum(stage_times) + (micro_batches - 1) * max(stage_times))
+
+
+def _table(num_blocks, device_options, cost, memory_budget):
+    """(i, j, d) -> time for every range [i, j) and device count that fits in memory."""
+    table = {}
+    for i in range(num_blocks):
+        for j in range(i + 1, num_blocks + 1):
+            for d in device_options:
+                t, mem = cost(i, j, d)
+                if not (math.isfinite(t) and t >= 0):
+                    raise _input_error(f"pipeline cost({i}, {j}, {d}) returned time {t!r}; need a finite time >= 0")
+                if mem <= memory_budget:
+                    table[(i, j, d)] = float(t)
+    return table
+
+
+def _min_sum(table, num_blocks, num_stages, total_devices, cap):
+    """Min sum of stage times with every stage <= cap; returns (sum, stages) or None."""
+    # best[(i, k, used)] = (sum, stages) for the first i blocks in k stages using `used` devices.
+    best = {(0, 0, 0): (0.0, [])}
+    for k in range(num_stages):
+        nxt = {}
+        for (i, _, used), (acc, stages) in sorted(best.items()):
+            # Leave at least one block for each stage still to come.
+            for (a, j, d), t in table.items():
+                if a != i or t > cap or used + d > total_devices or num_blocks - j < num_stages - k - 1:
+                    continue
+                key = (j, k + 1, used + d)
+                cand = (acc + t, stages + [(i, j, d)])
+                if key not in nxt or cand[0] < nxt[key][0]:
+                    nxt[key] = cand
+        best = nxt
+    done = [v for (i, _, _), v in sorted(best.items()) if i == num_blocks]
+    return min(done, key=lambda v: v[0]) if done else None
+
+
+def partition(num_blocks: int, num_stages: int, micro_batches: int, cost: StageCost,
+              device_options: Sequence[int] = (1,), total_devices: int | None = None,
+              memory_budget: float = math.inf) -> PipelinePlan:
+    """Optimal 1F1B partition (see module docstring); raises PlanError when none fits."""
+    if num_blocks < 1 or not 1 <= num_stages <= num_blocks:
+        raise _input_error(f"cannot split {num_blocks} blocks into {num_stages} non-empty stages; "
+                           "need 1 <= num_stages <= num_blocks")
+    if micro_batches < 1:
+        raise _input_error(f"micro_batches must be >= 1, got {micro_batches}")
+    if not device_options or any(d < 1 for d in device_options):
+        raise _input_error(f"device_options must be positive device counts, got {list(device_options)}")
+    device_options = sorted(set(device_options))
+    if total_devices is None:
+        total_devices = num_stages * device_options[-1]
+    table = _table(num_blocks, device_options, cost, memory_budget)
+    best = None
+    for cap in sorted(set(table.values())):
+        if best is not None and micro_batches * cap >= best[0]:
+            break
+        found = _min_sum(table, num_blocks, num_stages, total_devices, cap)
+        if found is not None:
+            score = found[0] + (micro_batches - 1) * cap
+            if best is None or score < best[0]:
+                best = (score, found[1])
+    if best is None:
+        raise _input_error(f"no split of {num_blocks} blocks into {num_stages} stages fits: every candidate "
+                           f"has a stage over memory_budget={memory_budget} or needs more than "
+                           f"{total_devices} devices; add stages or devices, or lower the memory per stage")
+    stages = best[1]
+    times = [table[s] for s in stages]
+    return PipelinePlan(stages=stages, stage_times=times, objective=pipeline_objective(times, micro_batches))
