@@ -35,6 +35,8 @@ from autopar.strategy import Strategy, enumerate_strategies, propagate_batch
 from autopar.trace import TracedGraph
 from solver.problem import CheckpointGroup, Edge, MemoryConstraint, Problem
 
+FORBIDDEN = 1e6   # seconds: a cost no plan will pay (strategies invalid under the micro-batching)
+
 # Ops whose output shares storage with their first input (used to count saved tensors once).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -489,8 +491,13 @@ def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm):
     local_shape = tuple(shape)
     if bdim is not None and shape[bdim] % nm == 0:
         local_shape = tuple(x // nm if d == bdim else x for d, x in enumerate(shape))
-    rp = plan_reshard(src, dst, local_shape, itemsize, mesh.shape, comm)
     per_axis = [0.0] * len(mesh.shape)
+    try:
+        rp = plan_reshard(src, dst, local_shape, itemsize, mesh.shape, comm)
+    except ValueError:
+        # A layout that does not divide one micro-batch: the strategy is unusable with this many
+        # micro-batches. Forbid it through a prohibitive cost rather than a constraint.
+        return FORBIDDEN, per_axis
     t = 0.0
     for tr in step_traffic(rp.steps, src, local_shape, itemsize, mesh.shape):
         for kind in (tr.forward, tr.backward):

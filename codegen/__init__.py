@@ -1,1 +1,4 @@
-"""Turns (traced fx graph, Plan) into one GraphModule per rank."""
+"""Turns (traced fx graph, Plan) into one GraphModule per rank (see codegen/per_rank.py)."""
+from codegen.per_rank import RankProgram, generate, per_rank_code
+
+__all__ = ["RankProgram", "generate", "per_rank_code"]

@@ -56,13 +56,17 @@ def _table(num_blocks, device_options, cost, memory_budget):
 def _min_sum(table, num_blocks, num_stages, total_devices, cap):
     """Min sum of stage times with every stage <= cap; returns (sum, stages) or None."""
     # best[(i, k, used)] = (sum, stages) for the first i blocks in k stages using `used` devices.
+    by_start: dict[int, list] = {}
+    for (i, j, d), t in sorted(table.items()):
+        if t <= cap:
+            by_start.setdefault(i, []).append((j, d, t))
     best = {(0, 0, 0): (0.0, [])}
     for k in range(num_stages):
         nxt = {}
         for (i, _, used), (acc, stages) in sorted(best.items()):
-            # Leave at least one block for each stage still to come.
-            for (a, j, d), t in table.items():
-                if a != i or t > cap or used + d > total_devices or num_blocks - j < num_stages - k - 1:
+            for j, d, t in by_start.get(i, ()):
+                # Leave at least one block for each stage still to come.
+                if used + d > total_devices or num_blocks - j < num_stages - k - 1:
                     continue
                 key = (j, k + 1, used + d)
                 cand = (acc + t, stages + [(i, j, d)])

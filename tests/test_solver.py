@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from autopar.errors import PlanError
 from solver.bruteforce import brute_force, brute_force_min_peak
 from solver.ilp import build, evaluate, fits, min_peak_memory, solve
+from solver.pipeline import partition, pipeline_objective
 from solver.problem import CheckpointGroup, Edge, MemoryConstraint, Problem
 
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -270,3 +271,63 @@ def test_unknown_backend():
     p = Problem(["a"], [np.array([1.0, 2.0])])
     with pytest.raises(PlanError, match="unknown solver backend"):
         solve(p, backend="gurobi")
+
+
+# ----------------------------------------------------------------------------- pipeline partitioning
+
+def brute_force_partition(n, stages, mb, cost, options, total, budget):
+    import itertools
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = list(zip((0,) + cuts, cuts + (n,)))
+        for devs in itertools.product(options, repeat=stages):
+            if sum(devs) > total:
+                continue
+            tm = [cost(i, j, d) for (i, j), d in zip(bounds, devs)]
+            if all(m <= budget for _, m in tm):
+                best = min(best, pipeline_objective([t for t, _ in tm], mb))
+    return best
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(st.integers(1, 6), st.data())
+def test_pipeline_partition_matches_brute_force(n, data):
+    stages = data.draw(st.integers(1, n))
+    mb = data.draw(st.integers(1, 8))
+    options = data.draw(st.lists(st.sampled_from([1, 2, 4]), min_size=1, max_size=3, unique=True))
+    total = data.draw(st.integers(stages, stages * 4))
+    block_t = data.draw(st.lists(st.floats(0.0, 10.0, width=32), min_size=n, max_size=n))
+    block_m = data.draw(st.lists(st.integers(0, 10), min_size=n, max_size=n))
+    budget = float(data.draw(st.integers(0, 40)))
+
+    def cost(i, j, d):  # more devices: less time and memory, plus a per-stage overhead
+        return sum(block_t[i:j]) / d + 0.1 * (d - 1), sum(block_m[i:j]) / d
+
+    want = brute_force_partition(n, stages, mb, cost, options, total, budget)
+    event(f"fits={not math.isinf(want)}")
+    if math.isinf(want):
+        with pytest.raises(PlanError, match="no split"):
+            partition(n, stages, mb, cost, options, total, budget)
+        return
+    plan = partition(n, stages, mb, cost, options, total, budget)
+    assert math.isclose(plan.objective, want, rel_tol=1e-9, abs_tol=1e-12)
+    # The plan is a real partition that meets every constraint.
+    assert [s[0] for s in plan.stages] == [0] + [s[1] for s in plan.stages[:-1]] and plan.stages[-1][1] == n
+    assert len(plan.stages) == stages and sum(d for _, _, d in plan.stages) <= total
+    assert all(cost(i, j, d)[1] <= budget and d in options for i, j, d in plan.stages)
+
+
+def test_pipeline_calls_cost_once_per_range_and_rejects_bad_input():
+    calls = []
+
+    def cost(i, j, d):
+        calls.append((i, j, d))
+        return float(j - i), 0.0
+
+    plan = partition(4, 2, 4, cost)
+    assert plan.stages == [(0, 2, 1), (2, 4, 1)] and plan.objective == 2 + 2 + 3 * 2
+    assert len(calls) == len(set(calls)) == 10
+    with pytest.raises(PlanError, match="non-empty stages"):
+        partition(2, 3, 1, cost)
+    with pytest.raises(PlanError, match="finite time"):
+        partition(2, 1, 1, lambda i, j, d: (math.nan, 0.0))

@@ -1,0 +1,395 @@
+"""One rank's program: a new fx GraphModule built node by node from the traced graph and a Plan.
+
+``generate(traced, plan, rank, zero3_chunks=None) -> RankProgram``
+
+Placeholders are this rank's parameter/buffer blocks (in the traced order) then its user-input
+rows. For every call_function node of the traced graph:
+
+1. each tensor input is moved from its producer's layout (the producer op's output layout in the
+   plan, the parameter's layout, or for user inputs dim 0 split over the data axes) to the layout
+   the op's strategy wants, by the cheapest reshard path (``plan_reshard`` with the cost model's
+   ``Collectives``: the path executed is the path priced). Each step is a call to a module-level
+   function of ``runtime.context`` (``all_gather(x, 1, axis=1)``), so the printed code reads like
+   the plan;
+2. inputs whose gradient comes back partial over an axis (``conjugates.region_inputs``: the op
+   splits its work on an axis where the input is replicated) get a conjugate (a reduce-scatter
+   backward fused into the last all_gather, else a ``copy``: all-reduce backward). Exception: a
+   parameter replicated on a data axis whose every use splits the batch there keeps a PARTIAL
+   gradient over that axis (``grad_partial_axes``): the DP/ZeRO reducer sums it, bucketed and
+   overlapped with backward, instead of one all-reduce per use;
+3. the op runs on local blocks via ``rules.localize.local_call`` (global view sizes rewritten to
+   local ones, a ``scale`` for means over a split dim) or a special algorithm of
+   ``runtime.special`` (vocab-parallel embedding / cross-entropy).
+
+Layouts are normalised before comparing: an axis of size 1 splits nothing, so it is dropped.
+The graph returns the local loss; ``loss_layout`` says over which axes it is a partial sum.
+
+ZeRO-3 (``zero3_chunks``: parameter FQN -> chunk index): a chunk is gathered before the first op
+that reads one of its parameters, freed after the last one (unless the loss is computed inside
+that region), and values leaving the region are wrapped in ``zero3_exit`` so backward re-gathers it.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.conjugates import region_inputs
+from autopar.cost import Collectives
+from autopar.layout import Layout
+from autopar.reshard import plan_reshard
+from autopar.rules import spec_for, tensor_inputs
+from autopar.rules.localize import local_call
+from autopar.strategy import Strategy
+from runtime import context as RC
+from runtime import special as SP
+
+
+@dataclass
+class RankProgram:
+    gm: fx.GraphModule
+    rank: int
+    coords: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    param_names: list[str]                      # placeholder names of params/buffers, in graph order
+    param_fqn: dict[str, str]                   # placeholder name -> FQN
+    buffers: set[str]                           # placeholder names that are buffers
+    param_layouts: dict[str, Layout]            # FQN -> layout (normalised)
+    param_slices: dict[str, tuple[slice, ...]]  # FQN -> this rank's block of the full tensor
+    input_names: list[str]
+    input_layouts: list[Layout]
+    grad_partial_axes: dict[str, tuple[int, ...]]   # FQN -> data axes its grad is left partial over
+    loss_layout: Layout
+    data_axes: tuple[int, ...]                   # data axes of size > 1
+    zero3_chunks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+
+def normalize(layout: Layout, mesh_shape) -> Layout:
+    """Drop mesh axes of size 1: splitting over them (or being partial over them) is nothing."""
+    keep = lambda a: mesh_shape[a] > 1  # noqa: E731
+    return Layout(tuple(tuple(a for a in axes if keep(a)) for axes in layout.dims),
+                  tuple(sorted(a for a in layout.partial if keep(a))))
+
+
+def block_slices(layout: Layout, shape, mesh_shape, coords) -> tuple[slice, ...]:
+    """This rank's contiguous block of a tensor of global ``shape`` (first split axis outer)."""
+    out = []
+    for d, size in enumerate(shape):
+        idx, n = 0, 1
+        for a in layout.dims[d]:
+            idx = idx * mesh_shape[a] + coords[a]
+            n *= mesh_shape[a]
+        step = size // n
+        out.append(slice(idx * step, (idx + 1) * step))
+    return tuple(out)
+
+
+def input_layout(ndim: int, mesh) -> Layout:
+    """User inputs: dim 0 split over the data axes (mesh order), everything else replicated."""
+    data = tuple(a for a in mesh.data_axes() if mesh.shape[a] > 1)
+    return Layout(tuple(data if d == 0 else () for d in range(ndim))) if ndim else Layout(())
+
+
+def strategy_of(op: dict) -> Strategy:
+    lay = lambda j: None if j is None else Layout.from_json(j)  # noqa: E731
+    return Strategy(op["strategy"], tuple(lay(j) for j in op["inputs"]), tuple(lay(j) for j in op["outputs"]),
+                    tuple(op["splits"]), 1.0, (), tuple(op.get("special", ())))
+
+
+def _val(node):
+    return node.meta.get("val")
+
+
+def _is_float(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
+class _Builder:
+    def __init__(self, traced, plan, rank: int, zero3_chunks):
+        self.traced, self.plan, self.rank = traced, plan, rank
+        self.mesh = plan.mesh
+        self.mesh_shape = tuple(self.mesh.shape)
+        self.coords = tuple(self.mesh.coords(rank))
+        self.comm = Collectives(plan.cluster, self.mesh)
+        self.ops = {o["node"]: o for o in plan.data["ops"]}
+        self.params_by_node = {v["node"]: (fqn, v) for fqn, v in plan.data["params"].items()}
+        self.zero3 = dict(zero3_chunks or {})
+        self.g = fx.Graph()
+        self.env: dict[str, fx.Node] = {}
+        self.layout: dict[str, object] = {}      # node name -> Layout or list of Layouts (tuple outputs)
+        self.data_axes = tuple(a for a in self.mesh.data_axes() if self.mesh_shape[a] > 1)
+
+    def norm(self, lay: Layout) -> Layout:
+        return normalize(lay, self.mesh_shape)
+
+    # ------------------------------------------------------------- analysis before emission
+    def _needs_grad(self) -> set[str]:
+        """Float values autograd differentiates: parameters and whatever they reach."""
+        out = set()
+        for n in self.traced.gm.graph.nodes:
+            if n.op == "placeholder":
+                if n.name in self.traced.param_fqn and n.name not in self.traced.buffers and _is_float(_val(n)):
+                    out.add(n.name)
+            elif n.op == "call_function":
+                v = _val(n)
+                floaty = _is_float(v) or (isinstance(v, (tuple, list)) and any(_is_float(x) for x in v))
+                if floaty and any(p.name in out for p in tensor_inputs(n)):
+                    out.add(n.name)
+        return out
+
+    def _param_partial_axes(self, strategies, specs) -> dict[str, tuple[int, ...]]:
+        """Parameter placeholder -> data axes over which its grad stays partial (see module doc)."""
+        uses: dict[str, list[tuple[str, int]]] = {}
+        for n in self.traced.gm.graph.nodes:
+            if n.op == "call_function" and n.target is not operator.getitem:
+                for i, p in enumerate(tensor_inputs(n)):
+                    if p.name in self.traced.param_fqn and p.name not in self.traced.buffers:
+                        uses.setdefault(p.name, []).append((n.name, i))
+        out = {}
+        for pname, us in uses.items():
+            lay = self.src_layout_param(pname)
+            axes = []
+            for a in self.data_axes:
+                if a in lay.axes_used():
+                    continue
+                if all((i, a) in self.regions[op] for op, i in us):
+                    axes.append(a)
+            out[pname] = tuple(axes)
+        return out
+
+    def src_layout_param(self, pname: str) -> Layout:
+        entry = self.params_by_node.get(pname)
+        if entry is not None:
+            return self.norm(Layout.from_json(entry[1]["layout"]))
+        # Not in the plan (e.g. a buffer the planner did not list): replicated.
+        ndim = next(_val(n).dim() for n in self.traced.gm.graph.nodes if n.name == pname)
+        return Layout.replicated(ndim)
+
+    # ------------------------------------------------------------- emission helpers
+    def call(self, fn, args, kwargs=None, name=None):
+        return self.g.create_node("call_function", fn, tuple(args), dict(kwargs or {}), name=name)
+
+    def reshard(self, x: fx.Node, src: Layout, dst: Layout, val, partial_grad_axes) -> fx.Node:
+        """Steps from src to dst on this rank's block of ``val``, plus the gradient conjugates."""
+        steps = ()
+        if src != dst:
+            steps = plan_reshard(src, dst, tuple(val.shape), val.element_size(), self.mesh_shape, self.comm).steps
+        last_on_axis = {s.axis: i for i, s in enumerate(steps)}
+        fused = {a for a in partial_grad_axes if a in last_on_axis and steps[last_on_axis[a]].kind == "all_gather"}
+        for i, s in enumerate(steps):
+            if s.kind == "all_reduce":
+                x = self.call(RC.all_reduce, (x,), {"axis": s.axis})
+            elif s.kind == "reduce_scatter":
+                x = self.call(RC.reduce_scatter, (x, s.dim), {"axis": s.axis})
+            elif s.kind == "all_gather":
+                kw = {"axis": s.axis}
+                if s.axis in fused and i == last_on_axis[s.axis]:
+                    kw["partial_grad"] = True
+                x = self.call(RC.all_gather, (x, s.dim), kw)
+            elif s.kind == "all_to_all":
+                x = self.call(RC.all_to_all, (x, s.dim, s.dst_dim), {"axis": s.axis})
+            elif s.kind == "slice":
+                x = self.call(RC.slice_block, (x, s.dim), {"axis": s.axis})
+            elif s.kind == "partial":
+                x = self.call(RC.make_partial, (x,), {"axis": s.axis})
+        for a in sorted(set(partial_grad_axes) - fused):
+            x = self.call(RC.copy, (x,), {"axis": a})
+        return x
+
+    # ------------------------------------------------------------- main
+    def build(self) -> RankProgram:
+        traced = self.traced
+        graph = traced.gm.graph
+        nodes = list(graph.nodes)
+        missing = [n.name for n in nodes if n.op == "call_function" and n.target is not operator.getitem
+                   and n.name not in self.ops]
+        if missing:
+            from autopar.errors import ExecutionError
+            raise ExecutionError(f"the plan has no strategy for nodes {missing[:5]} of the traced graph: "
+                                 f"plan made for a different model or graph")
+
+        specs, strategies, self.regions = {}, {}, {}
+        for n in nodes:
+            if n.op == "call_function" and n.target is not operator.getitem:
+                specs[n.name] = spec_for(n)
+                strategies[n.name] = strategy_of(self.ops[n.name])
+                regs = region_inputs(strategies[n.name], specs[n.name].inputs)
+                self.regions[n.name] = {(i, a) for i, a in regs if self.mesh_shape[a] > 1}
+        needs_grad = self._needs_grad()
+        partial_params = self._param_partial_axes(strategies, specs)
+
+        # ZeRO-3 regions: chunk -> (first op index, last op index) over ops that read its params.
+        op_index = {n.name: k for k, n in enumerate(nodes)}
+        chunk_span: dict[int, list[int]] = {}
+        for n in nodes:
+            if n.op != "call_function":
+                continue
+            for p in tensor_inputs(n):
+                fqn = traced.param_fqn.get(p.name)
+                if fqn in self.zero3:
+                    span = chunk_span.setdefault(self.zero3[fqn], [op_index[n.name], op_index[n.name]])
+                    span[1] = op_index[n.name]
+        for c, span in chunk_span.items():   # keep a multi-output op's getitems inside its region
+            while span[1] + 1 < len(nodes) and nodes[span[1] + 1].target is operator.getitem \
+                    and nodes[span[1] + 1].op == "call_function":
+                span[1] += 1
+        starts = {}
+        ends = {}
+        for c, (s, e) in sorted(chunk_span.items()):
+            starts.setdefault(s, []).append(c)
+            ends.setdefault(e, []).append(c)
+        loss_index = op_index[traced.output_name]
+
+        param_names, param_layouts, param_slices, grad_partial = [], {}, {}, {}
+        input_layouts = []
+        for n in nodes:
+            if n.op != "placeholder":
+                continue
+            ph = self.g.placeholder(n.name)
+            self.env[n.name] = ph
+            if n.name in traced.param_fqn:
+                fqn = traced.param_fqn[n.name]
+                lay = self.src_layout_param(n.name)
+                param_names.append(n.name)
+                param_layouts[fqn] = lay
+                param_slices[fqn] = block_slices(lay, tuple(_val(n).shape), self.mesh_shape, self.coords)
+                grad_partial[fqn] = partial_params.get(n.name, ())
+                self.layout[n.name] = lay
+            else:
+                lay = input_layout(_val(n).dim(), self.mesh)
+                input_layouts.append(lay)
+                self.layout[n.name] = lay
+
+        out_node = None
+        for k, n in enumerate(nodes):
+            if n.op == "output":
+                out_node = n
+                continue
+            if n.op != "call_function":
+                continue
+            for c in starts.get(k, ()):
+                self.call(RC.zero3_gather, (c,))
+            if n.target is operator.getitem:
+                src, idx = n.args
+                self.env[n.name] = self.call(operator.getitem, (self.env[src.name], idx), name=n.name)
+                lays = self.layout[src.name]
+                self.layout[n.name] = lays[idx] if isinstance(lays, list) else lays
+            else:
+                self._emit_op(n, specs[n.name], strategies[n.name], needs_grad, partial_params)
+            for c in ends.get(k, ()):
+                if k >= loss_index:
+                    continue   # the loss is computed in this region: backward needs it right away
+                crossing = [m for m in nodes[chunk_span[c][0]:k + 1]
+                            if m.op == "call_function" and _is_float(_val(m))
+                            and any(op_index.get(u.name, -1) > k for u in m.users) and m.name in needs_grad]
+                for m in crossing:
+                    self.env[m.name] = self.call(RC.zero3_exit, (self.env[m.name], (c,)))
+                self.call(RC.zero3_free, (c,))
+
+        # The loss: returned as this rank's local value (partial over loss_layout.partial).
+        loss_lay = self.layout[traced.output_name]
+        self.g.output(self.env[traced.output_name])
+        gm = fx.GraphModule(torch.nn.Module(), self.g, class_name=f"Rank{self.rank}Program")
+        return RankProgram(gm=gm, rank=self.rank, coords=self.coords, mesh_shape=self.mesh_shape,
+                           param_names=param_names, param_fqn=dict(traced.param_fqn), buffers=set(traced.buffers),
+                           param_layouts=param_layouts, param_slices=param_slices,
+                           input_names=list(traced.input_names), input_layouts=input_layouts,
+                           grad_partial_axes={f: tuple(a) for f, a in grad_partial.items()},
+                           loss_layout=loss_lay, data_axes=self.data_axes, zero3_chunks=self.zero3)
+
+    def _emit_op(self, n: fx.Node, spec, st: Strategy, needs_grad, partial_params):
+        op = self.ops[n.name]
+        producers = tensor_inputs(n)
+        regions = self.regions[n.name]
+        new_inputs = []
+        for i, p in enumerate(producers):
+            src = self.layout[p.name]
+            if isinstance(src, list):
+                raise NotImplementedError(f"{n.name}: reads the tuple output of {p.name} directly")
+            dst_json = op["inputs"][i] if i < len(op["inputs"]) else None
+            v = _val(p)
+            if dst_json is None or not isinstance(v, torch.Tensor):
+                dst = src if dst_json is None else self.norm(Layout.from_json(dst_json))
+                if not isinstance(v, torch.Tensor):
+                    new_inputs.append(self.env[p.name])
+                    continue
+            else:
+                dst = self.norm(Layout.from_json(dst_json))
+            pga = []
+            if p.name in needs_grad:
+                for (j, a) in sorted(regions):
+                    if j == i and a not in partial_params.get(p.name, ()):
+                        pga.append(a)
+            new_inputs.append(self.reshard(self.env[p.name], src, dst, v, tuple(pga)))
+
+        call = local_call(n, spec, st, self.mesh_shape)
+        it = iter(new_inputs)
+        args, kwargs = pytree.tree_map_only(fx.Node, lambda _: next(it), (tuple(call.args), dict(call.kwargs)))
+        if call.needs_algorithm:
+            algo = call.needs_algorithm
+            if "," in algo:
+                raise NotImplementedError(f"{n.name}: several special algorithms at once ({algo})")
+            letters = [ch for ch, (name, _) in spec.special.items() if name == algo]
+            axes = tuple(a for a, s in enumerate(st.splits) if s in letters and self.mesh_shape[a] > 1)
+            fn = SP.ALGORITHMS.get(algo)
+            if fn is None:
+                raise NotImplementedError(f"{n.name}: special algorithm {algo!r} is not implemented")
+            if axes:
+                out = self.call(fn, args, dict(kwargs, axes=axes), name=n.name)
+            else:
+                out = self.call(call.target, args, kwargs, name=n.name)
+        else:
+            out = self.call(call.target, args, kwargs, name=n.name)
+        if call.scale is not None and call.scale != 1:
+            out = self.call(operator.mul, (out, float(call.scale)), name=n.name + "_scaled")
+        self.env[n.name] = out
+        outs = [self.norm(Layout.from_json(j)) for j in op["outputs"]]
+        v = _val(n)
+        self.layout[n.name] = outs if isinstance(v, (tuple, list)) else outs[0]
+
+
+def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None) -> RankProgram:
+    """The per-rank program of ``plan`` for ``rank`` (see the module docstring)."""
+    if not 0 <= rank < plan.mesh.size:
+        raise ValueError(f"rank {rank} is outside the plan's mesh {plan.mesh.describe()} ({plan.mesh.size} ranks)")
+    return _Builder(traced, plan, rank, zero3_chunks).build()
+
+
+def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
+    """Printed code of ``rank``'s program for ``autopar show plan.json --code --rank R --factory F``.
+    ``factory`` is a zoo name / "module:FN" / a callable returning (model, example_inputs);
+    ``pairs`` are "name=value" keyword arguments for it (values parsed as Python literals)."""
+    import ast
+
+    from autopar.models import load_factory
+    from autopar.trace import trace
+
+    fn = load_factory(factory) if isinstance(factory, str) else factory
+    kwargs = {}
+    for pair in pairs or ():
+        k, _, v = pair.partition("=")
+        try:
+            kwargs[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            kwargs[k] = v
+    model, inputs = fn(**kwargs)
+    nm = plan.data["degrees"].get("num_micro_batches", 1) or 1
+    if nm > 1:
+        inputs = tuple(x[: x.shape[0] // nm] for x in inputs)
+    traced = trace(model, inputs)
+    if traced.fingerprint != plan.fingerprint and nm == 1:
+        from autopar.errors import ExecutionError
+        raise ExecutionError(f"plan made for a different model: plan fingerprint {plan.fingerprint[:12]}, "
+                             f"{factory} traces to {traced.fingerprint[:12]}")
+    prog = generate(traced, plan, rank)
+    header = (f"# rank {rank} of mesh {plan.mesh.describe()}, coords {prog.coords}\n"
+              f"# loss layout: {prog.loss_layout.describe(plan.mesh.names)}\n")
+    return header + prog.gm.code
