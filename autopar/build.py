@@ -75,7 +75,8 @@ class Candidates:
     storage_root: dict[str, str]    # node -> the node whose storage it aliases
     root_bytes: dict[str, int]      # root -> storage bytes (global, as traced)
     block_of_rep: dict[str, int] = field(default_factory=dict)   # rep op node -> block group index
-    needs_grad: set[str] = field(default_factory=set)   # values autograd differentiates (params and what they reach)
+    needs_grad: set[str] = field(default_factory=set)
+    edge_cache: dict = field(default_factory=dict)      # (micro-batches, precision) -> priced edges   # values autograd differentiates (params and what they reach)
 
 
 def _val(node):
@@ -357,7 +358,11 @@ def price(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
         P.transient[name], P.comm_bytes[name] = transient, axis_bytes
         if info.kind == "param":
             P.static[name] = static
-    _price_edges(c, cluster, s, comm, P)
+    key = (s.num_micro_batches, s.precision)
+    if key not in c.edge_cache:   # edges depend on micro-batching and precision only, not on ZeRO
+        _price_edges(c, cluster, s, comm, P)
+        c.edge_cache[key] = (P.edges, P.edge_bytes)
+    P.edges, P.edge_bytes = c.edge_cache[key]
     return P
 
 

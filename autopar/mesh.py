@@ -12,6 +12,7 @@ axis on which the ILP chooses freely how each op is split (``tp``, ``tp2``, ...)
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ class Mesh:
     def placement(self, axis: int) -> AxisPlacement:
         """How one axis' groups sit on nodes: the worst group decides (the most nodes spanned),
         so an axis whose groups straddle node boundaries is never priced as intra-node."""
+        return _placement(self, axis)
+
+    def _compute_placement(self, axis: int) -> AxisPlacement:
         size = self.shape[axis]
         stride = math.prod(self.shape[axis + 1:])
         if size == 1:
@@ -111,6 +115,11 @@ class Mesh:
     @staticmethod
     def from_json(d: dict) -> "Mesh":
         return Mesh(tuple(d["shape"]), tuple(d["names"]), d["devices_per_node"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement(mesh: Mesh, axis: int) -> AxisPlacement:
+    return mesh._compute_placement(axis)
 
 
 def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:

@@ -78,8 +78,15 @@ def _validate(layout: Layout, shape: tuple[int, ...], mesh_shape: tuple[int, ...
             raise ValueError(f"{what} layout {layout}: dim {d} of size {s} does not split evenly into {f} blocks")
 
 
-def _moves(state: Layout, shape, mesh_shape, itemsize):
-    """Every legal (step, next_state, kind, nbytes) from ``state``, in a fixed order."""
+def _moves(state: Layout, shape, mesh_shape, itemsize, dst: Layout):
+    """Every useful (step, next_state, kind, nbytes) from ``state``, in a fixed order.
+
+    Moves that put an axis where the destination does not want it (slicing, reduce-scattering
+    or all-to-all-ing axis a into a dim the destination does not split over a, or making the
+    tensor partial over an axis the destination is not partial over) are never part of a
+    cheapest path, since undoing them costs a collective; skipping them keeps the search small.
+    A path always exists: reduce and gather everything, then slice and make partial as wanted."""
+    want = [set(axes) for axes in dst.dims]
     local = state.local_shape(shape, mesh_shape)
     nbytes = float(math.prod(local) * itemsize)
     used = state.axes_used()
@@ -92,7 +99,7 @@ def _moves(state: Layout, shape, mesh_shape, itemsize):
         rest = tuple(p for p in state.partial if p != a)
         yield Step("all_reduce", a), with_dims(state.dims, rest), "all_reduce", nbytes
         for d in range(ndim):
-            if local[d] % mesh_shape[a] == 0:
+            if a in want[d] and local[d] % mesh_shape[a] == 0:
                 dims = list(state.dims)
                 dims[d] = dims[d] + (a,)
                 yield Step("reduce_scatter", a, d), with_dims(dims, rest), "reduce_scatter", nbytes
@@ -104,7 +111,7 @@ def _moves(state: Layout, shape, mesh_shape, itemsize):
         dims[d] = dims[d][:-1]
         yield Step("all_gather", a, d), with_dims(dims), "all_gather", nbytes * mesh_shape[a]
         for e in range(ndim):
-            if e != d and local[e] % mesh_shape[a] == 0:
+            if e != d and a in want[e] and local[e] % mesh_shape[a] == 0:
                 dims2 = list(dims)
                 dims2[e] = dims2[e] + (a,)
                 yield Step("all_to_all", a, d, e), with_dims(dims2), "all_to_all", nbytes
@@ -112,11 +119,12 @@ def _moves(state: Layout, shape, mesh_shape, itemsize):
         if a in used:
             continue
         for d in range(ndim):
-            if local[d] % mesh_shape[a] == 0:
+            if a in want[d] and local[d] % mesh_shape[a] == 0:
                 dims = list(state.dims)
                 dims[d] = dims[d] + (a,)
                 yield Step("slice", a, d), with_dims(dims), None, 0.0
-        yield Step("partial", a), with_dims(state.dims, state.partial + (a,)), None, 0.0
+        if a in dst.partial:
+            yield Step("partial", a), with_dims(state.dims, state.partial + (a,)), None, 0.0
 
 
 def _key(cost: float) -> float:
@@ -143,7 +151,7 @@ def _plan_cached(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int
         if state == dst:
             return ReshardPlan(steps, cost)
         done.add(state)
-        for step, nxt, kind, nbytes in _moves(state, shape, mesh_shape, itemsize):
+        for step, nxt, kind, nbytes in _moves(state, shape, mesh_shape, itemsize, dst):
             if nxt in done:
                 continue
             c = cost + (float(comm(kind, nbytes, step.axis)) if kind else 0.0)

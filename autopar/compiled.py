@@ -1,0 +1,418 @@
+"""``autopar.compile``: run a Plan on the current process group.
+
+compile(model, cluster, example_inputs=None, plan=None, optimizer="adamw", lr=1e-3, **kw) -> CompiledModel
+
+Set-up (every rank, collectively):
+1. a process group must exist and its world size must equal the plan's device count
+   (``ExecutionError`` on every rank otherwise);
+2. with ``plan=None`` rank 0 plans and broadcasts the JSON (a planning error is broadcast too,
+   so every rank raises it instead of waiting);
+3. every rank traces the model itself and checks the plan's fingerprint; with several
+   micro-batches it re-traces one micro-batch (global batch // num_micro_batches) and checks that
+   the op sequence is the same (the plan's ops are keyed by node name);
+4. mesh process groups (runtime/context.py), the per-rank program (codegen/per_rank.py), the
+   full parameters broadcast from rank 0 and sliced to this rank's blocks, and a
+   ``ShardedOptimizer`` over the data axes with the plan's ZeRO stage.
+
+Gradient bookkeeping: the local loss is a partial sum over the data axes (a mean over a split
+batch is scaled by the local share), so the gradients a parameter receives through a batch-split
+use are partial sums too. The DP/ZeRO reducer AVERAGES over the data group, so those gradients are
+multiplied by the data-axis size in a hook before it (sum = average x size). Parameters whose
+gradient is already complete (the codegen inserted the all-reduce) are averaged as identical values.
+
+``step(*batch)`` takes the GLOBAL batch (or just this rank's rows, ``batch_rows()``), runs every
+micro-batch forward and backward (loss / num_micro_batches), steps the optimizer and returns the
+global loss as a float, identical on every rank.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from datetime import timedelta  # noqa: F401  (documented: the process-group timeout bounds every wait)
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import ExecutionError
+from autopar.plan import Plan
+
+
+def _require_pg():
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ExecutionError("autopar.compile needs an initialised torch.distributed process group: "
+                             "run under torchrun or runtime.launch.run_local (for one process, "
+                             "dist.init_process_group('gloo', rank=0, world_size=1))")
+
+
+def _as_tuple(x):
+    if x is None:
+        return None
+    return x if isinstance(x, tuple) else (tuple(x) if isinstance(x, list) else (x,))
+
+
+def _broadcast_plan(model, example_inputs, cluster, plan_options) -> Plan:
+    box = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            from autopar.api import plan as make_plan
+            box[0] = make_plan(model, example_inputs, cluster, **(plan_options or {})).to_json()
+        except Exception as e:   # every rank must learn about it, or the others wait forever
+            box[1] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise ExecutionError(f"planning on rank 0 failed: {box[1]}")
+    return Plan.from_json(box[0])
+
+
+def _resolve(model, fqn: str):
+    obj = model
+    for part in fqn.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class CompiledModel:
+    def __init__(self, model, cluster, plan, optimizer, lr, optimizer_kwargs, plan_options=None):
+        self.model, self.cluster, self.plan = model, cluster, plan
+        self.optimizer_name, self.lr, self.optimizer_kwargs = optimizer, lr, dict(optimizer_kwargs)
+        self.plan_options = plan_options
+        self._ready = False
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self, example_inputs):
+        from autopar.trace import trace
+        from codegen import generate
+        from runtime import context
+        from runtime.optim import make_optimizer
+        from runtime.zero import ShardedOptimizer
+
+        example_inputs = _as_tuple(example_inputs)
+        if self.plan is None:
+            self.plan = _broadcast_plan(self.model, example_inputs, self.cluster, self.plan_options)
+        plan = self.plan
+        world = dist.get_world_size()
+        if plan.mesh.size != world:
+            raise ExecutionError(f"the plan is for {plan.mesh.size} devices (mesh {plan.mesh.describe()}) but the "
+                                 f"process group has {world} ranks: launch {plan.mesh.size} processes or re-plan")
+        traced = trace(self.model, example_inputs)
+        if traced.fingerprint != plan.fingerprint:
+            raise ExecutionError(f"plan made for a different model: the plan's fingerprint is "
+                                 f"{plan.fingerprint[:16]}, this model traces to {traced.fingerprint[:16]}")
+        nm = int(plan.degrees.get("num_micro_batches", 1) or 1)
+        self.nm = nm
+        self.global_batch = example_inputs[0].shape[0]
+        if nm > 1:
+            micro = tuple(x[: x.shape[0] // nm] for x in example_inputs)
+            mt = trace(self.model, micro)
+            seq = lambda t: [(n.name, str(n.target)) for n in t.gm.graph.nodes if n.op == "call_function"]  # noqa: E731
+            if seq(mt) != seq(traced):
+                raise ExecutionError("re-tracing one micro-batch gave a different op sequence than the global "
+                                     "batch; the model's graph depends on the batch size")
+            traced = mt
+        self.traced = traced
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.ctx = context.setup(plan.mesh, device)
+        self.rank = dist.get_rank()
+        mesh = plan.mesh
+        zero = int(plan.degrees.get("zero", 0) or 0)
+        self.zero = zero
+
+        # Chunks: one per repeated-block instance (reduced / gathered together), the rest in one.
+        chunk_of_module = {}
+        for grp in traced.blocks:
+            for fqn in grp.module_fqns:
+                chunk_of_module.setdefault(fqn, len(chunk_of_module))
+        trainable = [n for n in traced.param_fqn if n not in traced.buffers]
+
+        def chunk_key(fqn):
+            for m, k in chunk_of_module.items():
+                if fqn.startswith(m + "."):
+                    return k
+            return len(chunk_of_module)
+
+        keys = sorted({chunk_key(traced.param_fqn[n]) for n in trainable})
+        chunk_index = {k: i for i, k in enumerate(keys)}
+        self.chunk_of = {traced.param_fqn[n]: chunk_index[chunk_key(traced.param_fqn[n])] for n in trainable}
+        self.program = generate(traced, plan, self.rank, self.chunk_of if zero == 3 else None)
+        prog = self.program
+
+        # Parameters: full tensors from rank 0, then this rank's block.
+        self.params, self.buffers = {}, {}
+        self.local: list[torch.Tensor] = []
+        with torch.no_grad():
+            for name in prog.param_names:
+                fqn = prog.param_fqn[name]
+                full = _resolve(self.model, fqn).detach().clone().float() \
+                    if _resolve(self.model, fqn).is_floating_point() else _resolve(self.model, fqn).detach().clone()
+                dist.broadcast(full, src=0)
+                block = full[prog.param_slices[fqn]].clone().contiguous()
+                if name in prog.buffers:
+                    self.buffers[fqn] = block
+                    self.local.append(block)
+                else:
+                    p = torch.nn.Parameter(block)
+                    self.params[fqn] = p
+                    self.local.append(p)
+        # Partial-over-data-axes grads: the reducer averages, so scale by the axes' size (module doc).
+        for fqn, axes in prog.grad_partial_axes.items():
+            f = math.prod(mesh.shape[a] for a in axes)
+            if f > 1 and fqn in self.params:
+                self.params[fqn].register_hook(lambda g, f=f: g * f)
+        groups = [[] for _ in keys]
+        for fqn, p in self.params.items():
+            groups[self.chunk_of[fqn]].append(p)
+        self.chunks = groups
+        model_axes = [self.ctx.groups[a] for a in mesh.model_axes() if mesh.shape[a] > 1]
+        self.opt = ShardedOptimizer(groups, self.ctx.data_group, zero,
+                                    make_optimizer(self.optimizer_name, self.lr, **self.optimizer_kwargs),
+                                    extra_norm_groups=model_axes)
+        if zero == 3:
+            context.set_zero3(self.opt)
+        self._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}
+        self._ready = True
+
+    # ------------------------------------------------------------------ batches
+    def batch_rows(self) -> list[int]:
+        """Rows of the global batch this rank reads (micro-batch by micro-batch)."""
+        self._need_ready()
+        lay = self.program.input_layouts[0] if self.program.input_layouts else None
+        bm = self.global_batch // self.nm
+        rows = []
+        for m in range(self.nm):
+            sl = (lay and lay.dims and _block_of(lay, bm, self.program.mesh_shape, self.program.coords)) or slice(0, bm)
+            rows.extend(range(m * bm + sl.start, m * bm + sl.stop))
+        return rows
+
+    def _local_micro_batches(self, batch) -> list[tuple]:
+        prog = self.program
+        bm = self.global_batch // self.nm
+        n_local = len(self.batch_rows()) // self.nm
+        out = [[] for _ in range(self.nm)]
+        for x, lay in zip(batch, prog.input_layouts):
+            if not isinstance(x, torch.Tensor):
+                raise ExecutionError(f"step() takes tensors, got {type(x).__name__}")
+            if x.shape[0] == self.global_batch:
+                for m in range(self.nm):
+                    xm = x[m * bm:(m + 1) * bm]
+                    out[m].append(xm[_block_of(lay, bm, prog.mesh_shape, prog.coords)] if lay.dims else xm)
+            elif x.shape[0] == n_local * self.nm:   # just my rows (batch_rows())
+                for m in range(self.nm):
+                    out[m].append(x[m * n_local:(m + 1) * n_local])
+            else:
+                raise ExecutionError(f"step() got a batch of {x.shape[0]} rows; the plan is for a global batch of "
+                                     f"{self.global_batch} (or this rank's {n_local * self.nm} rows)")
+        return [tuple(o) for o in out]
+
+    def _need_ready(self):
+        if not self._ready:
+            raise ExecutionError("the compiled model is not set up yet: pass example_inputs to compile() or call "
+                                 "step() with a batch first")
+
+    # ------------------------------------------------------------------ running
+    def _global_loss(self, local: torch.Tensor) -> float:
+        t = local.detach().clone().float()
+        for a in self.program.loss_layout.partial:
+            dist.all_reduce(t, group=self.ctx.groups[a])
+        return float(t)
+
+    def step(self, *batch) -> float:
+        if not self._ready:
+            self._setup(batch)
+        try:
+            micro = self._local_micro_batches(batch)
+            total = torch.zeros(())
+            reducer = self.opt.reducer
+            for m, inputs in enumerate(micro):
+                last = m == len(micro) - 1
+                sync = reducer.no_sync() if (reducer is not None and not last) else _nullcontext()
+                with sync:
+                    loss = self.program.gm(*self.local, *inputs)
+                    (loss / self.nm).backward()
+                total = total + loss.detach() / self.nm
+            self.opt.step()
+            self.opt.zero_grad()
+            return self._global_loss(total)
+        except ExecutionError:
+            raise
+        except RuntimeError as e:   # a collective timed out or a peer died: never hang silently
+            raise ExecutionError(f"rank {self.rank}: training step failed: {e}") from e
+
+    @torch.no_grad()
+    def __call__(self, *inputs):
+        """Forward only: the global loss of the batch (a 0-d tensor, the same on every rank)."""
+        if not self._ready:
+            self._setup(inputs)
+        total = torch.zeros(())
+        for mb in self._local_micro_batches(inputs):
+            total = total + self.program.gm(*self.local, *mb) / self.nm
+        return torch.tensor(self._global_loss(total))
+
+    # ------------------------------------------------------------------ state
+    def _gather_full(self, local: torch.Tensor, fqn: str) -> torch.Tensor:
+        """Assemble the full tensor from every rank's block (collective over the world)."""
+        prog = self.program
+        lay = prog.param_layouts[fqn]
+        shape = [s.stop - s.start for s in prog.param_slices[fqn]]
+        full_shape = [n * _factor(lay, d, prog.mesh_shape) for d, n in enumerate(shape)]
+        world = dist.get_world_size()
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local.contiguous())
+        full = torch.empty(full_shape, dtype=local.dtype)
+        mesh = self.plan.mesh
+        for r in range(world):
+            from codegen.per_rank import block_slices
+            full[block_slices(lay, full_shape, prog.mesh_shape, mesh.coords(r))] = parts[r]
+        return full
+
+    @torch.no_grad()
+    def _local_values(self) -> dict[str, torch.Tensor]:
+        if self.zero == 3:
+            for c in self.opt.chunks:
+                self.opt._gather(c)
+        vals = {fqn: p.detach().clone() for fqn, p in self.params.items()}
+        vals.update({fqn: b.clone() for fqn, b in self.buffers.items()})
+        if self.zero == 3:
+            for c in self.opt.chunks:
+                self.opt._free(c)
+        return vals
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors, keys of model.state_dict() (tied aliases included); on every rank."""
+        self._need_ready()
+        out = {}
+        for fqn, v in self._local_values().items():
+            full = self._gather_full(v, fqn)
+            for alias in self.traced.tied.get(fqn, [fqn]):
+                out[alias] = full
+        keys = list(self.model.state_dict().keys())
+        return {k: out[k] for k in keys if k in out}
+
+    def _optimizer_local_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """fqn -> {state name: tensor shaped like my parameter block} (collective over the data group)."""
+        out = {}
+        for c in self.opt.chunks:
+            for name, t in c.state.items():
+                if self.zero >= 1 and self.opt.world > 1:
+                    flat = torch.empty(c.padded, dtype=t.dtype)
+                    dist.all_gather_into_tensor(flat, t.contiguous(), group=self.opt.group)
+                else:
+                    flat = t
+                for p, off in zip(c.params, c.offsets):
+                    fqn = self._fqn_of(p)
+                    out.setdefault(fqn, {})[name] = flat[off:off + p.numel()].view(p.shape).clone()
+        return out
+
+    def _fqn_of(self, p):
+        if not hasattr(self, "_fqn_by_id"):
+            self._fqn_by_id = {id(q): f for f, q in self.params.items()}
+        return self._fqn_by_id[id(p)]
+
+    def save(self, directory) -> None:
+        """Full (unsharded) tensors via torch.distributed.checkpoint: loads onto any plan."""
+        import torch.distributed.checkpoint as dcp
+
+        self._need_ready()
+        state = {"model": self.full_state_dict()}
+        opt_state = {}
+        for fqn, d in self._optimizer_local_state().items():
+            for name, t in d.items():
+                opt_state[f"{fqn}.{name}"] = self._gather_full(t, fqn)
+        state["optim"] = opt_state
+        state["step"] = torch.tensor(self.opt.step_count)
+        dcp.save(state, checkpoint_id=str(directory))
+
+    @torch.no_grad()
+    def load(self, directory) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self._need_ready()
+        model_sd = {k: v.clone() for k, v in self.full_state_dict().items()}
+        opt_sd = {}
+        for fqn, d in self._optimizer_local_state().items():
+            for name, t in d.items():
+                opt_sd[f"{fqn}.{name}"] = self._gather_full(t, fqn).clone()
+        state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(0)}
+        dcp.load(state, checkpoint_id=str(directory))
+        prog = self.program
+        if self.zero == 3:
+            for c in self.opt.chunks:
+                self.opt._gather(c)
+        for fqn, p in self.params.items():
+            p.data.copy_(state["model"][fqn][prog.param_slices[fqn]])
+        for fqn, b in self.buffers.items():
+            b.copy_(state["model"][fqn][prog.param_slices[fqn]])
+        for c in self.opt.chunks:
+            if self.zero == 3:
+                c.shard_param.copy_(c.flat[c.lo:c.hi])
+            for name, t in c.state.items():
+                flat = torch.zeros(c.padded, dtype=t.dtype)
+                for p, off in zip(c.params, c.offsets):
+                    fqn = self._fqn_of(p)
+                    flat[off:off + p.numel()] = state["optim"][f"{fqn}.{name}"][prog.param_slices[fqn]].reshape(-1)
+                t.copy_(flat[c.lo:c.hi] if t.numel() == c.shard and self.zero >= 1 else flat[:t.numel()])
+        if self.zero == 3:
+            for c in self.opt.chunks:
+                self.opt._free(c)
+        self.opt.step_count = int(state["step"])
+
+    # ------------------------------------------------------------------ communication
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes per rank moved since the last reset, by mesh axis name (optimizer traffic under the data axis)."""
+        from runtime.collectives import COMM_STATS
+
+        out = dict(COMM_STATS.snapshot())
+        if self._ready:
+            data = [self.plan.mesh.names[a] for a in self.program.data_axes]
+            key = "+".join(data) if data else "dp"
+            out[key] = out.get(key, 0) + self.opt.bytes_sent
+        return out
+
+    def reset_comm_stats(self) -> None:
+        from runtime.collectives import COMM_STATS
+
+        COMM_STATS.reset()
+        if self._ready:
+            self.opt.reset_comm_stats()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _factor(lay, d, mesh_shape) -> int:
+    return math.prod(mesh_shape[a] for a in lay.dims[d])
+
+
+def _block_of(lay, n, mesh_shape, coords) -> slice:
+    """My rows of a dim-0 of ``n`` rows split per ``lay``."""
+    idx, k = 0, 1
+    for a in lay.dims[0]:
+        idx = idx * mesh_shape[a] + coords[a]
+        k *= mesh_shape[a]
+    step = n // k
+    return slice(idx * step, (idx + 1) * step)
+
+
+def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "adamw", lr: float = 1e-3,
+            plan_options: dict | None = None, **optimizer_kwargs) -> CompiledModel:
+    """Set up ``model`` to train under ``plan`` (planned now on rank 0 when None) on the current
+    process group. ``plan_options`` are keyword arguments for autopar.plan (e.g. constraints).
+    Without ``example_inputs`` the set-up happens at the first ``step``."""
+    _require_pg()
+    if plan is not None and not isinstance(plan, Plan):
+        raise ExecutionError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
+    if plan is not None and plan.mesh.size != dist.get_world_size():
+        raise ExecutionError(f"the plan is for {plan.mesh.size} devices (mesh {plan.mesh.describe()}) but the "
+                             f"process group has {dist.get_world_size()} ranks: launch {plan.mesh.size} "
+                             f"processes or re-plan")
+    cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, plan_options)
+    if example_inputs is not None:
+        cm._setup(example_inputs)
+    return cm
+
+
+__all__ = ["compile", "CompiledModel"]
