@@ -123,6 +123,14 @@ def candidates(graph: TracedGraph, mesh: Mesh) -> Candidates:
     order: list[str] = []
     batch_of: dict[str, tuple] = {}
     model_axes = mesh.model_axes()
+    # Block instances after the first reuse the first instance's spec and strategies (same ops,
+    # same shapes): enumeration is the expensive part of this function.
+    first_of = {}
+    for group in graph.blocks:
+        for inst in group.instances[1:]:
+            for a, b in zip(group.instances[0], inst):
+                first_of[b] = a
+    memo: dict = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = _val(node)
@@ -154,8 +162,13 @@ def candidates(graph: TracedGraph, mesh: Mesh) -> Candidates:
                     in_batch.append(outs[idx] if idx < len(outs) else frozenset())
                 else:
                     in_batch.append(outs[0] if outs else frozenset())
-            letters, out_batch = propagate_batch(spec, in_batch)
-            strategies = enumerate_strategies(spec, mesh, letters)
+            first = first_of.get(node.name)
+            if first is not None and (first, tuple(in_batch)) in memo:
+                spec, letters, out_batch, strategies = memo[(first, tuple(in_batch))]
+            else:
+                letters, out_batch = propagate_batch(spec, in_batch)
+                strategies = enumerate_strategies(spec, mesh, letters)
+                memo[(node.name, tuple(in_batch))] = (spec, letters, out_batch, strategies)
             batch_of[node.name] = tuple(out_batch)
             nodes[node.name] = NodeInfo(node.name, "op", node, strategies, spec=spec, batch_dims=tuple(out_batch))
             order.append(node.name)
@@ -441,9 +454,12 @@ def _source_layout(producer: NodeInfo, consumer_node, strat: Strategy) -> Layout
 
 
 def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) -> None:
+    """Resharding cost matrix per (producer, consumer) representative pair, summed over the
+    graph's edges; edges of repeated block instances are priced once and multiplied."""
     mesh = c.mesh
     nm = s.num_micro_batches
-    cache: dict = {}
+    counts: dict = defaultdict(int)
+    example: dict = {}
     for name in c.order:
         info = c.nodes[name]
         if info.kind != "op":
@@ -451,43 +467,51 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
         for i, p in enumerate(tensor_inputs(info.node)):
             if p.name not in c.nodes:
                 continue
-            prod = c.nodes[p.name]
-            pval = _val(p)
-            if isinstance(pval, (tuple, list)):
-                pval = pval[info.node.args[1]] if info.node.target is operator.getitem else None
-            if not isinstance(pval, torch.Tensor):
-                continue
-            shape = _tensor_shape(pval)
-            itemsize = _itemsize(pval.dtype, s.precision)
-            bdims = prod.batch_dims[0] if prod.batch_dims else frozenset()
-            if info.node.target is operator.getitem and len(prod.batch_dims) > 1:
-                bdims = prod.batch_dims[info.node.args[1]]
-            bdim = min(bdims) if bdims else None
-            key = (prod.rep, info.rep)
-            S, T = len(prod.strategies), len(info.strategies)
-            mat = np.zeros((S, T))
-            bytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
-            for a_i, ps in enumerate(prod.strategies):
-                src = _source_layout(prod, info.node, ps)
-                for b_i, cs in enumerate(info.strategies):
-                    dst = cs.inputs[i] if i < len(cs.inputs) and cs.inputs[i] is not None else Layout.replicated(len(shape))
-                    if src == dst:
-                        continue
-                    ck = (src, dst, shape, itemsize, bdim)
-                    if ck not in cache:
-                        cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm)
-                    t, per_axis = cache[ck]
-                    mat[a_i, b_i] = t
-                    for a in range(len(mesh.shape)):
-                        bytes_axes[a][a_i, b_i] = per_axis[a]
-            if not mat.any():
-                continue
-            if key in P.edges:
-                P.edges[key] = P.edges[key] + mat
-                P.edge_bytes[key] = [x + y for x, y in zip(P.edge_bytes[key], bytes_axes)]
-            else:
-                P.edges[key] = mat
-                P.edge_bytes[key] = bytes_axes
+            k = (c.nodes[p.name].rep, info.rep, i)
+            counts[k] += 1
+            example.setdefault(k, (p.name, name))
+    cache: dict = {}
+    for k in sorted(counts):
+        pname, cname = example[k]
+        i = k[2]
+        prod, info = c.nodes[pname], c.nodes[cname]
+        pval = _val(prod.node)
+        if isinstance(pval, (tuple, list)):
+            pval = pval[info.node.args[1]] if info.node.target is operator.getitem else None
+        if not isinstance(pval, torch.Tensor):
+            continue
+        shape = _tensor_shape(pval)
+        itemsize = _itemsize(pval.dtype, s.precision)
+        bdims = prod.batch_dims[0] if prod.batch_dims else frozenset()
+        if info.node.target is operator.getitem and len(prod.batch_dims) > 1:
+            bdims = prod.batch_dims[info.node.args[1]]
+        bdim = min(bdims) if bdims else None
+        S, T = len(prod.strategies), len(info.strategies)
+        mat = np.zeros((S, T))
+        bytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
+        srcs = [_source_layout(prod, info.node, ps) for ps in prod.strategies]
+        for b_i, cs in enumerate(info.strategies):
+            dst = cs.inputs[i] if i < len(cs.inputs) and cs.inputs[i] is not None else Layout.replicated(len(shape))
+            for a_i, src in enumerate(srcs):
+                if src == dst:
+                    continue
+                ck = (src, dst, shape, itemsize, bdim)
+                if ck not in cache:
+                    cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm)
+                t, per_axis = cache[ck]
+                mat[a_i, b_i] = t
+                for a in range(len(mesh.shape)):
+                    bytes_axes[a][a_i, b_i] = per_axis[a]
+        if not mat.any():
+            continue
+        n = counts[k]
+        key = (prod.rep, info.rep)
+        if key in P.edges:
+            P.edges[key] = P.edges[key] + n * mat
+            P.edge_bytes[key] = [x + n * y for x, y in zip(P.edge_bytes[key], bytes_axes)]
+        else:
+            P.edges[key] = n * mat
+            P.edge_bytes[key] = [n * y for y in bytes_axes]
 
 
 def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm):
