@@ -173,13 +173,13 @@ def candidates(graph: TracedGraph, mesh: Mesh) -> Candidates:
             nodes[node.name] = NodeInfo(node.name, "op", node, strategies, spec=spec, batch_dims=tuple(out_batch))
             order.append(node.name)
     roots, root_bytes = _storage_roots(gm, nodes)
-    cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=_needs_grad(gm, nodes))
+    cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=_needs_grad(gm, nodes, graph.buffers))
     _assign_representatives(cands)
     return cands
 
 
-def _needs_grad(gm, nodes) -> set[str]:
-    out = {n for n, info in nodes.items() if info.kind == "param"}
+def _needs_grad(gm, nodes, buffers) -> set[str]:
+    out = {n for n, info in nodes.items() if info.kind == "param" and n not in buffers}
     for node in gm.graph.nodes:
         if node.op == "call_function" and any(p.name in out for p in tensor_inputs(node)):
             val = _val(node)
@@ -320,8 +320,12 @@ def price(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
             for j, st in enumerate(info.strategies):
                 local = numel * st.outputs[0].shard_fraction(mesh.shape)
                 sb = zero_shard(state_bytes(local, s.optimizer, s.precision), s.zero, dp)
+                if name not in c.needs_grad:   # a buffer: stored, never trained
+                    sb = {"params": local * _itemsize(val.dtype, s.precision), "grads": 0, "optimizer": 0}
                 for key in static:
                     static[key][j] = sb[key] * k
+                if name not in c.needs_grad:
+                    continue
                 opt_local = local / (dp if s.zero >= 1 else 1)
                 opt_t[j] = optimizer_step_time(opt_local, s.optimizer, s.precision, device) * k
                 gbytes = local * (2 if s.precision == "bf16" else 4)
@@ -411,7 +415,11 @@ def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str
     ins = tensor_inputs(info.node)
     val = _val(info.node)
     outs = val if isinstance(val, (tuple, list)) else (val,)
+    if info.name not in c.needs_grad:
+        return fns          # autograd records nothing for an op none of whose inputs needs a gradient
     for sv in info.spec.saved:
+        if sv.for_grad_of and not any(j < len(ins) and ins[j].name in c.needs_grad for j in sv.for_grad_of):
+            continue
         if sv.kind in ("input", "output"):
             if sv.kind == "input":
                 if sv.index >= len(ins):

@@ -75,7 +75,8 @@ def mul_div(node):
         else:    # linear in either factor: let the bigger one (the activation) be the partial one
             a, b = (math.prod(shape(node.args[i])) for i in (0, 1))
             lin = (0,) if a >= b else (1,)
-        saved = (Saved("input", 0), Saved("input", 1))
+        # autograd keeps each factor only for the other's gradient; div keeps the divisor for both
+        saved = (Saved("input", 0, for_grad_of=(1,)), Saved("input", 1, for_grad_of=(0, 1) if is_div else (0,)))
     else:
         lin, saved = (0,), ()
     return _elementwise_spec(node, node.target.overloadpacket.__name__, lin, saved)

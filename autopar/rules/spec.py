@@ -27,11 +27,14 @@ class Saved:
     kind "input"/"output": the op's index-th tensor input/output (aliases of the same storage
     are counted once by the memory model). kind "extra": a tensor the backward formula keeps
     that is not an fx value (e.g. layer norm's mean and rstd), with its letters and itemsize.
+    ``for_grad_of``: when set, autograd saves the tensor only if one of these inputs needs a
+    gradient (mul saves x only for the gradient of y: x * constant saves nothing of x).
     """
     kind: str
     index: int = 0
     letters: str = ""
     itemsize: int = 4
+    for_grad_of: tuple = ()
 
 
 @dataclass(frozen=True)
