@@ -21,8 +21,13 @@ from autopar.trace import trace
 def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=None, optimizer: str = "adamw",
          precision: str = "bf16", memory_budget: float | None = None, constraints: dict | None = None,
          time_limit: float | None = None, overlap_grad_comm: bool = True, verbose: bool = False,
-         traced=None) -> Plan:
-    """Find the fastest configuration of ``model`` on ``cluster`` that fits in memory."""
+         traced=None, policy: str | None = None) -> Plan:
+    """Find the fastest configuration of ``model`` on ``cluster`` that fits in memory.
+
+    Beyond api.md: ``traced`` reuses a TracedGraph (autopar.trace.trace) instead of tracing again;
+    ``policy="megatron"`` restricts every linear to Megatron's column/row splits (to price a
+    hand-written Megatron-LM configuration in the same cost model); ``verbose`` logs every
+    configuration the search solves."""
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(cluster, Cluster):
@@ -40,7 +45,7 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
     base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm)
     log = print if verbose else None
-    result, stats = search(graph, cluster, base, constraints, time_limit=time_limit, log=log)
+    result, stats = search(graph, cluster, base, constraints, time_limit=time_limit, log=log, policy=policy)
     data = plan_data(result, cluster, graph, optimizer, precision, budget, overlap_grad_comm, stats)
     stats.update(trace_seconds=t_trace, total_seconds=time.perf_counter() - t0)
     return Plan(data, stats=stats)

@@ -117,7 +117,18 @@ def _leaf_strategy(name: str, layout: Layout, mesh: Mesh) -> Strategy:
                     work_fraction=layout.shard_fraction(mesh.shape), comms=())
 
 
-def candidates(graph: TracedGraph, mesh: Mesh) -> Candidates:
+def megatron_filter(spec, strategies: list[Strategy], mesh: Mesh) -> list[Strategy]:
+    """Megatron-style policy: every linear splits its weight over every model axis (column- or
+    row-parallel); other ops stay free. Used to price hand-written Megatron configurations."""
+    if spec.rule != "linear" or not mesh.model_axes():
+        return strategies
+    keep = [st for st in strategies
+            if all(any(a in axes for axes in st.inputs[1].dims) for a in mesh.model_axes()
+                   if mesh.shape[a] > 1)]
+    return keep or strategies
+
+
+def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Candidates:
     gm = graph.gm
     nodes: dict[str, NodeInfo] = {}
     order: list[str] = []
@@ -168,6 +179,8 @@ def candidates(graph: TracedGraph, mesh: Mesh) -> Candidates:
             else:
                 letters, out_batch = propagate_batch(spec, in_batch)
                 strategies = enumerate_strategies(spec, mesh, letters)
+                if policy == "megatron":
+                    strategies = megatron_filter(spec, strategies, mesh)
                 memo[(node.name, tuple(in_batch))] = (spec, letters, out_batch, strategies)
             batch_of[node.name] = tuple(out_batch)
             nodes[node.name] = NodeInfo(node.name, "op", node, strategies, spec=spec, batch_dims=tuple(out_batch))
@@ -290,7 +303,24 @@ def _has_contraction(spec) -> bool:
     return any(ch not in out for ins in spec.inputs if ins for ch in ins)
 
 
-def price(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
+def price(c: Candidates, cluster: Cluster, s: Settings, edges: bool = True) -> Priced:
+    """Price every node under ``s``; with ``edges`` also the resharding matrices (the costly
+    part: the outer search prices them only for configurations its lower bound keeps)."""
+    P = price_nodes(c, cluster, s)
+    if edges:
+        price_edges(c, cluster, s, P)
+    return P
+
+
+def price_edges(c: Candidates, cluster: Cluster, s: Settings, P: Priced) -> None:
+    key = (s.num_micro_batches, s.precision)
+    if key not in c.edge_cache:   # edges depend on micro-batching and precision only, not on ZeRO
+        _price_edges(c, cluster, s, Collectives(cluster, c.mesh), P)
+        c.edge_cache[key] = (P.edges, P.edge_bytes)
+    P.edges, P.edge_bytes = c.edge_cache[key]
+
+
+def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     mesh = c.mesh
     comm = Collectives(cluster, mesh)
     device = cluster.device
@@ -375,11 +405,6 @@ def price(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
         P.transient[name], P.comm_bytes[name] = transient, axis_bytes
         if info.kind == "param":
             P.static[name] = static
-    key = (s.num_micro_batches, s.precision)
-    if key not in c.edge_cache:   # edges depend on micro-batching and precision only, not on ZeRO
-        _price_edges(c, cluster, s, comm, P)
-        c.edge_cache[key] = (P.edges, P.edge_bytes)
-    P.edges, P.edge_bytes = c.edge_cache[key]
     return P
 
 

@@ -102,6 +102,24 @@ def checkpoint_mode(ckpt: dict[str, bool]) -> str:
     return "mixed"
 
 
-def objective_lower_bound(P: Priced, problem: Problem) -> float:
-    """A cheap lower bound of the ILP objective: each node's cheapest strategy, edges free."""
-    return float(sum(np.min(cost) for cost in problem.costs if len(cost)))
+def step_time_lower_bound(P: Priced) -> float:
+    """A cheap lower bound of the predicted step time of any plan of this configuration: each node
+    at its cheapest strategy with resharding, recompute and gradient communication taken as free
+    (gradient communication may hide entirely behind backward)."""
+    total = 0.0
+    for n, comp in P.compute.items():
+        cost = comp + P.comm[n] - P.grad_comm[n] + P.optimizer[n]
+        if len(cost):
+            total += float(np.min(cost))
+    return total
+
+
+def static_memory_lower_bound(P: Priced) -> float:
+    """Parameters, gradients and optimizer state at their most sharded layouts: no plan of this
+    configuration needs less memory than this."""
+    total = 0.0
+    for parts in P.static.values():
+        arr = parts["params"] + parts["grads"] + parts["optimizer"]
+        if len(arr):
+            total += float(np.min(arr))
+    return total

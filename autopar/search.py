@@ -13,12 +13,16 @@ import math
 import time
 from dataclasses import dataclass
 
-from autopar.build import Candidates, Settings, build_problem, candidates, price
+from autopar.build import Candidates, Settings, build_problem, candidates, price, price_edges
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
-from autopar.predict import checkpoint_mode, objective_lower_bound, predict
+from autopar.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound
 from autopar.trace import TracedGraph
 from solver.ilp import min_peak_memory, solve
+
+# Relative optimality gap at which each configuration's ILP stops: plans within 0.1% of the
+# optimum of one configuration; the reported gap says what was reached.
+MIP_GAP = 1e-3
 
 DEGREE_KEYS = ("dp", "tp", "tp_mode", "sp", "sp_mode", "pp", "pp_schedule", "micro_batch_size",
                "num_micro_batches", "zero", "checkpoint", "offload")
@@ -104,6 +108,8 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
         dp, tp = mesh.degree("dp"), mesh.size // mesh.degree("dp")
         if constraints.get("dp", dp) != dp or constraints.get("tp", tp) != tp:
             continue
+        if constraints.get("tp_mode") == "1d" and len(mesh.model_axes()) > 1:
+            continue   # Megatron 1D: one model axis
         if batch % dp:
             continue
         zeros = [constraints["zero"]] if "zero" in constraints else ([0, 1, 2, 3] if dp > 1 else [0])
@@ -116,32 +122,44 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
 
 
 def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict | None = None,
-           time_limit: float | None = None, log=None) -> tuple[Result, dict]:
+           time_limit: float | None = None, log=None, policy: str | None = None) -> tuple[Result, dict]:
     constraints = check_constraints(constraints)
     t0 = time.perf_counter()
     best: Result | None = None
     stats = {"configs": 0, "pruned": 0, "solved": 0, "infeasible": 0, "gap": 0.0}
     infeasible: list = []
+    memory_floors: list = []   # configurations whose static memory alone exceeds the budget
     cand_cache: dict = {}
     configs = list(configurations(graph, cluster, base, constraints))
     if not configs:
         raise ConstraintError(_no_config_message(graph, cluster, constraints))
-    for cfg in configs:
+    # Price the nodes of every configuration (cheap), then visit them cheapest lower bound first
+    # so that the bound prunes as much as possible.
+    queue = []
+    for i, cfg in enumerate(configs):
+        if cfg.mesh not in cand_cache:
+            cand_cache[cfg.mesh] = candidates(graph, cfg.mesh, policy)
+        P = price(cand_cache[cfg.mesh], cluster, cfg.settings, edges=False)
+        queue.append((step_time_lower_bound(P), i, cfg, P))
+    queue.sort(key=lambda q: (q[0], q[1]))
+    for lower, _, cfg, P in queue:
         stats["configs"] += 1
         remaining = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - t0))
         if time_limit is not None and time.perf_counter() - t0 > time_limit and best is not None:
             stats["pruned"] += 1
             continue
-        key = cfg.mesh
-        if key not in cand_cache:
-            cand_cache[key] = candidates(graph, cfg.mesh)
-        cands = cand_cache[key]
-        P = price(cands, cluster, cfg.settings)
-        problem = build_problem(cands, P, cfg.settings)
-        if best is not None and objective_lower_bound(P, problem) >= best.prediction["step_time"]:
+        cands = cand_cache[cfg.mesh]
+        if best is not None and lower >= best.prediction["step_time"]:
             stats["pruned"] += 1
             continue
-        sol = solve(problem, time_limit=remaining)
+        static_floor = static_memory_lower_bound(P)
+        if static_floor > base.budget:
+            stats["infeasible"] += 1
+            memory_floors.append((cfg, P))
+            continue
+        price_edges(cands, cluster, cfg.settings, P)
+        problem = build_problem(cands, P, cfg.settings)
+        sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
         stats["solved"] += 1
         if sol.status == "infeasible":
             stats["infeasible"] += 1
@@ -156,7 +174,11 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
             stats["gap"] = sol.gap
     stats["seconds"] = time.perf_counter() - t0
     if best is None:
-        if infeasible:
+        if infeasible or memory_floors:
+            # the true smallest peak (not a bound): solve each configuration for its minimum peak
+            for cfg, P in memory_floors:
+                price_edges(cand_cache[cfg.mesh], cluster, cfg.settings, P)
+                infeasible.append(build_problem(cand_cache[cfg.mesh], P, cfg.settings))
             floor = min(min_peak_memory(p) for p in infeasible)
             raise MemoryBudgetError(
                 f"no plan fits in the memory budget of {base.budget / 2**30:.2f} GiB per device: the smallest "

@@ -49,7 +49,7 @@ def linear(node):
     return OpSpec("linear", tuple(ins), (batch + "n",), sizes, flops=flops, bytes=io_bytes(node),
                   partial_inputs=() if bias is not None else (0,),
                   addend_inputs=(2,) if bias is not None else (),
-                  saved=(Saved("input", 0), Saved("input", 1)))
+                  saved=(Saved("input", 0, for_grad_of=(1,)), Saved("input", 1, for_grad_of=(0,))))
 
 
 @rule(aten.mm.default)
