@@ -78,3 +78,42 @@ def run_local(fn, nprocs: int, args: tuple = (), timeout: float = 300.0, pg_time
         rank = min(errors)
         raise LocalLaunchError(f"rank {rank} of {nprocs} failed:\n{errors[rank]}")
     return [results[r] for r in range(nprocs)]
+
+
+def run_script(script: str, script_args: list[str], nprocs: int = 2, timeout: float | None = None) -> int:
+    """`autopar run -n N script.py args...`: start N local processes with the torchrun environment
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), so a script written for torchrun runs
+    unchanged on CPU. If one rank fails the others are stopped; returns the first non-zero exit code."""
+    import subprocess
+    import sys
+    import time
+
+    if nprocs < 1:
+        raise ValueError(f"-n must be at least 1, got {nprocs}")
+    port = _free_port()
+    procs = []
+    for r in range(nprocs):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, script, *script_args], env=env))
+    start = time.monotonic()
+    code = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed or (timeout is not None and time.monotonic() - start > timeout):
+                code = failed[0] if failed else 124
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    if code == 0:
+        code = next((p.returncode for p in procs if p.returncode), 0)
+    return code
