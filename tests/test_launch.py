@@ -1,0 +1,62 @@
+"""The local launchers: run_local (fork, in-process results) and run_script (`autopar run`)."""
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from runtime.launch import LocalLaunchError, run_local, run_script
+
+
+def _sum_ranks(rank, world):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _fail_on_one(rank, world):
+    if rank == 1:
+        raise ValueError("rank one broke")
+    t = torch.ones(1)
+    dist.all_reduce(t)   # rank 0 waits here until the launcher gives up on rank 1
+    return 0
+
+
+def test_run_local_returns_results_by_rank():
+    assert run_local(_sum_ranks, 3) == [3.0, 3.0, 3.0]
+
+
+def test_run_local_reports_the_failing_rank_without_hanging():
+    with pytest.raises(LocalLaunchError, match="(?s)rank 1 of 2 failed.*rank one broke"):
+        run_local(_fail_on_one, 2, pg_timeout=10, timeout=60)
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()
+    rank = dist.get_rank()
+    if rank == 0:
+        open(sys.argv[1], "w").write(str(int(t.item())))
+    dist.destroy_process_group()
+    sys.exit(int(sys.argv[2]) if rank == 1 else 0)
+""")
+
+
+def test_run_script_uses_the_torchrun_environment(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out.txt"
+    assert run_script(str(script), [str(out), "0"], nprocs=3, timeout=120) == 0
+    assert out.read_text() == "3"
+
+
+def test_run_script_propagates_a_rank_failure(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    assert run_script(str(script), [str(tmp_path / "o.txt"), "7"], nprocs=2, timeout=120) == 7
