@@ -49,10 +49,10 @@ def _train(rank, world, name, devices, constraints, plan_json, steps, kw):
     return losses, (sd if rank == 0 else None), cm.plan.degrees, cm.comm_stats()
 
 
-def run_plan(name, nprocs, constraints=None, plan_json=None, steps=STEPS, **kw):
-    if plan_json is None and constraints is not None:
+def run_plan(name, nprocs, constraints=None, plan_json=None, steps=STEPS, plan_in_compile=False, **kw):
+    if plan_json is None and not plan_in_compile:
         # Plan here: the ILP solver is much slower inside forked ranks. autopar.compile's own
-        # planning path (plan=None) is covered by test_automatic_plan_zoo.
+        # planning path (plan=None) is covered by test_compile_plans_on_rank_0.
         model, batch = ZOO[name](**kw)
         plan_json = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=nprocs),
                                  constraints=constraints).to_json()
@@ -60,9 +60,9 @@ def run_plan(name, nprocs, constraints=None, plan_json=None, steps=STEPS, **kw):
     return res
 
 
-def check_against_reference(name, nprocs, constraints=None, **kw):
+def check_against_reference(name, nprocs, constraints=None, plan_in_compile=False, **kw):
     ref_losses, ref_sd = reference(name, **kw)
-    res = run_plan(name, nprocs, constraints, **kw)
+    res = run_plan(name, nprocs, constraints, plan_in_compile=plan_in_compile, **kw)
     losses0 = res[0][0]
     for r, (losses, _, _, _) in enumerate(res):
         assert losses == losses0, f"rank {r} reports different losses"
@@ -114,6 +114,21 @@ def test_dp_tp_gpt2_2x2():
 def test_automatic_plan_zoo(name):
     """The planner's own choice for 4 CPU devices (gpt2: a dp x tp x tp2 mesh)."""
     check_against_reference(name, 4, None)
+
+
+@pytest.mark.slow
+def test_compile_plans_on_rank_0():
+    """plan=None: rank 0 plans and broadcasts the JSON. In a fresh interpreter: the ILP solver's
+    threads do not survive a fork once this (pytest) process has planned."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, %r); import test_execute as t; "
+            "t.check_against_reference('mlp', 2, {'num_micro_batches': 1}, plan_in_compile=True); print('OK')"
+            % os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
 def _force(plan_json: str, picks: dict) -> str:

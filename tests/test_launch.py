@@ -48,6 +48,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_run_script_uses_the_torchrun_environment(tmp_path):
     script = tmp_path / "s.py"
     script.write_text(SCRIPT)
@@ -56,6 +57,7 @@ def test_run_script_uses_the_torchrun_environment(tmp_path):
     assert out.read_text() == "3"
 
 
+@pytest.mark.slow
 def test_run_script_propagates_a_rank_failure(tmp_path):
     script = tmp_path / "s.py"
     script.write_text(SCRIPT)
