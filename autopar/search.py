@@ -24,7 +24,7 @@ from solver.ilp import min_peak_memory, solve
 # optimum of one configuration; the reported gap says what was reached.
 MIP_GAP = 1e-3
 
-DEGREE_KEYS = ("dp", "tp", "tp_mode", "sp", "sp_mode", "pp", "pp_schedule", "micro_batch_size",
+DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "pp", "pp_schedule", "micro_batch_size",
                "num_micro_batches", "zero", "checkpoint", "offload")
 
 
@@ -59,6 +59,10 @@ def check_constraints(constraints: dict | None) -> dict:
             raise ConstraintError(f"constraint {k}={constraints[k]!r} cannot be met: this version of autopar "
                                   f"plans {k}={ok!r} only (pipeline, sequence parallelism and offload are not "
                                   f"implemented yet)")
+    if "tp_shape" in constraints and (not isinstance(constraints["tp_shape"], (list, tuple)) or not all(
+            isinstance(x, int) and x > 1 for x in constraints["tp_shape"]) or len(constraints["tp_shape"]) > 2):
+        raise ConstraintError(f"constraint tp_shape={constraints['tp_shape']!r}: must be a list of one or two "
+                              f"model-axis sizes > 1, e.g. [2, 2] for a (dp, tp, tp2) mesh")
     if constraints.get("tp_mode") not in (None, "1d"):
         raise ConstraintError(f"constraint tp_mode={constraints['tp_mode']!r} cannot be met: only '1d' tensor "
                               f"parallelism is implemented (2d/2.5d/3d are planned)")
@@ -110,6 +114,8 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
             continue
         if constraints.get("tp_mode") == "1d" and len(mesh.model_axes()) > 1:
             continue   # Megatron 1D: one model axis
+        if "tp_shape" in constraints and list(constraints["tp_shape"]) != [mesh.shape[a] for a in mesh.model_axes()]:
+            continue
         if batch % dp:
             continue
         zeros = [constraints["zero"]] if "zero" in constraints else ([0, 1, 2, 3] if dp > 1 else [0])
