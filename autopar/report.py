@@ -8,7 +8,11 @@ from rich.table import Table
 
 
 def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
+    if x >= 2**30:
+        return f"{x / 2**30:.2f} GiB"
+    if x >= 2**20:
+        return f"{x / 2**20:.1f} MiB"
+    return f"{x / 2**10:.1f} KiB"
 
 
 def _secs(x: float) -> str:
@@ -48,7 +52,7 @@ def summary_table(plan) -> Table:
     mb = p["memory_breakdown"]
     t.add_row("peak memory", f"{_gib(p['peak_memory'])} of {_gib(plan.data['settings']['memory_budget'])}  "
                              + ", ".join(f"{k} {_gib(v)}" for k, v in mb.items()))
-    t.add_row("communication", ", ".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in p["comm_bytes"].items()) + " per device per step")
+    t.add_row("communication", ", ".join(f"{k}: {_gib(v)}" for k, v in p["comm_bytes"].items()) + " per device per step")
     t.add_row("MFU", f"{p['mfu'] * 100:.1f}%  ({p['model_flops']:.3g} model FLOPs per step)")
     s = plan.data["solver"]
     t.add_row("solver", f"{s['status']} (gap {s['gap']:.2%}); {s['configs']} configurations, {s['pruned']} pruned; "
