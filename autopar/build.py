@@ -368,8 +368,16 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                         axis_bytes[a][j] += gbytes * k
                         grad_t[j] += t * k
                     else:
-                        t = comm("reduce_scatter", gbytes, a) + comm("all_gather", pbytes, a)
-                        axis_bytes[a][j] += (gbytes + pbytes) * k
+                        # As runtime/zero.py runs it (checked by tests/test_predictions_measured.py):
+                        # stages 2/3 reduce-scatter each micro-batch's gradient as soon as backward
+                        # produced it (the full gradient is not kept across micro-batches), stage 1
+                        # once per step; stages 1/2 all-gather the updated shards after the step,
+                        # stage 3 does not (it keeps only the shard: the next forward's gather,
+                        # priced below, is that all-gather). ZeRO-3 total: 3x params (ZeRO paper).
+                        n_rs = nm if s.zero >= 2 else 1
+                        n_ag = 0 if s.zero == 3 else 1
+                        t = n_rs * comm("reduce_scatter", gbytes, a) + n_ag * comm("all_gather", pbytes, a)
+                        axis_bytes[a][j] += (n_rs * gbytes + n_ag * pbytes) * k
                         grad_t[j] += t * k
                         if s.zero == 3:   # parameters gathered for forward and again for backward, per micro-batch
                             comm_t[j] += 2 * nm * comm("all_gather", pbytes, a) * k
