@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from autopar.build import Settings
+from autopar.build import Settings, chosen
 from autopar.cluster import Cluster
 from autopar.errors import PlanError
 from autopar.memory import check_optimizer, check_precision
@@ -55,7 +55,7 @@ def plan_data(result: Result, cluster: Cluster, graph, optimizer, precision, bud
     cands = result.cands
     mesh = result.config.mesh
     sol = result.solution
-    pick = {n: sol.choice[i] for i, n in enumerate(result.problem.node_names)}
+    pick = chosen(result.problem, sol)
     names = mesh.names
     ops, params = [], {}
     first_op = last_op = None

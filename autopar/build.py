@@ -284,6 +284,7 @@ class Priced:
     edges: dict[tuple[str, str], np.ndarray]
     comm_bytes: dict[str, list[np.ndarray]]  # per node: per mesh axis bytes per strategy (all repeats)
     edge_bytes: dict[tuple[str, str], list[np.ndarray]]
+    valid: dict[str, np.ndarray] = field(default_factory=dict)   # strategies whose layouts divide a micro-batch
 
 
 def _fraction(layout: Layout | None, mesh: Mesh) -> float:
@@ -411,9 +412,44 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
         P.compute[name], P.fwd_compute[name], P.comm[name] = compute, fwd, comm_t + grad_t
         P.grad_comm[name], P.optimizer[name], P.saved[name] = grad_t, opt_t, saved
         P.transient[name], P.comm_bytes[name] = transient, axis_bytes
+        P.valid[name] = np.array([_divides_micro_batch(c, info, st, nm) for st in info.strategies], dtype=bool)
         if info.kind == "param":
             P.static[name] = static
     return P
+
+
+def _micro_shape(shape, batch_dims, nm: int):
+    if nm == 1 or not batch_dims:
+        return tuple(shape)
+    d = min(batch_dims)
+    return tuple(x // nm if i == d else x for i, x in enumerate(shape))
+
+
+def _divides_micro_batch(c: Candidates, info: NodeInfo, st: Strategy, nm: int) -> bool:
+    """Every layout of the strategy splits one micro-batch's tensors evenly."""
+    if nm == 1:
+        return True
+    mesh = c.mesh
+    tensors = []
+    val = _val(info.node)
+    outs = val if isinstance(val, (tuple, list)) else (val,)
+    for k, (o, lay) in enumerate(zip(outs, st.outputs)):
+        bd = info.batch_dims[k] if k < len(info.batch_dims) else frozenset()
+        tensors.append((o, bd, lay))
+    if info.kind == "op":
+        for p, lay in zip(tensor_inputs(info.node), st.inputs):
+            prod = c.nodes.get(p.name)
+            pv = _val(p)
+            if prod is None or lay is None or not isinstance(pv, torch.Tensor):
+                continue
+            tensors.append((pv, prod.batch_dims[0] if prod.batch_dims else frozenset(), lay))
+    for t, bd, lay in tensors:
+        if not isinstance(t, torch.Tensor) or lay is None or lay.ndim != t.ndim:
+            continue
+        shape = _micro_shape(_tensor_shape(t), bd, nm)
+        if any(x % lay.split_factor(d, mesh.shape) for d, x in enumerate(shape)):
+            return False
+    return True
 
 
 def _region_cost(c: Candidates, info: NodeInfo, st: Strategy, precision: str, nm: int, comm):
@@ -633,5 +669,35 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
         memory.append(MemoryConstraint(name=f"backward@{n}" if n else "end-of-forward", budget=s.budget,
                                        terms=terms, groups=gidx))
     names = [[st.name for st in c.nodes[n].strategies] for n in reps]
-    return Problem(node_names=list(reps), costs=costs, edges=edges, memory=memory,
-                   checkpoint_groups=cgroups, strategy_names=names)
+    problem = Problem(node_names=list(reps), costs=costs, edges=edges, memory=memory,
+                      checkpoint_groups=cgroups, strategy_names=names)
+    keep = [np.flatnonzero(P.valid[n]) if n in P.valid and P.valid[n].size else np.arange(len(costs[i]))
+            for i, n in enumerate(reps)]
+    return restrict(problem, keep)
+
+
+def restrict(problem: Problem, keep: list[np.ndarray]) -> Problem:
+    """The same problem over a subset of each node's strategies (those valid for the micro-batch
+    count); ``problem.kept[i]`` maps the solver's index back to the candidate strategy."""
+    if all(len(k) == len(c) for k, c in zip(keep, problem.costs)):
+        problem.kept = [np.arange(len(c)) for c in problem.costs]
+        return problem
+    sub = lambda terms: [(n, arr[keep[n]]) for n, arr in terms]  # noqa: E731
+    out = Problem(
+        node_names=problem.node_names,
+        costs=[c[k] for c, k in zip(problem.costs, keep)],
+        edges=[Edge(e.src, e.dst, e.cost[np.ix_(keep[e.src], keep[e.dst])]) for e in problem.edges],
+        memory=[MemoryConstraint(m.name, m.budget, m.const, sub(m.terms), list(m.groups)) for m in problem.memory],
+        checkpoint_groups=[CheckpointGroup(g.name, sub(g.saved), sub(g.kept), sub(g.recompute_memory),
+                                           sub(g.recompute_time), g.forced) for g in problem.checkpoint_groups],
+        strategy_names=[[names[j] for j in k] for names, k in zip(problem.strategy_names, keep)],
+    )
+    out.kept = keep
+    return out
+
+
+def chosen(problem: Problem, solution) -> dict[str, int]:
+    """Node name -> index of the chosen candidate strategy (undoing ``restrict``)."""
+    kept = getattr(problem, "kept", None)
+    return {n: int(kept[i][solution.choice[i]]) if kept is not None else solution.choice[i]
+            for i, n in enumerate(problem.node_names)}

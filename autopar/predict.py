@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from autopar.build import Candidates, Priced, Settings
+from autopar.build import Candidates, Priced, Settings, chosen
 from autopar.cluster import Cluster
 from solver.problem import Problem, Solution
 
@@ -25,7 +25,7 @@ def model_flops(c: Candidates) -> float:
 
 def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Solution, cluster: Cluster) -> dict:
     mesh = c.mesh
-    pick = {n: sol.choice[i] for i, n in enumerate(problem.node_names)}
+    pick = chosen(problem, sol)
     ckpt = {g.name: bool(sol.checkpoint[i]) for i, g in enumerate(problem.checkpoint_groups)}
 
     def total(d: dict) -> float:
@@ -43,7 +43,7 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
     recompute = 0.0
     for i, g in enumerate(problem.checkpoint_groups):
         if sol.checkpoint[i]:
-            recompute += sum(float(arr[pick[problem.node_names[n]]]) for n, arr in g.recompute_time)
+            recompute += sum(float(arr[sol.choice[n]]) for n, arr in g.recompute_time)
     backward = compute - fwd
     exposed_grad = max(0.0, grad_comm - backward) if s.overlap_grad_comm else grad_comm
     step = compute + op_comm + reshard + exposed_grad + optimizer + recompute

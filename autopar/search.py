@@ -63,9 +63,10 @@ def check_constraints(constraints: dict | None) -> dict:
             isinstance(x, int) and x > 1 for x in constraints["tp_shape"]) or len(constraints["tp_shape"]) > 2):
         raise ConstraintError(f"constraint tp_shape={constraints['tp_shape']!r}: must be a list of one or two "
                               f"model-axis sizes > 1, e.g. [2, 2] for a (dp, tp, tp2) mesh")
-    if constraints.get("tp_mode") not in (None, "1d"):
-        raise ConstraintError(f"constraint tp_mode={constraints['tp_mode']!r} cannot be met: only '1d' tensor "
-                              f"parallelism is implemented (2d/2.5d/3d are planned)")
+    if constraints.get("tp_mode") not in (None, "1d", "2d"):
+        raise ConstraintError(f"constraint tp_mode={constraints['tp_mode']!r} cannot be met: tensor parallelism "
+                              f"over one model axis ('1d') or two ('2d', operands split over a 2-D grid with "
+                              f"resharding collectives) is implemented; 2.5d and 3d are not yet")
     if constraints.get("sp_mode") is not None:
         raise ConstraintError("constraint sp_mode cannot be met: sequence parallelism is not implemented yet")
     if constraints.get("pp_schedule") is not None:
@@ -112,8 +113,9 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
         dp, tp = mesh.degree("dp"), mesh.size // mesh.degree("dp")
         if constraints.get("dp", dp) != dp or constraints.get("tp", tp) != tp:
             continue
-        if constraints.get("tp_mode") == "1d" and len(mesh.model_axes()) > 1:
-            continue   # Megatron 1D: one model axis
+        if "tp_mode" in constraints and len(mesh.model_axes()) > 0 and \
+                len(mesh.model_axes()) != {"1d": 1, "2d": 2}[constraints["tp_mode"]]:
+            continue   # 1d: one model axis (Megatron); 2d: two
         if "tp_shape" in constraints and list(constraints["tp_shape"]) != [mesh.shape[a] for a in mesh.model_axes()]:
             continue
         if batch % dp:
@@ -187,12 +189,20 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
                 infeasible.append(build_problem(cand_cache[cfg.mesh], P, cfg.settings))
             floor = min(min_peak_memory(p) for p in infeasible)
             raise MemoryBudgetError(
-                f"no plan fits in the memory budget of {base.budget / 2**30:.2f} GiB per device: the smallest "
-                f"peak memory any plan reaches is {floor / 2**30:.2f} GiB. Raise memory_budget to at least "
+                f"no plan fits in the memory budget of {_bytes(base.budget)} per device: the smallest "
+                f"peak memory any plan reaches is {_bytes(floor)}. Raise memory_budget to at least "
                 f"that, add devices, use a smaller batch, or relax constraints.",
                 min_peak_bytes=int(floor), budget_bytes=int(base.budget))
         raise ConstraintError(_no_config_message(graph, cluster, constraints))
     return best, stats
+
+
+def _bytes(x: float) -> str:
+    """Both a readable size and the exact byte count, so the number can be used as a budget."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= size:
+            return f"{x / size:.2f} {unit} ({int(x):,} bytes)"
+    return f"{int(x):,} bytes"
 
 
 def _no_config_message(graph, cluster, constraints) -> str:
@@ -210,7 +220,7 @@ def degrees_of(result: Result) -> dict:
     model = [mesh.shape[a] for a in mesh.model_axes()]
     batch = global_batch(result.cands.graph)
     return {
-        "dp": dp, "tp": math.prod(model) if model else 1, "tp_mode": "1d" if len(model) <= 1 else "1d-multiaxis",
+        "dp": dp, "tp": math.prod(model) if model else 1, "tp_mode": "1d" if len(model) <= 1 else "2d",
         "tp_shape": model, "sp": 1, "sp_mode": None, "pp": 1, "pp_schedule": None,
         "micro_batch_size": batch // dp // s.num_micro_batches, "num_micro_batches": s.num_micro_batches,
         "zero": s.zero, "checkpoint": checkpoint_mode(result.prediction["checkpoint"]), "offload": False,

@@ -69,6 +69,7 @@ class Problem:
     memory: list[MemoryConstraint] = field(default_factory=list)
     checkpoint_groups: list[CheckpointGroup] = field(default_factory=list)
     strategy_names: list[list[str]] | None = None  # for messages and debugging only
+    kept: list | None = None   # per node: the caller's strategy index of each solver strategy (a subset)
 
     @property
     def num_nodes(self) -> int:

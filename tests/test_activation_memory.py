@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.build import Settings, build_problem, candidates, price
+from autopar.build import Settings, build_problem, candidates, chosen, price
 from solver.ilp import solve
 from autopar.mesh import Mesh
 from autopar.models import ZOO
@@ -38,7 +38,7 @@ def estimated_saved_bytes(model, inputs, mesh: Mesh) -> float:
     P = price(cands, Cluster.preset("cpu", devices=mesh.size), settings)
     problem = build_problem(cands, P, settings)
     sol = solve(problem)
-    choice = dict(zip(problem.node_names, sol.choice))
+    choice = chosen(problem, sol)
     return sum(float(arr[choice[n]]) for n, arr in P.saved.items() if len(arr))
 
 
