@@ -17,7 +17,9 @@ Set-up (every rank, collectively):
 Gradient bookkeeping: the local loss is a partial sum over the data axes (a mean over a split
 batch is scaled by the local share), so the gradients a parameter receives through a batch-split
 use are partial sums too. The DP/ZeRO reducer AVERAGES over the data group, so those gradients are
-multiplied by the data-axis size in a hook before it (sum = average x size). Parameters whose
+multiplied by the data-axis size (sum = average x size): ``ShardedOptimizer(grad_scale=...)`` folds
+the factor into the stage-0 reducer's averaging pass (no extra pass over the gradients) and uses a
+gradient hook under ZeRO 1-3. Parameters whose
 gradient is already complete (the codegen inserted the all-reduce) are averaged as identical values.
 
 ``step(*batch)`` takes the GLOBAL batch (or just this rank's rows, ``batch_rows()``), runs every
@@ -153,11 +155,13 @@ class CompiledModel:
                     p = torch.nn.Parameter(block)
                     self.params[fqn] = p
                     self.local.append(p)
-        # Partial-over-data-axes grads: the reducer averages, so scale by the axes' size (module doc).
+        # Partial-over-data-axes grads: the reducer averages, so scale by the axes' size (module doc);
+        # the optimizer applies the factor (stage 0: inside the reducer's averaging pass).
+        grad_scale = {}
         for fqn, axes in prog.grad_partial_axes.items():
             f = math.prod(mesh.shape[a] for a in axes)
             if f > 1 and fqn in self.params:
-                self.params[fqn].register_hook(lambda g, f=f: g * f)
+                grad_scale[id(self.params[fqn])] = f
         groups = [[] for _ in keys]
         for fqn, p in self.params.items():
             groups[self.chunk_of[fqn]].append(p)
@@ -165,7 +169,7 @@ class CompiledModel:
         model_axes = [self.ctx.groups[a] for a in mesh.model_axes() if mesh.shape[a] > 1]
         self.opt = ShardedOptimizer(groups, self.ctx.data_group, zero,
                                     make_optimizer(self.optimizer_name, self.lr, **self.optimizer_kwargs),
-                                    extra_norm_groups=model_axes)
+                                    extra_norm_groups=model_axes, grad_scale=grad_scale)
         if zero == 3:
             context.set_zero3(self.opt)
         self._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}

@@ -117,7 +117,9 @@ class Adam(FlatOptimizer):
         bias_correction1 = 1 - b1 ** step
         bias_correction2 = 1 - b2 ** step
         step_size = lr / bias_correction1
-        denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(self.eps)
+        # torch: (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps); the same ops, elementwise,
+        # in place on one temporary (one allocation fewer, the same bits).
+        denom = exp_avg_sq.sqrt().div_(bias_correction2 ** 0.5).add_(self.eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
 
 

@@ -6,9 +6,12 @@ into one flat fp32 buffer of ``padded`` elements (the chunk's numel rounded up t
 the data-parallel size W); rank r owns the shard ``[r*S, (r+1)*S)``, ``S = padded / W``.
 Parameters must be identical on all ranks at construction (rank 0's are broadcast, to be sure).
 
-Stage 0  gradients all-reduced by ``GradAllReducer`` (bucketed, overlapped with backward); the
-         whole optimizer runs on every rank. Persistent: params padded, grads N (p.grad),
-         optimizer state padded.
+Stage 0  gradients all-reduced by ``GradAllReducer`` (bucketed, overlapped with backward; each
+         ``p.grad`` ends up a view of its reduced bucket); the whole optimizer runs on every rank.
+         An elementwise optimizer (AdamW, Adam, SGD) steps each parameter's slice of the flat
+         buffer with its ``p.grad`` as it is (no flat gradient copy); LAMB/LARS step the flat
+         buffer with a flat copy of the gradients (per-tensor trust ratios need Segments).
+         Persistent: params padded, grads N (p.grad), optimizer state padded.
 Stage 1  at ``step()``: each chunk's flat gradient is reduce-scattered (sum, then / W), each rank
          updates its shard, the params are all-gathered. Persistent: params padded, grads N,
          optimizer state S.
@@ -23,6 +26,10 @@ Stage 3  like stage 2, and parameters are stored as the S-element shard only. Th
          (the gradient of the output is computed first); the buffer is freed again once every
          parameter of the chunk has its gradient. Simple and correct, no prefetching.
          Persistent: params S, grads S, optimizer S.
+
+A data group of ONE rank runs no collective at all (no reducer, no reduce-scatter, all-gather
+or norm all-reduce: each would be an identity) and counts no bytes; the stages keep their
+buffers and their arithmetic.
 
 Traffic accounting (``bytes_sent``, ``comm_log``): per rank, the bytes of the tensor handed to
 each collective, i.e. the full padded flat buffer for all_reduce, reduce_scatter (its input) and
@@ -73,6 +80,7 @@ class _Chunk:
         self.grad_shard: Optional[Tensor] = None    # stages 2, 3 (persistent)
         self.state: dict[str, Tensor] = {}
         self.segments: Optional[Segments] = None
+        self.views: list = []   # stage 0: (param slice, state slices) per parameter
         self.ready = 0          # params whose gradient arrived in this backward (stages 2, 3)
         self.gathered = True    # stage 3: full buffer materialised
 
@@ -106,9 +114,12 @@ class ShardedOptimizer:
                  dp_group: Optional[dist.ProcessGroup], zero_stage: int, optimizer: FlatOptimizer,
                  grad_clip: Optional[float] = None,
                  extra_norm_groups: Sequence[dist.ProcessGroup] = (),
-                 bucket_bytes: int = 25 * 2 ** 20, sync_params: bool = True):
+                 bucket_bytes: int = 25 * 2 ** 20, sync_params: bool = True,
+                 first_bucket_bytes: int = 2 ** 20, grad_scale: Optional[dict] = None):
         """``extra_norm_groups``: groups over which the gradients are *additionally* split into
-        disjoint pieces (e.g. tensor parallel), for the global clipping norm."""
+        disjoint pieces (e.g. tensor parallel), for the global clipping norm. ``grad_scale``:
+        id(param) -> factor its gradient is multiplied by before the averaging over the data
+        group (stage 0: folded into the reducer's averaging pass; otherwise a gradient hook)."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
@@ -149,14 +160,26 @@ class ShardedOptimizer:
                 if zero_stage == 3:
                     c.shard_param = c.flat[c.lo:c.hi].clone()
                     self._free(c)
+                if zero_stage == 0:   # elementwise optimizer: (param slice, state slices) per parameter
+                    c.views = [(c.flat[off:off + p.numel()], {k: v[off:off + p.numel()] for k, v in c.state.items()})
+                               for p, off in zip(c.params, c.offsets)]
+        self._per_param = zero_stage == 0 and not optimizer.needs_segments
 
         self.reducer: Optional[GradAllReducer] = None
         self._hooks = []
         self._pending: list[tuple[_Chunk, object, Tensor]] = []
-        if zero_stage == 0:
+        grad_scale = {k: v for k, v in (grad_scale or {}).items() if v != 1}
+        if zero_stage == 0 and self.world > 1:
             self.reducer = GradAllReducer([p for c in self.chunks for p in c.params], dp_group,
-                                          bucket_bytes=bucket_bytes, average=True)
-        elif zero_stage >= 2:
+                                          bucket_bytes=bucket_bytes, average=True,
+                                          first_bucket_bytes=first_bucket_bytes, grad_scale=grad_scale)
+        else:
+            for c in self.chunks:
+                for p in c.params:
+                    f = grad_scale.get(id(p))
+                    if f is not None and p.requires_grad:
+                        self._hooks.append(p.register_hook(lambda g, f=f: g * f))
+        if zero_stage >= 2:
             for c in self.chunks:
                 for p in c.params:
                     if p.requires_grad:
@@ -171,6 +194,8 @@ class ShardedOptimizer:
 
     def _probe_reduce_scatter(self) -> bool:
         # Every rank runs the same probe, so all take the same branch afterwards.
+        if self.world == 1:
+            return True   # no collective is ever issued
         try:
             _reduce_scatter_fn(torch.zeros(1), torch.zeros(self.world), group=self.group)
             return True
@@ -180,6 +205,8 @@ class ShardedOptimizer:
     def _reduce_scatter_async(self, c: _Chunk, flat: Tensor):
         """Start summing ``flat`` over the group; returns (work, tensor holding this rank's shard
         once the work is done)."""
+        if self.world == 1:
+            return _DONE, flat
         if self._rs_native:
             out = torch.empty(c.shard, dtype=torch.float32)
             work = _reduce_scatter_fn(out, flat, group=self.group, async_op=True)
@@ -190,10 +217,16 @@ class ShardedOptimizer:
         return work, flat[c.lo:c.hi]
 
     def _all_gather_async(self, c: _Chunk, shard: Tensor):
+        if self.world == 1:
+            if shard.data_ptr() != c.flat.data_ptr():
+                c.flat.copy_(shard)
+            return _DONE
         self.comm_log.append(("all_gather", _nbytes(c.flat)))
         return _all_gather_fn(c.flat, shard, group=self.group, async_op=True)
 
     def _all_reduce_norms(self, t: Tensor) -> None:
+        if self.world == 1:
+            return
         dist.all_reduce(t, group=self.group)
         self.comm_log.append(("all_reduce", _nbytes(t)))
 
@@ -265,7 +298,11 @@ class ShardedOptimizer:
     def _finish_backward(self) -> list[Tensor]:
         """Bring every chunk's averaged gradient (full for stage 0, shard otherwise); return them."""
         if self.stage == 0:
-            self.reducer.wait()
+            if self.reducer is not None:
+                self.reducer.wait()
+            if self._per_param:   # the gradients as they are; a missing one counts as zeros
+                return [p.grad if p.grad is not None else torch.zeros_like(p) for c in self.chunks
+                        for p in c.params]
             return [c.flat_grad(free=False) for c in self.chunks]
         if self.stage == 1:
             pending = [(c, *self._reduce_scatter_async(c, c.flat_grad(free=False))) for c in self.chunks]
@@ -291,11 +328,17 @@ class ShardedOptimizer:
     def step(self) -> None:
         grads = self._finish_backward()
         if self.grad_clip is not None:
-            groups = ([] if self.stage == 0 else [self.group]) + list(self.extra_norm_groups)
+            groups = ([] if self.stage == 0 or self.world == 1 else [self.group]) + list(self.extra_norm_groups)
             self.last_grad_norm = clip_grad_norm(grads, self.grad_clip, groups, comm_counter=self.comm_log)
         self.step_count += 1
-        reduce = None if self.stage == 0 else self._all_reduce_norms
+        reduce = None if self.stage == 0 or self.world == 1 else self._all_reduce_norms
         works = []
+        if self._per_param:
+            grads = iter(grads)
+            for c in self.chunks:
+                for param, state in c.views:
+                    self.opt.step(param, next(grads).reshape(-1), state, self.step_count)
+            return
         for c, g in zip(self.chunks, grads):
             if self.stage == 0:
                 param = c.flat
@@ -304,7 +347,7 @@ class ShardedOptimizer:
             else:
                 param = c.flat[c.lo:c.hi]
             self.opt.step(param, g, c.state, self.step_count, segments=c.segments, reduce_sq_norms=reduce)
-            if self.stage in (1, 2):
+            if self.stage in (1, 2) and self.world > 1:
                 works.append(self._all_gather_async(c, param.clone()))
         for w in works:
             w.wait()
@@ -358,6 +401,16 @@ class ShardedOptimizer:
         self._hooks = []
         if self.reducer is not None:
             self.reducer.remove()
+
+
+class _Done:
+    """The work of a collective over a group of one: nothing to wait for."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 def _tensors(out):

@@ -142,7 +142,7 @@ def test_collective_bytes_match_plan(key):
         want = expected_comm(plan, res["chunks"], res["W"])
         mesh = plan.mesh
         size_one = {mesh.names[i] for i in range(mesh.ndim) if mesh.shape[i] == 1}
-        # Axes of size 1: see test_no_bytes_counted_on_axes_of_size_one (a runtime bug, xfail).
+        # Axes of size 1: see test_no_bytes_counted_on_axes_of_size_one.
         measured = {a: b for a, b in measured.items() if a not in size_one}
         assert measured == {a: b for a, b in want.items() if b}, (key, r, plan.comm_bytes)
         if key in TP_CASES:   # the tensor-parallel split really communicates (no vacuous 0 == 0)
@@ -156,9 +156,6 @@ def test_padding_formula_is_exact():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="runtime: with dp=1 the DDP reducer still runs over the size-1 data "
-                   "group and counts every gradient byte under 'dp' (no bytes cross any link; "
-                   "GradAllReducer/CommStats should count nothing for a group of one)")
 @pytest.mark.parametrize("key", ["mlp-tp2-megatron"])
 def test_no_bytes_counted_on_axes_of_size_one(key):
     plan, ranks = run_case(key)

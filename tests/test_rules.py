@@ -484,7 +484,11 @@ def test_gpt_block_fully_covered():
 
 
 def test_fallback_replicates_and_warns_once():
+    from autopar.rules import table
+
     node, _ = make_node(aten.cumsum.default, (rnd(4, 8), 1))
+    # The warning is once per process: an earlier test (a Hugging Face model) may have used cumsum.
+    table._warned.discard("aten.cumsum.default")
     with pytest.warns(UserWarning, match="replicated"):
         spec = spec_for(node)
     with warnings.catch_warnings():
