@@ -22,6 +22,15 @@ the factor into the stage-0 reducer's averaging pass (no extra pass over the gra
 gradient hook under ZeRO 1-3. Parameters whose
 gradient is already complete (the codegen inserted the all-reduce) are averaged as identical values.
 
+Device and precision: the rank's device follows the process group's backend (NCCL: the GPU
+``LOCAL_RANK`` names, set as current; gloo: the CPU). The working precision is the plan's on a GPU
+(bf16: parameters, activations and gradient collectives in bf16, fp32 master weights and optimizer
+state in the ZeRO optimizer) and fp32 on the CPU, unless ``compile(precision=...)`` says otherwise
+(bf16 on CPU runs too: that is how the mixed-precision path is tested without a GPU).
+
+Process group: ``compile`` uses the one that exists; without one, under torchrun (``RANK`` and
+``WORLD_SIZE`` set) it initialises one with the cluster's backend (nccl / gloo).
+
 ``step(*batch)`` takes the GLOBAL batch (or just this rank's rows, ``batch_rows()``), runs every
 micro-batch forward and backward (loss / num_micro_batches), steps the optimizer and returns the
 global loss as a float, identical on every rank.
@@ -38,12 +47,51 @@ import torch.distributed as dist
 from autopar.errors import ExecutionError
 from autopar.plan import Plan
 
+_all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-def _require_pg():
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ExecutionError("autopar.compile needs an initialised torch.distributed process group: "
-                             "run under torchrun or runtime.launch.run_local (for one process, "
-                             "dist.init_process_group('gloo', rank=0, world_size=1))")
+
+def _require_pg(cluster=None):
+    """The default process group; under torchrun, created here with the cluster's backend."""
+    import os
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    if dist.is_available() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        backend = getattr(cluster, "backend", "gloo")
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise ExecutionError(f"cluster {getattr(cluster, 'name', '?')!r} runs on NCCL (GPUs) but this machine "
+                                     f"has no CUDA device: use Cluster.preset('cpu', devices=N) to run on the CPU "
+                                     f"(gloo), or initialise a gloo process group yourself")
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        return
+    raise ExecutionError("autopar.compile needs an initialised torch.distributed process group: "
+                         "run under torchrun or runtime.launch.run_local (for one process, "
+                         "dist.init_process_group('gloo', rank=0, world_size=1))")
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _run_device() -> torch.device:
+    """NCCL: this rank's GPU (the current CUDA device, set from LOCAL_RANK); otherwise the CPU."""
+    if dist.get_backend() == "nccl":
+        import os
+
+        if "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _working_dtype(plan_precision: str, requested, device: torch.device) -> torch.dtype:
+    if requested is not None:
+        if requested not in _DTYPES:
+            raise ExecutionError(f"precision must be one of {sorted(_DTYPES)}, got {requested!r}")
+        return _DTYPES[requested]
+    # The plan's precision on GPUs; fp32 on the CPU (module doc).
+    return _DTYPES.get(plan_precision, torch.float32) if device.type == "cuda" else torch.float32
 
 
 def _as_tuple(x):
@@ -74,10 +122,12 @@ def _resolve(model, fqn: str):
 
 
 class CompiledModel:
-    def __init__(self, model, cluster, plan, optimizer, lr, optimizer_kwargs, plan_options=None):
+    def __init__(self, model, cluster, plan, optimizer, lr, optimizer_kwargs, plan_options=None,
+                 precision=None, grad_clip=None):
         self.model, self.cluster, self.plan = model, cluster, plan
         self.optimizer_name, self.lr, self.optimizer_kwargs = optimizer, lr, dict(optimizer_kwargs)
         self.plan_options = plan_options
+        self.precision, self.grad_clip = precision, grad_clip
         self._ready = False
 
     # ------------------------------------------------------------------ set-up
@@ -112,8 +162,9 @@ class CompiledModel:
                                      "batch; the model's graph depends on the batch size")
             traced = mt
         self.traced = traced
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        self.ctx = context.setup(plan.mesh, device)
+        self.device = _run_device()
+        self.dtype = _working_dtype(plan.data.get("settings", {}).get("precision", "fp32"), self.precision, self.device)
+        self.ctx = context.setup(plan.mesh, self.device.type)
         self.rank = dist.get_rank()
         mesh = plan.mesh
         zero = int(plan.degrees.get("zero", 0) or 0)
@@ -135,7 +186,8 @@ class CompiledModel:
         keys = sorted({chunk_key(traced.param_fqn[n]) for n in trainable})
         chunk_index = {k: i for i, k in enumerate(keys)}
         self.chunk_of = {traced.param_fqn[n]: chunk_index[chunk_key(traced.param_fqn[n])] for n in trainable}
-        self.program = generate(traced, plan, self.rank, self.chunk_of if zero == 3 else None)
+        self.program = generate(traced, plan, self.rank, self.chunk_of if zero == 3 else None,
+                                compute_dtype=self.dtype, device=self.device if self.device.type != "cpu" else None)
         prog = self.program
 
         # Parameters: full tensors from rank 0, then this rank's block.
@@ -144,11 +196,15 @@ class CompiledModel:
         with torch.no_grad():
             for name in prog.param_names:
                 fqn = prog.param_fqn[name]
-                full = _resolve(self.model, fqn).detach().clone().float() \
-                    if _resolve(self.model, fqn).is_floating_point() else _resolve(self.model, fqn).detach().clone()
+                src = _resolve(self.model, fqn).detach()
+                # fp32 on this rank's device (rank 0's values); the optimizer makes the parameters
+                # views of its working-dtype buffers, the fp32 values seed the master weights.
+                full = src.to(self.device, dtype=torch.float32 if src.is_floating_point() else src.dtype, copy=True)
                 dist.broadcast(full, src=0)
                 block = full[prog.param_slices[fqn]].clone().contiguous()
                 if name in prog.buffers:
+                    if block.is_floating_point():
+                        block = block.to(self.dtype)
                     self.buffers[fqn] = block
                     self.local.append(block)
                 else:
@@ -166,10 +222,19 @@ class CompiledModel:
         for fqn, p in self.params.items():
             groups[self.chunk_of[fqn]].append(p)
         self.chunks = groups
-        model_axes = [self.ctx.groups[a] for a in mesh.model_axes() if mesh.shape[a] > 1]
+        model_axes = [a for a in mesh.model_axes() if mesh.shape[a] > 1]
+        # Clipping: a parameter replicated on r model-axis ranks counts 1/r in the summed norm.
+        norm_weights = {}
+        for fqn, p in self.params.items():
+            used = prog.param_layouts[fqn].axes_used()
+            r = math.prod(mesh.shape[a] for a in model_axes if a not in used)
+            if r > 1:
+                norm_weights[id(p)] = 1.0 / r
         self.opt = ShardedOptimizer(groups, self.ctx.data_group, zero,
                                     make_optimizer(self.optimizer_name, self.lr, **self.optimizer_kwargs),
-                                    extra_norm_groups=model_axes, grad_scale=grad_scale)
+                                    grad_clip=self.grad_clip,
+                                    extra_norm_groups=[self.ctx.groups[a] for a in model_axes],
+                                    grad_scale=grad_scale, norm_weights=norm_weights, working_dtype=self.dtype)
         if zero == 3:
             context.set_zero3(self.opt)
         self._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}
@@ -195,6 +260,8 @@ class CompiledModel:
         for x, lay in zip(batch, prog.input_layouts):
             if not isinstance(x, torch.Tensor):
                 raise ExecutionError(f"step() takes tensors, got {type(x).__name__}")
+            # This rank's device; floating inputs in the working dtype (the program's dtype).
+            x = x.to(self.device, dtype=self.dtype if x.is_floating_point() else x.dtype)
             if x.shape[0] == self.global_batch:
                 for m in range(self.nm):
                     xm = x[m * bm:(m + 1) * bm]
@@ -224,7 +291,7 @@ class CompiledModel:
             self._setup(batch)
         try:
             micro = self._local_micro_batches(batch)
-            total = torch.zeros(())
+            total = torch.zeros((), device=self.device)
             reducer = self.opt.reducer
             for m, inputs in enumerate(micro):
                 last = m == len(micro) - 1
@@ -232,7 +299,7 @@ class CompiledModel:
                 with sync:
                     loss = self.program.gm(*self.local, *inputs)
                     (loss / self.nm).backward()
-                total = total + loss.detach() / self.nm
+                total = total + loss.detach().float() / self.nm
             self.opt.step()
             self.opt.zero_grad()
             return self._global_loss(total)
@@ -246,9 +313,9 @@ class CompiledModel:
         """Forward only: the global loss of the batch (a 0-d tensor, the same on every rank)."""
         if not self._ready:
             self._setup(inputs)
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         for mb in self._local_micro_batches(inputs):
-            total = total + self.program.gm(*self.local, *mb) / self.nm
+            total = total + self.program.gm(*self.local, *mb).float() / self.nm
         return torch.tensor(self._global_loss(total))
 
     # ------------------------------------------------------------------ state
@@ -270,14 +337,13 @@ class CompiledModel:
 
     @torch.no_grad()
     def _local_values(self) -> dict[str, torch.Tensor]:
-        if self.zero == 3:
-            for c in self.opt.chunks:
-                self.opt._gather(c)
-        vals = {fqn: p.detach().clone() for fqn, p in self.params.items()}
+        """This rank's block of every parameter (fp32: the master copy under mixed precision) and buffer."""
+        vals = {}
+        for c in self.opt.chunks:
+            flat = self.opt.full_flat(c)
+            for p, off in zip(c.params, c.offsets):
+                vals[self._fqn_of(p)] = flat[off:off + p.numel()].view(p.shape).clone()
         vals.update({fqn: b.clone() for fqn, b in self.buffers.items()})
-        if self.zero == 3:
-            for c in self.opt.chunks:
-                self.opt._free(c)
         return vals
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -285,7 +351,7 @@ class CompiledModel:
         self._need_ready()
         out = {}
         for fqn, v in self._local_values().items():
-            full = self._gather_full(v, fqn)
+            full = self._gather_full(v, fqn).cpu()
             for alias in self.traced.tied.get(fqn, [fqn]):
                 out[alias] = full
         keys = list(self.model.state_dict().keys())
@@ -297,8 +363,8 @@ class CompiledModel:
         for c in self.opt.chunks:
             for name, t in c.state.items():
                 if self.zero >= 1 and self.opt.world > 1:
-                    flat = torch.empty(c.padded, dtype=t.dtype)
-                    dist.all_gather_into_tensor(flat, t.contiguous(), group=self.opt.group)
+                    flat = torch.empty(c.padded, dtype=t.dtype, device=t.device)
+                    _all_gather_fn(flat, t.contiguous(), group=self.opt.group)
                 else:
                     flat = t
                 for p, off in zip(c.params, c.offsets):
@@ -320,7 +386,7 @@ class CompiledModel:
         opt_state = {}
         for fqn, d in self._optimizer_local_state().items():
             for name, t in d.items():
-                opt_state[f"{fqn}.{name}"] = self._gather_full(t, fqn)
+                opt_state[f"{fqn}.{name}"] = self._gather_full(t, fqn).cpu()
         state["optim"] = opt_state
         state["step"] = torch.tensor(self.opt.step_count)
         dcp.save(state, checkpoint_id=str(directory))
@@ -338,25 +404,22 @@ class CompiledModel:
         state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(0)}
         dcp.load(state, checkpoint_id=str(directory))
         prog = self.program
-        if self.zero == 3:
-            for c in self.opt.chunks:
-                self.opt._gather(c)
-        for fqn, p in self.params.items():
-            p.data.copy_(state["model"][fqn][prog.param_slices[fqn]])
+
+        def my_flat(c, values: dict, suffix: str = "") -> torch.Tensor:
+            """The chunk's padded fp32 buffer filled with this rank's blocks of the saved tensors."""
+            flat = torch.zeros(c.padded, dtype=torch.float32)
+            for p, off in zip(c.params, c.offsets):
+                fqn = self._fqn_of(p)
+                flat[off:off + p.numel()] = values[fqn + suffix][prog.param_slices[fqn]].reshape(-1)
+            return flat.to(self.device)
+
+        for c in self.opt.chunks:
+            self.opt.load_flat(c, my_flat(c, state["model"]))   # working copy (and master) from fp32 values
+            for name, t in c.state.items():
+                flat = my_flat(c, state["optim"], "." + name)
+                t.copy_(flat[c.lo:c.hi] if t.numel() == c.shard and self.zero >= 1 else flat[:t.numel()])
         for fqn, b in self.buffers.items():
             b.copy_(state["model"][fqn][prog.param_slices[fqn]])
-        for c in self.opt.chunks:
-            if self.zero == 3:
-                c.shard_param.copy_(c.flat[c.lo:c.hi])
-            for name, t in c.state.items():
-                flat = torch.zeros(c.padded, dtype=t.dtype)
-                for p, off in zip(c.params, c.offsets):
-                    fqn = self._fqn_of(p)
-                    flat[off:off + p.numel()] = state["optim"][f"{fqn}.{name}"][prog.param_slices[fqn]].reshape(-1)
-                t.copy_(flat[c.lo:c.hi] if t.numel() == c.shard and self.zero >= 1 else flat[:t.numel()])
-        if self.zero == 3:
-            for c in self.opt.chunks:
-                self.opt._free(c)
         self.opt.step_count = int(state["step"])
 
     # ------------------------------------------------------------------ communication
@@ -402,18 +465,23 @@ def _block_of(lay, n, mesh_shape, coords) -> slice:
 
 
 def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "adamw", lr: float = 1e-3,
-            plan_options: dict | None = None, **optimizer_kwargs) -> CompiledModel:
+            plan_options: dict | None = None, precision: str | None = None, grad_clip: float | None = None,
+            **optimizer_kwargs) -> CompiledModel:
     """Set up ``model`` to train under ``plan`` (planned now on rank 0 when None) on the current
     process group. ``plan_options`` are keyword arguments for autopar.plan (e.g. constraints).
+    ``precision``: "fp32" | "bf16" | None (the plan's on a GPU, fp32 on the CPU; module doc).
+    ``grad_clip``: clip the global gradient norm (over every shard) to this value.
     Without ``example_inputs`` the set-up happens at the first ``step``."""
-    _require_pg()
+    _require_pg(cluster)
     if plan is not None and not isinstance(plan, Plan):
         raise ExecutionError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
     if plan is not None and plan.mesh.size != dist.get_world_size():
         raise ExecutionError(f"the plan is for {plan.mesh.size} devices (mesh {plan.mesh.describe()}) but the "
                              f"process group has {dist.get_world_size()} ranks: launch {plan.mesh.size} "
                              f"processes or re-plan")
-    cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, plan_options)
+    if grad_clip is not None and not grad_clip > 0:
+        raise ExecutionError(f"grad_clip must be a positive number, got {grad_clip!r}")
+    cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, plan_options, precision, grad_clip)
     if example_inputs is not None:
         cm._setup(example_inputs)
     return cm

@@ -1,6 +1,6 @@
 """One rank's program: a new fx GraphModule built node by node from the traced graph and a Plan.
 
-``generate(traced, plan, rank, zero3_chunks=None) -> RankProgram``
+``generate(traced, plan, rank, zero3_chunks=None, compute_dtype=None, device=None) -> RankProgram``
 
 Placeholders are this rank's parameter/buffer blocks (in the traced order) then its user-input
 rows. For every call_function node of the traced graph:
@@ -23,6 +23,16 @@ rows. For every call_function node of the traced graph:
 
 Layouts are normalised before comparing: an axis of size 1 splits nothing, so it is dropped.
 The graph returns the local loss; ``loss_layout`` says over which axes it is a partial sum.
+
+Mixed precision (``compute_dtype`` bf16/fp16): the model was traced in fp32, so dtype arguments
+in the graph (``x.to(torch.float32)``, ``full(..., dtype=torch.float32)``) name fp32; they are
+rewritten to the compute dtype, so every floating value of the program has the dtype of the
+working parameters (what the planner's bf16 memory and communication model counts). Ops that
+need fp32 internally (the vocab-parallel cross-entropy) upcast locally.
+
+Device (``device``, e.g. ``cuda:3`` under NCCL): the graph was traced on the CPU (or meta), so
+``device=`` arguments of factory ops (``arange``, ``full``, ``ones``) are rewritten to the
+rank's device; with ``None`` they are left as traced.
 
 ZeRO-3 (``zero3_chunks``: parameter FQN -> chunk index): a chunk is gathered before the first op
 that reads one of its parameters, freed after the last one (unless the loss is computed inside
@@ -113,8 +123,10 @@ def _is_float(v) -> bool:
 
 
 class _Builder:
-    def __init__(self, traced, plan, rank: int, zero3_chunks):
+    def __init__(self, traced, plan, rank: int, zero3_chunks, compute_dtype=None, device=None):
         self.traced, self.plan, self.rank = traced, plan, rank
+        self.device = None if device is None else torch.device(device)
+        self.compute_dtype = compute_dtype if compute_dtype not in (None, torch.float32) else None
         self.mesh = plan.mesh
         self.mesh_shape = tuple(self.mesh.shape)
         self.coords = tuple(self.mesh.coords(rank))
@@ -333,6 +345,11 @@ class _Builder:
         call = local_call(n, spec, st, self.mesh_shape)
         it = iter(new_inputs)
         args, kwargs = pytree.tree_map_only(fx.Node, lambda _: next(it), (tuple(call.args), dict(call.kwargs)))
+        if self.compute_dtype is not None:   # traced in fp32, run in the working dtype (module doc)
+            args, kwargs = pytree.tree_map_only(
+                torch.dtype, lambda d: self.compute_dtype if d == torch.float32 else d, (args, kwargs))
+        if self.device is not None:      # traced on cpu/meta, run on this rank's device (module doc)
+            args, kwargs = pytree.tree_map_only(torch.device, lambda _: self.device, (args, kwargs))
         if call.needs_algorithm:
             algo = call.needs_algorithm
             if "," in algo:
@@ -356,11 +373,12 @@ class _Builder:
         self.layout[n.name] = outs if isinstance(v, (tuple, list)) else outs[0]
 
 
-def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None) -> RankProgram:
+def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None,
+             compute_dtype: torch.dtype | None = None, device=None) -> RankProgram:
     """The per-rank program of ``plan`` for ``rank`` (see the module docstring)."""
     if not 0 <= rank < plan.mesh.size:
         raise ValueError(f"rank {rank} is outside the plan's mesh {plan.mesh.describe()} ({plan.mesh.size} ranks)")
-    return _Builder(traced, plan, rank, zero3_chunks).build()
+    return _Builder(traced, plan, rank, zero3_chunks, compute_dtype, device).build()
 
 
 def per_rank_code(plan, rank: int, factory, pairs=()) -> str:

@@ -6,7 +6,10 @@ the unsharded model: local squared norms are summed, all-reduced over every grou
 the gradients are split into disjoint pieces (e.g. the data-parallel group for ZeRO shards, a
 tensor-parallel group for weight shards), then square-rooted. The caller must pass each
 group over which the pieces are disjoint, and only those: a gradient replicated over a group
-must not be summed over it.
+must not be summed over it — unless it is weighted: ``weights`` (one entry per gradient) gives
+each gradient, or element ranges ``[(start, end, w), ...]`` of its flattened view, a factor on its
+squared norm. A gradient replicated on r ranks of the groups summed over is weighted 1/r, so a
+mix of split and replicated tensors (tensor parallel) sums to the exact global norm.
 """
 from __future__ import annotations
 
@@ -21,22 +24,28 @@ from torch import Tensor
 @torch.no_grad()
 def clip_grad_norm(grads: Iterable[Optional[Tensor]], max_norm: float,
                    norm_groups: Sequence[Optional[dist.ProcessGroup]] = (),
-                   norm_type: float = 2.0, comm_counter: Optional[list] = None) -> Tensor:
+                   norm_type: float = 2.0, comm_counter: Optional[list] = None,
+                   weights: Optional[Sequence] = None) -> Tensor:
     """Clip in place; return the total norm (fp32 scalar, identical on every rank of the groups).
 
     ``comm_counter``, if given, gets ``("all_reduce", nbytes)`` appended per collective (the
     ZeRO optimizer uses it for its traffic accounting).
     """
-    grads = [g for g in grads if g is not None]
+    grads = list(grads)
+    weights = [None] * len(grads) if weights is None else list(weights)
+    if len(weights) != len(grads):
+        raise ValueError(f"clip_grad_norm: {len(weights)} weights for {len(grads)} gradients")
+    pairs = [(g, w) for g, w in zip(grads, weights) if g is not None]
+    grads = [g for g, _ in pairs]
+    device = grads[0].device if grads else None
+    zero = torch.zeros((), device=device)
     inf = math.isinf(norm_type)
     if norm_type != 2.0 and not inf:
         raise ValueError("clip_grad_norm supports norm_type 2 and inf")
-    if inf:
-        local = max((g.detach().abs().max().float() for g in grads if g.numel()),
-                    default=torch.tensor(0.0))
+    if inf:   # replication does not change a maximum
+        local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=zero)
     else:
-        local = sum((torch.dot(g.detach().reshape(-1).float(), g.detach().reshape(-1).float())
-                     for g in grads), torch.tensor(0.0))
+        local = sum((_weighted_sq_norm(g, w) for g, w in pairs), zero)
     acc = local.reshape(1).clone()
     for group in norm_groups:
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
@@ -48,6 +57,18 @@ def clip_grad_norm(grads: Iterable[Optional[Tensor]], max_norm: float,
     clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
     for g in grads:
         g.mul_(clip_coef_clamped.to(g.dtype))
+    return total
+
+
+def _weighted_sq_norm(g: Tensor, w) -> Tensor:
+    flat = g.detach().reshape(-1).float()
+    if w is None or isinstance(w, (int, float)):
+        sq = torch.dot(flat, flat)
+        return sq if w is None or w == 1 else sq * w
+    total = torch.zeros((), device=g.device)
+    for a, b, wt in w:
+        seg = flat[a:b]
+        total = total + torch.dot(seg, seg) * wt
     return total
 
 

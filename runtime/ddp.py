@@ -39,6 +39,7 @@ class _Bucket:
             n += p.numel()
         self.numel = n
         self.dtype = params[0].dtype
+        self.device = params[0].device
         self.buffer: Optional[torch.Tensor] = None
         self.arrived = [False] * len(params)
         self.ready = 0
@@ -80,7 +81,7 @@ class GradAllReducer:
             nbytes = p.numel() * p.element_size()
             cap = min(first_bucket_bytes, bucket_bytes) if not self.buckets else bucket_bytes
             # A new bucket when this one would overflow, or the dtype changes (one flat buffer each).
-            if current and (size + nbytes > cap or p.dtype != current[0].dtype):
+            if current and (size + nbytes > cap or p.dtype != current[0].dtype or p.device != current[0].device):
                 self.buckets.append(_Bucket(current))
                 current, size = [], 0
             current.append(p)
@@ -111,7 +112,7 @@ class GradAllReducer:
         if b.arrived[pi]:
             return
         if b.buffer is None:
-            b.buffer = torch.empty(b.numel, dtype=b.dtype)
+            b.buffer = torch.empty(b.numel, dtype=b.dtype, device=b.device)
         view = b.view(pi)
         view.copy_(p.grad)
         p.grad = view          # the gradient lives in the bucket from now on: no copy back
@@ -122,7 +123,7 @@ class GradAllReducer:
     @torch.no_grad()
     def _launch(self, b: _Bucket) -> None:
         if b.buffer is None:
-            b.buffer = torch.empty(b.numel, dtype=b.dtype)
+            b.buffer = torch.empty(b.numel, dtype=b.dtype, device=b.device)
         for pi, p in enumerate(b.params):   # no hook this backward: whatever p.grad holds, or zeros
             if not b.arrived[pi]:
                 view = b.view(pi)

@@ -1,4 +1,4 @@
-"""Functional optimizers on flat fp32 buffers: AdamW, Adam, SGD(momentum), LAMB, LARS.
+"""Functional optimizers on flat fp32 buffers (on any device): AdamW, Adam, SGD(momentum), LAMB, LARS.
 
 A ``FlatOptimizer`` updates one flat parameter buffer (or one shard of it) in place from the
 matching flat gradient, with its state in plain tensors returned by ``init_state``. It holds no
@@ -47,7 +47,7 @@ class Segments:
 
     def sq_norms(self, *xs: Tensor) -> Tensor:
         """[len(xs), num_ids] squared L2 norms of each x restricted to each logical tensor."""
-        out = torch.zeros(len(xs), self.num_ids, dtype=torch.float32)
+        out = torch.zeros(len(xs), self.num_ids, dtype=torch.float32, device=xs[0].device)
         for i, tid in enumerate(self.ids):
             a, b = self.bounds[i], self.bounds[i + 1]
             if b > a:
@@ -78,8 +78,8 @@ class FlatOptimizer:
     def state_bytes_per_element(self) -> int:
         return 4 * len(self.state_names)  # every state tensor is fp32, one value per element
 
-    def init_state(self, numel: int) -> dict[str, Tensor]:
-        return {n: torch.zeros(numel, dtype=torch.float32) for n in self.state_names}
+    def init_state(self, numel: int, device=None) -> dict[str, Tensor]:
+        return {n: torch.zeros(numel, dtype=torch.float32, device=device) for n in self.state_names}
 
     @torch.no_grad()
     def step(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], step_no: int,

@@ -95,7 +95,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, g):
         softmax, local_t, inside, valid, count = ctx.saved_tensors
         grad = softmax.clone()
-        rows = torch.arange(grad.shape[0])
+        rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_t] -= inside.to(grad.dtype)
         if ctx.reduction == 0:
             scale = g.float() * valid.to(grad.dtype)

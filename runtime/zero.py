@@ -1,10 +1,20 @@
-"""ZeRO stages 0-3 over flat fp32 chunks, with any FlatOptimizer (runtime/optim.py).
+"""ZeRO stages 0-3 over flat chunks, with any FlatOptimizer (runtime/optim.py).
 
 ``ShardedOptimizer(param_groups, dp_group, zero_stage, optimizer, grad_clip=None)``: every inner
 list of parameters is one *chunk* (e.g. one transformer block). A chunk's parameters become views
-into one flat fp32 buffer of ``padded`` elements (the chunk's numel rounded up to a multiple of
+into one flat buffer of ``padded`` elements (the chunk's numel rounded up to a multiple of
 the data-parallel size W); rank r owns the shard ``[r*S, (r+1)*S)``, ``S = padded / W``.
 Parameters must be identical on all ranks at construction (rank 0's are broadcast, to be sure).
+Buffers live on the parameters' device (CPU for gloo, the rank's GPU for NCCL).
+
+Precision: the flat buffer (and so the parameters the model computes with, their gradients and
+every gradient/parameter collective) has the parameters' dtype, the *working* dtype. fp32: the
+optimizer updates that buffer directly. bf16/fp16 (mixed precision): each rank also keeps an fp32
+*master* copy of what it updates (the whole buffer at stage 0, its shard at stages 1-3); the
+optimizer steps the master with the gradient upcast to fp32 and the result is cast back into the
+working buffer (stages 1-2: the all-gather sends the cast shard). Bytes per parameter element,
+unsharded: working 2 + gradient 2 + master 4 + optimizer state — the ZeRO paper's 2 + 2 + 12 for
+AdamW, which is what the planner's memory model counts (master under "optimizer").
 
 Stage 0  gradients all-reduced by ``GradAllReducer`` (bucketed, overlapped with backward; each
          ``p.grad`` ends up a view of its reduced bucket); the whole optimizer runs on every rank.
@@ -38,9 +48,14 @@ no reduce_scatter (probed once at construction; older gloo builds), it is replac
 all_reduce of the same flat buffer plus a local slice, and logged as ``all_reduce``: the same
 payload bytes, but a ring all-reduce moves twice what a reduce-scatter would over the wire.
 
+Gradient clipping (``grad_clip``) computes the norm of the whole model's gradient: local squared
+norms, each parameter weighted by ``norm_weights`` (1/r for a parameter replicated on r ranks of
+``extra_norm_groups``, e.g. a bias every tensor-parallel rank holds whole), summed over the data
+group (shards) and over ``extra_norm_groups``.
+
 Collectives must be issued in the same order on every rank: all ranks must run the same graph
 (same chunks used, in the same order). A parameter may belong to one chunk only (no tying across
-chunks), and all parameters must be fp32.
+chunks); all parameters share one floating dtype and one device.
 """
 from __future__ import annotations
 
@@ -65,8 +80,9 @@ def _nbytes(t: Tensor) -> int:
 class _Chunk:
     """Layout of one chunk: offsets, padding, this rank's shard; plus its buffers."""
 
-    def __init__(self, params: list[nn.Parameter], world: int, rank: int):
+    def __init__(self, params: list[nn.Parameter], world: int, rank: int, dtype: torch.dtype):
         self.params = params
+        self.dtype, self.device = dtype, params[0].device
         self.offsets, n = [], 0
         for p in params:
             self.offsets.append(n)
@@ -75,12 +91,13 @@ class _Chunk:
         self.padded = -(-n // world) * world
         self.shard = self.padded // world
         self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
-        self.flat = torch.zeros(self.padded, dtype=torch.float32)
+        self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        self.master: Optional[Tensor] = None         # fp32 copy (mixed precision): padded or shard
         self.shard_param: Optional[Tensor] = None   # stage 3 only
         self.grad_shard: Optional[Tensor] = None    # stages 2, 3 (persistent)
         self.state: dict[str, Tensor] = {}
         self.segments: Optional[Segments] = None
-        self.views: list = []   # stage 0: (param slice, state slices) per parameter
+        self.views: list = []   # stage 0: (updated slice, state slices, working slice) per parameter
         self.ready = 0          # params whose gradient arrived in this backward (stages 2, 3)
         self.gathered = True    # stage 3: full buffer materialised
 
@@ -100,13 +117,23 @@ class _Chunk:
 
     def flat_grad(self, free: bool) -> Tensor:
         """Padded flat copy of the chunk's p.grad (zeros for missing); optionally free p.grad."""
-        g = torch.zeros(self.padded, dtype=torch.float32)
+        g = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         for p, off in zip(self.params, self.offsets):
             if p.grad is not None:
                 g[off:off + p.numel()].copy_(p.grad.reshape(-1))
                 if free:
                     p.grad = None
         return g
+
+    def norm_ranges(self, weights: dict, sharded: bool) -> list[tuple[int, int, float]]:
+        """(start, end, weight) over the local buffer (the shard when ``sharded``); padding: 0."""
+        lo, hi = (self.lo, self.hi) if sharded else (0, self.padded)
+        out = []
+        for p, off in zip(self.params, self.offsets):
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a < b:
+                out.append((a - lo, b - lo, float(weights.get(id(p), 1.0))))
+        return out
 
 
 class ShardedOptimizer:
@@ -115,11 +142,15 @@ class ShardedOptimizer:
                  grad_clip: Optional[float] = None,
                  extra_norm_groups: Sequence[dist.ProcessGroup] = (),
                  bucket_bytes: int = 25 * 2 ** 20, sync_params: bool = True,
-                 first_bucket_bytes: int = 2 ** 20, grad_scale: Optional[dict] = None):
+                 first_bucket_bytes: int = 2 ** 20, grad_scale: Optional[dict] = None,
+                 norm_weights: Optional[dict] = None, working_dtype: Optional[torch.dtype] = None):
         """``extra_norm_groups``: groups over which the gradients are *additionally* split into
         disjoint pieces (e.g. tensor parallel), for the global clipping norm. ``grad_scale``:
         id(param) -> factor its gradient is multiplied by before the averaging over the data
-        group (stage 0: folded into the reducer's averaging pass; otherwise a gradient hook)."""
+        group (stage 0: folded into the reducer's averaging pass; otherwise a gradient hook).
+        ``norm_weights``: id(param) -> weight of its squared norm in clipping (module doc).
+        ``working_dtype`` (e.g. bf16, for fp32 parameters): the parameters become views of a
+        buffer of that dtype, and the fp32 masters start from their exact initial values."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
@@ -128,40 +159,56 @@ class ShardedOptimizer:
         self.step_count = 0
         self.comm_log: list[tuple[str, int]] = []
         self.last_grad_norm: Optional[Tensor] = None
-        seen = set()
+        seen, kinds = set(), set()
         for group in param_groups:
             for p in group:
                 if id(p) in seen:
                     raise ValueError("ShardedOptimizer: a parameter appears in two chunks")
-                if p.dtype != torch.float32:
-                    raise TypeError(f"ShardedOptimizer keeps fp32 flat buffers; got a {p.dtype} parameter")
+                if not p.is_floating_point():
+                    raise TypeError(f"ShardedOptimizer: parameters must be floating point, got {p.dtype}")
                 seen.add(id(p))
-        self.chunks = [_Chunk(list(g), self.world, self.rank) for g in param_groups if len(g)]
+                kinds.add((p.dtype, p.device))
+        if len(kinds) > 1:
+            raise TypeError(f"ShardedOptimizer: all parameters must share one dtype and device, got {sorted(map(str, kinds))}")
+        self.dtype, self.device = next(iter(kinds)) if kinds else (torch.float32, torch.device("cpu"))
+        if working_dtype is not None:
+            self.dtype = working_dtype
+        self.mixed = self.dtype != torch.float32
+        self.norm_weights = dict(norm_weights or {})
+        self.chunks = [_Chunk(list(g), self.world, self.rank, self.dtype) for g in param_groups if len(g)]
         self._chunk_of = {id(p): c for c in self.chunks for p in c.params}
         self._rs_native = self._probe_reduce_scatter()
 
         with torch.no_grad():
             for c in self.chunks:
+                # The initial values at the parameters' own precision (the masters start from them).
+                init = torch.zeros(c.padded, dtype=next(iter(kinds))[0], device=self.device)
                 for p, off in zip(c.params, c.offsets):
-                    c.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                    init[off:off + p.numel()].copy_(p.detach().reshape(-1))
                 if sync_params and self.world > 1:
-                    dist.broadcast(c.flat, src=self._global_rank(0), group=dp_group)
+                    dist.broadcast(init, src=self._global_rank(0), group=dp_group)
+                c.flat.copy_(init)
                 # The parameters become views of the flat buffer: an in-place update of the buffer
                 # (optimizer, all-gather) is an update of the parameters. Setting .data keeps each
                 # parameter's own autograd identity and version counter.
                 for p, off in zip(c.params, c.offsets):
                     p.data = c.flat[off:off + p.numel()].view(p.shape)
                 sharded = zero_stage >= 1
-                c.state = optimizer.init_state(c.shard if sharded else c.padded)
+                c.state = optimizer.init_state(c.shard if sharded else c.padded, device=self.device)
+                if self.mixed:
+                    c.master = (init[c.lo:c.hi] if sharded else init).float().clone()
+                del init
                 if optimizer.needs_segments:
                     c.segments = c.local_segments(sharded)
                 if zero_stage >= 2:
-                    c.grad_shard = torch.zeros(c.shard, dtype=torch.float32)
+                    c.grad_shard = torch.zeros(c.shard, dtype=self.dtype, device=self.device)
                 if zero_stage == 3:
                     c.shard_param = c.flat[c.lo:c.hi].clone()
                     self._free(c)
-                if zero_stage == 0:   # elementwise optimizer: (param slice, state slices) per parameter
-                    c.views = [(c.flat[off:off + p.numel()], {k: v[off:off + p.numel()] for k, v in c.state.items()})
+                if zero_stage == 0:   # elementwise optimizer: (updated slice, states, working slice)
+                    upd = c.master if self.mixed else c.flat
+                    c.views = [(upd[off:off + p.numel()], {k: v[off:off + p.numel()] for k, v in c.state.items()},
+                                c.flat[off:off + p.numel()] if self.mixed else None)
                                for p, off in zip(c.params, c.offsets)]
         self._per_param = zero_stage == 0 and not optimizer.needs_segments
 
@@ -197,7 +244,8 @@ class ShardedOptimizer:
         if self.world == 1:
             return True   # no collective is ever issued
         try:
-            _reduce_scatter_fn(torch.zeros(1), torch.zeros(self.world), group=self.group)
+            _reduce_scatter_fn(torch.zeros(1, device=self.device), torch.zeros(self.world, device=self.device),
+                               group=self.group)
             return True
         except (RuntimeError, NotImplementedError, AttributeError):
             return False
@@ -208,7 +256,7 @@ class ShardedOptimizer:
         if self.world == 1:
             return _DONE, flat
         if self._rs_native:
-            out = torch.empty(c.shard, dtype=torch.float32)
+            out = torch.empty(c.shard, dtype=flat.dtype, device=flat.device)
             work = _reduce_scatter_fn(out, flat, group=self.group, async_op=True)
             self.comm_log.append(("reduce_scatter", _nbytes(flat)))
             return work, out
@@ -324,31 +372,50 @@ class ShardedOptimizer:
         return [c.grad_shard for c in self.chunks]
 
     # ---------------------------------------------------------------- public
+    def _norm_weights(self) -> list:
+        """Clipping weights, one entry per gradient ``_finish_backward`` returns."""
+        if self._per_param:
+            return [self.norm_weights.get(id(p)) for c in self.chunks for p in c.params]
+        return [c.norm_ranges(self.norm_weights, sharded=self.stage >= 1) for c in self.chunks]
+
     @torch.no_grad()
     def step(self) -> None:
         grads = self._finish_backward()
+        if self.mixed:   # the optimizer (and the norm) work in fp32: upcast the working-dtype gradients
+            grads = [g.float() for g in grads]
         if self.grad_clip is not None:
             groups = ([] if self.stage == 0 or self.world == 1 else [self.group]) + list(self.extra_norm_groups)
-            self.last_grad_norm = clip_grad_norm(grads, self.grad_clip, groups, comm_counter=self.comm_log)
+            self.last_grad_norm = clip_grad_norm(grads, self.grad_clip, groups, comm_counter=self.comm_log,
+                                                 weights=self._norm_weights())
         self.step_count += 1
         reduce = None if self.stage == 0 or self.world == 1 else self._all_reduce_norms
         works = []
         if self._per_param:
             grads = iter(grads)
             for c in self.chunks:
-                for param, state in c.views:
+                for param, state, working in c.views:
                     self.opt.step(param, next(grads).reshape(-1), state, self.step_count)
+                    if working is not None:
+                        working.copy_(param)
             return
         for c, g in zip(self.chunks, grads):
-            if self.stage == 0:
+            if self.mixed:
+                param = c.master
+            elif self.stage == 0:
                 param = c.flat
             elif self.stage == 3:
                 param = c.shard_param
             else:
                 param = c.flat[c.lo:c.hi]
             self.opt.step(param, g, c.state, self.step_count, segments=c.segments, reduce_sq_norms=reduce)
+            if self.mixed and self.stage == 0:
+                c.flat.copy_(param)
+            elif self.mixed and self.stage == 3:
+                c.shard_param.copy_(param)
+            elif self.mixed and self.world == 1:   # stages 1, 2 over a group of one: no all-gather
+                c.flat[c.lo:c.hi].copy_(param)
             if self.stage in (1, 2) and self.world > 1:
-                works.append(self._all_gather_async(c, param.clone()))
+                works.append(self._all_gather_async(c, param.to(self.dtype) if self.mixed else param.clone()))
         for w in works:
             w.wait()
         if self.stage >= 2:
@@ -380,8 +447,38 @@ class ShardedOptimizer:
         if self.stage == 3:
             params += [c.flat for c in self.chunks if c.gathered]  # only if left gathered
         grads = [p.grad for c in self.chunks for p in c.params] + [c.grad_shard for c in self.chunks]
-        optim = [t for c in self.chunks for t in c.state.values()]
+        optim = [t for c in self.chunks for t in c.state.values()] + [c.master for c in self.chunks]
         return dict(params=total(params), grads=total(grads), optimizer=total(optim))
+
+    @torch.no_grad()
+    def full_flat(self, c: _Chunk) -> Tensor:
+        """The chunk's full padded parameter buffer in fp32, from the most precise copy held: the
+        master under mixed precision (all-gathered from the shards at stages 1-3), else the working
+        buffer (gathered at stage 3). Collective over the data group when anything is sharded."""
+        if not self.mixed:
+            was = c.gathered
+            self._gather(c)
+            out = c.flat.clone()
+            if not was:
+                self._free(c)
+            return out
+        if self.stage == 0 or self.world == 1:
+            return c.master.clone()
+        out = torch.empty(c.padded, dtype=torch.float32, device=self.device)
+        _all_gather_fn(out, c.master, group=self.group)
+        return out
+
+    @torch.no_grad()
+    def load_flat(self, c: _Chunk, full: Tensor) -> None:
+        """Set the chunk's parameters from a full padded fp32 buffer (working copy and master)."""
+        if self.stage == 3:
+            c.shard_param.copy_(full[c.lo:c.hi])
+            if c.gathered:
+                c.flat.copy_(full)
+        else:
+            c.flat.copy_(full)
+        if self.mixed:
+            c.master.copy_(full[c.lo:c.hi] if self.stage >= 1 else full)
 
     @torch.no_grad()
     def full_parameters(self) -> list[Tensor]:

@@ -1,7 +1,9 @@
 """Predictions are proven by measurement (design.md, testing doctrine).
 
-Plans are made in this (parent) process with precision="fp32" (the CPU runtime is fp32) and run on
-forked gloo ranks. On every rank, in the second training step (the first one warms up):
+Plans are made in this (parent) process with precision="fp32" (the CPU runtime's default) and run
+on forked gloo ranks; the "-bf16" cases plan with precision="bf16" and run the mixed-precision
+runtime (bf16 working parameters, gradients and collectives, fp32 master and optimizer state) on
+the CPU with ``compile(precision="bf16")``. On every rank, in the second training step (the first one warms up):
 
 - the bytes of parameters, gradients and optimizer state the runtime holds
   (``ShardedOptimizer.state_bytes()``; gradients read at the end of backward, just before the
@@ -12,10 +14,11 @@ forked gloo ranks. On every rank, in the second training step (the first one war
 
 The one documented difference, computed exactly here (never a tolerance): ZeRO keeps each chunk
 (one per repeated block, plus one for the rest) in a flat fp32 buffer padded to a multiple of the
-data-parallel size W (runtime/zero.py). With ``pad = ceil(n/W)*W - n`` elements per chunk:
-  params     stage 0-2: + pad*4          stage 3: + pad*4/W   (only the shard is kept)
-  grads      stage 0-1: exact (p.grad)   stage 2-3: + pad*4/W (the gradient shard)
-  optimizer  stage 0:   + pad*8 (AdamW m, v over the padded buffer)   stage 1-3: + pad*8/W
+data-parallel size W (runtime/zero.py). With ``pad = ceil(n/W)*W - n`` elements per chunk and
+w = 4 bytes (fp32) or 2 (bf16 working copy), o = 8 (AdamW m, v) or 12 (bf16: + fp32 master):
+  params     stage 0-2: + pad*w          stage 3: + pad*w/W   (only the shard is kept)
+  grads      stage 0-1: exact (p.grad)   stage 2-3: + pad*w/W (the gradient shard)
+  optimizer  stage 0:   + pad*o (over the padded buffer)      stage 1-3: + pad*o/W
   data-axis bytes: stage 0 exact (the DDP-style reducer's buckets are unpadded); stages 1-3 move
   the padded buffer in every reduce-scatter / all-gather of a chunk.
 The loss all-reduce that makes the reported loss identical on every rank (CompiledModel.
@@ -36,6 +39,8 @@ torch.set_num_threads(1)   # forked ranks deadlock in OpenMP otherwise (see test
 
 ADAMW_STATE = 8   # fp32 m and v per element
 FP32 = 4
+WORKING = {"fp32": 4, "bf16": 2}        # bytes of a working parameter / gradient element
+OPTIMIZER = {"fp32": 8, "bf16": 12}     # AdamW state (+ the fp32 master under bf16)
 
 # name -> (model, devices, constraints, policy)
 CASES = {
@@ -53,16 +58,27 @@ CASES = {
     "gpt2-tp2-megatron": ("gpt2", 2, {"dp": 1, "tp": 2}, "megatron"),
     "gpt2-tp4-1d-megatron": ("gpt2", 4, {"dp": 1, "tp": 4, "tp_mode": "1d"}, "megatron"),
     "gpt2-dp2-tp2": ("gpt2", 4, {"dp": 2, "tp": 2}, None),
+    "mlp-dp4-zero0-bf16": ("mlp", 4, {"dp": 4, "tp": 1, "zero": 0}, None),
+    "gpt2-dp2-zero1-bf16": ("gpt2", 2, {"dp": 2, "tp": 1, "zero": 1}, None),
+    "gpt2-dp2-zero2-bf16": ("gpt2", 2, {"dp": 2, "tp": 1, "zero": 2}, None),
+    "mlp-dp4-zero3-bf16": ("mlp", 4, {"dp": 4, "tp": 1, "zero": 3}, None),
+    "gpt2-dp2-tp2-bf16": ("gpt2", 4, {"dp": 2, "tp": 2}, None),
 }
+
+
+def precision_of(key: str) -> str:
+    return "bf16" if key.endswith("-bf16") else "fp32"
+
 TP_CASES = [k for k, v in CASES.items() if v[2].get("tp", 1) > 1]
 
 _RESULTS: dict = {}
 
 
-def _measure(rank, world, name, plan_json):
+def _measure(rank, world, name, plan_json, precision):
     model, batch = ZOO[name]()
     plan = autopar.Plan.from_json(plan_json)
-    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch, plan=plan)
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch, plan=plan,
+                         precision=precision)
     cm.step(*batch)   # warm-up: the first step's set-up traffic is not a step's
     box = {}
     inner = cm.opt.step
@@ -82,11 +98,12 @@ def run_case(key):
     if key not in _RESULTS:
         name, n, cons, policy = CASES[key]
         model, batch = ZOO[name]()
-        plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=n), precision="fp32",
+        prec = precision_of(key)
+        plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=n), precision=prec,
                             constraints={"num_micro_batches": 1, **cons}, policy=policy)
         for k, v in cons.items():
             assert plan.degrees[k] == v, (k, plan.degrees)
-        _RESULTS[key] = (plan, run_local(_measure, n, args=(name, plan.to_json()), timeout=240))
+        _RESULTS[key] = (plan, run_local(_measure, n, args=(name, plan.to_json(), prec), timeout=240))
     return _RESULTS[key]
 
 
@@ -100,10 +117,12 @@ def expected_state(plan, chunks, W) -> dict[str, Fraction]:
     pad = _padding(chunks, W)
     mb = plan.memory_breakdown
     shard = Fraction(1, W)
+    prec = plan.data["settings"]["precision"]
+    w, o = WORKING[prec], OPTIMIZER[prec]
     return {
-        "params": mb["params"] + pad * FP32 * (shard if z == 3 else 1),
-        "grads": mb["grads"] + (pad * FP32 * shard if z >= 2 else 0),
-        "optimizer": mb["optimizer"] + pad * ADAMW_STATE * (shard if z >= 1 else 1),
+        "params": mb["params"] + pad * w * (shard if z == 3 else 1),
+        "grads": mb["grads"] + (pad * w * shard if z >= 2 else 0),
+        "optimizer": mb["optimizer"] + pad * o * (shard if z >= 1 else 1),
     }
 
 
@@ -116,7 +135,7 @@ def expected_comm(plan, chunks, W) -> dict[str, int]:
     out = {a: int(plan.comm_bytes[a]) for i, a in enumerate(mesh.names) if mesh.shape[i] > 1}
     data = [mesh.names[a] for a in mesh.data_axes() if mesh.shape[a] > 1]
     if data:
-        out["+".join(data)] += _padding(chunks, W) * FP32 * per_chunk
+        out["+".join(data)] += _padding(chunks, W) * WORKING[plan.data["settings"]["precision"]] * per_chunk
     return out
 
 
