@@ -21,11 +21,8 @@ def plan_gpt2_xl(nodes: int = 2) -> None:
 
 
 def train_small_gpt(nprocs: int = 4, steps: int = 30) -> None:
-    try:
-        from autopar.train_demo import train
-    except ImportError:
-        print("(training demo not available in this build)")
-        return
+    from autopar.train_demo import train
+
     train(nprocs=nprocs, steps=steps)
 
 

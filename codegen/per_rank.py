@@ -138,6 +138,7 @@ class _Builder:
         self.env: dict[str, fx.Node] = {}
         self.layout: dict[str, object] = {}      # node name -> Layout or list of Layouts (tuple outputs)
         self.data_axes = tuple(a for a in self.mesh.data_axes() if self.mesh_shape[a] > 1)
+        self.attrs: dict[str, object] = {}      # get_attr targets of the new program (submodules, constants)
 
     def norm(self, lay: Layout) -> Layout:
         return normalize(lay, self.mesh_shape)
@@ -285,6 +286,9 @@ class _Builder:
             if n.op == "output":
                 out_node = n
                 continue
+            if n.op == "get_attr":
+                self._emit_attr(n)
+                continue
             if n.op != "call_function":
                 continue
             for c in starts.get(k, ()):
@@ -309,13 +313,61 @@ class _Builder:
         # The loss: returned as this rank's local value (partial over loss_layout.partial).
         loss_lay = self.layout[traced.output_name]
         self.g.output(self.env[traced.output_name])
-        gm = fx.GraphModule(torch.nn.Module(), self.g, class_name=f"Rank{self.rank}Program")
+        root = torch.nn.Module()
+        for name, obj in self.attrs.items():
+            setattr(root, name, obj)
+        gm = fx.GraphModule(root, self.g, class_name=f"Rank{self.rank}Program")
         return RankProgram(gm=gm, rank=self.rank, coords=self.coords, mesh_shape=self.mesh_shape,
                            param_names=param_names, param_fqn=dict(traced.param_fqn), buffers=set(traced.buffers),
                            param_layouts=param_layouts, param_slices=param_slices,
                            input_names=list(traced.input_names), input_layouts=input_layouts,
                            grad_partial_axes={f: tuple(a) for f, a in grad_partial.items()},
                            loss_layout=loss_lay, data_axes=self.data_axes, zero3_chunks=self.zero3)
+
+    def _emit_attr(self, n: fx.Node) -> None:
+        """A get_attr of the traced graph: a submodule of a higher-order op (e.g. the body of
+        ``wrap_with_set_grad_enabled``) or a constant tensor, copied into the program whole
+        (replicated); a floating constant takes the working dtype and the rank's device."""
+        obj = self.traced.gm
+        for part in str(n.target).split("."):
+            obj = getattr(obj, part)
+        if isinstance(obj, torch.Tensor):
+            if obj.is_floating_point() and self.compute_dtype is not None:
+                obj = obj.to(self.compute_dtype)
+            if self.device is not None:
+                obj = obj.to(self.device)
+        elif isinstance(obj, fx.GraphModule):
+            obj = self._retarget_module(obj)
+        name = str(n.target).replace(".", "_")
+        self.attrs[name] = obj
+        self.env[n.name] = self.g.get_attr(name)
+        self.layout[n.name] = Layout.replicated(obj.dim()) if isinstance(obj, torch.Tensor) else None
+
+    def _retarget(self, args, kwargs):
+        """dtype and device arguments for this rank's program (module doc)."""
+        if self.compute_dtype is not None:
+            args, kwargs = pytree.tree_map_only(
+                torch.dtype, lambda d: self.compute_dtype if d == torch.float32 else d, (args, kwargs))
+        if self.device is not None:
+            args, kwargs = pytree.tree_map_only(torch.device, lambda _: self.device, (args, kwargs))
+        return args, kwargs
+
+    def _retarget_module(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """A copy of a higher-order op's body with its dtype/device arguments retargeted."""
+        if self.compute_dtype is None and self.device is None:
+            return gm
+        import copy
+
+        gm = copy.deepcopy(gm)
+        for node in gm.graph.nodes:
+            node.args, node.kwargs = self._retarget(node.args, node.kwargs)
+        for name, sub in list(gm.named_children()):
+            if isinstance(sub, fx.GraphModule):
+                setattr(gm, name, self._retarget_module(sub))
+        for name, buf in list(gm.named_buffers(recurse=False)):
+            setattr(gm, name, buf.to(self.compute_dtype or buf.dtype) if buf.is_floating_point() else buf)
+        gm.recompile()
+        return gm
 
     def _emit_op(self, n: fx.Node, spec, st: Strategy, needs_grad, partial_params):
         op = self.ops[n.name]
@@ -345,11 +397,7 @@ class _Builder:
         call = local_call(n, spec, st, self.mesh_shape)
         it = iter(new_inputs)
         args, kwargs = pytree.tree_map_only(fx.Node, lambda _: next(it), (tuple(call.args), dict(call.kwargs)))
-        if self.compute_dtype is not None:   # traced in fp32, run in the working dtype (module doc)
-            args, kwargs = pytree.tree_map_only(
-                torch.dtype, lambda d: self.compute_dtype if d == torch.float32 else d, (args, kwargs))
-        if self.device is not None:      # traced on cpu/meta, run on this rank's device (module doc)
-            args, kwargs = pytree.tree_map_only(torch.device, lambda _: self.device, (args, kwargs))
+        args, kwargs = self._retarget(args, kwargs)   # traced in fp32 on cpu/meta (module doc)
         if call.needs_algorithm:
             algo = call.needs_algorithm
             if "," in algo:

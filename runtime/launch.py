@@ -4,7 +4,11 @@
 spawn re-imports torch in every child), initialises a gloo process group in each, calls
 ``fn(rank, world_size, *args)`` and returns the per-rank results in rank order. A rank that
 raises makes ``run_local`` raise ``LocalLaunchError`` naming the rank and carrying its
-traceback; a rank that hangs is killed after ``timeout`` seconds — never a hang.
+traceback; a rank that dies without reporting (killed, ``os._exit``, a crash) is detected from its
+exit code; a rank that hangs is killed after ``timeout`` seconds — never a hang. Once one rank has
+failed, the others get the collective timeout (``pg_timeout``) to report their own errors (a
+peer's death surfaces as a collective error on them); the message names the first cause and
+lists what every other rank reported.
 """
 from __future__ import annotations
 
@@ -58,16 +62,33 @@ def run_local(fn, nprocs: int, args: tuple = (), timeout: float = 300.0, pg_time
         p.start()
     results, errors = {}, {}
     import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout
+    grace_end = None   # once a rank failed: how long the others get to report their own error
     try:
-        for _ in range(nprocs):
-            try:
-                rank, ok, payload = queue.get(timeout=timeout)
-            except queue_mod.Empty:
-                missing = sorted(set(range(nprocs)) - set(results) - set(errors))
-                raise LocalLaunchError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
-            (results if ok else errors)[rank] = payload
-            if errors:
+        while len(results) + len(errors) < nprocs:
+            now = time.monotonic()
+            if now > deadline or (grace_end is not None and now > grace_end):
                 break
+            try:
+                rank, ok, payload = queue.get(timeout=0.2)
+                (results if ok else errors)[rank] = payload
+            except queue_mod.Empty:
+                # A rank that is gone without reporting (killed, os._exit, a crash in C code).
+                for r, p in enumerate(procs):
+                    if p.exitcode is not None and r not in results and r not in errors:
+                        time.sleep(0.2)   # its report may still be in the pipe
+                        try:
+                            while True:
+                                rk, ok, payload = queue.get_nowait()
+                                (results if ok else errors)[rk] = payload
+                        except queue_mod.Empty:
+                            pass
+                        if r not in results and r not in errors:
+                            errors[r] = f"rank {r} exited with code {p.exitcode} without reporting (killed or crashed)"
+            if errors and grace_end is None:
+                grace_end = time.monotonic() + min(pg_timeout + 5.0, max(0.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
@@ -75,9 +96,27 @@ def run_local(fn, nprocs: int, args: tuple = (), timeout: float = 300.0, pg_time
                 p.kill()
                 p.join()
     if errors:
-        rank = min(errors)
-        raise LocalLaunchError(f"rank {rank} of {nprocs} failed:\n{errors[rank]}")
+        rank = min(errors, key=lambda r: (_is_secondary(errors[r]), r))
+        others = [f"  rank {r}: {_last_line(errors[r])}" for r in sorted(errors) if r != rank]
+        others += [f"  rank {r}: did not report (stopped)" for r in range(nprocs) if r not in errors and r not in results]
+        extra = ("\nthe other ranks:\n" + "\n".join(others)) if others else ""
+        raise LocalLaunchError(f"rank {rank} of {nprocs} failed:\n{errors[rank]}{extra}")
+    if len(results) < nprocs:
+        missing = sorted(set(range(nprocs)) - set(results))
+        raise LocalLaunchError(f"ranks {missing} did not finish within {timeout:.0f} s")
     return [results[r] for r in range(nprocs)]
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _is_secondary(text: str) -> bool:
+    """A rank that failed because a peer did (a collective error) is not the first cause."""
+    t = str(text)
+    return any(k in t for k in ("Connection closed by peer", "Connection reset", "timed out", "Timeout",
+                                "training step failed"))
 
 
 def run_script(script: str, script_args: list[str], nprocs: int = 2, timeout: float | None = None) -> int:

@@ -79,3 +79,53 @@ def test_layout_helpers():
     lay = Layout(((0, 1), ()), ())
     assert block_slices(lay, (8, 3), (2, 2), (1, 0)) == (slice(4, 6), slice(0, 3))
     assert normalize(Layout(((0, 1),), (0,)), (1, 2)) == Layout(((1,),), ())
+
+
+def _graph_constants(gm, kind):
+    from torch.utils import _pytree as pytree
+
+    found = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            pytree.tree_map_only(kind, found.append, (n.args, n.kwargs))
+    return found
+
+
+def _bf16_program_vs_eager(model, batch, prog):
+    ref_model = model.to(torch.bfloat16)
+    values = dict(ref_model.named_parameters())
+    values.update(dict(ref_model.named_buffers()))
+    local = [values[prog.param_fqn[n]].detach() for n in prog.param_names]
+    with torch.no_grad():
+        return prog.gm(*local, *batch).float().item(), ref_model(*batch).float().item()
+
+
+def test_program_for_a_gpu_rank_targets_its_device():
+    """The CUDA path, checked without a GPU: factory ops traced on the CPU (gpt2's position
+    ``arange``) are emitted on the rank's device; the same rewrite targeting the CPU, in bf16,
+    reproduces the bf16 eager model's loss exactly."""
+    model, batch, plan = _one_device_plan("gpt2")
+    traced = trace(model, batch)
+    assert torch.device("cpu") in _graph_constants(traced.gm, torch.device)   # something to rewrite
+    prog = generate(traced, plan, 0, compute_dtype=torch.bfloat16, device=torch.device("cuda", 3))
+    assert set(_graph_constants(prog.gm, torch.device)) == {torch.device("cuda", 3)}
+    prog = generate(traced, plan, 0, compute_dtype=torch.bfloat16, device=torch.device("cpu"))
+    got, want = _bf16_program_vs_eager(model, batch, prog)
+    assert got == want
+
+
+def test_fp32_dtype_arguments_become_the_working_dtype():
+    """A Hugging Face Llama upcasts to fp32 inside RMSNorm and builds fp32 masks: under bf16 those
+    dtype arguments are rewritten, so the program runs in bf16 throughout (no dtype mismatch
+    between a bf16 weight and an fp32 activation) and its loss is the bf16 model's to bf16 accuracy."""
+    pytest.importorskip("transformers")
+    from autopar.models import HF_ZOO
+
+    model, batch = HF_ZOO["hf_llama"]()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=1), constraints={"num_micro_batches": 1})
+    traced = trace(model, batch)
+    assert torch.float32 in _graph_constants(traced.gm, torch.dtype)
+    prog = generate(traced, plan, 0, compute_dtype=torch.bfloat16)
+    assert torch.float32 not in _graph_constants(prog.gm, torch.dtype)
+    got, want = _bf16_program_vs_eager(model, batch, prog)
+    assert got == pytest.approx(want, rel=2e-2)

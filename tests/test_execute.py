@@ -8,7 +8,7 @@ import torch
 
 import autopar
 from autopar.errors import ExecutionError
-from autopar.models import ZOO
+from autopar.models import HF_ZOO, ZOO
 from runtime.launch import LocalLaunchError, run_local
 
 # Forked ranks deadlock in OpenMP if the parent already ran a multi-threaded op (the eager
@@ -16,6 +16,7 @@ from runtime.launch import LocalLaunchError, run_local
 torch.set_num_threads(1)
 
 STEPS = 3
+FACTORIES = {**ZOO, **HF_ZOO}
 # Some gradients are exactly zero in exact arithmetic (the key bias of attention: softmax ignores a
 # constant shift), so they are float noise that differs with the summation order. AdamW turns noise
 # into updates of size lr * noise / (|noise| + eps): a larger eps keeps them below the tolerance,
@@ -26,7 +27,7 @@ LR = 1e-3   # AdamW normalises updates: with a larger lr, float noise in near-ze
 
 def reference(name: str, steps: int = STEPS, **kw):
     """Eager single-process training: (losses, final state_dict)."""
-    model, batch = ZOO[name](**kw)
+    model, batch = FACTORIES[name](**kw)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for _ in range(steps):
@@ -39,7 +40,7 @@ def reference(name: str, steps: int = STEPS, **kw):
 
 
 def _train(rank, world, name, devices, constraints, plan_json, steps, kw):
-    model, batch = ZOO[name](**kw)
+    model, batch = FACTORIES[name](**kw)
     cluster = autopar.Cluster.preset("cpu", devices=devices)
     plan = autopar.Plan.from_json(plan_json) if plan_json else None
     cm = autopar.compile(model, cluster, example_inputs=batch, plan=plan, lr=LR, eps=EPS,
@@ -53,7 +54,7 @@ def run_plan(name, nprocs, constraints=None, plan_json=None, steps=STEPS, plan_i
     if plan_json is None and not plan_in_compile:
         # Plan here: the ILP solver is much slower inside forked ranks. autopar.compile's own
         # planning path (plan=None) is covered by test_compile_plans_on_rank_0.
-        model, batch = ZOO[name](**kw)
+        model, batch = FACTORIES[name](**kw)
         plan_json = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=nprocs),
                                  constraints=constraints).to_json()
     res = run_local(_train, nprocs, args=(name, nprocs, constraints, plan_json, steps, kw), timeout=240)
@@ -113,6 +114,15 @@ def test_dp_tp_gpt2_2x2():
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit", "mlp"])
 def test_automatic_plan_zoo(name):
     """The planner's own choice for 4 CPU devices (gpt2: a dp x tp x tp2 mesh)."""
+    check_against_reference(name, 4, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(HF_ZOO))
+def test_automatic_plan_hugging_face(name):
+    """Hugging Face models built from configs (torch.export graphs with higher-order ops, fp32
+    masks, rotary submodules) train under their automatic 4-device plan like eager."""
+    pytest.importorskip("transformers")
     check_against_reference(name, 4, None)
 
 
@@ -257,4 +267,33 @@ def test_rank_raising_mid_step_is_reported_without_hanging():
     t0 = time.perf_counter()
     with pytest.raises(LocalLaunchError, match="rank 1 fails on purpose"):
         run_local(_dies, 2, args=(_plan_json("mlp", 2),), timeout=60, pg_timeout=10)
+    assert time.perf_counter() - t0 < 60
+
+
+def _killed_in_backward(rank, world, plan_json):
+    import os
+
+    model, batch = ZOO["mlp"]()
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                         plan=autopar.Plan.from_json(plan_json))
+    cm.step(*batch)
+    if rank == 1:   # dies hard early in the next backward (the last layer's gradient): no exception, no report
+        list(cm.params.values())[-1].register_hook(lambda g: os._exit(3))
+    cm.step(*batch)
+    return "finished"
+
+
+@pytest.mark.slow
+def test_rank_killed_mid_step_gives_every_rank_a_clear_error():
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(LocalLaunchError) as ei:
+        plan = autopar.plan(*ZOO["mlp"](), autopar.Cluster.preset("cpu", devices=2),
+                            constraints={"dp": 2, "tp": 1, **NM1})   # rank 0 needs rank 1's gradients
+        run_local(_killed_in_backward, 2, args=(plan.to_json(),), timeout=120, pg_timeout=10)
+    msg = str(ei.value)
+    assert "rank 1 exited with code 3" in msg, msg
+    # the survivor reports an ExecutionError of its own (the collective failed), not a hang
+    assert "rank 0: autopar.errors.ExecutionError: rank 0: training step failed" in msg, msg
     assert time.perf_counter() - t0 < 60
