@@ -141,6 +141,54 @@ def test_compile_plans_on_rank_0():
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
+def _lazy_and_local_rows(rank, world, constraints):
+    """compile(model, cluster) alone: set-up (and planning on rank 0) at the first step; then a
+    step fed only this rank's rows (batch_rows()), then a forward-only evaluation."""
+    model, batch = ZOO["gpt2"](batch=8)
+    cluster = autopar.Cluster.preset("cpu", devices=world)
+    cm = autopar.compile(model, cluster, lr=LR, eps=EPS,
+                         **({"plan_options": {"constraints": constraints}} if constraints else {}))
+    first = cm.step(*batch)
+    rows = cm.batch_rows()
+    second = cm.step(*(x[rows] for x in batch))
+    evaluation = float(cm(*batch))
+    return first, second, evaluation, rows, cm.plan.degrees
+
+
+def check_lazy_and_local_rows():
+    """Run by test_compile_with_only_model_and_cluster in a fresh interpreter."""
+    model, batch = ZOO["gpt2"](batch=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    want = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    with torch.no_grad():
+        want.append(model(*batch).item())
+    for constraints in (None, {"dp": 2, "tp": 1, "num_micro_batches": 2}):
+        res = run_local(_lazy_and_local_rows, 2, args=(constraints,), timeout=240)
+        for first, second, evaluation, rows, degrees in res:
+            torch.testing.assert_close(torch.tensor([first, second, evaluation]), torch.tensor(want),
+                                       rtol=1e-5, atol=1e-6)
+        if constraints:   # the data split really hands each rank half the rows, micro-batch by micro-batch
+            assert res[0][3] == [0, 1, 4, 5] and res[1][3] == [2, 3, 6, 7], (res[0][3], res[1][3])
+
+
+@pytest.mark.slow
+def test_compile_with_only_model_and_cluster():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, %r); import test_execute as t; t.check_lazy_and_local_rows(); print('OK')"
+            % os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
 def _force(plan_json: str, picks: dict) -> str:
     """Replace the strategies of some ops by the named candidate (a hand-edited plan)."""
     import json
