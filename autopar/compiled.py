@@ -234,11 +234,25 @@ class CompiledModel:
                                     make_optimizer(self.optimizer_name, self.lr, **self.optimizer_kwargs),
                                     grad_clip=self.grad_clip,
                                     extra_norm_groups=[self.ctx.groups[a] for a in model_axes],
-                                    grad_scale=grad_scale, norm_weights=norm_weights, working_dtype=self.dtype)
+                                    grad_scale=grad_scale, norm_weights=norm_weights, working_dtype=self.dtype,
+                                    forward_order=self._forward_order())
         if zero == 3:
             context.set_zero3(self.opt)
         self._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}
         self._ready = True
+
+    def _forward_order(self) -> list:
+        """Trainable parameters in the order the program first reads them: backward completes
+        their gradients in about the reverse order, which the DP buckets follow (a parameter
+        read first, like a tied embedding, gets its gradient last)."""
+        first = {}
+        for k, n in enumerate(self.program.gm.graph.nodes):
+            for a in n.all_input_nodes:
+                if a.op == "placeholder":
+                    first.setdefault(a.name, k)
+        by_name = {name: self.params.get(self.program.param_fqn[name]) for name in self.program.param_names}
+        ordered = sorted((first.get(name, len(first) + i), i, name) for i, name in enumerate(self.program.param_names))
+        return [by_name[name] for _, _, name in ordered if by_name[name] is not None]
 
     # ------------------------------------------------------------------ batches
     def batch_rows(self) -> list[int]:
@@ -281,9 +295,24 @@ class CompiledModel:
 
     # ------------------------------------------------------------------ running
     def _global_loss(self, local: torch.Tensor) -> float:
+        return self._finish_loss(self._start_loss(local))
+
+    def _start_loss(self, local: torch.Tensor):
+        """Begin summing the local loss over the axes it is partial over: asynchronously when that
+        is one axis (the step overlaps it with backward), else in turn. Returns (tensor, work)."""
         t = local.detach().clone().float()
-        for a in self.program.loss_layout.partial:
+        axes = self.program.loss_layout.partial
+        if len(axes) == 1:
+            return t, dist.all_reduce(t, group=self.ctx.groups[axes[0]], async_op=True)
+        for a in axes:
             dist.all_reduce(t, group=self.ctx.groups[a])
+        return t, None
+
+    @staticmethod
+    def _finish_loss(pending) -> float:
+        t, work = pending
+        if work is not None:
+            work.wait()
         return float(t)
 
     def step(self, *batch) -> float:
@@ -293,16 +322,19 @@ class CompiledModel:
             micro = self._local_micro_batches(batch)
             total = torch.zeros((), device=self.device)
             reducer = self.opt.reducer
+            pending = None
             for m, inputs in enumerate(micro):
                 last = m == len(micro) - 1
                 sync = reducer.no_sync() if (reducer is not None and not last) else _nullcontext()
                 with sync:
                     loss = self.program.gm(*self.local, *inputs)
+                    total = total + loss.detach().float() / self.nm
+                    if last:   # the global loss is summed while backward runs
+                        pending = self._start_loss(total)
                     (loss / self.nm).backward()
-                total = total + loss.detach().float() / self.nm
             self.opt.step()
             self.opt.zero_grad()
-            return self._global_loss(total)
+            return self._finish_loss(pending)
         except ExecutionError:
             raise
         except RuntimeError as e:   # a collective timed out or a peer died: never hang silently

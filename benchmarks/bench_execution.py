@@ -11,7 +11,9 @@
    DeviceMesh "cpu"); ratio autopar / torch-TP step time (lower is better).
 
 Both sides of a row run in the same forked ranks, steps alternating (A, B, A, B, ...) after a
-warm-up, each timed step preceded by a barrier; the figure is the median over rank 0's steps.
+warm-up, each timed step preceded by a barrier. The times shown are medians over rank 0's steps;
+the ratio is the median of the per-pair ratios (A_i / B_i of neighbouring steps, which cancels the
+machine's slow drifts; the cores are shared), with its interquartile range in brackets.
 Every step ends with the loss as a Python float on both sides (autopar.step returns it).
 Plans are made in the parent before forking (planning inside forked ranks is slow/hangs); the
 parent stays single-threaded (forked ranks deadlock in OpenMP otherwise), so ranks use 1 thread.
@@ -36,8 +38,8 @@ MLP = dict(d_in=512, hidden=1024, n_layer=4, d_out=16, batch=128)          # ~4.
 GPT = dict(n_layer=2, d_model=256, n_head=4, seq=64, batch=4, vocab=2048)   # ~2.1M params, 256 tokens
 
 
-def _alternate(fns: dict, warmup: int, steps: int, barrier=None) -> dict[str, float]:
-    """Median seconds per step of each callable, run alternately."""
+def _alternate(fns: dict, warmup: int, steps: int, barrier=None) -> dict[str, list[float]]:
+    """Seconds of every timed step of each callable, run alternately (same index = neighbours)."""
     times = {k: [] for k in fns}
     for i in range(warmup + steps):
         for k, fn in fns.items():
@@ -48,7 +50,13 @@ def _alternate(fns: dict, warmup: int, steps: int, barrier=None) -> dict[str, fl
             dt = time.perf_counter() - t0
             if i >= warmup:
                 times[k].append(dt)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def _paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """Median and quartiles of a_i / b_i."""
+    q = statistics.quantiles([x / y for x, y in zip(a, b)], n=4)
+    return q[1], q[0], q[2]
 
 
 def _eager_step(model, opt, batch, rows=None):
@@ -131,24 +139,25 @@ def main(argv=None) -> None:
         plan = _plan(name, kw, 1, {})
         r = run_local(_single, 1, args=(name, kw, plan, warm, steps), timeout=600)[0]
         rows.append((f"1 proc  {label}: compiled vs eager", r["autopar"], r["eager"],
-                     "time autopar/eager", r["autopar"] / r["eager"], "<= 1.05"))
+                     "time autopar/eager", _paired(r["autopar"], r["eager"]), "<= 1.05"))
 
     for label, name, kw in (("MLP 4x1024, batch 128", "mlp", MLP), ("GPT-2 2L d256 s64 b8", "gpt2", dict(GPT, batch=8))):
         plan = _plan(name, kw, 2, {"dp": 2, "tp": 1, "zero": 0})
         r = run_local(_dp, 2, args=(name, kw, plan, warm, steps), timeout=600)[0]
         rows.append((f"2 proc  {label}: dp=2 vs DDP", r["autopar"], r["torch"],
-                     "throughput autopar/DDP", r["torch"] / r["autopar"], ">= 0.95"))
+                     "throughput autopar/DDP", _paired(r["torch"], r["autopar"]), ">= 0.95"))
 
     plan = _plan("mlp", MLP, 4, {"tp": 4, "dp": 1, "tp_mode": "1d"}, policy="megatron")
     r = run_local(_tp, 4, args=("mlp", MLP, plan, warm, steps), timeout=600)[0]
     rows.append(("4 proc  MLP 4x1024, batch 128: tp=4 megatron vs torch TP", r["autopar"], r["torch"],
-                 "time autopar/torchTP", r["autopar"] / r["torch"], "(lower better)"))
+                 "time autopar/torchTP", _paired(r["autopar"], r["torch"]), "(lower better)"))
 
     w = max(len(x[0]) for x in rows)
-    print(f"\n{'benchmark':<{w}}  {'autopar ms':>10}  {'baseline ms':>11}  {'ratio':<22} {'value':>6}  target")
-    for bench, a, b, rname, ratio, target in rows:
-        print(f"{bench:<{w}}  {a * 1e3:>10.1f}  {b * 1e3:>11.1f}  {rname:<22} {ratio:>6.3f}  {target}")
-    print(f"\nmedian of {steps} alternating steps after {warm} warm-up, 1 thread per rank; "
+    print(f"\n{'benchmark':<{w}}  {'autopar ms':>10}  {'baseline ms':>11}  {'ratio':<22} {'value [IQR]':>21}  target")
+    for bench, a, b, rname, (ratio, lo, hi), target in rows:
+        print(f"{bench:<{w}}  {statistics.median(a) * 1e3:>10.1f}  {statistics.median(b) * 1e3:>11.1f}  "
+              f"{rname:<22} {ratio:>6.3f} [{lo:.3f}, {hi:.3f}]  {target}")
+    print(f"\n{steps} alternating steps per side after {warm} warm-up, 1 thread per rank; "
           f"total {time.perf_counter() - t_start:.0f} s")
     print("command: .venv/bin/python -m benchmarks.bench_execution")
 

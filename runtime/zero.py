@@ -143,14 +143,18 @@ class ShardedOptimizer:
                  extra_norm_groups: Sequence[dist.ProcessGroup] = (),
                  bucket_bytes: int = 25 * 2 ** 20, sync_params: bool = True,
                  first_bucket_bytes: int = 2 ** 20, grad_scale: Optional[dict] = None,
-                 norm_weights: Optional[dict] = None, working_dtype: Optional[torch.dtype] = None):
+                 norm_weights: Optional[dict] = None, working_dtype: Optional[torch.dtype] = None,
+                 forward_order: Optional[Sequence[nn.Parameter]] = None):
         """``extra_norm_groups``: groups over which the gradients are *additionally* split into
         disjoint pieces (e.g. tensor parallel), for the global clipping norm. ``grad_scale``:
         id(param) -> factor its gradient is multiplied by before the averaging over the data
         group (stage 0: folded into the reducer's averaging pass; otherwise a gradient hook).
         ``norm_weights``: id(param) -> weight of its squared norm in clipping (module doc).
         ``working_dtype`` (e.g. bf16, for fp32 parameters): the parameters become views of a
-        buffer of that dtype, and the fp32 masters start from their exact initial values."""
+        buffer of that dtype, and the fp32 masters start from their exact initial values.
+        ``forward_order``: the parameters in the order the forward first uses them (stage 0's
+        buckets follow its reverse, the order backward completes their gradients; default: the
+        chunks' order)."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
@@ -217,7 +221,12 @@ class ShardedOptimizer:
         self._pending: list[tuple[_Chunk, object, Tensor]] = []
         grad_scale = {k: v for k, v in (grad_scale or {}).items() if v != 1}
         if zero_stage == 0 and self.world > 1:
-            self.reducer = GradAllReducer([p for c in self.chunks for p in c.params], dp_group,
+            order = [p for c in self.chunks for p in c.params]
+            if forward_order is not None:
+                if sorted(map(id, forward_order)) != sorted(map(id, order)):
+                    raise ValueError("forward_order must list every parameter of the chunks once")
+                order = list(forward_order)
+            self.reducer = GradAllReducer(order, dp_group,
                                           bucket_bytes=bucket_bytes, average=True,
                                           first_bucket_bytes=first_bucket_bytes, grad_scale=grad_scale)
         else:
