@@ -141,7 +141,7 @@ class ShardedOptimizer:
                  dp_group: Optional[dist.ProcessGroup], zero_stage: int, optimizer: FlatOptimizer,
                  grad_clip: Optional[float] = None,
                  extra_norm_groups: Sequence[dist.ProcessGroup] = (),
-                 bucket_bytes: int = 25 * 2 ** 20, sync_params: bool = True,
+                 bucket_bytes: Optional[int] = None, sync_params: bool = True,
                  first_bucket_bytes: int = 2 ** 20, grad_scale: Optional[dict] = None,
                  norm_weights: Optional[dict] = None, working_dtype: Optional[torch.dtype] = None,
                  forward_order: Optional[Sequence[nn.Parameter]] = None):
@@ -152,6 +152,11 @@ class ShardedOptimizer:
         ``norm_weights``: id(param) -> weight of its squared norm in clipping (module doc).
         ``working_dtype`` (e.g. bf16, for fp32 parameters): the parameters become views of a
         buffer of that dtype, and the fp32 masters start from their exact initial values.
+        ``bucket_bytes`` (stage 0): None sizes the DP buckets to half the gradient bytes, between
+        1 and 25 MiB (DDP's fixed 25 MiB puts a small model's gradient, after the 1 MiB first
+        bucket, in one bucket launched when backward ends: nothing overlaps. Measured on GPT-2 2L
+        d256, 2 gloo ranks, median paired throughput vs DDP: 0.94 with one 7 MiB bucket, 0.97-0.98
+        with two of 4 MiB, 0.94 with four of 2 MiB). Large models get DDP's 25 MiB.
         ``forward_order``: the parameters in the order the forward first uses them (stage 0's
         buckets follow its reverse, the order backward completes their gradients; default: the
         chunks' order)."""
@@ -226,6 +231,9 @@ class ShardedOptimizer:
                 if sorted(map(id, forward_order)) != sorted(map(id, order)):
                     raise ValueError("forward_order must list every parameter of the chunks once")
                 order = list(forward_order)
+            if bucket_bytes is None:
+                total = sum(p.numel() * p.element_size() for p in order)
+                bucket_bytes = min(25 * 2 ** 20, max(2 ** 20, total // 2))
             self.reducer = GradAllReducer(order, dp_group,
                                           bucket_bytes=bucket_bytes, average=True,
                                           first_bucket_bytes=first_bucket_bytes, grad_scale=grad_scale)
