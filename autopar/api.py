@@ -16,6 +16,7 @@ from autopar.plan import PLAN_VERSION, Plan
 from autopar.rules import tensor_inputs
 from autopar.search import Result, degrees_of, search
 from autopar.trace import trace
+from solver import release_threads
 
 
 def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=None, optimizer: str = "adamw",
@@ -45,7 +46,10 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
     base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm)
     log = print if verbose else None
-    result, stats = search(graph, cluster, base, constraints, time_limit=time_limit, log=log, policy=policy)
+    try:
+        result, stats = search(graph, cluster, base, constraints, time_limit=time_limit, log=log, policy=policy)
+    finally:
+        release_threads()   # no solver thread outlives planning (solver/ilp.py: release_threads)
     data = plan_data(result, cluster, graph, optimizer, precision, budget, overlap_grad_comm, stats)
     stats.update(trace_seconds=t_trace, total_seconds=time.perf_counter() - t0)
     return Plan(data, stats=stats)

@@ -450,6 +450,20 @@ def _bound(model: _Model, backend, time_limit, threads) -> float:
     return float(pulp.value(model.lp.objective) or 0.0)
 
 
+def release_threads() -> None:
+    """Stop HiGHS's worker threads (they outlive a solve). Call after a batch of solves: a
+    process that then forks (test launchers) or exits (torchrun ranks: a joinable thread at exit
+    aborts the process with "terminate called without an active exception") is left clean; the
+    next solve starts the pool again."""
+    try:
+        import highspy
+    except ImportError:
+        return
+    reset = getattr(highspy.Highs, "resetGlobalScheduler", None)
+    if reset is not None:
+        reset(True)
+
+
 def _is_trivial(problem: Problem) -> bool:
     return not problem.checkpoint_groups and all(len(c) == 1 for c in problem.costs)
 
