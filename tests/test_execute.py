@@ -113,7 +113,7 @@ def test_dp_tp_gpt2_2x2():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit", "mlp"])
 def test_automatic_plan_zoo(name):
-    """The planner's own choice for 4 CPU devices (gpt2: a dp x tp x tp2 mesh)."""
+    """The planner's own choice for 4 CPU devices (e.g. gpt2: dp=2 x tp=2)."""
     check_against_reference(name, 4, None)
 
 
@@ -234,6 +234,43 @@ def test_vocab_parallel_embedding_and_cross_entropy():
 def test_eight_processes_dp_tp():
     res = check_against_reference("gpt2", 8, {"dp": 2, "tp": 4, **NM1})
     assert res[0][2]["dp"] == 2
+
+
+def _check_plan_against_reference(name, plan):
+    ref_losses, ref_sd = reference(name)
+    res = run_plan(name, plan.mesh.size, plan_json=plan.to_json())
+    for losses, _, _, _ in res:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for k in ref_sd:
+        torch.testing.assert_close(torch.from_numpy(res[0][1][k]), ref_sd[k], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{k}: {m}")
+
+
+def _axes_splitting_params(plan) -> set[int]:
+    return {a for v in plan.data["params"].values() for d in v["layout"]["dims"] for a in d}
+
+
+@pytest.mark.slow
+def test_2d_tensor_parallel_weights_split_over_two_axes():
+    """dp=1 x tp=2 x tp2=2 (tp_mode "2d"): MLP weights split over both model axes at once."""
+    model, batch = ZOO["gpt2"]()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4),
+                        constraints={"dp": 1, "tp": 4, "tp_shape": [2, 2], **NM1})
+    assert plan.degrees["tp_mode"] == "2d"
+    assert any("@tp " in o["strategy"] + " " and "@tp2" in o["strategy"] for o in plan.data["ops"])
+    _check_plan_against_reference("gpt2", plan)
+
+
+@pytest.mark.slow
+def test_three_d_mesh_dp_tp_tp2():
+    """dp=2 x tp=2 x tp2=2 on 8 processes; a budget below the dp x tp plan's peak makes the planner
+    split parameters over the third axis too (a real 3-D mix, not a degenerate axis)."""
+    model, batch = ZOO["gpt2"]()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=8), memory_budget=1.2e6,
+                        constraints={"dp": 2, "tp": 4, "tp_shape": [2, 2], "zero": 0, **NM1})
+    assert tuple(plan.mesh.shape) == (2, 2, 2)
+    assert {1, 2} <= _axes_splitting_params(plan), "no parameter split over both model axes"
+    _check_plan_against_reference("gpt2", plan)
 
 
 @pytest.mark.slow
