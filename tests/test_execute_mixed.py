@@ -76,7 +76,7 @@ def reference(name, bf16: bool, grad_clip=None):
             with torch.no_grad():
                 for k, p in model.named_parameters():
                     p.copy_(masters[k])
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {k: v.detach().float() for k, v in masters.items()}, init, norm
 
 

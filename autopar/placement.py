@@ -1,0 +1,54 @@
+"""Where and in what precision a rank runs: the process group (created from the torchrun
+environment with the cluster's backend when none exists), the rank's device (NCCL: its GPU; gloo:
+the CPU) and the working dtype (the plan's precision on a GPU, fp32 on the CPU unless asked)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import ExecutionError
+
+
+def require_process_group(cluster=None):
+    """The default process group; under torchrun, created here with the cluster's backend."""
+    import os
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    if dist.is_available() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        backend = getattr(cluster, "backend", "gloo")
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise ExecutionError(f"cluster {getattr(cluster, 'name', '?')!r} runs on NCCL (GPUs) but this machine "
+                                     f"has no CUDA device: use Cluster.preset('cpu', devices=N) to run on the CPU "
+                                     f"(gloo), or initialise a gloo process group yourself")
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+        return
+    raise ExecutionError("autopar.compile needs an initialised torch.distributed process group: "
+                         "run under torchrun or runtime.launch.run_local (for one process, "
+                         "dist.init_process_group('gloo', rank=0, world_size=1))")
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def run_device() -> torch.device:
+    """NCCL: this rank's GPU (the current CUDA device, set from LOCAL_RANK); otherwise the CPU."""
+    if dist.get_backend() == "nccl":
+        import os
+
+        if "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def working_dtype(plan_precision: str, requested, device: torch.device) -> torch.dtype:
+    """``requested`` ("fp32" | "bf16") if given; else the plan's precision on a GPU, fp32 on the CPU."""
+    if requested is not None:
+        if requested not in _DTYPES:
+            raise ExecutionError(f"precision must be one of {sorted(_DTYPES)}, got {requested!r}")
+        return _DTYPES[requested]
+    return _DTYPES.get(plan_precision, torch.float32) if device.type == "cuda" else torch.float32
+

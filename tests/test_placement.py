@@ -1,0 +1,38 @@
+"""Where a rank runs (autopar/placement.py): working dtype and the process-group requirement."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.errors import ExecutionError
+from autopar.placement import require_process_group, working_dtype
+
+
+def test_working_dtype_follows_plan_on_gpu_and_is_fp32_on_cpu():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert working_dtype("bf16", None, gpu) == torch.bfloat16
+    assert working_dtype("fp32", None, gpu) == torch.float32
+    assert working_dtype("bf16", None, cpu) == torch.float32
+    assert working_dtype("fp32", "bf16", cpu) == torch.bfloat16      # asked for: the tested CPU path
+    with pytest.raises(ExecutionError, match="precision must be one of"):
+        working_dtype("bf16", "fp16", cpu)
+
+
+def test_no_process_group_and_no_torchrun_environment_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ExecutionError, match="needs an initialised torch.distributed process group"):
+        require_process_group(autopar.Cluster.preset("cpu", devices=2))
+
+
+def test_nccl_cluster_under_torchrun_without_cuda_is_a_clear_error(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ExecutionError, match="runs on NCCL"):
+        require_process_group(autopar.Cluster.preset("dgx-a100", nodes=1))
