@@ -8,7 +8,8 @@ import time
 
 import torch
 
-from autopar.build import Settings, chosen
+from autopar.build import chosen
+from autopar.pricing import Settings
 from autopar.cluster import Cluster
 from autopar.errors import PlanError
 from autopar.memory import check_optimizer, check_precision
@@ -60,7 +61,6 @@ def plan_data(result: Result, cluster: Cluster, graph, optimizer, precision, bud
     mesh = result.config.mesh
     sol = result.solution
     pick = chosen(result.problem, sol)
-    names = mesh.names
     ops, params = [], {}
     first_op = last_op = None
     for name in cands.order:

@@ -8,18 +8,19 @@ import math
 
 import numpy as np
 
-from autopar.build import Candidates, Priced, Settings, chosen
+from autopar.build import chosen
+from autopar.candidates import Candidates
+from autopar.pricing import Priced, Settings, has_contraction
 from autopar.cluster import Cluster
 from solver.problem import Problem, Solution
 
 
 def model_flops(c: Candidates) -> float:
     """Training FLOPs of one step on the global batch: forward + backward (2x for contractions)."""
-    from autopar.build import _has_contraction
     total = 0.0
     for info in c.nodes.values():
         if info.kind == "op" and info.spec is not None:
-            total += info.spec.flops * (3 if _has_contraction(info.spec) else 2)
+            total += info.spec.flops * (3 if has_contraction(info.spec) else 2)
     return total
 
 

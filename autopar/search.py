@@ -1,8 +1,8 @@
 """The outer search: mesh shapes × ZeRO stage × micro-batch count, each priced by one ILP.
 
 For every logical mesh of the cluster (dp × tp[, tp2]) the candidate strategies are enumerated
-once (``build.candidates``); then each (ZeRO stage, number of micro-batches) prices them
-(``build.price``), builds the Problem and solves it. A configuration whose lower bound (every
+once (``candidates.candidates``); then each (ZeRO stage, number of micro-batches) prices them
+(``pricing.price``), builds the Problem and solves it. A configuration whose lower bound (every
 node at its cheapest strategy, resharding free) cannot beat the best plan so far is pruned
 without calling the solver. ``constraints`` pin any of the degrees and the search completes
 the rest.
@@ -13,7 +13,9 @@ import math
 import time
 from dataclasses import dataclass
 
-from autopar.build import Candidates, Settings, build_problem, candidates, price, price_edges
+from autopar.build import build_problem
+from autopar.candidates import Candidates, candidates
+from autopar.pricing import Settings, price, price_edges
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound

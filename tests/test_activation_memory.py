@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.build import Settings, build_problem, candidates, chosen, price
+from autopar.build import build_problem, chosen
+from autopar.candidates import candidates
+from autopar.pricing import Settings, price
 from solver.ilp import solve
 from autopar.mesh import Mesh
 from autopar.models import ZOO

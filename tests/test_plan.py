@@ -22,7 +22,7 @@ API_CHECKPOINT = ("none", "selective", "full", "mixed")
 DEGREE_KEYS = ("dp", "tp", "tp_mode", "sp", "sp_mode", "pp", "pp_schedule", "micro_batch_size",
                "num_micro_batches", "zero", "checkpoint", "offload")
 # A tiny model on 4 CPU processes steps in milliseconds; anything near this is a priced-as-forbidden
-# strategy leaking into a plan (build.FORBIDDEN = 1e6 s).
+# strategy leaking into a plan (pricing.FORBIDDEN = 1e6 s).
 SANE_STEP = 1.0
 
 

@@ -1,0 +1,227 @@
+"""Per-mesh candidate strategies of every node of a traced graph (step 1 of building a Problem).
+
+``candidates(graph, mesh, policy=None) -> Candidates``: for call_function nodes the op rules'
+strategies on the mesh (optionally filtered by the Megatron policy), for parameters and inputs
+their layout choices; which dims carry the batch; which nodes alias which storage (saved tensors
+are counted once); and the representative of every repeated-block node (the ILP gets one variable
+set per representative). Depends only on (graph, mesh): the outer search reuses it for every ZeRO
+stage, micro-batch count and precision on that mesh; pricing is autopar/pricing.py.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from autopar.layout import Layout
+from autopar.mesh import Mesh
+from autopar.rules import spec_for, tensor_inputs
+from autopar.rules.table import shape as tensor_shape
+from autopar.rules.table import val as node_val
+from autopar.strategy import Strategy, enumerate_strategies, propagate_batch
+from autopar.trace import TracedGraph
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class NodeInfo:
+    name: str
+    kind: str                       # "param" | "input" | "op"
+    node: object                    # the fx node
+    strategies: list[Strategy]
+    spec: object = None             # OpSpec for ops
+    batch_dims: tuple = ()          # per output: frozenset of batch dims
+    rep: str = ""                   # representative (first block instance) node name
+    repeats: int = 1                # how many nodes this representative stands for
+
+
+@dataclass
+class Candidates:
+    """Per-mesh candidate strategies of every node (independent of ZeRO and micro-batching)."""
+    graph: TracedGraph
+    mesh: Mesh
+    nodes: dict[str, NodeInfo]
+    order: list[str]                # node names in graph order (params, inputs, ops)
+    reps: list[str]                 # representative nodes: one ILP variable set each
+    storage_root: dict[str, str]    # node -> the node whose storage it aliases
+    root_bytes: dict[str, int]      # root -> storage bytes (global, as traced)
+    block_of_rep: dict[str, int] = field(default_factory=dict)   # rep op node -> block group index
+    needs_grad: set[str] = field(default_factory=set)
+    edge_cache: dict = field(default_factory=dict)      # (micro-batches, precision) -> priced edges
+
+
+def _layout_choices(shape: tuple[int, ...], mesh: Mesh, axes: tuple[int, ...]) -> list[Layout]:
+    """Every layout splitting at most one dim per given mesh axis (evenly), others replicated."""
+    layouts = [{}]
+    for a in axes:
+        nxt = []
+        for splits in layouts:
+            nxt.append(splits)
+            for d, size in enumerate(shape):
+                used = math.prod(mesh.shape[x] for x in splits.get(d, ()))
+                if size % (used * mesh.shape[a]) == 0 and mesh.shape[a] > 1:
+                    s = dict(splits)
+                    s[d] = s.get(d, ()) + (a,)
+                    nxt.append(s)
+        layouts = nxt
+    out = sorted({Layout.shard(len(shape), s) for s in layouts})
+    return out
+
+
+def _leaf_strategy(name: str, layout: Layout, mesh: Mesh) -> Strategy:
+    return Strategy(name=name, inputs=(), outputs=(layout,), splits=tuple(None for _ in mesh.shape),
+                    work_fraction=layout.shard_fraction(mesh.shape), comms=())
+
+
+def megatron_filter(spec, strategies: list[Strategy], mesh: Mesh) -> list[Strategy]:
+    """Megatron-style policy: every linear splits its weight over every model axis (column- or
+    row-parallel); other ops stay free. Used to price hand-written Megatron configurations."""
+    if spec.rule != "linear" or not mesh.model_axes():
+        return strategies
+    keep = [st for st in strategies
+            if all(any(a in axes for axes in st.inputs[1].dims) for a in mesh.model_axes()
+                   if mesh.shape[a] > 1)]
+    return keep or strategies
+
+
+def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Candidates:
+    gm = graph.gm
+    nodes: dict[str, NodeInfo] = {}
+    order: list[str] = []
+    batch_of: dict[str, tuple] = {}
+    model_axes = mesh.model_axes()
+    # Block instances after the first reuse the first instance's spec and strategies (same ops,
+    # same shapes): enumeration is the expensive part of this function.
+    first_of = {}
+    for group in graph.blocks:
+        for inst in group.instances[1:]:
+            for a, b in zip(group.instances[0], inst):
+                first_of[b] = a
+    memo: dict = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node_val(node)
+            if not isinstance(val, torch.Tensor):
+                continue
+            shape = tensor_shape(val)
+            if node.name in graph.param_fqn:
+                layouts = _layout_choices(shape, mesh, model_axes)
+                strategies = [_leaf_strategy(l.describe(mesh.names), l, mesh) for l in layouts]
+                nodes[node.name] = NodeInfo(node.name, "param", node, strategies, batch_dims=(frozenset(),))
+                batch_of[node.name] = (frozenset(),)
+            else:
+                splits = {}
+                if shape and all(shape[0] % mesh.shape[a] == 0 for a in mesh.data_axes()):
+                    splits = {0: tuple(a for a in mesh.data_axes() if mesh.shape[a] > 1)}
+                lay = Layout.shard(len(shape), splits)
+                nodes[node.name] = NodeInfo(node.name, "input", node, [_leaf_strategy(lay.describe(mesh.names), lay, mesh)],
+                                            batch_dims=(frozenset({0}) if shape else frozenset(),))
+                batch_of[node.name] = nodes[node.name].batch_dims
+            order.append(node.name)
+        elif node.op == "call_function":
+            spec = spec_for(node)
+            ins = tensor_inputs(node)
+            in_batch = []
+            for i, p in enumerate(ins):
+                outs = batch_of.get(p.name, (frozenset(),))
+                if node.target is operator.getitem:
+                    idx = node.args[1]
+                    in_batch.append(outs[idx] if idx < len(outs) else frozenset())
+                else:
+                    in_batch.append(outs[0] if outs else frozenset())
+            first = first_of.get(node.name)
+            if first is not None and (first, tuple(in_batch)) in memo:
+                spec, letters, out_batch, strategies = memo[(first, tuple(in_batch))]
+            else:
+                letters, out_batch = propagate_batch(spec, in_batch)
+                strategies = enumerate_strategies(spec, mesh, letters)
+                if policy == "megatron":
+                    strategies = megatron_filter(spec, strategies, mesh)
+                memo[(node.name, tuple(in_batch))] = (spec, letters, out_batch, strategies)
+            batch_of[node.name] = tuple(out_batch)
+            nodes[node.name] = NodeInfo(node.name, "op", node, strategies, spec=spec, batch_dims=tuple(out_batch))
+            order.append(node.name)
+    roots, root_bytes = _storage_roots(gm, nodes)
+    cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=_needs_grad(gm, nodes, graph.buffers))
+    _assign_representatives(cands)
+    return cands
+
+
+def _needs_grad(gm, nodes, buffers) -> set[str]:
+    out = {n for n, info in nodes.items() if info.kind == "param" and n not in buffers}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and any(p.name in out for p in tensor_inputs(node)):
+            val = node_val(node)
+            vals = val if isinstance(val, (tuple, list)) else (val,)
+            if any(isinstance(v, torch.Tensor) and v.dtype in FLOAT_DTYPES for v in vals):
+                out.add(node.name)
+    return out
+
+
+def _storage_roots(gm, nodes) -> tuple[dict[str, str], dict[str, int]]:
+    """Group values by the storage their fake tensor uses (views share it), first producer wins."""
+    first: dict[int, str] = {}
+    roots, sizes = {}, {}
+    for node in gm.graph.nodes:
+        val = node_val(node)
+        if not isinstance(val, torch.Tensor):
+            continue
+        try:
+            storage = val.untyped_storage()
+            key, nbytes = id(storage), int(storage.nbytes())
+        except Exception:   # some fake values carry no storage: treat as their own root
+            key, nbytes = id(val), int(val.numel() * val.element_size())
+        root = first.setdefault(key, node.name)
+        roots[node.name] = root
+        sizes.setdefault(root, nbytes)
+    return roots, sizes
+
+
+def _assign_representatives(c: Candidates) -> None:
+    """Nodes of block instances > 0 (and the parameters only they use) follow instance 0."""
+    graph = c.graph
+    for name in c.order:
+        c.nodes[name].rep = name
+    for gi, group in enumerate(graph.blocks):
+        first = group.instances[0]
+        for inst in group.instances[1:]:
+            if len(inst) != len(first):
+                continue
+            for a, b in zip(first, inst):
+                if a in c.nodes and b in c.nodes and len(c.nodes[a].strategies) == len(c.nodes[b].strategies):
+                    c.nodes[b].rep = a
+        for a in first:
+            if a in c.nodes:
+                c.block_of_rep[a] = gi
+    # Parameters: a parameter used only inside one instance maps to the parameter instance 0 uses
+    # at the same (position, argument) place.
+    uses: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    gm = graph.gm
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for i, p in enumerate(tensor_inputs(node)):
+            if p.name in c.nodes and c.nodes[p.name].kind == "param":
+                uses[p.name].append((node.name, i))
+    by_place = {}
+    for pname, places in uses.items():
+        for (user, i) in places:
+            by_place[(user, i)] = pname
+    for pname, places in uses.items():
+        reps = {(c.nodes[u].rep, i) for (u, i) in places}
+        if all(c.nodes[u].rep != u for (u, _) in places):
+            targets = {by_place.get(r) for r in reps}
+            if len(targets) == 1 and None not in targets:
+                tgt = targets.pop()
+                if len(c.nodes[tgt].strategies) == len(c.nodes[pname].strategies) and tgt != pname:
+                    c.nodes[pname].rep = tgt
+    counts = defaultdict(int)
+    for name in c.order:
+        counts[c.nodes[name].rep] += 1
+    for name in c.order:
+        c.nodes[name].repeats = counts[name] if c.nodes[name].rep == name else 0
+    c.reps = [n for n in c.order if c.nodes[n].rep == n]

@@ -1,0 +1,395 @@
+"""Pricing candidate strategies under one ``Settings`` (step 2 of building a Problem).
+
+``price(candidates, cluster, settings) -> Priced``: per representative node and strategy its
+compute (forward + backward, and forward alone for recompute), in-op and gradient-sync
+communication, optimizer step, parameter/gradient/optimizer bytes after ZeRO, saved-activation
+and transient bytes per micro-batch, and which strategies divide a micro-batch; per edge the
+resharding cost matrix (forward + backward), cached per (micro-batches, precision) because it
+does not depend on ZeRO. Repeated blocks are priced once and multiplied by their repeats.
+Units: seconds and bytes only.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from autopar.candidates import FLOAT_DTYPES, Candidates, NodeInfo
+from autopar.cluster import Cluster
+from autopar.conjugates import region_inputs, step_traffic
+from autopar.cost import Collectives, fwd_bwd_compute, optimizer_step_time
+from autopar.layout import Layout
+from autopar.memory import state_bytes, zero_shard
+from autopar.mesh import Mesh
+from autopar.reshard import plan_reshard
+from autopar.rules import tensor_inputs
+from autopar.rules.table import shape as tensor_shape
+from autopar.rules.table import val as node_val
+from autopar.strategy import Strategy
+
+FORBIDDEN = 1e6   # seconds: a cost no plan will pay (strategies invalid under the micro-batching)
+
+
+@dataclass(frozen=True)
+class Settings:
+    optimizer: str = "adamw"
+    precision: str = "bf16"
+    zero: int = 0
+    num_micro_batches: int = 1
+    budget: float = float("inf")
+    overlap_grad_comm: bool = True
+    checkpoint: str | None = None   # None: the ILP decides per block group; "none" | "full": pinned
+
+
+def _itemsize(dtype, precision: str) -> int:
+    """Bytes per element at run time: floating tensors are bf16 under bf16 mixed precision."""
+    if dtype in FLOAT_DTYPES and precision == "bf16":
+        return 2
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass
+class Priced:
+    """Per-representative cost and memory arrays under one Settings (also used by predictions)."""
+    compute: dict[str, np.ndarray]          # fwd+bwd compute, all repeats
+    fwd_compute: dict[str, np.ndarray]      # forward only (recompute cost), all repeats
+    comm: dict[str, np.ndarray]             # in-op algorithm comm + gradient sync, all repeats
+    optimizer: dict[str, np.ndarray]
+    grad_comm: dict[str, np.ndarray]        # the overlappable part of comm
+    static: dict[str, dict[str, np.ndarray]]   # param -> {params, grads, optimizer} bytes, all repeats
+    saved: dict[str, np.ndarray]            # activation bytes per micro-batch, all repeats
+    transient: dict[str, np.ndarray]        # output bytes per micro-batch (one instance)
+    edges: dict[tuple[str, str], np.ndarray]
+    comm_bytes: dict[str, list[np.ndarray]]  # per node: per mesh axis bytes per strategy (all repeats)
+    edge_bytes: dict[tuple[str, str], list[np.ndarray]]
+    valid: dict[str, np.ndarray] = field(default_factory=dict)   # strategies whose layouts divide a micro-batch
+
+
+def _fraction(layout: Layout | None, mesh: Mesh) -> float:
+    return 1.0 if layout is None else layout.shard_fraction(mesh.shape)
+
+
+def _letter_fraction(letters: str, strat: Strategy, mesh: Mesh) -> float:
+    f = 1.0
+    for a, split in enumerate(strat.splits):
+        if split is not None and split != "P" and split in letters:
+            f /= mesh.shape[a]
+    return f
+
+
+def has_contraction(spec) -> bool:
+    out = set("".join(spec.outputs))
+    return any(ch not in out for ins in spec.inputs if ins for ch in ins)
+
+
+def price(c: Candidates, cluster: Cluster, s: Settings, edges: bool = True) -> Priced:
+    """Price every node under ``s``; with ``edges`` also the resharding matrices (the costly
+    part: the outer search prices them only for configurations its lower bound keeps)."""
+    P = price_nodes(c, cluster, s)
+    if edges:
+        price_edges(c, cluster, s, P)
+    return P
+
+
+def price_edges(c: Candidates, cluster: Cluster, s: Settings, P: Priced) -> None:
+    key = (s.num_micro_batches, s.precision)
+    if key not in c.edge_cache:   # edges depend on micro-batching and precision only, not on ZeRO
+        _price_edges(c, cluster, s, Collectives(cluster, c.mesh), P)
+        c.edge_cache[key] = (P.edges, P.edge_bytes)
+    P.edges, P.edge_bytes = c.edge_cache[key]
+
+
+def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
+    mesh = c.mesh
+    comm = Collectives(cluster, mesh)
+    device = cluster.device
+    nm = s.num_micro_batches
+    dtype = "bf16" if s.precision == "bf16" else "fp32"
+    dp = math.prod(mesh.shape[a] for a in mesh.data_axes())
+    P = Priced({}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})
+    charged_roots: set[str] = set()
+    for name in c.order:
+        info = c.nodes[name]
+        if info.rep != name:
+            continue
+        k = info.repeats
+        S = len(info.strategies)
+        compute = np.zeros(S)
+        fwd = np.zeros(S)
+        comm_t = np.zeros(S)
+        grad_t = np.zeros(S)
+        opt_t = np.zeros(S)
+        saved = np.zeros(S)
+        transient = np.zeros(S)
+        axis_bytes = [np.zeros(S) for _ in mesh.shape]
+        static = {"params": np.zeros(S), "grads": np.zeros(S), "optimizer": np.zeros(S)}
+        val = node_val(info.node)
+        if info.kind == "param":
+            numel = val.numel()
+            for j, st in enumerate(info.strategies):
+                local = numel * st.outputs[0].shard_fraction(mesh.shape)
+                sb = zero_shard(state_bytes(local, s.optimizer, s.precision), s.zero, dp)
+                if name not in c.needs_grad:   # a buffer: stored, never trained
+                    sb = {"params": local * _itemsize(val.dtype, s.precision), "grads": 0, "optimizer": 0}
+                for key in static:
+                    static[key][j] = sb[key] * k
+                if name not in c.needs_grad:
+                    continue
+                opt_local = local / (dp if s.zero >= 1 else 1)
+                opt_t[j] = optimizer_step_time(opt_local, s.optimizer, s.precision, device) * k
+                gbytes = local * (2 if s.precision == "bf16" else 4)
+                pbytes = local * (2 if s.precision == "bf16" else 4)
+                for a in mesh.data_axes():
+                    if mesh.shape[a] == 1:
+                        continue
+                    if s.zero == 0:
+                        t = comm("all_reduce", gbytes, a)
+                        axis_bytes[a][j] += gbytes * k
+                        grad_t[j] += t * k
+                    else:
+                        # As runtime/zero.py runs it (checked by tests/test_predictions_measured.py):
+                        # stages 2/3 reduce-scatter each micro-batch's gradient as soon as backward
+                        # produced it (the full gradient is not kept across micro-batches), stage 1
+                        # once per step; stages 1/2 all-gather the updated shards after the step,
+                        # stage 3 does not (it keeps only the shard: the next forward's gather,
+                        # priced below, is that all-gather). ZeRO-3 total: 3x params (ZeRO paper).
+                        n_rs = nm if s.zero >= 2 else 1
+                        n_ag = 0 if s.zero == 3 else 1
+                        t = n_rs * comm("reduce_scatter", gbytes, a) + n_ag * comm("all_gather", pbytes, a)
+                        axis_bytes[a][j] += (n_rs * gbytes + n_ag * pbytes) * k
+                        grad_t[j] += t * k
+                        if s.zero == 3:   # parameters gathered for forward and again for backward, per micro-batch
+                            comm_t[j] += 2 * nm * comm("all_gather", pbytes, a) * k
+                            axis_bytes[a][j] += 2 * nm * pbytes * k
+        elif info.kind == "op":
+            spec = info.spec
+            wgrad = has_contraction(spec)
+            for j, st in enumerate(info.strategies):
+                f, b = fwd_bwd_compute(spec.flops * st.work_fraction / nm, spec.bytes * st.work_fraction / nm,
+                                       dtype, device, wgrad)
+                compute[j] = (f + b) * nm * k
+                fwd[j] = f * nm * k
+                for (kind, a, nbytes) in st.comms:
+                    nb = nbytes / nm
+                    # forward collective and its backward conjugate move the same bytes
+                    comm_t[j] += 2 * nm * comm(kind, nb, a) * k
+                    axis_bytes[a][j] += 2 * nbytes * k
+                t, per_axis = _region_cost(c, info, st, s.precision, nm, comm)
+                comm_t[j] += t * k
+                for a, nb in per_axis.items():
+                    axis_bytes[a][j] += nb * k
+            saved_roots = _saved_roots(c, info, s.precision, charged_roots)
+            for j, st in enumerate(info.strategies):
+                saved[j] = sum(fn(st) for fn in saved_roots) / nm * k
+                outs = val if isinstance(val, (tuple, list)) else (val,)
+                tb = 0.0
+                for o, lay in zip(outs, st.outputs):
+                    if isinstance(o, torch.Tensor):
+                        tb += o.numel() * _itemsize(o.dtype, s.precision) * _fraction(lay, mesh)
+                transient[j] = tb / nm
+        P.compute[name], P.fwd_compute[name], P.comm[name] = compute, fwd, comm_t + grad_t
+        P.grad_comm[name], P.optimizer[name], P.saved[name] = grad_t, opt_t, saved
+        P.transient[name], P.comm_bytes[name] = transient, axis_bytes
+        P.valid[name] = np.array([_divides_micro_batch(c, info, st, nm) for st in info.strategies], dtype=bool)
+        if info.kind == "param":
+            P.static[name] = static
+    return P
+
+
+def _micro_shape(shape, batch_dims, nm: int):
+    if nm == 1 or not batch_dims:
+        return tuple(shape)
+    d = min(batch_dims)
+    return tuple(x // nm if i == d else x for i, x in enumerate(shape))
+
+
+def _divides_micro_batch(c: Candidates, info: NodeInfo, st: Strategy, nm: int) -> bool:
+    """Every layout of the strategy splits one micro-batch's tensors evenly."""
+    if nm == 1:
+        return True
+    mesh = c.mesh
+    tensors = []
+    val = node_val(info.node)
+    outs = val if isinstance(val, (tuple, list)) else (val,)
+    for k, (o, lay) in enumerate(zip(outs, st.outputs)):
+        bd = info.batch_dims[k] if k < len(info.batch_dims) else frozenset()
+        tensors.append((o, bd, lay))
+    if info.kind == "op":
+        for p, lay in zip(tensor_inputs(info.node), st.inputs):
+            prod = c.nodes.get(p.name)
+            pv = node_val(p)
+            if prod is None or lay is None or not isinstance(pv, torch.Tensor):
+                continue
+            tensors.append((pv, prod.batch_dims[0] if prod.batch_dims else frozenset(), lay))
+    for t, bd, lay in tensors:
+        if not isinstance(t, torch.Tensor) or lay is None or lay.ndim != t.ndim:
+            continue
+        shape = _micro_shape(tensor_shape(t), bd, nm)
+        if any(x % lay.split_factor(d, mesh.shape) for d, x in enumerate(shape)):
+            return False
+    return True
+
+
+def _region_cost(c: Candidates, info: NodeInfo, st: Strategy, precision: str, nm: int, comm):
+    """Backward all-reduces of inputs replicated on an axis the op splits its work on (see
+    autopar/conjugates.py). A parameter's data-axis reduction is its gradient sync, priced with
+    the parameter (once per step, not per micro-batch)."""
+    mesh = c.mesh
+    ins = tensor_inputs(info.node)
+    t, per_axis = 0.0, {}
+    for i, a in region_inputs(st, info.spec.inputs):
+        p = ins[i]
+        if p.name not in c.needs_grad:
+            continue
+        if mesh.is_data_axis(a) and c.nodes[p.name].kind == "param":
+            continue
+        pv = node_val(p)
+        if isinstance(pv, (tuple, list)):
+            continue
+        nb = pv.numel() * _itemsize(pv.dtype, precision) * _fraction(st.inputs[i], mesh)
+        # backward runs once per micro-batch; a batch-carrying tensor is 1/nm of its size each time
+        batchy = bool(c.nodes[p.name].batch_dims and c.nodes[p.name].batch_dims[0])
+        size = nb / nm if batchy else nb
+        t += comm("all_reduce", size, a) * nm
+        per_axis[a] = per_axis.get(a, 0.0) + size * nm
+    return t, per_axis
+
+
+def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str]):
+    """Functions strategy -> bytes for each tensor this op saves, each storage counted once."""
+    mesh = c.mesh
+    fns = []
+    ins = tensor_inputs(info.node)
+    val = node_val(info.node)
+    outs = val if isinstance(val, (tuple, list)) else (val,)
+    if info.name not in c.needs_grad:
+        return fns          # autograd records nothing for an op none of whose inputs needs a gradient
+    for sv in info.spec.saved:
+        if sv.for_grad_of and not any(j < len(ins) and ins[j].name in c.needs_grad for j in sv.for_grad_of):
+            continue
+        if sv.kind in ("input", "output"):
+            if sv.kind == "input":
+                if sv.index >= len(ins):
+                    continue
+                src = ins[sv.index]
+                root = c.storage_root.get(src.name)
+                t = node_val(src)
+            else:
+                if sv.index >= len(outs):
+                    continue
+                root = c.storage_root.get(info.name) if sv.index == 0 else f"{info.name}#{sv.index}"
+                t = outs[sv.index]
+            if root is None or not isinstance(t, torch.Tensor):
+                continue
+            if root in c.nodes and c.nodes[root].kind == "param":
+                continue    # parameters are counted as parameters, not activations
+            if root in charged:
+                continue
+            charged.add(root)
+            nbytes = c.root_bytes.get(root, t.numel() * t.element_size())
+            nbytes = nbytes // t.element_size() * _itemsize(t.dtype, precision)
+            idx = sv.index
+
+            def fn(st, nbytes=nbytes, idx=idx, kind=sv.kind):
+                lay = (st.inputs[idx] if idx < len(st.inputs) else None) if kind == "input" else \
+                    (st.outputs[idx] if idx < len(st.outputs) else None)
+                return nbytes * _fraction(lay, mesh)
+            fns.append(fn)
+        else:
+            size = math.prod(info.spec.sizes[ch] for ch in sv.letters) if sv.letters else 1
+            nbytes = size * (sv.itemsize if sv.itemsize != 4 or precision != "bf16" else sv.itemsize)
+            fns.append(lambda st, nbytes=nbytes, letters=sv.letters: nbytes * _letter_fraction(letters, st, mesh))
+    return fns
+
+
+def _source_layout(producer: NodeInfo, consumer_node, strat: Strategy) -> Layout:
+    if consumer_node.target is operator.getitem and len(strat.outputs) > 1:
+        return strat.outputs[consumer_node.args[1]]
+    return strat.outputs[0]
+
+
+def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) -> None:
+    """Resharding cost matrix per (producer, consumer) representative pair, summed over the
+    graph's edges; edges of repeated block instances are priced once and multiplied."""
+    mesh = c.mesh
+    nm = s.num_micro_batches
+    counts: dict = defaultdict(int)
+    example: dict = {}
+    for name in c.order:
+        info = c.nodes[name]
+        if info.kind != "op":
+            continue
+        for i, p in enumerate(tensor_inputs(info.node)):
+            if p.name not in c.nodes:
+                continue
+            k = (c.nodes[p.name].rep, info.rep, i)
+            counts[k] += 1
+            example.setdefault(k, (p.name, name))
+    cache: dict = {}
+    for k in sorted(counts):
+        pname, cname = example[k]
+        i = k[2]
+        prod, info = c.nodes[pname], c.nodes[cname]
+        pval = node_val(prod.node)
+        if isinstance(pval, (tuple, list)):
+            pval = pval[info.node.args[1]] if info.node.target is operator.getitem else None
+        if not isinstance(pval, torch.Tensor):
+            continue
+        shape = tensor_shape(pval)
+        itemsize = _itemsize(pval.dtype, s.precision)
+        bdims = prod.batch_dims[0] if prod.batch_dims else frozenset()
+        if info.node.target is operator.getitem and len(prod.batch_dims) > 1:
+            bdims = prod.batch_dims[info.node.args[1]]
+        bdim = min(bdims) if bdims else None
+        S, T = len(prod.strategies), len(info.strategies)
+        mat = np.zeros((S, T))
+        bytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
+        srcs = [_source_layout(prod, info.node, ps) for ps in prod.strategies]
+        for b_i, cs in enumerate(info.strategies):
+            dst = cs.inputs[i] if i < len(cs.inputs) and cs.inputs[i] is not None else Layout.replicated(len(shape))
+            for a_i, src in enumerate(srcs):
+                if src == dst:
+                    continue
+                ck = (src, dst, shape, itemsize, bdim)
+                if ck not in cache:
+                    cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm)
+                t, per_axis = cache[ck]
+                mat[a_i, b_i] = t
+                for a in range(len(mesh.shape)):
+                    bytes_axes[a][a_i, b_i] = per_axis[a]
+        if not mat.any():
+            continue
+        n = counts[k]
+        key = (prod.rep, info.rep)
+        if key in P.edges:
+            P.edges[key] = P.edges[key] + n * mat
+            P.edge_bytes[key] = [x + n * y for x, y in zip(P.edge_bytes[key], bytes_axes)]
+        else:
+            P.edges[key] = n * mat
+            P.edge_bytes[key] = [n * y for y in bytes_axes]
+
+
+def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm):
+    """(seconds, bytes per mesh axis) of resharding one tensor, forward and backward, over all
+    ``nm`` micro-batches; a batch-carrying tensor (batch dim ``bdim``) is 1/nm of its size each time."""
+    local_shape = tuple(shape)
+    if bdim is not None and shape[bdim] % nm == 0:
+        local_shape = tuple(x // nm if d == bdim else x for d, x in enumerate(shape))
+    per_axis = [0.0] * len(mesh.shape)
+    try:
+        rp = plan_reshard(src, dst, local_shape, itemsize, mesh.shape, comm)
+    except ValueError:
+        # A layout that does not divide one micro-batch: the strategy is unusable with this many
+        # micro-batches. Forbid it through a prohibitive cost rather than a constraint.
+        return FORBIDDEN, per_axis
+    t = 0.0
+    for tr in step_traffic(rp.steps, src, local_shape, itemsize, mesh.shape):
+        for kind in (tr.forward, tr.backward):
+            if kind:
+                t += comm(kind, tr.nbytes, tr.axis) * nm
+                per_axis[tr.axis] += tr.nbytes * nm
+    return t, per_axis
