@@ -49,8 +49,6 @@ from autopar.placement import run_device as _run_device
 from autopar.placement import working_dtype as _working_dtype
 from autopar.plan import Plan
 
-_all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def _as_tuple(x):
     if x is None:
@@ -58,12 +56,15 @@ def _as_tuple(x):
     return x if isinstance(x, tuple) else (tuple(x) if isinstance(x, list) else (x,))
 
 
-def _broadcast_plan(model, example_inputs, cluster, plan_options) -> Plan:
+def _broadcast_plan(model, example_inputs, cluster, plan_options, traced) -> Plan:
     box = [None, None]
     if dist.get_rank() == 0:
         try:
             from autopar.api import plan as make_plan
-            box[0] = make_plan(model, example_inputs, cluster, **(plan_options or {})).to_json()
+            options = dict(plan_options or {})
+            if "loss_fn" not in options:   # the graph every rank traced anyway: no second trace
+                options.setdefault("traced", traced)
+            box[0] = make_plan(model, example_inputs, cluster, **options).to_json()
         except Exception as e:   # every rank must learn about it, or the others wait forever
             box[1] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(box, src=0)
@@ -97,14 +98,14 @@ class CompiledModel:
         from runtime.zero import ShardedOptimizer
 
         example_inputs = _as_tuple(example_inputs)
+        traced = trace(self.model, example_inputs)   # the same on every rank (an error too: no rank waits)
         if self.plan is None:
-            self.plan = _broadcast_plan(self.model, example_inputs, self.cluster, self.plan_options)
+            self.plan = _broadcast_plan(self.model, example_inputs, self.cluster, self.plan_options, traced)
         plan = self.plan
         world = dist.get_world_size()
         if plan.mesh.size != world:
             raise ExecutionError(f"the plan is for {plan.mesh.size} devices (mesh {plan.mesh.describe()}) but the "
                                  f"process group has {world} ranks: launch {plan.mesh.size} processes or re-plan")
-        traced = trace(self.model, example_inputs)
         if traced.fingerprint != plan.fingerprint:
             raise ExecutionError(f"plan made for a different model: the plan's fingerprint is "
                                  f"{plan.fingerprint[:16]}, this model traces to {traced.fingerprint[:16]}")
@@ -232,8 +233,6 @@ class CompiledModel:
         for x, lay in zip(batch, prog.input_layouts):
             if not isinstance(x, torch.Tensor):
                 raise ExecutionError(f"step() takes tensors, got {type(x).__name__}")
-            # This rank's device; floating inputs in the working dtype (the program's dtype).
-            x = x.to(self.device, dtype=self.dtype if x.is_floating_point() else x.dtype)
             if x.shape[0] == self.global_batch:
                 for m in range(self.nm):
                     xm = x[m * bm:(m + 1) * bm]
@@ -244,7 +243,9 @@ class CompiledModel:
             else:
                 raise ExecutionError(f"step() got a batch of {x.shape[0]} rows; the plan is for a global batch of "
                                      f"{self.global_batch} (or this rank's {n_local * self.nm} rows)")
-        return [tuple(o) for o in out]
+        # Only this rank's rows go to its device; floating inputs in the working dtype (the program's).
+        to = lambda x: x.to(self.device, dtype=self.dtype if x.is_floating_point() else x.dtype)  # noqa: E731
+        return [tuple(to(x) for x in o) for o in out]
 
     def _need_ready(self):
         if not self._ready:
@@ -352,11 +353,7 @@ class CompiledModel:
         out = {}
         for c in self.opt.chunks:
             for name, t in c.state.items():
-                if self.zero >= 1 and self.opt.world > 1:
-                    flat = torch.empty(c.padded, dtype=t.dtype, device=t.device)
-                    _all_gather_fn(flat, t.contiguous(), group=self.opt.group)
-                else:
-                    flat = t
+                flat = self.opt.gather_local(c, t)
                 for p, off in zip(c.params, c.offsets):
                     fqn = self._fqn_of(p)
                     out.setdefault(fqn, {})[name] = flat[off:off + p.numel()].view(p.shape).clone()

@@ -479,10 +479,15 @@ class ShardedOptimizer:
             if not was:
                 self._free(c)
             return out
-        if self.stage == 0 or self.world == 1:
-            return c.master.clone()
-        out = torch.empty(c.padded, dtype=torch.float32, device=self.device)
-        _all_gather_fn(out, c.master, group=self.group)
+        return self.gather_local(c, c.master).clone()
+
+    def gather_local(self, c: _Chunk, t: Tensor) -> Tensor:
+        """A chunk's buffer of this rank (the padded buffer itself, or its shard at stages 1-3:
+        all-gathered over the data group) as the full padded buffer; ``t`` when already whole."""
+        if t.numel() == c.padded:
+            return t
+        out = torch.empty(c.padded, dtype=t.dtype, device=t.device)
+        _all_gather_fn(out, t.contiguous(), group=self.group)
         return out
 
     @torch.no_grad()
