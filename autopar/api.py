@@ -56,6 +56,25 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     return Plan(data, stats=stats)
 
 
+def split_share(cands, pick: dict, mesh) -> dict[str, float]:
+    """Per mesh axis: the share of the model's forward FLOPs run by ops that split their work over
+    that axis (a letter split or a partial pass-through). A model axis with share 0 is a mesh axis
+    only: its devices all do the same work, which the summary says instead of a bare "tp=2"."""
+    total = 0.0
+    split = [0.0] * len(mesh.shape)
+    for name in cands.order:
+        info = cands.nodes[name]
+        if info.kind != "op" or info.spec is None:
+            continue
+        st = info.strategies[pick[info.rep]]
+        flops = float(info.spec.flops)
+        total += flops
+        for a, s in enumerate(st.splits):
+            if s is not None:
+                split[a] += flops
+    return {mesh.names[a]: (split[a] / total if total else 0.0) for a in range(len(mesh.shape))}
+
+
 def plan_data(result: Result, cluster: Cluster, graph, optimizer, precision, budget, overlap, stats) -> dict:
     cands = result.cands
     mesh = result.config.mesh
@@ -81,7 +100,8 @@ def plan_data(result: Result, cluster: Cluster, graph, optimizer, precision, bud
                 "splits": [s for s in st.splits], "special": list(getattr(st, "special", ()) or ()),
                 "args": [p.name for p in tensor_inputs(info.node)],
             })
-    pred = result.prediction
+    pred = dict(result.prediction)
+    pred["split_share"] = split_share(cands, pick, mesh)
     return {
         "version": PLAN_VERSION,
         "fingerprint": graph.fingerprint,

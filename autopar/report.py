@@ -41,6 +41,9 @@ def summary_table(plan) -> Table:
     t.add_row("mesh", plan.mesh.describe())
     t.add_row("degrees", f"dp={d['dp']} tp={d['tp']} ({d['tp_mode']}) pp={d['pp']} sp={d['sp']} zero={d['zero']} "
                          f"checkpoint={d['checkpoint']}")
+    split = split_text(plan)
+    if split:
+        t.add_row("work split", split)
     t.add_row("batching", f"micro-batch {d['micro_batch_size']} × {d['num_micro_batches']} micro-batches per "
                           f"data-parallel rank")
     tb = p["time_breakdown"]
@@ -58,6 +61,26 @@ def summary_table(plan) -> Table:
     t.add_row("solver", f"{s['status']} (gap {s['gap']:.2%}); {s['configs']} configurations, {s['pruned']} pruned; "
                         f"ILP {s['ilp_nodes']} nodes / {s['ilp_strategy_vars']} strategy variables")
     return t
+
+
+def split_text(plan) -> str:
+    """What each mesh axis of size > 1 really splits: the share of forward FLOPs whose op splits its
+    work there. A degree alone over-states splitting: an axis nothing splits over only repeats work."""
+    share = plan.predictions.get("split_share")
+    if not share:
+        return ""
+    mesh = plan.mesh
+    parts = []
+    for a, name in enumerate(mesh.names):
+        n = mesh.shape[a]
+        if n <= 1:
+            continue
+        f = share.get(name, 0.0)
+        if f <= 0.0:
+            parts.append(f"{name}: nothing (its {n} devices repeat the same work)")
+        else:
+            parts.append(f"{name}: {f:.0%} of FLOPs")
+    return ", ".join(parts)
 
 
 def summary_text(plan) -> str:

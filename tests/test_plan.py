@@ -150,7 +150,8 @@ def test_api_properties(which, request):
 
 
 def test_tp_mode_is_an_api_value_for_a_two_axis_tensor_parallel_mesh(mlp, cpu4):
-    # The tiny MLP's fastest plan splits its linears over two model axes (tp_shape [2, 2]).
+    # The tiny MLP's automatic plan has two model axes (tp_shape [2, 2]; it splits nothing over
+    # them, see test_summary_says_what_is_really_split).
     p = plan_of(mlp, cpu4)
     assert p.degrees["tp_mode"] in API_TP_MODES, (p.degrees["tp_mode"], p.degrees.get("tp_shape"))
 
@@ -161,6 +162,21 @@ def test_summary_names_mesh_and_degrees(auto_plan):
     assert auto_plan.mesh.describe() in s
     assert f"dp={d['dp']}" in s and f"tp={d['tp']}" in s and f"zero={d['zero']}" in s
     assert "step time" in s and "peak memory" in s
+
+
+def test_summary_says_what_is_really_split(mlp, gpt, cpu4, auto_plan):
+    """A model axis nothing splits over is named as such: "tp=2" alone would over-state the plan."""
+    cpu2 = autopar.Cluster.preset("cpu", devices=2)
+    p = plan_of(mlp, cpu2, constraints={"dp": 1, "tp": 2, "num_micro_batches": 1})
+    assert p.predictions["split_share"]["tp"] == 0.0
+    assert all(o["splits"][1] is None for o in p.ops)           # the premise: really nothing split on tp
+    assert "tp: nothing (its 2 devices repeat the same work)" in p.summary()
+    m = plan_of(mlp, cpu2, constraints={"dp": 1, "tp": 2, "num_micro_batches": 1}, policy="megatron")
+    share = m.predictions["split_share"]["tp"]
+    assert 0.5 < share <= 1.0 and f"tp: {share:.0%} of FLOPs" in m.summary()
+    # gpt2's automatic dp x tp plan: every op splits the batch over dp, some ops split over tp.
+    d = auto_plan.predictions["split_share"]
+    assert d["dp"] == 1.0 and 0.0 < d["tp"] < 1.0, d
 
 
 # ------------------------------------------------------------------ constraints
