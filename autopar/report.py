@@ -146,7 +146,7 @@ def diff(old, new, threshold: float = 0.02) -> tuple[str, bool]:
     for k in sorted(set(old.comm_bytes) | set(new.comm_bytes)):
         a, b = old.comm_bytes.get(k, 0), new.comm_bytes.get(k, 0)
         if a != b:
-            lines.append(f"comm bytes [{k}]: {a / 2**20:.1f} MiB -> {b / 2**20:.1f} MiB")
+            lines.append(f"comm bytes [{k}]: {_gib(a)} -> {_gib(b)}")
     if not lines:
         lines.append("plans are identical in degrees, strategies and predictions")
     return "\n".join(lines) + "\n", regressed

@@ -22,12 +22,20 @@ def mesh(shape, dpn=8):
 
 # ---- compute -------------------------------------------------------------------------------
 
-def test_gemm_4096_reaches_70_percent_on_a100():
-    f = 2 * 4096**3
+# Published A100 SXM bf16 cuBLAS throughput for square GEMMs m=n=k (NVIDIA "CUDA 11 Features
+# Revealed" blog, Fig. 6, read off the plot ±5 TF; shared/facts.md). Independent of the model's own
+# calibration constants, so this compares the model with data, not with itself.
+A100_GEMM_TFLOPS = {4096: 255, 6144: 280, 8192: 290}
+
+
+def test_large_gemms_within_20_percent_of_published_a100_throughput():
     dev = A100.device
-    t = compute_time(f, 3 * 4096 * 4096 * 2, "bf16", dev)
-    achieved = f / (t - dev.kernel_overhead) / dev.peak("bf16")
-    assert achieved == pytest.approx(0.70, abs=0.005)
+    for n, published in A100_GEMM_TFLOPS.items():
+        f = 2 * n**3
+        achieved = f / compute_time(f, 3 * n * n * 2, "bf16", dev) / 1e12
+        assert abs(achieved / published - 1) < 0.20, (n, achieved, published)
+    # Known weakness, kept visible (recalibration is issue 10): small GEMMs are pessimistic by ~2x
+    # (768^3: ~30 TF predicted against ~65 published).
 
 
 def test_roofline_regimes():
@@ -191,12 +199,37 @@ def test_cpu_preset_matches_measured_gloo_order_of_magnitude():
 
 # ---- optimizer and overlap -----------------------------------------------------------------
 
+def _torch_state_bytes_per_element(opt_cls, **kw) -> float:
+    """Bytes of optimizer state per parameter element that torch's own optimizer keeps (fp32)."""
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(1000))
+    p.grad = torch.ones(1000)
+    opt = opt_cls([p], lr=0.1, **kw)
+    opt.step()
+    state = [t for t in opt.state[p].values() if isinstance(t, torch.Tensor) and t.numel() == p.numel()]
+    return sum(t.numel() * t.element_size() for t in state) / p.numel()
+
+
+def test_optimizer_bytes_match_what_torch_optimizers_touch():
+    """fp32: the step reads the grad (4), reads and writes the parameter (8) and reads and writes
+    every state tensor torch keeps: counted from torch's real optimizer state, not from our table."""
+    import torch
+
+    for name, cls, kw in (("adamw", torch.optim.AdamW, {}), ("adam", torch.optim.Adam, {}),
+                          ("sgd", torch.optim.SGD, {"momentum": 0.9})):
+        expected = 4 + 8 + 2 * _torch_state_bytes_per_element(cls, **kw)
+        assert optimizer_bytes_per_element(name, "fp32") == expected, name
+
+
 def test_optimizer_step_time():
     dev = A100.device
     n = 1e9
     t = optimizer_step_time(n, "adamw", "bf16", dev)
-    assert t == pytest.approx(n * 28 / dev.hbm_bandwidth + dev.kernel_overhead)
     assert optimizer_step_time(0, "adamw", "bf16", dev) == 0.0
+    # memory-bound: twice the elements take twice the time of the bytes (launch overhead aside)
+    t2 = optimizer_step_time(2 * n, "adamw", "bf16", dev)
+    assert t2 - dev.kernel_overhead == pytest.approx(2 * (t - dev.kernel_overhead))
     assert optimizer_step_time(n, "sgd", "bf16", dev) < t < optimizer_step_time(n, "lamb", "bf16", dev)
     assert optimizer_step_time(n, "lars", "fp32", dev) > optimizer_step_time(n, "sgd", "fp32", dev)
     assert optimizer_step_time(n, "adamw", "bf16", H100.device) < t
