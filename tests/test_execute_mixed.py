@@ -86,6 +86,21 @@ def _relative_update_error(sd, ref, init) -> float:
     return (num / den) ** 0.5
 
 
+def _per_tensor_update_errors(sd, ref, ref32, init) -> dict[str, tuple[float, float]]:
+    """Per parameter: (|run - bf16 ref|, allowed). Allowed is 10% of the tensor's own update, or
+    3x the distance between the bf16 and fp32 references where bf16 rounding alone is larger (a
+    tensor whose update is at bf16's noise level cannot be checked more tightly than that). An
+    update that vanished (a LayerNorm or bias never stepped) is off by 100% of its own size."""
+    out = {}
+    for k in ref:
+        run = torch.from_numpy(sd[k])
+        err = float((run - ref[k]).norm())
+        update = float((ref[k] - init[k]).norm())
+        noise = float((ref[k] - ref32[k]).norm())
+        out[k] = (err, max(0.10 * update, 3.0 * noise))
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,devices,constraints", [
     ("gpt2", 2, {"dp": 2, "tp": 1, "zero": 0}),
@@ -104,6 +119,16 @@ def test_bf16_matches_eager_bf16_with_fp32_master(name, devices, constraints):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
     err = _relative_update_error(sd, ref, init)
     assert err < 0.05, f"update differs from the bf16 reference by {err:.1%}"
+    # Tensor by tensor: a small tensor's update (LayerNorms, biases) cannot hide in the total.
+    _, ref32, _, _ = reference(name, bf16=False)
+    bad = {k: v for k, v in _per_tensor_update_errors(sd, ref, ref32, init).items() if v[0] > v[1]}
+    assert not bad, f"per-tensor update errors above their bound (error, bound): {bad}"
+    # The check's premise: had every bias / norm update vanished, each of them would be caught.
+    small = [k for k in ref if k.endswith("bias") or "ln" in k or "norm" in k]
+    assert small
+    vanished = {k: (init[k].numpy() if k in small else v) for k, v in sd.items()}
+    caught = {k for k, v in _per_tensor_update_errors(vanished, ref, ref32, init).items() if v[0] > v[1]}
+    assert caught == set(small), set(small) ^ caught
 
 
 @pytest.mark.slow
