@@ -11,12 +11,13 @@ import torch
 from autopar.build import chosen
 from autopar.pricing import Settings
 from autopar.cluster import Cluster
-from autopar.errors import PlanError
+from autopar.errors import ConstraintError, PlanError
 from autopar.memory import check_optimizer, check_precision
 from autopar.plan import PLAN_VERSION, Plan
 from autopar.rules import tensor_inputs
 from autopar.search import Result, degrees_of, search
 from autopar.trace import trace
+from autopar.units import parse_bytes, parse_seconds
 from solver import release_threads
 
 
@@ -37,10 +38,16 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
                         f"{type(cluster).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    check_example_inputs(example_inputs)
     check_optimizer(optimizer)
     check_precision(precision)
-    if memory_budget is not None and memory_budget <= 0:
-        raise PlanError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
+    if memory_budget is not None:
+        memory_budget = parse_bytes(memory_budget, "memory_budget")
+    if time_limit is not None:
+        time_limit = parse_seconds(time_limit, "time_limit")
+    if constraints is not None and not isinstance(constraints, dict):
+        raise ConstraintError(f"constraints must be a dict of degree pins, e.g. {{'tp': 2, 'zero': 1}}, got "
+                              f"{type(constraints).__name__} {constraints!r}")
     t0 = time.perf_counter()
     graph = traced if traced is not None else trace(model, example_inputs, loss_fn=loss_fn)
     t_trace = time.perf_counter() - t0
@@ -54,6 +61,20 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     data = plan_data(result, cluster, graph, optimizer, precision, budget, overlap_grad_comm, stats)
     stats.update(trace_seconds=t_trace, total_seconds=time.perf_counter() - t0)
     return Plan(data, stats=stats)
+
+
+def check_example_inputs(example_inputs: tuple) -> None:
+    """The example batch is one real global batch of tensors: say so before tracing trips on it."""
+    if not example_inputs:
+        raise PlanError("example_inputs is empty: pass one global training batch, e.g. (input_ids, labels)")
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, dict):
+            raise PlanError(f"example input {i} is a dict (keys {sorted(map(str, x))[:6]}): pass the batch as a "
+                            f"tuple of tensors in the order of forward's arguments, e.g. "
+                            f"(batch['input_ids'], batch['labels']), or wrap the model so forward takes tensors")
+        if isinstance(x, torch.Tensor) and any(int(d) == 0 for d in x.shape):
+            raise PlanError(f"example input {i} has shape {tuple(x.shape)} with an empty dimension: autopar plans "
+                            f"for one real global batch; give at least one row per data-parallel rank")
 
 
 def split_share(cands, pick: dict, mesh) -> dict[str, float]:

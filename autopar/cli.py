@@ -1,10 +1,17 @@
 """The `autopar` command: plan, show, diff, ops, run.
 
     autopar plan MODULE:FACTORY --cluster PRESET|FILE [--nodes N] [--devices N] [-o plan.json] [--arg k=v ...]
-    autopar show plan.json [--ops N] [--code --rank R]
-    autopar diff old.json new.json [--threshold 0.02]     # exit 1 on a predicted regression
+    autopar show plan.json [--ops N] [--code --rank R --factory F]
+    autopar diff old.json new.json [--threshold 0.02] [--force]   # exit 1 on a predicted regression
     autopar ops MODULE:FACTORY [--arg k=v ...]             # which ops hit which rule, which fell back
     autopar run -n N script.py [args...]                   # run a script on N local gloo processes
+
+Errors: every failure prints ONE line ``autopar: error: <what, where, what to do>`` on stderr, no
+traceback unless ``-v``/``--verbose`` is given (before or after the command). Exit codes:
+
+    0  success                       2  bad input (model, cluster, plan file, arguments, constraints)
+    1  diff: a predicted regression  3  running failed (ExecutionError)
+    4  internal error (a bug in autopar: please report it with the -v traceback)
 """
 from __future__ import annotations
 
@@ -13,20 +20,58 @@ import ast
 import sys
 from pathlib import Path
 
-from autopar.errors import PlanError
+from autopar.errors import ExecutionError, PlanError
+
+EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_EXECUTION, EXIT_INTERNAL = 0, 1, 2, 3, 4
 
 
-def _kwargs(pairs: list[str]) -> dict:
+def _kwargs(pairs: list[str], flag: str = "--arg") -> dict:
+    """name=value pairs (values parsed as Python literals); a repeated name is an error, never a
+    silent last-one-wins."""
     out = {}
     for p in pairs or []:
         if "=" not in p:
-            raise PlanError(f"--arg expects name=value, got {p!r}")
+            example = "tp=2" if flag == "--constraint" else "n_layer=4"
+            raise PlanError(f"{flag} expects name=value (e.g. {flag} {example}), got {p!r}")
         k, v = p.split("=", 1)
+        k = k.strip()
+        if not k:
+            raise PlanError(f"{flag} {p!r}: the name before '=' is empty")
+        if k in out:
+            raise PlanError(f"{flag} {k} is given twice ({k}={out[k]!r} and {p!r}): give each name once")
         try:
             out[k] = ast.literal_eval(v)
         except (ValueError, SyntaxError):
             out[k] = v
     return out
+
+
+def _positive_int(what: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be at least 1, got {v}")
+        return v
+    return parse
+
+
+def _bytes(text: str) -> float:
+    from autopar.units import parse_bytes
+    try:
+        return parse_bytes(text, "--memory-budget")
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _seconds(text: str) -> float:
+    from autopar.units import parse_seconds
+    try:
+        return parse_seconds(text, "--time-limit")
+    except PlanError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _cluster(args):
@@ -41,9 +86,28 @@ def _cluster(args):
 
 
 def _load_model(spec: str, pairs):
+    import inspect
+
     from autopar.models import load_factory
     factory = load_factory(spec)
-    out = factory(**_kwargs(pairs))
+    kwargs = _kwargs(pairs)
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None and not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
+        unknown = [k for k in kwargs if k not in sig.parameters]
+        if unknown:
+            known = ", ".join(p for p in sig.parameters) or "none"
+            raise PlanError(f"--arg {unknown[0]}: {spec} takes no argument {unknown[0]!r}; its arguments: {known}")
+    try:
+        out = factory(**kwargs)
+    except PlanError:
+        raise
+    except Exception as e:   # the user's (or the zoo's) factory rejected the values
+        shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise PlanError(f"the model factory {spec}({shown}) failed: {type(e).__name__}: {e}; "
+                        f"check the --arg values") from e
     if not (isinstance(out, tuple) and len(out) == 2):
         raise PlanError(f"{spec} must return (model, example_inputs), got {type(out).__name__}")
     return out
@@ -53,7 +117,7 @@ def cmd_plan(args) -> int:
     import autopar
     cluster = _cluster(args)
     model, inputs = _load_model(args.factory, args.arg)
-    constraints = _kwargs(args.constraint) if args.constraint else None
+    constraints = _kwargs(args.constraint, "--constraint") if args.constraint else None
     p = autopar.plan(model, inputs, cluster, optimizer=args.optimizer, precision=args.precision,
                      memory_budget=args.memory_budget, constraints=constraints, time_limit=args.time_limit,
                      verbose=args.verbose)
@@ -72,6 +136,12 @@ def cmd_show(args) -> int:
     p = Plan.load(args.plan)
     if args.code:
         from codegen import per_rank_code
+        if not args.factory:
+            raise PlanError("show --code needs the model the plan was made for: add --factory MODULE:FACTORY "
+                            "(or a zoo name) and the same --arg values used with `autopar plan`")
+        if not 0 <= args.rank < p.mesh.size:
+            raise PlanError(f"--rank {args.rank} is outside the plan's mesh {p.mesh.describe()}: "
+                            f"give a rank from 0 to {p.mesh.size - 1}")
         print(per_rank_code(p, args.rank, factory=args.factory, pairs=args.arg))
         return 0
     print(show_text(p, limit=args.ops), end="")
@@ -81,7 +151,12 @@ def cmd_show(args) -> int:
 def cmd_diff(args) -> int:
     from autopar.plan import Plan
     from autopar.report import diff
-    text, regressed = diff(Plan.load(args.old), Plan.load(args.new), threshold=args.threshold)
+    old, new = Plan.load(args.old), Plan.load(args.new)
+    if old.fingerprint != new.fingerprint and not args.force:
+        raise PlanError(f"{args.old} and {args.new} are plans of different models (graph fingerprints "
+                        f"{old.fingerprint[:12]} and {new.fingerprint[:12]}): their ops do not correspond. "
+                        f"Compare them anyway with --force")
+    text, regressed = diff(old, new, threshold=args.threshold)
     print(text, end="")
     return 1 if regressed else 0
 
@@ -114,21 +189,24 @@ def cmd_run(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="autopar", description="auto-parallel training compiler for PyTorch")
+    ap = argparse.ArgumentParser(prog="autopar", description="auto-parallel training compiler for PyTorch",
+                                 epilog="exit codes: 0 ok, 1 diff found a regression, 2 bad input, "
+                                        "3 running failed, 4 internal error")
+    ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks on errors; log the search")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="plan a model from a factory")
     p.add_argument("factory", help="module.path:FACTORY, file.py:FACTORY or a zoo name (gpt2_xl, llama, ...)")
     p.add_argument("--cluster", required=True, help="preset (dgx-a100, dgx-h100, cpu) or a YAML file")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--devices", type=int, default=None, help="devices for the cpu preset")
+    p.add_argument("--nodes", type=_positive_int("--nodes"), default=1)
+    p.add_argument("--devices", type=_positive_int("--devices"), default=None, help="devices for the cpu preset")
     p.add_argument("-o", "--output")
     p.add_argument("--arg", action="append", help="factory keyword argument name=value")
     p.add_argument("--constraint", action="append", help="pin a degree, e.g. tp=8")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--precision", default="bf16")
-    p.add_argument("--memory-budget", type=float, default=None)
-    p.add_argument("--time-limit", type=float, default=None)
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--memory-budget", type=_bytes, default=None, help="bytes per device, e.g. 40GB, 40GiB")
+    p.add_argument("--time-limit", type=_seconds, default=None, help="search time limit, e.g. 30, 30s, 2min")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_plan)
     s = sub.add_parser("show", help="summary, per-op strategies, memory breakdown of a plan")
     s.add_argument("plan")
@@ -142,22 +220,39 @@ def main(argv=None) -> int:
     d.add_argument("old")
     d.add_argument("new")
     d.add_argument("--threshold", type=float, default=0.02)
+    d.add_argument("--force", action="store_true", help="compare plans of different models anyway")
     d.set_defaults(fn=cmd_diff)
     o = sub.add_parser("ops", help="which ops hit which rule")
     o.add_argument("factory")
     o.add_argument("--arg", action="append")
     o.set_defaults(fn=cmd_ops)
     r = sub.add_parser("run", help="run a script on N local CPU processes (gloo)")
-    r.add_argument("-n", "--nprocs", type=int, default=2)
+    r.add_argument("-n", "--nprocs", type=_positive_int("-n"), default=2)
     r.add_argument("script")
     r.add_argument("script_args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run)
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)   # argparse reports usage errors itself: one message, exit 2
+    except SystemExit as e:          # returned, not raised, so callers of main() get the code
+        return int(e.code or 0) if not isinstance(e.code, str) else EXIT_BAD_INPUT
     try:
         return args.fn(args)
-    except PlanError as e:
+    except (PlanError, ExecutionError) as e:
+        if args.verbose:
+            import traceback
+            traceback.print_exc()
         print(f"autopar: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT if isinstance(e, PlanError) else EXIT_EXECUTION
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:   # a bug: one line by default, the traceback with -v
+        if args.verbose:
+            import traceback
+            traceback.print_exc()
+        print(f"autopar: internal error: {type(e).__name__}: {e} (run with -v for the traceback and "
+              f"please report it)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -316,7 +316,7 @@ PRESETS = {
 
 _DEC = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
 _BIN = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-_TIME = {"s": 1, "ms": Decimal("1e-3"), "us": Decimal("1e-6"), "µs": Decimal("1e-6"), "μs": Decimal("1e-6"),
+_TIME = {"s": 1, "min": 60, "h": 3600, "ms": Decimal("1e-3"), "us": Decimal("1e-6"), "µs": Decimal("1e-6"), "μs": Decimal("1e-6"),
          "ns": Decimal("1e-9")}
 _NUM = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*(\S*)\s*$")
 
@@ -416,6 +416,10 @@ class _Reader:
         if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
             bound = ">= 0" if allow_zero else "> 0"
             raise self.fail(path, f"got {_show(value)}; expected a value {bound} ({_EXAMPLES[kind]})")
+        if x > 0:   # a bare number far out of range is most likely a missing unit (latency: 10)
+            from autopar.units import warn_if_implausible
+            plaus = "latency" if kind == "time" else kind
+            warn_if_implausible(value, x, plaus, f"{self.source}: {path}")
         return x
 
     def count(self, value, path: str) -> int:

@@ -93,16 +93,15 @@ class Plan:
         Path(path).write_text(self.to_json())
 
     @staticmethod
-    def from_json(text: str) -> "Plan":
+    def from_json(text: str, source: str = "plan") -> "Plan":
+        """Parse and validate (autopar/plan_schema.py): a bad file is one PlanError naming the field."""
+        from autopar.plan_schema import check_plan_data
+
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanError(f"not a plan file: invalid JSON ({e})") from None
-        if not isinstance(data, dict) or "version" not in data:
-            raise PlanError("not a plan file: no 'version' field")
-        if data["version"] != PLAN_VERSION:
-            raise PlanError(f"plan version {data['version']} is not supported by this autopar "
-                            f"(it reads version {PLAN_VERSION}); re-plan with this version")
+            raise PlanError(f"{source} is not a plan file: invalid JSON ({e})") from None
+        check_plan_data(data, source)
         return Plan(data)
 
     @staticmethod
@@ -110,7 +109,14 @@ class Plan:
         p = Path(path)
         if not p.exists():
             raise PlanError(f"plan file {p} does not exist")
-        return Plan.from_json(p.read_text())
+        if p.is_dir():
+            raise PlanError(f"{p} is a directory, not a plan file: give the path of a .json plan "
+                            f"(written by `autopar plan -o plan.json` or Plan.save)")
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"cannot read plan file {p}: {e}") from None
+        return Plan.from_json(text, source=f"plan file {p}")
 
     def summary(self) -> str:
         from autopar.report import summary_text

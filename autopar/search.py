@@ -79,8 +79,13 @@ def check_constraints(constraints: dict | None) -> dict:
         raise ConstraintError(f"constraint checkpoint={constraints['checkpoint']!r}: must be 'none' or 'full' "
                               f"(selective recompute is not implemented yet)")
     for k in ("dp", "tp", "micro_batch_size", "num_micro_batches"):
-        if k in constraints and (not isinstance(constraints[k], int) or constraints[k] < 1):
+        if k in constraints and (isinstance(constraints[k], bool) or not isinstance(constraints[k], int)
+                                 or constraints[k] < 1):
             raise ConstraintError(f"constraint {k}={constraints[k]!r}: must be a positive integer")
+    if constraints.get("zero", 0) and constraints.get("dp") == 1:
+        raise ConstraintError(f"constraints zero={constraints['zero']} and dp=1 contradict each other: ZeRO shards "
+                              f"optimizer state, gradients and parameters over the data-parallel ranks, and dp=1 "
+                              f"leaves one. Drop the zero pin, or let dp be larger than 1")
     return constraints
 
 

@@ -117,8 +117,11 @@ def test_factory_args_change_the_model(capsys, tmp_path, plans):
     blocks = lambda p: {o["module"].split(".")[1] for o in p.ops if o["module"].count(".") >= 2}
     assert len(blocks(p3)) == len(blocks(p2)) + 1, (blocks(p3), blocks(p2))
     assert p3.degrees["zero"] == 1
-    code, out, _ = run(capsys, "diff", str(pinned), str(three))
-    assert "fingerprint differs" in out
+    code, out, err = run(capsys, "diff", str(pinned), str(three))   # different models: refused
+    assert code == 2 and "plans of different models" in err and "--force" in err and out == ""
+    code, out, _ = run(capsys, "diff", str(pinned), str(three), "--force")
+    assert "fingerprint differs" in out and code in (0, 1)
+    assert code == (1 if "REGRESSION" in out else 0)
 
 
 def test_yaml_cluster_file(capsys, tmp_path):

@@ -1,0 +1,123 @@
+"""Validation of a plan file's contents before anything reads it.
+
+``check_plan_data(data, source) -> None`` raises ``PlanError`` naming the file and the field
+(``predictions.step_time``, ``mesh.names[1]``) for anything a later reader would trip on: a
+missing key, a wrong type, a version written as a string. ``autopar show``/``diff``/``compile``
+then fail with one sentence instead of a ``KeyError`` deep inside a report.
+
+The schema is data (``_SCHEMA``): a field's path and the type it must have. Only what readers of a
+plan actually use is required, so a plan may carry more (later versions add fields freely).
+"""
+from __future__ import annotations
+
+from autopar.errors import PlanError
+
+_NUMBER = (int, float)
+
+# path -> required type(s). "a.b" is a key of a mapping; "a[]" is every element of a list.
+_SCHEMA: dict[str, tuple] = {
+    "fingerprint": (str,),
+    "cluster": (dict,),
+    "cluster.name": (str,),
+    "cluster.nodes": (int,),
+    "cluster.devices_per_node": (int,),
+    "cluster.device": (dict,),
+    "mesh": (dict,),
+    "mesh.shape": (list,),
+    "mesh.shape[]": (int,),
+    "mesh.names": (list,),
+    "mesh.names[]": (str,),
+    "mesh.devices_per_node": (int,),
+    "settings": (dict,),
+    "settings.memory_budget": _NUMBER,
+    "settings.precision": (str,),
+    "degrees": (dict,),
+    "degrees.dp": (int,),
+    "degrees.tp": (int,),
+    "degrees.zero": (int,),
+    "degrees.num_micro_batches": (int,),
+    "stages": (list,),
+    "ops": (list,),
+    "ops[]": (dict,),
+    "ops[].node": (str,),
+    "ops[].strategy": (str,),
+    "ops[].inputs": (list,),
+    "ops[].outputs": (list,),
+    "ops[].splits": (list,),
+    "params": (dict,),
+    "predictions": (dict,),
+    "predictions.step_time": _NUMBER,
+    "predictions.peak_memory": _NUMBER,
+    "predictions.memory_breakdown": (dict,),
+    "predictions.comm_bytes": (dict,),
+    "predictions.time_breakdown": (dict,),
+    "predictions.mfu": _NUMBER,
+    "predictions.model_flops": _NUMBER,
+    "solver": (dict,),
+}
+
+
+def _type_name(types: tuple) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
+    return " or ".join(dict.fromkeys(names[t] for t in types))
+
+
+def _shown(value) -> str:
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, (dict, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return repr(value)
+
+
+def _values(data, path: str):
+    """(concrete path, value) pairs at ``path``; missing keys yield (path, _MISSING)."""
+    out = [("", data)]
+    for part in path.split("."):
+        each = part.endswith("[]")
+        key = part[:-2] if each else part
+        nxt = []
+        for where, obj in out:
+            if obj is _MISSING or not isinstance(obj, dict):
+                continue   # the parent's own check reports it
+            here = f"{where}.{key}" if where else key
+            val = obj.get(key, _MISSING)
+            if each:
+                if isinstance(val, list):
+                    nxt.extend((f"{here}[{i}]", v) for i, v in enumerate(val))
+            else:
+                nxt.append((here, val))
+        out = nxt
+    return out
+
+
+_MISSING = object()
+
+
+def check_plan_data(data, source: str = "plan") -> None:
+    """Raise PlanError for the first field of ``data`` a plan reader would trip on."""
+    from autopar.plan import PLAN_VERSION
+
+    fix = "re-create it with `autopar plan` (or autopar.plan(...).save(path))"
+    if not isinstance(data, dict):
+        raise PlanError(f"{source} is not a plan file: it holds {_shown(data)}, not a JSON object; {fix}")
+    if "version" not in data:
+        raise PlanError(f"{source} is not a plan file: no 'version' field; {fix}")
+    version = data["version"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise PlanError(f"{source}: field 'version' must be an integer (this autopar reads version "
+                        f"{PLAN_VERSION}), got {_shown(version)}; {fix}")
+    if version != PLAN_VERSION:
+        raise PlanError(f"{source}: plan version {version} is not supported by this autopar "
+                        f"(it reads version {PLAN_VERSION}); re-plan with this version")
+    for path, types in _SCHEMA.items():
+        for where, value in _values(data, path):
+            if value is _MISSING:
+                raise PlanError(f"{source}: field '{where}' is missing: the file is not a complete "
+                                f"autopar plan; {fix}")
+            if not isinstance(value, types) or isinstance(value, bool):
+                raise PlanError(f"{source}: field '{where}' must be {_type_name(types)}, got {_shown(value)}; {fix}")
+    mesh = data["mesh"]
+    if len(mesh["shape"]) != len(mesh["names"]):
+        raise PlanError(f"{source}: field 'mesh' has {len(mesh['shape'])} sizes but {len(mesh['names'])} "
+                        f"names; {fix}")
