@@ -58,6 +58,8 @@ _SCHEMA: dict[str, tuple] = {
 
 
 def _type_name(types: tuple) -> str:
+    if set(types) == {int, float}:
+        return "a number"
     names = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
     return " or ".join(dict.fromkeys(names[t] for t in types))
 
