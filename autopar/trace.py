@@ -51,7 +51,8 @@ class BlockGroup:
 class TracedGraph:
     gm: GraphModule                      # placeholders: params/buffers, then user inputs; output: the loss
     param_fqn: dict[str, str]            # placeholder name -> FQN (parameters and buffers)
-    buffers: set[str]                    # placeholder names that are buffers (or lifted constants)
+    buffers: set[str]                    # placeholder names that are not trained: buffers, lifted
+                                         # constants, frozen parameters (requires_grad=False)
     tied: dict[str, list[str]]           # every FQN of a shared tensor -> all its FQNs (the one in param_fqn first)
     input_names: list[str]               # placeholder names of the user inputs, in order
     output_name: str                     # node whose value is the scalar loss
@@ -60,6 +61,21 @@ class TracedGraph:
     fingerprint: str
     blocks: list[BlockGroup]
     block_of: dict[str, tuple[int, int, int]]   # node name -> (group, instance, position)
+    # Tensors torch.export lifted out of the code (InputKind.CONSTANT_TENSOR: a plain tensor
+    # attribute such as Falcon's rotary tables): FQN -> value. They are no module attribute
+    # the model can be asked for ("...lifted_tensor_0"); their values live only here.
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    frozen: set[str] = field(default_factory=set)   # placeholder names of frozen parameters (also in buffers)
+
+    def value_of(self, model: nn.Module, fqn: str) -> torch.Tensor:
+        """The tensor behind a parameter/buffer/constant FQN: lifted constants from the export,
+        everything else from the model."""
+        if fqn in self.constants:
+            return self.constants[fqn]
+        obj = model
+        for part in fqn.split("."):
+            obj = getattr(obj, part)
+        return obj
 
     def module_of(self, node: Node | str) -> str:
         """FQN of the innermost module that produced ``node`` ("" for the root or unknown)."""
@@ -144,11 +160,14 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
         except Exception as e:
             errors = [err for err in (export_error, e) if err is not None]
             raise _trace_error(model, root, errors, prefix) from e
-    gm, param_fqn, buffers, input_names, output_name, source = result
+    gm, param_fqn, buffers, input_names, output_name, source, constants = result
     seconds = time.perf_counter() - t0
+    frozen = _frozen_params(root, param_fqn, buffers)
+    buffers |= frozen
 
     if prefix:
         param_fqn = {k: _strip(v, prefix) for k, v in param_fqn.items()}
+        constants = {_strip(k, prefix): v for k, v in constants.items()}
         _strip_module_stacks(gm, prefix)
     _check_scalar_loss(gm, output_name, loss_fn)
     tied = _tied_fqns(model)
@@ -156,7 +175,16 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
     blocks, block_of = find_blocks(gm, model, param_fqn, buffers)
     return TracedGraph(gm=gm, param_fqn=param_fqn, buffers=buffers, tied=tied, input_names=input_names,
                        output_name=output_name, source=source, trace_seconds=seconds,
-                       fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of)
+                       fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of,
+                       constants=constants, frozen=frozen & set(param_fqn))
+
+
+def _frozen_params(root: nn.Module, param_fqn: dict[str, str], buffers: set[str]) -> set[str]:
+    """Placeholders of parameters with requires_grad=False: stored like buffers, never trained
+    (no gradient, no optimizer state, no gradient traffic; the planner prices them as buffers)."""
+    params = dict(root.named_parameters(remove_duplicate=False))
+    return {n for n, fqn in param_fqn.items()
+            if n not in buffers and fqn in params and not params[fqn].requires_grad}
 
 
 def _strip(fqn: str, prefix: str) -> str:
@@ -179,15 +207,18 @@ def _via_export(root: nn.Module, inputs: tuple):
 
     ep = torch.export.export(root, inputs, strict=False)
     sig = ep.graph_signature
-    param_fqn, buffers, input_names = {}, set(), []
+    param_fqn, buffers, input_names, constants = {}, set(), [], {}
     for spec in sig.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
             param_fqn[name] = spec.target
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            # Lifted constants (tensor attributes that are not registered buffers) behave as buffers.
+            # Lifted constants (tensor attributes that are not registered buffers) behave as buffers;
+            # their values are the exported program's, not a module attribute of that name.
             param_fqn[name] = spec.target
             buffers.add(name)
+            if spec.kind == InputKind.CONSTANT_TENSOR:
+                constants[spec.target] = ep.constants[spec.target]
         elif spec.kind == InputKind.USER_INPUT:
             input_names.append(name)
         else:
@@ -203,7 +234,7 @@ def _via_export(root: nn.Module, inputs: tuple):
     if len(user_out) != 1 or not hasattr(user_out[0].arg, "name"):
         raise TraceError(f"the traced function returns {len(user_out)} outputs; it must return one "
                          f"scalar loss tensor: pass loss_fn=... to trace()/plan()")
-    return ep.graph_module, param_fqn, buffers, input_names, user_out[0].arg.name, "export"
+    return ep.graph_module, param_fqn, buffers, input_names, user_out[0].arg.name, "export", constants
 
 
 def _via_fx(root: nn.Module, inputs: tuple):
@@ -247,7 +278,7 @@ def _via_fx(root: nn.Module, inputs: tuple):
     if len(outs) != 1 or not isinstance(outs[0], Node):
         raise TraceError(f"the traced function returns {len(outs)} outputs; it must return one "
                          f"scalar loss tensor: pass loss_fn=... to trace()/plan()")
-    return gm, param_fqn, buffers, input_names, outs[0].name, "fx"
+    return gm, param_fqn, buffers, input_names, outs[0].name, "fx", {}
 
 
 def _check_scalar_loss(gm: GraphModule, output_name: str, loss_fn) -> None:
