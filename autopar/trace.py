@@ -145,21 +145,10 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
         prefix = "model."
 
     t0 = time.perf_counter()
-    export_error = None
-    result = None
-    if frontend in ("auto", "export"):
-        try:
-            result = _via_export(root, example_inputs)
-        except Exception as e:  # any export failure: try the fallback, keep the error for the message
-            export_error = e
-            if frontend == "export":
-                raise _trace_error(model, root, [e], prefix) from e
-    if result is None:
-        try:
-            result = _via_fx(root, example_inputs)
-        except Exception as e:
-            errors = [err for err in (export_error, e) if err is not None]
-            raise _trace_error(model, root, errors, prefix) from e
+    with _AutogradFunctionWatch(root, prefix) as custom:
+        result = _run_front_ends(model, root, example_inputs, frontend, prefix)
+    if custom.calls:
+        raise custom.error(model)
     gm, param_fqn, buffers, input_names, output_name, source, constants = result
     seconds = time.perf_counter() - t0
     frozen = _frozen_params(root, param_fqn, buffers)
@@ -177,6 +166,83 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
                        output_name=output_name, source=source, trace_seconds=seconds,
                        fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of,
                        constants=constants, frozen=frozen & set(param_fqn))
+
+
+def _run_front_ends(model, root, example_inputs, frontend: str, prefix: str):
+    """export, then the fx fallback (module doc); a TraceError when neither works."""
+    export_error = None
+    if frontend in ("auto", "export"):
+        try:
+            return _via_export(root, example_inputs)
+        except Exception as e:  # any export failure: try the fallback, keep the error for the message
+            export_error = e
+            if frontend == "export":
+                raise _trace_error(model, root, [e], prefix) from e
+    try:
+        return _via_fx(root, example_inputs)
+    except Exception as e:
+        errors = [err for err in (export_error, e) if err is not None]
+        raise _trace_error(model, root, errors, prefix) from e
+
+
+def _is_torch_module(name: str) -> bool:
+    return name == "torch" or name.startswith("torch.")
+
+
+class _AutogradFunctionWatch:
+    """Records every user-defined ``torch.autograd.Function`` applied while tracing.
+
+    Both front ends trace THROUGH a custom Function: torch.export (non-strict, torch 2.13) and
+    make_fx inline its forward as plain ATen ops and drop its backward, so autopar would train
+    with the gradient of those ops, not the user's ``backward`` — silently. autopar cannot run a
+    user's backward inside a generated program yet, so tracing refuses such a model with a
+    TraceError naming the Function and the module that calls it. Functions defined inside torch
+    are not reported: their forward is what their ATen decomposition differentiates.
+    ``Function.apply`` (a classmethod every subclass inherits) is wrapped for the duration only.
+    """
+
+    def __init__(self, root: nn.Module, prefix: str):
+        self.names = {id(m): (_strip(n, prefix) if prefix else n) for n, m in root.named_modules()}
+        self.calls: dict[str, str] = {}   # "pkg.mod.Class" -> "module fqn (ModuleClass)"
+
+    def __enter__(self):
+        from torch.autograd.function import Function
+
+        self._fn_cls = Function
+        self._orig = Function.__dict__["apply"]
+        original = self._orig.__func__
+        watch = self
+
+        def apply(cls, *args, **kwargs):
+            if not _is_torch_module(cls.__module__ or ""):
+                watch.calls.setdefault(f"{cls.__module__}.{cls.__qualname__}", watch._caller_module())
+            return original(cls, *args, **kwargs)
+
+        Function.apply = classmethod(apply)
+        return self
+
+    def __exit__(self, *exc):
+        self._fn_cls.apply = self._orig
+        return False
+
+    def _caller_module(self) -> str:
+        """The innermost module of the traced model on the Python stack ("<root>" for the root)."""
+        frame = inspect.currentframe()
+        while frame is not None:
+            code = frame.f_code
+            obj = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+            if isinstance(obj, nn.Module) and id(obj) in self.names:
+                return f"{self.names[id(obj)] or '<root>'} ({type(obj).__name__})"
+            frame = frame.f_back
+        return "<unknown module>"
+
+    def error(self, model: nn.Module) -> TraceError:
+        found = "; ".join(f"{fn} called in module {mod}" for fn, mod in self.calls.items())
+        return TraceError(f"{type(model).__name__} uses a custom torch.autograd.Function ({found}): tracing "
+                          f"inlines its forward and would train with the gradient of the traced ops instead of "
+                          f"its backward, diverging from eager. autopar cannot keep a custom backward: write "
+                          f"the op with differentiable torch ops (its backward then follows), or keep the "
+                          f"Function out of the model you hand to autopar")
 
 
 def _frozen_params(root: nn.Module, param_fqn: dict[str, str], buffers: set[str]) -> set[str]:

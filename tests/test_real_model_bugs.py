@@ -205,3 +205,50 @@ def test_loading_a_checkpoint_of_another_model_is_refused(tmp_path):
     for losses, msg in res:
         assert losses is None and isinstance(msg, str), "a 2-layer checkpoint loaded into a 1-layer model"
         assert "not in this model" in msg and "blocks.1." in msg, msg
+
+
+# ------------------------------------------------------------------ 4. custom autograd.Function
+
+class ClampTwiceGrad(torch.autograd.Function):
+    """forward = clamp(min=0); backward = 2 x relu's gradient (not clamp's): tracing would drop it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * g * (x > 0)
+
+
+class ClampAct(nn.Module):
+    def forward(self, x):
+        return ClampTwiceGrad.apply(x)
+
+
+class WithCustomFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.out = nn.Linear(16, 32), ClampAct(), nn.Linear(32, 8)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.out(self.act(self.fc(x))), y)
+
+
+def test_custom_autograd_function_is_refused_with_its_name_and_module():
+    from autopar.errors import TraceError
+
+    model = build(WithCustomFunction, "cpu", 0)
+    batch = (torch.randn(8, 16), torch.randint(8, (8,)))
+    for frontend in ("export", "fx"):
+        from autopar.trace import trace
+
+        with pytest.raises(TraceError, match=r"ClampTwiceGrad called in module act \(ClampAct\)"):
+            trace(model, batch, frontend=frontend)
+    with pytest.raises(TraceError, match="custom torch.autograd.Function"):
+        autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2))
+    # the watch is gone afterwards: eager use of the Function is untouched
+    assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"
+    model(*batch).backward()
