@@ -86,7 +86,7 @@ class CompiledModel:
     def _setup(self, example_inputs):
         from autopar.trace import trace
         from codegen import generate
-        from runtime import context
+        from runtime import context, rng
         from runtime.optim import make_optimizer
         from runtime.zero import ShardedOptimizer
 
@@ -119,6 +119,7 @@ class CompiledModel:
         self.device = _run_device()
         self.dtype = _working_dtype(plan.data.get("settings", {}).get("precision", "fp32"), self.precision, self.device)
         self.ctx = context.setup(plan.mesh, self.device.type)
+        rng.broadcast_seed(self.device)   # one base seed for every rank's random ops (runtime/rng.py)
         self.rank = dist.get_rank()
         mesh = plan.mesh
         zero = int(plan.degrees.get("zero", 0) or 0)
