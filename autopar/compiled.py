@@ -33,7 +33,13 @@ Process group: ``compile`` uses the one that exists; without one, under torchrun
 
 ``step(*batch)`` takes the GLOBAL batch (or just this rank's rows, ``batch_rows()``), runs every
 micro-batch forward and backward (loss / num_micro_batches), steps the optimizer and returns the
-global loss as a float, identical on every rank.
+global loss as a float, identical on every rank. Its inputs must match the example batch (count,
+shapes, dtypes; autopar/batch_check.py), and on the first step every rank passing the global batch
+must pass the same one. ``compile(loss_fn=...)`` traces ``loss_fn(model(*inputs[:k]), *inputs[k:])``.
+
+Random ops (dropout) draw from generators seeded from one base seed rank 0 broadcasts at set-up
+(runtime/rng.py). Frozen parameters (``requires_grad=False``) are held like buffers. ``load``
+checks the checkpoint's tensors against this model's before reading (``_check_checkpoint``).
 """
 from __future__ import annotations
 
