@@ -255,3 +255,19 @@ def test_custom_autograd_function_is_refused_with_its_name_and_module():
     # the watch is gone afterwards: eager use of the Function is untouched
     assert torch.autograd.Function.__dict__["apply"].__func__.__name__ == "apply"
     model(*batch).backward()
+
+
+@pytest.mark.slow
+def test_unreadable_checkpoint_is_an_execution_error(tmp_path):
+    """dcp raises CheckpointException, a BaseException: load turns it into an ExecutionError."""
+    import os
+
+    d = tmp_path / "ck"
+    plan_json = _plan_json(_gpt(1), 2, {"dp": 2, "tp": 1})
+    run_local(_ckpt, 2, args=(_gpt(1), plan_json, str(d), "save", 1), timeout=300)
+    for f in os.listdir(d):
+        if f.endswith(".distcp"):
+            (d / f).write_bytes(b"")   # the data is gone, the metadata still matches
+    res = run_local(_ckpt, 2, args=(_gpt(1), plan_json, str(d), "load", 1), timeout=300)
+    for losses, msg in res:
+        assert losses is None and "could not load checkpoint" in msg, msg
