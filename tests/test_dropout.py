@@ -120,3 +120,25 @@ def test_dropout_replicas_agree_and_splits_differ_dp2_tp2():
         assert not torch.equal(m, mask(2, replicated_op)[key])        # other rows (dp): another
     for key, m in mask(0, split_op).items():
         assert not torch.equal(m, mask(1, split_op)[key])             # split over tp: independent
+
+
+def _gpt_dropout(rank, world, plan_json):
+    torch.manual_seed(1000 + rank)
+    model, batch = ZOO["gpt2"](dropout=0.1, batch=4)
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                         plan=autopar.Plan.from_json(plan_json), optimizer="sgd", lr=0.1, momentum=0.9)
+    calls = [str(n.args[0]) for n in cm.program.gm.graph.nodes if n.target is RNG.seeded]
+    losses = [cm.step(*batch) for _ in range(3)]
+    return losses, calls, {k: v.numpy() for k, v in cm.full_state_dict().items()}
+
+
+@pytest.mark.slow
+def test_attention_dropout_and_dropout_train_gpt2_dp2():
+    """SDPA's dropout_p runs seeded too; the run trains (the loss moves) and stays finite."""
+    model, batch = ZOO["gpt2"](dropout=0.1, batch=4)
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), optimizer="sgd", precision="fp32",
+                        constraints={"dp": 2, "tp": 1, "num_micro_batches": 1})
+    res = run_local(_gpt_dropout, 2, args=(plan.to_json(),), timeout=300)
+    losses, calls, _ = res[0]
+    assert any("scaled_dot_product_attention" in c for c in calls) and any("dropout" in c for c in calls)
+    assert res[1][0] == losses and all(math.isfinite(v) for v in losses) and losses[-1] != losses[0]
