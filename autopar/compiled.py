@@ -33,7 +33,13 @@ Process group: ``compile`` uses the one that exists; without one, under torchrun
 
 ``step(*batch)`` takes the GLOBAL batch (or just this rank's rows, ``batch_rows()``), runs every
 micro-batch forward and backward (loss / num_micro_batches), steps the optimizer and returns the
-global loss as a float, identical on every rank.
+global loss as a float, identical on every rank. Its inputs must match the example batch (count,
+shapes, dtypes; autopar/batch_check.py), and on the first step every rank passing the global batch
+must pass the same one. ``compile(loss_fn=...)`` traces ``loss_fn(model(*inputs[:k]), *inputs[k:])``.
+
+Random ops (dropout) draw from generators seeded from one base seed rank 0 broadcasts at set-up
+(runtime/rng.py). Frozen parameters (``requires_grad=False``) are held like buffers. ``load``
+checks the checkpoint's tensors against this model's before reading (``_check_checkpoint``).
 """
 from __future__ import annotations
 
@@ -62,8 +68,7 @@ def _broadcast_plan(model, example_inputs, cluster, plan_options, traced) -> Pla
         try:
             from autopar.api import plan as make_plan
             options = dict(plan_options or {})
-            if "loss_fn" not in options:   # the graph every rank traced anyway: no second trace
-                options.setdefault("traced", traced)
+            options.setdefault("traced", traced)   # the graph every rank traced (loss_fn included)
             box[0] = make_plan(model, example_inputs, cluster, **options).to_json()
         except Exception as e:   # every rank must learn about it, or the others wait forever
             box[1] = f"{type(e).__name__}: {e}"
@@ -73,17 +78,11 @@ def _broadcast_plan(model, example_inputs, cluster, plan_options, traced) -> Pla
     return Plan.from_json(box[0])
 
 
-def _resolve(model, fqn: str):
-    obj = model
-    for part in fqn.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 class CompiledModel:
     def __init__(self, model, cluster, plan, optimizer, lr, optimizer_kwargs, plan_options=None,
-                 precision=None, grad_clip=None):
+                 precision=None, grad_clip=None, loss_fn=None):
         self.model, self.cluster, self.plan = model, cluster, plan
+        self.loss_fn = loss_fn   # traced as loss_fn(model(*inputs[:k]), *inputs[k:]) (autopar.trace)
         self.optimizer_name, self.lr, self.optimizer_kwargs = optimizer, lr, dict(optimizer_kwargs)
         self.plan_options = plan_options
         self.precision, self.grad_clip = precision, grad_clip
@@ -93,12 +92,12 @@ class CompiledModel:
     def _setup(self, example_inputs):
         from autopar.trace import trace
         from codegen import generate
-        from runtime import context
+        from runtime import context, rng
         from runtime.optim import make_optimizer
         from runtime.zero import ShardedOptimizer
 
         example_inputs = _as_tuple(example_inputs)
-        traced = trace(self.model, example_inputs)   # the same on every rank (an error too: no rank waits)
+        traced = trace(self.model, example_inputs, self.loss_fn)   # the same on every rank (an error too: no rank waits)
         if self.plan is None:
             self.plan = _broadcast_plan(self.model, example_inputs, self.cluster, self.plan_options, traced)
         plan = self.plan
@@ -112,9 +111,11 @@ class CompiledModel:
         nm = int(plan.degrees.get("num_micro_batches", 1) or 1)
         self.nm = nm
         self.global_batch = example_inputs[0].shape[0]
+        self._example = [(tuple(x.shape), x.dtype) for x in example_inputs]
+        self._batch_compared = False
         if nm > 1:
             micro = tuple(x[: x.shape[0] // nm] for x in example_inputs)
-            mt = trace(self.model, micro)
+            mt = trace(self.model, micro, self.loss_fn)
             seq = lambda t: [(n.name, str(n.target)) for n in t.gm.graph.nodes if n.op == "call_function"]  # noqa: E731
             if seq(mt) != seq(traced):
                 raise ExecutionError("re-tracing one micro-batch gave a different op sequence than the global "
@@ -124,6 +125,7 @@ class CompiledModel:
         self.device = _run_device()
         self.dtype = _working_dtype(plan.data.get("settings", {}).get("precision", "fp32"), self.precision, self.device)
         self.ctx = context.setup(plan.mesh, self.device.type)
+        rng.broadcast_seed(self.device)   # one base seed for every rank's random ops (runtime/rng.py)
         self.rank = dist.get_rank()
         mesh = plan.mesh
         zero = int(plan.degrees.get("zero", 0) or 0)
@@ -155,7 +157,7 @@ class CompiledModel:
         with torch.no_grad():
             for name in prog.param_names:
                 fqn = prog.param_fqn[name]
-                src = _resolve(self.model, fqn).detach()
+                src = traced.value_of(self.model, fqn).detach()
                 # fp32 on this rank's device (rank 0's values); the optimizer makes the parameters
                 # views of its working-dtype buffers, the fp32 values seed the master weights.
                 full = src.to(self.device, dtype=torch.float32 if src.is_floating_point() else src.dtype, copy=True)
@@ -247,6 +249,18 @@ class CompiledModel:
         to = lambda x: x.to(self.device, dtype=self.dtype if x.is_floating_point() else x.dtype)  # noqa: E731
         return [tuple(to(x) for x in o) for o in out]
 
+    def _check_batch(self, batch) -> None:
+        """Inputs against the example batch; on the first call, the same global batch on every
+        rank (autopar/batch_check.py)."""
+        from autopar.batch_check import check_inputs, same_global_batch
+
+        local = len(self.batch_rows())
+        check_inputs(batch, self._example, self.global_batch, local)
+        if not self._batch_compared:
+            self._batch_compared = True
+            is_global = all(x.shape[0] == self.global_batch for x in batch)
+            same_global_batch(batch, is_global, self.device, self.rank)
+
     def _need_ready(self):
         if not self._ready:
             raise ExecutionError("the compiled model is not set up yet: pass example_inputs to compile() or call "
@@ -277,6 +291,7 @@ class CompiledModel:
     def step(self, *batch) -> float:
         if not self._ready:
             self._setup(batch)
+        self._check_batch(batch)
         try:
             micro = self._local_micro_batches(batch)
             total = torch.zeros((), device=self.device)
@@ -304,6 +319,7 @@ class CompiledModel:
         """Forward only: the global loss of the batch (a 0-d tensor, the same on every rank)."""
         if not self._ready:
             self._setup(inputs)
+        self._check_batch(inputs)
         total = torch.zeros((), device=self.device)
         for mb in self._local_micro_batches(inputs):
             total = total + self.program.gm(*self.local, *mb).float() / self.nm
@@ -389,7 +405,14 @@ class CompiledModel:
             for name, t in d.items():
                 opt_sd[f"{fqn}.{name}"] = self._gather_full(t, fqn).clone()
         state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(0)}
-        dcp.load(state, checkpoint_id=str(directory))
+        _check_checkpoint(directory, state)
+        try:
+            dcp.load(state, checkpoint_id=str(directory))
+        except BaseException as e:   # dcp's CheckpointException is a BaseException, not an Exception
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ExecutionError(f"rank {self.rank}: could not load checkpoint {directory}: "
+                                 f"{type(e).__name__}: {str(e).strip()[:500]}") from None
         prog = self.program
 
         def my_flat(c, values: dict, suffix: str = "") -> torch.Tensor:
@@ -406,7 +429,10 @@ class CompiledModel:
                 flat = my_flat(c, state["optim"], "." + name)
                 t.copy_(flat[c.lo:c.hi] if t.numel() == c.shard and self.zero >= 1 else flat[:t.numel()])
         for fqn, b in self.buffers.items():
-            b.copy_(state["model"][fqn][prog.param_slices[fqn]])
+            # Non-persistent buffers (RoPE tables) and lifted constants are not in the state dict:
+            # they keep the model's values, as torch's load_state_dict does.
+            if fqn in state["model"]:
+                b.copy_(state["model"][fqn][prog.param_slices[fqn]])
         self.opt.step_count = int(state["step"])
 
     # ------------------------------------------------------------------ communication
@@ -427,6 +453,35 @@ class CompiledModel:
         COMM_STATS.reset()
         if self._ready:
             self.opt.reset_comm_stats()
+
+
+def _check_checkpoint(directory, state: dict) -> None:
+    """Refuse a checkpoint whose tensors are not the ones this plan trains (a 2-layer model into a
+    1-layer one, another optimizer's state, other shapes): dcp.load would fill what matches and
+    silently ignore the rest. Every rank reads the same metadata, so every rank raises."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        meta = dcp.FileSystemReader(str(directory)).read_metadata()
+    except Exception as e:
+        raise ExecutionError(f"no readable checkpoint at {directory}: {type(e).__name__}: {e}") from None
+    saved = {k: getattr(v, "size", None) for k, v in meta.state_dict_metadata.items()}
+    want = {"step": torch.Size([])}
+    for group in ("model", "optim"):
+        want.update({f"{group}.{k}": v.shape for k, v in state[group].items()})
+    missing = sorted(set(want) - set(saved))
+    extra = sorted(set(saved) - set(want))
+    shapes = sorted(f"{k} {tuple(saved[k])} (this model: {tuple(want[k])})" for k in set(want) & set(saved)
+                    if saved[k] is not None and tuple(saved[k]) != tuple(want[k]))
+    if not (missing or extra or shapes):
+        return
+    show = lambda xs: ", ".join(xs[:8]) + (f" and {len(xs) - 8} more" if len(xs) > 8 else "")  # noqa: E731
+    parts = ([f"missing from the checkpoint: {show(missing)}"] if missing else []) + \
+            ([f"not in this model: {show(extra)}"] if extra else []) + \
+            ([f"shape differs: {show(shapes)}"] if shapes else [])
+    raise ExecutionError(f"checkpoint {directory} does not match this model and optimizer ("
+                         + "; ".join(parts) + "): nothing was loaded. Load it into the model (and "
+                         "optimizer) it was saved from.")
 
 
 class _nullcontext:
@@ -453,11 +508,13 @@ def _block_of(lay, n, mesh_shape, coords) -> slice:
 
 def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "adamw", lr: float = 1e-3,
             plan_options: dict | None = None, precision: str | None = None, grad_clip: float | None = None,
-            **optimizer_kwargs) -> CompiledModel:
+            loss_fn=None, **optimizer_kwargs) -> CompiledModel:
     """Set up ``model`` to train under ``plan`` (planned now on rank 0 when None) on the current
     process group. ``plan_options`` are keyword arguments for autopar.plan (e.g. constraints).
     ``precision``: "fp32" | "bf16" | None (the plan's on a GPU, fp32 on the CPU; module doc).
     ``grad_clip``: clip the global gradient norm (over every shard) to this value.
+    ``loss_fn``: as for autopar.plan, ``loss_fn(model(*inputs[:k]), *inputs[k:])`` is the loss
+    (k: the required positional parameters of model.forward); ``step`` then takes the same tuple.
     Without ``example_inputs`` the set-up happens at the first ``step``."""
     _require_pg(cluster)
     if plan is not None and not isinstance(plan, Plan):
@@ -468,7 +525,17 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
                              f"processes or re-plan")
     if grad_clip is not None and not grad_clip > 0:
         raise ExecutionError(f"grad_clip must be a positive number, got {grad_clip!r}")
-    cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, plan_options, precision, grad_clip)
+    options = dict(plan_options or {})
+    if loss_fn is not None and options.get("loss_fn", loss_fn) is not loss_fn:
+        raise ExecutionError("compile() got two different loss functions (loss_fn= and plan_options['loss_fn']): "
+                             "pass one")
+    loss_fn = loss_fn if loss_fn is not None else options.get("loss_fn")
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise ExecutionError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        options["loss_fn"] = loss_fn
+    cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, options, precision, grad_clip,
+                       loss_fn)
     if example_inputs is not None:
         cm._setup(example_inputs)
     return cm

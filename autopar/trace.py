@@ -51,7 +51,8 @@ class BlockGroup:
 class TracedGraph:
     gm: GraphModule                      # placeholders: params/buffers, then user inputs; output: the loss
     param_fqn: dict[str, str]            # placeholder name -> FQN (parameters and buffers)
-    buffers: set[str]                    # placeholder names that are buffers (or lifted constants)
+    buffers: set[str]                    # placeholder names that are not trained: buffers, lifted
+                                         # constants, frozen parameters (requires_grad=False)
     tied: dict[str, list[str]]           # every FQN of a shared tensor -> all its FQNs (the one in param_fqn first)
     input_names: list[str]               # placeholder names of the user inputs, in order
     output_name: str                     # node whose value is the scalar loss
@@ -60,6 +61,21 @@ class TracedGraph:
     fingerprint: str
     blocks: list[BlockGroup]
     block_of: dict[str, tuple[int, int, int]]   # node name -> (group, instance, position)
+    # Tensors torch.export lifted out of the code (InputKind.CONSTANT_TENSOR: a plain tensor
+    # attribute such as Falcon's rotary tables): FQN -> value. They are no module attribute
+    # the model can be asked for ("...lifted_tensor_0"); their values live only here.
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    frozen: set[str] = field(default_factory=set)   # placeholder names of frozen parameters (also in buffers)
+
+    def value_of(self, model: nn.Module, fqn: str) -> torch.Tensor:
+        """The tensor behind a parameter/buffer/constant FQN: lifted constants from the export,
+        everything else from the model."""
+        if fqn in self.constants:
+            return self.constants[fqn]
+        obj = model
+        for part in fqn.split("."):
+            obj = getattr(obj, part)
+        return obj
 
     def module_of(self, node: Node | str) -> str:
         """FQN of the innermost module that produced ``node`` ("" for the root or unknown)."""
@@ -129,26 +145,18 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
         prefix = "model."
 
     t0 = time.perf_counter()
-    export_error = None
-    result = None
-    if frontend in ("auto", "export"):
-        try:
-            result = _via_export(root, example_inputs)
-        except Exception as e:  # any export failure: try the fallback, keep the error for the message
-            export_error = e
-            if frontend == "export":
-                raise _trace_error(model, root, [e], prefix) from e
-    if result is None:
-        try:
-            result = _via_fx(root, example_inputs)
-        except Exception as e:
-            errors = [err for err in (export_error, e) if err is not None]
-            raise _trace_error(model, root, errors, prefix) from e
-    gm, param_fqn, buffers, input_names, output_name, source = result
+    with _AutogradFunctionWatch(root, prefix) as custom:
+        result = _run_front_ends(model, root, example_inputs, frontend, prefix)
+    if custom.calls:
+        raise custom.error(model)
+    gm, param_fqn, buffers, input_names, output_name, source, constants = result
     seconds = time.perf_counter() - t0
+    frozen = _frozen_params(root, param_fqn, buffers)
+    buffers |= frozen
 
     if prefix:
         param_fqn = {k: _strip(v, prefix) for k, v in param_fqn.items()}
+        constants = {_strip(k, prefix): v for k, v in constants.items()}
         _strip_module_stacks(gm, prefix)
     _check_scalar_loss(gm, output_name, loss_fn)
     tied = _tied_fqns(model)
@@ -156,7 +164,93 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
     blocks, block_of = find_blocks(gm, model, param_fqn, buffers)
     return TracedGraph(gm=gm, param_fqn=param_fqn, buffers=buffers, tied=tied, input_names=input_names,
                        output_name=output_name, source=source, trace_seconds=seconds,
-                       fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of)
+                       fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of,
+                       constants=constants, frozen=frozen & set(param_fqn))
+
+
+def _run_front_ends(model, root, example_inputs, frontend: str, prefix: str):
+    """export, then the fx fallback (module doc); a TraceError when neither works."""
+    export_error = None
+    if frontend in ("auto", "export"):
+        try:
+            return _via_export(root, example_inputs)
+        except Exception as e:  # any export failure: try the fallback, keep the error for the message
+            export_error = e
+            if frontend == "export":
+                raise _trace_error(model, root, [e], prefix) from e
+    try:
+        return _via_fx(root, example_inputs)
+    except Exception as e:
+        errors = [err for err in (export_error, e) if err is not None]
+        raise _trace_error(model, root, errors, prefix) from e
+
+
+def _is_torch_module(name: str) -> bool:
+    return name == "torch" or name.startswith("torch.")
+
+
+class _AutogradFunctionWatch:
+    """Records every user-defined ``torch.autograd.Function`` applied while tracing.
+
+    Both front ends trace THROUGH a custom Function: torch.export (non-strict, torch 2.13) and
+    make_fx inline its forward as plain ATen ops and drop its backward, so autopar would train
+    with the gradient of those ops, not the user's ``backward`` — silently. autopar cannot run a
+    user's backward inside a generated program yet, so tracing refuses such a model with a
+    TraceError naming the Function and the module that calls it. Functions defined inside torch
+    are not reported: their forward is what their ATen decomposition differentiates.
+    ``Function.apply`` (a classmethod every subclass inherits) is wrapped for the duration only.
+    """
+
+    def __init__(self, root: nn.Module, prefix: str):
+        self.names = {id(m): (_strip(n, prefix) if prefix else n) for n, m in root.named_modules()}
+        self.calls: dict[str, str] = {}   # "pkg.mod.Class" -> "module fqn (ModuleClass)"
+
+    def __enter__(self):
+        from torch.autograd.function import Function
+
+        self._fn_cls = Function
+        self._orig = Function.__dict__["apply"]
+        original = self._orig.__func__
+        watch = self
+
+        def apply(cls, *args, **kwargs):
+            if not _is_torch_module(cls.__module__ or ""):
+                watch.calls.setdefault(f"{cls.__module__}.{cls.__qualname__}", watch._caller_module())
+            return original(cls, *args, **kwargs)
+
+        Function.apply = classmethod(apply)
+        return self
+
+    def __exit__(self, *exc):
+        self._fn_cls.apply = self._orig
+        return False
+
+    def _caller_module(self) -> str:
+        """The innermost module of the traced model on the Python stack ("<root>" for the root)."""
+        frame = inspect.currentframe()
+        while frame is not None:
+            code = frame.f_code
+            obj = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+            if isinstance(obj, nn.Module) and id(obj) in self.names:
+                return f"{self.names[id(obj)] or '<root>'} ({type(obj).__name__})"
+            frame = frame.f_back
+        return "<unknown module>"
+
+    def error(self, model: nn.Module) -> TraceError:
+        found = "; ".join(f"{fn} called in module {mod}" for fn, mod in self.calls.items())
+        return TraceError(f"{type(model).__name__} uses a custom torch.autograd.Function ({found}): tracing "
+                          f"inlines its forward and would train with the gradient of the traced ops instead of "
+                          f"its backward, diverging from eager. autopar cannot keep a custom backward: write "
+                          f"the op with differentiable torch ops (its backward then follows), or keep the "
+                          f"Function out of the model you hand to autopar")
+
+
+def _frozen_params(root: nn.Module, param_fqn: dict[str, str], buffers: set[str]) -> set[str]:
+    """Placeholders of parameters with requires_grad=False: stored like buffers, never trained
+    (no gradient, no optimizer state, no gradient traffic; the planner prices them as buffers)."""
+    params = dict(root.named_parameters(remove_duplicate=False))
+    return {n for n, fqn in param_fqn.items()
+            if n not in buffers and fqn in params and not params[fqn].requires_grad}
 
 
 def _strip(fqn: str, prefix: str) -> str:
@@ -179,15 +273,18 @@ def _via_export(root: nn.Module, inputs: tuple):
 
     ep = torch.export.export(root, inputs, strict=False)
     sig = ep.graph_signature
-    param_fqn, buffers, input_names = {}, set(), []
+    param_fqn, buffers, input_names, constants = {}, set(), [], {}
     for spec in sig.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
             param_fqn[name] = spec.target
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            # Lifted constants (tensor attributes that are not registered buffers) behave as buffers.
+            # Lifted constants (tensor attributes that are not registered buffers) behave as buffers;
+            # their values are the exported program's, not a module attribute of that name.
             param_fqn[name] = spec.target
             buffers.add(name)
+            if spec.kind == InputKind.CONSTANT_TENSOR:
+                constants[spec.target] = ep.constants[spec.target]
         elif spec.kind == InputKind.USER_INPUT:
             input_names.append(name)
         else:
@@ -203,7 +300,7 @@ def _via_export(root: nn.Module, inputs: tuple):
     if len(user_out) != 1 or not hasattr(user_out[0].arg, "name"):
         raise TraceError(f"the traced function returns {len(user_out)} outputs; it must return one "
                          f"scalar loss tensor: pass loss_fn=... to trace()/plan()")
-    return ep.graph_module, param_fqn, buffers, input_names, user_out[0].arg.name, "export"
+    return ep.graph_module, param_fqn, buffers, input_names, user_out[0].arg.name, "export", constants
 
 
 def _via_fx(root: nn.Module, inputs: tuple):
@@ -247,7 +344,7 @@ def _via_fx(root: nn.Module, inputs: tuple):
     if len(outs) != 1 or not isinstance(outs[0], Node):
         raise TraceError(f"the traced function returns {len(outs)} outputs; it must return one "
                          f"scalar loss tensor: pass loss_fn=... to trace()/plan()")
-    return gm, param_fqn, buffers, input_names, outs[0].name, "fx"
+    return gm, param_fqn, buffers, input_names, outs[0].name, "fx", {}
 
 
 def _check_scalar_loss(gm: GraphModule, output_name: str, loss_fn) -> None:

@@ -34,6 +34,10 @@ Device (``device``, e.g. ``cuda:3`` under NCCL): the graph was traced on the CPU
 ``device=`` arguments of factory ops (``arange``, ``full``, ``ones``) are rewritten to the
 rank's device; with ``None`` they are left as traced.
 
+Random ops (dropout, SDPA with dropout, bernoulli, ...; ``codegen/random_ops.py``) run through
+``runtime.rng.seeded`` with this rank's block coordinates on the axes their output is split over:
+replicas draw the same mask, split blocks and data-parallel rows independent ones.
+
 ZeRO-3 (``zero3_chunks``: parameter FQN -> chunk index): a chunk is gathered before the first op
 that reads one of its parameters, freed after the last one (unless the loss is computed inside
 that region), and values leaving the region are wrapped in ``zero3_exit`` so backward re-gathers it.
@@ -55,7 +59,9 @@ from autopar.reshard import plan_reshard
 from autopar.rules import spec_for, tensor_inputs
 from autopar.rules.localize import local_call
 from autopar.strategy import Strategy
+from codegen.random_ops import is_random, random_block
 from runtime import context as RC
+from runtime import rng as RNG
 from runtime import special as SP
 
 
@@ -281,6 +287,13 @@ class _Builder:
                 input_layouts.append(lay)
                 self.layout[n.name] = lay
 
+        # Random ops draw from a generator seeded per (position, op, block): the position is ticked
+        # once per program call, here before any op, so a recomputed region reuses it (runtime/rng.py).
+        self.op_index = op_index
+        self.rng_position = None
+        if any(n.op == "call_function" and is_random(n) for n in nodes):
+            self.rng_position = self.call(RNG.tick, (), name="rng_position")
+
         out_node = None
         for k, n in enumerate(nodes):
             if n.op == "output":
@@ -411,6 +424,11 @@ class _Builder:
                 out = self.call(fn, args, dict(kwargs, axes=axes), name=n.name)
             else:
                 out = self.call(call.target, args, kwargs, name=n.name)
+        elif is_random(n):
+            # Replicas of the output block draw the same mask, other blocks their own (runtime/rng.py).
+            block = random_block(self.norm(Layout.from_json(op["outputs"][0])), self.coords)
+            out = self.call(RNG.seeded, (call.target, self.rng_position, self.op_index[n.name], block, *args),
+                            kwargs, name=n.name)
         else:
             out = self.call(call.target, args, kwargs, name=n.name)
         if call.scale is not None and call.scale != 1:
