@@ -144,6 +144,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
         root = _LossWrapper(model, loss_fn, _num_model_args(model, len(example_inputs)))
         prefix = "model."
 
+    _check_arguments(model, example_inputs if loss_fn is None else
+                     example_inputs[:_num_model_args(model, len(example_inputs))])
     t0 = time.perf_counter()
     with _AutogradFunctionWatch(root, prefix) as custom:
         result = _run_front_ends(model, root, example_inputs, frontend, prefix)
@@ -169,20 +171,76 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
 
 
 def _run_front_ends(model, root, example_inputs, frontend: str, prefix: str):
-    """export, then the fx fallback (module doc); a TraceError when neither works."""
+    """export, then the fx fallback (module doc); a TraceError when neither works. A TraceError of
+    our own (e.g. forward returns two outputs) is the user's to fix, not the tracer's: it is raised
+    as it is, once, instead of being retried by the fallback and wrapped."""
     export_error = None
-    if frontend in ("auto", "export"):
+    with _quiet_torch_logs():
+        if frontend in ("auto", "export"):
+            try:
+                return _via_export(root, example_inputs)
+            except TraceError:
+                raise
+            except Exception as e:  # any export failure: try the fallback, keep the error for the message
+                export_error = e
+                if frontend == "export":
+                    raise _trace_error(model, root, [e], prefix) from e
         try:
-            return _via_export(root, example_inputs)
-        except Exception as e:  # any export failure: try the fallback, keep the error for the message
-            export_error = e
-            if frontend == "export":
-                raise _trace_error(model, root, [e], prefix) from e
+            return _via_fx(root, example_inputs)
+        except TraceError:
+            raise
+        except Exception as e:
+            errors = [err for err in (export_error, e) if err is not None]
+            raise _trace_error(model, root, errors, prefix) from e
+
+
+class _quiet_torch_logs:
+    """torch.export logs warnings and prints the partial graph to stderr (twice: once per front
+    end) when tracing fails on a data-dependent branch; autopar's TraceError already says where and
+    what to do. While tracing, torch's loggers are held at ERROR and stderr is captured: replayed
+    as it was when tracing succeeds (nothing is lost), dropped when a TraceError replaces it."""
+
+    def __enter__(self):
+        import io
+        import logging
+        import sys
+
+        self.saved = {}
+        for name in ("torch", "torch.fx", "torch._dynamo", "torch.export", "torch.fx.experimental.symbolic_shapes"):
+            log = logging.getLogger(name)
+            self.saved[name] = log.level
+            log.setLevel(logging.ERROR)
+        self.stderr, self.buffer = sys.stderr, io.StringIO()
+        sys.stderr = self.buffer
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        import logging
+        import sys
+
+        sys.stderr = self.stderr
+        if exc_type is None and self.buffer.getvalue():
+            self.stderr.write(self.buffer.getvalue())
+        for name, level in self.saved.items():
+            logging.getLogger(name).setLevel(level)
+        return False
+
+
+def _check_arguments(model: nn.Module, inputs: tuple) -> None:
+    """The example inputs must bind to model.forward's parameters: say which is missing or extra,
+    in the user's terms, before a tracer reports it from deep inside inspect.py."""
     try:
-        return _via_fx(root, example_inputs)
-    except Exception as e:
-        errors = [err for err in (export_error, e) if err is not None]
-        raise _trace_error(model, root, errors, prefix) from e
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*inputs)
+    except TypeError as e:
+        names = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        raise TraceError(f"the example inputs do not match {type(model).__name__}.forward({', '.join(names)}): "
+                         f"{e} (got {len(inputs)} input{'s' if len(inputs) != 1 else ''}). Pass one tensor per "
+                         f"argument of forward, in order; targets for a loss go to forward too, or use "
+                         f"loss_fn=...") from None
 
 
 def _is_torch_module(name: str) -> bool:
@@ -298,8 +356,7 @@ def _via_export(root: nn.Module, inputs: tuple):
                          f"{[s.target for s in others]}); autopar traces pure training forwards: "
                          f"replace BatchNorm by LayerNorm/GroupNorm or remove the in-place update")
     if len(user_out) != 1 or not hasattr(user_out[0].arg, "name"):
-        raise TraceError(f"the traced function returns {len(user_out)} outputs; it must return one "
-                         f"scalar loss tensor: pass loss_fn=... to trace()/plan()")
+        raise _outputs_error(root, len(user_out))
     return ep.graph_module, param_fqn, buffers, input_names, user_out[0].arg.name, "export", constants
 
 
@@ -342,9 +399,16 @@ def _via_fx(root: nn.Module, inputs: tuple):
     out = next(n for n in gm.graph.nodes if n.op == "output")
     outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     if len(outs) != 1 or not isinstance(outs[0], Node):
-        raise TraceError(f"the traced function returns {len(outs)} outputs; it must return one "
-                         f"scalar loss tensor: pass loss_fn=... to trace()/plan()")
+        raise _outputs_error(root, len(outs))
     return gm, param_fqn, buffers, input_names, outs[0].name, "fx", {}
+
+
+def _outputs_error(root: nn.Module, n: int) -> TraceError:
+    what = type(root.model).__name__ if isinstance(root, _LossWrapper) else type(root).__name__
+    where = "loss_fn" if isinstance(root, _LossWrapper) else f"{what}.forward"
+    return TraceError(f"{where} returns {n} outputs (e.g. (logits, loss)); autopar trains on a forward that "
+                      f"returns ONE scalar loss: return only the loss, or pass loss_fn=lambda out, *targets: ... "
+                      f"that maps the model's output to the loss")
 
 
 def _check_scalar_loss(gm: GraphModule, output_name: str, loss_fn) -> None:

@@ -209,7 +209,43 @@ def test_cluster_file_errors_name_the_field(tmp_path):
         autopar.Cluster.from_yaml(f)
 
 
-def test_untraceable_forward_names_module_and_line():
+class _TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        out = self.lin(x)
+        return out, ((out - y) ** 2).mean()
+
+
+class _Regression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return ((self.lin(x) - y) ** 2).mean()
+
+
+X, Y = torch.randn(2, 4), torch.randn(2, 4)
+TRACE_CASES = [
+    ("forward returns (logits, loss)", _TwoOutputs, (X, Y), "returns 2 outputs (e.g. (logits, loss))"),
+    ("one input for two arguments", _Regression, (X,), "missing a required argument: 'y' (got 1 input)"),
+    ("three inputs for two arguments", _Regression, (X, Y, Y), "too many positional arguments (got 3 inputs)"),
+]
+
+
+@pytest.mark.parametrize("what, cls, inputs, phrase", TRACE_CASES, ids=[c[0] for c in TRACE_CASES])
+def test_trace_mistakes_are_one_message(capfd, what, cls, inputs, phrase):
+    with pytest.raises(TraceError) as ei:
+        autopar.plan(cls(), inputs, CPU2)
+    msg = str(ei.value)
+    assert phrase in msg and msg.count(phrase) == 1, msg   # said once, not once per front end
+    assert "<unknown" not in msg and "inspect.py" not in msg, msg
+
+
+def test_untraceable_forward_names_module_and_line(capfd):
     class Branchy(nn.Module):
         def __init__(self):
             super().__init__()
@@ -220,5 +256,9 @@ def test_untraceable_forward_names_module_and_line():
                 return self.lin(x).sum()
             return self.lin(x).mean()
 
-    with pytest.raises(TraceError, match="torch.cond"):
+    capfd.readouterr()
+    with pytest.raises(TraceError, match="torch.cond") as ei:
         autopar.plan(Branchy(), (torch.randn(2, 4),), CPU2)
+    assert "Branchy" in str(ei.value) and "test_bad_inputs.py" in str(ei.value)
+    out, err = capfd.readouterr()
+    assert "def forward" not in err + out, err   # torch's partial-graph dump is held back
