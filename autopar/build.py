@@ -50,6 +50,14 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
             grp.forced = True
         elif s.checkpoint == "none":
             grp.forced = False
+        elif isinstance(s.checkpoint, tuple):
+            grp.forced = dict(s.checkpoint).get(grp.name)
+    if isinstance(s.checkpoint, tuple):
+        unknown = sorted(set(dict(s.checkpoint)) - {g.name for g in groups.values()})
+        if unknown:
+            from autopar.errors import ConstraintError
+            raise ConstraintError(f"constraint checkpoint names block groups {unknown} the model does not have "
+                                  f"(its repeated block groups: {sorted(g.name for g in groups.values())})")
     cgroups = [groups[g] for g in sorted(groups)]
     memory = []
     base_terms = static_terms + plain_saved

@@ -42,7 +42,9 @@ class Settings:
     num_micro_batches: int = 1
     budget: float = float("inf")
     overlap_grad_comm: bool = True
-    checkpoint: str | None = None   # None: the ILP decides per block group; "none" | "full": pinned
+    # None: the ILP decides per block group; "none" | "full": pinned for every group; a sorted tuple
+    # of (block group name, bool): those groups pinned, the others decided by the ILP.
+    checkpoint: str | tuple | None = None
 
 
 def _itemsize(dtype, precision: str) -> int:

@@ -37,6 +37,11 @@ rank's device; with ``None`` they are left as traced.
 ZeRO-3 (``zero3_chunks``: parameter FQN -> chunk index): a chunk is gathered before the first op
 that reads one of its parameters, freed after the last one (unless the loss is computed inside
 that region), and values leaving the region are wrapped in ``zero3_exit`` so backward re-gathers it.
+
+Activation checkpointing (the plan's ``stages[0].checkpoint``, block group -> bool): every node
+emitted while translating a node of a checkpointed block instance (its collectives and ZeRO-3
+calls included) is recorded under that instance; at the end ``codegen/checkpoint.py`` outlines
+each instance into one ``checkpoint_region`` call.
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ from autopar.reshard import plan_reshard
 from autopar.rules import spec_for, tensor_inputs
 from autopar.rules.localize import local_call
 from autopar.strategy import Strategy
+from codegen.checkpoint import checkpointed_groups, outline_regions
 from runtime import context as RC
 from runtime import special as SP
 
@@ -76,10 +82,13 @@ class RankProgram:
     loss_layout: Layout
     data_axes: tuple[int, ...]                   # data axes of size > 1
     zero3_chunks: dict[str, int] = field(default_factory=dict)
+    checkpoint_regions: list[str] = field(default_factory=list)   # block instances run as checkpoint regions
 
     @property
     def code(self) -> str:
-        return self.gm.code
+        """The program, then the body of each checkpoint region."""
+        from codegen.checkpoint import program_code
+        return program_code(self.gm)
 
 
 def normalize(layout: Layout, mesh_shape) -> Layout:
@@ -139,6 +148,8 @@ class _Builder:
         self.layout: dict[str, object] = {}      # node name -> Layout or list of Layouts (tuple outputs)
         self.data_axes = tuple(a for a in self.mesh.data_axes() if self.mesh_shape[a] > 1)
         self.attrs: dict[str, object] = {}      # get_attr targets of the new program (submodules, constants)
+        self.region: str | None = None           # checkpointed block instance being emitted (module FQN)
+        self.region_nodes: dict[str, list[fx.Node]] = {}
 
     def norm(self, lay: Layout) -> Layout:
         return normalize(lay, self.mesh_shape)
@@ -188,7 +199,10 @@ class _Builder:
 
     # ------------------------------------------------------------- emission helpers
     def call(self, fn, args, kwargs=None, name=None):
-        return self.g.create_node("call_function", fn, tuple(args), dict(kwargs or {}), name=name)
+        node = self.g.create_node("call_function", fn, tuple(args), dict(kwargs or {}), name=name)
+        if self.region is not None:
+            self.region_nodes.setdefault(self.region, []).append(node)
+        return node
 
     def reshard(self, x: fx.Node, src: Layout, dst: Layout, val, partial_grad_axes) -> fx.Node:
         """Steps from src to dst on this rank's block of ``val``, plus the gradient conjugates."""
@@ -281,6 +295,7 @@ class _Builder:
                 input_layouts.append(lay)
                 self.layout[n.name] = lay
 
+        ckpt = checkpointed_groups(traced, self.plan)
         out_node = None
         for k, n in enumerate(nodes):
             if n.op == "output":
@@ -291,6 +306,8 @@ class _Builder:
                 continue
             if n.op != "call_function":
                 continue
+            g, i, _ = traced.block_of.get(n.name, (None, None, None))
+            self.region = traced.blocks[g].module_fqns[i] if g in ckpt else None
             for c in starts.get(k, ()):
                 self.call(RC.zero3_gather, (c,))
             if n.target is operator.getitem:
@@ -309,6 +326,7 @@ class _Builder:
                 for m in crossing:
                     self.env[m.name] = self.call(RC.zero3_exit, (self.env[m.name], (c,)))
                 self.call(RC.zero3_free, (c,))
+        self.region = None
 
         # The loss: returned as this rank's local value (partial over loss_layout.partial).
         loss_lay = self.layout[traced.output_name]
@@ -317,12 +335,14 @@ class _Builder:
         for name, obj in self.attrs.items():
             setattr(root, name, obj)
         gm = fx.GraphModule(root, self.g, class_name=f"Rank{self.rank}Program")
+        regions = outline_regions(gm, self.region_nodes)
         return RankProgram(gm=gm, rank=self.rank, coords=self.coords, mesh_shape=self.mesh_shape,
                            param_names=param_names, param_fqn=dict(traced.param_fqn), buffers=set(traced.buffers),
                            param_layouts=param_layouts, param_slices=param_slices,
                            input_names=list(traced.input_names), input_layouts=input_layouts,
                            grad_partial_axes={f: tuple(a) for f, a in grad_partial.items()},
-                           loss_layout=loss_lay, data_axes=self.data_axes, zero3_chunks=self.zero3)
+                           loss_layout=loss_lay, data_axes=self.data_axes, zero3_chunks=self.zero3,
+                           checkpoint_regions=regions)
 
     def _emit_attr(self, n: fx.Node) -> None:
         """A get_attr of the traced graph: a submodule of a higher-order op (e.g. the body of
@@ -458,4 +478,4 @@ def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
     prog = generate(traced, plan, rank)
     header = (f"# rank {rank} of mesh {plan.mesh.describe()}, coords {prog.coords}\n"
               f"# loss layout: {prog.loss_layout.describe(plan.mesh.names)}\n")
-    return header + prog.gm.code
+    return header + prog.code
