@@ -28,6 +28,7 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
     # Activation terms: block nodes go to their checkpoint group, the rest are always saved.
     groups: dict[int, CheckpointGroup] = {}
     plain_saved = []
+    block_inputs = {g: _block_input_roots(c, g) for g in range(len(c.graph.blocks))}
     for n in reps:
         if c.nodes[n].kind != "op" or not P.saved[n].any():
             continue
@@ -38,7 +39,12 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
         grp = groups.setdefault(g, CheckpointGroup(name=c.graph.blocks[g].name))
         k = c.nodes[n].repeats
         grp.saved.append((index[n], P.saved[n]))
-        grp.recompute_memory.append((index[n], P.saved[n] / k))
+        # Recomputing one block saves what it saved in forward, except the block's inputs: the
+        # region keeps those anyway (they are its ``kept`` bytes), so the same storages are saved
+        # again, not new ones (runtime/checkpoint.py; tests/test_checkpointing.py measures it).
+        again = P.saved[n] - sum((arr for root, arr in P.saved_by_root.get(n, {}).items()
+                                  if root in block_inputs[g]), np.zeros_like(P.saved[n]))
+        grp.recompute_memory.append((index[n], again / k))
         grp.recompute_time.append((index[n], P.fwd_compute[n]))
     for g, grp in groups.items():
         # What a checkpointed block keeps: its input, the residual stream — priced as the output of
@@ -78,6 +84,23 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
     keep = [np.flatnonzero(P.valid[n]) if n in P.valid and P.valid[n].size else np.arange(len(costs[i]))
             for i, n in enumerate(reps)]
     return restrict(problem, keep)
+
+
+def _block_input_roots(c: Candidates, g: int) -> set[str]:
+    """Storage roots of the activations the first instance of block group ``g`` reads from
+    outside itself (parameters and buffers excluded): what a checkpoint region keeps."""
+    from autopar.rules import tensor_inputs
+
+    inst = c.graph.blocks[g].instances[0]
+    inside = set(inst)
+    nodes = {n.name: n for n in c.graph.gm.graph.nodes}
+    roots = set()
+    for name in inst:
+        for p in tensor_inputs(nodes[name]):
+            if p.name in inside or p.name in c.graph.param_fqn:
+                continue
+            roots.add(c.storage_root.get(p.name, p.name))
+    return roots
 
 
 def restrict(problem: Problem, keep: list[np.ndarray]) -> Problem:

@@ -69,6 +69,9 @@ class Priced:
     comm_bytes: dict[str, list[np.ndarray]]  # per node: per mesh axis bytes per strategy (all repeats)
     edge_bytes: dict[tuple[str, str], list[np.ndarray]]
     valid: dict[str, np.ndarray] = field(default_factory=dict)   # strategies whose layouts divide a micro-batch
+    # node -> {storage root: its share of ``saved``} for the tensors the op saves that are nodes'
+    # outputs (inputs or outputs of the op; internal buffers such as masks are not listed)
+    saved_by_root: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
 
 def _fraction(layout: Layout | None, mesh: Mesh) -> float:
@@ -186,13 +189,15 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                     axis_bytes[a][j] += nb * k
             saved_roots = _saved_roots(c, info, s.precision, charged_roots)
             for j, st in enumerate(info.strategies):
-                saved[j] = sum(fn(st) for fn in saved_roots) / nm * k
+                saved[j] = sum(fn(st) for _, fn in saved_roots) / nm * k
                 outs = val if isinstance(val, (tuple, list)) else (val,)
                 tb = 0.0
                 for o, lay in zip(outs, st.outputs):
                     if isinstance(o, torch.Tensor):
                         tb += o.numel() * _itemsize(o.dtype, s.precision) * _fraction(lay, mesh)
                 transient[j] = tb / nm
+            P.saved_by_root[name] = {root: np.array([fn(st) / nm * k for st in info.strategies])
+                                     for root, fn in saved_roots if root is not None}
         P.compute[name], P.fwd_compute[name], P.comm[name] = compute, fwd, comm_t + grad_t
         P.grad_comm[name], P.optimizer[name], P.saved[name] = grad_t, opt_t, saved
         P.transient[name], P.comm_bytes[name] = transient, axis_bytes
@@ -262,7 +267,8 @@ def _region_cost(c: Candidates, info: NodeInfo, st: Strategy, precision: str, nm
 
 
 def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str]):
-    """Functions strategy -> bytes for each tensor this op saves, each storage counted once."""
+    """(storage root or None, function strategy -> bytes) for each tensor this op saves, each
+    storage counted once (root None: a buffer of the op's own, e.g. a dropout mask)."""
     mesh = c.mesh
     fns = []
     ins = tensor_inputs(info.node)
@@ -300,11 +306,11 @@ def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str
                 lay = (st.inputs[idx] if idx < len(st.inputs) else None) if kind == "input" else \
                     (st.outputs[idx] if idx < len(st.outputs) else None)
                 return nbytes * _fraction(lay, mesh)
-            fns.append(fn)
+            fns.append((root, fn))
         else:
             size = math.prod(info.spec.sizes[ch] for ch in sv.letters) if sv.letters else 1
             nbytes = size * (sv.itemsize if sv.itemsize != 4 or precision != "bf16" else sv.itemsize)
-            fns.append(lambda st, nbytes=nbytes, letters=sv.letters: nbytes * _letter_fraction(letters, st, mesh))
+            fns.append((None, lambda st, nbytes=nbytes, letters=sv.letters: nbytes * _letter_fraction(letters, st, mesh)))
     return fns
 
 
