@@ -153,6 +153,8 @@ def run(plan, name, steps=STEPS, measure=True, **kw):
 CASES = {
     "gpt2-dp2-none": ("gpt2", 2, {"dp": 2, "tp": 1, "zero": 0, "checkpoint": "none"}, None, {"blocks": False}),
     "gpt2-dp2-full": ("gpt2", 2, {"dp": 2, "tp": 1, "zero": 0, "checkpoint": "full"}, None, {"blocks": True}),
+    "gpt2-dp2xtp2-none": ("gpt2", 4, {"dp": 2, "tp": 2, "zero": 0, "checkpoint": "none"}, "megatron",
+                          {"blocks": False}),
     "gpt2-dp2-zero3-full": ("gpt2", 2, {"dp": 2, "tp": 1, "zero": 3, "checkpoint": "full"}, None,
                             {"blocks": True}),
     "gpt2-dp2xtp2-full": ("gpt2", 4, {"dp": 2, "tp": 2, "zero": 0, "checkpoint": "full"}, "megatron",
@@ -160,6 +162,8 @@ CASES = {
     "two-dp2-mixed": ("two_stacks", 2, {"dp": 2, "tp": 1, "zero": 0,
                                         "checkpoint": {"lower": True, "upper": False}}, None,
                       {"lower": True, "upper": False}),
+    "two-dp2-full": ("two_stacks", 2, {"dp": 2, "tp": 1, "zero": 0, "checkpoint": "full"}, None,
+                     {"lower": True, "upper": True}),
     "two-dp2xtp2-mixed": ("two_stacks", 4, {"dp": 2, "tp": 2, "zero": 1,
                                             "checkpoint": {"lower": False, "upper": True}}, "megatron",
                           {"lower": False, "upper": True}),
@@ -219,3 +223,101 @@ def test_saved_activation_bytes_match_plan(key):
         m = out["measured"]
         assert m["total"] == pytest.approx(predicted, rel=0.02), (key, r, m, predicted)
         assert (m["kept"] > 0) == any(plan.data["stages"][0]["checkpoint"].values())
+
+
+@pytest.mark.slow
+def test_dropout_masks_are_recomputed_identically():
+    """dropout 0.1, ZeRO-3 on 2 processes: with every block checkpointed, losses and parameters
+    after 3 steps equal those without checkpointing (same seed), and dropout really acts (the
+    losses differ from the dropout-free run)."""
+    runs = {}
+    for ck in ("none", "full"):
+        plan = make_plan("gpt2", 2, {"dp": 2, "tp": 1, "zero": 3, "checkpoint": ck}, dropout=0.1)
+        runs[ck] = run(plan, "gpt2", measure=False, dropout=0.1)
+    assert runs["full"][0]["stats"] == (2 * STEPS, 2 * STEPS) and runs["none"][0]["stats"] == (0, 0)
+    for r0, r1 in zip(runs["none"], runs["full"]):
+        torch.testing.assert_close(torch.tensor(r1["losses"]), torch.tensor(r0["losses"]), rtol=1e-6, atol=0)
+    for k, v in runs["none"][0]["sd"].items():
+        torch.testing.assert_close(torch.from_numpy(runs["full"][0]["sd"][k]), torch.from_numpy(v), rtol=1e-5,
+                                   atol=1e-7, msg=lambda m: f"{k}: {m}")
+    no_dropout, _ = reference("gpt2")
+    assert all(abs(a - b) > 1e-4 for a, b in zip(runs["none"][0]["losses"], no_dropout))
+
+
+# ------------------------------------------------------------------ one process, no launcher
+
+def _program(name, checkpoint, **kw):
+    """A 1-device plan's program (no collectives: it runs without a process group)."""
+    from autopar.trace import trace
+    from codegen import generate
+
+    model, batch = FACTORIES[name](**kw)
+    plan = make_plan(name, 1, {"checkpoint": checkpoint}, **kw)
+    return generate(trace(model, batch), plan, 0), model, batch
+
+
+def _grads(prog, model, batch, seed=0):
+    params = [dict(model.named_parameters(remove_duplicate=False))[prog.param_fqn[n]].detach().clone()
+              .requires_grad_() for n in prog.param_names]
+    torch.manual_seed(seed)
+    loss = prog.gm(*params, *batch)
+    loss.backward()
+    return loss.detach(), [p.grad for p in params]
+
+
+def test_single_process_recompute_gives_identical_gradients_with_dropout():
+    """Gradients of a fully checkpointed program equal the plain program's, with dropout 0.3
+    (the recomputation redraws the forward's masks), and the bodies really ran twice."""
+    full, model, batch = _program("two_stacks", "full", dropout=0.3)
+    plain, _, _ = _program("two_stacks", "none", dropout=0.3)
+    assert full.checkpoint_regions == ["lower.0", "lower.1", "upper.0", "upper.1"]
+    assert plain.checkpoint_regions == []
+    RCK.STATS.reset()
+    l1, g1 = _grads(full, model, batch)
+    assert (RCK.STATS.forward, RCK.STATS.recompute) == (4, 4)
+    l0, g0 = _grads(plain, model, batch)
+    assert torch.equal(l1, l0)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    l2, g2 = _grads(plain, model, batch, seed=1)   # dropout really draws: another seed, another loss
+    assert not torch.equal(l2, l0)
+
+
+def test_regions_outline_collectives_and_zero3_calls():
+    """A dp x Megatron-tp ZeRO-3 program: each block instance is one checkpoint_region call whose
+    body holds the block's tensor-parallel collectives and its chunk's gather/exit/free; the
+    printed program shows the bodies."""
+    from autopar.trace import trace
+    from codegen import generate
+
+    model, batch = FACTORIES["gpt2"]()
+    plan = make_plan("gpt2", 4, {"dp": 2, "tp": 2, "zero": 3, "checkpoint": "full"}, policy="megatron")
+    traced = trace(model, batch)
+    chunks = {fqn: (0 if fqn.startswith("blocks.0.") else 1 if fqn.startswith("blocks.1.") else 2)
+              for fqn in traced.param_fqn.values()}
+    prog = generate(traced, plan, 0, zero3_chunks=chunks)
+    assert prog.checkpoint_regions == ["blocks.0", "blocks.1"]
+    top = prog.gm.code
+    assert top.count("checkpoint_region(") == 2 and "zero3_gather(0)" not in top
+    for i in (0, 1):
+        body = getattr(prog.gm, f"ckpt_blocks_{i}").code
+        assert f"zero3_gather({i})" in body and f"zero3_free({i})" in body and "zero3_exit(" in body
+        assert "all_reduce(" in body or "copy(" in body      # Megatron's f / g inside the region
+        assert "layer_norm" in body and "aten.linear" in body
+    assert "# checkpoint region body self.ckpt_blocks_1" in prog.code
+
+
+def test_unknown_block_groups_are_clear_errors():
+    from autopar.errors import ConstraintError, ExecutionError
+    from autopar.trace import trace
+    from codegen import generate
+
+    with pytest.raises(ConstraintError, match="block groups \\['middle'\\]"):
+        make_plan("two_stacks", 1, {"checkpoint": {"middle": True}})
+    with pytest.raises(ConstraintError, match="must be 'none', 'full' or a dict"):
+        make_plan("two_stacks", 1, {"checkpoint": "selective"})
+    model, batch = FACTORIES["gpt2"]()
+    plan = make_plan("gpt2", 1, {"checkpoint": "full"})
+    plan.data["stages"][0]["checkpoint"] = {"layers": True}
+    with pytest.raises(ExecutionError, match="checkpoints block groups \\['layers'\\]"):
+        generate(trace(model, batch), plan, 0)
