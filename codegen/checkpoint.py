@@ -41,7 +41,7 @@ def attr_name(region: str) -> str:
     return "ckpt_" + "".join(ch if ch.isalnum() else "_" for ch in region)
 
 
-def _span(graph: fx.Graph, nodes: list[fx.Node], region: str) -> list[fx.Node]:
+def _span(graph: fx.Graph, nodes: list[fx.Node], region: str, owner: dict) -> list[fx.Node]:
     """Every node from the first to the last of ``nodes``. Nodes of no region that codegen put in
     between come along (recomputed too); get_attr nodes move before the span (an input)."""
     first, last = nodes[0], nodes[-1]
@@ -56,6 +56,10 @@ def _span(graph: fx.Graph, nodes: list[fx.Node], region: str) -> list[fx.Node]:
     for n in [m for m in span if m.op == "get_attr"]:
         first.prepend(n)
         span.remove(n)
+    other = sorted({owner[m] for m in span if owner.get(m, region) != region})
+    if other:
+        raise ExecutionError(f"checkpoint region {region}: its nodes interleave with those of {other} in the "
+                             f"traced graph; checkpointing interleaved block instances is not supported")
     bad = [m.name for m in span if m.op not in ("call_function", "call_method", "call_module")]
     if bad:
         raise ExecutionError(f"checkpoint region {region}: cannot outline {bad[:3]} (placeholders/output inside)")
@@ -65,11 +69,12 @@ def _span(graph: fx.Graph, nodes: list[fx.Node], region: str) -> list[fx.Node]:
 def outline_regions(gm: fx.GraphModule, regions: dict[str, list[fx.Node]]) -> list[str]:
     """Outline every region (module doc); returns the region names in program order."""
     graph = gm.graph
+    owner = {n: region for region, nodes in regions.items() for n in nodes}
     done = []
     for region, nodes in regions.items():
         if not nodes:
             continue
-        span = _span(graph, nodes, region)
+        span = _span(graph, nodes, region, owner)
         inside = set(span)
         inputs: list[fx.Node] = []
         for n in span:

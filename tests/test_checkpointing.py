@@ -351,3 +351,34 @@ def test_unknown_block_groups_are_clear_errors():
     plan.data["stages"][0]["checkpoint"] = {"layers": True}
     with pytest.raises(ExecutionError, match="checkpoints block groups \\['layers'\\]"):
         generate(trace(model, batch), plan, 0)
+
+
+def test_interleaved_regions_are_a_clear_error():
+    """Outlining needs each instance's nodes contiguous; interleaved instances are refused."""
+    from autopar.errors import ExecutionError
+    from codegen.checkpoint import outline_regions
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a1 = g.call_function(torch.relu, (x,))
+    b1 = g.call_function(torch.tanh, (x,))
+    a2 = g.call_function(torch.sin, (a1,))
+    b2 = g.call_function(torch.cos, (b1,))
+    g.output(g.call_function(torch.add, (a2, b2)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    with pytest.raises(ExecutionError, match="interleave"):
+        outline_regions(gm, {"blocks.0": [a1, a2], "blocks.1": [b1, b2]})
+    # contiguous instances outline into two calls that compute the same thing
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a1 = g.call_function(torch.relu, (x,))
+    a2 = g.call_function(torch.sin, (a1,))
+    b1 = g.call_function(torch.tanh, (a2,))
+    b2 = g.call_function(torch.cos, (b1,))
+    g.output(g.call_function(torch.add, (a2, b2)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    t = torch.randn(5)
+    want = gm(t)
+    assert outline_regions(gm, {"blocks.0": [a1, a2], "blocks.1": [b1, b2]}) == ["blocks.0", "blocks.1"]
+    assert gm.code.count("checkpoint_region(") == 2
+    torch.testing.assert_close(gm(t), want)
