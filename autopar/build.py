@@ -45,7 +45,9 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
         again = P.saved[n] - sum((arr for root, arr in P.saved_by_root.get(n, {}).items()
                                   if root in block_inputs[g]), np.zeros_like(P.saved[n]))
         grp.recompute_memory.append((index[n], again / k))
-        grp.recompute_time.append((index[n], P.fwd_compute[n]))
+        # forward compute plus the node's in-op forward collectives; the reshard edges the block
+        # reruns depend on two nodes' choices and are added by predict.py for the chosen plan only
+        grp.recompute_time.append((index[n], P.fwd_compute[n] + P.fwd_comm.get(n, 0.0)))
     for g, grp in groups.items():
         # What a checkpointed block keeps: its input, the residual stream — priced as the output of
         # the group's last node, one per repeat.
