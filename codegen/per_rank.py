@@ -60,7 +60,7 @@ from autopar.reshard import plan_reshard
 from autopar.rules import spec_for, tensor_inputs
 from autopar.rules.localize import local_call
 from autopar.strategy import Strategy
-from codegen.checkpoint import checkpointed_groups, outline_regions
+from codegen.checkpoint import checkpointed_groups, outline_regions, program_code
 from runtime import context as RC
 from runtime import special as SP
 
@@ -87,7 +87,6 @@ class RankProgram:
     @property
     def code(self) -> str:
         """The program, then the body of each checkpoint region."""
-        from codegen.checkpoint import program_code
         return program_code(self.gm)
 
 
