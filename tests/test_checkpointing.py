@@ -402,3 +402,16 @@ def test_interleaved_regions_are_a_clear_error():
     assert outline_regions(gm, {"blocks.0": [a1, a2], "blocks.1": [b1, b2]}) == ["blocks.0", "blocks.1"]
     assert gm.code.count("checkpoint_region(") == 2
     torch.testing.assert_close(gm(t), want)
+
+
+def test_planner_chooses_a_mixed_plan_under_a_budget():
+    """Unpinned, the ILP checkpoints one group of two when that is what the budget needs: the
+    budget is the peak of the plan pinned to checkpoint only ``lower``."""
+    base = {"dp": 2, "tp": 1, "zero": 0}
+    pinned = make_plan("two_stacks", 2, {**base, "checkpoint": {"lower": True, "upper": False}})
+    model, batch = two_stacks()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), precision="fp32",
+                        memory_budget=pinned.peak_memory, constraints={"num_micro_batches": 1, **base})
+    assert plan.data["stages"][0]["checkpoint"] == {"lower": True, "upper": False}
+    assert plan.degrees["checkpoint"] == "mixed"
+    assert plan.memory_breakdown["activations"] == pinned.memory_breakdown["activations"]
