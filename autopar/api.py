@@ -30,7 +30,8 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     Beyond api.md: ``traced`` reuses a TracedGraph (autopar.trace.trace) instead of tracing again;
     ``policy="megatron"`` restricts every linear to Megatron's column/row splits (to price a
     hand-written Megatron-LM configuration in the same cost model); ``verbose`` logs every
-    configuration the search solves."""
+    configuration the search solves. ``constraints["checkpoint"]`` is "none", "full" or a dict
+    block group name (``TracedGraph.blocks``, e.g. "blocks") -> bool pinning some groups only."""
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(cluster, Cluster):

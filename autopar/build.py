@@ -28,6 +28,7 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
     # Activation terms: block nodes go to their checkpoint group, the rest are always saved.
     groups: dict[int, CheckpointGroup] = {}
     plain_saved = []
+    block_inputs = {g: _block_input_roots(c, g) for g in range(len(c.graph.blocks))}
     for n in reps:
         if c.nodes[n].kind != "op" or not P.saved[n].any():
             continue
@@ -38,8 +39,15 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
         grp = groups.setdefault(g, CheckpointGroup(name=c.graph.blocks[g].name))
         k = c.nodes[n].repeats
         grp.saved.append((index[n], P.saved[n]))
-        grp.recompute_memory.append((index[n], P.saved[n] / k))
-        grp.recompute_time.append((index[n], P.fwd_compute[n]))
+        # Recomputing one block saves what it saved in forward, except the block's inputs: the
+        # region keeps those anyway (they are its ``kept`` bytes), so the same storages are saved
+        # again, not new ones (runtime/checkpoint.py; tests/test_checkpointing.py measures it).
+        again = P.saved[n] - sum((arr for root, arr in P.saved_by_root.get(n, {}).items()
+                                  if root in block_inputs[g]), np.zeros_like(P.saved[n]))
+        grp.recompute_memory.append((index[n], again / k))
+        # forward compute plus the node's in-op forward collectives; the reshard edges the block
+        # reruns depend on two nodes' choices and are added by predict.py for the chosen plan only
+        grp.recompute_time.append((index[n], P.fwd_compute[n] + P.fwd_comm.get(n, 0.0)))
     for g, grp in groups.items():
         # What a checkpointed block keeps: its input, the residual stream — priced as the output of
         # the group's last node, one per repeat.
@@ -50,6 +58,14 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
             grp.forced = True
         elif s.checkpoint == "none":
             grp.forced = False
+        elif isinstance(s.checkpoint, tuple):
+            grp.forced = dict(s.checkpoint).get(grp.name)
+    if isinstance(s.checkpoint, tuple):
+        unknown = sorted(set(dict(s.checkpoint)) - {g.name for g in groups.values()})
+        if unknown:
+            from autopar.errors import ConstraintError
+            raise ConstraintError(f"constraint checkpoint names block groups {unknown} the model does not have "
+                                  f"(its repeated block groups: {sorted(g.name for g in groups.values())})")
     cgroups = [groups[g] for g in sorted(groups)]
     memory = []
     base_terms = static_terms + plain_saved
@@ -70,6 +86,23 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
     keep = [np.flatnonzero(P.valid[n]) if n in P.valid and P.valid[n].size else np.arange(len(costs[i]))
             for i, n in enumerate(reps)]
     return restrict(problem, keep)
+
+
+def _block_input_roots(c: Candidates, g: int) -> set[str]:
+    """Storage roots of the activations the first instance of block group ``g`` reads from
+    outside itself (parameters and buffers excluded): what a checkpoint region keeps."""
+    from autopar.rules import tensor_inputs
+
+    inst = c.graph.blocks[g].instances[0]
+    inside = set(inst)
+    nodes = {n.name: n for n in c.graph.gm.graph.nodes}
+    roots = set()
+    for name in inst:
+        for p in tensor_inputs(nodes[name]):
+            if p.name in inside or p.name in c.graph.param_fqn:
+                continue
+            roots.add(c.storage_root.get(p.name, p.name))
+    return roots
 
 
 def restrict(problem: Problem, keep: list[np.ndarray]) -> Problem:

@@ -10,7 +10,8 @@ Set-up (every rank, collectively):
 3. every rank traces the model itself and checks the plan's fingerprint; with several
    micro-batches it re-traces one micro-batch (global batch // num_micro_batches) and checks that
    the op sequence is the same (the plan's ops are keyed by node name);
-4. mesh process groups (runtime/context.py), the per-rank program (codegen/per_rank.py), the
+4. mesh process groups (runtime/context.py), the per-rank program (codegen/per_rank.py; the block
+   instances the plan checkpoints run as activation-checkpoint regions, runtime/checkpoint.py), the
    full parameters broadcast from rank 0 and sliced to this rank's blocks, and a
    ``ShardedOptimizer`` over the data axes with the plan's ZeRO stage.
 

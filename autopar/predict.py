@@ -45,6 +45,14 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
     for i, g in enumerate(problem.checkpoint_groups):
         if sol.checkpoint[i]:
             recompute += sum(float(arr[sol.choice[n]]) for n, arr in g.recompute_time)
+    # Recomputing a checkpointed block reruns its forward collectives: the in-op ones (in
+    # recompute_time above) and the reshard steps of the edges into its nodes (codegen emits
+    # those with the consumer, inside the consumer's checkpoint region).
+    ckpt_groups = {gi for gi, blk in enumerate(c.graph.blocks) if ckpt.get(blk.name)}
+    recomputed = {n for n, gi in c.block_of_rep.items() if gi in ckpt_groups and c.nodes[n].repeats >= 2}
+    for (u, v), m in P.edge_fwd.items():
+        if v in recomputed and u in pick and v in pick:
+            recompute += float(m[pick[u], pick[v]])
     backward = compute - fwd
     exposed_grad = max(0.0, grad_comm - backward) if s.overlap_grad_comm else grad_comm
     step = compute + op_comm + reshard + exposed_grad + optimizer + recompute
@@ -70,6 +78,14 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
                 comm_bytes[mesh.names[a]] += float(arr[pick[n]])
     for (u, v), per_axis in P.edge_bytes.items():
         if u in pick and v in pick:
+            for a, arr in enumerate(per_axis):
+                comm_bytes[mesh.names[a]] += float(arr[pick[u], pick[v]])
+    for n in recomputed:   # the forward collectives recomputation runs again (see above)
+        if n in pick:
+            for a, arr in enumerate(P.fwd_comm_bytes.get(n, [])):
+                comm_bytes[mesh.names[a]] += float(arr[pick[n]])
+    for (u, v), per_axis in P.edge_fwd_bytes.items():
+        if v in recomputed and u in pick and v in pick:
             for a, arr in enumerate(per_axis):
                 comm_bytes[mesh.names[a]] += float(arr[pick[u], pick[v]])
 

@@ -42,7 +42,9 @@ class Settings:
     num_micro_batches: int = 1
     budget: float = float("inf")
     overlap_grad_comm: bool = True
-    checkpoint: str | None = None   # None: the ILP decides per block group; "none" | "full": pinned
+    # None: the ILP decides per block group; "none" | "full": pinned for every group; a sorted tuple
+    # of (block group name, bool): those groups pinned, the others decided by the ILP.
+    checkpoint: str | tuple | None = None
 
 
 def _itemsize(dtype, precision: str) -> int:
@@ -67,6 +69,16 @@ class Priced:
     comm_bytes: dict[str, list[np.ndarray]]  # per node: per mesh axis bytes per strategy (all repeats)
     edge_bytes: dict[tuple[str, str], list[np.ndarray]]
     valid: dict[str, np.ndarray] = field(default_factory=dict)   # strategies whose layouts divide a micro-batch
+    # node -> {storage root: its share of ``saved``} for the tensors the op saves that are nodes'
+    # outputs (inputs or outputs of the op; internal buffers such as masks are not listed)
+    saved_by_root: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    # Forward halves, what recomputing a checkpointed block runs again: the node's in-op
+    # collectives (seconds and bytes per mesh axis, all repeats) and each edge's reshard steps
+    # (codegen emits an edge's steps with its consumer, so they belong to the consumer's block).
+    fwd_comm: dict[str, np.ndarray] = field(default_factory=dict)
+    fwd_comm_bytes: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    edge_fwd: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
+    edge_fwd_bytes: dict[tuple[str, str], list[np.ndarray]] = field(default_factory=dict)
 
 
 def _fraction(layout: Layout | None, mesh: Mesh) -> float:
@@ -99,8 +111,8 @@ def price_edges(c: Candidates, cluster: Cluster, s: Settings, P: Priced) -> None
     key = (s.num_micro_batches, s.precision)
     if key not in c.edge_cache:   # edges depend on micro-batching and precision only, not on ZeRO
         _price_edges(c, cluster, s, Collectives(cluster, c.mesh), P)
-        c.edge_cache[key] = (P.edges, P.edge_bytes)
-    P.edges, P.edge_bytes = c.edge_cache[key]
+        c.edge_cache[key] = (P.edges, P.edge_bytes, P.edge_fwd, P.edge_fwd_bytes)
+    P.edges, P.edge_bytes, P.edge_fwd, P.edge_fwd_bytes = c.edge_cache[key]
 
 
 def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
@@ -126,6 +138,8 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
         saved = np.zeros(S)
         transient = np.zeros(S)
         axis_bytes = [np.zeros(S) for _ in mesh.shape]
+        fwd_comm = np.zeros(S)
+        fwd_bytes = [np.zeros(S) for _ in mesh.shape]
         static = {"params": np.zeros(S), "grads": np.zeros(S), "optimizer": np.zeros(S)}
         val = node_val(info.node)
         if info.kind == "param":
@@ -178,22 +192,27 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                     # forward collective and its backward conjugate move the same bytes
                     comm_t[j] += 2 * nm * comm(kind, nb, a) * k
                     axis_bytes[a][j] += 2 * nbytes * k
+                    fwd_comm[j] += nm * comm(kind, nb, a) * k
+                    fwd_bytes[a][j] += nbytes * k
                 t, per_axis = _region_cost(c, info, st, s.precision, nm, comm)
                 comm_t[j] += t * k
                 for a, nb in per_axis.items():
                     axis_bytes[a][j] += nb * k
             saved_roots = _saved_roots(c, info, s.precision, charged_roots)
             for j, st in enumerate(info.strategies):
-                saved[j] = sum(fn(st) for fn in saved_roots) / nm * k
+                saved[j] = sum(fn(st) for _, fn in saved_roots) / nm * k
                 outs = val if isinstance(val, (tuple, list)) else (val,)
                 tb = 0.0
                 for o, lay in zip(outs, st.outputs):
                     if isinstance(o, torch.Tensor):
                         tb += o.numel() * _itemsize(o.dtype, s.precision) * _fraction(lay, mesh)
                 transient[j] = tb / nm
+            P.saved_by_root[name] = {root: np.array([fn(st) / nm * k for st in info.strategies])
+                                     for root, fn in saved_roots if root is not None}
         P.compute[name], P.fwd_compute[name], P.comm[name] = compute, fwd, comm_t + grad_t
         P.grad_comm[name], P.optimizer[name], P.saved[name] = grad_t, opt_t, saved
         P.transient[name], P.comm_bytes[name] = transient, axis_bytes
+        P.fwd_comm[name], P.fwd_comm_bytes[name] = fwd_comm, fwd_bytes
         P.valid[name] = np.array([_divides_micro_batch(c, info, st, nm) for st in info.strategies], dtype=bool)
         if info.kind == "param":
             P.static[name] = static
@@ -260,7 +279,8 @@ def _region_cost(c: Candidates, info: NodeInfo, st: Strategy, precision: str, nm
 
 
 def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str]):
-    """Functions strategy -> bytes for each tensor this op saves, each storage counted once."""
+    """(storage root or None, function strategy -> bytes) for each tensor this op saves, each
+    storage counted once (root None: a buffer of the op's own, e.g. a dropout mask)."""
     mesh = c.mesh
     fns = []
     ins = tensor_inputs(info.node)
@@ -298,11 +318,11 @@ def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str
                 lay = (st.inputs[idx] if idx < len(st.inputs) else None) if kind == "input" else \
                     (st.outputs[idx] if idx < len(st.outputs) else None)
                 return nbytes * _fraction(lay, mesh)
-            fns.append(fn)
+            fns.append((root, fn))
         else:
             size = math.prod(info.spec.sizes[ch] for ch in sv.letters) if sv.letters else 1
             nbytes = size * (sv.itemsize if sv.itemsize != 4 or precision != "bf16" else sv.itemsize)
-            fns.append(lambda st, nbytes=nbytes, letters=sv.letters: nbytes * _letter_fraction(letters, st, mesh))
+            fns.append((None, lambda st, nbytes=nbytes, letters=sv.letters: nbytes * _letter_fraction(letters, st, mesh)))
     return fns
 
 
@@ -348,6 +368,8 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
         S, T = len(prod.strategies), len(info.strategies)
         mat = np.zeros((S, T))
         bytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
+        fmat = np.zeros((S, T))
+        fbytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
         srcs = [_source_layout(prod, info.node, ps) for ps in prod.strategies]
         for b_i, cs in enumerate(info.strategies):
             dst = cs.inputs[i] if i < len(cs.inputs) and cs.inputs[i] is not None else Layout.replicated(len(shape))
@@ -357,10 +379,12 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
                 ck = (src, dst, shape, itemsize, bdim)
                 if ck not in cache:
                     cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm)
-                t, per_axis = cache[ck]
+                t, per_axis, tf, per_axis_f = cache[ck]
                 mat[a_i, b_i] = t
+                fmat[a_i, b_i] = tf
                 for a in range(len(mesh.shape)):
                     bytes_axes[a][a_i, b_i] = per_axis[a]
+                    fbytes_axes[a][a_i, b_i] = per_axis_f[a]
         if not mat.any():
             continue
         n = counts[k]
@@ -368,28 +392,37 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
         if key in P.edges:
             P.edges[key] = P.edges[key] + n * mat
             P.edge_bytes[key] = [x + n * y for x, y in zip(P.edge_bytes[key], bytes_axes)]
+            P.edge_fwd[key] = P.edge_fwd[key] + n * fmat
+            P.edge_fwd_bytes[key] = [x + n * y for x, y in zip(P.edge_fwd_bytes[key], fbytes_axes)]
         else:
             P.edges[key] = n * mat
             P.edge_bytes[key] = [n * y for y in bytes_axes]
+            P.edge_fwd[key] = n * fmat
+            P.edge_fwd_bytes[key] = [n * y for y in fbytes_axes]
 
 
 def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm):
     """(seconds, bytes per mesh axis) of resharding one tensor, forward and backward, over all
-    ``nm`` micro-batches; a batch-carrying tensor (batch dim ``bdim``) is 1/nm of its size each time."""
+    ``nm`` micro-batches, then the same for the forward steps alone; a batch-carrying tensor
+    (batch dim ``bdim``) is 1/nm of its size each time."""
     local_shape = tuple(shape)
     if bdim is not None and shape[bdim] % nm == 0:
         local_shape = tuple(x // nm if d == bdim else x for d, x in enumerate(shape))
     per_axis = [0.0] * len(mesh.shape)
+    fwd_axis = [0.0] * len(mesh.shape)
     try:
         rp = plan_reshard(src, dst, local_shape, itemsize, mesh.shape, comm)
     except ValueError:
         # A layout that does not divide one micro-batch: the strategy is unusable with this many
         # micro-batches. Forbid it through a prohibitive cost rather than a constraint.
-        return FORBIDDEN, per_axis
-    t = 0.0
+        return FORBIDDEN, per_axis, 0.0, fwd_axis
+    t = tf = 0.0
     for tr in step_traffic(rp.steps, src, local_shape, itemsize, mesh.shape):
         for kind in (tr.forward, tr.backward):
             if kind:
                 t += comm(kind, tr.nbytes, tr.axis) * nm
                 per_axis[tr.axis] += tr.nbytes * nm
-    return t, per_axis
+        if tr.forward:
+            tf += comm(tr.forward, tr.nbytes, tr.axis) * nm
+            fwd_axis[tr.axis] += tr.nbytes * nm
+    return t, per_axis, tf, fwd_axis

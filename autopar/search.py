@@ -75,9 +75,11 @@ def check_constraints(constraints: dict | None) -> dict:
         raise ConstraintError("constraint pp_schedule cannot be met: pipeline parallelism is not implemented yet")
     if "zero" in constraints and constraints["zero"] not in (0, 1, 2, 3):
         raise ConstraintError(f"constraint zero={constraints['zero']!r}: must be 0, 1, 2 or 3")
-    if "checkpoint" in constraints and constraints["checkpoint"] not in ("none", "full"):
-        raise ConstraintError(f"constraint checkpoint={constraints['checkpoint']!r}: must be 'none' or 'full' "
-                              f"(selective recompute is not implemented yet)")
+    ck = constraints.get("checkpoint")
+    if "checkpoint" in constraints and not (ck in ("none", "full") or (
+            isinstance(ck, dict) and ck and all(isinstance(k, str) and isinstance(v, bool) for k, v in ck.items()))):
+        raise ConstraintError(f"constraint checkpoint={ck!r}: must be 'none', 'full' or a dict block group name -> "
+                              f"bool (e.g. {{'blocks': True}}); selective recompute is not implemented yet")
     for k in ("dp", "tp", "micro_batch_size", "num_micro_batches"):
         if k in constraints and (isinstance(constraints[k], bool) or not isinstance(constraints[k], int)
                                  or constraints[k] < 1):
@@ -87,6 +89,11 @@ def check_constraints(constraints: dict | None) -> dict:
                               f"optimizer state, gradients and parameters over the data-parallel ranks, and dp=1 "
                               f"leaves one. Drop the zero pin, or let dp be larger than 1")
     return constraints
+
+
+def _checkpoint_setting(ck):
+    """Settings.checkpoint: "none" | "full" | None, or per block group a sorted tuple of (name, bool)."""
+    return tuple(sorted(ck.items())) if isinstance(ck, dict) else ck
 
 
 def global_batch(graph: TracedGraph) -> int:
@@ -133,7 +140,7 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
                 yield Config(mesh, Settings(optimizer=base.optimizer, precision=base.precision, zero=z,
                                             num_micro_batches=nm, budget=base.budget,
                                             overlap_grad_comm=base.overlap_grad_comm,
-                                            checkpoint=constraints.get("checkpoint")))
+                                            checkpoint=_checkpoint_setting(constraints.get("checkpoint"))))
 
 
 def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict | None = None,

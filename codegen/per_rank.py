@@ -41,6 +41,11 @@ replicas draw the same mask, split blocks and data-parallel rows independent one
 ZeRO-3 (``zero3_chunks``: parameter FQN -> chunk index): a chunk is gathered before the first op
 that reads one of its parameters, freed after the last one (unless the loss is computed inside
 that region), and values leaving the region are wrapped in ``zero3_exit`` so backward re-gathers it.
+
+Activation checkpointing (the plan's ``stages[0].checkpoint``, block group -> bool): every node
+emitted while translating a node of a checkpointed block instance (its collectives and ZeRO-3
+calls included) is recorded under that instance; at the end ``codegen/checkpoint.py`` outlines
+each instance into one ``checkpoint_region`` call.
 """
 from __future__ import annotations
 
@@ -59,6 +64,7 @@ from autopar.reshard import plan_reshard
 from autopar.rules import spec_for, tensor_inputs
 from autopar.rules.localize import local_call
 from autopar.strategy import Strategy
+from codegen.checkpoint import checkpointed_groups, outline_regions, program_code
 from codegen.random_ops import is_random, random_block
 from runtime import context as RC
 from runtime import rng as RNG
@@ -82,10 +88,12 @@ class RankProgram:
     loss_layout: Layout
     data_axes: tuple[int, ...]                   # data axes of size > 1
     zero3_chunks: dict[str, int] = field(default_factory=dict)
+    checkpoint_regions: list[str] = field(default_factory=list)   # block instances run as checkpoint regions
 
     @property
     def code(self) -> str:
-        return self.gm.code
+        """The program, then the body of each checkpoint region."""
+        return program_code(self.gm)
 
 
 def normalize(layout: Layout, mesh_shape) -> Layout:
@@ -145,6 +153,8 @@ class _Builder:
         self.layout: dict[str, object] = {}      # node name -> Layout or list of Layouts (tuple outputs)
         self.data_axes = tuple(a for a in self.mesh.data_axes() if self.mesh_shape[a] > 1)
         self.attrs: dict[str, object] = {}      # get_attr targets of the new program (submodules, constants)
+        self.region: str | None = None           # checkpointed block instance being emitted (module FQN)
+        self.region_nodes: dict[str, list[fx.Node]] = {}
 
     def norm(self, lay: Layout) -> Layout:
         return normalize(lay, self.mesh_shape)
@@ -194,7 +204,10 @@ class _Builder:
 
     # ------------------------------------------------------------- emission helpers
     def call(self, fn, args, kwargs=None, name=None):
-        return self.g.create_node("call_function", fn, tuple(args), dict(kwargs or {}), name=name)
+        node = self.g.create_node("call_function", fn, tuple(args), dict(kwargs or {}), name=name)
+        if self.region is not None:
+            self.region_nodes.setdefault(self.region, []).append(node)
+        return node
 
     def reshard(self, x: fx.Node, src: Layout, dst: Layout, val, partial_grad_axes) -> fx.Node:
         """Steps from src to dst on this rank's block of ``val``, plus the gradient conjugates."""
@@ -294,6 +307,7 @@ class _Builder:
         if any(n.op == "call_function" and is_random(n) for n in nodes):
             self.rng_position = self.call(RNG.tick, (), name="rng_position")
 
+        ckpt = checkpointed_groups(traced, self.plan)
         out_node = None
         for k, n in enumerate(nodes):
             if n.op == "output":
@@ -304,6 +318,8 @@ class _Builder:
                 continue
             if n.op != "call_function":
                 continue
+            g, i, _ = traced.block_of.get(n.name, (None, None, None))
+            self.region = traced.blocks[g].module_fqns[i] if g in ckpt else None
             for c in starts.get(k, ()):
                 self.call(RC.zero3_gather, (c,))
             if n.target is operator.getitem:
@@ -322,6 +338,7 @@ class _Builder:
                 for m in crossing:
                     self.env[m.name] = self.call(RC.zero3_exit, (self.env[m.name], (c,)))
                 self.call(RC.zero3_free, (c,))
+        self.region = None
 
         # The loss: returned as this rank's local value (partial over loss_layout.partial).
         loss_lay = self.layout[traced.output_name]
@@ -330,12 +347,14 @@ class _Builder:
         for name, obj in self.attrs.items():
             setattr(root, name, obj)
         gm = fx.GraphModule(root, self.g, class_name=f"Rank{self.rank}Program")
+        regions = outline_regions(gm, self.region_nodes)
         return RankProgram(gm=gm, rank=self.rank, coords=self.coords, mesh_shape=self.mesh_shape,
                            param_names=param_names, param_fqn=dict(traced.param_fqn), buffers=set(traced.buffers),
                            param_layouts=param_layouts, param_slices=param_slices,
                            input_names=list(traced.input_names), input_layouts=input_layouts,
                            grad_partial_axes={f: tuple(a) for f, a in grad_partial.items()},
-                           loss_layout=loss_lay, data_axes=self.data_axes, zero3_chunks=self.zero3)
+                           loss_layout=loss_lay, data_axes=self.data_axes, zero3_chunks=self.zero3,
+                           checkpoint_regions=regions)
 
     def _emit_attr(self, n: fx.Node) -> None:
         """A get_attr of the traced graph: a submodule of a higher-order op (e.g. the body of
@@ -476,4 +495,4 @@ def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
     prog = generate(traced, plan, rank)
     header = (f"# rank {rank} of mesh {plan.mesh.describe()}, coords {prog.coords}\n"
               f"# loss layout: {prog.loss_layout.describe(plan.mesh.names)}\n")
-    return header + prog.gm.code
+    return header + prog.code

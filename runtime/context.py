@@ -11,7 +11,9 @@ axis name (see runtime/collectives.py for the autograd conjugates).
 ZeRO-3 hooks (``zero3_gather`` / ``zero3_free`` / ``zero3_exit``) call into the sharded
 optimizer registered with ``set_zero3``: the generated graph gathers a chunk of parameters
 before its first use, frees it after its last forward use, and re-gathers it when backward
-reaches the values that leave the chunk's region.
+reaches the values that leave the chunk's region. Inside an activation-checkpoint region the
+gather and free run again in recomputation, except that the free is skipped there
+(runtime/checkpoint.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import collectives as C
+from runtime.checkpoint import recomputing
 
 
 @dataclass
@@ -147,7 +150,9 @@ def zero3_free(chunk: int) -> None:
     """Drop the chunk's full parameters after their last forward use (only when autograd will
     re-gather them: under no_grad nothing needs them again either)."""
     opt = current().zero3
-    if opt is not None:
+    # In a checkpoint region's recomputation (runtime/checkpoint.py) backward is about to use the
+    # parameters: keep them; the optimizer frees the chunk once its gradients are complete.
+    if opt is not None and not recomputing():
         opt._free(opt.chunks[chunk])
 
 

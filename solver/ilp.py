@@ -16,11 +16,14 @@ Variables and constraint families (each added by the function named):
   ``z >= x[n,s] - c`` and ``sum_s z[n,s] <= 1 - c`` (the per-node sum of ``z <= 1 - c``, valid
   because of the one-hot). z exists only for nodes in the group's term lists and only for
   strategies where it changes a coefficient. Group activation bytes
-  ``= sum_saved z*a + sum_{kept, recompute_memory} (x - z)*b``; extra time
-  ``= sum_recompute_time (x - z)*t``.
-- **Memory (liveness sets)** -- ``_add_memory``: ``const + sum terms + group bytes <= budget``
-  per MemoryConstraint with a finite budget; each row is divided by its largest magnitude so
-  the solver's feasibility tolerance is relative. A row with no variables is checked directly.
+  ``= sum_saved z*a + sum_kept (x - z)*b``; recompute working set
+  ``rec_g = sum_recompute_memory (x - z)*r``; extra time ``= sum_recompute_time (x - z)*t``.
+- **Memory (liveness sets)** -- ``_add_memory``: ``const + sum terms + group bytes + R <= budget``
+  per MemoryConstraint with a finite budget, where continuous ``R >= rec_g`` for each group the
+  constraint lists (``_recompute_rows``): backward recomputes one block at a time, so only the
+  largest recompute working set is alive, not their sum. Each row is divided by its largest
+  magnitude so the solver's feasibility tolerance is relative. A row with no variables is
+  checked directly.
 - **Objective** -- ``_set_objective``: node costs + edge costs + recompute time. Each node's
   cheapest cost is moved into a constant offset and the rest is scaled so the largest
   coefficient is ``_OBJ_TARGET``; costs from 1e-6 s to 100 s then sit well above solver
@@ -131,8 +134,16 @@ def validate(problem: Problem) -> None:
 # ----------------------------------------------------------------------------- evaluation
 
 def _group_bytes(group, choice, checkpointed: bool) -> float:
-    parts = (group.kept, group.recompute_memory) if checkpointed else (group.saved,)
-    return float(sum(float(arr[choice[n]]) for terms in parts for n, arr in terms))
+    """Bytes the group holds through backward (kept when checkpointed, else saved)."""
+    terms = group.kept if checkpointed else group.saved
+    return float(sum(float(arr[choice[n]]) for n, arr in terms))
+
+
+def _recompute_bytes(group, choice, checkpointed: bool) -> float:
+    """Bytes one block of the group saves again while backward recomputes it."""
+    if not checkpointed:
+        return 0.0
+    return float(sum(float(arr[choice[n]]) for n, arr in group.recompute_memory))
 
 
 def evaluate(problem: Problem, choice, checkpoint) -> tuple[float, dict[str, float]]:
@@ -156,6 +167,9 @@ def evaluate(problem: Problem, choice, checkpoint) -> tuple[float, dict[str, flo
         total = m.const + sum(float(arr[choice[n]]) for n, arr in m.terms)
         total += sum(_group_bytes(problem.checkpoint_groups[gi], choice, bool(checkpoint[gi]))
                      for gi in m.groups)
+        # one block is recomputed at a time: the largest working set, not the sum
+        total += max([_recompute_bytes(problem.checkpoint_groups[gi], choice, bool(checkpoint[gi]))
+                      for gi in m.groups] + [0.0])
         mem[m.name] = float(total)
     return float(obj), mem
 
@@ -183,6 +197,8 @@ class _GroupParts:
     """A checkpoint group's bytes and time as x-coefficients plus z terms."""
     mem_x: dict[int, np.ndarray]
     mem_z: list[tuple[pulp.LpVariable, float]]
+    rec_x: dict[int, np.ndarray]                     # recompute working set: x-coefficients
+    rec_z: list[tuple[pulp.LpVariable, float]]       # ... and z terms
     time_x: dict[int, np.ndarray]
     time_z: list[tuple[pulp.LpVariable, float]]
 
@@ -257,29 +273,31 @@ def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tu
     cs, parts = [], []
     for gi, g in enumerate(problem.checkpoint_groups):
         saved = _sum_terms(g.saved, sizes)
-        ckpt = _sum_terms(list(g.kept) + list(g.recompute_memory), sizes)
+        ckpt = _sum_terms(g.kept, sizes)
+        rmem = _sum_terms(g.recompute_memory, sizes)
         rtime = _sum_terms(g.recompute_time, sizes)
-        nodes = sorted(set(saved) | set(ckpt) | set(rtime))
+        nodes = sorted(set(saved) | set(ckpt) | set(rmem) | set(rtime))
         zero = {n: np.zeros(sizes[n]) for n in nodes}
         a = {n: saved.get(n, zero[n]) for n in nodes}
         b = {n: ckpt.get(n, zero[n]) for n in nodes}
+        r = {n: rmem.get(n, zero[n]) for n in nodes}
         t = {n: rtime.get(n, zero[n]) for n in nodes}
         if g.forced is not None:
             # A pinned decision needs no c or z: the bytes and time are linear in x alone.
             cs.append(bool(g.forced))
             if g.forced:
-                parts.append(_GroupParts(mem_x=b, mem_z=[], time_x=t, time_z=[]))
+                parts.append(_GroupParts(mem_x=b, mem_z=[], rec_x=r, rec_z=[], time_x=t, time_z=[]))
             else:
-                parts.append(_GroupParts(mem_x=a, mem_z=[], time_x={}, time_z=[]))
+                parts.append(_GroupParts(mem_x=a, mem_z=[], rec_x={}, rec_z=[], time_x={}, time_z=[]))
             continue
         c = _var(lp, f"c_{gi}", cat=pulp.LpBinary)
         cs.append(c)
-        mem_z, time_z = [], []
+        mem_z, rec_z, time_z = [], [], []
         for n in nodes:
             zs = []
             for s in range(sizes[n]):
-                dm, dt = a[n][s] - b[n][s], -t[n][s]
-                if dm == 0.0 and dt == 0.0:
+                dm, dr, dt = a[n][s] - b[n][s], -r[n][s], -t[n][s]
+                if dm == 0.0 and dr == 0.0 and dt == 0.0:
                     continue  # z would not change any coefficient
                 z = _var(lp, f"z_{gi}_{n}_{s}", 0.0, 1.0)
                 zs.append(z)
@@ -290,18 +308,52 @@ def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tu
                     pulp.LpConstraintGE, rhs=0.0), f"zlo_{gi}_{n}_{s}")
                 if dm != 0.0:
                     mem_z.append((z, dm))
+                if dr != 0.0:
+                    rec_z.append((z, dr))
                 if dt != 0.0:
                     time_z.append((z, dt))
             if zs:
                 lp.addConstraint(pulp.LpConstraint(
                     pulp.LpAffineExpression([(z, 1.0) for z in zs] + [(c, 1.0)]),
                     pulp.LpConstraintLE, rhs=1.0), f"zc_{gi}_{n}")
-        parts.append(_GroupParts(mem_x=b, mem_z=mem_z, time_x=t, time_z=time_z))
+        parts.append(_GroupParts(mem_x=b, mem_z=mem_z, rec_x=r, rec_z=rec_z, time_x=t, time_z=time_z))
     return cs, parts
 
 
-def _memory_row(problem: Problem, mi: int, sizes, x, parts: list[_GroupParts]):
-    """(list of (var, bytes), const bytes) of memory constraint ``mi``'s total."""
+def _merge_z(zterms) -> list[tuple[pulp.LpVariable, float]]:
+    zsum: dict[str, list] = {}
+    for z, w in zterms:  # a group listed twice in one constraint counts twice
+        if z.name in zsum:
+            zsum[z.name][1] += w
+        else:
+            zsum[z.name] = [z, w]
+    return [(z, w) for z, w in zsum.values() if w != 0.0]
+
+
+def _recompute_rows(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, parts) -> list:
+    """``R_mi >= rec_g`` for every group of memory constraint ``mi`` that can recompute; returns
+    the (R, 1.0) term to add to the constraint's row (none when no group can)."""
+    rows = []
+    for gi in sorted(set(problem.memory[mi].groups)):
+        p = parts[gi]
+        terms = [(x[n][s], float(w)) for n in sorted(p.rec_x) for s, w in enumerate(p.rec_x[n]) if w != 0.0]
+        terms += _merge_z(p.rec_z)
+        if terms:
+            rows.append(terms)
+    if not rows:
+        return []
+    rvar = _var(lp, f"rec_{mi}", 0.0)
+    for k, terms in enumerate(rows):
+        norm = max(abs(w) for _, w in terms)
+        lp.addConstraint(pulp.LpConstraint(
+            pulp.LpAffineExpression([(v, w / norm) for v, w in terms] + [(rvar, -1.0 / norm)]),
+            pulp.LpConstraintLE, rhs=0.0), f"rec_{mi}_{k}")
+    return [(rvar, 1.0)]
+
+
+def _memory_row(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, parts: list[_GroupParts]):
+    """(list of (var, bytes), const bytes) of memory constraint ``mi``'s total (adds its
+    recompute rows to ``lp``)."""
     m = problem.memory[mi]
     coef = _sum_terms(m.terms, sizes)
     zterms: list[tuple[pulp.LpVariable, float]] = []
@@ -310,13 +362,8 @@ def _memory_row(problem: Problem, mi: int, sizes, x, parts: list[_GroupParts]):
             coef[n] = coef.get(n, np.zeros(sizes[n])) + arr
         zterms.extend(parts[gi].mem_z)
     terms = [(x[n][s], float(w)) for n in sorted(coef) for s, w in enumerate(coef[n]) if w != 0.0]
-    zsum: dict[str, list] = {}
-    for z, w in zterms:  # a group listed twice in one constraint counts twice
-        if z.name in zsum:
-            zsum[z.name][1] += w
-        else:
-            zsum[z.name] = [z, w]
-    terms.extend((z, w) for z, w in zsum.values() if w != 0.0)
+    terms.extend(_merge_z(zterms))
+    terms.extend(_recompute_rows(lp, problem, mi, sizes, x, parts))
     return terms, float(m.const)
 
 
@@ -325,7 +372,7 @@ def _add_memory(lp: pulp.LpProblem, problem: Problem, sizes, x, parts) -> bool:
     for mi, m in enumerate(problem.memory):
         if not math.isfinite(m.budget) and m.budget > 0:
             continue
-        terms, const = _memory_row(problem, mi, sizes, x, parts)
+        terms, const = _memory_row(lp, problem, mi, sizes, x, parts)
         rhs = m.budget - const
         if not terms:
             if rhs < -_MEM_RTOL * max(1.0, abs(m.budget)):
@@ -363,7 +410,7 @@ def _set_objective(lp: pulp.LpProblem, x, node_obj, edge_terms, parts) -> tuple[
 
 
 def _add_peak_rows(lp: pulp.LpProblem, problem: Problem, sizes, x, parts) -> None:
-    rows = [_memory_row(problem, mi, sizes, x, parts) for mi in range(len(problem.memory))]
+    rows = [_memory_row(lp, problem, mi, sizes, x, parts) for mi in range(len(problem.memory))]
     # One common scale: every row shares the variable P.
     norm = max([abs(c) for _, c in rows] + [abs(w) for t, _ in rows for _, w in t] + [1.0])
     peak = _var(lp, "peak")

@@ -33,7 +33,8 @@ class MemoryConstraint:
 
     total = const + sum over (node, bytes_per_strategy) in terms of the chosen strategy's bytes
             + for each checkpoint group listed in ``groups``: its activation bytes under the
-              chosen checkpoint decision (see CheckpointGroup).
+              chosen checkpoint decision (saved, or kept when checkpointed; see CheckpointGroup)
+            + the largest recompute_memory among the listed groups that are checkpointed.
     The constraint is total <= budget.
     """
     name: str
@@ -49,7 +50,9 @@ class CheckpointGroup:
 
     saved:    bytes the group's blocks keep for backward when NOT checkpointed (all repeats).
     kept:     bytes kept when checkpointed (the block inputs, all repeats).
-    recompute_memory: bytes one block rematerialises during its backward when checkpointed.
+    recompute_memory: bytes one block rematerialises during its backward when checkpointed
+              (blocks are recomputed one at a time: a memory constraint counts the largest
+              recompute_memory of its checkpointed groups, not their sum).
     recompute_time:   seconds of extra forward when checkpointed (all repeats).
     Each is a list of (node, per-strategy array) terms, linear in the node's strategy choice.
     """
