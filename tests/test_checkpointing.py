@@ -280,11 +280,17 @@ def _program(name, checkpoint, **kw):
 
 
 def _grads(prog, model, batch, seed=0):
-    from autopar.compiled import _resolve
+    from runtime import rng
 
-    params = [_resolve(model, prog.param_fqn[n]).detach().clone().requires_grad_(n not in prog.buffers)
+    def value(fqn):
+        obj = model
+        for part in fqn.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    params = [value(prog.param_fqn[n]).detach().clone().requires_grad_(n not in prog.buffers)
               for n in prog.param_names]
-    torch.manual_seed(seed)
+    rng.set_seed(seed)   # the random ops' base seed and position (runtime/rng.py): each call draws alike
     loss = prog.gm(*params, *batch)
     loss.backward()
     return loss.detach(), [p.grad for p in params if p.requires_grad]
