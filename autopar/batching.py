@@ -6,7 +6,9 @@ the input carries no batch and is replicated whole on every rank and every micro
 Rules, in order (``override`` — ``autopar.plan(batch_dims=...)`` — wins over all of them):
 
 1. every tensor input with at least one dim has the same size B at dim 0: dim 0 everywhere (the
-   PyTorch convention, and what plans made before this field existed assumed);
+   PyTorch convention, and what plans made before this field existed assumed), with a warning
+   when an input also has size B elsewhere while another input is 1-D (labels: B next to a
+   sequence-first x: T x B x D with T == B);
 2. else the batch size B is the one size every such input has in some dim: its dim of size B
    (the first one, with a warning when an input has several); a sequence-first model fed
    ``x: T x B x D`` and ``labels: B`` gets (1, 0);
@@ -57,6 +59,14 @@ def infer_batch_dims(shapes: Sequence[Sequence[int]], override=None) -> list[int
     if not batched:
         raise PlanError("the example inputs have no batch dimension (no tensor input with at least one dim)")
     if len({s[0] for s in batched}) == 1:
+        b = batched[0][0]
+        doubtful = [i for i, s in enumerate(shapes) if len(s) > 1 and b in s[1:]]
+        if doubtful and any(len(s) == 1 for s in batched):
+            # e.g. x: T x B x D with T == B and labels: B — dim 0 may well be the sequence
+            warnings.warn(f"autopar: inputs {doubtful} of shapes {[shapes[i] for i in doubtful]} have the batch "
+                          f"size {b} in dim 0 and in another dim; using dim 0 as the batch dim (pass "
+                          f"batch_dims=... to autopar.plan / autopar.compile if the batch is elsewhere, e.g. "
+                          f"sequence-first inputs)", stacklevel=3)
         return [0 if len(s) else None for s in shapes]
     common = set(batched[0])
     for s in batched[1:]:

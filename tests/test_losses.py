@@ -75,11 +75,15 @@ def _splits_last_dim_on_tp(plan):
 
 
 @pytest.mark.slow
-def test_vocab_parallel_cross_entropy_masked_labels():
-    """tp=2: the head's logits split on the vocabulary, cross-entropy by the vocab-parallel algorithm."""
+@pytest.mark.parametrize("nm", [1, 2])
+def test_vocab_parallel_cross_entropy_masked_labels(nm):
+    """tp=2: the head's logits split on the vocabulary, cross-entropy by the vocab-parallel
+    algorithm (which leaves the loss complete over tp); with 2 micro-batches holding 3 and 15
+    valid targets it runs as a local sum over the global count."""
     factory = functools.partial(E.tiny_lm, "mlm")
     model, batch = factory()
-    base = _plan(factory, dp=1, tp=2, num_micro_batches=1)
+    base = _plan(factory, dp=1, tp=2, num_micro_batches=nm)
+    assert base.degrees["num_micro_batches"] == nm
     last_linear = [n.name for n in __import__("autopar.trace", fromlist=["trace"]).trace(model, batch).gm.graph.nodes
                    if n.target is aten.linear.default][-1]
     plan = E.force(base, model, batch, [
@@ -109,3 +113,16 @@ def test_targets_split_over_a_model_axis_padded():
     assert ce["inputs"][1]["dims"][0] == [tp], ce
     res = E.check(factory, plan)
     assert res[0][2].get("tp", 0) > 0, res[0][2]
+
+
+@pytest.mark.slow
+def test_bert_masked_lm_data_parallel():
+    """The zoo's BERT (masked-LM labels): its dp=2 halves hold 9 and 14 valid targets."""
+    from autopar.models import ZOO
+
+    factory = ZOO["bert"]
+    _, (_, labels) = factory()
+    assert E.valid_counts(labels, 2) == [9, 14]
+    plan = _plan(factory, dp=2, tp=1, num_micro_batches=1)
+    assert plan.degrees["dp"] == 2
+    E.check(factory, plan)

@@ -190,3 +190,26 @@ def test_batch_independent_loss_term_counts_once_with_micro_batches():
     plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=1), optimizer="sgd",
                         precision="fp32", constraints={"num_micro_batches": 2})
     E.check(regularized, plan)
+
+
+def seq_first_square():
+    """Sequence length == batch size: dim 0 and dim 1 of x both have the batch's size."""
+    torch.manual_seed(0)
+    model = SeqFirst()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(BATCH, BATCH, DIM, generator=g) * torch.linspace(0.2, 3.0, BATCH).view(1, BATCH, 1)
+    return model, (x, torch.randint(0, CLASSES, (BATCH,), generator=g))
+
+
+@pytest.mark.slow
+def test_ambiguous_batch_dim_warns_and_the_override_is_used():
+    model, batch = seq_first_square()
+    cpu1 = autopar.Cluster.preset("cpu", devices=1)
+    with pytest.warns(UserWarning, match="batch_dims"):
+        plan = autopar.plan(model, batch, cpu1, optimizer="sgd", precision="fp32",
+                            constraints={"num_micro_batches": 2})
+    assert plan.data["batch_dims"] == [0, 0]
+    plan = autopar.plan(model, batch, cpu1, optimizer="sgd", precision="fp32", batch_dims=(1, 0),
+                        constraints={"num_micro_batches": 2})
+    assert plan.data["batch_dims"] == [1, 0]
+    E.check(seq_first_square, plan)
