@@ -567,4 +567,9 @@ def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
     prog = generate(traced, plan, rank, batch_carrying=carrying)
     header = (f"# rank {rank} of mesh {plan.mesh.describe()}, coords {prog.coords}\n"
               f"# loss layout: {prog.loss_layout.describe(plan.mesh.names)}\n")
-    return header + prog.gm.code
+    code = header + prog.gm.code
+    if prog.count_gm is not None:   # what step runs first: this rank's share of the mean losses' denominators
+        axes = ", ".join(f"{n} over {[plan.mesh.names[a] for a in ax]}" for n, ax in prog.mean_losses)
+        code += f"\n# global denominators of mean losses (summed over micro-batches, all-reduced: {axes}):\n" \
+            + prog.count_gm.code
+    return code

@@ -50,8 +50,12 @@ def denominator(name: str) -> torch.Tensor:
 
 
 def divide(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``x`` (a local sum of a mean loss) divided by the loss's global denominator."""
-    return x / denominator(name).to(x.dtype)
+    """``x`` (a local sum of a mean loss) divided by the loss's global denominator, in fp32 at
+    least: a bf16 count is exact only up to 256."""
+    d = denominator(name)
+    if x.dtype in (torch.float32, torch.float64):
+        return x / d.to(x.dtype)
+    return (x.float() / d.float()).to(x.dtype)
 
 
 __all__ = ["local_count", "set_denominators", "denominator", "divide"]
