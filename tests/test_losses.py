@@ -126,3 +126,29 @@ def test_bert_masked_lm_data_parallel():
     plan = _plan(factory, dp=2, tp=1, num_micro_batches=1)
     assert plan.degrees["dp"] == 2
     E.check(factory, plan)
+
+
+class SelfLabelled(torch.nn.Module):
+    """Targets computed from a trainable parameter (pseudo-labels): the global count of valid
+    targets cannot be known before the step runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.teacher = torch.nn.Linear(8, 3)
+        self.student = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        labels = self.teacher(x).argmax(-1).masked_fill(x[:, 0] > 0, -100)
+        return torch.nn.functional.cross_entropy(self.student(x), labels)
+
+
+def test_targets_computed_from_parameters_are_a_clear_error():
+    from autopar.errors import ExecutionError
+    from autopar.trace import trace
+    from codegen import generate
+
+    torch.manual_seed(0)
+    model, batch = SelfLabelled(), (torch.randn(8, 8),)
+    plan = autopar.plan(model, batch, CPU2, precision="fp32", constraints={"dp": 2, "num_micro_batches": 1})
+    with pytest.raises(ExecutionError, match=r"teacher\.weight.*reduction='sum'"):
+        generate(trace(model, batch), plan, 0)
