@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from autopar.batching import graph_batch_dims, infer_batch_dims, input_shapes
 from autopar.build import chosen
 from autopar.pricing import Settings
 from autopar.cluster import Cluster
@@ -24,14 +25,17 @@ from solver import release_threads
 def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=None, optimizer: str = "adamw",
          precision: str = "bf16", memory_budget: float | None = None, constraints: dict | None = None,
          time_limit: float | None = None, overlap_grad_comm: bool = True, verbose: bool = False,
-         traced=None, policy: str | None = None) -> Plan:
+         traced=None, policy: str | None = None, batch_dims=None) -> Plan:
     """Find the fastest configuration of ``model`` on ``cluster`` that fits in memory.
 
     Beyond api.md: ``traced`` reuses a TracedGraph (autopar.trace.trace) instead of tracing again;
     ``policy="megatron"`` restricts every linear to Megatron's column/row splits (to price a
     hand-written Megatron-LM configuration in the same cost model); ``verbose`` logs every
     configuration the search solves. ``constraints["checkpoint"]`` is "none", "full" or a dict
-    block group name (``TracedGraph.blocks``, e.g. "blocks") -> bool pinning some groups only."""
+    block group name (``TracedGraph.blocks``, e.g. "blocks") -> bool pinning some groups only;
+    ``batch_dims`` names each input's batch dim (an int or None
+    per input, or one int for all; default: inferred, autopar/batching.py) — the dim the data
+    axes split and micro-batching cuts, recorded in the plan."""
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(cluster, Cluster):
@@ -52,6 +56,7 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     t0 = time.perf_counter()
     graph = traced if traced is not None else trace(model, example_inputs, loss_fn=loss_fn)
     t_trace = time.perf_counter() - t0
+    graph.batch_dims = infer_batch_dims(input_shapes(graph), batch_dims)
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
     base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm)
     log = print if verbose else None
@@ -137,6 +142,7 @@ def plan_data(result: Result, cluster: Cluster, graph, optimizer, precision, bud
         "ops": ops,
         "params": params,
         "inputs": graph.input_names,
+        "batch_dims": graph_batch_dims(graph),
         "predictions": {k: v for k, v in pred.items() if k != "checkpoint"},
         "solver": {"status": sol.status, "gap": sol.gap, "configs": stats["configs"], "pruned": stats["pruned"],
                    "ilp_nodes": result.problem.num_nodes, "ilp_strategy_vars": result.problem.num_strategy_vars()},

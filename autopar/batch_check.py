@@ -27,22 +27,37 @@ def describe(x) -> str:
     return type(x).__name__
 
 
-def check_inputs(batch: tuple, example: list[tuple[tuple, torch.dtype]], global_rows: int, local_rows: int) -> None:
-    """``example``: (shape, dtype) of each example input. Dim 0 may be ``global_rows`` (the
-    global batch) or ``local_rows`` (this rank's ``batch_rows()``)."""
+def check_inputs(batch: tuple, example: list[tuple[tuple, torch.dtype]], global_rows: int, local_rows: int,
+                 batch_dims=None) -> None:
+    """``example``: (shape, dtype) of each example input. Along its batch dim (``batch_dims``, one
+    per input: an int, or None for an input that carries no batch; default dim 0) an input may hold
+    ``global_rows`` (the global batch) or ``local_rows`` (this rank's ``batch_rows()``)."""
     if len(batch) != len(example):
         raise ExecutionError(f"step() got {len(batch)} inputs ({', '.join(map(describe, batch)) or 'none'}) but the "
                              f"plan was made for {len(example)} ({', '.join(f'{d} {tuple(s)}' for s, d in example)}): "
                              + _REPLAN)
-    for i, (x, (shape, dtype)) in enumerate(zip(batch, example)):
+    dims = list(batch_dims) if batch_dims is not None else [0] * len(example)
+    for i, (x, (shape, dtype), bd) in enumerate(zip(batch, example, dims)):
         if not isinstance(x, torch.Tensor):
             raise ExecutionError(f"step() takes tensors; input {i} is a {type(x).__name__}")
-        rows_ok = x.dim() == len(shape) and x.dim() > 0 and x.shape[0] in (global_rows, local_rows)
-        if x.dtype != dtype or not rows_ok or tuple(x.shape[1:]) != tuple(shape[1:]):
-            rows = f"{global_rows} rows (the global batch)" + (
+        ok = x.dtype == dtype and x.dim() == len(shape)
+        if ok:
+            for d, (got, want) in enumerate(zip(x.shape, shape)):
+                allowed = (global_rows, local_rows) if d == bd else (want,)
+                ok = ok and got in allowed
+        if not ok:
+            where = f"dim {bd}" if bd is not None else ""
+            rows = (f" with {global_rows} rows (the global batch)" + (
                 f" or {local_rows} (this rank's batch_rows())" if local_rows != global_rows else "")
-            raise ExecutionError(f"step() input {i} is {describe(x)}; the plan expects {dtype} {tuple(shape)} with "
-                                 f"{rows} in dim 0: " + _REPLAN)
+                + f" in {where}") if bd is not None else ""
+            raise ExecutionError(f"step() input {i} is {describe(x)}; the plan expects {dtype} {tuple(shape)}{rows}: "
+                                 + _REPLAN)
+
+
+def is_global_batch(batch: tuple, global_rows: int, batch_dims=None) -> bool:
+    """Whether every batch-carrying input holds the whole global batch along its batch dim."""
+    dims = list(batch_dims) if batch_dims is not None else [0] * len(batch)
+    return all(d is None or x.shape[d] == global_rows for x, d in zip(batch, dims))
 
 
 def _checksums(batch: tuple) -> list[float]:

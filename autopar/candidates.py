@@ -2,7 +2,8 @@
 
 ``candidates(graph, mesh, policy=None) -> Candidates``: for call_function nodes the op rules'
 strategies on the mesh (optionally filtered by the Megatron policy), for parameters and inputs
-their layout choices; which dims carry the batch; which nodes alias which storage (saved tensors
+their layout choices (an input's batch dim, autopar/batching.py, is split over the data axes);
+which dims carry the batch; which nodes alias which storage (saved tensors
 are counted once); and the representative of every repeated-block node (the ILP gets one variable
 set per representative). Depends only on (graph, mesh): the outer search reuses it for every ZeRO
 stage, micro-batch count and precision on that mesh; pricing is autopar/pricing.py.
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autopar.batching import graph_batch_dims
 from autopar.layout import Layout
 from autopar.mesh import Mesh
 from autopar.rules import spec_for, tensor_inputs
@@ -102,6 +104,7 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
             for a, b in zip(group.instances[0], inst):
                 first_of[b] = a
     memo: dict = {}
+    input_batch = dict(zip(graph.input_names, graph_batch_dims(graph)))
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = node_val(node)
@@ -114,12 +117,14 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
                 nodes[node.name] = NodeInfo(node.name, "param", node, strategies, batch_dims=(frozenset(),))
                 batch_of[node.name] = (frozenset(),)
             else:
+                # The data axes split the input's batch dim (autopar/batching.py), not blindly dim 0.
+                bd = input_batch.get(node.name)
                 splits = {}
-                if shape and all(shape[0] % mesh.shape[a] == 0 for a in mesh.data_axes()):
-                    splits = {0: tuple(a for a in mesh.data_axes() if mesh.shape[a] > 1)}
+                if bd is not None and all(shape[bd] % mesh.shape[a] == 0 for a in mesh.data_axes()):
+                    splits = {bd: tuple(a for a in mesh.data_axes() if mesh.shape[a] > 1)}
                 lay = Layout.shard(len(shape), splits)
                 nodes[node.name] = NodeInfo(node.name, "input", node, [_leaf_strategy(lay.describe(mesh.names), lay, mesh)],
-                                            batch_dims=(frozenset({0}) if shape else frozenset(),))
+                                            batch_dims=(frozenset({bd}) if bd is not None else frozenset(),))
                 batch_of[node.name] = nodes[node.name].batch_dims
             order.append(node.name)
         elif node.op == "call_function":

@@ -8,15 +8,17 @@ Set-up (every rank, collectively):
 2. with ``plan=None`` rank 0 plans and broadcasts the JSON (a planning error is broadcast too,
    so every rank raises it instead of waiting);
 3. every rank traces the model itself and checks the plan's fingerprint; with several
-   micro-batches it re-traces one micro-batch (global batch // num_micro_batches) and checks that
-   the op sequence is the same (the plan's ops are keyed by node name);
+   micro-batches it re-traces one micro-batch (every input cut along its batch dim, the plan's
+   ``batch_dims``, to global batch // num_micro_batches) and checks that the op sequence is the
+   same (the plan's ops are keyed by node name);
 4. mesh process groups (runtime/context.py), the per-rank program (codegen/per_rank.py; the block
    instances the plan checkpoints run as activation-checkpoint regions, runtime/checkpoint.py), the
    full parameters broadcast from rank 0 and sliced to this rank's blocks, and a
    ``ShardedOptimizer`` over the data axes with the plan's ZeRO stage.
 
 Gradient bookkeeping: the local loss is a partial sum over the data axes (a mean over a split
-batch is scaled by the local share), so the gradients a parameter receives through a batch-split
+batch is scaled by the local share; a mean loss over targets is a local sum divided by the global
+count of valid targets, runtime/loss.py), so the gradients a parameter receives through a batch-split
 use are partial sums too. The DP/ZeRO reducer AVERAGES over the data group, so those gradients are
 multiplied by the data-axis size (sum = average x size): ``ShardedOptimizer(grad_scale=...)`` folds
 the factor into the stage-0 reducer's averaging pass (no extra pass over the gradients) and uses a
@@ -32,11 +34,15 @@ state in the ZeRO optimizer) and fp32 on the CPU, unless ``compile(precision=...
 Process group: ``compile`` uses the one that exists; without one, under torchrun (``RANK`` and
 ``WORLD_SIZE`` set) it initialises one with the cluster's backend (nccl / gloo).
 
-``step(*batch)`` takes the GLOBAL batch (or just this rank's rows, ``batch_rows()``), runs every
-micro-batch forward and backward (loss / num_micro_batches), steps the optimizer and returns the
-global loss as a float, identical on every rank. Its inputs must match the example batch (count,
-shapes, dtypes; autopar/batch_check.py), and on the first step every rank passing the global batch
-must pass the same one. ``compile(loss_fn=...)`` traces ``loss_fn(model(*inputs[:k]), *inputs[k:])``.
+``step(*batch)`` takes the GLOBAL batch (or just this rank's rows, ``batch_rows()``; rows are
+indices along each input's batch dim), first computes the global denominators of the mean losses
+(the program's count program over every micro-batch, all-reduced over the axes the targets are
+split over), then runs every micro-batch forward and backward — each micro-batch program returns
+its exact share of the step's loss, so losses and gradients are summed, not averaged — steps the
+optimizer and returns the global loss as a float, identical on every rank. Its inputs must match
+the example batch (count, shapes, dtypes; autopar/batch_check.py), and on the first step every rank
+passing the global batch must pass the same one. ``compile(loss_fn=...)`` traces
+``loss_fn(model(*inputs[:k]), *inputs[k:])``.
 
 Random ops (dropout) draw from generators seeded from one base seed rank 0 broadcasts at set-up
 (runtime/rng.py). Frozen parameters (``requires_grad=False``) are held like buffers. ``load``
@@ -111,17 +117,27 @@ class CompiledModel:
                                  f"{plan.fingerprint[:16]}, this model traces to {traced.fingerprint[:16]}")
         nm = int(plan.degrees.get("num_micro_batches", 1) or 1)
         self.nm = nm
-        self.global_batch = example_inputs[0].shape[0]
+        from autopar.batching import batch_size, plan_batch_dims
+        self.batch_dims = plan_batch_dims(plan.data, len(example_inputs))
+        self.global_batch = batch_size([tuple(x.shape) for x in example_inputs], self.batch_dims)
         self._example = [(tuple(x.shape), x.dtype) for x in example_inputs]
         self._batch_compared = False
+        if self.global_batch % nm:
+            raise ExecutionError(f"the plan runs {nm} micro-batches but the global batch has {self.global_batch} "
+                                 f"rows: re-plan (num_micro_batches must divide the batch)")
         if nm > 1:
-            micro = tuple(x[: x.shape[0] // nm] for x in example_inputs)
+            micro = tuple(x if d is None else x.narrow(d, 0, x.shape[d] // nm)
+                          for x, d in zip(example_inputs, self.batch_dims))
             mt = trace(self.model, micro, self.loss_fn)
             seq = lambda t: [(n.name, str(n.target)) for n in t.gm.graph.nodes if n.op == "call_function"]  # noqa: E731
             if seq(mt) != seq(traced):
                 raise ExecutionError("re-tracing one micro-batch gave a different op sequence than the global "
                                      "batch; the model's graph depends on the batch size")
+            from autopar.microbatch import batch_carrying
+            carrying = batch_carrying(traced, mt)   # which values the micro-batches cut (autopar/microbatch.py)
             traced = mt
+        else:
+            carrying = None
         self.traced = traced
         self.device = _run_device()
         self.dtype = _working_dtype(plan.data.get("settings", {}).get("precision", "fp32"), self.precision, self.device)
@@ -149,7 +165,8 @@ class CompiledModel:
         chunk_index = {k: i for i, k in enumerate(keys)}
         self.chunk_of = {traced.param_fqn[n]: chunk_index[chunk_key(traced.param_fqn[n])] for n in trainable}
         self.program = generate(traced, plan, self.rank, self.chunk_of if zero == 3 else None,
-                                compute_dtype=self.dtype, device=self.device if self.device.type != "cpu" else None)
+                                compute_dtype=self.dtype, device=self.device if self.device.type != "cpu" else None,
+                                batch_carrying=carrying)
         prog = self.program
 
         # Parameters: full tensors from rank 0, then this rank's block.
@@ -218,34 +235,45 @@ class CompiledModel:
 
     # ------------------------------------------------------------------ batches
     def batch_rows(self) -> list[int]:
-        """Rows of the global batch this rank reads (micro-batch by micro-batch)."""
+        """Indices along the batch dim (the plan's ``batch_dims``) of the global batch this rank
+        reads, micro-batch by micro-batch."""
         self._need_ready()
-        lay = self.program.input_layouts[0] if self.program.input_layouts else None
+        prog = self.program
         bm = self.global_batch // self.nm
+        lay, d = next(((l, d) for l, d in zip(prog.input_layouts, self.batch_dims) if d is not None), (None, None))
         rows = []
         for m in range(self.nm):
-            sl = (lay and lay.dims and _block_of(lay, bm, self.program.mesh_shape, self.program.coords)) or slice(0, bm)
+            sl = _block_of(lay, bm, prog.mesh_shape, prog.coords, d) if lay is not None and lay.dims else slice(0, bm)
             rows.extend(range(m * bm + sl.start, m * bm + sl.stop))
         return rows
 
     def _local_micro_batches(self, batch) -> list[tuple]:
+        """Per micro-batch this rank's part of every input: cut along the input's batch dim (an
+        input without one goes whole to every micro-batch)."""
         prog = self.program
         bm = self.global_batch // self.nm
         n_local = len(self.batch_rows()) // self.nm
         out = [[] for _ in range(self.nm)]
-        for x, lay in zip(batch, prog.input_layouts):
+        for x, lay, d in zip(batch, prog.input_layouts, self.batch_dims):
             if not isinstance(x, torch.Tensor):
                 raise ExecutionError(f"step() takes tensors, got {type(x).__name__}")
-            if x.shape[0] == self.global_batch:
+            if d is None:
                 for m in range(self.nm):
-                    xm = x[m * bm:(m + 1) * bm]
-                    out[m].append(xm[_block_of(lay, bm, prog.mesh_shape, prog.coords)] if lay.dims else xm)
-            elif x.shape[0] == n_local * self.nm:   # just my rows (batch_rows())
+                    out[m].append(x)
+            elif x.dim() > d and x.shape[d] == self.global_batch:
                 for m in range(self.nm):
-                    out[m].append(x[m * n_local:(m + 1) * n_local])
+                    xm = x.narrow(d, m * bm, bm)
+                    if lay.dims and lay.dims[d]:
+                        sl = _block_of(lay, bm, prog.mesh_shape, prog.coords, d)
+                        xm = xm.narrow(d, sl.start, sl.stop - sl.start)
+                    out[m].append(xm)
+            elif x.dim() > d and x.shape[d] == n_local * self.nm:   # just my rows (batch_rows())
+                for m in range(self.nm):
+                    out[m].append(x.narrow(d, m * n_local, n_local))
             else:
-                raise ExecutionError(f"step() got a batch of {x.shape[0]} rows; the plan is for a global batch of "
-                                     f"{self.global_batch} (or this rank's {n_local * self.nm} rows)")
+                got = x.shape[d] if x.dim() > d else f"no dim {d} in shape {tuple(x.shape)}"
+                raise ExecutionError(f"step() got a batch of {got} rows along the batch dim {d}; the plan is for a "
+                                     f"global batch of {self.global_batch} (or this rank's {n_local * self.nm} rows)")
         # Only this rank's rows go to its device; floating inputs in the working dtype (the program's).
         to = lambda x: x.to(self.device, dtype=self.dtype if x.is_floating_point() else x.dtype)  # noqa: E731
         return [tuple(to(x) for x in o) for o in out]
@@ -253,14 +281,14 @@ class CompiledModel:
     def _check_batch(self, batch) -> None:
         """Inputs against the example batch; on the first call, the same global batch on every
         rank (autopar/batch_check.py)."""
-        from autopar.batch_check import check_inputs, same_global_batch
+        from autopar.batch_check import check_inputs, is_global_batch, same_global_batch
 
         local = len(self.batch_rows())
-        check_inputs(batch, self._example, self.global_batch, local)
+        check_inputs(batch, self._example, self.global_batch, local, self.batch_dims)
         if not self._batch_compared:
             self._batch_compared = True
-            is_global = all(x.shape[0] == self.global_batch for x in batch)
-            same_global_batch(batch, is_global, self.device, self.rank)
+            same_global_batch(batch, is_global_batch(batch, self.global_batch, self.batch_dims), self.device,
+                              self.rank)
 
     def _need_ready(self):
         if not self._ready:
@@ -289,12 +317,35 @@ class CompiledModel:
             work.wait()
         return float(t)
 
+    @torch.no_grad()
+    def _set_denominators(self, micro) -> None:
+        """The global denominators of the program's mean losses for this step (runtime/loss.py):
+        this rank's counts summed over its micro-batches, then over the axes the targets are split
+        over. Must run before the micro-batches (each divides by the step's global count)."""
+        prog = self.program
+        if prog.count_gm is None:
+            return
+        from runtime import loss as RL
+
+        counts = None
+        for inputs in micro:
+            c = prog.count_gm(*self.local, *inputs)
+            counts = list(c) if counts is None else [a + b for a, b in zip(counts, c)]
+        values = {}
+        for (name, axes), c in zip(prog.mean_losses, counts):
+            c = c.clone()
+            for a in axes:
+                dist.all_reduce(c, group=self.ctx.groups[a])
+            values[name] = c
+        RL.set_denominators(values)
+
     def step(self, *batch) -> float:
         if not self._ready:
             self._setup(batch)
         self._check_batch(batch)
         try:
             micro = self._local_micro_batches(batch)
+            self._set_denominators(micro)
             total = torch.zeros((), device=self.device)
             reducer = self.opt.reducer
             pending = None
@@ -302,11 +353,12 @@ class CompiledModel:
                 last = m == len(micro) - 1
                 sync = reducer.no_sync() if (reducer is not None and not last) else _nullcontext()
                 with sync:
+                    # each micro-batch's loss is its exact share of the step's loss (module doc): summed
                     loss = self.program.gm(*self.local, *inputs)
-                    total = total + loss.detach().float() / self.nm
+                    total = total + loss.detach().float()
                     if last:   # the global loss is summed while backward runs
                         pending = self._start_loss(total)
-                    (loss / self.nm).backward()
+                    loss.backward()
             self.opt.step()
             self.opt.zero_grad()
             return self._finish_loss(pending)
@@ -322,8 +374,10 @@ class CompiledModel:
             self._setup(inputs)
         self._check_batch(inputs)
         total = torch.zeros((), device=self.device)
-        for mb in self._local_micro_batches(inputs):
-            total = total + self.program.gm(*self.local, *mb).float() / self.nm
+        micro = self._local_micro_batches(inputs)
+        self._set_denominators(micro)
+        for mb in micro:
+            total = total + self.program.gm(*self.local, *mb).float()
         return torch.tensor(self._global_loss(total))
 
     # ------------------------------------------------------------------ state
@@ -497,10 +551,10 @@ def _factor(lay, d, mesh_shape) -> int:
     return math.prod(mesh_shape[a] for a in lay.dims[d])
 
 
-def _block_of(lay, n, mesh_shape, coords) -> slice:
-    """My rows of a dim-0 of ``n`` rows split per ``lay``."""
+def _block_of(lay, n, mesh_shape, coords, dim: int = 0) -> slice:
+    """My rows of a dim ``dim`` of ``n`` rows split per ``lay``."""
     idx, k = 0, 1
-    for a in lay.dims[0]:
+    for a in lay.dims[dim]:
         idx = idx * mesh_shape[a] + coords[a]
         k *= mesh_shape[a]
     step = n // k
@@ -509,14 +563,15 @@ def _block_of(lay, n, mesh_shape, coords) -> slice:
 
 def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "adamw", lr: float = 1e-3,
             plan_options: dict | None = None, precision: str | None = None, grad_clip: float | None = None,
-            loss_fn=None, **optimizer_kwargs) -> CompiledModel:
+            loss_fn=None, batch_dims=None, **optimizer_kwargs) -> CompiledModel:
     """Set up ``model`` to train under ``plan`` (planned now on rank 0 when None) on the current
     process group. ``plan_options`` are keyword arguments for autopar.plan (e.g. constraints).
     ``precision``: "fp32" | "bf16" | None (the plan's on a GPU, fp32 on the CPU; module doc).
     ``grad_clip``: clip the global gradient norm (over every shard) to this value.
     ``loss_fn``: as for autopar.plan, ``loss_fn(model(*inputs[:k]), *inputs[k:])`` is the loss
     (k: the required positional parameters of model.forward); ``step`` then takes the same tuple.
-    Without ``example_inputs`` the set-up happens at the first ``step``."""
+    ``batch_dims``: each input's batch dim for planning (autopar.plan's keyword; with a given plan it
+    must match the plan's). Without ``example_inputs`` the set-up happens at the first ``step``."""
     _require_pg(cluster)
     if plan is not None and not isinstance(plan, Plan):
         raise ExecutionError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
@@ -535,6 +590,15 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
         if not callable(loss_fn):
             raise ExecutionError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         options["loss_fn"] = loss_fn
+    if batch_dims is not None:
+        if plan is not None:
+            from autopar.batching import plan_batch_dims
+            want = [batch_dims] * len(plan.data.get("inputs", [])) if isinstance(batch_dims, int) else list(batch_dims)
+            if want != plan_batch_dims(plan.data, len(want)):
+                raise ExecutionError(f"batch_dims={batch_dims!r} differs from the plan's batch dims "
+                                     f"{plan_batch_dims(plan.data, len(want))}: re-plan with batch_dims=...")
+        else:
+            options["batch_dims"] = batch_dims
     cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, options, precision, grad_clip,
                        loss_fn)
     if example_inputs is not None:

@@ -5,7 +5,9 @@ Schema (version 1):
   settings (optimizer, precision, memory budget, overlap), degrees (api.md's keys),
   stages: [{index, ranks: [first, last], nodes: [first node, last node], checkpoint: {block group: bool}}]
   (one stage until pipelining lands), ops: [{node, target, module, rule, strategy, inputs, outputs,
-  splits, special}], params: {fqn: {node, shape, layout}}, predictions (step time and breakdown,
+  splits, special}], params: {fqn: {node, shape, layout}}, inputs (placeholder names), batch_dims
+  (per input the dim the data axes split and micro-batching cuts, or null; absent in older plans:
+  dim 0, autopar/batching.py), predictions (step time and breakdown,
   peak memory and breakdown, comm bytes per mesh axis, model FLOPs, MFU), solver (status, gap, backend).
 
 Byte-identical for identical inputs: keys sorted, floats written with repr (deterministic), and

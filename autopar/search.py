@@ -13,6 +13,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from autopar.batching import batch_size, graph_batch_dims, input_shapes
 from autopar.build import build_problem
 from autopar.candidates import Candidates, candidates
 from autopar.pricing import Settings, price, price_edges
@@ -97,18 +98,23 @@ def _checkpoint_setting(ck):
 
 
 def global_batch(graph: TracedGraph) -> int:
-    for name in graph.input_names:
-        node = next(n for n in graph.gm.graph.nodes if n.name == name)
-        val = node.meta.get("val")
-        if val is not None and getattr(val, "ndim", 0) >= 1:
-            return int(val.shape[0])
-    raise PlanError("the example inputs have no batch dimension (no tensor input with at least one dim)")
+    """The global batch size: the size of the first batch-carrying input's batch dim
+    (autopar/batching.py; not blindly dim 0)."""
+    return batch_size(input_shapes(graph), graph_batch_dims(graph))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _micro_choices(per_dp: int, constraints: dict) -> list[int]:
-    """Numbers of micro-batches: micro-batch sizes that are powers of two (plus the whole batch)."""
+    """Numbers of micro-batches for a data-parallel share of ``per_dp`` rows: only counts that
+    cut it into equal micro-batches of at least one row (a pinned count that does not is
+    dropped here and reported by ``_micro_batch_error``); unpinned, micro-batch sizes that are
+    powers of two (plus the whole share)."""
     if "num_micro_batches" in constraints:
-        return [constraints["num_micro_batches"]]
+        nm = constraints["num_micro_batches"]
+        return [nm] if per_dp % nm == 0 else []
     if "micro_batch_size" in constraints:
         mbs = constraints["micro_batch_size"]
         return [per_dp // mbs] if per_dp % mbs == 0 else []
@@ -121,17 +127,30 @@ def _micro_choices(per_dp: int, constraints: dict) -> list[int]:
     return sorted({per_dp // s for s in sizes})
 
 
+def _micro_batch_error(batch: int, dps: list[int], constraints: dict) -> str | None:
+    """Why a pinned num_micro_batches / micro_batch_size cannot be met on any mesh that the other
+    pins allow (None when it can on some): says which counts divide."""
+    key = "num_micro_batches" if "num_micro_batches" in constraints else \
+        "micro_batch_size" if "micro_batch_size" in constraints else None
+    if key is None or not dps:
+        return None
+    if any(_micro_choices(batch // dp, constraints) for dp in dps):
+        return None
+    parts = []
+    for dp in sorted(set(dps)):
+        per_dp = batch // dp
+        share = f"the global batch of {batch} rows" if dp == 1 else f"{per_dp} rows per data-parallel rank " \
+            f"(global batch {batch} / dp={dp})"
+        what = "micro-batch counts" if key == "num_micro_batches" else "micro-batch sizes"
+        parts.append(f"{share} splits into equal micro-batches only for {what} {', '.join(map(str, _divisors(per_dp)))}")
+    return (f"constraint {key}={constraints[key]} cannot be met: " + "; ".join(parts)
+            + f". Pin one of those, or change the batch size or dp")
+
+
 def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict):
     batch = global_batch(graph)
-    for mesh in cluster.meshes():
-        dp, tp = mesh.degree("dp"), mesh.size // mesh.degree("dp")
-        if constraints.get("dp", dp) != dp or constraints.get("tp", tp) != tp:
-            continue
-        if "tp_mode" in constraints and len(mesh.model_axes()) > 0 and \
-                len(mesh.model_axes()) != {"1d": 1, "2d": 2}[constraints["tp_mode"]]:
-            continue   # 1d: one model axis (Megatron); 2d: two
-        if "tp_shape" in constraints and list(constraints["tp_shape"]) != [mesh.shape[a] for a in mesh.model_axes()]:
-            continue
+    for mesh in allowed_meshes(cluster, constraints):
+        dp = mesh.degree("dp")
         if batch % dp:
             continue
         zeros = [constraints["zero"]] if "zero" in constraints else ([0, 1, 2, 3] if dp > 1 else [0])
@@ -141,6 +160,20 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
                                             num_micro_batches=nm, budget=base.budget,
                                             overlap_grad_comm=base.overlap_grad_comm,
                                             checkpoint=_checkpoint_setting(constraints.get("checkpoint"))))
+
+
+def allowed_meshes(cluster: Cluster, constraints: dict):
+    """The cluster's logical meshes that the dp/tp/tp_mode/tp_shape pins allow."""
+    for mesh in cluster.meshes():
+        dp, tp = mesh.degree("dp"), mesh.size // mesh.degree("dp")
+        if constraints.get("dp", dp) != dp or constraints.get("tp", tp) != tp:
+            continue
+        if "tp_mode" in constraints and len(mesh.model_axes()) > 0 and \
+                len(mesh.model_axes()) != {"1d": 1, "2d": 2}[constraints["tp_mode"]]:
+            continue   # 1d: one model axis (Megatron); 2d: two
+        if "tp_shape" in constraints and list(constraints["tp_shape"]) != [mesh.shape[a] for a in mesh.model_axes()]:
+            continue
+        yield mesh
 
 
 def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict | None = None,
@@ -154,7 +187,10 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     cand_cache: dict = {}
     configs = list(configurations(graph, cluster, base, constraints))
     if not configs:
-        raise ConstraintError(_no_config_message(graph, cluster, constraints))
+        batch = global_batch(graph)
+        dps = [m.degree("dp") for m in allowed_meshes(cluster, constraints) if batch % m.degree("dp") == 0]
+        raise ConstraintError(_micro_batch_error(batch, dps, constraints)
+                              or _no_config_message(graph, cluster, constraints))
     # Price the nodes of every configuration (cheap), then visit them cheapest lower bound first
     # so that the bound prunes as much as possible.
     queue = []

@@ -6,7 +6,8 @@ Placeholders are this rank's parameter/buffer blocks (in the traced order) then 
 rows. For every call_function node of the traced graph:
 
 1. each tensor input is moved from its producer's layout (the producer op's output layout in the
-   plan, the parameter's layout, or for user inputs dim 0 split over the data axes) to the layout
+   plan, the parameter's layout, or for user inputs their batch dim — the plan's ``batch_dims``,
+   dim 0 in older plans — split over the data axes) to the layout
    the op's strategy wants, by the cheapest reshard path (``plan_reshard`` with the cost model's
    ``Collectives``: the path executed is the path priced). Each step is a call to a module-level
    function of ``runtime.context`` (``all_gather(x, 1, axis=1)``), so the printed code reads like
@@ -18,11 +19,23 @@ rows. For every call_function node of the traced graph:
    gradient over that axis (``grad_partial_axes``): the DP/ZeRO reducer sums it, bucketed and
    overlapped with backward, instead of one all-reduce per use;
 3. the op runs on local blocks via ``rules.localize.local_call`` (global view sizes rewritten to
-   local ones, a ``scale`` for means over a split dim) or a special algorithm of
-   ``runtime.special`` (vocab-parallel embedding / cross-entropy).
+   local ones, a ``scale`` for means over a split dim or over the micro-batches) or a special
+   algorithm of ``runtime.special`` (vocab-parallel embedding / cross-entropy).
+
+Mean losses over targets (cross-entropy / NLL, reduction mean) whose targets are split over a
+mesh axis or over micro-batches run as a local sum divided by the GLOBAL denominator
+(``runtime.loss.divide``: valid targets, or their class weights, over every rank and micro-batch).
+``RankProgram.count_gm`` computes this rank's share of each denominator for one micro-batch: the
+ancestors of the targets (and class weights) copied from the program, which must not involve a
+trainable parameter; same placeholders as ``gm``, returns a tuple with one 0-d float64 per entry
+of ``mean_losses`` ((loss node, mesh axes its targets are split over)). autopar.compiled sums it
+over the micro-batches, all-reduces over those axes and installs the results before running ``gm``.
 
 Layouts are normalised before comparing: an axis of size 1 splits nothing, so it is dropped.
-The graph returns the local loss; ``loss_layout`` says over which axes it is a partial sum.
+The graph returns the local loss; ``loss_layout`` says over which axes it is a partial sum. With
+several micro-batches each micro-batch's program returns its exact share of the step's loss
+(means over the batch are scaled by 1/num_micro_batches, mean losses use global denominators),
+so the step's loss and gradients are SUMS over micro-batches.
 
 Mixed precision (``compute_dtype`` bf16/fp16): the model was traced in fp32, so dtype arguments
 in the graph (``x.to(torch.float32)``, ``full(..., dtype=torch.float32)``) name fp32; they are
@@ -63,6 +76,7 @@ from autopar.layout import Layout
 from autopar.reshard import plan_reshard
 from autopar.rules import spec_for, tensor_inputs
 from autopar.rules.localize import local_call
+from autopar.microbatch import decompose, loss_scale
 from autopar.strategy import Strategy
 from codegen.checkpoint import checkpointed_groups, outline_regions, program_code
 from codegen.random_ops import is_random, random_block
@@ -89,6 +103,9 @@ class RankProgram:
     data_axes: tuple[int, ...]                   # data axes of size > 1
     zero3_chunks: dict[str, int] = field(default_factory=dict)
     checkpoint_regions: list[str] = field(default_factory=list)   # block instances run as checkpoint regions
+    batch_dims: list = field(default_factory=list)   # per user input: its batch dim (or None)
+    count_gm: fx.GraphModule | None = None           # this rank's share of the mean losses' denominators
+    mean_losses: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)   # (loss node, target split axes)
 
     @property
     def code(self) -> str:
@@ -116,10 +133,11 @@ def block_slices(layout: Layout, shape, mesh_shape, coords) -> tuple[slice, ...]
     return tuple(out)
 
 
-def input_layout(ndim: int, mesh) -> Layout:
-    """User inputs: dim 0 split over the data axes (mesh order), everything else replicated."""
+def input_layout(ndim: int, mesh, batch_dim: int | None = 0) -> Layout:
+    """User inputs: the batch dim split over the data axes (mesh order), everything else
+    replicated (an input without a batch dim: replicated whole)."""
     data = tuple(a for a in mesh.data_axes() if mesh.shape[a] > 1)
-    return Layout(tuple(data if d == 0 else () for d in range(ndim))) if ndim else Layout(())
+    return Layout(tuple(data if d == batch_dim else () for d in range(ndim))) if ndim else Layout(())
 
 
 def strategy_of(op: dict) -> Strategy:
@@ -137,7 +155,8 @@ def _is_float(v) -> bool:
 
 
 class _Builder:
-    def __init__(self, traced, plan, rank: int, zero3_chunks, compute_dtype=None, device=None):
+    def __init__(self, traced, plan, rank: int, zero3_chunks, compute_dtype=None, device=None,
+                 batch_carrying=None):
         self.traced, self.plan, self.rank = traced, plan, rank
         self.device = None if device is None else torch.device(device)
         self.compute_dtype = compute_dtype if compute_dtype not in (None, torch.float32) else None
@@ -155,6 +174,20 @@ class _Builder:
         self.attrs: dict[str, object] = {}      # get_attr targets of the new program (submodules, constants)
         self.region: str | None = None           # checkpointed block instance being emitted (module FQN)
         self.region_nodes: dict[str, list[fx.Node]] = {}
+        self.nm = int(plan.data.get("degrees", {}).get("num_micro_batches", 1) or 1)
+        from autopar.batching import plan_batch_dims
+        self.batch_dims = plan_batch_dims(plan.data, len(traced.input_names))
+        self.mean_losses: list[tuple[str, tuple[int, ...]]] = []
+        self.count_args: list[tuple] = []        # per mean loss: (target node, weight node, ignore_index)
+        self.decomp = None                       # how the loss splits over micro-batches (autopar/microbatch.py)
+        if self.nm > 1:
+            from autopar.errors import ExecutionError
+            if batch_carrying is None:
+                raise ExecutionError("generate: a plan with several micro-batches needs batch_carrying= "
+                                     "(autopar.microbatch.batch_carrying of the global and micro-batch traces)")
+            self.decomp = decompose(traced, batch_carrying)
+            if self.decomp.error:
+                raise ExecutionError(f"the plan runs {self.nm} micro-batches but {self.decomp.error}")
 
     def norm(self, lay: Layout) -> Layout:
         return normalize(lay, self.mesh_shape)
@@ -249,6 +282,7 @@ class _Builder:
                                  f"plan made for a different model or graph")
 
         specs, strategies, self.regions = {}, {}, {}
+        input_bd = dict(zip(traced.input_names, self.batch_dims))
         for n in nodes:
             if n.op == "call_function" and n.target is not operator.getitem:
                 specs[n.name] = spec_for(n)
@@ -296,7 +330,8 @@ class _Builder:
                 grad_partial[fqn] = partial_params.get(n.name, ())
                 self.layout[n.name] = lay
             else:
-                lay = input_layout(_val(n).dim(), self.mesh)
+                v = _val(n)
+                lay = input_layout(v.dim() if isinstance(v, torch.Tensor) else 0, self.mesh, input_bd.get(n.name))
                 input_layouts.append(lay)
                 self.layout[n.name] = lay
 
@@ -340,13 +375,19 @@ class _Builder:
                 self.call(RC.zero3_free, (c,))
         self.region = None
 
-        # The loss: returned as this rank's local value (partial over loss_layout.partial).
+        # The loss: returned as this rank's local value (partial over loss_layout.partial); with
+        # micro-batches, a loss that does not depend on the batch at all counts 1/nm per micro-batch.
         loss_lay = self.layout[traced.output_name]
-        self.g.output(self.env[traced.output_name])
+        loss = self.env[traced.output_name]
+        if self.decomp is not None and loss_scale(self.decomp, traced.output_name):
+            loss = self.call(operator.mul, (loss, 1.0 / self.nm), name="loss_per_micro_batch")
+        self.g.output(loss)
         root = torch.nn.Module()
         for name, obj in self.attrs.items():
             setattr(root, name, obj)
         gm = fx.GraphModule(root, self.g, class_name=f"Rank{self.rank}Program")
+        # The count program copies nodes of the flat program: build it before regions are outlined.
+        count_gm = self._count_program(gm, root) if self.mean_losses else None
         regions = outline_regions(gm, self.region_nodes)
         return RankProgram(gm=gm, rank=self.rank, coords=self.coords, mesh_shape=self.mesh_shape,
                            param_names=param_names, param_fqn=dict(traced.param_fqn), buffers=set(traced.buffers),
@@ -354,7 +395,45 @@ class _Builder:
                            input_names=list(traced.input_names), input_layouts=input_layouts,
                            grad_partial_axes={f: tuple(a) for f, a in grad_partial.items()},
                            loss_layout=loss_lay, data_axes=self.data_axes, zero3_chunks=self.zero3,
-                           checkpoint_regions=regions)
+                           checkpoint_regions=regions, batch_dims=list(self.batch_dims), count_gm=count_gm,
+                           mean_losses=list(self.mean_losses))
+
+    def _count_program(self, gm: fx.GraphModule, root) -> fx.GraphModule:
+        """The program computing this rank's share of every mean loss's denominator (module doc)."""
+        from runtime import loss as RL
+
+        wanted = [x for t, w, _ in self.count_args for x in (t, w) if isinstance(x, fx.Node)]
+        keep: set[fx.Node] = set()
+        stack = list(wanted)
+        while stack:
+            x = stack.pop()
+            if x in keep:
+                continue
+            keep.add(x)
+            stack.extend(x.all_input_nodes)
+        trainable = {name for name in self.traced.param_fqn if name not in self.traced.buffers}
+        bad = sorted(x.name for x in keep if x.op == "placeholder" and x.name in trainable)
+        if bad:
+            from autopar.errors import ExecutionError
+            fqns = [self.traced.param_fqn[b] for b in bad]
+            raise ExecutionError(
+                f"the mean losses {[n for n, _ in self.mean_losses]} have targets or class weights computed from "
+                f"the trainable parameters {fqns[:3]}: autopar divides a mean loss split over ranks or "
+                f"micro-batches by its global number of valid targets, counted before the step runs. Compute "
+                f"the targets from the inputs only, or use reduction='sum' and divide yourself")
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for x in gm.graph.nodes:
+            if x.op == "placeholder":
+                env[x] = g.placeholder(x.name)
+            elif x in keep:
+                env[x] = g.node_copy(x, lambda a: env[a])
+        outs = []
+        for t, w, ignore in self.count_args:
+            outs.append(g.call_function(RL.local_count, (env[t], env[w] if isinstance(w, fx.Node) else None,
+                                                         int(ignore))))
+        g.output(tuple(outs))
+        return fx.GraphModule(root, g, class_name=f"Rank{self.rank}Counts")
 
     def _emit_attr(self, n: fx.Node) -> None:
         """A get_attr of the traced graph: a submodule of a higher-order op (e.g. the body of
@@ -401,6 +480,19 @@ class _Builder:
         gm.recompile()
         return gm
 
+    def _global_mean(self, n: fx.Node, out: fx.Node, args, kwargs, op: dict) -> fx.Node:
+        """A mean loss run as a local sum: divide by its global denominator, and remember what
+        the count program must count (module doc)."""
+        from runtime import loss as RL
+
+        target = args[1]
+        weight = _loss_arg(args, kwargs, 2, "weight", None)
+        ignore = _loss_arg(args, kwargs, 4, "ignore_index", -100)
+        tgt_layout = self.norm(Layout.from_json(op["inputs"][1]))
+        self.mean_losses.append((n.name, tuple(sorted(tgt_layout.axes_used()))))
+        self.count_args.append((target, weight, ignore))
+        return self.call(RL.divide, (out, n.name), name=n.name + "_global_mean")
+
     def _emit_op(self, n: fx.Node, spec, st: Strategy, needs_grad, partial_params):
         op = self.ops[n.name]
         producers = tensor_inputs(n)
@@ -424,9 +516,14 @@ class _Builder:
                 for (j, a) in sorted(regions):
                     if j == i and a not in partial_params.get(p.name, ()):
                         pga.append(a)
-            new_inputs.append(self.reshard(self.env[p.name], src, dst, v, tuple(pga)))
+            x = self.reshard(self.env[p.name], src, dst, v, tuple(pga))
+            if self.decomp is not None and i in self.decomp.input_scales.get(n.name, ()):
+                # a batch-independent term added to the loss's share: counted once per step
+                x = self.call(operator.mul, (x, 1.0 / self.nm))
+            new_inputs.append(x)
 
-        call = local_call(n, spec, st, self.mesh_shape)
+        nm = self.nm if self.decomp is not None and n.name in self.decomp.reduces_batch else 1
+        call = local_call(n, spec, st, self.mesh_shape, nm)
         it = iter(new_inputs)
         args, kwargs = pytree.tree_map_only(fx.Node, lambda _: next(it), (tuple(call.args), dict(call.kwargs)))
         args, kwargs = self._retarget(args, kwargs)   # traced in fp32 on cpu/meta (module doc)
@@ -452,18 +549,26 @@ class _Builder:
             out = self.call(call.target, args, kwargs, name=n.name)
         if call.scale is not None and call.scale != 1:
             out = self.call(operator.mul, (out, float(call.scale)), name=n.name + "_scaled")
+        if call.global_mean:
+            out = self._global_mean(n, out, args, kwargs, op)
         self.env[n.name] = out
         outs = [self.norm(Layout.from_json(j)) for j in op["outputs"]]
         v = _val(n)
         self.layout[n.name] = outs if isinstance(v, (tuple, list)) else outs[0]
 
 
+def _loss_arg(args, kwargs, i: int, name: str, default):
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
 def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None,
-             compute_dtype: torch.dtype | None = None, device=None) -> RankProgram:
-    """The per-rank program of ``plan`` for ``rank`` (see the module docstring)."""
+             compute_dtype: torch.dtype | None = None, device=None, batch_carrying: set[str] | None = None) -> RankProgram:
+    """The per-rank program of ``plan`` for ``rank`` (see the module docstring). ``traced`` is the
+    graph of ONE micro-batch; with several micro-batches ``batch_carrying`` names its nodes whose
+    values carry the batch (``autopar.microbatch.batch_carrying``)."""
     if not 0 <= rank < plan.mesh.size:
         raise ValueError(f"rank {rank} is outside the plan's mesh {plan.mesh.describe()} ({plan.mesh.size} ranks)")
-    return _Builder(traced, plan, rank, zero3_chunks, compute_dtype, device).build()
+    return _Builder(traced, plan, rank, zero3_chunks, compute_dtype, device, batch_carrying).build()
 
 
 def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
@@ -485,14 +590,24 @@ def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
             kwargs[k] = v
     model, inputs = fn(**kwargs)
     nm = plan.data["degrees"].get("num_micro_batches", 1) or 1
-    if nm > 1:
-        inputs = tuple(x[: x.shape[0] // nm] for x in inputs)
     traced = trace(model, inputs)
-    if traced.fingerprint != plan.fingerprint and nm == 1:
+    if traced.fingerprint != plan.fingerprint:
         from autopar.errors import ExecutionError
         raise ExecutionError(f"plan made for a different model: plan fingerprint {plan.fingerprint[:12]}, "
                              f"{factory} traces to {traced.fingerprint[:12]}")
-    prog = generate(traced, plan, rank)
+    carrying = None
+    if nm > 1:   # the program runs one micro-batch: cut every input along its batch dim
+        from autopar.batching import plan_batch_dims
+        from autopar.microbatch import batch_carrying
+        dims = plan_batch_dims(plan.data, len(inputs))
+        micro = trace(model, tuple(x if d is None else x.narrow(d, 0, x.shape[d] // nm) for x, d in zip(inputs, dims)))
+        carrying, traced = batch_carrying(traced, micro), micro
+    prog = generate(traced, plan, rank, batch_carrying=carrying)
     header = (f"# rank {rank} of mesh {plan.mesh.describe()}, coords {prog.coords}\n"
               f"# loss layout: {prog.loss_layout.describe(plan.mesh.names)}\n")
-    return header + prog.code
+    code = header + prog.code
+    if prog.count_gm is not None:   # what step runs first: this rank's share of the mean losses' denominators
+        axes = ", ".join(f"{n} over {[plan.mesh.names[a] for a in ax]}" for n, ax in prog.mean_losses)
+        code += f"\n# global denominators of mean losses (summed over micro-batches, all-reduced: {axes}):\n" \
+            + prog.count_gm.code
+    return code
