@@ -134,9 +134,13 @@ def simulate(node, env, strat, spec, shape):
             out = lc.target(*args, **kwargs)
         if lc.scale is not None:
             out = out * lc.scale
+        if lc.global_mean:
+            out = out / _global_denominator(node, env)
         results[c] = out
     if ce_rows:
         results = _vocab_parallel_ce(node, ce_rows, strat, shape, lc0.scale)
+        if lc0.global_mean:   # a local sum over this rank's rows: the codegen divides by the global count
+            results = {c: r / _global_denominator(node, env) for c, r in results.items()}
     outs = []
     n_out = len(strat.outputs)
     for o, lay in enumerate(strat.outputs):
@@ -164,10 +168,23 @@ def simulate(node, env, strat, spec, shape):
     return outs
 
 
+def _global_denominator(node, env):
+    """What the codegen divides a mean loss run as a local sum by (runtime/loss.py): the valid
+    targets (or their class weights) of the WHOLE batch."""
+    from runtime.loss import local_count
+
+    args, kw = node.args, node.kwargs
+    target = env[args[1]]
+    weight = args[2] if len(args) > 2 else kw.get("weight")
+    ignore = args[4] if len(args) > 4 else kw.get("ignore_index", -100)
+    return local_count(target, env[weight] if isinstance(weight, fx.Node) else None, ignore).to(target.device)
+
+
 def _vocab_parallel_ce(node, rows, strat, shape, scale):
     """The distributed vocab-parallel cross-entropy, all-reduces done across the vocab axes."""
     v_axes = [a for a, s in enumerate(strat.splits) if s == "v"]
-    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    lc = local_call(node, spec_for(node), strat, shape)   # a mean over split rows runs as a local sum
+    reduction = lc.args[3] if len(lc.args) > 3 else lc.kwargs.get("reduction", 1)
     out = {}
     for c, (logits, tgt, lay) in rows.items():
         group = [g for g in rows if all(g[a] == c[a] for a in range(len(shape)) if a not in v_axes)]
