@@ -81,7 +81,7 @@ def _broadcast_plan(model, example_inputs, cluster, plan_options, traced) -> Pla
             box[1] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(box, src=0)
     if box[1] is not None:
-        raise ExecutionError(f"planning on rank 0 failed: {box[1]}")
+        raise ExecutionError(f"planning on rank 0 failed: {box[1]}", collective=True)
     return Plan.from_json(box[0])
 
 
@@ -111,10 +111,10 @@ class CompiledModel:
         world = dist.get_world_size()
         if plan.mesh.size != world:
             raise ExecutionError(f"the plan is for {plan.mesh.size} devices (mesh {plan.mesh.describe()}) but the "
-                                 f"process group has {world} ranks: launch {plan.mesh.size} processes or re-plan")
+                                 f"process group has {world} ranks: launch {plan.mesh.size} processes or re-plan", collective=True)
         if traced.fingerprint != plan.fingerprint:
             raise ExecutionError(f"plan made for a different model: the plan's fingerprint is "
-                                 f"{plan.fingerprint[:16]}, this model traces to {traced.fingerprint[:16]}")
+                                 f"{plan.fingerprint[:16]}, this model traces to {traced.fingerprint[:16]}", collective=True)
         nm = int(plan.degrees.get("num_micro_batches", 1) or 1)
         self.nm = nm
         from autopar.batching import batch_size, plan_batch_dims
@@ -124,7 +124,7 @@ class CompiledModel:
         self._batch_compared = False
         if self.global_batch % nm:
             raise ExecutionError(f"the plan runs {nm} micro-batches but the global batch has {self.global_batch} "
-                                 f"rows: re-plan (num_micro_batches must divide the batch)")
+                                 f"rows: re-plan (num_micro_batches must divide the batch)", collective=True)
         if nm > 1:
             micro = tuple(x if d is None else x.narrow(d, 0, x.shape[d] // nm)
                           for x, d in zip(example_inputs, self.batch_dims))
@@ -132,7 +132,7 @@ class CompiledModel:
             seq = lambda t: [(n.name, str(n.target)) for n in t.gm.graph.nodes if n.op == "call_function"]  # noqa: E731
             if seq(mt) != seq(traced):
                 raise ExecutionError("re-tracing one micro-batch gave a different op sequence than the global "
-                                     "batch; the model's graph depends on the batch size")
+                                     "batch; the model's graph depends on the batch size", collective=True)
             from autopar.microbatch import batch_carrying
             carrying = batch_carrying(traced, mt)   # which values the micro-batches cut (autopar/microbatch.py)
             traced = mt
@@ -256,7 +256,7 @@ class CompiledModel:
         out = [[] for _ in range(self.nm)]
         for x, lay, d in zip(batch, prog.input_layouts, self.batch_dims):
             if not isinstance(x, torch.Tensor):
-                raise ExecutionError(f"step() takes tensors, got {type(x).__name__}")
+                raise ExecutionError(f"step() takes tensors, got {type(x).__name__}", collective=True)
             if d is None:
                 for m in range(self.nm):
                     out[m].append(x)
@@ -273,7 +273,7 @@ class CompiledModel:
             else:
                 got = x.shape[d] if x.dim() > d else f"no dim {d} in shape {tuple(x.shape)}"
                 raise ExecutionError(f"step() got a batch of {got} rows along the batch dim {d}; the plan is for a "
-                                     f"global batch of {self.global_batch} (or this rank's {n_local * self.nm} rows)")
+                                     f"global batch of {self.global_batch} (or this rank's {n_local * self.nm} rows)", collective=True)
         # Only this rank's rows go to its device; floating inputs in the working dtype (the program's).
         to = lambda x: x.to(self.device, dtype=self.dtype if x.is_floating_point() else x.dtype)  # noqa: E731
         return [tuple(to(x) for x in o) for o in out]
@@ -281,10 +281,14 @@ class CompiledModel:
     def _check_batch(self, batch) -> None:
         """Inputs against the example batch; on the first call, the same global batch on every
         rank (autopar/batch_check.py)."""
-        from autopar.batch_check import check_inputs, is_global_batch, same_global_batch
+        from autopar.batch_check import check_index_ranges, check_inputs, index_bounds, is_global_batch, \
+            same_global_batch
 
         local = len(self.batch_rows())
         check_inputs(batch, self._example, self.global_batch, local, self.batch_dims)
+        if not hasattr(self, "_index_bounds"):
+            self._index_bounds = index_bounds(self.traced)
+        check_index_ranges(batch, self._index_bounds)
         if not self._batch_compared:
             self._batch_compared = True
             same_global_batch(batch, is_global_batch(batch, self.global_batch, self.batch_dims), self.device,
@@ -514,12 +518,20 @@ def _check_checkpoint(directory, state: dict) -> None:
     """Refuse a checkpoint whose tensors are not the ones this plan trains (a 2-layer model into a
     1-layer one, another optimizer's state, other shapes): dcp.load would fill what matches and
     silently ignore the rest. Every rank reads the same metadata, so every rank raises."""
+    import os
+
     import torch.distributed.checkpoint as dcp
 
+    if not os.path.exists(str(directory)):
+        raise ExecutionError(f"checkpoint directory {directory} does not exist: give the directory "
+                             f"compiled.save() wrote", collective=True)
+    if not os.path.isdir(str(directory)):
+        raise ExecutionError(f"{directory} is a file, not a checkpoint directory: give the directory "
+                             f"compiled.save() wrote", collective=True)
     try:
         meta = dcp.FileSystemReader(str(directory)).read_metadata()
     except Exception as e:
-        raise ExecutionError(f"no readable checkpoint at {directory}: {type(e).__name__}: {e}") from None
+        raise ExecutionError(f"no readable checkpoint at {directory}: {type(e).__name__}: {e}", collective=True) from None
     saved = {k: getattr(v, "size", None) for k, v in meta.state_dict_metadata.items()}
     want = {"step": torch.Size([])}
     for group in ("model", "optim"):
@@ -536,7 +548,7 @@ def _check_checkpoint(directory, state: dict) -> None:
             ([f"shape differs: {show(shapes)}"] if shapes else [])
     raise ExecutionError(f"checkpoint {directory} does not match this model and optimizer ("
                          + "; ".join(parts) + "): nothing was loaded. Load it into the model (and "
-                         "optimizer) it was saved from.")
+                         "optimizer) it was saved from.", collective=True)
 
 
 class _nullcontext:
@@ -573,22 +585,25 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
     ``batch_dims``: each input's batch dim for planning (autopar.plan's keyword; with a given plan it
     must match the plan's). Without ``example_inputs`` the set-up happens at the first ``step``."""
     _require_pg(cluster)
+    if dist.get_world_size() > 1:   # an uncaught autopar error prints once, not once per rank
+        from autopar.error_report import install
+        install()
     if plan is not None and not isinstance(plan, Plan):
-        raise ExecutionError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
+        raise ExecutionError(f"plan must be an autopar.Plan, got {type(plan).__name__}", collective=True)
     if plan is not None and plan.mesh.size != dist.get_world_size():
         raise ExecutionError(f"the plan is for {plan.mesh.size} devices (mesh {plan.mesh.describe()}) but the "
                              f"process group has {dist.get_world_size()} ranks: launch {plan.mesh.size} "
-                             f"processes or re-plan")
+                             f"processes or re-plan", collective=True)
     if grad_clip is not None and not grad_clip > 0:
-        raise ExecutionError(f"grad_clip must be a positive number, got {grad_clip!r}")
+        raise ExecutionError(f"grad_clip must be a positive number, got {grad_clip!r}", collective=True)
     options = dict(plan_options or {})
     if loss_fn is not None and options.get("loss_fn", loss_fn) is not loss_fn:
         raise ExecutionError("compile() got two different loss functions (loss_fn= and plan_options['loss_fn']): "
-                             "pass one")
+                             "pass one", collective=True)
     loss_fn = loss_fn if loss_fn is not None else options.get("loss_fn")
     if loss_fn is not None:
         if not callable(loss_fn):
-            raise ExecutionError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+            raise ExecutionError(f"loss_fn must be callable, got {type(loss_fn).__name__}", collective=True)
         options["loss_fn"] = loss_fn
     if batch_dims is not None:
         if plan is not None:
@@ -596,7 +611,7 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
             want = [batch_dims] * len(plan.data.get("inputs", [])) if isinstance(batch_dims, int) else list(batch_dims)
             if want != plan_batch_dims(plan.data, len(want)):
                 raise ExecutionError(f"batch_dims={batch_dims!r} differs from the plan's batch dims "
-                                     f"{plan_batch_dims(plan.data, len(want))}: re-plan with batch_dims=...")
+                                     f"{plan_batch_dims(plan.data, len(want))}: re-plan with batch_dims=...", collective=True)
         else:
             options["batch_dims"] = batch_dims
     cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, options, precision, grad_clip,

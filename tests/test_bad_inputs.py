@@ -262,3 +262,57 @@ def test_untraceable_forward_names_module_and_line(capfd):
     assert "Branchy" in str(ei.value) and "test_bad_inputs.py" in str(ei.value)
     out, err = capfd.readouterr()
     assert "def forward" not in err + out, err   # torch's partial-graph dump is held back
+
+
+# ------------------------------------------------------------------ running: (mistake, key phrase)
+
+def _run_mistake(rank, world, plan_json, case, tmp):
+    from autopar.errors import ExecutionError
+
+    model, batch = ZOO["gpt2"]()
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                         plan=autopar.Plan.from_json(plan_json), optimizer="sgd", lr=0.1)
+    x, y = batch
+    calls = {
+        "another sequence length": lambda: cm.step(x[:, :8], y[:, :8]),
+        "one input instead of two": lambda: cm.step(x),
+        "an extra input": lambda: cm.step(x, y, y),
+        "a token outside the vocabulary": lambda: cm.step(x + 10_000, y),
+        "a checkpoint directory that does not exist": lambda: cm.load(f"{tmp}/nowhere"),
+        "a file given as checkpoint directory": lambda: cm.load(__file__),
+    }
+    try:
+        calls[case]()
+    except ExecutionError as e:
+        return "ExecutionError", str(e)
+    except BaseException as e:   # anything else is a failure of this test: say what it was
+        return type(e).__name__, str(e)
+    return None, "no error"
+
+
+RUN_CASES = [
+    ("another sequence length", "the plan is fixed to the example batch's shapes"),
+    ("one input instead of two", "step() got 1 inputs"),
+    ("an extra input", "step() got 3 inputs"),
+    ("a token outside the vocabulary", "outside the 256 embedding rows (vocabulary size) of wte"),
+    ("a checkpoint directory that does not exist", "does not exist"),
+    ("a file given as checkpoint directory", "is a file, not a checkpoint directory"),
+]
+
+
+@pytest.fixture(scope="module")
+def gpt_dp2_plan():
+    model, batch = ZOO["gpt2"]()
+    return autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2),
+                        constraints={"dp": 2, "tp": 1, "num_micro_batches": 1}).to_json()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, phrase", RUN_CASES, ids=[c[0] for c in RUN_CASES])
+def test_running_mistakes(gpt_dp2_plan, tmp_path, case, phrase):
+    from runtime.launch import run_local
+
+    torch.set_num_threads(1)
+    res = run_local(_run_mistake, 2, args=(gpt_dp2_plan, case, str(tmp_path)), timeout=120, pg_timeout=20)
+    for kind, msg in res:   # every rank gets the same clear error, none hangs
+        assert kind == "ExecutionError" and phrase in msg, (kind, msg)
