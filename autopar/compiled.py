@@ -155,7 +155,7 @@ class CompiledModel:
         with torch.no_grad():
             for name in prog.param_names:
                 fqn = prog.param_fqn[name]
-                src = _resolve(self.model, fqn).detach()
+                src = (traced.constants[fqn] if fqn in traced.constants else _resolve(self.model, fqn)).detach()
                 # fp32 on this rank's device (rank 0's values); the optimizer makes the parameters
                 # views of its working-dtype buffers, the fp32 values seed the master weights.
                 full = src.to(self.device, dtype=torch.float32 if src.is_floating_point() else src.dtype, copy=True)
@@ -406,7 +406,8 @@ class CompiledModel:
                 flat = my_flat(c, state["optim"], "." + name)
                 t.copy_(flat[c.lo:c.hi] if t.numel() == c.shard and self.zero >= 1 else flat[:t.numel()])
         for fqn, b in self.buffers.items():
-            b.copy_(state["model"][fqn][prog.param_slices[fqn]])
+            if fqn in state["model"]:   # not a constant lifted out of forward (not in state_dict)
+                b.copy_(state["model"][fqn][prog.param_slices[fqn]])
         self.opt.step_count = int(state["step"])
 
     # ------------------------------------------------------------------ communication

@@ -60,6 +60,9 @@ class TracedGraph:
     fingerprint: str
     blocks: list[BlockGroup]
     block_of: dict[str, tuple[int, int, int]]   # node name -> (group, instance, position)
+    # FQN -> value of tensors torch.export lifted out of forward (``torch.tensor(2)`` in HF's
+    # shift_tokens_right): buffers in param_fqn, but not attributes of the model.
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def module_of(self, node: Node | str) -> str:
         """FQN of the innermost module that produced ``node`` ("" for the root or unknown)."""
@@ -144,11 +147,12 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
         except Exception as e:
             errors = [err for err in (export_error, e) if err is not None]
             raise _trace_error(model, root, errors, prefix) from e
-    gm, param_fqn, buffers, input_names, output_name, source = result
+    gm, param_fqn, buffers, input_names, output_name, source, constants = result
     seconds = time.perf_counter() - t0
 
     if prefix:
         param_fqn = {k: _strip(v, prefix) for k, v in param_fqn.items()}
+        constants = {_strip(k, prefix): v for k, v in constants.items()}
         _strip_module_stacks(gm, prefix)
     _check_scalar_loss(gm, output_name, loss_fn)
     tied = _tied_fqns(model)
@@ -156,7 +160,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
     blocks, block_of = find_blocks(gm, model, param_fqn, buffers)
     return TracedGraph(gm=gm, param_fqn=param_fqn, buffers=buffers, tied=tied, input_names=input_names,
                        output_name=output_name, source=source, trace_seconds=seconds,
-                       fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of)
+                       fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of,
+                       constants=constants)
 
 
 def _strip(fqn: str, prefix: str) -> str:
@@ -179,15 +184,18 @@ def _via_export(root: nn.Module, inputs: tuple):
 
     ep = torch.export.export(root, inputs, strict=False)
     sig = ep.graph_signature
-    param_fqn, buffers, input_names = {}, set(), []
+    param_fqn, buffers, input_names, constants = {}, set(), [], {}
     for spec in sig.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
             param_fqn[name] = spec.target
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            # Lifted constants (tensor attributes that are not registered buffers) behave as buffers.
+            # Lifted constants (tensor attributes that are not registered buffers, or tensors
+            # created in forward) behave as buffers; their values are kept (not on the model).
             param_fqn[name] = spec.target
             buffers.add(name)
+            if spec.kind == InputKind.CONSTANT_TENSOR and spec.target in ep.constants:
+                constants[spec.target] = ep.constants[spec.target]
         elif spec.kind == InputKind.USER_INPUT:
             input_names.append(name)
         else:
@@ -203,7 +211,7 @@ def _via_export(root: nn.Module, inputs: tuple):
     if len(user_out) != 1 or not hasattr(user_out[0].arg, "name"):
         raise TraceError(f"the traced function returns {len(user_out)} outputs; it must return one "
                          f"scalar loss tensor: pass loss_fn=... to trace()/plan()")
-    return ep.graph_module, param_fqn, buffers, input_names, user_out[0].arg.name, "export"
+    return ep.graph_module, param_fqn, buffers, input_names, user_out[0].arg.name, "export", constants
 
 
 def _via_fx(root: nn.Module, inputs: tuple):
@@ -247,7 +255,7 @@ def _via_fx(root: nn.Module, inputs: tuple):
     if len(outs) != 1 or not isinstance(outs[0], Node):
         raise TraceError(f"the traced function returns {len(outs)} outputs; it must return one "
                          f"scalar loss tensor: pass loss_fn=... to trace()/plan()")
-    return gm, param_fqn, buffers, input_names, outs[0].name, "fx"
+    return gm, param_fqn, buffers, input_names, outs[0].name, "fx", {}
 
 
 def _check_scalar_loss(gm: GraphModule, output_name: str, loss_fn) -> None:
