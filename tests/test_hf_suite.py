@@ -26,7 +26,8 @@ Plans (4 processes):
     and tp=4 (1-D), both Megatron.
   * regression: BERT with a vocab-parallel embedding and padding tokens in the batch (the padding row
     was zeroed in forward instead of only losing its gradient: runtime/special.py).
-X
+Cost: 33 multi-process tests, 4 min 20 s on 2 cores (measured; half of it is the automatic plans'
+search: T5 alone ~30 s).
 """
 from __future__ import annotations
 
