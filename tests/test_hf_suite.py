@@ -26,6 +26,8 @@ Plans (4 processes):
     and tp=4 (1-D), both Megatron.
   * regression: BERT with a vocab-parallel embedding and padding tokens in the batch (the padding row
     was zeroed in forward instead of only losing its gradient: runtime/special.py).
+  * known failure, xfail(strict): masked LM with -100 labels spread unevenly over the data ranks
+    (the mean cross-entropy is averaged per rank, not over the global labelled count).
 Cost: 33 multi-process tests, 4 min 20 s on 2 cores (measured; half of it is the automatic plans'
 search: T5 alone ~30 s).
 """
@@ -153,3 +155,16 @@ def test_bert_vocab_parallel_embedding_with_padding_tokens():
               outputs=[l.to_json() for l in st.outputs], splits=list(st.splits), special=list(st.special))
     comm = check("hf_bert", autopar.Plan(data), **kw)
     assert comm.get("tp", 0) > 0, comm
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "aten.cross_entropy_loss with reduction='mean' and ignore_index=-100, batch split over the data "
+    "axes: each rank takes the mean over ITS labelled positions and the ranks' means are averaged "
+    "(local-share scaling), not divided by the global count of labelled positions; losses differ from "
+    "step 1 (5.509 vs 5.547 under dp=4). Needs a count all-reduce in the loss (loss/micro-batching work)."))
+def test_masked_lm_with_uneven_labelled_positions_per_rank():
+    kw = {"label_fraction": 0.15}
+    _, (_, labels) = HF_ZOO["hf_bert"](**kw)
+    per_rank = [int((labels[2 * r:2 * r + 2] != -100).sum()) for r in range(DEVICES)]
+    assert len(set(per_rank)) > 1, f"premise: ranks hold different numbers of labels, {per_rank}"
+    check("hf_bert", make_plan("hf_bert", {"dp": DEVICES, "tp": 1, "zero": 0, **NM1}, **kw), **kw)

@@ -83,14 +83,28 @@ def hf_llama(*, n_layer=2, n_head=4, n_kv_heads=2, d_model=64, ffn_hidden=176, v
     return _make("LlamaConfig", "LlamaForCausalLM", cfg, batch, seq, vocab, device, seed, attn)
 
 
+def _mask_labels(inputs, fraction, seed):
+    """Keep a random ``fraction`` of the labels, -100 (ignored by the loss) elsewhere: a masked-LM
+    batch whose rows hold different numbers of labelled positions."""
+    if fraction >= 1.0:
+        return inputs
+    ids, labels = inputs
+    if labels.is_meta:
+        return inputs
+    keep = torch.rand(labels.shape, generator=torch.Generator().manual_seed(seed + 2)) < fraction
+    return ids, labels.masked_fill(~keep, -100)
+
+
 def hf_bert(*, n_layer=2, n_head=4, d_model=64, vocab=256, seq=16, batch=8, dropout=0.0,
-            device="cpu", seed=0):
-    """transformers.BertForMaskedLM from a BertConfig (tiny by default); every position is labelled."""
+            device="cpu", seed=0, attn="sdpa", label_fraction=1.0):
+    """transformers.BertForMaskedLM from a BertConfig (tiny by default); every position is labelled
+    unless ``label_fraction`` < 1 (the others are -100, as in masked-LM training)."""
     cfg = dict(num_hidden_layers=n_layer, num_attention_heads=n_head, hidden_size=d_model,
                intermediate_size=4 * d_model, vocab_size=vocab, max_position_embeddings=seq,
                hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
                loss_type="ForMaskedLM")
-    return _make("BertConfig", "BertForMaskedLM", cfg, batch, seq, vocab, device, seed)
+    model, inputs = _make("BertConfig", "BertForMaskedLM", cfg, batch, seq, vocab, device, seed, attn)
+    return model, _mask_labels(inputs, label_fraction, seed)
 
 
 def hf_llama_eager(**kw):
