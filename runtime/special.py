@@ -4,9 +4,10 @@ dimension of an embedding table and of the cross-entropy's logits (Megatron-styl
 Both take the mesh axes the vocabulary is split over (contiguous blocks, first axis outer, as in
 autopar/layout.py) and find this rank's block from the execution context (runtime/context.py).
 
-- ``vocab_parallel_embedding(weight, indices, axes)``: my block of the table holds rows
+- ``vocab_parallel_embedding(weight, indices, padding_idx, axes)``: my block of the table holds rows
   [start, start + V_local); indices outside it read row 0 and are zeroed, so the output is a
   PARTIAL SUM over ``axes`` (the plan's output layout says so; a later reshard all-reduces).
+  ``padding_idx`` keeps aten.embedding's meaning: the row is read, it gets no gradient.
 - ``vocab_parallel_cross_entropy(logits, target, axes, ...)``: logits split on the class dim;
   forward all-reduces the row max (MAX), the sum of exponentials (SUM) and the target's logit
   (SUM) over ``axes``; the loss is complete (replicated over ``axes``). Backward is local:
@@ -53,12 +54,15 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, paddin
     start = block * v_local
     outside = (indices < start) | (indices >= start + v_local)
     local = (indices - start).masked_fill(outside, 0)
-    out = torch.nn.functional.embedding(local, weight)
+    # padding_idx as aten.embedding has it: the forward READS the padding row (it is not zero once a
+    # tied decoder has updated it); only its gradient is dropped. The owner of the row passes its
+    # local index; the other ranks zero those positions below anyway.
+    local_pad = None
+    if padding_idx is not None and padding_idx >= 0 and start <= padding_idx < start + v_local:
+        local_pad = padding_idx - start
+    out = torch.nn.functional.embedding(local, weight, padding_idx=local_pad)
     # Zero the rows other ranks own: multiply (not index) so backward puts no gradient there.
-    out = out * (~outside).unsqueeze(-1).to(out.dtype)
-    if padding_idx is not None and padding_idx >= 0:
-        out = out * (indices != padding_idx).unsqueeze(-1).to(out.dtype)
-    return out
+    return out * (~outside).unsqueeze(-1).to(out.dtype)
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -4,7 +4,9 @@ Tiny models run at their default sizes; the published shapes (gpt2_xl, gpt3, lla
 their widths, sequence and vocabulary but are cut to 2 layers (on the meta device) so the matrix
 stays minutes, not hours. On 16 nodes (128 devices) the global batch must be at least
 128 / 8 = 16 (dp × tp = devices, tp within one node of 8), so the batch is raised to 16 there.
-Each (model, batch) is traced once and passed to autopar.plan as ``traced=``."""
+Each (model, batch) is traced once and passed to autopar.plan as ``traced=``. Of the Hugging Face
+zoo, GPT-2, Llama and BERT are in the matrix; the other architectures are planned (and trained) on 4
+CPU processes by tests/test_hf_suite.py: on these cluster shapes they would add ~25 minutes."""
 import pytest
 
 import autopar
@@ -14,7 +16,8 @@ from autopar.trace import trace
 pytestmark = pytest.mark.slow
 
 PUBLISHED = {"gpt2_small", "gpt2_medium", "gpt2_large", "gpt2_xl", "gpt3", "llama_7b", "bert_large", "vit_large"}
-FACTORIES = {**ZOO, **HF_ZOO}
+MATRIX_HF = ("hf_bert", "hf_gpt2", "hf_llama")
+FACTORIES = {**ZOO, **{k: HF_ZOO[k] for k in MATRIX_HF}}
 CLUSTERS = {
     "dgx-a100x1": lambda: autopar.Cluster.preset("dgx-a100", nodes=1),
     "dgx-a100x2": lambda: autopar.Cluster.preset("dgx-a100", nodes=2),
@@ -44,7 +47,7 @@ def traced(name: str, big_batch: bool):
 
 
 def test_matrix_covers_the_whole_zoo():
-    assert set(ZOO) | set(HF_ZOO) == set(FACTORIES)
+    assert set(ZOO) | set(MATRIX_HF) == set(FACTORIES) and set(MATRIX_HF) <= set(HF_ZOO)
     assert PUBLISHED <= set(ZOO)
 
 
