@@ -105,6 +105,11 @@ def simulate(node, env, strat, spec, shape):
         if lay is not None and lay.partial:
             addends[i] = _addends(v, lay, shape)
     lc0 = local_call(node, spec, strat, shape)
+    denom = None
+    if lc0.global_mean:   # a mean loss run as a local sum over the global denominator (runtime/loss.py)
+        from runtime.loss import local_count
+        w = env[ins[2]] if len(ins) > 2 else None
+        denom = local_count(env[ins[1]], w, node.args[4] if len(node.args) > 4 else -100).to(env[node].dtype)
     results = {}
     ce_rows = {}
     for c in ranks:
@@ -134,13 +139,11 @@ def simulate(node, env, strat, spec, shape):
             out = lc.target(*args, **kwargs)
         if lc.scale is not None:
             out = out * lc.scale
-        if lc.global_mean:
-            out = out / _global_denominator(node, env)
+        if denom is not None:
+            out = out / denom
         results[c] = out
     if ce_rows:
-        results = _vocab_parallel_ce(node, ce_rows, strat, shape, lc0.scale)
-        if lc0.global_mean:   # a local sum over this rank's rows: the codegen divides by the global count
-            results = {c: r / _global_denominator(node, env) for c, r in results.items()}
+        results = _vocab_parallel_ce(node, ce_rows, strat, shape, lc0, denom)
     outs = []
     n_out = len(strat.outputs)
     for o, lay in enumerate(strat.outputs):
@@ -168,22 +171,10 @@ def simulate(node, env, strat, spec, shape):
     return outs
 
 
-def _global_denominator(node, env):
-    """What the codegen divides a mean loss run as a local sum by (runtime/loss.py): the valid
-    targets (or their class weights) of the WHOLE batch."""
-    from runtime.loss import local_count
-
-    args, kw = node.args, node.kwargs
-    target = env[args[1]]
-    weight = args[2] if len(args) > 2 else kw.get("weight")
-    ignore = args[4] if len(args) > 4 else kw.get("ignore_index", -100)
-    return local_count(target, env[weight] if isinstance(weight, fx.Node) else None, ignore).to(target.device)
-
-
-def _vocab_parallel_ce(node, rows, strat, shape, scale):
+def _vocab_parallel_ce(node, rows, strat, shape, lc, denom):
     """The distributed vocab-parallel cross-entropy, all-reduces done across the vocab axes."""
     v_axes = [a for a, s in enumerate(strat.splits) if s == "v"]
-    lc = local_call(node, spec_for(node), strat, shape)   # a mean over split rows runs as a local sum
+    scale = lc.scale
     reduction = lc.args[3] if len(lc.args) > 3 else lc.kwargs.get("reduction", 1)
     out = {}
     for c, (logits, tgt, lay) in rows.items():
@@ -202,9 +193,11 @@ def _vocab_parallel_ce(node, rows, strat, shape, scale):
         m = torch.stack([s[0] for s in stats]).amax(0)
         sumexp = sum((s[1] - m.unsqueeze(1)).exp().sum(1) for s in stats)
         tl = sum(s[2] for s in stats)
-        loss = sumexp.log() + m - tl
-        r = loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
-        out[c] = r * scale if scale is not None else r
+        valid = tgt != -100       # ignore_index: no loss, not counted
+        loss = (sumexp.log() + m - tl) * valid
+        r = loss.sum() / valid.sum() if reduction == 1 else loss.sum() if reduction == 2 else loss
+        r = r * scale if scale is not None else r
+        out[c] = r / denom if denom is not None else r
     return out
 
 
@@ -284,6 +277,12 @@ CASES = {
     "ce_sum": lambda: (aten.cross_entropy_loss.default, (rnd(8, 16), idx(16, 8), None, 2)),
     "ce_none_3d": lambda: (aten.cross_entropy_loss.default, (rnd(4, 8, 4), idx(8, 4, 4), None, 0)),
     "nll": lambda: (aten.nll_loss.default, (rnd(8, 16), idx(16, 8))),
+    # masked targets, unevenly spread: split rows hold different numbers of valid targets
+    "ce_mean_masked": lambda: (aten.cross_entropy_loss.default,
+                               (rnd(8, 16), idx(16, 8).masked_fill(torch.tensor([1, 1, 1, 0, 1, 0, 0, 0]) > 0, -100))),
+    "nll_weighted_masked": lambda: (aten.nll_loss.default,
+                                    (rnd(8, 16), idx(16, 8).masked_fill(torch.tensor([0, 1, 1, 1, 0, 0, 0, 1]) > 0, -100),
+                                     rnd(16).abs() + 0.5)),
     "view_merge": lambda: (aten.view.default, (rnd(4, 4, 8), [16, 8])),
     "view_split": lambda: (aten.view.default, (rnd(4, 4, 8), [4, 4, 2, 4])),
     "view_mixed": lambda: (aten.reshape.default, (rnd(4, 6, 1, 4), [8, 1, 12])),
