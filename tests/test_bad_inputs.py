@@ -280,6 +280,7 @@ def _run_mistake(rank, world, plan_json, case, tmp):
         "a token outside the vocabulary": lambda: cm.step(x + 10_000, y),
         "a checkpoint directory that does not exist": lambda: cm.load(f"{tmp}/nowhere"),
         "a file given as checkpoint directory": lambda: cm.load(__file__),
+        "another model's checkpoint": lambda: _save_other_then_load(cm, world, f"{tmp}/other"),
     }
     try:
         calls[case]()
@@ -290,6 +291,13 @@ def _run_mistake(rank, world, plan_json, case, tmp):
     return None, "no error"
 
 
+def _save_other_then_load(cm, world, directory):
+    other, batch = ZOO["gpt2"](n_layer=1)
+    autopar.compile(other, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                    plan_options={"constraints": {"dp": world, "tp": 1, "num_micro_batches": 1}}).save(directory)
+    cm.load(directory)
+
+
 RUN_CASES = [
     ("another sequence length", "the plan is fixed to the example batch's shapes"),
     ("one input instead of two", "step() got 1 inputs"),
@@ -297,6 +305,7 @@ RUN_CASES = [
     ("a token outside the vocabulary", "outside the 256 embedding rows (vocabulary size) of wte"),
     ("a checkpoint directory that does not exist", "does not exist"),
     ("a file given as checkpoint directory", "is a file, not a checkpoint directory"),
+    ("another model's checkpoint", "does not match this model"),
 ]
 
 
