@@ -104,10 +104,12 @@ class cuda_kernels(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def cuda_kernels_fx(gm: torch.fx.GraphModule) -> int:
-    """Rewrite ``gm`` in place so its dropout and SDPA calls run the CUDA kernels' ops, also when
-    generated code passes the op to a wrapper (``runtime.rng.seeded(aten.dropout.default, ...)``).
-    Returns how many calls were rewritten."""
+def cuda_kernels_fx(gm: torch.fx.GraphModule, wrappers: dict | None = None) -> int:
+    """Rewrite ``gm`` in place so its dropout and SDPA calls run the CUDA kernels' ops. A call
+    that passes the op to a wrapper (``runtime.rng.seeded(aten.dropout.default, ...)``) is
+    redirected to ``wrappers[wrapper]``, which receives the same arguments and should map the op
+    through ``as_cuda``. Returns how many calls were rewritten."""
+    wrappers = wrappers or {}
     n = 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -115,8 +117,13 @@ def cuda_kernels_fx(gm: torch.fx.GraphModule) -> int:
         if node.target in _ATEN:
             node.target = _ATEN[node.target]
             n += 1
-        elif node.args and node.args[0] in _ATEN:
-            node.args = (_ATEN[node.args[0]],) + tuple(node.args[1:])
+        elif node.target in wrappers and node.args and node.args[0] in _ATEN:
+            node.target = wrappers[node.target]
             n += 1
     gm.recompile()
     return n
+
+
+def as_cuda(op):
+    """The CUDA-kernel stand-in of an aten dropout / SDPA overload (else ``op`` itself)."""
+    return _ATEN.get(op, op)
