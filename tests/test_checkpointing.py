@@ -102,6 +102,7 @@ def measured_activation_bytes(cm, batch) -> dict:
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
     outside: dict = {}
+    cm._set_denominators([inputs])   # mean losses divide by the step's global count (runtime/loss.py)
     with torch.random.fork_rng(devices=[]):   # leave the training run's dropout masks alone
         with RCK.record_regions() as log, hooks(outside):
             loss = prog.gm(*cm.local, *inputs)
