@@ -125,7 +125,10 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     P = Priced({}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})
     charged_roots: set[str] = set()
     cuda = runs_cuda(cluster)
-    roots = {**c.storage_root, **device_storage_roots(c, cuda)}
+    cache = c.__dict__.setdefault("_device_roots", {})   # depends on the graph and the device only
+    if cuda not in cache:
+        cache[cuda] = {**c.storage_root, **device_storage_roots(c, cuda)}
+    roots = cache[cuda]
     for name in c.order:
         info = c.nodes[name]
         if info.rep != name:
