@@ -125,10 +125,10 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     P = Priced({}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})
     charged_roots: set[str] = set()
     cuda = runs_cuda(cluster)
-    cache = c.__dict__.setdefault("_device_roots", {})   # depends on the graph and the device only
-    if cuda not in cache:
-        cache[cuda] = {**c.storage_root, **device_storage_roots(c, cuda)}
-    roots = cache[cuda]
+    cache = c.__dict__.setdefault("_device_roots", {})   # depends on the graph, device and precision only
+    if (cuda, s.precision) not in cache:
+        cache[cuda, s.precision] = {**c.storage_root, **device_storage_roots(c, cuda, s.precision)}
+    roots = cache[cuda, s.precision]
     for name in c.order:
         info = c.nodes[name]
         if info.rep != name:
@@ -294,11 +294,8 @@ def on_device(on: str, cuda: bool, work16: bool) -> bool:
     ``work16``: the op's working floating dtype is 16-bit (bf16 mixed precision or a 16-bit trace)."""
     if not on:
         return True
-    if on == "cuda":
-        return cuda
-    if cuda:
-        return False
-    return on == "cpu" or on == ("cpu16" if work16 else "cpu32")
+    dev = "cuda" if cuda else "cpu"
+    return on == dev or on == dev + ("16" if work16 else "32")
 
 
 def saved_applies(sv, cuda: bool, work16: bool) -> bool:
@@ -311,7 +308,7 @@ _VIEWISH = {"transpose", "permute", "view", "reshape", "_unsafe_view", "contiguo
             "squeeze", "unsqueeze", "t", "alias", "expand", "select", "slice", "clone", "_reshape_alias"}
 
 
-def device_storage_roots(c: Candidates, cuda: bool) -> dict[str, str]:
+def device_storage_roots(c: Candidates, cuda: bool, precision: str = "bf16") -> dict[str, str]:
     """Storage roots where the device's kernels lay an output out differently from the trace
     (``OpSpec.storage_order``; e.g. flash attention's output, traced on meta through the math
     path): the op's view-like consumers are replayed on a meta tensor with the device's layout,
@@ -327,7 +324,8 @@ def device_storage_roots(c: Candidates, cuda: bool) -> dict[str, str]:
         spec = info.spec
         if info.kind != "op" or spec is None or not spec.storage_order:
             continue
-        order = next((o for on, o in spec.storage_order if on_device(on, cuda, False)), None)
+        work16 = _itemsize(node_val(info.node).dtype, precision) == 2 if isinstance(node_val(info.node), torch.Tensor) else False
+        order = next((o for on, o in spec.storage_order if on_device(on, cuda, work16)), None)
         out = node_val(info.node)
         if order is None or not isinstance(out, torch.Tensor) or out.is_sparse:
             continue

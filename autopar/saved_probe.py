@@ -62,16 +62,16 @@ def cuda_dropout(input, p=0.5, training=True, inplace=False):
 
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``F.scaled_dot_product_attention`` as CUDA runs it on A100/H100 in bf16: flash attention
-    without a mask, memory-efficient attention with one (a bool mask becomes an additive mask in
-    q's dtype first). Grouped-query attention repeats k and v as the math path would."""
+    """``F.scaled_dot_product_attention`` as CUDA runs it on A100/H100: flash attention for 16-bit
+    inputs without a mask, memory-efficient attention otherwise (a bool mask becomes an additive
+    mask in q's dtype first). Grouped-query attention repeats k and v as the math path would."""
     q, k, v = query, key, value
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    if attn_mask is None:
+    if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16):
         return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
-    if attn_mask.dtype == torch.bool:
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
             attn_mask.logical_not(), float("-inf"))
     return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal,

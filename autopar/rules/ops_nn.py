@@ -139,12 +139,13 @@ def sdpa(node):
     else:
         cpu = tuple(Saved(sv.kind, sv.index, sv.letters, sv.itemsize, act=sv.act, on="cpu") for sv in fused)
     saved = cuda + cpu
-    # The output's memory layout: flash attention (CUDA without a mask, CPU without dropout) lays
-    # it out like q, memory-efficient attention (CUDA with a mask) as (b, s, h, e); with q a view
-    # of a (b, s, 3, h, d) projection the usual ``y.transpose(1, 2).reshape(b, s, h*e)`` is then
-    # a view, not a copy. The math path (CPU with dropout, and the trace on meta) writes it
+    # The output's memory layout: flash attention (CUDA in 16 bits without a mask, CPU without
+    # dropout) lays it out like q, memory-efficient attention (CUDA otherwise) as (b, s, h, e); with
+    # q a view of a (b, s, 3, h, d) projection the usual ``y.transpose(1, 2).reshape(b, s, h*e)``
+    # is then a view, not a copy. The math path (CPU with dropout, and the trace on meta) writes it
     # contiguously.
-    order = (("cuda", "bshe" if is_tensor(mask) else "=0"),) + ((("cpu", "=0"),) if not dropout_p else ())
+    order = ((("cuda16", "=0"),) if not is_tensor(mask) else ()) + (("cuda", "bshe"),) \
+        + ((("cpu", "=0"),) if not dropout_p else ())
     return OpSpec("sdpa", tuple(ins), ("bhse",), sizes, unsplittable=frozenset(unsplit),
                   flops=2.0 * b * h * s * t * (d + e), bytes=io_bytes(node), saved=saved, storage_order=order)
 
@@ -201,7 +202,7 @@ def cross_entropy(node):
     n = math.prod(sizes.values())
     return OpSpec("cross_entropy", tuple(ins), (out,), sizes, unsplittable=frozenset(unsplit),
                   special=special, flops=5.0 * n, bytes=io_bytes(node),
-                  saved=(Saved("extra", letters=x, itemsize=_itemsize(node.args[0])), Saved("input", 1),
+                  saved=(Saved("extra", letters=x, itemsize=_itemsize(node.args[0]), act=True), Saved("input", 1),
                          Saved("extra", letters="", itemsize=4)))
 
 

@@ -35,8 +35,9 @@ class Saved:
     CPU dropout mask is ``x * mask`` in the working dtype). ``on`` names the devices that save
     the tensor, where CUDA and CPU kernels differ (autopar/pricing.py ``saved_applies``): ""
     every device, "cuda" / "cpu" one backend's devices (a cluster on NCCL runs CUDA kernels),
-    "cpu16" / "cpu32" CPU with a 16-bit / wider working dtype (the math SDPA upcasts 16-bit
-    inputs to fp32 and saves fp32 copies).
+    "cpu16" / "cpu32" / "cuda16" / "cuda32" that device with a 16-bit / wider working dtype (the
+    math SDPA upcasts 16-bit inputs to fp32 and saves fp32 copies; flash attention takes 16-bit
+    inputs only).
     """
     kind: str
     index: int = 0
