@@ -124,6 +124,11 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     dp = math.prod(mesh.shape[a] for a in mesh.data_axes())
     P = Priced({}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})
     charged_roots: set[str] = set()
+    cuda = runs_cuda(cluster)
+    cache = c.__dict__.setdefault("_device_roots", {})   # depends on the graph, device and precision only
+    if (cuda, s.precision) not in cache:
+        cache[cuda, s.precision] = {**c.storage_root, **device_storage_roots(c, cuda, s.precision)}
+    roots = cache[cuda, s.precision]
     for name in c.order:
         info = c.nodes[name]
         if info.rep != name:
@@ -198,7 +203,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                 comm_t[j] += t * k
                 for a, nb in per_axis.items():
                     axis_bytes[a][j] += nb * k
-            saved_roots = _saved_roots(c, info, s.precision, charged_roots)
+            saved_roots = _saved_roots(c, info, s.precision, charged_roots, cuda=cuda, roots=roots)
             for j, st in enumerate(info.strategies):
                 saved[j] = sum(fn(st) for _, fn in saved_roots) / nm * k
                 outs = val if isinstance(val, (tuple, list)) else (val,)
@@ -278,17 +283,107 @@ def _region_cost(c: Candidates, info: NodeInfo, st: Strategy, precision: str, nm
     return t, per_axis
 
 
-def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str]):
+def runs_cuda(cluster: Cluster) -> bool:
+    """Does the cluster run CUDA kernels (what autograd saves differs: see ``Saved.on``)? A
+    cluster on NCCL is a GPU cluster; gloo clusters are CPU processes."""
+    return cluster.backend == "nccl"
+
+
+def on_device(on: str, cuda: bool, work16: bool) -> bool:
+    """Does a rule's device tag (``Saved.on``, ``OpSpec.storage_order``) name this device?
+    ``work16``: the op's working floating dtype is 16-bit (bf16 mixed precision or a 16-bit trace)."""
+    if not on:
+        return True
+    dev = "cuda" if cuda else "cpu"
+    return on == dev or on == dev + ("16" if work16 else "32")
+
+
+def saved_applies(sv, cuda: bool, work16: bool) -> bool:
+    """Is ``Saved`` entry ``sv`` saved on this device (``Saved.on``)?"""
+    return on_device(sv.on, cuda, work16)
+
+
+# ops that may return a view of their input: replayed by ``device_storage_roots``
+_VIEWISH = {"transpose", "permute", "view", "reshape", "_unsafe_view", "contiguous", "flatten", "unflatten",
+            "squeeze", "unsqueeze", "t", "alias", "expand", "select", "slice", "clone", "_reshape_alias"}
+
+
+def device_storage_roots(c: Candidates, cuda: bool, precision: str = "bf16") -> dict[str, str]:
+    """Storage roots where the device's kernels lay an output out differently from the trace
+    (``OpSpec.storage_order``; e.g. flash attention's output, traced on meta through the math
+    path): the op's view-like consumers are replayed on a meta tensor with the device's layout,
+    and each gets the root of the storage it really aliases. Returns node -> root overrides of
+    ``c.storage_root``."""
+    over: dict[str, str] = {}
+    users: dict[str, list] = defaultdict(list)
+    for node in c.graph.gm.graph.nodes:
+        for p in node.all_input_nodes:
+            users[p.name].append(node)
+    for name in c.order:
+        info = c.nodes[name]
+        spec = info.spec
+        if info.kind != "op" or spec is None or not spec.storage_order:
+            continue
+        work16 = _itemsize(node_val(info.node).dtype, precision) == 2 if isinstance(node_val(info.node), torch.Tensor) else False
+        order = next((o for on, o in spec.storage_order if on_device(on, cuda, work16)), None)
+        out = node_val(info.node)
+        if order is None or not isinstance(out, torch.Tensor) or out.is_sparse:
+            continue
+        letters = spec.outputs[0]
+        if order.startswith("="):   # like an input: its dims by decreasing stride (torch.empty_like)
+            ref = node_val(tensor_inputs(info.node)[int(order[1:])])
+            dims = sorted(range(ref.ndim), key=lambda d: (-ref.stride(d), d))
+            order = "".join(letters[d] for d in dims)
+        shape = dict(zip(letters, out.shape))
+        base = torch.empty([shape[ch] for ch in order], dtype=out.dtype, device="meta")
+        base = base.permute([order.index(ch) for ch in letters])
+        owner = {id(base.untyped_storage()): c.storage_root.get(name, name)}
+        keep = [base.untyped_storage()]
+        vals = {name: base}
+        todo = [name]
+        while todo:
+            n = todo.pop()
+            for u in users[n]:
+                op = getattr(u.target, "overloadpacket", None)
+                if op is None or op.__name__ not in _VIEWISH or u.name in vals or len(u.all_input_nodes) != 1:
+                    continue
+                args = [vals[n] if getattr(a, "name", None) == n else a for a in u.args]
+                try:
+                    y = u.target(*args, **u.kwargs)
+                except Exception:
+                    continue
+                if not isinstance(y, torch.Tensor):
+                    continue
+                st = y.untyped_storage()
+                keep.append(st)
+                owner.setdefault(id(st), u.name)
+                over[u.name] = owner[id(st)]
+                vals[u.name] = y
+                todo.append(u.name)
+        del keep
+    return over
+
+
+def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str], cuda: bool = False,
+                 roots: dict[str, str] | None = None):
     """(storage root or None, function strategy -> bytes) for each tensor this op saves, each
-    storage counted once (root None: a buffer of the op's own, e.g. a dropout mask)."""
+    storage counted once (root None: a buffer of the op's own, e.g. a dropout mask). ``cuda``:
+    count what CUDA kernels save (``runs_cuda``), else what CPU kernels save; ``roots``: storage
+    roots on that device (``device_storage_roots``), default the traced ones."""
     mesh = c.mesh
+    roots = c.storage_root if roots is None else roots
     fns = []
     ins = tensor_inputs(info.node)
     val = node_val(info.node)
     outs = val if isinstance(val, (tuple, list)) else (val,)
     if info.name not in c.needs_grad:
         return fns          # autograd records nothing for an op none of whose inputs needs a gradient
+    floats = [node_val(p).dtype for p in ins
+              if isinstance(node_val(p), torch.Tensor) and node_val(p).dtype in FLOAT_DTYPES]
+    work16 = any(_itemsize(d, precision) == 2 for d in floats)
     for sv in info.spec.saved:
+        if not saved_applies(sv, cuda, work16):
+            continue
         if sv.for_grad_of and not any(j < len(ins) and ins[j].name in c.needs_grad for j in sv.for_grad_of):
             continue
         if sv.kind in ("input", "output"):
@@ -296,12 +391,12 @@ def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str
                 if sv.index >= len(ins):
                     continue
                 src = ins[sv.index]
-                root = c.storage_root.get(src.name)
+                root = roots.get(src.name)
                 t = node_val(src)
             else:
                 if sv.index >= len(outs):
                     continue
-                root = c.storage_root.get(info.name) if sv.index == 0 else f"{info.name}#{sv.index}"
+                root = roots.get(info.name) if sv.index == 0 else f"{info.name}#{sv.index}"
                 t = outs[sv.index]
             if root is None or not isinstance(t, torch.Tensor):
                 continue
@@ -321,7 +416,10 @@ def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str
             fns.append((root, fn))
         else:
             size = math.prod(info.spec.sizes[ch] for ch in sv.letters) if sv.letters else 1
-            nbytes = size * (sv.itemsize if sv.itemsize != 4 or precision != "bf16" else sv.itemsize)
+            # fixed-size extras (fp32 statistics, bool masks) keep their itemsize; an activation-
+            # typed one follows the working dtype (a fp32-traced dropout mask is 2 bytes under bf16)
+            itemsize = min(sv.itemsize, 2) if sv.act and precision == "bf16" else sv.itemsize
+            nbytes = size * itemsize
             fns.append((None, lambda st, nbytes=nbytes, letters=sv.letters: nbytes * _letter_fraction(letters, st, mesh)))
     return fns
 

@@ -378,10 +378,14 @@ def _measured_saved_bytes(target, args, kwargs):
 
 
 def _spec_saved_bytes(node, env, spec):
+    from autopar.pricing import saved_applies
+
     ins = tensor_inputs(node)
     outs = env[node] if isinstance(env[node], (tuple, list)) else (env[node],)
     total, counted = 0, set()
     for sv in spec.saved:
+        if not saved_applies(sv, cuda=False, work16=False):   # measured here: CPU kernels, fp32
+            continue
         if sv.kind == "input":
             t = env[ins[sv.index]]
             key = ins[sv.index]

@@ -1,9 +1,11 @@
 """Rules for neural-network ops: embedding, layer/RMS norm, softmax, attention, dropout, losses.
 
-Saved tensors follow the default CPU autograd (measured with saved_tensors_hooks):
-layer_norm saves input, weight, bias, mean and rstd (fp32, one per row); rms_norm saves input,
-weight, rstd and the normalised input; softmax/log_softmax their output; SDPA (no dropout)
-q, k, v, output and the fp32 logsumexp (plus the mask), with dropout the math path's
+Saved tensors follow autograd (measured with saved_tensors_hooks; where CUDA and CPU kernels
+differ both are listed, tagged ``on=``): layer_norm saves input, weight, bias, mean and rstd
+(fp32, one per row); rms_norm saves input, weight, rstd and the normalised input;
+softmax/log_softmax their output; dropout a 1-byte bool mask on CUDA (native_dropout), a mask in
+the working dtype on CPU; SDPA on CUDA (flash / efficient / cuDNN) and on CPU without dropout q,
+k, v, output and the fp32 logsumexp (plus the mask), on CPU with dropout the math path's
 intermediates; cross_entropy the log-softmax, the target and a scalar total weight.
 """
 from __future__ import annotations
@@ -115,17 +117,37 @@ def sdpa(node):
         L = Letters("bhsdteg")
         ins.append(broadcast_letters(shape(mask), "bhst", (b, h, s, t), L, sizes, unsplit))
     isz = _itemsize(q)
+    # A fused kernel (CUDA: flash / memory-efficient / cuDNN, dropout or not; CPU: flash without
+    # dropout) saves q, k, v, the output and the fp32 logsumexp, plus the mask it was given; a
+    # bool mask is converted to q's dtype and that copy is saved. With dropout CUDA also keeps
+    # its RNG seed and offset (two 8-byte scalars), not a mask.
+    fused = (Saved("input", 0), Saved("input", 1), Saved("input", 2), Saved("output", 0),
+             Saved("extra", letters="bhs", itemsize=4))
+    if is_tensor(mask):
+        fused += ((Saved("input", 3),) if val(mask).dtype == val(q).dtype
+                  else (Saved("extra", letters=ins[3], itemsize=isz, act=True),))
+    cuda = tuple(Saved(sv.kind, sv.index, sv.letters, sv.itemsize, act=sv.act, on="cuda") for sv in fused)
     if dropout_p:
-        saved = (Saved("input", 2), Saved("extra", letters="b" + kh + "td", itemsize=isz),
-                 Saved("extra", letters="bhsd", itemsize=isz)) + (Saved("extra", letters="bhst", itemsize=isz),) * 3
+        cuda += (Saved("extra", itemsize=8, on="cuda"),) * 2
+        # CPU with dropout runs the math path: k^T and the scaled q (as bmm operands), the
+        # attention weights, the dropout mask, the dropped weights and v. Under a 16-bit working
+        # dtype it upcasts to fp32 and saves fp32 copies, v included.
+        math_path = ("b" + kh + "td", "bhsd", "bhst", "bhst", "bhst")
+        cpu = ((Saved("input", 2, on="cpu32"),)
+               + tuple(Saved("extra", letters=ls, itemsize=isz, on="cpu32") for ls in math_path)
+               + tuple(Saved("extra", letters=ls, itemsize=4, on="cpu16") for ls in math_path + ("b" + kh + "te",)))
     else:
-        saved = (Saved("input", 0), Saved("input", 1), Saved("input", 2), Saved("output", 0),
-                 Saved("extra", letters="bhs", itemsize=4))
-        if is_tensor(mask):   # a bool mask is converted to q's dtype and that copy is saved
-            saved += ((Saved("input", 3),) if val(mask).dtype == val(q).dtype
-                      else (Saved("extra", letters=ins[3], itemsize=isz),))
+        cpu = tuple(Saved(sv.kind, sv.index, sv.letters, sv.itemsize, act=sv.act, on="cpu") for sv in fused)
+    saved = cuda + cpu
+    # The output's memory layout: flash attention (CUDA in 16 bits without a mask, CPU without
+    # dropout) lays it out like q, memory-efficient attention (CUDA otherwise) as (b, s, h, e); with
+    # q a view of a (b, s, 3, h, d) projection the usual ``y.transpose(1, 2).reshape(b, s, h*e)``
+    # is then a view, not a copy. The math path (CPU with dropout, and the trace on meta) writes it
+    # contiguously.
+    order = ((("cuda16", "=0"),) if not is_tensor(mask) else ()) + (("cuda", "bshe"),) \
+        + ((("cpu", "=0"),) if not dropout_p else ())
     return OpSpec("sdpa", tuple(ins), ("bhse",), sizes, unsplittable=frozenset(unsplit),
-                  flops=2.0 * b * h * s * t * (d + e), bytes=io_bytes(node), saved=saved)
+                  flops=2.0 * b * h * s * t * (d + e), bytes=io_bytes(node), saved=saved, storage_order=order)
 
 
 @rule(aten.dropout.default, aten.native_dropout.default)
@@ -138,8 +160,11 @@ def dropout(node):
     if native:
         outs, saved = (ls, ls), (Saved("output", 1),)
     else:
+        # CUDA runs F.dropout as native_dropout, which saves a bool mask (1 byte); CPU (and meta)
+        # computes x * mask and saves the mask in x's working dtype (2 bytes under bf16).
         outs = (ls,)
-        saved = (Saved("extra", letters=ls, itemsize=_itemsize(node.args[0])),) if active else ()
+        saved = (Saved("extra", letters=ls, itemsize=1, on="cuda"),
+                 Saved("extra", letters=ls, itemsize=_itemsize(node.args[0]), act=True, on="cpu")) if active else ()
     return OpSpec("dropout", (ls,), outs, dict(zip(ls, xs)), flops=float(math.prod(xs)),
                   bytes=io_bytes(node), saved=saved,
                   # an inactive dropout is the identity: linear, so partial sums pass through
@@ -177,7 +202,7 @@ def cross_entropy(node):
     n = math.prod(sizes.values())
     return OpSpec("cross_entropy", tuple(ins), (out,), sizes, unsplittable=frozenset(unsplit),
                   special=special, flops=5.0 * n, bytes=io_bytes(node),
-                  saved=(Saved("extra", letters=x, itemsize=_itemsize(node.args[0])), Saved("input", 1),
+                  saved=(Saved("extra", letters=x, itemsize=_itemsize(node.args[0]), act=True), Saved("input", 1),
                          Saved("extra", letters="", itemsize=4)))
 
 

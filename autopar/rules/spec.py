@@ -29,12 +29,23 @@ class Saved:
     that is not an fx value (e.g. layer norm's mean and rstd), with its letters and itemsize.
     ``for_grad_of``: when set, autograd saves the tensor only if one of these inputs needs a
     gradient (mul saves x only for the gradient of y: x * constant saves nothing of x).
+
+    ``itemsize`` of an extra is fixed (fp32 statistics: 4, a bool mask: 1) unless ``act``: then
+    it is the traced itemsize of a floating activation, which bf16 mixed precision makes 2 (a
+    CPU dropout mask is ``x * mask`` in the working dtype). ``on`` names the devices that save
+    the tensor, where CUDA and CPU kernels differ (autopar/pricing.py ``saved_applies``): ""
+    every device, "cuda" / "cpu" one backend's devices (a cluster on NCCL runs CUDA kernels),
+    "cpu16" / "cpu32" / "cuda16" / "cuda32" that device with a 16-bit / wider working dtype (the
+    math SDPA upcasts 16-bit inputs to fp32 and saves fp32 copies; flash attention takes 16-bit
+    inputs only).
     """
     kind: str
     index: int = 0
     letters: str = ""
     itemsize: int = 4
     for_grad_of: tuple = ()
+    act: bool = False
+    on: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,12 @@ class OpSpec:
     bytes: float = 0.0                        # forward bytes read + written, unsplit (memory-bound ops)
     saved: tuple[Saved, ...] = ()
     replicate_only: bool = False              # fallback rule: only the fully replicated strategy
+    # (device, letters of output 0 in memory order, or "=0": in input 0's memory order): where a
+    # kernel lays its output out other than contiguously, e.g. memory-efficient attention's "bshe"
+    # for a "bhse" output, so that the usual transpose + reshape after it is a view (same storage)
+    # and not a copy. ``device`` as in ``Saved.on``; the memory model follows it
+    # (autopar/pricing.py ``device_storage_roots``).
+    storage_order: tuple = ()
     addend_inputs: tuple[int, ...] = ()       # inputs added into the result (a linear's bias): when a
                                               # contracted letter is split on an axis they are partial there too
                                               # (rank 0 of the axis keeps the value, the others zeros)
