@@ -42,7 +42,8 @@ def _meta_train(rank, world, name, plan_json, weights, steps):
     cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
                          plan=autopar.Plan.from_json(plan_json), weights=weights, **SGD)
     init = {k: v.numpy() for k, v in cm.full_state_dict().items()}
-    blocks = {k: (p.detach().clone().numpy(), cm.program.param_slices[k]) for k, p in cm.params.items()}
+    # this rank's block of every parameter (under ZeRO-3 gathered over the data group: collective)
+    blocks = {k: (v.numpy(), cm.program.param_slices[k]) for k, v in cm._local_values().items() if k in cm.params}
     cm.reset_comm_stats()
     losses = [cm.step(*batch) for _ in range(steps)]
     sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
