@@ -94,3 +94,36 @@ def test_meta_model_init_matches_one_process(name, world, constraints):
     res = run_local(_meta_train, world, args=(name, plan.to_json(), "init", STEPS), timeout=400)
     ref, batch = FACTORIES[name](device="cpu", seed=SEED)
     check_against_eager(res, ref, batch, plan)
+
+
+# ------------------------------------------------------------------ Hugging Face checkpoints
+
+def save_hf(name, directory, max_shard_size=None):
+    """A small pretrained-looking HF model (seed 11, so not what any meta init would give) saved
+    with save_pretrained (safetensors); returns the CPU model."""
+    model, _ = FACTORIES[name](device="cpu", seed=11)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.model.save_pretrained(str(directory), **kw)
+    return model
+
+
+HF_CASES = [
+    ("hf_llama", {"dp": 2, "tp": 2}, None),
+    ("hf_llama", {"tp": 4}, "40KB"),
+    ("hf_gpt2", {"dp": 2, "tp": 2}, "40KB"),
+    ("hf_gpt2", {"tp": 4}, None),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,constraints,shard", HF_CASES,
+                         ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in c.items())}-{'sharded' if s else 'single'}"
+                              for n, c, s in HF_CASES])
+def test_hf_checkpoint_loads_into_shards(tmp_path, name, constraints, shard):
+    ref = save_hf(name, tmp_path, shard)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert ("model.safetensors.index.json" in files) == bool(shard), files
+    plan = plan_for(name, 4, constraints)
+    res = run_local(_meta_train, 4, args=(name, plan.to_json(), str(tmp_path), STEPS), timeout=400)
+    _, batch = FACTORIES[name](device="cpu", seed=SEED)
+    check_against_eager(res, ref, batch, plan)
