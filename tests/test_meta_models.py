@@ -127,3 +127,73 @@ def test_hf_checkpoint_loads_into_shards(tmp_path, name, constraints, shard):
     res = run_local(_meta_train, 4, args=(name, plan.to_json(), str(tmp_path), STEPS), timeout=400)
     _, batch = FACTORIES[name](device="cpu", seed=SEED)
     check_against_eager(res, ref, batch, plan)
+
+
+# ------------------------------------------------------------------ bad input, compiled.save directories
+
+def _errors(rank, world, plan_json, dirs):
+    cluster = autopar.Cluster.preset("cpu", devices=world)
+    plan = autopar.Plan.from_json(plan_json)
+    _, batch = FACTORIES["hf_llama"](device="cpu", seed=SEED)
+    out = {}
+    for case, weights in [("none", None), *dirs.items(), ("bogus", 3)]:
+        model, _ = FACTORIES["hf_llama"](device="meta", seed=SEED)
+        try:
+            autopar.compile(model, cluster, example_inputs=batch, plan=plan, weights=weights, **SGD)
+            out[case] = "ok"
+        except ExecutionError as e:
+            out[case] = str(e)
+    return out
+
+
+@pytest.mark.slow
+def test_bad_weights_are_clear_errors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    good = tmp_path / "good"
+    save_hf("hf_llama", good)
+    sd = load_file(str(good / "model.safetensors"))
+    dirs = {"absent": str(tmp_path / "nope"), "empty": str(tmp_path)}
+    for case, change in [("missing", lambda d: d.pop("model.norm.weight")),
+                         ("extra", lambda d: d.__setitem__("model.extra.weight", torch.zeros(2))),
+                         ("shape", lambda d: d.__setitem__("lm_head.weight", torch.zeros(3, 64)))]:
+        d = dict(sd)
+        change(d)
+        (tmp_path / case).mkdir()
+        save_file(d, str(tmp_path / case / "model.safetensors"))
+        dirs[case] = str(tmp_path / case)
+    plan = plan_for("hf_llama", 2, {"tp": 2})
+    out = run_local(_errors, 2, args=(plan.to_json(), dirs), timeout=300)[0]
+    assert "meta device" in out["none"] and 'weights="init"' in out["none"] and "PATH" in out["none"], out["none"]
+    assert "no such directory" in out["absent"] and "weights=" in out["absent"], out["absent"]
+    assert "neither a Hugging Face checkpoint" in out["empty"], out["empty"]
+    assert "missing from the checkpoint: model.norm.weight" in out["missing"], out["missing"]
+    assert "not in this model: model.extra.weight" in out["extra"], out["extra"]
+    assert "shape differs: lm_head.weight (3, 64)" in out["shape"], out["shape"]
+    assert "options are" in out["bogus"], out["bogus"]
+
+
+def _save_then_load(rank, world, plan_a, plan_b, directory):
+    """Train a real model 1 step under plan A, save; a meta model loads it under plan B."""
+    cluster = autopar.Cluster.preset("cpu", devices=world)
+    model, batch = FACTORIES["llama"](device="cpu", seed=SEED)
+    a = autopar.compile(model, cluster, example_inputs=batch, plan=autopar.Plan.from_json(plan_a), **SGD)
+    a.step(*batch)
+    a.save(directory)
+    want = {k: v.numpy() for k, v in a.full_state_dict().items()}
+    meta, _ = FACTORIES["llama"](device="meta", seed=SEED)
+    b = autopar.compile(meta, cluster, example_inputs=batch, plan=autopar.Plan.from_json(plan_b),
+                        weights=directory, **SGD)
+    got = {k: v.numpy() for k, v in b.full_state_dict().items()}
+    return want, got
+
+
+@pytest.mark.slow
+def test_compiled_save_directory_loads_into_a_meta_model_under_another_plan(tmp_path):
+    plan_a = plan_for("llama", 2, {"dp": 2})
+    plan_b = plan_for("llama", 2, {"tp": 2})
+    want, got = run_local(_save_then_load, 2, args=(plan_a.to_json(), plan_b.to_json(), str(tmp_path / "ck")),
+                          timeout=300)[0]
+    assert set(want) == set(got)
+    for k in want:
+        assert np.array_equal(want[k], got[k]), k
