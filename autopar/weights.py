@@ -61,9 +61,7 @@ class ModelWeights:
             t = traced.value_of(model, fqn).detach()
             if t.is_meta:
                 raise ExecutionError(f"{fqn} is on the meta device: pass weights=... ({OPTIONS})")
-            f = t.reshape(-1).double()
-            w = torch.arange(1, f.numel() + 1, dtype=torch.float64).remainder_(9973).add_(1)
-            sums.append(torch.stack([f.sum(), (f * w).sum()]))
+            sums.append(_checksum(t))
         mine = torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64)
         hi, lo = mine.clone(), mine.clone()
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
@@ -85,6 +83,22 @@ class ModelWeights:
         full = _fp(src).to(device, copy=True)
         dist.broadcast(full, src=0)
         return full[slices].clone().contiguous()
+
+
+_CHUNK = 1 << 20
+_WEIGHTS = torch.arange(_CHUNK, dtype=torch.float64).remainder_(9973).add_(1)
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """(sum, position-weighted sum) in float64, over 1M-element chunks so the transient memory
+    stays small whatever the tensor's size."""
+    f = t.reshape(-1)
+    s = torch.zeros(2, dtype=torch.float64)
+    for i in range(0, f.numel(), _CHUNK):
+        c = f[i:i + _CHUNK].double()
+        s[0] += c.sum()
+        s[1] += (c * _WEIGHTS[:c.numel()]).sum()
+    return s
 
 
 # ---------------------------------------------------------------- meta buffers
