@@ -332,10 +332,11 @@ class SafetensorsWeights:
         else:
             with safe_open(single, framework="pt") as f:
                 self.file_of = {k: single for k in f.keys()}
-        self._open = {}
         shapes = {}
-        for name, path in self.file_of.items():
-            shapes[name] = tuple(self._file(path).get_slice(name).get_shape())
+        for path in sorted(set(self.file_of.values())):
+            with safe_open(path, framework="pt") as f:   # headers only
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
         # What the model holds in a checkpoint: parameters and persistent buffers, every tied alias.
         persistent = set(model.state_dict(keep_vars=True).keys())
         shape_of = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
@@ -367,19 +368,18 @@ class SafetensorsWeights:
     def _ckpt(self, fqn):
         return fqn[len(self.prefix):] if self.prefix and fqn.startswith(self.prefix) else fqn
 
-    def _file(self, path):
-        from safetensors import safe_open
-        if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt")
-        return self._open[path]
-
     def has(self, fqn) -> bool:
         return fqn in self.name_of
 
     def block(self, fqn: str, slices, device) -> torch.Tensor:
+        from safetensors import safe_open
+
         name = self.name_of[fqn]
-        part = self._file(self.file_of[name]).get_slice(name)[slices]   # reads only this block
-        return _fp(part).to(device).contiguous()
+        # Opened per tensor: safetensors maps the file, and every page a read touches stays in this
+        # process's resident set until the file is closed (a column block touches the whole tensor).
+        with safe_open(self.file_of[name], framework="pt") as f:
+            part = f.get_slice(name)[slices]   # reads only this block (copied out of the mapping)
+            return _fp(part).to(device, copy=True).contiguous()
 
 
 def _best_prefix(model_keys: set[str], ckpt_keys: set[str]) -> str:
