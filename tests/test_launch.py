@@ -121,7 +121,10 @@ def test_finetune_example_under_real_torchrun(tmp_path):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(port),
            FINETUNE, "--checkpoint", str(tmp_path / "ck"), "--steps", "5", "--seq", "16", "--lr", "1e-2"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    import os
+    root = str(__import__("pathlib").Path(FINETUNE).parents[1])   # this checkout's autopar, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [float(line.split()[3]) for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 5 and losses[-1] < losses[0], out.stdout
