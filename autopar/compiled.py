@@ -110,13 +110,16 @@ class CompiledModel:
         from runtime.zero import ShardedOptimizer
 
         example_inputs = _as_tuple(example_inputs)
-        from autopar.weights import is_meta_model
-        if is_meta_model(self.model):
-            # A meta model traces (and plans) on meta copies of the batch: nothing is allocated.
+        from autopar.weights import all_on_meta, is_meta_model
+        meta = is_meta_model(self.model)
+        if meta:
+            # A meta model traces (and plans) on meta copies of the batch, and of its real buffers
+            # (accelerate.init_empty_weights() keeps them real): one device, nothing allocated.
             example_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
-        traced = trace(self.model, example_inputs, self.loss_fn)   # the same on every rank (an error too: no rank waits)
-        if self.plan is None:
-            self.plan = _broadcast_plan(self.model, example_inputs, self.cluster, self.plan_options, traced)
+        with all_on_meta(self.model, meta):
+            traced = trace(self.model, example_inputs, self.loss_fn)   # the same on every rank (an error too: no rank waits)
+            if self.plan is None:
+                self.plan = _broadcast_plan(self.model, example_inputs, self.cluster, self.plan_options, traced)
         plan = self.plan
         world = dist.get_world_size()
         if plan.mesh.size != world:
@@ -138,7 +141,8 @@ class CompiledModel:
         if nm > 1:
             micro = tuple(x if d is None else x.narrow(d, 0, x.shape[d] // nm)
                           for x, d in zip(example_inputs, self.batch_dims))
-            mt = trace(self.model, micro, self.loss_fn)
+            with all_on_meta(self.model, meta):
+                mt = trace(self.model, micro, self.loss_fn)
             seq = lambda t: [(n.name, str(n.target)) for n in t.gm.graph.nodes if n.op == "call_function"]  # noqa: E731
             if seq(mt) != seq(traced):
                 raise ExecutionError("re-tracing one micro-batch gave a different op sequence than the global "

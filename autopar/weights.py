@@ -22,6 +22,7 @@ or, inside a Hugging Face model, its ``_init_weights``); anything else is an err
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -38,6 +39,26 @@ OPTIONS = ('weights=None (a materialized model: its own tensors), weights="init"
 
 def is_meta_model(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters())
+
+
+@contextlib.contextmanager
+def all_on_meta(model: nn.Module, on: bool = True):
+    """Real buffers of a meta model swapped for meta copies while it is traced, then put back."""
+    if not on:
+        yield
+        return
+    saved = []
+    for mod in model.modules():
+        for n, b in mod._buffers.items():
+            if b is not None and not b.is_meta:
+                saved.append((mod, n, b))
+    try:
+        for mod, n, b in saved:
+            mod._buffers[n] = b.to("meta")
+        yield
+    finally:
+        for mod, n, b in saved:
+            mod._buffers[n] = b
 
 
 def _fp(t: torch.Tensor) -> torch.Tensor:

@@ -214,3 +214,60 @@ def test_setup_memory_is_bounded_by_shards_plus_largest_parameter(mode):
         cap = m["held"] + m["largest"] + 16 * 2 ** 20
         assert cap < m["held"] + m["full"], m   # the premise: the whole model does not fit under the cap
         assert m["peak"] <= cap, (rank, {k: round(v / 2 ** 20, 1) for k, v in m.items()})
+
+
+# ------------------------------------------------------------------ buffers, real models
+
+def _buffers_and_copies(rank, world, plan_json):
+    import warnings
+
+    from autopar.models.llama import rotary_tables
+
+    cluster = autopar.Cluster.preset("cpu", devices=world)
+    plan = autopar.Plan.from_json(plan_json)
+    _, batch = FACTORIES["llama"](device="cpu", seed=SEED)
+    out = {}
+    # 1. accelerate.init_empty_weights() style: parameters on meta, buffers real (no reset_buffers needed)
+    model, _ = FACTORIES["llama"](device="meta", seed=SEED)
+    c = model.config
+    cos, sin = rotary_tables(c.seq, c.d_model // c.n_head, c.rope_theta)
+    model.rope_cos, model.rope_sin = cos, sin   # assigning to a registered buffer keeps it a buffer
+    type(model).reset_buffers, saved = None, type(model).reset_buffers   # the model offers no way now
+    try:
+        torch.manual_seed(SEED)
+        cm = autopar.compile(model, cluster, example_inputs=batch, plan=plan, weights="init", **SGD)
+        out["real_buffers"] = cm.step(*batch)
+        # 2. a buffer on meta with no way to compute it
+        model, _ = FACTORIES["llama"](device="meta", seed=SEED)
+        del type(model).reset_buffers
+        try:
+            autopar.compile(model, cluster, example_inputs=batch, plan=plan, weights="init", **SGD)
+            out["meta_buffer"] = "ok"
+        except ExecutionError as e:
+            out["meta_buffer"] = str(e)
+    finally:
+        type(model).reset_buffers = saved
+    # 3. a materialized model whose copies differ between ranks: rank 0's values, with a warning
+    model, _ = FACTORIES["llama"](device="cpu", seed=SEED + rank)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cm = autopar.compile(model, cluster, example_inputs=batch, plan=plan, **SGD)
+    out["warned"] = [str(x.message) for x in w if "models differ" in str(x.message)]
+    out["differing"] = {k: v.numpy() for k, v in cm.full_state_dict().items()}
+    return out
+
+
+@pytest.mark.slow
+def test_real_buffers_meta_buffers_and_differing_copies():
+    plan = plan_for("llama", 2, {"tp": 2})
+    res = run_local(_buffers_and_copies, 2, args=(plan.to_json(),), timeout=300)
+    ref, batch = FACTORIES["llama"](device="cpu", seed=SEED)
+    want_loss = ref(*batch).item()
+    for out in res:
+        assert abs(out["real_buffers"] - want_loss) <= 1e-5 * abs(want_loss), (out["real_buffers"], want_loss)
+        assert "rope_cos" in out["meta_buffer"] and "reset_buffers()" in out["meta_buffer"], out["meta_buffer"]
+        assert out["warned"] and "using rank 0's values" in out["warned"][0], out["warned"]
+    rank0, _ = FACTORIES["llama"](device="cpu", seed=SEED)
+    for k, v in rank0.state_dict().items():
+        for out in res:
+            assert torch.equal(torch.from_numpy(out["differing"][k]), v), k
