@@ -229,7 +229,7 @@ def init_weights(model: nn.Module, want: dict[str, tuple], rng_state: torch.Tens
             (mod._parameters if kind == "p" else mod._buffers)[n] = v
         return lambda: (mod._parameters.update(saved_p), mod._buffers.update(saved_b))
 
-    def run_reset(mod, keep: bool):
+    def run_reset(mod):
         """mod.reset_parameters() on scratch; returns slot -> value."""
         vals = {("p", n): torch.full(t.shape, float("nan"), dtype=torch.float32) if t.is_floating_point()
                 else torch.zeros(t.shape, dtype=t.dtype) for k, n, t in own(mod) if k == "p"}
@@ -258,7 +258,7 @@ def init_weights(model: nn.Module, want: dict[str, tuple], rng_state: torch.Tens
             mod, state, n = phase_a[c]
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(state)
-                return run_reset(mod, keep=True)[("p", n)]
+                return run_reset(mod)[("p", n)]
 
         def finalize(c, v):
             if c in want:
@@ -313,7 +313,7 @@ def init_weights(model: nn.Module, want: dict[str, tuple], rng_state: torch.Tens
             params = [(n, t) for k, n, t in own(mod) if k == "p"]
             if params and hasattr(mod, "reset_parameters"):
                 state = torch.get_rng_state()
-                run_reset(mod, keep=False)
+                run_reset(mod)
                 for n, t in params:
                     phase_a.setdefault(names[id(t)], (mod, state, n))
             for cname, child in mod.named_children():
