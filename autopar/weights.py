@@ -460,6 +460,11 @@ def open_weights(weights, traced, model):
         return DcpWeights(path, traced, model)
     if os.path.exists(os.path.join(path, "model.safetensors")) or \
             os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        try:
+            import safetensors  # noqa: F401
+        except ImportError:
+            raise ExecutionError(f"weights={path!r} is a safetensors checkpoint: `pip install safetensors` "
+                                 f"(or `pip install autopar[hf]`)") from None
         return SafetensorsWeights(path, traced, model)
     raise ExecutionError(f"weights={path!r}: neither a Hugging Face checkpoint (model.safetensors or "
                          f"model.safetensors.index.json) nor a compiled.save() directory (.metadata). "
