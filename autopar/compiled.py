@@ -1,6 +1,6 @@
 """``autopar.compile``: run a Plan on the current process group.
 
-compile(model, cluster, example_inputs=None, plan=None, optimizer="adamw", lr=1e-3, **kw) -> CompiledModel
+compile(model, cluster, example_inputs=None, plan=None, optimizer="adamw", lr=1e-3, weights=None, **kw) -> CompiledModel
 
 Set-up (every rank, collectively):
 1. a process group must exist and its world size must equal the plan's device count
