@@ -1,6 +1,6 @@
 """``autopar.compile``: run a Plan on the current process group.
 
-compile(model, cluster, example_inputs=None, plan=None, optimizer="adamw", lr=1e-3, **kw) -> CompiledModel
+compile(model, cluster, example_inputs=None, plan=None, optimizer="adamw", lr=1e-3, weights=None, **kw) -> CompiledModel
 
 Set-up (every rank, collectively):
 1. a process group must exist and its world size must equal the plan's device count
@@ -12,8 +12,10 @@ Set-up (every rank, collectively):
    ``batch_dims``, to global batch // num_micro_batches) and checks that the op sequence is the
    same (the plan's ops are keyed by node name);
 4. mesh process groups (runtime/context.py), the per-rank program (codegen/per_rank.py; the block
-   instances the plan checkpoints run as activation-checkpoint regions, runtime/checkpoint.py), the
-   full parameters broadcast from rank 0 and sliced to this rank's blocks, and a
+   instances the plan checkpoints run as activation-checkpoint regions, runtime/checkpoint.py), only
+   this rank's parameter blocks from ``weights`` (autopar/weights.py: the model's own copy checked
+   by a checksum, the replayed initialization of a meta model, or a checkpoint read slice by
+   slice; no full tensor crosses the network), and a
    ``ShardedOptimizer`` over the data axes with the plan's ZeRO stage.
 
 Gradient bookkeeping: the local loss is a partial sum over the data axes (a mean over a split
@@ -87,7 +89,11 @@ def _broadcast_plan(model, example_inputs, cluster, plan_options, traced) -> Pla
 
 class CompiledModel:
     def __init__(self, model, cluster, plan, optimizer, lr, optimizer_kwargs, plan_options=None,
-                 precision=None, grad_clip=None, loss_fn=None):
+                 precision=None, grad_clip=None, loss_fn=None, weights=None):
+        self.weights = weights
+        # weights="init" replays the initialization from the random stream as it is now (rank 0's
+        # is used on every rank), before set-up draws from it.
+        self._init_rng_state = torch.get_rng_state()
         self.model, self.cluster, self.plan = model, cluster, plan
         self.loss_fn = loss_fn   # traced as loss_fn(model(*inputs[:k]), *inputs[k:]) (autopar.trace)
         self.optimizer_name, self.lr, self.optimizer_kwargs = optimizer, lr, dict(optimizer_kwargs)
@@ -104,9 +110,16 @@ class CompiledModel:
         from runtime.zero import ShardedOptimizer
 
         example_inputs = _as_tuple(example_inputs)
-        traced = trace(self.model, example_inputs, self.loss_fn)   # the same on every rank (an error too: no rank waits)
-        if self.plan is None:
-            self.plan = _broadcast_plan(self.model, example_inputs, self.cluster, self.plan_options, traced)
+        from autopar.weights import all_on_meta, is_meta_model
+        meta = is_meta_model(self.model)
+        if meta:
+            # A meta model traces (and plans) on meta copies of the batch, and of its real buffers
+            # (accelerate.init_empty_weights() keeps them real): one device, nothing allocated.
+            example_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
+        with all_on_meta(self.model, meta):
+            traced = trace(self.model, example_inputs, self.loss_fn)   # the same on every rank (an error too: no rank waits)
+            if self.plan is None:
+                self.plan = _broadcast_plan(self.model, example_inputs, self.cluster, self.plan_options, traced)
         plan = self.plan
         world = dist.get_world_size()
         if plan.mesh.size != world:
@@ -128,7 +141,8 @@ class CompiledModel:
         if nm > 1:
             micro = tuple(x if d is None else x.narrow(d, 0, x.shape[d] // nm)
                           for x, d in zip(example_inputs, self.batch_dims))
-            mt = trace(self.model, micro, self.loss_fn)
+            with all_on_meta(self.model, meta):
+                mt = trace(self.model, micro, self.loss_fn)
             seq = lambda t: [(n.name, str(n.target)) for n in t.gm.graph.nodes if n.op == "call_function"]  # noqa: E731
             if seq(mt) != seq(traced):
                 raise ExecutionError("re-tracing one micro-batch gave a different op sequence than the global "
@@ -165,22 +179,22 @@ class CompiledModel:
         chunk_index = {k: i for i, k in enumerate(keys)}
         self.chunk_of = {traced.param_fqn[n]: chunk_index[chunk_key(traced.param_fqn[n])] for n in trainable}
         self.program = generate(traced, plan, self.rank, self.chunk_of if zero == 3 else None,
-                                compute_dtype=self.dtype, device=self.device if self.device.type != "cpu" else None,
+                                compute_dtype=self.dtype,
+                                # a meta model traced on meta: its factory ops (arange) say device=meta
+                                device=self.device if (self.device.type != "cpu" or is_meta_model(self.model)) else None,
                                 batch_carrying=carrying)
         prog = self.program
 
-        # Parameters: full tensors from rank 0, then this rank's block.
+        # Parameters: only this rank's blocks, from the weight source (autopar/weights.py).
         self.params, self.buffers = {}, {}
         self.local: list[torch.Tensor] = []
         with torch.no_grad():
+            source = self._weight_source(traced, prog)
             for name in prog.param_names:
                 fqn = prog.param_fqn[name]
-                src = traced.value_of(self.model, fqn).detach()
-                # fp32 on this rank's device (rank 0's values); the optimizer makes the parameters
-                # views of its working-dtype buffers, the fp32 values seed the master weights.
-                full = src.to(self.device, dtype=torch.float32 if src.is_floating_point() else src.dtype, copy=True)
-                dist.broadcast(full, src=0)
-                block = full[prog.param_slices[fqn]].clone().contiguous()
+                # fp32 on this rank's device; the optimizer makes the parameters views of its
+                # working-dtype buffers, the fp32 values seed the master weights.
+                block = source(fqn, prog.param_slices[fqn])
                 if name in prog.buffers:
                     if block.is_floating_point():
                         block = block.to(self.dtype)
@@ -190,6 +204,7 @@ class CompiledModel:
                     p = torch.nn.Parameter(block)
                     self.params[fqn] = p
                     self.local.append(p)
+            del source
         # Partial-over-data-axes grads: the reducer averages, so scale by the axes' size (module doc);
         # the optimizer applies the factor (stage 0: inside the reducer's averaging pass).
         grad_scale = {}
@@ -219,6 +234,53 @@ class CompiledModel:
             context.set_zero3(self.opt)
         self._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}
         self._ready = True
+
+    def _weight_source(self, traced, prog):
+        """fqn, slices -> this rank's block (module doc of autopar/weights.py). Lifted constants
+        and real buffers come from the model; buffers on meta are recomputed; parameters from
+        ``weights``."""
+        from autopar import weights as W
+
+        model, dev = self.model, self.device
+        fqns = [prog.param_fqn[n] for n in prog.param_names]
+        meta = W.is_meta_model(model)
+        choice = self.weights
+        if choice is None and meta:
+            raise ExecutionError(f"the model's parameters are on the meta device, so there are no values to train: "
+                                 f"pass {W.OPTIONS.split(', ', 1)[1]}")
+        if choice is not None and not isinstance(choice, (str, bytes)) and not hasattr(choice, "__fspath__"):
+            raise ExecutionError(f"weights={choice!r}: options are {W.OPTIONS}")
+        meta_bufs = W.fill_meta_buffers(model) if any(b.is_meta for b in model.buffers()) else {}
+
+        def own(fqn):   # a constant, a real buffer, or a real parameter of the model
+            t = traced.value_of(model, fqn)
+            return None if t.is_meta else t
+
+        def fixed(fqn, slices):
+            if fqn in meta_bufs:
+                return W._fp(meta_bufs[fqn][slices]).to(dev, copy=True).contiguous()
+            return W._fp(own(fqn).detach()[slices]).to(dev, copy=True).contiguous()
+
+        if choice is None:
+            src = W.ModelWeights(traced, model, [f for f in fqns if f not in meta_bufs])
+            return lambda fqn, sl: fixed(fqn, sl) if fqn in meta_bufs else src.block(fqn, sl, dev)
+        if choice == "init":
+            params = dict(model.named_parameters())
+            want = {f: prog.param_slices[f] for f in fqns if f in params}
+            state = self._init_rng_state
+            import torch.distributed as dist
+            dist.broadcast(state, src=0)   # rank 0's stream, on every rank (5 KB)
+            blocks = W.init_weights(model, want, state)
+            return lambda fqn, sl: blocks[fqn].to(dev).contiguous() if fqn in blocks else fixed(fqn, sl)
+        src = W.open_weights(choice, traced, model)
+
+        def read(fqn, sl):
+            if src.has(fqn):
+                return src.block(fqn, sl, dev)
+            if fqn in meta_bufs or own(fqn) is not None:   # non-persistent buffers, constants
+                return fixed(fqn, sl)
+            raise ExecutionError(f"{fqn} is neither in the checkpoint {choice} nor computable from the model")
+        return read
 
     def _forward_order(self) -> list:
         """Trainable parameters in the order the program first reads them: backward completes
@@ -575,7 +637,7 @@ def _block_of(lay, n, mesh_shape, coords, dim: int = 0) -> slice:
 
 def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "adamw", lr: float = 1e-3,
             plan_options: dict | None = None, precision: str | None = None, grad_clip: float | None = None,
-            loss_fn=None, batch_dims=None, **optimizer_kwargs) -> CompiledModel:
+            loss_fn=None, batch_dims=None, weights=None, **optimizer_kwargs) -> CompiledModel:
     """Set up ``model`` to train under ``plan`` (planned now on rank 0 when None) on the current
     process group. ``plan_options`` are keyword arguments for autopar.plan (e.g. constraints).
     ``precision``: "fp32" | "bf16" | None (the plan's on a GPU, fp32 on the CPU; module doc).
@@ -583,7 +645,10 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
     ``loss_fn``: as for autopar.plan, ``loss_fn(model(*inputs[:k]), *inputs[k:])`` is the loss
     (k: the required positional parameters of model.forward); ``step`` then takes the same tuple.
     ``batch_dims``: each input's batch dim for planning (autopar.plan's keyword; with a given plan it
-    must match the plan's). Without ``example_inputs`` the set-up happens at the first ``step``."""
+    must match the plan's). Without ``example_inputs`` the set-up happens at the first ``step``.
+    ``weights``: None (the model's own tensors), "init" (a meta model's initialization, run for this
+    rank's shards only) or a directory (Hugging Face safetensors checkpoint or compiled.save());
+    see autopar/weights.py."""
     _require_pg(cluster)
     if dist.get_world_size() > 1:   # an uncaught autopar error prints once, not once per rank
         from autopar.error_report import install
@@ -615,7 +680,7 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
         else:
             options["batch_dims"] = batch_dims
     cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, options, precision, grad_clip,
-                       loss_fn)
+                       loss_fn, weights)
     if example_inputs is not None:
         cm._setup(example_inputs)
     return cm

@@ -99,3 +99,32 @@ def test_gpu_cluster_without_cuda_is_a_clear_error():
     out = _torchrun(["--model", "mlp", "--steps", "1", "--cluster", "dgx-a100"])
     assert out.returncode != 0
     assert "runs on NCCL (GPUs) but this machine has no CUDA device" in out.stderr, out.stderr[-3000:]
+
+
+FINETUNE = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "examples" / "finetune.py")
+
+
+@pytest.mark.slow
+def test_finetune_example_under_real_torchrun(tmp_path):
+    """examples/finetune.py: a small HF Llama saved with save_pretrained (sharded safetensors) is
+    fine-tuned on 2 torchrun processes from the checkpoint directory, automatic plan, meta build."""
+    pytest.importorskip("transformers")
+    import socket
+    import subprocess
+
+    from autopar.models import HF_ZOO
+
+    model, _ = HF_ZOO["hf_llama"](device="cpu", seed=1)
+    model.model.save_pretrained(str(tmp_path / "ck"), max_shard_size="40KB")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(port),
+           FINETUNE, "--checkpoint", str(tmp_path / "ck"), "--steps", "5", "--seq", "16", "--lr", "1e-2"]
+    import os
+    root = str(__import__("pathlib").Path(FINETUNE).parents[1])   # this checkout's autopar, not an installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(line.split()[3]) for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 5 and losses[-1] < losses[0], out.stdout

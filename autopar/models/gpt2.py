@@ -69,7 +69,12 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, c.vocab, bias=False)
         self.head.weight = self.wte.weight   # tied: one tensor, two FQNs
-        self.apply(_init_weights)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module):
+        # A method (as in Hugging Face models) so a meta-device GPT can replay it per module
+        # (autopar/weights.py, compile(weights="init")).
+        _init_weights(module)
 
     def forward(self, idx, targets):
         pos = torch.arange(idx.shape[1], device=idx.device)

@@ -32,6 +32,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self):
+        # torch's convention (as nn.LayerNorm): lets compile(weights="init") rebuild it on meta.
+        nn.init.ones_(self.weight)
+
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
@@ -100,6 +104,13 @@ class Llama(nn.Module):
         # Non-persistent buffers: derived from the config, not part of a checkpoint.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def reset_buffers(self):
+        """Recompute the RoPE tables (autopar calls this for buffers left on the meta device)."""
+        c = self.config
+        cos, sin = rotary_tables(c.seq, c.d_model // c.n_head, c.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(self, idx, targets):
         s = idx.shape[1]
