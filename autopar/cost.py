@@ -126,7 +126,8 @@ def compute_time(flops: float, nbytes: float, dtype: str, device: Device,
         return max(flops / rate, t_mem) + max(cal.gemm_latency, cal.kernel_overhead)
     t_math = 0.0
     if flops > 0:   # elementwise arithmetic: not what bounds these kernels; priced at the GEMM plateau
-        t_math = flops / (cal.gemm[-1][1] * _dtype_scale(device, dtype, cal.gemm_dtype))
+        rate = cal.vector_rate if cal.vector_rate else cal.gemm[-1][1]
+        t_math = flops / (rate * _dtype_scale(device, dtype, cal.gemm_dtype))
     return max(t_math, t_mem) + cal.kernel_overhead
 
 

@@ -14,6 +14,7 @@ YAML schema (all tables are ``[size, rate]`` pairs, interpolated log-log, clampe
     memory:          [[bytes moved, bytes/s], ...]              # memory-bound kernels by transfer size
     kernel_overhead: 5us              # fixed cost of any other kernel
     overlap_slowdown: 0.1             # compute slowed by this fraction of the comm time it hides
+    vector_rate: 2e9                  # optional: FLOP/s of elementwise arithmetic (default: GEMM plateau)
     links:
       intra:
         hop_latency: 2us              # per extra ring step when the group differs from a measured one
@@ -89,6 +90,7 @@ class Calibration:
     kernel_overhead: float = 5e-6
     overlap_slowdown: float = 0.0
     source: str = ""
+    vector_rate: float | None = None  # FLOP/s of elementwise arithmetic (None: the GEMM plateau)
 
     # ---- serialisation
     def to_dict(self) -> dict:
@@ -99,6 +101,7 @@ class Calibration:
                 "gemm": [list(p) for p in self.gemm], "gemm_latency": self.gemm_latency,
                 "memory": [list(p) for p in self.memory], "kernel_overhead": self.kernel_overhead,
                 "overlap_slowdown": self.overlap_slowdown,
+                **({"vector_rate": self.vector_rate} if self.vector_rate else {}),
                 "links": {"intra": link(self.intra), "inter": link(self.inter)}}
 
     @staticmethod
@@ -130,7 +133,7 @@ def _parse(d: Any, source: str) -> Calibration:
     if not isinstance(d, dict):
         raise ClusterError(f"{source}: calibration profile must be a mapping, got {type(d).__name__}")
     allowed = {"name", "source", "gemm_dtype", "gemm", "gemm_latency", "memory", "kernel_overhead",
-               "overlap_slowdown", "links"}
+               "overlap_slowdown", "links", "vector_rate"}
     extra = set(d) - allowed
     if extra:
         raise fail(sorted(extra)[0], f"unknown field; expected one of {sorted(allowed)}")
@@ -188,7 +191,8 @@ def _parse(d: Any, source: str) -> Calibration:
                        memory=table(d["memory"], "memory"), intra=intra, inter=inter, gemm_dtype=dt,
                        gemm_latency=seconds(d.get("gemm_latency"), "gemm_latency", 0.0),
                        kernel_overhead=seconds(d.get("kernel_overhead"), "kernel_overhead", 5e-6),
-                       overlap_slowdown=float(slow), source=str(d.get("source", "")))
+                       overlap_slowdown=float(slow), source=str(d.get("source", "")),
+                       vector_rate=float(d["vector_rate"]) if d.get("vector_rate") else None)
 
 
 # ---------------------------------------------------------------------------------------------
