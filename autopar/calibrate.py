@@ -104,13 +104,31 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
     # elementwise arithmetic (pointwise rules count 1 FLOP per element): the median over a mix of
     # cheap and transcendental ops, forward and backward, on 1 Mi elements
     x = torch.randn(2**20, dtype=dtype, device=device, requires_grad=True)
-    per_op = []
+    fwd_t, both_t = [], []
     for f in (torch.exp, torch.tanh, torch.nn.functional.gelu, torch.sigmoid, lambda t: t * t):
+        g = torch.ones(2**20, dtype=dtype, device=device)
+
+        def fw(f=f):
+            with torch.no_grad():
+                f(x)
+
         def fb(f=f):
-            f(x).sum().backward()
+            f(x).backward(g)
         barrier()
-        per_op.append(agreed(_timed(fb, repeats, sync)) / 3)   # op, its backward, the sum (about)
-    vector_rate = 2**20 / statistics.median(per_op)
+        fwd_t.append(agreed(_timed(fw, repeats, sync)))
+        both_t.append(agreed(_timed(fb, repeats, sync)))
+    vector_rate = 2**20 / statistics.median(fwd_t)
+    backward_ratio = max(1.0, statistics.median((b - f) / f for f, b in zip(fwd_t, both_t)))
+    # a view (no data moved) still costs a dispatch on the host; on a GPU that overlaps the
+    # device's work, on a CPU it does not
+    view_overhead = agreed(_timed(lambda: x.view(-1).t(), max(repeats, 20), sync)) / 2 if not gpu else 0.0
+    # optimizer: fixed cost per parameter tensor of one AdamW step (torch's single-tensor path,
+    # op for op what runtime/optim.py runs), tiny tensors so bytes do not count
+    params = [torch.nn.Parameter(torch.randn(16, dtype=torch.float32, device=device)) for _ in range(32)]
+    for q in params:
+        q.grad = torch.randn_like(q)
+    opt = torch.optim.AdamW(params, foreach=False)
+    optimizer_overhead = agreed(_timed(opt.step, repeats, sync)) / len(params)
     # memory-bound: c = a + b moves 3 × size bytes
     memory = []
     for size in mem_sizes:
@@ -150,7 +168,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
                 barrier()
                 t = agreed(_timed(fn, repeats, barrier))
                 pts.append((float(nbytes), FACTOR[kind](n) * nbytes / t))
-            curves.append((kind, n, tuple(sorted(pts))))
+            curves.append((kind, n, isotonic(sorted(pts))))
 
     # overlap: a GEMM loop alone vs with a large all-reduce issued behind it
     slowdown = 0.0
@@ -186,12 +204,29 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
            "gemm_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
            "gemm": [list(p) for p in fit_gemm(gemm)], "gemm_latency": gemm_latency,
            "memory": [list(p) for p in _collapse(memory, 0)], "kernel_overhead": kernel_overhead,
-           "overlap_slowdown": slowdown, "vector_rate": vector_rate}
+           "overlap_slowdown": slowdown, "vector_rate": vector_rate,
+           "optimizer_overhead": optimizer_overhead, "backward_ratio": backward_ratio,
+           "view_overhead": view_overhead}
     if links:
         out["links"] = {"intra": links}
     else:   # one process: no links measured; a placeholder curve (never used by a 1-rank mesh)
         out["links"] = {"intra": {"curves": {"all_reduce@2": [[1.0, 1e9]]}}}
     return out
+
+
+def isotonic(points):
+    """Pool-adjacent-violators: the non-decreasing (in size) bus bandwidth closest to the
+    measured points (larger messages never get slower per byte; single readings on a loaded
+    machine do)."""
+    blocks = []   # [sum, count, xs]
+    for x, y in points:
+        blocks.append([y, 1, [x]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s2, c2, x2 = blocks.pop()
+            blocks[-1][0] += s2
+            blocks[-1][1] += c2
+            blocks[-1][2] += x2
+    return tuple((x, s / c) for s, c, xs in blocks for x in xs)
 
 
 def fit_gemm(points):

@@ -112,9 +112,9 @@ def compute_time(flops: float, nbytes: float, dtype: str, device: Device,
     with a calibration profile its rate comes from the profile's GEMM-by-intensity curve;
     other kernels are memory-bound at the profile's bandwidth for their transfer size."""
     _non_negative(flops=flops, nbytes=nbytes)
-    if flops == 0 and nbytes == 0:
-        return 0.0
     cal = calibration if calibration is not None else builtin_for(device)
+    if flops == 0 and nbytes == 0:
+        return cal.view_overhead if cal is not None else 0.0
     if cal is None:
         peak = device.peak(dtype)
         t_math = flops / (peak * efficiency(flops, peak)) if flops > 0 else 0.0
@@ -144,7 +144,9 @@ def fwd_bwd_compute(flops: float, nbytes: float, dtype: str, device: Device,
     kernels in backward (grad input, grad weight: the same three shapes, so the same intensity);
     other ops one."""
     fwd = compute_time(flops, nbytes, dtype, device, intensity if weight_grad else None, calibration)
-    return fwd, (2.0 if weight_grad else 1.0) * fwd
+    cal = calibration if calibration is not None else builtin_for(device)
+    ratio = 2.0 if weight_grad else (cal.backward_ratio if cal is not None else 1.0)
+    return fwd, ratio * fwd
 
 
 def _ring(kind: str, nbytes: float, n: int, link: Link) -> float:
@@ -244,6 +246,10 @@ def optimizer_step_time(numel_local: float, optimizer: str, precision: str, devi
     per = optimizer_bytes_per_element(optimizer, precision)
     if numel_local == 0:
         return 0.0
+    cal = calibration if calibration is not None else builtin_for(device)
+    if cal is not None and cal.optimizer_overhead:
+        return compute_time(0.0, numel_local * per, "fp32", device, calibration=cal) \
+            - cal.kernel_overhead + cal.optimizer_overhead
     return compute_time(0.0, numel_local * per, "fp32", device, calibration=calibration)
 
 

@@ -15,6 +15,9 @@ YAML schema (all tables are ``[size, rate]`` pairs, interpolated log-log, clampe
     kernel_overhead: 5us              # fixed cost of any other kernel
     overlap_slowdown: 0.1             # compute slowed by this fraction of the comm time it hides
     vector_rate: 2e9                  # optional: FLOP/s of elementwise arithmetic (default: GEMM plateau)
+    optimizer_overhead: 60us          # optional: fixed cost per parameter tensor of an optimizer step
+    backward_ratio: 1.0               # optional: backward / forward time of ops without a weight gradient
+    view_overhead: 0us                # optional: host cost of an op that moves no data (CPU: not hidden)
     links:
       intra:
         hop_latency: 2us              # per extra ring step when the group differs from a measured one
@@ -91,6 +94,9 @@ class Calibration:
     overlap_slowdown: float = 0.0
     source: str = ""
     vector_rate: float | None = None  # FLOP/s of elementwise arithmetic (None: the GEMM plateau)
+    optimizer_overhead: float | None = None   # seconds per parameter tensor per step (None: kernel_overhead)
+    backward_ratio: float = 1.0       # backward / forward time of ops without a weight gradient
+    view_overhead: float = 0.0        # seconds per op that moves no data (a view): host dispatch
 
     # ---- serialisation
     def to_dict(self) -> dict:
@@ -102,6 +108,9 @@ class Calibration:
                 "memory": [list(p) for p in self.memory], "kernel_overhead": self.kernel_overhead,
                 "overlap_slowdown": self.overlap_slowdown,
                 **({"vector_rate": self.vector_rate} if self.vector_rate else {}),
+                **({"optimizer_overhead": self.optimizer_overhead} if self.optimizer_overhead else {}),
+                **({"backward_ratio": self.backward_ratio} if self.backward_ratio != 1.0 else {}),
+                **({"view_overhead": self.view_overhead} if self.view_overhead else {}),
                 "links": {"intra": link(self.intra), "inter": link(self.inter)}}
 
     @staticmethod
@@ -133,7 +142,8 @@ def _parse(d: Any, source: str) -> Calibration:
     if not isinstance(d, dict):
         raise ClusterError(f"{source}: calibration profile must be a mapping, got {type(d).__name__}")
     allowed = {"name", "source", "gemm_dtype", "gemm", "gemm_latency", "memory", "kernel_overhead",
-               "overlap_slowdown", "links", "vector_rate"}
+               "overlap_slowdown", "links", "vector_rate", "optimizer_overhead", "backward_ratio",
+               "view_overhead"}
     extra = set(d) - allowed
     if extra:
         raise fail(sorted(extra)[0], f"unknown field; expected one of {sorted(allowed)}")
@@ -192,7 +202,10 @@ def _parse(d: Any, source: str) -> Calibration:
                        gemm_latency=seconds(d.get("gemm_latency"), "gemm_latency", 0.0),
                        kernel_overhead=seconds(d.get("kernel_overhead"), "kernel_overhead", 5e-6),
                        overlap_slowdown=float(slow), source=str(d.get("source", "")),
-                       vector_rate=float(d["vector_rate"]) if d.get("vector_rate") else None)
+                       vector_rate=float(d["vector_rate"]) if d.get("vector_rate") else None,
+                       optimizer_overhead=seconds(d.get("optimizer_overhead"), "optimizer_overhead", None),
+                       backward_ratio=float(d.get("backward_ratio", 1.0)),
+                       view_overhead=seconds(d.get("view_overhead"), "view_overhead", 0.0))
 
 
 # ---------------------------------------------------------------------------------------------
