@@ -46,6 +46,10 @@ from autopar.errors import ClusterError
 Table = tuple[tuple[float, float], ...]
 
 
+_XS: dict[int, list] = {}
+_KEEP: list = []
+
+
 def interp(table: Table, x: float) -> float:
     """Log-log interpolation in a sorted ``((x, y), ...)`` table, clamped at both ends."""
     if not table:
@@ -54,7 +58,10 @@ def interp(table: Table, x: float) -> float:
         return table[0][1]
     if x >= table[-1][0]:
         return table[-1][1]
-    xs = [p[0] for p in table]
+    xs = _XS.get(id(table))
+    if xs is None or len(xs) != len(table):
+        xs = _XS[id(table)] = [p[0] for p in table]
+        _KEEP.append(table)   # ids stay valid: tables cached here are never freed
     i = bisect.bisect_right(xs, x)
     (x0, y0), (x1, y1) = table[i - 1], table[i]
     w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
@@ -66,9 +73,16 @@ class LinkCurves:
     """Bus bandwidth by message size per (collective, group size) on one link type."""
     curves: tuple[tuple[str, int, Table], ...]      # (kind, ranks, table)
     hop_latency: float = 2e-6
+    _memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def curve(self, kind: str, n: int) -> tuple[Table, int]:
         """The table for ``kind`` measured at the group size nearest ``n`` (else all_reduce's)."""
+        hit = self._memo.get((kind, n))
+        if hit is None:
+            hit = self._memo[(kind, n)] = self._curve(kind, n)
+        return hit
+
+    def _curve(self, kind: str, n: int) -> tuple[Table, int]:
         for want in (kind, "all_gather" if kind in ("broadcast", "all_to_all") else kind, "all_reduce"):
             cands = [(abs(math.log(r) - math.log(n)), -r, r, t) for k, r, t in self.curves if k == want]
             if cands:
