@@ -4,6 +4,14 @@ Every function here returns seconds (never FLOPs or bytes), so the ILP's objecti
 like with like. The module is torch-free; its inputs are plain numbers, a ``Device``, a
 ``Cluster`` and a ``Mesh``.
 
+Calibrated path (``profile_of(cluster)`` is not None: a cluster file's ``calibration:`` profile,
+or the public-data profile of an A100/H100): GEMMs at the profile's rate for their arithmetic
+intensity, memory-bound kernels at its bandwidth for their transfer size, collectives at its
+measured bus bandwidth for their message size and group size (NVLS for all-reduce on > 4 GPUs),
+and an overlap slowdown — see docs/cost-model.md for every constant and its source. What follows
+describes the uncalibrated roofline / alpha-beta path (the ``cpu`` preset without a profile and
+unknown devices), which the calibrated path shares its structure with.
+
 Compute (``compute_time``): a roofline with an efficiency curve and a launch overhead::
 
     t = max(flops / (peak[dtype] * eff(flops)), nbytes / hbm_bandwidth) + kernel_overhead
