@@ -188,6 +188,18 @@ def cmd_run(args) -> int:
     return run_script(args.script, args.script_args, nprocs=args.nprocs)
 
 
+def cmd_calibrate(args) -> int:
+    from autopar.calibrate import calibrate
+    cal = calibrate(nprocs=args.nprocs, sweep=args.sweep, repeats=args.repeats, output=args.output)
+    if cal is not None:
+        print(f"wrote {args.output}: {cal.source}")
+        print(f"  GEMM {min(r for _, r in cal.gemm) / 1e9:.1f}-{max(r for _, r in cal.gemm) / 1e9:.1f} GFLOP/s, "
+              f"memory {max(r for _, r in cal.memory) / 1e9:.1f} GB/s peak, "
+              f"kernel {cal.kernel_overhead * 1e6:.1f} us, overlap slowdown {cal.overlap_slowdown:.2f}")
+        print(f"  use it: a cluster file with `calibration: {args.output}`")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="autopar", description="auto-parallel training compiler for PyTorch",
                                  epilog="exit codes: 0 ok, 1 diff found a regression, 2 bad input, "
@@ -231,6 +243,13 @@ def main(argv=None) -> int:
     r.add_argument("script")
     r.add_argument("script_args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run)
+    c = sub.add_parser("calibrate", help="measure GEMMs, memory-bound ops and collectives; write a profile")
+    c.add_argument("-n", "--nprocs", type=_positive_int("-n"), default=2,
+                   help="local gloo processes to fork (ignored under torchrun / autopar run)")
+    c.add_argument("-o", "--output", default="calibration.yaml")
+    c.add_argument("--sweep", choices=("tiny", "cpu", "gpu"), default="cpu")
+    c.add_argument("--repeats", type=_positive_int("--repeats"), default=5)
+    c.set_defaults(fn=cmd_calibrate)
     try:
         args = ap.parse_args(argv)   # argparse reports usage errors itself: one message, exit 2
     except SystemExit as e:          # returned, not raised, so callers of main() get the code

@@ -159,6 +159,7 @@ class Cluster:
     intra_link: Link
     inter_link: Link
     backend: str = "nccl"
+    calibration: Any = None   # autopar.profile.Calibration (measured rates), or None: see cost.profile_of
 
     def __post_init__(self):
         for what, v in [("nodes", self.nodes), ("devices_per_node", self.devices_per_node)]:
@@ -214,7 +215,13 @@ class Cluster:
                 "intra": {"bandwidth": float(self.intra_link.bandwidth), "latency": float(self.intra_link.latency)},
                 "inter": {"bandwidth": float(self.inter_link.bandwidth), "latency": float(self.inter_link.latency)},
             },
+            **({"calibration": self.calibration.to_dict()} if self.calibration is not None else {}),
         }
+
+    def with_calibration(self, calibration) -> "Cluster":
+        """The same cluster priced with ``calibration`` (an autopar.profile.Calibration)."""
+        import dataclasses
+        return dataclasses.replace(self, calibration=calibration)
 
     @staticmethod
     def from_dict(d: Any, source: str = "<cluster dict>") -> "Cluster":
@@ -377,7 +384,7 @@ def _unit_multiplier(unit: str, kind: str):
 # Parsing and validation of the YAML / dict schema
 # ---------------------------------------------------------------------------------------------
 
-_TOP = ("name", "preset", "nodes", "devices_per_node", "devices", "backend", "device", "links")
+_TOP = ("name", "preset", "nodes", "devices_per_node", "devices", "backend", "device", "links", "calibration")
 _DEVICE = ("name", "memory", "peak_flops", "hbm_bandwidth", "kernel_overhead")
 _LINKS = ("intra", "inter")
 _LINK = ("bandwidth", "latency")
@@ -522,4 +529,17 @@ def _parse(data, source: str) -> Cluster:
     links.setdefault("inter", links["intra"])   # single node: never used, kept for a complete record
 
     name = r.text(data.get("name", "custom"), "name")
-    return Cluster(name, nodes, per_node, device, links["intra"], links["inter"], backend)
+    calibration = None
+    if "calibration" in data:   # a profile path (relative to the cluster file) or the profile inline
+        from autopar.profile import Calibration
+        cv = data["calibration"]
+        if isinstance(cv, str):
+            p = Path(cv)
+            if not p.is_absolute() and source and Path(source).is_file():
+                p = Path(source).parent / p
+            calibration = Calibration.from_yaml(p)
+        elif isinstance(cv, dict):
+            calibration = Calibration.from_dict(cv, source)
+        else:
+            raise r.fail("calibration", f"got {_show(cv)}; expected a profile path (autopar calibrate) or mapping")
+    return Cluster(name, nodes, per_node, device, links["intra"], links["inter"], backend, calibration)

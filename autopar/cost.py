@@ -4,6 +4,14 @@ Every function here returns seconds (never FLOPs or bytes), so the ILP's objecti
 like with like. The module is torch-free; its inputs are plain numbers, a ``Device``, a
 ``Cluster`` and a ``Mesh``.
 
+Calibrated path (``profile_of(cluster)`` is not None: a cluster file's ``calibration:`` profile,
+or the public-data profile of an A100/H100): GEMMs at the profile's rate for their arithmetic
+intensity, memory-bound kernels at its bandwidth for their transfer size, collectives at its
+measured bus bandwidth for their message size and group size (NVLS for all-reduce on > 4 GPUs),
+and an overlap slowdown — see docs/cost-model.md for every constant and its source. What follows
+describes the uncalibrated roofline / alpha-beta path (the ``cpu`` preset without a profile and
+unknown devices), which the calibrated path shares its structure with.
+
 Compute (``compute_time``): a roofline with an efficiency curve and a launch overhead::
 
     t = max(flops / (peak[dtype] * eff(flops)), nbytes / hbm_bandwidth) + kernel_overhead
@@ -67,6 +75,7 @@ from autopar.cluster import Cluster, Device, Link
 from autopar.errors import PlanError
 from autopar.memory import check_optimizer, check_precision
 from autopar.mesh import Mesh
+from autopar.profile import Calibration, LinkCurves, builtin_for, interp
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -84,23 +93,68 @@ def efficiency(flops: float, peak: float) -> float:
     return MAX_EFFICIENCY * math.sqrt(flops / (flops + peak * T_SAT))
 
 
-def compute_time(flops: float, nbytes: float, dtype: str, device: Device) -> float:
-    """Seconds for one kernel doing ``flops`` arithmetic and moving ``nbytes`` of device memory."""
+def profile_of(cluster_or_device) -> Calibration | None:
+    """The calibration a cluster's costs use: its own (``calibration:``), else the public-data
+    profile of a known GPU, else None (the uncalibrated roofline below)."""
+    cal = getattr(cluster_or_device, "calibration", None)
+    if cal is not None:
+        return cal
+    device = getattr(cluster_or_device, "device", cluster_or_device)
+    return builtin_for(device)
+
+
+def gemm_intensity(sizes: dict, tensors, itemsize: float) -> float:
+    """Arithmetic intensity (FLOP per byte) of a contraction over letters ``sizes`` (local
+    sizes) whose operands and result carry the letter strings ``tensors``:
+    2·prod(all letters) / (itemsize · sum over tensors of prod(its letters)). For a GEMM
+    M×K·K×N in bf16 this is autoparallel's AI = 2MNK / (2(MK + KN + MN))."""
+    flops = 2.0 * math.prod(sizes.values())
+    nbytes = itemsize * sum(math.prod(sizes[ch] for ch in t) for t in tensors if t)
+    return flops / nbytes if nbytes > 0 else 0.0
+
+
+def compute_time(flops: float, nbytes: float, dtype: str, device: Device,
+                 intensity: float | None = None, calibration: Calibration | None = None) -> float:
+    """Seconds for one kernel doing ``flops`` arithmetic and moving ``nbytes`` of device memory.
+    ``intensity`` (FLOP/byte of the local GEMM shape, ``gemm_intensity``) marks a contraction:
+    with a calibration profile its rate comes from the profile's GEMM-by-intensity curve;
+    other kernels are memory-bound at the profile's bandwidth for their transfer size."""
     _non_negative(flops=flops, nbytes=nbytes)
+    cal = calibration if calibration is not None else builtin_for(device)
     if flops == 0 and nbytes == 0:
-        return 0.0
-    peak = device.peak(dtype)
-    t_math = flops / (peak * efficiency(flops, peak)) if flops > 0 else 0.0
-    t_mem = nbytes / device.hbm_bandwidth
-    return max(t_math, t_mem) + device.kernel_overhead
+        return cal.view_overhead if cal is not None else 0.0
+    if cal is None:
+        peak = device.peak(dtype)
+        t_math = flops / (peak * efficiency(flops, peak)) if flops > 0 else 0.0
+        t_mem = nbytes / device.hbm_bandwidth
+        return max(t_math, t_mem) + device.kernel_overhead
+    t_mem = nbytes / interp(cal.memory, nbytes) if nbytes > 0 else 0.0
+    if intensity is not None and flops > 0:
+        rate = interp(cal.gemm, max(intensity, 1e-3)) * _dtype_scale(device, dtype, cal.gemm_dtype)
+        return max(flops / rate, t_mem) + max(cal.gemm_latency, cal.kernel_overhead)
+    t_math = 0.0
+    if flops > 0:   # elementwise arithmetic: not what bounds these kernels; priced at the GEMM plateau
+        rate = cal.vector_rate if cal.vector_rate else cal.gemm[-1][1]
+        t_math = flops / (rate * _dtype_scale(device, dtype, cal.gemm_dtype))
+    return max(t_math, t_mem) + cal.kernel_overhead
+
+
+def _dtype_scale(device: Device, dtype: str, measured: str) -> float:
+    if dtype == measured:
+        return 1.0
+    return device.peak(dtype) / device.peak(measured)
 
 
 def fwd_bwd_compute(flops: float, nbytes: float, dtype: str, device: Device,
-                    weight_grad: bool) -> tuple[float, float]:
+                    weight_grad: bool, intensity: float | None = None,
+                    calibration: Calibration | None = None) -> tuple[float, float]:
     """(forward seconds, backward seconds). Ops with a weight gradient run two forward-sized
-    kernels in backward (grad input, grad weight); other ops one."""
-    fwd = compute_time(flops, nbytes, dtype, device)
-    return fwd, (2.0 if weight_grad else 1.0) * fwd
+    kernels in backward (grad input, grad weight: the same three shapes, so the same intensity);
+    other ops one."""
+    fwd = compute_time(flops, nbytes, dtype, device, intensity if weight_grad else None, calibration)
+    cal = calibration if calibration is not None else builtin_for(device)
+    ratio = 2.0 if weight_grad else (cal.backward_ratio if cal is not None else 1.0)
+    return fwd, ratio * fwd
 
 
 def _ring(kind: str, nbytes: float, n: int, link: Link) -> float:
@@ -114,6 +168,26 @@ def _ring(kind: str, nbytes: float, n: int, link: Link) -> float:
         return frac * nbytes / link.bandwidth + (n - 1) * link.latency
     # broadcast: pipelined along the ring, every rank receives the whole tensor once
     return nbytes / link.bandwidth + (n - 1) * link.latency
+
+
+_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+           "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+           "broadcast": lambda n: 1.0}
+_STEPS = {"all_reduce": lambda n: 2 * (n - 1)}
+
+
+def _curve(kind: str, nbytes: float, n: int, lc: LinkCurves, nvls: bool = False) -> float:
+    """Measured bus bandwidth by message size (nccl-tests convention, see autopar/profile.py):
+    t = factor(n) · S / busbw(S), busbw from the curve measured at the group size nearest ``n``;
+    when that size differs, each extra (or missing) ring step adds (removes) ``hop_latency``.
+    NVLink SHARP (an ``all_reduce_nvls`` curve) is used for all-reduce on more than 4 GPUs only."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    key = "all_reduce_nvls" if (nvls and kind == "all_reduce" and n > 4 and lc.has("all_reduce_nvls")) else kind
+    table, ref = lc.curve(key, n)
+    t = _FACTOR[kind](n) * nbytes / interp(table, nbytes)
+    steps = _STEPS.get(kind, lambda m: m - 1)
+    return max(t + (steps(n) - steps(ref)) * lc.hop_latency, steps(n) * lc.hop_latency)
 
 
 @dataclass(frozen=True)
@@ -133,20 +207,28 @@ class Collectives:
         p = self.mesh.placement(axis)
         if p.size <= 1 or nbytes == 0:
             return 0.0
-        intra, inter = self.cluster.intra_link, self.cluster.inter_link
+        cal = profile_of(self.cluster)
+        if cal is None:
+            intra, inter = self.cluster.intra_link, self.cluster.inter_link
+            ring = _ring
+        else:
+            intra, inter = cal.intra, cal.inter
+            ring = _curve
         if p.inter <= 1:
-            return _ring(kind, nbytes, p.size, intra)
+            if cal is not None:
+                return _curve(kind, nbytes, p.size, intra, nvls=True)
+            return ring(kind, nbytes, p.size, intra)
         a, b = p.intra, p.inter   # ranks per node in one group, nodes one group spans
         if kind == "all_reduce":
-            return (_ring("reduce_scatter", nbytes, a, intra) + _ring("all_reduce", nbytes / a, b, inter)
-                    + _ring("all_gather", nbytes, a, intra))
+            return (ring("reduce_scatter", nbytes, a, intra) + ring("all_reduce", nbytes / a, b, inter)
+                    + ring("all_gather", nbytes, a, intra))
         if kind == "all_gather":
-            return _ring("all_gather", nbytes / a, b, inter) + _ring("all_gather", nbytes, a, intra)
+            return ring("all_gather", nbytes / a, b, inter) + ring("all_gather", nbytes, a, intra)
         if kind == "reduce_scatter":
-            return _ring("reduce_scatter", nbytes, a, intra) + _ring("reduce_scatter", nbytes / a, b, inter)
+            return ring("reduce_scatter", nbytes, a, intra) + ring("reduce_scatter", nbytes / a, b, inter)
         if kind == "broadcast":
-            return _ring("broadcast", nbytes, b, inter) + _ring("broadcast", nbytes, a, intra)
-        return _ring("all_to_all", nbytes, p.size, inter)
+            return ring("broadcast", nbytes, b, inter) + ring("broadcast", nbytes, a, intra)
+        return ring("all_to_all", nbytes, p.size, inter)
 
 
 # bytes touched per element by one optimizer step, by precision (see module docstring)
@@ -165,21 +247,30 @@ def optimizer_bytes_per_element(optimizer: str, precision: str) -> int:
     return _OPT_BYTES[optimizer][precision]
 
 
-def optimizer_step_time(numel_local: float, optimizer: str, precision: str, device: Device) -> float:
+def optimizer_step_time(numel_local: float, optimizer: str, precision: str, device: Device,
+                        calibration: Calibration | None = None) -> float:
     """Seconds for one optimizer step over ``numel_local`` parameter elements on one device."""
     _non_negative(numel_local=numel_local)
     per = optimizer_bytes_per_element(optimizer, precision)
     if numel_local == 0:
         return 0.0
-    return numel_local * per / device.hbm_bandwidth + device.kernel_overhead
+    cal = calibration if calibration is not None else builtin_for(device)
+    if cal is not None and cal.optimizer_overhead:
+        return compute_time(0.0, numel_local * per, "fp32", device, calibration=cal) \
+            - cal.kernel_overhead + cal.optimizer_overhead
+    return compute_time(0.0, numel_local * per, "fp32", device, calibration=calibration)
 
 
-def exposed_comm(comm_seconds: float, overlappable_compute_seconds: float, overlap: bool) -> float:
-    """Communication time left visible after overlapping it with independent compute."""
+def exposed_comm(comm_seconds: float, overlappable_compute_seconds: float, overlap: bool,
+                 slowdown: float = 0.0) -> float:
+    """Communication time left visible after overlapping it with independent compute, plus the
+    compute slowdown overlap causes: ``slowdown`` × the hidden part (the communication kernels
+    take SMs and memory bandwidth from the compute they hide behind)."""
     _non_negative(comm_seconds=comm_seconds, overlappable_compute_seconds=overlappable_compute_seconds)
     if not overlap:
         return float(comm_seconds)
-    return max(0.0, comm_seconds - overlappable_compute_seconds)
+    hidden = min(comm_seconds, overlappable_compute_seconds)
+    return max(0.0, comm_seconds - overlappable_compute_seconds) + slowdown * hidden
 
 
 def _non_negative(**values: float) -> None:

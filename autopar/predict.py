@@ -12,6 +12,7 @@ from autopar.build import chosen
 from autopar.candidates import Candidates
 from autopar.pricing import Priced, Settings, has_contraction
 from autopar.cluster import Cluster
+from autopar.cost import exposed_comm, profile_of
 from solver.problem import Problem, Solution
 
 
@@ -54,7 +55,8 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
         if v in recomputed and u in pick and v in pick:
             recompute += float(m[pick[u], pick[v]])
     backward = compute - fwd
-    exposed_grad = max(0.0, grad_comm - backward) if s.overlap_grad_comm else grad_comm
+    cal = profile_of(cluster)
+    exposed_grad = exposed_comm(grad_comm, backward, s.overlap_grad_comm, cal.overlap_slowdown if cal else 0.0)
     step = compute + op_comm + reshard + exposed_grad + optimizer + recompute
 
     static = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}

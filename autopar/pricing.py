@@ -21,7 +21,7 @@ import torch
 from autopar.candidates import FLOAT_DTYPES, Candidates, NodeInfo
 from autopar.cluster import Cluster
 from autopar.conjugates import region_inputs, step_traffic
-from autopar.cost import Collectives, fwd_bwd_compute, optimizer_step_time
+from autopar.cost import Collectives, fwd_bwd_compute, gemm_intensity, optimizer_step_time, profile_of
 from autopar.layout import Layout
 from autopar.memory import state_bytes, zero_shard
 from autopar.mesh import Mesh
@@ -119,6 +119,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     mesh = c.mesh
     comm = Collectives(cluster, mesh)
     device = cluster.device
+    cal = profile_of(cluster)
     nm = s.num_micro_batches
     dtype = "bf16" if s.precision == "bf16" else "fp32"
     dp = math.prod(mesh.shape[a] for a in mesh.data_axes())
@@ -159,7 +160,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                 if name not in c.needs_grad:
                     continue
                 opt_local = local / (dp if s.zero >= 1 else 1)
-                opt_t[j] = optimizer_step_time(opt_local, s.optimizer, s.precision, device) * k
+                opt_t[j] = optimizer_step_time(opt_local, s.optimizer, s.precision, device, cal) * k
                 gbytes = local * (2 if s.precision == "bf16" else 4)
                 pbytes = local * (2 if s.precision == "bf16" else 4)
                 for a in mesh.data_axes():
@@ -188,8 +189,9 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
             spec = info.spec
             wgrad = has_contraction(spec)
             for j, st in enumerate(info.strategies):
+                ai = _local_intensity(spec, info, st, mesh, nm, 2 if dtype == "bf16" else 4) if wgrad else None
                 f, b = fwd_bwd_compute(spec.flops * st.work_fraction / nm, spec.bytes * st.work_fraction / nm,
-                                       dtype, device, wgrad)
+                                       dtype, device, wgrad, ai, cal)
                 compute[j] = (f + b) * nm * k
                 fwd[j] = f * nm * k
                 for (kind, a, nbytes) in st.comms:
@@ -222,6 +224,28 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
         if info.kind == "param":
             P.static[name] = static
     return P
+
+
+def _local_intensity(spec, info: NodeInfo, st: Strategy, mesh: Mesh, nm: int, itemsize: int) -> float:
+    """FLOP/byte of the contraction each rank runs: letter sizes divided by their splits (and
+    the batch letter by the micro-batch count), for the cost model's GEMM-by-intensity curve."""
+    sizes = {ch: float(n) for ch, n in spec.sizes.items()}
+    split: dict[str, int] = {}
+    for letters, lay in list(zip(spec.inputs, st.inputs)) + list(zip(spec.outputs, st.outputs)):
+        if not letters or lay is None or lay.ndim != len(letters):
+            continue
+        for d, ch in enumerate(letters):
+            split[ch] = max(split.get(ch, 1), lay.split_factor(d, mesh.shape))
+    for ch, f in split.items():
+        if ch in sizes:
+            sizes[ch] /= f
+    if nm > 1 and info.batch_dims and info.batch_dims[0] and spec.outputs:
+        for d in info.batch_dims[0]:
+            if d < len(spec.outputs[0]) and spec.outputs[0][d] in sizes:
+                sizes[spec.outputs[0][d]] /= nm
+    used = {ch for t in list(spec.inputs) + list(spec.outputs) if t for ch in t}
+    return gemm_intensity({ch: v for ch, v in sizes.items() if ch in used},
+                          [t for t in spec.inputs if t] + list(spec.outputs), itemsize)
 
 
 def _micro_shape(shape, batch_dims, nm: int):

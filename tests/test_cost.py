@@ -1,11 +1,14 @@
 """Cost model: roofline compute, collectives (flat and hierarchical), optimizer step, overlap."""
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.cluster import Cluster
 from autopar.cost import (KINDS, MAX_EFFICIENCY, Collectives, compute_time, efficiency, exposed_comm,
-                          fwd_bwd_compute, optimizer_bytes_per_element, optimizer_step_time)
+                          fwd_bwd_compute, gemm_intensity, optimizer_bytes_per_element, optimizer_step_time,
+                          profile_of)
 from autopar.errors import PlanError
 from autopar.memory import OPTIMIZERS, PRECISIONS
 from autopar.mesh import Mesh
@@ -13,6 +16,10 @@ from autopar.mesh import Mesh
 A100 = Cluster.preset("dgx-a100", nodes=4)
 H100 = Cluster.preset("dgx-h100", nodes=2)
 CPU = Cluster.preset("cpu", devices=4)
+# The same hardware figures without a calibration profile (a device name the cost model does not
+# know): the uncalibrated roofline and alpha-beta ring formulas, tested exactly below.
+A100_RAW = dataclasses.replace(A100, device=dataclasses.replace(A100.device, name="gpu-a"))
+H100_RAW = dataclasses.replace(H100, device=dataclasses.replace(H100.device, name="gpu-h"))
 
 
 def mesh(shape, dpn=8):
@@ -25,21 +32,90 @@ def mesh(shape, dpn=8):
 # Published A100 SXM bf16 cuBLAS throughput for square GEMMs m=n=k (NVIDIA "CUDA 11 Features
 # Revealed" blog, Fig. 6, read off the plot ±5 TF; shared/facts.md). Independent of the model's own
 # calibration constants, so this compares the model with data, not with itself.
-A100_GEMM_TFLOPS = {4096: 255, 6144: 280, 8192: 290}
+A100_GEMM_TFLOPS = {768: 65, 1280: 150, 2304: 240, 4096: 255, 6144: 280, 8192: 290}
 
 
-def test_large_gemms_within_20_percent_of_published_a100_throughput():
+def test_gemms_within_documented_bound_of_published_a100_throughput():
+    """docs/cost-model.md: within 15% from 1280 up, 768³ (wave-limited) within 60%."""
     dev = A100.device
     for n, published in A100_GEMM_TFLOPS.items():
         f = 2 * n**3
-        achieved = f / compute_time(f, 3 * n * n * 2, "bf16", dev) / 1e12
-        assert abs(achieved / published - 1) < 0.20, (n, achieved, published)
-    # Known weakness, kept visible (recalibration is issue 10): small GEMMs are pessimistic by ~2x
-    # (768^3: ~30 TF predicted against ~65 published).
+        ai = gemm_intensity({"m": n, "n": n, "k": n}, ["mk", "kn", "mn"], 2)
+        achieved = f / compute_time(f, 3 * n * n * 2, "bf16", dev, intensity=ai) / 1e12
+        assert abs(achieved / published - 1) < (0.60 if n < 1000 else 0.15), (n, achieved, published)
+
+
+def test_h100_intensity_fit_and_narrow_gemms():
+    """autoparallel's H100 fit: eff(AI) = 0.742·AI^1.47/(AI^1.47 + 150^1.47); a narrow TP GEMM
+    (N = 256) runs far below a square one of the same M, K."""
+    dev = H100.device
+    for ai in (50, 150, 600, 3000):
+        expect = 0.742 * ai**1.47 / (ai**1.47 + 150**1.47)
+        f = 1e13   # large enough that the fixed GEMM latency is < 0.1%
+        eff = f / (compute_time(f, 0, "bf16", dev, intensity=ai) - 10e-6) / dev.peak("bf16")
+        assert eff == pytest.approx(expect, rel=0.08), ai
+    sq = gemm_intensity({"m": 8192, "n": 8192, "k": 8192}, ["mk", "kn", "mn"], 2)
+    narrow = gemm_intensity({"m": 8192, "n": 256, "k": 8192}, ["mk", "kn", "mn"], 2)
+    assert narrow < sq / 4
+    t_sq = compute_time(2 * 8192**3, 0, "bf16", dev, intensity=sq) / 32
+    t_narrow = compute_time(2 * 8192 * 256 * 8192, 0, "bf16", dev, intensity=narrow)
+    assert t_narrow > 1.3 * t_sq
+
+
+@pytest.mark.parametrize("cluster", [A100, H100], ids=["a100", "h100"])
+def test_calibrated_curves_monotone_and_sane(cluster):
+    dev = cluster.device
+    cal = profile_of(cluster)
+    rates = [r for _, r in cal.gemm]
+    assert rates == sorted(rates) and rates[-1] < dev.peak("bf16")
+    mem = [r for _, r in cal.memory]
+    assert mem == sorted(mem) and mem[-1] <= dev.hbm_bandwidth
+    # memory-bound time grows with size, effective bandwidth too (up to 90% of HBM)
+    ts = [compute_time(0, s, "bf16", dev) for s in (1e3, 1e5, 1e6, 1e7, 1e8, 1e9)]
+    assert ts == sorted(ts)
+    bw = [s / (t - cal.kernel_overhead) for s, t in zip((1e5, 1e6, 1e7, 1e8, 1e9), ts[1:])]
+    assert bw == sorted(bw) and bw[-1] == pytest.approx(0.9 * dev.hbm_bandwidth, rel=0.01)
+    assert compute_time(1, 1, "bf16", dev) >= cal.kernel_overhead
+
+
+# nccl-tests all_reduce bus bandwidth on 8 GPUs (stas00 ml-engineering, network/README.md)
+NCCL_AR8 = {"a100": {1 << 20: 18, 4 << 20: 72, 64 << 20: 171.5, 1 << 30: 229},
+            "h100": {1 << 20: 40, 4 << 20: 107, 64 << 20: 347}}
+
+
+@pytest.mark.parametrize("cluster,key", [(A100, "a100"), (H100, "h100")], ids=["a100", "h100"])
+def test_bus_bandwidth_by_size_matches_nccl_tests(cluster, key):
+    comm = Collectives(cluster, mesh((1, 8)))
+    for size, busbw in NCCL_AR8[key].items():
+        t = comm("reduce_scatter", size, 1) * 2   # ring all-reduce = reduce-scatter + all-gather time
+        assert 2 * 7 / 8 * size / t / 1e9 == pytest.approx(busbw, rel=0.15), size
+    # bandwidth grows with message size
+    bws = [2 * 7 / 8 * s / comm("all_reduce", s, 1) for s in (1e4, 1e5, 1e6, 1e7, 1e8, 1e9)]
+    assert bws == sorted(bws)
+
+
+def test_nvls_only_for_all_reduce_above_four_gpus():
+    S = 1 << 30
+    t8 = Collectives(H100, mesh((1, 8)))("all_reduce", S, 1)
+    assert 2 * 7 / 8 * S / t8 / 1e9 == pytest.approx(480, rel=0.05)   # NVLink SHARP
+    t4 = Collectives(H100, Mesh((2, 4), ("dp", "tp"), 8))("all_reduce", S, 1)
+    assert 2 * 3 / 4 * S / t4 / 1e9 == pytest.approx(368, rel=0.05)   # ring
+    tg = Collectives(H100, mesh((1, 8)))("all_gather", S, 1)
+    assert 7 / 8 * S / tg / 1e9 == pytest.approx(361, rel=0.05)
+    # A100 has no NVLS
+    ta = Collectives(A100, mesh((1, 8)))("all_reduce", S, 1)
+    assert 2 * 7 / 8 * S / ta / 1e9 == pytest.approx(229, rel=0.05)
+
+
+def test_overlap_slowdown():
+    assert exposed_comm(1.0, 3.0, True, slowdown=0.1) == pytest.approx(0.1)
+    assert exposed_comm(3.0, 1.0, True, slowdown=0.1) == pytest.approx(2.1)
+    assert exposed_comm(3.0, 1.0, False, slowdown=0.1) == 3.0
+    assert profile_of(A100).overlap_slowdown > 0
 
 
 def test_roofline_regimes():
-    dev = A100.device
+    dev = A100_RAW.device
     # memory bound: an elementwise op on 1 GB does (almost) no math
     nbytes = 1e9
     assert compute_time(1e6, nbytes, "bf16", dev) == pytest.approx(nbytes / dev.hbm_bandwidth + dev.kernel_overhead)
@@ -56,21 +132,21 @@ def test_roofline_regimes():
     assert compute_time(f, 0, "fp32", dev) > compute_time(f, 0, "bf16", dev)
     assert compute_time(0, nbytes, "fp32", dev) == compute_time(0, nbytes, "bf16", dev)
     # a faster device is faster
-    assert compute_time(f, 1e9, "bf16", H100.device) < compute_time(f, 1e9, "bf16", dev)
+    assert compute_time(f, 1e9, "bf16", H100_RAW.device) < compute_time(f, 1e9, "bf16", dev)
 
 
 @settings(deadline=None, max_examples=60)
 @given(f1=st.floats(1, 1e16), f2=st.floats(1, 1e16), b=st.floats(0, 1e11))
 def test_compute_monotone(f1, f2, b):
     lo, hi = sorted((f1, f2))
-    dev = A100.device
+    dev = A100_RAW.device
     assert compute_time(lo, b, "bf16", dev) <= compute_time(hi, b, "bf16", dev)
     assert 0 < efficiency(lo, dev.peak("bf16")) <= efficiency(hi, dev.peak("bf16")) < MAX_EFFICIENCY
     assert compute_time(lo, b, "bf16", dev) <= compute_time(lo, b * 2 + 1, "bf16", dev)
 
 
 def test_fwd_bwd():
-    dev = A100.device
+    dev = A100_RAW.device
     f, b = fwd_bwd_compute(1e12, 1e8, "bf16", dev, weight_grad=True)
     assert f == compute_time(1e12, 1e8, "bf16", dev) and b == pytest.approx(2 * f)
     f, b = fwd_bwd_compute(1e9, 1e9, "bf16", dev, weight_grad=False)
@@ -88,8 +164,8 @@ def test_compute_bad_input():
 
 def test_intra_node_ring_formulas():
     m = mesh((4, 8))
-    comm = Collectives(A100, m)
-    bw, lat = A100.intra_link.bandwidth, A100.intra_link.latency
+    comm = Collectives(A100_RAW, m)
+    bw, lat = A100_RAW.intra_link.bandwidth, A100_RAW.intra_link.latency
     S = 1e8
     assert comm("all_reduce", S, 1) == pytest.approx(2 * 7 / 8 * S / bw + 14 * lat)
     assert comm("all_gather", S, 1) == pytest.approx(7 / 8 * S / bw + 7 * lat)
@@ -102,9 +178,9 @@ def test_hierarchical_formula():
     m = mesh((32,))        # 4 nodes × 8: intra 8, inter 4
     p = m.placement(0)
     assert (p.intra, p.inter) == (8, 4)
-    comm = Collectives(A100, m)
-    ib, il = A100.intra_link.bandwidth, A100.intra_link.latency
-    eb, el = A100.inter_link.bandwidth, A100.inter_link.latency
+    comm = Collectives(A100_RAW, m)
+    ib, il = A100_RAW.intra_link.bandwidth, A100_RAW.intra_link.latency
+    eb, el = A100_RAW.inter_link.bandwidth, A100_RAW.inter_link.latency
     S = 1e9
     rs_intra = 7 / 8 * S / ib + 7 * il
     ar_inter = 2 * 3 / 4 * (S / 8) / eb + 6 * el
@@ -158,6 +234,8 @@ def test_monotone_in_bytes(kind, b1, b2, shape, data):
 def test_monotone_in_group_size(cluster, kind):
     # 1-D meshes with stride 1: sizes inside a node, then across 2, 4 nodes
     sizes = [n for n in (2, 4, 8, 16, 32) if n <= cluster.num_devices]
+    if cluster is H100 and kind == "all_reduce":
+        sizes.remove(4)   # NVLink SHARP (8 GPUs, 480 GB/s) beats a 4-GPU ring (368): published, see above
     for nbytes in (1e3, 1e6, 1e9):
         times = [Collectives(cluster, Mesh((n,), ("dp",), cluster.devices_per_node))(kind, nbytes, 0)
                  for n in sizes]
@@ -165,7 +243,7 @@ def test_monotone_in_group_size(cluster, kind):
 
 
 def test_all_reduce_is_twice_all_gather_bandwidth():
-    comm = Collectives(H100, mesh((2, 8)))
+    comm = Collectives(H100_RAW, mesh((2, 8)))
     S = 1e10   # large: latency negligible
     assert comm("all_reduce", S, 1) / comm("all_gather", S, 1) == pytest.approx(2.0, rel=1e-3)
     assert comm("all_reduce", S, 1) == pytest.approx(comm("reduce_scatter", S, 1) + comm("all_gather", S, 1))

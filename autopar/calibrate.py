@@ -1,0 +1,295 @@
+"""``autopar calibrate``: measure this machine and write a calibration profile (autopar/profile.py).
+
+Measures, on every rank at once (so ranks that share cores or memory bandwidth see each other):
+
+* GEMMs over a sweep of shapes (square and narrow, as tensor parallelism makes them): FLOP/s by
+  arithmetic intensity (cost.gemm_intensity);
+* memory-bound kernels (an elementwise add) by bytes moved, and the cost of a tiny kernel;
+* each collective (all_reduce, all_gather, reduce_scatter, broadcast, all_to_all) by message
+  size over the world group and over groups of 2 consecutive ranks (the mesh axes a 2-level
+  mesh uses), as nccl-tests bus bandwidth;
+* the slowdown of a GEMM loop while an all-reduce runs behind it (overlap_slowdown).
+
+Runs under an initialised process group (torchrun / ``autopar run -n N``: NCCL on GPUs, gloo on
+CPUs) or, for the ``cpu`` preset, forks ``nprocs`` local gloo processes itself. Timings are
+the fastest of ``repeats`` runs (the slowest rank's; collectives are timed between barriers).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from autopar.cost import gemm_intensity
+from autopar.profile import Calibration, LinkCurves
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+          "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+          "broadcast": lambda n: 1.0}
+
+SWEEPS = {
+    # (gemm (M, N, K) shapes, memory-bound sizes in bytes, collective sizes in bytes)
+    "tiny": ([(64, 64, 64), (256, 256, 256), (512, 64, 512)],
+             [2**14, 2**20], [2**12, 2**18]),
+    "cpu": ([(32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024),
+             (1024, 64, 256), (2048, 128, 512), (512, 32, 512), (4096, 16, 64), (256, 1024, 64),
+             (2048, 2048, 64), (128, 4096, 128), (4096, 256, 256), (512, 2048, 512)],
+            [2**10, 2**13, 2**16, 2**19, 2**21, 2**23, 2**25],
+            [2**10, 2**13, 2**16, 2**19, 2**21, 2**23]),
+    "gpu": ([(s, s, s) for s in (256, 512, 1024, 2048, 4096, 8192)]
+            + [(8192, n, k) for n in (256, 512, 1024) for k in (1024, 4096, 8192)],
+            [2**16, 2**20, 2**24, 2**27, 2**29], [2**15, 2**20, 2**22, 2**24, 2**26, 2**28]),
+}
+
+
+def _timed(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    ts = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)   # fastest of ``repeats``: the machine's own speed, not other users' load
+
+
+def _collapse(points, key_digits: int = 2):
+    """Sorted (x, y) with duplicate x merged by median; monotone-free (measurements as they are)."""
+    by = {}
+    for x, y in points:
+        by.setdefault(round(x, key_digits), []).append(y)
+    return tuple(sorted((x, statistics.median(ys)) for x, ys in by.items()))
+
+
+def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> dict:
+    """Run on every rank of the current process group (or alone). Returns the profile dict on
+    rank 0 (others: None)."""
+    import torch
+    import torch.distributed as dist
+
+    dist_on = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if dist_on else 0
+    world = dist.get_world_size() if dist_on else 1
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gpu = device.type == "cuda"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    barrier = (lambda: (sync(), dist.barrier())) if dist_on else sync
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    shapes, mem_sizes, coll_sizes = SWEEPS[sweep]
+
+    def agreed(t: float) -> float:   # the slowest rank's median: what a synchronous step sees
+        if not dist_on:
+            return t
+        x = torch.tensor([t], dtype=torch.float64)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return float(x)
+
+    # GEMMs (all ranks at once)
+    gemm = []
+    for (m, n, k) in shapes:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        barrier()
+        t = agreed(_timed(lambda: torch.mm(a, b), repeats, sync))
+        ai = gemm_intensity({"m": m, "n": n, "k": k}, ["mk", "kn", "mn"], itemsize)
+        gemm.append((ai, 2.0 * m * n * k / t))
+    tiny_a = torch.randn(1, 1, dtype=dtype, device=device)
+    barrier()
+    gemm_latency = agreed(_timed(lambda: torch.mm(tiny_a, tiny_a), max(repeats, 20), sync))
+    # elementwise arithmetic (pointwise rules count 1 FLOP per element): the median over a mix of
+    # cheap and transcendental ops, forward and backward, on 1 Mi elements
+    x = torch.randn(2**20, dtype=dtype, device=device, requires_grad=True)
+    fwd_t, both_t = [], []
+    for f in (torch.exp, torch.tanh, torch.nn.functional.gelu, torch.sigmoid, lambda t: t * t):
+        g = torch.ones(2**20, dtype=dtype, device=device)
+
+        def fw(f=f):
+            with torch.no_grad():
+                f(x)
+
+        def fb(f=f):
+            f(x).backward(g)
+        barrier()
+        fwd_t.append(agreed(_timed(fw, repeats, sync)))
+        both_t.append(agreed(_timed(fb, repeats, sync)))
+    vector_rate = 2**20 / statistics.median(fwd_t)
+    backward_ratio = max(1.0, statistics.median((b - f) / f for f, b in zip(fwd_t, both_t)))
+    # a view (no data moved) still costs a dispatch on the host; on a GPU that overlaps the
+    # device's work, on a CPU it does not
+    view_overhead = agreed(_timed(lambda: x.view(-1).t(), max(repeats, 20), sync)) / 2 if not gpu else 0.0
+    # optimizer: fixed cost per parameter tensor of one AdamW step (torch's single-tensor path,
+    # op for op what runtime/optim.py runs), tiny tensors so bytes do not count
+    params = [torch.nn.Parameter(torch.randn(16, dtype=torch.float32, device=device)) for _ in range(32)]
+    for q in params:
+        q.grad = torch.randn_like(q)
+    opt = torch.optim.AdamW(params, foreach=False)
+    optimizer_overhead = agreed(_timed(opt.step, repeats, sync)) / len(params)
+    # memory-bound: c = a + b moves 3 × size bytes
+    memory = []
+    for size in mem_sizes:
+        numel = max(1, size // itemsize)
+        a = torch.randn(numel, dtype=dtype, device=device)
+        b = torch.randn(numel, dtype=dtype, device=device)
+        out = torch.empty_like(a)
+        barrier()
+        t = agreed(_timed(lambda: torch.add(a, b, out=out), repeats, sync))
+        memory.append((3.0 * numel * itemsize, 3.0 * numel * itemsize / t))
+    # per-op overhead as training sees it: a chain of tiny ops through autograd, forward and
+    # backward (dispatcher, autograd bookkeeping, launch), per kernel
+    chain = 50
+    leaf = torch.randn(4, dtype=dtype, device=device, requires_grad=True)
+
+    def ops():
+        y = leaf
+        for _ in range(chain):
+            y = y * 1.0001
+        y.sum().backward()
+    kernel_overhead = agreed(_timed(ops, max(repeats, 10), sync)) / (2 * chain + 2)
+    # collectives: world group and groups of 2 consecutive ranks
+    curves = []
+    groups = {}
+    if dist_on and world > 1:
+        groups[world] = None
+        if world > 2 and world % 2 == 0:
+            pairs = [dist.new_group(list(range(i, i + 2))) for i in range(0, world, 2)]
+            groups[2] = pairs[rank // 2]
+    for n, group in groups.items():
+        for kind in KINDS:
+            pts = []
+            for size in coll_sizes:
+                numel = max(n, size // itemsize // n * n)
+                nbytes = numel * itemsize
+                fn = _collective(kind, numel, n, dtype, device, group)
+                barrier()
+                t = agreed(_timed(fn, repeats, barrier))
+                pts.append((float(nbytes), FACTOR[kind](n) * nbytes / t))
+            curves.append((kind, n, isotonic(sorted(pts))))
+
+    # overlap: a GEMM loop alone vs with a large all-reduce issued behind it
+    slowdown = 0.0
+    if dist_on and world > 1:
+        s = shapes[min(4, len(shapes) - 1)][0]
+        a = torch.randn(s, s, dtype=dtype, device=device)
+        buf = torch.randn(max(1, coll_sizes[-1] // itemsize), dtype=dtype, device=device)
+        reps = 4
+
+        def loop():
+            for _ in range(reps):
+                torch.mm(a, a)
+        barrier()
+        t_alone = agreed(_timed(loop, repeats, sync))
+        t_comm = agreed(_timed(lambda: dist.all_reduce(buf), repeats, barrier))
+
+        def both():
+            w = dist.all_reduce(buf, async_op=True)
+            loop()
+            w.wait()
+        t_both = agreed(_timed(both, repeats, barrier))
+        hidden = min(t_alone, t_comm)
+        # t_both = max(alone, comm) + slowdown · hidden (cost.exposed_comm's model)
+        slowdown = min(0.95, max(0.0, (t_both - max(t_alone, t_comm)) / hidden)) if hidden > 0 else 0.0
+
+    if rank != 0:
+        return None
+    links = {"hop_latency": 0.0,
+             "curves": {f"{k}@{n}": [list(p) for p in t] for k, n, t in curves}} if curves else None
+    out = {"name": f"{'gpu' if gpu else 'cpu'}-measured", "source":
+           f"autopar calibrate: {world} process(es), {device.type}, {str(dtype).replace('torch.', '')}, "
+           f"sweep {sweep}, fastest of {repeats}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+           "gemm_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
+           "gemm": [list(p) for p in fit_gemm(gemm)], "gemm_latency": gemm_latency,
+           "memory": [list(p) for p in _collapse(memory, 0)], "kernel_overhead": kernel_overhead,
+           "overlap_slowdown": slowdown, "vector_rate": vector_rate,
+           "optimizer_overhead": optimizer_overhead, "backward_ratio": backward_ratio,
+           "view_overhead": view_overhead}
+    if links:
+        out["links"] = {"intra": links}
+    else:   # one process: no links measured; a placeholder curve (never used by a 1-rank mesh)
+        out["links"] = {"intra": {"curves": {"all_reduce@2": [[1.0, 1e9]]}}}
+    return out
+
+
+def isotonic(points):
+    """Pool-adjacent-violators: the non-decreasing (in size) bus bandwidth closest to the
+    measured points (larger messages never get slower per byte; single readings on a loaded
+    machine do)."""
+    blocks = []   # [sum, count, xs]
+    for x, y in points:
+        blocks.append([y, 1, [x]])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s2, c2, x2 = blocks.pop()
+            blocks[-1][0] += s2
+            blocks[-1][1] += c2
+            blocks[-1][2] += x2
+    return tuple((x, s / c) for s, c, xs in blocks for x in xs)
+
+
+def fit_gemm(points):
+    """Least-squares fit (log rates) of rate(AI) = R · AI^p / (AI^p + k^p), the form of
+    autoparallel's H100 fit, to the measured (intensity, FLOP/s) points: one smooth monotone curve
+    instead of single noisy shapes (on a loaded CPU one shape can read 4x off its neighbours)."""
+    import math
+    best = None
+    xs = [a for a, _ in points]
+    ly = [math.log(r) for _, r in points]
+    for p in (0.5, 0.75, 1.0, 1.47, 2.0, 3.0):
+        for k in [min(xs) * 2 ** (i / 4) for i in range(-8, 40)]:
+            g = [math.log(a ** p / (a ** p + k ** p)) for a in xs]
+            logR = statistics.mean(y - gi for y, gi in zip(ly, g))
+            sse = sum((y - gi - logR) ** 2 for y, gi in zip(ly, g))
+            if best is None or sse < best[0]:
+                best = (sse, p, k, math.exp(logR))
+    _, p, k, R = best
+    grid = sorted({min(xs) / 4, *[min(xs) * 2 ** i for i in range(0, 16) if min(xs) * 2 ** i <= max(xs) * 4]})
+    return tuple((a, R * a ** p / (a ** p + k ** p)) for a in grid)
+
+
+def _collective(kind, numel, n, dtype, device, group):
+    import torch
+    import torch.distributed as dist
+    x = torch.randn(numel, dtype=dtype, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x, group=group)
+    if kind == "broadcast":
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        return lambda: dist.broadcast(x, src=src, group=group)
+    if kind == "all_gather":
+        shard = torch.randn(numel // n, dtype=dtype, device=device)
+        return lambda: dist.all_gather_into_tensor(x, shard, group=group)
+    if kind == "reduce_scatter":
+        shard = torch.empty(numel // n, dtype=dtype, device=device)
+        return lambda: dist.reduce_scatter_tensor(shard, x, group=group)
+    out = torch.empty_like(x)
+    return lambda: dist.all_to_all_single(out, x, group=group)
+
+
+def _local_main(rank, world, sweep, repeats):
+    import torch
+    torch.set_num_threads(1)   # as forked training ranks run (OpenMP in forked children deadlocks)
+    return measure(sweep, repeats)
+
+
+def calibrate(nprocs: int = 2, sweep: str = "cpu", repeats: int = 5, output=None) -> Calibration:
+    """Measure (forking ``nprocs`` local gloo processes unless a process group is already up)
+    and return the profile; with ``output`` also write it as YAML (rank 0 only)."""
+    import warnings
+
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        d = measure(sweep, repeats)
+    else:
+        from runtime.launch import run_local
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            d = run_local(_local_main, nprocs, (sweep, repeats), timeout=1800)[0]
+    if d is None:
+        return None
+    cal = Calibration.from_dict(d, "autopar calibrate")
+    if output:
+        cal.to_yaml(output)
+    return cal
