@@ -342,13 +342,17 @@ def _recompute_rows(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, par
             rows.append(terms)
     if not rows:
         return []
+    # R is kept in units of the largest recompute coefficient, not bytes: in bytes its coefficient
+    # in the normalised memory row (1 / the row's largest bytes, ~1e-10 for 10 GB rows) would fall
+    # below HiGHS's small_matrix_value (1e-9) and be dropped, leaving R unconstrained there.
+    unit = max(abs(w) for terms in rows for _, w in terms)
     rvar = _var(lp, f"rec_{mi}", 0.0)
     for k, terms in enumerate(rows):
         norm = max(abs(w) for _, w in terms)
         lp.addConstraint(pulp.LpConstraint(
-            pulp.LpAffineExpression([(v, w / norm) for v, w in terms] + [(rvar, -1.0 / norm)]),
+            pulp.LpAffineExpression([(v, w / norm) for v, w in terms] + [(rvar, -unit / norm)]),
             pulp.LpConstraintLE, rhs=0.0), f"rec_{mi}_{k}")
-    return [(rvar, 1.0)]
+    return [(rvar, unit)]
 
 
 def _memory_row(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, parts: list[_GroupParts]):

@@ -331,3 +331,25 @@ def test_pipeline_calls_cost_once_per_range_and_rejects_bad_input():
         partition(2, 3, 1, cost)
     with pytest.raises(PlanError, match="finite time"):
         partition(2, 1, 1, lambda i, j, d: (math.nan, 0.0))
+
+
+def test_recompute_working_set_binds_at_the_scale_of_real_models():
+    """A recompute working set of 300 MB beside 17 GB of model state: the memory row's coefficient
+    of the recompute variable must survive HiGHS's small-coefficient threshold (it was dropped when
+    kept in bytes, so a plan 100 MB over budget was called optimal)."""
+    import numpy as np
+
+    from solver import CheckpointGroup, MemoryConstraint, Problem, solve
+    from solver.ilp import evaluate
+
+    state = 1.7e10
+    problem = Problem(
+        node_names=["block"], costs=[np.array([1.0, 2.0])],
+        memory=[MemoryConstraint("end", budget=state + 2e8, terms=[(0, np.array([state, state]))], groups=[0])],
+        checkpoint_groups=[CheckpointGroup("blocks", saved=[(0, np.array([1e9, 1e9]))], kept=[(0, np.array([1e6, 1e6]))],
+                                           recompute_memory=[(0, np.array([3e8, 1e8]))],
+                                           recompute_time=[(0, np.array([0.1, 0.1]))], forced=True)])
+    sol = solve(problem)
+    _, mem = evaluate(problem, sol.choice, sol.checkpoint)
+    assert sol.choice == [1], "the cheaper strategy's recompute set (300 MB) does not fit the 200 MB left"
+    assert mem["end"] <= problem.memory[0].budget
