@@ -21,6 +21,7 @@ children of an ``nn.ModuleList``/``nn.Sequential``), which the solver solves onc
 from __future__ import annotations
 
 import hashlib
+import math
 import inspect
 import os
 import time
@@ -150,7 +151,9 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
     with _AutogradFunctionWatch(root, prefix) as custom:
         result = _run_front_ends(model, root, example_inputs, frontend, prefix)
     if custom.calls:
-        raise custom.error(model)
+        bad = custom.unverified()
+        if bad:
+            raise custom.error(model, bad)
     gm, param_fqn, buffers, input_names, output_name, source, constants = result
     seconds = time.perf_counter() - t0
     frozen = _frozen_params(root, param_fqn, buffers)
@@ -262,6 +265,12 @@ class _AutogradFunctionWatch:
     def __init__(self, root: nn.Module, prefix: str):
         self.names = {id(m): (_strip(n, prefix) if prefix else n) for n, m in root.named_modules()}
         self.calls: dict[str, str] = {}   # "pkg.mod.Class" -> "module fqn (ModuleClass)"
+        self.examples: dict[str, tuple] = {}   # "pkg.mod.Class" -> (class, argument shapes, kwargs)
+
+    def unverified(self) -> dict[str, str]:
+        """The recorded Functions whose backward is NOT the gradient of their forward's ops (checked
+        numerically, ``_backward_matches_forward``): those tracing would silently change."""
+        return {k: v for k, v in self.calls.items() if not _backward_matches_forward(*self.examples[k])}
 
     def __enter__(self):
         from torch.autograd.function import Function
@@ -273,7 +282,13 @@ class _AutogradFunctionWatch:
 
         def apply(cls, *args, **kwargs):
             if not _is_torch_module(cls.__module__ or ""):
-                watch.calls.setdefault(f"{cls.__module__}.{cls.__qualname__}", watch._caller_module())
+                key = f"{cls.__module__}.{cls.__qualname__}"
+                if key not in watch.calls:
+                    watch.calls[key] = watch._caller_module()
+                shapes = _shapes_of(args)
+                # symbolic_trace calls it with Proxies first: keep a call that had real tensor shapes
+                if key not in watch.examples or not _has_tensor(watch.examples[key][1]):
+                    watch.examples[key] = (cls, shapes, dict(kwargs))
             return original(cls, *args, **kwargs)
 
         Function.apply = classmethod(apply)
@@ -294,13 +309,88 @@ class _AutogradFunctionWatch:
             frame = frame.f_back
         return "<unknown module>"
 
-    def error(self, model: nn.Module) -> TraceError:
-        found = "; ".join(f"{fn} called in module {mod}" for fn, mod in self.calls.items())
-        return TraceError(f"{type(model).__name__} uses a custom torch.autograd.Function ({found}): tracing "
-                          f"inlines its forward and would train with the gradient of the traced ops instead of "
-                          f"its backward, diverging from eager. autopar cannot keep a custom backward: write "
+    def error(self, model: nn.Module, calls: dict[str, str]) -> TraceError:
+        found = "; ".join(f"{fn} called in module {mod}" for fn, mod in calls.items())
+        return TraceError(f"{type(model).__name__} uses a custom torch.autograd.Function ({found}) whose backward "
+                          f"is not the gradient of its forward: tracing inlines the forward and would train with "
+                          f"the gradient of the traced ops instead of that backward, diverging from eager. autopar cannot keep a custom backward: write "
                           f"the op with differentiable torch ops (its backward then follows), or keep the "
                           f"Function out of the model you hand to autopar")
+
+
+def _has_tensor(shapes) -> bool:
+    return any(kind == "tensor" for kind, *_ in shapes)
+
+
+def _shapes_of(args) -> list:
+    """Tensor arguments as (shape, dtype) (fake/meta values cannot be computed with), others as-is."""
+    return [("tensor", tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else ("value", a) for a in args]
+
+
+class _Ctx:
+    """A stand-in ``ctx`` for calling an old-style ``forward(ctx, ...)`` directly (no custom backward)."""
+
+    def __init__(self):
+        self.needs_input_grad = ()
+        self.saved_tensors = ()
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_dirty(self, *a):
+        pass
+
+    def mark_non_differentiable(self, *a):
+        pass
+
+    def set_materialize_grads(self, *a):
+        pass
+
+
+def _backward_matches_forward(cls, shapes, kwargs, elements: int = 1 << 16) -> bool:
+    """Whether ``cls``'s own backward equals autograd's gradient of its forward's ops on random
+    inputs of the traced shapes (dims clipped to 64 when a tensor is large: a Function that cannot
+    take other sizes is then reported, the safe side). True means tracing through the Function
+    (inlining its forward) trains exactly like eager; e.g. Bloom's tanh-GeLU Function, whose backward
+    is the derivative of its forward, passes; one that returns some other gradient does not."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        args = []
+        for kind, *rest in shapes:
+            if kind == "value":
+                args.append(rest[0])
+                continue
+            shape, dtype = rest
+            if math.prod(shape) > elements:
+                shape = tuple(min(int(d), 64) for d in shape)
+            if dtype.is_floating_point:
+                args.append((torch.randn(shape, generator=gen, dtype=torch.float64)).requires_grad_(True))
+            else:
+                args.append(torch.randint(0, 2, shape, generator=gen).to(dtype))
+        floats = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not floats:
+            return False   # no tensor shapes were seen (e.g. only Proxies): cannot check, so refuse
+        own = cls.apply(*args, **kwargs)
+        outs = [o for o in (own if isinstance(own, tuple) else (own,)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        weights = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
+        g_own = torch.autograd.grad(outs, floats, weights, allow_unused=True)
+        plain_args = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                      for a in args]
+        if "ctx" in inspect.signature(cls.forward).parameters or len(inspect.signature(cls.forward).parameters) > len(args):
+            plain = cls.forward(_Ctx(), *plain_args, **kwargs)
+        else:
+            plain = cls.forward(*plain_args, **kwargs)
+        pouts = [o for o in (plain if isinstance(plain, tuple) else (plain,)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        pfloats = [a for a in plain_args if isinstance(a, torch.Tensor) and a.requires_grad]
+        g_plain = torch.autograd.grad(pouts, pfloats, weights, allow_unused=True)
+        for a, b in zip(g_own, g_plain):
+            a = torch.zeros(()) if a is None else a
+            b = torch.zeros(()) if b is None else b
+            if not torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-6):
+                return False
+        return True
+    except Exception:   # could not check: refuse rather than risk a silently different gradient
+        return False
 
 
 def _frozen_params(root: nn.Module, param_fqn: dict[str, str], buffers: set[str]) -> set[str]:

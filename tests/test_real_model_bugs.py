@@ -271,3 +271,41 @@ def test_unreadable_checkpoint_is_an_execution_error(tmp_path):
     res = run_local(_ckpt, 2, args=(_gpt(1), plan_json, str(d), "load", 1), timeout=300)
     for losses, msg in res:
         assert losses is None and "could not load checkpoint" in msg, msg
+
+
+class ExactTanh(torch.autograd.Function):
+    """A custom Function whose backward IS the gradient of its forward (like Bloom's GeLUFunction)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+
+class WithExactFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.out(ExactTanh.apply(self.fc(x))), y)
+
+
+def test_custom_function_whose_backward_is_its_forwards_gradient_is_traced():
+    """Checked numerically at trace time: inlining its forward trains exactly like its backward, so
+    the model is accepted (Bloom's GeLU); the clamp with a doubled gradient above is still refused."""
+    from autopar.trace import _backward_matches_forward, trace
+
+    assert _backward_matches_forward(ExactTanh, [("tensor", (8, 32), torch.float32)], {})
+    assert not _backward_matches_forward(ClampTwiceGrad, [("tensor", (8, 32), torch.float32)], {})
+    model = build(WithExactFunction, "cpu", 0)
+    batch = (torch.randn(8, 16), torch.randint(8, (8,)))
+    for frontend in ("export", "fx"):
+        g = trace(model, batch, frontend=frontend)
+        assert any("tanh" in str(n.target) for n in g.gm.graph.nodes)
