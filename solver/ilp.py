@@ -184,23 +184,24 @@ def fits(problem: Problem, memory_bytes: dict[str, float]) -> bool:
 
 @dataclass
 class _Model:
-    lp: pulp.LpProblem
-    x: list[list[pulp.LpVariable]]
+    lp: _LP
+    x: list[list[_Var]]
     c: list                        # per group: LpVariable, or bool when forced
     offset: float = 0.0            # objective constant (seconds) removed before scaling
     scale: float = 1.0             # scaled objective = (true objective - offset) * scale
     infeasible: bool = False       # a variable-free memory row is already violated
+    cbc_objective: float | None = None   # scaled objective of the last CBC solve (for ``_bound``)
 
 
 @dataclass
 class _GroupParts:
     """A checkpoint group's bytes and time as x-coefficients plus z terms."""
     mem_x: dict[int, np.ndarray]
-    mem_z: list[tuple[pulp.LpVariable, float]]
+    mem_z: list[tuple[_Var, float]]
     rec_x: dict[int, np.ndarray]                     # recompute working set: x-coefficients
-    rec_z: list[tuple[pulp.LpVariable, float]]       # ... and z terms
+    rec_z: list[tuple[_Var, float]]       # ... and z terms
     time_x: dict[int, np.ndarray]
-    time_z: list[tuple[pulp.LpVariable, float]]
+    time_z: list[tuple[_Var, float]]
 
 
 def _sum_terms(terms, sizes) -> dict[int, np.ndarray]:
@@ -211,18 +212,76 @@ def _sum_terms(terms, sizes) -> dict[int, np.ndarray]:
     return out
 
 
-def _var(lp: pulp.LpProblem, name: str, low=None, up=None, cat=pulp.LpContinuous) -> pulp.LpVariable:
-    # PuLP >= 3.3 wants variables created through the problem (the 4.0 API); older PuLP lacks it.
-    if hasattr(lp, "add_variable"):
-        return lp.add_variable(name, low, up, cat=cat)
-    return pulp.LpVariable(name, low, up, cat=cat)
+_BINARY, _CONTINUOUS = "binary", "continuous"
 
 
-def _add_choice(lp: pulp.LpProblem, sizes: list[int]) -> list[list[pulp.LpVariable]]:
-    x = [[_var(lp, f"x_{n}_{s}", cat=pulp.LpBinary) for s in range(k)] for n, k in enumerate(sizes)]
+class _Var:
+    """A column of ``_LP``: its index, name and (after a solve) value."""
+    __slots__ = ("index", "name", "varValue")
+
+    def __init__(self, index: int, name: str):
+        self.index, self.name, self.varValue = index, name, None
+
+    def __hash__(self):
+        return self.index
+
+    def __eq__(self, other):
+        return self is other
+
+
+class _LP:
+    """The model as plain arrays: columns (bounds, integrality, objective) and sparse rows.
+    Passed to HiGHS directly (``highspy``: no per-variable Python objects in the solver's
+    interface, which was most of the time of a small solve through PuLP), or converted to a
+    PuLP problem for CBC (``_to_pulp``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.cols: list[_Var] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[bool] = []
+        self.row_start = [0]
+        self.row_index: list[int] = []
+        self.row_value: list[float] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+        self.row_names: list[str] = []
+        self.objective: list[tuple[_Var, float]] = []
+        self.solver_model = None          # the highspy.Highs of the last solve
+
+    def var(self, name: str, low=None, up=None, binary: bool = False) -> _Var:
+        v = _Var(len(self.cols), name)
+        self.cols.append(v)
+        self.lower.append(0.0 if binary else (-math.inf if low is None else float(low)))
+        self.upper.append(1.0 if binary else (math.inf if up is None else float(up)))
+        self.integer.append(binary)
+        return v
+
+    def row(self, terms, sense: str, rhs: float, name: str) -> None:
+        for v, w in terms:
+            self.row_index.append(v.index)
+            self.row_value.append(float(w))
+        self.row_start.append(len(self.row_index))
+        self.row_lower.append(float(rhs) if sense in ("EQ", "GE") else -math.inf)
+        self.row_upper.append(float(rhs) if sense in ("EQ", "LE") else math.inf)
+        self.row_names.append(name)
+
+    def set_objective(self, terms) -> None:
+        self.objective = list(terms)
+
+    def variables(self) -> list[_Var]:
+        return list(self.cols)
+
+
+def _var(lp: _LP, name: str, low=None, up=None, cat=_CONTINUOUS) -> _Var:
+    return lp.var(name, low, up, binary=cat == _BINARY)
+
+
+def _add_choice(lp: _LP, sizes: list[int]) -> list[list[_Var]]:
+    x = [[_var(lp, f"x_{n}_{s}", cat=_BINARY) for s in range(k)] for n, k in enumerate(sizes)]
     for n, xs in enumerate(x):
-        lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(v, 1.0) for v in xs]),
-                                           pulp.LpConstraintEQ, rhs=1.0), f"onehot_{n}")
+        lp.row([(v, 1.0) for v in xs], "EQ", 1.0, f"onehot_{n}")
     return x
 
 
@@ -251,25 +310,21 @@ def _fold_edges(problem: Problem, node_obj: list[np.ndarray]) -> list[tuple[int,
     return kept
 
 
-def _add_edges(lp: pulp.LpProblem, x, edges) -> list[tuple[pulp.LpVariable, float]]:
+def _add_edges(lp: _LP, x, edges) -> list[tuple[_Var, float]]:
     """Edge variables and marginal rows; returns the (e, cost) objective terms."""
     obj_terms = []
     for k, (u, v, m) in enumerate(edges):
         ns, nt = m.shape
         e = [[_var(lp, f"e_{k}_{s}_{t}", 0.0) for t in range(nt)] for s in range(ns)]
         for s in range(ns):
-            lp.addConstraint(pulp.LpConstraint(
-                pulp.LpAffineExpression([(e[s][t], 1.0) for t in range(nt)] + [(x[u][s], -1.0)]),
-                pulp.LpConstraintEQ, rhs=0.0), f"erow_{k}_{s}")
+            lp.row([(e[s][t], 1.0) for t in range(nt)] + [(x[u][s], -1.0)], "EQ", 0.0, f"erow_{k}_{s}")
         for t in range(nt - 1):
-            lp.addConstraint(pulp.LpConstraint(
-                pulp.LpAffineExpression([(e[s][t], 1.0) for s in range(ns)] + [(x[v][t], -1.0)]),
-                pulp.LpConstraintEQ, rhs=0.0), f"ecol_{k}_{t}")
+            lp.row([(e[s][t], 1.0) for s in range(ns)] + [(x[v][t], -1.0)], "EQ", 0.0, f"ecol_{k}_{t}")
         obj_terms.extend((e[s][t], float(m[s, t])) for s in range(ns) for t in range(nt) if m[s, t] != 0.0)
     return obj_terms
 
 
-def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tuple[list, list[_GroupParts]]:
+def _add_checkpoint_groups(lp: _LP, problem: Problem, x, sizes) -> tuple[list, list[_GroupParts]]:
     cs, parts = [], []
     for gi, g in enumerate(problem.checkpoint_groups):
         saved = _sum_terms(g.saved, sizes)
@@ -290,7 +345,7 @@ def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tu
             else:
                 parts.append(_GroupParts(mem_x=a, mem_z=[], rec_x={}, rec_z=[], time_x={}, time_z=[]))
             continue
-        c = _var(lp, f"c_{gi}", cat=pulp.LpBinary)
+        c = _var(lp, f"c_{gi}", cat=_BINARY)
         cs.append(c)
         mem_z, rec_z, time_z = [], [], []
         for n in nodes:
@@ -301,11 +356,8 @@ def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tu
                     continue  # z would not change any coefficient
                 z = _var(lp, f"z_{gi}_{n}_{s}", 0.0, 1.0)
                 zs.append(z)
-                lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(z, 1.0), (x[n][s], -1.0)]),
-                                                   pulp.LpConstraintLE, rhs=0.0), f"zx_{gi}_{n}_{s}")
-                lp.addConstraint(pulp.LpConstraint(
-                    pulp.LpAffineExpression([(z, 1.0), (x[n][s], -1.0), (c, 1.0)]),
-                    pulp.LpConstraintGE, rhs=0.0), f"zlo_{gi}_{n}_{s}")
+                lp.row([(z, 1.0), (x[n][s], -1.0)], "LE", 0.0, f"zx_{gi}_{n}_{s}")
+                lp.row([(z, 1.0), (x[n][s], -1.0), (c, 1.0)], "GE", 0.0, f"zlo_{gi}_{n}_{s}")
                 if dm != 0.0:
                     mem_z.append((z, dm))
                 if dr != 0.0:
@@ -313,14 +365,12 @@ def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tu
                 if dt != 0.0:
                     time_z.append((z, dt))
             if zs:
-                lp.addConstraint(pulp.LpConstraint(
-                    pulp.LpAffineExpression([(z, 1.0) for z in zs] + [(c, 1.0)]),
-                    pulp.LpConstraintLE, rhs=1.0), f"zc_{gi}_{n}")
+                lp.row([(z, 1.0) for z in zs] + [(c, 1.0)], "LE", 1.0, f"zc_{gi}_{n}")
         parts.append(_GroupParts(mem_x=b, mem_z=mem_z, rec_x=r, rec_z=rec_z, time_x=t, time_z=time_z))
     return cs, parts
 
 
-def _merge_z(zterms) -> list[tuple[pulp.LpVariable, float]]:
+def _merge_z(zterms) -> list[tuple[_Var, float]]:
     zsum: dict[str, list] = {}
     for z, w in zterms:  # a group listed twice in one constraint counts twice
         if z.name in zsum:
@@ -330,7 +380,7 @@ def _merge_z(zterms) -> list[tuple[pulp.LpVariable, float]]:
     return [(z, w) for z, w in zsum.values() if w != 0.0]
 
 
-def _recompute_rows(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, parts) -> list:
+def _recompute_rows(lp: _LP, problem: Problem, mi: int, sizes, x, parts) -> list:
     """``R_mi >= rec_g`` for every group of memory constraint ``mi`` that can recompute; returns
     the (R, 1.0) term to add to the constraint's row (none when no group can)."""
     rows = []
@@ -345,18 +395,16 @@ def _recompute_rows(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, par
     rvar = _var(lp, f"rec_{mi}", 0.0)
     for k, terms in enumerate(rows):
         norm = max(abs(w) for _, w in terms)
-        lp.addConstraint(pulp.LpConstraint(
-            pulp.LpAffineExpression([(v, w / norm) for v, w in terms] + [(rvar, -1.0 / norm)]),
-            pulp.LpConstraintLE, rhs=0.0), f"rec_{mi}_{k}")
+        lp.row([(v, w / norm) for v, w in terms] + [(rvar, -1.0 / norm)], "LE", 0.0, f"rec_{mi}_{k}")
     return [(rvar, 1.0)]
 
 
-def _memory_row(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, parts: list[_GroupParts]):
+def _memory_row(lp: _LP, problem: Problem, mi: int, sizes, x, parts: list[_GroupParts]):
     """(list of (var, bytes), const bytes) of memory constraint ``mi``'s total (adds its
     recompute rows to ``lp``)."""
     m = problem.memory[mi]
     coef = _sum_terms(m.terms, sizes)
-    zterms: list[tuple[pulp.LpVariable, float]] = []
+    zterms: list[tuple[_Var, float]] = []
     for gi in m.groups:
         for n, arr in parts[gi].mem_x.items():
             coef[n] = coef.get(n, np.zeros(sizes[n])) + arr
@@ -367,7 +415,7 @@ def _memory_row(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, parts: 
     return terms, float(m.const)
 
 
-def _add_memory(lp: pulp.LpProblem, problem: Problem, sizes, x, parts) -> bool:
+def _add_memory(lp: _LP, problem: Problem, sizes, x, parts) -> bool:
     """Budget rows; returns False when a variable-free row is already over budget."""
     for mi, m in enumerate(problem.memory):
         if not math.isfinite(m.budget) and m.budget > 0:
@@ -381,15 +429,14 @@ def _add_memory(lp: pulp.LpProblem, problem: Problem, sizes, x, parts) -> bool:
         if not math.isfinite(rhs):  # budget == -inf
             return False
         norm = max(abs(rhs), max(abs(w) for _, w in terms))
-        lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(v, w / norm) for v, w in terms]),
-                                           pulp.LpConstraintLE, rhs=rhs / norm), f"mem_{mi}")
+        lp.row([(v, w / norm) for v, w in terms], "LE", rhs / norm, f"mem_{mi}")
     return True
 
 
-def _set_objective(lp: pulp.LpProblem, x, node_obj, edge_terms, parts) -> tuple[float, float]:
+def _set_objective(lp: _LP, x, node_obj, edge_terms, parts) -> tuple[float, float]:
     """Set the scaled objective; returns (offset, scale)."""
     node_obj = [o.copy() for o in node_obj]
-    zterms: list[tuple[pulp.LpVariable, float]] = []
+    zterms: list[tuple[_Var, float]] = []
     for p in parts:
         for n, arr in p.time_x.items():
             node_obj[n] = node_obj[n] + arr
@@ -405,26 +452,24 @@ def _set_objective(lp: pulp.LpProblem, x, node_obj, edge_terms, parts) -> tuple[
     terms = [(x[n][s], float(o[s]) * scale) for n, o in enumerate(node_obj) for s in range(len(o)) if o[s] != 0.0]
     terms += [(v, w * scale) for v, w in edge_terms]
     terms += [(v, w * scale) for v, w in zterms]
-    lp.setObjective(pulp.LpAffineExpression(terms))
+    lp.set_objective(terms)
     return offset, scale
 
 
-def _add_peak_rows(lp: pulp.LpProblem, problem: Problem, sizes, x, parts) -> None:
+def _add_peak_rows(lp: _LP, problem: Problem, sizes, x, parts) -> None:
     rows = [_memory_row(lp, problem, mi, sizes, x, parts) for mi in range(len(problem.memory))]
     # One common scale: every row shares the variable P.
     norm = max([abs(c) for _, c in rows] + [abs(w) for t, _ in rows for _, w in t] + [1.0])
     peak = _var(lp, "peak")
     for mi, (terms, const) in enumerate(rows):
-        lp.addConstraint(pulp.LpConstraint(
-            pulp.LpAffineExpression([(v, w / norm) for v, w in terms] + [(peak, -1.0)]),
-            pulp.LpConstraintLE, rhs=-const / norm), f"peak_{mi}")
-    lp.setObjective(pulp.LpAffineExpression([(peak, 1.0)]))
+        lp.row([(v, w / norm) for v, w in terms] + [(peak, -1.0)], "LE", -const / norm, f"peak_{mi}")
+    lp.set_objective([(peak, 1.0)])
 
 
 def build(problem: Problem, peak: bool = False) -> _Model:
     """Build the PuLP model (``peak=True``: the min-peak-memory model). Exposed for timing."""
     sizes = [len(c) for c in problem.costs]
-    lp = pulp.LpProblem("autopar_min_peak" if peak else "autopar_sharding", pulp.LpMinimize)
+    lp = _LP("autopar_min_peak" if peak else "autopar_sharding")
     x = _add_choice(lp, sizes)
     cs, parts = _add_checkpoint_groups(lp, problem, x, sizes)
     model = _Model(lp=lp, x=x, c=cs)
@@ -441,42 +486,129 @@ def build(problem: Problem, peak: bool = False) -> _Model:
 
 # ----------------------------------------------------------------------------- solving
 
-def _make_solver(backend: str, time_limit: float | None, threads: int, mip: bool = True, mip_gap: float = 1e-7):
-    use_highs = backend == "highs"
-    if backend == "auto":
-        try:
-            import highspy  # noqa: F401
-            use_highs = pulp.HiGHS(msg=False).available()
-        except ImportError:
-            use_highs = False
-    elif backend not in ("highs", "cbc"):
+def _use_highs(backend: str) -> bool:
+    if backend not in ("auto", "highs", "cbc"):
         raise _input_error(f"unknown solver backend {backend!r}; use 'auto', 'highs' or 'cbc'")
-    if use_highs:
-        if not pulp.HiGHS(msg=False).available():
+    if backend == "cbc":
+        return False
+    try:
+        import highspy  # noqa: F401
+        return True
+    except ImportError:
+        if backend == "highs":
             raise _input_error("backend='highs' needs the highspy package: pip install highspy, or use backend='cbc'")
-        return pulp.HiGHS(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
-                          gapRel=mip_gap, gapAbs=_GAP_ABS, random_seed=0)
+        return False
+
+
+def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True) -> str:
+    import highspy
+
+    lp = model.lp
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", int(threads))
+    h.setOptionValue("random_seed", 0)
+    h.setOptionValue("mip_rel_gap", float(mip_gap))
+    h.setOptionValue("mip_abs_gap", _GAP_ABS)
+    if time_limit is not None:
+        h.setOptionValue("time_limit", float(time_limit))
+    n = len(lp.cols)
+    cost = np.zeros(n)
+    for v, w in lp.objective:
+        cost[v.index] += w
+    hl = highspy.HighsLp()
+    hl.num_col_, hl.num_row_ = n, len(lp.row_lower)
+    hl.col_cost_ = cost
+    hl.col_lower_ = np.asarray(lp.lower, dtype=float)
+    hl.col_upper_ = np.asarray(lp.upper, dtype=float)
+    hl.row_lower_ = np.asarray(lp.row_lower, dtype=float)
+    hl.row_upper_ = np.asarray(lp.row_upper, dtype=float)
+    hl.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    hl.a_matrix_.num_col_, hl.a_matrix_.num_row_ = n, len(lp.row_lower)
+    hl.a_matrix_.start_ = np.asarray(lp.row_start, dtype=np.int32)
+    hl.a_matrix_.index_ = np.asarray(lp.row_index, dtype=np.int32)
+    hl.a_matrix_.value_ = np.asarray(lp.row_value, dtype=float)
+    if mip and any(lp.integer):
+        hl.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous
+                           for b in lp.integer]
+    h.passModel(hl)
+    h.run()
+    lp.solver_model = h
+    status = h.getModelStatus()
+    MS = highspy.HighsModelStatus
+    info = h.getInfo()
+    has_solution = info.primal_solution_status == 2   # kSolutionStatusFeasible
+    if has_solution:
+        values = h.getSolution().col_value
+        for v, x in zip(lp.cols, values):
+            v.varValue = x
+    if status == MS.kOptimal:
+        return "optimal"
+    if status in (MS.kInfeasible,):
+        return "infeasible"
+    if has_solution and status in (MS.kTimeLimit, MS.kIterationLimit, MS.kSolutionLimit, MS.kInterrupt,
+                                   MS.kObjectiveBound, MS.kObjectiveTarget):
+        return "feasible"
+    if status == MS.kUnboundedOrInfeasible:
+        return "infeasible"
+    if time_limit is not None:
+        raise _input_error(f"the HiGHS solver found no feasible plan within time_limit={time_limit} s; "
+                           "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
+    raise _input_error(f"the HiGHS solver returned status {h.modelStatusToString(status)!r}")
+
+
+def _to_pulp(lp: _LP, mip: bool = True):
+    """The same model as a PuLP problem (for CBC); returns (problem, PuLP variable per column)."""
+    prob = pulp.LpProblem(lp.name, pulp.LpMinimize)
+    # PuLP >= 3.3 wants variables created through the problem (the 4.0 API); older PuLP lacks it.
+    make = prob.add_variable if hasattr(prob, "add_variable") else pulp.LpVariable
+    pv = [make(v.name, None if math.isinf(lo) else lo, None if math.isinf(up) else up,
+               cat=pulp.LpBinary if (b and mip) else pulp.LpContinuous)
+          for v, lo, up, b in zip(lp.cols, lp.lower, lp.upper, lp.integer)]
+    for r, name in enumerate(lp.row_names):
+        a, b = lp.row_start[r], lp.row_start[r + 1]
+        expr = pulp.LpAffineExpression([(pv[i], w) for i, w in zip(lp.row_index[a:b], lp.row_value[a:b])])
+        lo, up = lp.row_lower[r], lp.row_upper[r]
+        if lo == up:
+            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintEQ, rhs=lo), name)
+        elif math.isinf(lo):
+            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintLE, rhs=up), name)
+        else:
+            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintGE, rhs=lo), name)
+    prob.setObjective(pulp.LpAffineExpression([(pv[v.index], w) for v, w in lp.objective]))
+    return prob, pv
+
+
+def _run_cbc(model: _Model, time_limit, threads, mip_gap, mip: bool = True) -> str:
+    prob, pv = _to_pulp(model.lp, mip)
     with warnings.catch_warnings():
         # PULP_CBC_CMD is the bundled CBC (facts.md: no system cbc); PuLP 3.3 flags it for 4.0.
         warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
-                                 gapRel=mip_gap, gapAbs=_GAP_ABS)
-
-
-def _run(model: _Model, backend, time_limit, threads, mip_gap) -> str:
-    """Solve the model; returns 'optimal' | 'feasible' | 'infeasible'."""
-    solver = _make_solver(backend, time_limit, threads, mip_gap=mip_gap)
-    model.lp.solve(solver)
-    if model.lp.sol_status == pulp.LpSolutionOptimal:
+        solver = pulp.PULP_CBC_CMD(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
+                                   gapRel=mip_gap, gapAbs=_GAP_ABS)
+    prob.solve(solver)
+    for v, p in zip(model.lp.cols, pv):
+        v.varValue = p.varValue
+    model.cbc_objective = float(pulp.value(prob.objective) or 0.0) if prob.status == pulp.LpStatusOptimal else None
+    if not mip:
+        return "optimal" if prob.status == pulp.LpStatusOptimal else "unknown"
+    if prob.sol_status == pulp.LpSolutionOptimal:
         return "optimal"
-    if model.lp.sol_status == pulp.LpSolutionIntegerFeasible:
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
         return "feasible"
-    if model.lp.status == pulp.LpStatusInfeasible or model.lp.sol_status == pulp.LpSolutionInfeasible:
+    if prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
         return "infeasible"
     if time_limit is not None:
         raise _input_error(f"the {solver.name} solver found no feasible plan within time_limit={time_limit} s; "
                            "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
-    raise _input_error(f"the {solver.name} solver returned status {pulp.LpStatus[model.lp.status]!r}")
+    raise _input_error(f"the {solver.name} solver returned status {pulp.LpStatus[prob.status]!r}")
+
+
+def _run(model: _Model, backend, time_limit, threads, mip_gap) -> str:
+    """Solve the model; returns 'optimal' | 'feasible' | 'infeasible'."""
+    if _use_highs(backend):
+        return _run_highs(model, time_limit, threads, mip_gap)
+    return _run_cbc(model, time_limit, threads, mip_gap)
 
 
 def _extract(model: _Model) -> tuple[list[int], list[bool]]:
@@ -487,14 +619,12 @@ def _extract(model: _Model) -> tuple[list[int], list[bool]]:
 
 def _bound(model: _Model, backend, time_limit, threads) -> float:
     """Lower bound (scaled units) after a time-limited stop; see the module docstring."""
-    solver_model = getattr(model.lp, "solverModel", None)
-    if solver_model is not None and hasattr(solver_model, "getInfo"):  # HiGHS
-        return float(solver_model.getInfo().mip_dual_bound)
-    lp_solver = _make_solver(backend, time_limit, threads, mip=False)
-    model.lp.solve(lp_solver)
-    if model.lp.status != pulp.LpStatusOptimal:
+    h = model.lp.solver_model
+    if h is not None:  # HiGHS
+        return float(h.getInfo().mip_dual_bound)
+    if _run_cbc(model, time_limit, threads, 1e-7, mip=False) != "optimal" or model.cbc_objective is None:
         return -math.inf
-    return float(pulp.value(model.lp.objective) or 0.0)
+    return model.cbc_objective
 
 
 def release_threads() -> None:
