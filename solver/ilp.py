@@ -185,8 +185,8 @@ def fits(problem: Problem, memory_bytes: dict[str, float]) -> bool:
 @dataclass
 class _Model:
     lp: _LP
-    x: list[list[_Var]]
-    c: list                        # per group: LpVariable, or bool when forced
+    x: list[np.ndarray]             # per node: column index of each strategy
+    c: list                        # per group: column index, or bool when forced
     offset: float = 0.0            # objective constant (seconds) removed before scaling
     scale: float = 1.0             # scaled objective = (true objective - offset) * scale
     infeasible: bool = False       # a variable-free memory row is already violated
@@ -197,11 +197,11 @@ class _Model:
 class _GroupParts:
     """A checkpoint group's bytes and time as x-coefficients plus z terms."""
     mem_x: dict[int, np.ndarray]
-    mem_z: list[tuple[_Var, float]]
+    mem_z: list[tuple[int, float]]
     rec_x: dict[int, np.ndarray]                     # recompute working set: x-coefficients
-    rec_z: list[tuple[_Var, float]]       # ... and z terms
+    rec_z: list[tuple[int, float]]       # ... and z terms
     time_x: dict[int, np.ndarray]
-    time_z: list[tuple[_Var, float]]
+    time_z: list[tuple[int, float]]
 
 
 def _sum_terms(terms, sizes) -> dict[int, np.ndarray]:
@@ -216,70 +216,124 @@ _BINARY, _CONTINUOUS = "binary", "continuous"
 
 
 class _Var:
-    """A column of ``_LP``: its index, name and (after a solve) value."""
+    """A column's name and value, as ``_LP.variables()`` lists them (tests, debugging)."""
     __slots__ = ("index", "name", "varValue")
 
-    def __init__(self, index: int, name: str):
-        self.index, self.name, self.varValue = index, name, None
-
-    def __hash__(self):
-        return self.index
-
-    def __eq__(self, other):
-        return self is other
+    def __init__(self, index: int, name: str, value=None):
+        self.index, self.name, self.varValue = index, name, value
 
 
 class _LP:
-    """The model as plain arrays: columns (bounds, integrality, objective) and sparse rows.
-    Passed to HiGHS directly (``highspy``: no per-variable Python objects in the solver's
-    interface, which was most of the time of a small solve through PuLP), or converted to a
-    PuLP problem for CBC (``_to_pulp``)."""
+    """The model as arrays: columns (bounds, integrality) are integer indices, rows are sparse
+    (added one by one or as numpy blocks), the objective is (index, coefficient) arrays. Passed
+    to HiGHS directly (``highspy``: no per-variable Python object anywhere, which was most of
+    the time of a solve through PuLP), or converted to a PuLP problem for CBC (``_to_pulp``)."""
 
     def __init__(self, name: str):
         self.name = name
-        self.cols: list[_Var] = []
         self.lower: list[float] = []
         self.upper: list[float] = []
         self.integer: list[bool] = []
-        self.row_start = [0]
-        self.row_index: list[int] = []
-        self.row_value: list[float] = []
-        self.row_lower: list[float] = []
-        self.row_upper: list[float] = []
-        self.row_names: list[str] = []
-        self.objective: list[tuple[_Var, float]] = []
-        self.solver_model = None          # the highspy.Highs of the last solve
+        self.names: list = []              # a str per column, or (prefix, shape, first index) per block
+        self.rows: list = []               # (index list, value list, lower, upper) one by one
+        self.row_blocks: list = []         # (index array r x L, value array r x L, lower, upper)
+        self.obj_idx: list[np.ndarray] = []
+        self.obj_val: list[np.ndarray] = []
+        self.values: np.ndarray | None = None   # column values after a solve
+        self.solver_model = None           # the highspy.Highs of the last solve
 
-    def var(self, name: str, low=None, up=None, binary: bool = False) -> _Var:
-        v = _Var(len(self.cols), name)
-        self.cols.append(v)
+    @property
+    def num_cols(self) -> int:
+        return len(self.lower)
+
+    def var(self, name: str, low=None, up=None, binary: bool = False) -> int:
         self.lower.append(0.0 if binary else (-math.inf if low is None else float(low)))
         self.upper.append(1.0 if binary else (math.inf if up is None else float(up)))
         self.integer.append(binary)
-        return v
+        self.names.append(name)
+        return len(self.lower) - 1
 
-    def row(self, terms, sense: str, rhs: float, name: str) -> None:
-        for v, w in terms:
-            self.row_index.append(v.index)
-            self.row_value.append(float(w))
-        self.row_start.append(len(self.row_index))
-        self.row_lower.append(float(rhs) if sense in ("EQ", "GE") else -math.inf)
-        self.row_upper.append(float(rhs) if sense in ("EQ", "LE") else math.inf)
-        self.row_names.append(name)
+    def block(self, prefix: str, shape: tuple, low: float, up: float, binary: bool = False) -> np.ndarray:
+        """``prod(shape)`` columns at once; returns their indices shaped ``shape``."""
+        n = int(np.prod(shape))
+        first = len(self.lower)
+        self.lower.extend([low] * n)
+        self.upper.extend([up] * n)
+        self.integer.extend([binary] * n)
+        self.names.extend([(prefix, shape, first)] * n)
+        return np.arange(first, first + n).reshape(shape)
+
+    def row(self, terms, sense: str, rhs: float, name: str = "") -> None:
+        self.rows.append(([int(v) for v, _ in terms], [float(w) for _, w in terms],
+                          float(rhs) if sense in ("EQ", "GE") else -math.inf,
+                          float(rhs) if sense in ("EQ", "LE") else math.inf))
+
+    def row_block(self, idx: np.ndarray, val: np.ndarray, lower: float, upper: float) -> None:
+        """Rows of equal length: ``idx``/``val`` are (rows x terms) arrays."""
+        if idx.size:
+            self.row_blocks.append((idx, val, lower, upper))
 
     def set_objective(self, terms) -> None:
-        self.objective = list(terms)
+        self.obj_idx = [np.array([int(v) for v, _ in terms], dtype=np.int64)]
+        self.obj_val = [np.array([float(w) for _, w in terms], dtype=float)]
+
+    def add_objective(self, idx: np.ndarray, val: np.ndarray) -> None:
+        self.obj_idx.append(np.asarray(idx, dtype=np.int64).ravel())
+        self.obj_val.append(np.asarray(val, dtype=float).ravel())
+
+    def cost(self) -> np.ndarray:
+        c = np.zeros(self.num_cols)
+        for i, v in zip(self.obj_idx, self.obj_val):
+            np.add.at(c, i, v)
+        return c
+
+    def matrix(self):
+        """Row-wise CSR arrays (start, index, value) and the row bounds."""
+        starts, idx, val, lo, up = [0], [], [], [], []
+        n = 0
+        for i, v, a, b in self.rows:
+            idx.append(np.asarray(i, dtype=np.int64))
+            val.append(np.asarray(v, dtype=float))
+            n += len(i)
+            starts.append(n)
+            lo.append(a)
+            up.append(b)
+        start_parts = [np.asarray(starts, dtype=np.int64)]
+        for bi, bv, a, b in self.row_blocks:
+            r, L = bi.shape
+            idx.append(bi.ravel())
+            val.append(bv.ravel())
+            start_parts.append(n + L * np.arange(1, r + 1, dtype=np.int64))
+            n += r * L
+            lo.extend([a] * r)
+            up.extend([b] * r)
+        cat = lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dtype=dt)  # noqa: E731
+        return (np.concatenate(start_parts), cat(idx, np.int64), cat(val, float),
+                np.asarray(lo, dtype=float), np.asarray(up, dtype=float))
+
+    def name_of(self, i: int) -> str:
+        nm = self.names[i]
+        if isinstance(nm, str):
+            return nm
+        prefix, shape, first = nm
+        return prefix + "_" + "_".join(str(int(k)) for k in np.unravel_index(i - first, shape))
 
     def variables(self) -> list[_Var]:
-        return list(self.cols)
+        vals = self.values
+        return [_Var(i, self.name_of(i), None if vals is None else float(vals[i])) for i in range(self.num_cols)]
 
 
-def _var(lp: _LP, name: str, low=None, up=None, cat=_CONTINUOUS) -> _Var:
+def _var(lp: _LP, name: str, low=None, up=None, cat=_CONTINUOUS) -> int:
     return lp.var(name, low, up, binary=cat == _BINARY)
 
 
-def _add_choice(lp: _LP, sizes: list[int]) -> list[list[_Var]]:
-    x = [[_var(lp, f"x_{n}_{s}", cat=_BINARY) for s in range(k)] for n, k in enumerate(sizes)]
+def _add_choice(lp: _LP, sizes: list[int]) -> list[np.ndarray]:
+    total = int(sum(sizes))
+    allx = lp.block("x", (total,), 0.0, 1.0, binary=True)
+    x, off = [], 0
+    for k in sizes:
+        x.append(allx[off:off + k])
+        off += k
     for n, xs in enumerate(x):
         lp.row([(v, 1.0) for v in xs], "EQ", 1.0, f"onehot_{n}")
     return x
@@ -310,18 +364,26 @@ def _fold_edges(problem: Problem, node_obj: list[np.ndarray]) -> list[tuple[int,
     return kept
 
 
-def _add_edges(lp: _LP, x, edges) -> list[tuple[_Var, float]]:
-    """Edge variables and marginal rows; returns the (e, cost) objective terms."""
-    obj_terms = []
+def _add_edges(lp: _LP, x, edges) -> tuple[np.ndarray, np.ndarray]:
+    """Edge variables and marginal rows (numpy blocks); returns the objective's (e index, cost)."""
+    obj_i, obj_v = [], []
     for k, (u, v, m) in enumerate(edges):
         ns, nt = m.shape
-        e = [[_var(lp, f"e_{k}_{s}_{t}", 0.0) for t in range(nt)] for s in range(ns)]
-        for s in range(ns):
-            lp.row([(e[s][t], 1.0) for t in range(nt)] + [(x[u][s], -1.0)], "EQ", 0.0, f"erow_{k}_{s}")
-        for t in range(nt - 1):
-            lp.row([(e[s][t], 1.0) for s in range(ns)] + [(x[v][t], -1.0)], "EQ", 0.0, f"ecol_{k}_{t}")
-        obj_terms.extend((e[s][t], float(m[s, t])) for s in range(ns) for t in range(nt) if m[s, t] != 0.0)
-    return obj_terms
+        e = lp.block(f"e_{k}", (ns, nt), 0.0, math.inf)
+        xu, xv = np.asarray(x[u]), np.asarray(x[v])
+        # sum_t e[s,t] - x[u,s] == 0 for every s
+        lp.row_block(np.concatenate([e, xu[:, None]], axis=1),
+                     np.concatenate([np.ones((ns, nt)), -np.ones((ns, 1))], axis=1), 0.0, 0.0)
+        # sum_s e[s,t] - x[v,t] == 0 for every t but the last
+        if nt > 1:
+            lp.row_block(np.concatenate([e[:, :nt - 1].T, xv[:nt - 1, None]], axis=1),
+                         np.concatenate([np.ones((nt - 1, ns)), -np.ones((nt - 1, 1))], axis=1), 0.0, 0.0)
+        nz = m != 0.0
+        obj_i.append(e[nz])
+        obj_v.append(m[nz].astype(float))
+    if not obj_i:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    return np.concatenate(obj_i), np.concatenate(obj_v)
 
 
 def _add_checkpoint_groups(lp: _LP, problem: Problem, x, sizes) -> tuple[list, list[_GroupParts]]:
@@ -370,13 +432,13 @@ def _add_checkpoint_groups(lp: _LP, problem: Problem, x, sizes) -> tuple[list, l
     return cs, parts
 
 
-def _merge_z(zterms) -> list[tuple[_Var, float]]:
-    zsum: dict[str, list] = {}
+def _merge_z(zterms) -> list[tuple[int, float]]:
+    zsum: dict[int, list] = {}
     for z, w in zterms:  # a group listed twice in one constraint counts twice
-        if z.name in zsum:
-            zsum[z.name][1] += w
+        if z in zsum:
+            zsum[z][1] += w
         else:
-            zsum[z.name] = [z, w]
+            zsum[z] = [z, w]
     return [(z, w) for z, w in zsum.values() if w != 0.0]
 
 
@@ -404,7 +466,7 @@ def _memory_row(lp: _LP, problem: Problem, mi: int, sizes, x, parts: list[_Group
     recompute rows to ``lp``)."""
     m = problem.memory[mi]
     coef = _sum_terms(m.terms, sizes)
-    zterms: list[tuple[_Var, float]] = []
+    zterms: list[tuple[int, float]] = []
     for gi in m.groups:
         for n, arr in parts[gi].mem_x.items():
             coef[n] = coef.get(n, np.zeros(sizes[n])) + arr
@@ -436,7 +498,7 @@ def _add_memory(lp: _LP, problem: Problem, sizes, x, parts) -> bool:
 def _set_objective(lp: _LP, x, node_obj, edge_terms, parts) -> tuple[float, float]:
     """Set the scaled objective; returns (offset, scale)."""
     node_obj = [o.copy() for o in node_obj]
-    zterms: list[tuple[_Var, float]] = []
+    zterms: list[tuple[int, float]] = []
     for p in parts:
         for n, arr in p.time_x.items():
             node_obj[n] = node_obj[n] + arr
@@ -446,13 +508,16 @@ def _set_objective(lp: _LP, x, node_obj, edge_terms, parts) -> tuple[float, floa
         lo = float(o.min())
         offset += lo
         node_obj[n] = o - lo
-    big = max([float(o.max()) for o in node_obj] + [abs(w) for _, w in edge_terms] + [abs(w) for _, w in zterms]
-              + [0.0])
+    e_idx, e_val = edge_terms
+    big = max([float(o.max()) for o in node_obj] + [float(np.abs(e_val).max()) if e_val.size else 0.0]
+              + [abs(w) for _, w in zterms] + [0.0])
     scale = _OBJ_TARGET / big if big > 0 else 1.0
-    terms = [(x[n][s], float(o[s]) * scale) for n, o in enumerate(node_obj) for s in range(len(o)) if o[s] != 0.0]
-    terms += [(v, w * scale) for v, w in edge_terms]
-    terms += [(v, w * scale) for v, w in zterms]
-    lp.set_objective(terms)
+    lp.set_objective([(v, w * scale) for v, w in zterms])
+    xi = np.concatenate([np.asarray(xs) for xs in x]) if x else np.zeros(0, dtype=np.int64)
+    xv = np.concatenate(node_obj) * scale if node_obj else np.zeros(0)
+    nz = xv != 0.0
+    lp.add_objective(xi[nz], xv[nz])
+    lp.add_objective(e_idx, e_val * scale)
     return offset, scale
 
 
@@ -512,22 +577,20 @@ def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True) ->
     h.setOptionValue("mip_abs_gap", _GAP_ABS)
     if time_limit is not None:
         h.setOptionValue("time_limit", float(time_limit))
-    n = len(lp.cols)
-    cost = np.zeros(n)
-    for v, w in lp.objective:
-        cost[v.index] += w
+    n = lp.num_cols
+    start, index, value, row_lo, row_up = lp.matrix()
     hl = highspy.HighsLp()
-    hl.num_col_, hl.num_row_ = n, len(lp.row_lower)
-    hl.col_cost_ = cost
+    hl.num_col_, hl.num_row_ = n, len(row_lo)
+    hl.col_cost_ = lp.cost()
     hl.col_lower_ = np.asarray(lp.lower, dtype=float)
     hl.col_upper_ = np.asarray(lp.upper, dtype=float)
-    hl.row_lower_ = np.asarray(lp.row_lower, dtype=float)
-    hl.row_upper_ = np.asarray(lp.row_upper, dtype=float)
+    hl.row_lower_ = row_lo
+    hl.row_upper_ = row_up
     hl.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    hl.a_matrix_.num_col_, hl.a_matrix_.num_row_ = n, len(lp.row_lower)
-    hl.a_matrix_.start_ = np.asarray(lp.row_start, dtype=np.int32)
-    hl.a_matrix_.index_ = np.asarray(lp.row_index, dtype=np.int32)
-    hl.a_matrix_.value_ = np.asarray(lp.row_value, dtype=float)
+    hl.a_matrix_.num_col_, hl.a_matrix_.num_row_ = n, len(row_lo)
+    hl.a_matrix_.start_ = start.astype(np.int32)
+    hl.a_matrix_.index_ = index.astype(np.int32)
+    hl.a_matrix_.value_ = value
     if mip and any(lp.integer):
         hl.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous
                            for b in lp.integer]
@@ -539,9 +602,7 @@ def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True) ->
     info = h.getInfo()
     has_solution = info.primal_solution_status == 2   # kSolutionStatusFeasible
     if has_solution:
-        values = h.getSolution().col_value
-        for v, x in zip(lp.cols, values):
-            v.varValue = x
+        lp.values = np.asarray(h.getSolution().col_value, dtype=float)
     if status == MS.kOptimal:
         return "optimal"
     if status in (MS.kInfeasible,):
@@ -562,20 +623,22 @@ def _to_pulp(lp: _LP, mip: bool = True):
     prob = pulp.LpProblem(lp.name, pulp.LpMinimize)
     # PuLP >= 3.3 wants variables created through the problem (the 4.0 API); older PuLP lacks it.
     make = prob.add_variable if hasattr(prob, "add_variable") else pulp.LpVariable
-    pv = [make(v.name, None if math.isinf(lo) else lo, None if math.isinf(up) else up,
+    pv = [make(lp.name_of(i), None if math.isinf(lo) else lo, None if math.isinf(up) else up,
                cat=pulp.LpBinary if (b and mip) else pulp.LpContinuous)
-          for v, lo, up, b in zip(lp.cols, lp.lower, lp.upper, lp.integer)]
-    for r, name in enumerate(lp.row_names):
-        a, b = lp.row_start[r], lp.row_start[r + 1]
-        expr = pulp.LpAffineExpression([(pv[i], w) for i, w in zip(lp.row_index[a:b], lp.row_value[a:b])])
-        lo, up = lp.row_lower[r], lp.row_upper[r]
+          for i, (lo, up, b) in enumerate(zip(lp.lower, lp.upper, lp.integer))]
+    start, index, value, row_lo, row_up = lp.matrix()
+    for r in range(len(row_lo)):
+        a, b = start[r], start[r + 1]
+        expr = pulp.LpAffineExpression([(pv[i], float(w)) for i, w in zip(index[a:b], value[a:b])])
+        lo, up = float(row_lo[r]), float(row_up[r])
         if lo == up:
-            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintEQ, rhs=lo), name)
+            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintEQ, rhs=lo), f"r{r}")
         elif math.isinf(lo):
-            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintLE, rhs=up), name)
+            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintLE, rhs=up), f"r{r}")
         else:
-            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintGE, rhs=lo), name)
-    prob.setObjective(pulp.LpAffineExpression([(pv[v.index], w) for v, w in lp.objective]))
+            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintGE, rhs=lo), f"r{r}")
+    cost = lp.cost()
+    prob.setObjective(pulp.LpAffineExpression([(pv[i], float(cost[i])) for i in np.flatnonzero(cost)]))
     return prob, pv
 
 
@@ -587,8 +650,7 @@ def _run_cbc(model: _Model, time_limit, threads, mip_gap, mip: bool = True) -> s
         solver = pulp.PULP_CBC_CMD(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
                                    gapRel=mip_gap, gapAbs=_GAP_ABS)
     prob.solve(solver)
-    for v, p in zip(model.lp.cols, pv):
-        v.varValue = p.varValue
+    model.lp.values = np.array([p.varValue if p.varValue is not None else 0.0 for p in pv], dtype=float)
     model.cbc_objective = float(pulp.value(prob.objective) or 0.0) if prob.status == pulp.LpStatusOptimal else None
     if not mip:
         return "optimal" if prob.status == pulp.LpStatusOptimal else "unknown"
@@ -612,8 +674,9 @@ def _run(model: _Model, backend, time_limit, threads, mip_gap) -> str:
 
 
 def _extract(model: _Model) -> tuple[list[int], list[bool]]:
-    choice = [int(np.argmax([v.varValue or 0.0 for v in xs])) for xs in model.x]
-    ckpt = [c if isinstance(c, bool) else (c.varValue or 0.0) > 0.5 for c in model.c]
+    vals = model.lp.values
+    choice = [int(np.argmax(vals[np.asarray(xs)])) for xs in model.x]
+    ckpt = [c if isinstance(c, bool) else float(vals[c]) > 0.5 for c in model.c]
     return choice, ckpt
 
 
