@@ -191,6 +191,7 @@ class _Model:
     scale: float = 1.0             # scaled objective = (true objective - offset) * scale
     infeasible: bool = False       # a variable-free memory row is already violated
     cbc_objective: float | None = None   # scaled objective of the last CBC solve (for ``_bound``)
+    start: list | None = None      # per node: a strategy to start from (HiGHS only), or None
 
 
 @dataclass
@@ -595,6 +596,12 @@ def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True) ->
         hl.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous
                            for b in lp.integer]
     h.passModel(hl)
+    if model.start is not None:
+        # A warm start (a neighbouring configuration's choice): the x columns only; HiGHS
+        # completes the edge/checkpoint columns itself, and ignores a start that is infeasible.
+        cols = np.array([int(model.x[n][s]) for n, s in enumerate(model.start) if s is not None], dtype=np.int32)
+        if cols.size:
+            h.setSolution(int(cols.size), cols, np.ones(cols.size))
     h.run()
     lp.solver_model = h
     status = h.getModelStatus()
@@ -709,12 +716,13 @@ def _is_trivial(problem: Problem) -> bool:
 
 
 def solve(problem: Problem, time_limit: float | None = None, backend: str = "auto", threads: int = 2,
-          mip_gap: float = 1e-7) -> Solution:
+          mip_gap: float = 1e-7, start: list | None = None) -> Solution:
     """Cheapest strategy per node and checkpoint decision per group within every memory budget.
 
     ``mip_gap`` is the relative gap at which the solver may stop and call the result optimal
     (1e-7 by default so results match brute force; 1e-4, HiGHS's own default, is much faster
-    on large problems). ``backend``: "auto" (HiGHS if available, else CBC), "highs", "cbc".
+    on large problems). ``start``: per node a strategy index (or None) to warm-start from
+    (HiGHS; an incumbent to prune with from the first node). ``backend``: "auto" (HiGHS if available, else CBC), "highs", "cbc".
     """
     t0 = time.perf_counter()
     validate(problem)
@@ -725,6 +733,8 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
             return Solution([], [], math.inf, "infeasible", solve_seconds=time.perf_counter() - t0)
         return Solution(choice, [], obj, "optimal", solve_seconds=time.perf_counter() - t0, peak_memory=mem)
     model = build(problem)
+    if start is not None and len(start) == problem.num_nodes:
+        model.start = [s if s is None or 0 <= s < len(problem.costs[n]) else None for n, s in enumerate(start)]
     if model.infeasible:
         return Solution([], [], math.inf, "infeasible", solve_seconds=time.perf_counter() - t0)
     status = _run(model, backend, time_limit, threads, mip_gap)
