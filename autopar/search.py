@@ -14,18 +14,20 @@ import time
 from dataclasses import dataclass
 
 from autopar.batching import batch_size, graph_batch_dims, input_shapes
-from autopar.build import build_problem
+from autopar.build import bound_problem, build_problem
 from autopar.candidates import Candidates, candidates
 from autopar.pricing import Settings, price, price_edges
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound
 from autopar.trace import TracedGraph
-from solver.ilp import min_peak_memory, solve
+from solver.ilp import min_peak_memory, relaxation_bound, solve
 
 # Relative optimality gap at which each configuration's ILP stops: plans within 0.1% of the
 # optimum of one configuration; the reported gap says what was reached.
 MIP_GAP = 1e-3
+# Prune with the LP relaxation (gradient communication free) before solving a configuration's ILP.
+LP_BOUND = True
 
 DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "pp", "pp_schedule", "micro_batch_size",
                "num_micro_batches", "zero", "checkpoint", "offload")
@@ -285,10 +287,19 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         memory_floors.append((cfg, P))
         return best
     price_edges(cands, cluster, cfg.settings, P)
-    if not exhaustive and best is not None and step_time_lower_bound(P, edges=True) >= best.prediction["step_time"]:
+    edge_lower = step_time_lower_bound(P, edges=True)
+    if not exhaustive and best is not None and edge_lower >= best.prediction["step_time"]:
         stats["pruned"] += 1       # the bound with the resharding it cannot avoid
         return best
     problem = build_problem(cands, P, cfg.settings)
+    if not exhaustive and best is not None and LP_BOUND:
+        # The LP relaxation of the same problem with gradient communication free: about a third
+        # of the ILP's time, and often tight (benchmarks/RESULTS.md).
+        lp = relaxation_bound(bound_problem(problem, P), time_limit=remaining)
+        stats["lp_bounds"] = stats.get("lp_bounds", 0) + 1
+        if lp >= best.prediction["step_time"]:
+            stats["pruned"] += 1
+            return best
     sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
     stats["solved"] += 1
     stats["solve_seconds"] = stats.get("solve_seconds", 0.0) + sol.solve_seconds
@@ -299,7 +310,8 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
     pred = predict(cands, P, cfg.settings, problem, sol, cluster)
     if log:
         log(f"{cfg.mesh.describe():>18}  zero={cfg.settings.zero} micro={cfg.settings.num_micro_batches:<4} "
-            f"step={pred['step_time']:.4g}s peak={pred['peak_memory'] / 2**30:.2f}GiB")
+            f"step={pred['step_time']:.4g}s (bounds {lower:.4g}, {edge_lower:.4g}) "
+            f"peak={pred['peak_memory'] / 2**30:.2f}GiB")
     if best is None or pred["step_time"] < best.prediction["step_time"] - 1e-12:
         best = Result(cfg, cands, P, problem, sol, pred)
         stats["gap"] = sol.gap

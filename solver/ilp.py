@@ -749,6 +749,26 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
     return Solution(choice, ckpt, obj, status, gap=gap, solve_seconds=time.perf_counter() - t0, peak_memory=mem)
 
 
+def relaxation_bound(problem: Problem, time_limit: float | None = None, threads: int = 2) -> float:
+    """The optimum of the LP relaxation (seconds): a lower bound of the ILP's optimum, or -inf
+    when HiGHS is unavailable or the LP does not finish."""
+    validate(problem)
+    if _is_trivial(problem):
+        return evaluate(problem, [0] * problem.num_nodes, [])[0]
+    if not _use_highs("auto"):
+        return -math.inf
+    model = build(problem)
+    if model.infeasible:
+        return math.inf
+    status = _run_highs(model, time_limit, threads, 1e-7, mip=False)
+    if status == "infeasible":
+        return math.inf
+    h = model.lp.solver_model
+    if status != "optimal":
+        return -math.inf
+    return model.offset + float(h.getInfo().objective_function_value) / model.scale
+
+
 def min_peak_memory(problem: Problem, time_limit: float | None = None, backend: str = "auto",
                     threads: int = 2, mip_gap: float = 1e-7) -> float:
     """Smallest achievable max over memory constraints (bytes), budgets ignored; 0 with none."""
