@@ -21,7 +21,7 @@ from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound
 from autopar.trace import TracedGraph
-from solver.ilp import min_peak_memory, relaxation_bound, solve
+from solver.ilp import memory_floor_exceeds_budget, min_peak_memory, relaxation_bound, solve
 
 # Relative optimality gap at which each configuration's ILP stops: plans within 0.1% of the
 # optimum of one configuration; the reported gap says what was reached.
@@ -292,12 +292,22 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         stats["pruned"] += 1       # the bound with the resharding it cannot avoid
         return best
     problem = build_problem(cands, P, cfg.settings)
-    if not exhaustive and best is not None and LP_BOUND:
-        # The LP relaxation of the same problem with gradient communication free: about a third
-        # of the ILP's time, and often tight (benchmarks/RESULTS.md).
+    if memory_floor_exceeds_budget(problem):
+        # no choice fits (each node at its smallest bytes): HiGHS takes seconds to prove it
+        stats["infeasible"] += 1
+        infeasible.append(problem)
+        return best
+    if not exhaustive and LP_BOUND:
+        # The LP relaxation of the same problem with gradient communication free: about a
+        # quarter of the ILP's time, often within a few % of the plan, and an infeasible LP
+        # means an infeasible ILP (which HiGHS is slow to prove).
         lp = relaxation_bound(bound_problem(problem, P), time_limit=remaining)
         stats["lp_bounds"] = stats.get("lp_bounds", 0) + 1
-        if lp >= best.prediction["step_time"]:
+        if lp == math.inf:
+            stats["infeasible"] += 1
+            infeasible.append(problem)
+            return best
+        if best is not None and lp >= best.prediction["step_time"]:
             stats["pruned"] += 1
             return best
     sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)

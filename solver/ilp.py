@@ -749,6 +749,29 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
     return Solution(choice, ckpt, obj, status, gap=gap, solve_seconds=time.perf_counter() - t0, peak_memory=mem)
 
 
+def memory_floor_exceeds_budget(problem: Problem) -> bool:
+    """True when some memory constraint cannot hold whatever the choice: its constant plus each
+    node's smallest bytes plus, per checkpoint group, the smaller of its smallest saved and
+    kept bytes (recompute working sets taken as 0) is over budget. Pure numpy, a quick
+    infeasibility test before the solver spends seconds proving it."""
+    def floor(terms) -> float:
+        return float(sum(float(np.min(arr)) for _, arr in terms if len(arr)))
+
+    for m in problem.memory:
+        if not math.isfinite(m.budget):
+            continue
+        total = m.const + floor(_sum_terms(m.terms, [len(c) for c in problem.costs]).items())
+        for gi in m.groups:
+            g = problem.checkpoint_groups[gi]
+            sizes = [len(c) for c in problem.costs]
+            saved = floor(_sum_terms(g.saved, sizes).items())
+            kept = floor(_sum_terms(g.kept, sizes).items())
+            total += saved if g.forced is False else kept if g.forced else min(saved, kept)
+        if total > m.budget + _MEM_RTOL * max(1.0, abs(m.budget)):
+            return True
+    return False
+
+
 def relaxation_bound(problem: Problem, time_limit: float | None = None, threads: int = 2) -> float:
     """The optimum of the LP relaxation (seconds): a lower bound of the ILP's optimum, or -inf
     when HiGHS is unavailable or the LP does not finish."""
