@@ -310,7 +310,15 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         if best is not None and lp >= best.prediction["step_time"]:
             stats["pruned"] += 1
             return best
-    sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
+    try:
+        sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
+    except PlanError:
+        if remaining is None or best is None:
+            raise
+        # out of time before the solver found any plan of this configuration: keep the best one
+        # (the old search raised here, losing the plan it had)
+        stats["pruned"] += 1
+        return best
     stats["solved"] += 1
     stats["solve_seconds"] = stats.get("solve_seconds", 0.0) + sol.solve_seconds
     if sol.status == "infeasible":
