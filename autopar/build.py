@@ -125,6 +125,25 @@ def restrict(problem: Problem, keep: list[np.ndarray]) -> Problem:
     return out
 
 
+def bound_problem(problem: Problem, P: Priced) -> Problem:
+    """``problem`` with each node's cost lowered to what predict.py's step time charges at least:
+    compute + in-op communication + optimizer step, gradient communication free (it may hide
+    behind backward). Any lower bound of this problem's optimum (its LP relaxation) bounds the
+    predicted step time of every plan of the configuration (autopar/search.py prunes with it)."""
+    import copy
+
+    out = copy.copy(problem)
+    kept = problem.kept if problem.kept is not None else [np.arange(len(c)) for c in problem.costs]
+    out.costs = []
+    for n, k, old in zip(problem.node_names, kept, problem.costs):
+        if n in P.compute:
+            out.costs.append((P.compute[n] + P.comm[n] - P.grad_comm[n] + P.optimizer[n])[k])
+        else:
+            out.costs.append(np.zeros(len(old)))
+    return out
+    return out
+
+
 def chosen(problem: Problem, solution) -> dict[str, int]:
     """Node name -> index of the chosen candidate strategy (undoing ``restrict``)."""
     kept = getattr(problem, "kept", None)

@@ -53,7 +53,15 @@ class Candidates:
     root_bytes: dict[str, int]      # root -> storage bytes (global, as traced)
     block_of_rep: dict[str, int] = field(default_factory=dict)   # rep op node -> block group index
     needs_grad: set[str] = field(default_factory=set)
-    edge_cache: dict = field(default_factory=dict)      # (micro-batches, precision) -> priced edges
+    edge_cache: dict = field(default_factory=dict)      # pricing caches per cluster: collectives, ops, edges
+    inputs_cache: dict = field(default_factory=dict)    # node name -> tensor_inputs (pricing asks often)
+
+    def inputs(self, node) -> list:
+        """``rules.tensor_inputs(node)``, memoised per node (a pytree walk each time otherwise)."""
+        got = self.inputs_cache.get(node.name)
+        if got is None:
+            got = self.inputs_cache[node.name] = tensor_inputs(node)
+        return got
 
 
 def _layout_choices(shape: tuple[int, ...], mesh: Mesh, axes: tuple[int, ...]) -> list[Layout]:

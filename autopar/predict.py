@@ -121,16 +121,40 @@ def checkpoint_mode(ckpt: dict[str, bool]) -> str:
     return "mixed"
 
 
-def step_time_lower_bound(P: Priced) -> float:
-    """A cheap lower bound of the predicted step time of any plan of this configuration: each node
-    at its cheapest strategy with resharding, recompute and gradient communication taken as free
-    (gradient communication may hide entirely behind backward)."""
-    total = 0.0
+def step_time_lower_bound(P: Priced, edges: bool = False) -> float:
+    """A lower bound of the predicted step time of any plan of this configuration. Two per-node
+    bounds, the larger one counts: (a) each node at its cheapest compute + in-op communication +
+    optimizer step, gradient communication free (it may hide behind backward); (b) the same with
+    gradient communication but without backward compute (whatever of the gradient communication
+    backward cannot hide is exposed: ``step >= forward + all communication + optimizer``).
+    Recompute is taken as free. With ``edges`` (P.edges priced), each resharding matrix is added
+    to one of its two nodes as its cheapest entry per strategy of that node (every edge to its
+    consumer, or every edge to its producer, whichever bound is larger): still a bound for any
+    choice, and much tighter where a configuration must reshard."""
+    ba, bb = {}, {}
     for n, comp in P.compute.items():
-        cost = comp + P.comm[n] - P.grad_comm[n] + P.optimizer[n]
-        if len(cost):
-            total += float(np.min(cost))
-    return total
+        if len(comp):
+            ba[n] = comp + P.comm[n] - P.grad_comm[n] + P.optimizer[n]
+            bb[n] = P.fwd_compute[n] + P.comm[n] + P.optimizer[n]
+
+    def total(base: dict, to_consumer: bool) -> float:
+        if not edges:
+            return float(sum(float(np.min(v)) for v in base.values()))
+        add = {}
+        for (u, v), m in P.edges.items():
+            if u not in base or v not in base:
+                continue
+            if u == v:
+                vec = np.diag(m)
+            else:
+                vec = m.min(axis=0) if to_consumer else m.min(axis=1)
+            key = v if to_consumer else u
+            add[key] = add[key] + vec if key in add else vec
+        return float(sum(float(np.min(base[n] + add[n])) if n in add else float(np.min(base[n])) for n in base))
+
+    if not edges:
+        return max(total(ba, True), total(bb, True))
+    return max(total(ba, True), total(ba, False), total(bb, True), total(bb, False))
 
 
 def static_memory_lower_bound(P: Priced) -> float:

@@ -10,6 +10,7 @@ Units: seconds and bytes only.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections import defaultdict
@@ -108,16 +109,44 @@ def price(c: Candidates, cluster: Cluster, s: Settings, edges: bool = True) -> P
 
 
 def price_edges(c: Candidates, cluster: Cluster, s: Settings, P: Priced) -> None:
-    key = (s.num_micro_batches, s.precision)
+    key = (id(cluster), s.num_micro_batches, s.precision)
     if key not in c.edge_cache:   # edges depend on micro-batching and precision only, not on ZeRO
-        _price_edges(c, cluster, s, Collectives(cluster, c.mesh), P)
+        _price_edges(c, cluster, s, mesh_comm(c, cluster), P)
         c.edge_cache[key] = (P.edges, P.edge_bytes, P.edge_fwd, P.edge_fwd_bytes)
     P.edges, P.edge_bytes, P.edge_fwd, P.edge_fwd_bytes = c.edge_cache[key]
 
 
+class MemoComm:
+    """``Collectives`` with its answers memoised: the same (kind, bytes, axis) is asked
+    thousands of times while pricing one mesh (resharding searches, every micro-batch count).
+    Hashes by identity, so ``plan_reshard``'s cache keys on this one object per (cluster, mesh)."""
+
+    def __init__(self, comm: Collectives):
+        self.comm = comm
+        self.memo: dict = {}
+        self.reshard: dict = {}   # (src, dst, local shape, itemsize) -> traffic list or None
+
+    def __call__(self, kind: str, nbytes: float, axis: int) -> float:
+        k = (kind, nbytes, axis)
+        t = self.memo.get(k)
+        if t is None:
+            t = self.memo[k] = self.comm(kind, nbytes, axis)
+        return t
+
+    __hash__ = object.__hash__
+
+
+def mesh_comm(c: Candidates, cluster: Cluster) -> MemoComm:
+    """The memoised collectives of ``c``'s mesh on ``cluster`` (one per pair, kept on ``c``)."""
+    key = ("comm", id(cluster))
+    if key not in c.edge_cache:
+        c.edge_cache[key] = (cluster, MemoComm(Collectives(cluster, c.mesh)))
+    return c.edge_cache[key][1]
+
+
 def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     mesh = c.mesh
-    comm = Collectives(cluster, mesh)
+    comm = mesh_comm(c, cluster)
     device = cluster.device
     cal = profile_of(cluster)
     nm = s.num_micro_batches
@@ -130,9 +159,18 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     if (cuda, s.precision) not in cache:
         cache[cuda, s.precision] = {**c.storage_root, **device_storage_roots(c, cuda, s.precision)}
     roots = cache[cuda, s.precision]
+    # Ops' prices do not depend on the ZeRO stage (only parameters' do): price them once per
+    # (cluster, micro-batches, precision) and re-use them for every stage.
+    ops_key = ("ops", id(cluster), nm, s.precision)
+    ops_done = c.edge_cache.get(ops_key)
+    ops_new: dict = {}
     for name in c.order:
         info = c.nodes[name]
         if info.rep != name:
+            continue
+        if info.kind == "op" and ops_done is not None:
+            for fname, val in ops_done[name].items():
+                getattr(P, fname)[name] = val
             continue
         k = info.repeats
         S = len(info.strategies)
@@ -223,6 +261,10 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
         P.valid[name] = np.array([_divides_micro_batch(c, info, st, nm) for st in info.strategies], dtype=bool)
         if info.kind == "param":
             P.static[name] = static
+        if info.kind == "op" and ops_done is None:
+            ops_new[name] = {f: getattr(P, f)[name] for f in _NODE_FIELDS if name in getattr(P, f)}
+    if ops_done is None:
+        c.edge_cache[ops_key] = ops_new
     return P
 
 
@@ -246,6 +288,9 @@ def _local_intensity(spec, info: NodeInfo, st: Strategy, mesh: Mesh, nm: int, it
     used = {ch for t in list(spec.inputs) + list(spec.outputs) if t for ch in t}
     return gemm_intensity({ch: v for ch, v in sizes.items() if ch in used},
                           [t for t in spec.inputs if t] + list(spec.outputs), itemsize)
+# Per-node fields of Priced that price_nodes fills for ops (edges are priced by price_edges,
+# ``static`` is the parameters'): every other dict field, so a new one is cached too.
+_NODE_FIELDS = tuple(f.name for f in dataclasses.fields(Priced) if not f.name.startswith("edge") and f.name != "static")
 
 
 def _micro_shape(shape, batch_dims, nm: int):
@@ -267,7 +312,7 @@ def _divides_micro_batch(c: Candidates, info: NodeInfo, st: Strategy, nm: int) -
         bd = info.batch_dims[k] if k < len(info.batch_dims) else frozenset()
         tensors.append((o, bd, lay))
     if info.kind == "op":
-        for p, lay in zip(tensor_inputs(info.node), st.inputs):
+        for p, lay in zip(c.inputs(info.node), st.inputs):
             prod = c.nodes.get(p.name)
             pv = node_val(p)
             if prod is None or lay is None or not isinstance(pv, torch.Tensor):
@@ -287,7 +332,7 @@ def _region_cost(c: Candidates, info: NodeInfo, st: Strategy, precision: str, nm
     autopar/conjugates.py). A parameter's data-axis reduction is its gradient sync, priced with
     the parameter (once per step, not per micro-batch)."""
     mesh = c.mesh
-    ins = tensor_inputs(info.node)
+    ins = c.inputs(info.node)
     t, per_axis = 0.0, {}
     for i, a in region_inputs(st, info.spec.inputs):
         p = ins[i]
@@ -465,7 +510,7 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
         info = c.nodes[name]
         if info.kind != "op":
             continue
-        for i, p in enumerate(tensor_inputs(info.node)):
+        for i, p in enumerate(c.inputs(info.node)):
             if p.name not in c.nodes:
                 continue
             k = (c.nodes[p.name].rep, info.rep, i)
@@ -532,14 +577,25 @@ def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm):
         local_shape = tuple(x // nm if d == bdim else x for d, x in enumerate(shape))
     per_axis = [0.0] * len(mesh.shape)
     fwd_axis = [0.0] * len(mesh.shape)
-    try:
-        rp = plan_reshard(src, dst, local_shape, itemsize, mesh.shape, comm)
-    except ValueError:
+    # The steps depend on the local shape, not on nm: memoised per mesh across micro-batch counts.
+    memo = getattr(comm, "reshard", None)
+    rk = (src, dst, local_shape, itemsize)
+    if memo is not None and rk in memo:
+        traffic = memo[rk]
+    else:
+        try:
+            rp = plan_reshard(src, dst, local_shape, itemsize, mesh.shape, comm)
+            traffic = step_traffic(rp.steps, src, local_shape, itemsize, mesh.shape)
+        except ValueError:
+            traffic = None
+        if memo is not None:
+            memo[rk] = traffic
+    if traffic is None:
         # A layout that does not divide one micro-batch: the strategy is unusable with this many
         # micro-batches. Forbid it through a prohibitive cost rather than a constraint.
         return FORBIDDEN, per_axis, 0.0, fwd_axis
     t = tf = 0.0
-    for tr in step_traffic(rp.steps, src, local_shape, itemsize, mesh.shape):
+    for tr in traffic:
         for kind in (tr.forward, tr.backward):
             if kind:
                 t += comm(kind, tr.nbytes, tr.axis) * nm

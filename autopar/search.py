@@ -14,18 +14,20 @@ import time
 from dataclasses import dataclass
 
 from autopar.batching import batch_size, graph_batch_dims, input_shapes
-from autopar.build import build_problem
+from autopar.build import bound_problem, build_problem
 from autopar.candidates import Candidates, candidates
 from autopar.pricing import Settings, price, price_edges
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound
 from autopar.trace import TracedGraph
-from solver.ilp import min_peak_memory, solve
+from solver.ilp import memory_floor_exceeds_budget, min_peak_memory, relaxation_bound, solve
 
 # Relative optimality gap at which each configuration's ILP stops: plans within 0.1% of the
 # optimum of one configuration; the reported gap says what was reached.
 MIP_GAP = 1e-3
+# Prune with the LP relaxation (gradient communication free) before solving a configuration's ILP.
+LP_BOUND = True
 
 DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "pp", "pp_schedule", "micro_batch_size",
                "num_micro_batches", "zero", "checkpoint", "offload")
@@ -176,8 +178,46 @@ def allowed_meshes(cluster: Cluster, constraints: dict):
         yield mesh
 
 
+class _Progress:
+    """A progress line for long searches: configurations visited / pruned / best so far. A rich
+    live line on stderr when it is a terminal; with ``log`` (verbose) also one logged line per
+    configuration."""
+
+    def __init__(self, total: int, log=None, live: bool | None = None):
+        import sys
+        self.total, self.log, self.live = total, log, None
+        if live is None:
+            live = sys.stderr.isatty()
+        if live:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            self.live = Progress(TextColumn("planning"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                 console=Console(stderr=True), transient=True)
+            self.task = self.live.add_task("configurations", total=total, info="")
+            self.live.start()
+
+    def update(self, stats: dict, best) -> None:
+        done = stats["configs"]
+        info = (f"configurations visited {done}/{self.total}, pruned {stats['pruned']}, solved {stats['solved']}, "
+                f"best {best.prediction['step_time']:.4g} s" if best is not None else "best none yet")
+        if self.live is not None:
+            self.live.update(self.task, completed=done, info=info.split(", ", 1)[1])
+        if self.log:
+            self.log(f"[search] {info}")
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
 def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict | None = None,
-           time_limit: float | None = None, log=None, policy: str | None = None) -> tuple[Result, dict]:
+           time_limit: float | None = None, log=None, policy: str | None = None,
+           exhaustive: bool = False, progress: bool | None = None) -> tuple[Result, dict]:
+    """The best configuration and search statistics. ``exhaustive`` solves every configuration
+    (no bound pruning, no time limit: the reference the pruned search must match, used by
+    tests); ``progress`` forces the live progress line on or off (default: when stderr is a
+    terminal)."""
     constraints = check_constraints(constraints)
     t0 = time.perf_counter()
     best: Result | None = None
@@ -191,8 +231,11 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
         dps = [m.degree("dp") for m in allowed_meshes(cluster, constraints) if batch % m.degree("dp") == 0]
         raise ConstraintError(_micro_batch_error(batch, dps, constraints)
                               or _no_config_message(graph, cluster, constraints))
-    # Price the nodes of every configuration (cheap), then visit them cheapest lower bound first
-    # so that the bound prunes as much as possible.
+    if exhaustive:
+        time_limit = None
+    # Price the nodes of every configuration (cheap: ops once per mesh and micro-batch count,
+    # parameters per ZeRO stage), then visit them best bound first so that the bound prunes as
+    # much as possible.
     queue = []
     for i, cfg in enumerate(configs):
         if cfg.mesh not in cand_cache:
@@ -200,36 +243,15 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
         P = price(cand_cache[cfg.mesh], cluster, cfg.settings, edges=False)
         queue.append((step_time_lower_bound(P), i, cfg, P))
     queue.sort(key=lambda q: (q[0], q[1]))
-    for lower, _, cfg, P in queue:
-        stats["configs"] += 1
-        remaining = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - t0))
-        if time_limit is not None and time.perf_counter() - t0 > time_limit and best is not None:
-            stats["pruned"] += 1
-            continue
-        cands = cand_cache[cfg.mesh]
-        if best is not None and lower >= best.prediction["step_time"]:
-            stats["pruned"] += 1
-            continue
-        static_floor = static_memory_lower_bound(P)
-        if static_floor > base.budget:
-            stats["infeasible"] += 1
-            memory_floors.append((cfg, P))
-            continue
-        price_edges(cands, cluster, cfg.settings, P)
-        problem = build_problem(cands, P, cfg.settings)
-        sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
-        stats["solved"] += 1
-        if sol.status == "infeasible":
-            stats["infeasible"] += 1
-            infeasible.append(problem)
-            continue
-        pred = predict(cands, P, cfg.settings, problem, sol, cluster)
-        if log:
-            log(f"{cfg.mesh.describe():>18}  zero={cfg.settings.zero} micro={cfg.settings.num_micro_batches:<4} "
-                f"step={pred['step_time']:.4g}s peak={pred['peak_memory'] / 2**30:.2f}GiB")
-        if best is None or pred["step_time"] < best.prediction["step_time"] - 1e-12:
-            best = Result(cfg, cands, P, problem, sol, pred)
-            stats["gap"] = sol.gap
+    bar = _Progress(len(queue), log, progress)
+    try:
+        for lower, _, cfg, P in queue:
+            stats["configs"] += 1
+            best = _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit, exhaustive,
+                          infeasible, memory_floors, log)
+            bar.update(stats, best)
+    finally:
+        bar.close()
     stats["seconds"] = time.perf_counter() - t0
     if best is None:
         if infeasible or memory_floors:
@@ -245,6 +267,73 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
                 min_peak_bytes=int(floor), budget_bytes=int(base.budget))
         raise ConstraintError(_no_config_message(graph, cluster, constraints))
     return best, stats
+
+
+def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit, exhaustive, infeasible,
+           memory_floors, log):
+    """Prune or solve one configuration; returns the best result so far. (Warm-starting HiGHS
+    from the last solved configuration on the same mesh was measured: no faster.)"""
+    elapsed = time.perf_counter() - t0
+    if time_limit is not None and elapsed > time_limit and best is not None:
+        stats["pruned"] += 1
+        return best
+    remaining = None if time_limit is None else max(1.0, time_limit - elapsed)
+    cands = cand_cache[cfg.mesh]
+    if not exhaustive and best is not None and lower >= best.prediction["step_time"]:
+        stats["pruned"] += 1
+        return best
+    if static_memory_lower_bound(P) > base.budget:
+        stats["infeasible"] += 1
+        memory_floors.append((cfg, P))
+        return best
+    price_edges(cands, cluster, cfg.settings, P)
+    edge_lower = step_time_lower_bound(P, edges=True)
+    if not exhaustive and best is not None and edge_lower >= best.prediction["step_time"]:
+        stats["pruned"] += 1       # the bound with the resharding it cannot avoid
+        return best
+    problem = build_problem(cands, P, cfg.settings)
+    if memory_floor_exceeds_budget(problem):
+        # no choice fits (each node at its smallest bytes): HiGHS takes seconds to prove it
+        stats["infeasible"] += 1
+        infeasible.append(problem)
+        return best
+    if not exhaustive and LP_BOUND:
+        # The LP relaxation of the same problem with gradient communication free: about a
+        # quarter of the ILP's time, often within a few % of the plan, and an infeasible LP
+        # means an infeasible ILP (which HiGHS is slow to prove).
+        lp = relaxation_bound(bound_problem(problem, P), time_limit=remaining)
+        stats["lp_bounds"] = stats.get("lp_bounds", 0) + 1
+        if lp == math.inf:
+            stats["infeasible"] += 1
+            infeasible.append(problem)
+            return best
+        if best is not None and lp >= best.prediction["step_time"]:
+            stats["pruned"] += 1
+            return best
+    try:
+        sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
+    except PlanError:
+        if remaining is None or best is None:
+            raise
+        # out of time before the solver found any plan of this configuration: keep the best one
+        # (the old search raised here, losing the plan it had)
+        stats["pruned"] += 1
+        return best
+    stats["solved"] += 1
+    stats["solve_seconds"] = stats.get("solve_seconds", 0.0) + sol.solve_seconds
+    if sol.status == "infeasible":
+        stats["infeasible"] += 1
+        infeasible.append(problem)
+        return best
+    pred = predict(cands, P, cfg.settings, problem, sol, cluster)
+    if log:
+        log(f"{cfg.mesh.describe():>18}  zero={cfg.settings.zero} micro={cfg.settings.num_micro_batches:<4} "
+            f"step={pred['step_time']:.4g}s (bounds {lower:.4g}, {edge_lower:.4g}) "
+            f"peak={pred['peak_memory'] / 2**30:.2f}GiB")
+    if best is None or pred["step_time"] < best.prediction["step_time"] - 1e-12:
+        best = Result(cfg, cands, P, problem, sol, pred)
+        stats["gap"] = sol.gap
+    return best
 
 
 def _bytes(x: float) -> str:

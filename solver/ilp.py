@@ -184,23 +184,25 @@ def fits(problem: Problem, memory_bytes: dict[str, float]) -> bool:
 
 @dataclass
 class _Model:
-    lp: pulp.LpProblem
-    x: list[list[pulp.LpVariable]]
-    c: list                        # per group: LpVariable, or bool when forced
+    lp: _LP
+    x: list[np.ndarray]             # per node: column index of each strategy
+    c: list                        # per group: column index, or bool when forced
     offset: float = 0.0            # objective constant (seconds) removed before scaling
     scale: float = 1.0             # scaled objective = (true objective - offset) * scale
     infeasible: bool = False       # a variable-free memory row is already violated
+    cbc_objective: float | None = None   # scaled objective of the last CBC solve (for ``_bound``)
+    start: list | None = None      # per node: a strategy to start from (HiGHS only), or None
 
 
 @dataclass
 class _GroupParts:
     """A checkpoint group's bytes and time as x-coefficients plus z terms."""
     mem_x: dict[int, np.ndarray]
-    mem_z: list[tuple[pulp.LpVariable, float]]
+    mem_z: list[tuple[int, float]]
     rec_x: dict[int, np.ndarray]                     # recompute working set: x-coefficients
-    rec_z: list[tuple[pulp.LpVariable, float]]       # ... and z terms
+    rec_z: list[tuple[int, float]]       # ... and z terms
     time_x: dict[int, np.ndarray]
-    time_z: list[tuple[pulp.LpVariable, float]]
+    time_z: list[tuple[int, float]]
 
 
 def _sum_terms(terms, sizes) -> dict[int, np.ndarray]:
@@ -211,18 +213,130 @@ def _sum_terms(terms, sizes) -> dict[int, np.ndarray]:
     return out
 
 
-def _var(lp: pulp.LpProblem, name: str, low=None, up=None, cat=pulp.LpContinuous) -> pulp.LpVariable:
-    # PuLP >= 3.3 wants variables created through the problem (the 4.0 API); older PuLP lacks it.
-    if hasattr(lp, "add_variable"):
-        return lp.add_variable(name, low, up, cat=cat)
-    return pulp.LpVariable(name, low, up, cat=cat)
+_BINARY, _CONTINUOUS = "binary", "continuous"
 
 
-def _add_choice(lp: pulp.LpProblem, sizes: list[int]) -> list[list[pulp.LpVariable]]:
-    x = [[_var(lp, f"x_{n}_{s}", cat=pulp.LpBinary) for s in range(k)] for n, k in enumerate(sizes)]
+class _Var:
+    """A column's name and value, as ``_LP.variables()`` lists them (tests, debugging)."""
+    __slots__ = ("index", "name", "varValue")
+
+    def __init__(self, index: int, name: str, value=None):
+        self.index, self.name, self.varValue = index, name, value
+
+
+class _LP:
+    """The model as arrays: columns (bounds, integrality) are integer indices, rows are sparse
+    (added one by one or as numpy blocks), the objective is (index, coefficient) arrays. Passed
+    to HiGHS directly (``highspy``: no per-variable Python object anywhere, which was most of
+    the time of a solve through PuLP), or converted to a PuLP problem for CBC (``_to_pulp``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[bool] = []
+        self.names: list = []              # a str per column, or (prefix, shape, first index) per block
+        self.rows: list = []               # (index list, value list, lower, upper) one by one
+        self.row_blocks: list = []         # (index array r x L, value array r x L, lower, upper)
+        self.obj_idx: list[np.ndarray] = []
+        self.obj_val: list[np.ndarray] = []
+        self.values: np.ndarray | None = None   # column values after a solve
+        self.solver_model = None           # the highspy.Highs of the last solve
+
+    @property
+    def num_cols(self) -> int:
+        return len(self.lower)
+
+    def var(self, name: str, low=None, up=None, binary: bool = False) -> int:
+        self.lower.append(0.0 if binary else (-math.inf if low is None else float(low)))
+        self.upper.append(1.0 if binary else (math.inf if up is None else float(up)))
+        self.integer.append(binary)
+        self.names.append(name)
+        return len(self.lower) - 1
+
+    def block(self, prefix: str, shape: tuple, low: float, up: float, binary: bool = False) -> np.ndarray:
+        """``prod(shape)`` columns at once; returns their indices shaped ``shape``."""
+        n = int(np.prod(shape))
+        first = len(self.lower)
+        self.lower.extend([low] * n)
+        self.upper.extend([up] * n)
+        self.integer.extend([binary] * n)
+        self.names.extend([(prefix, shape, first)] * n)
+        return np.arange(first, first + n).reshape(shape)
+
+    def row(self, terms, sense: str, rhs: float, name: str = "") -> None:
+        self.rows.append(([int(v) for v, _ in terms], [float(w) for _, w in terms],
+                          float(rhs) if sense in ("EQ", "GE") else -math.inf,
+                          float(rhs) if sense in ("EQ", "LE") else math.inf))
+
+    def row_block(self, idx: np.ndarray, val: np.ndarray, lower: float, upper: float) -> None:
+        """Rows of equal length: ``idx``/``val`` are (rows x terms) arrays."""
+        if idx.size:
+            self.row_blocks.append((idx, val, lower, upper))
+
+    def set_objective(self, terms) -> None:
+        self.obj_idx = [np.array([int(v) for v, _ in terms], dtype=np.int64)]
+        self.obj_val = [np.array([float(w) for _, w in terms], dtype=float)]
+
+    def add_objective(self, idx: np.ndarray, val: np.ndarray) -> None:
+        self.obj_idx.append(np.asarray(idx, dtype=np.int64).ravel())
+        self.obj_val.append(np.asarray(val, dtype=float).ravel())
+
+    def cost(self) -> np.ndarray:
+        c = np.zeros(self.num_cols)
+        for i, v in zip(self.obj_idx, self.obj_val):
+            np.add.at(c, i, v)
+        return c
+
+    def matrix(self):
+        """Row-wise CSR arrays (start, index, value) and the row bounds."""
+        starts, idx, val, lo, up = [0], [], [], [], []
+        n = 0
+        for i, v, a, b in self.rows:
+            idx.append(np.asarray(i, dtype=np.int64))
+            val.append(np.asarray(v, dtype=float))
+            n += len(i)
+            starts.append(n)
+            lo.append(a)
+            up.append(b)
+        start_parts = [np.asarray(starts, dtype=np.int64)]
+        for bi, bv, a, b in self.row_blocks:
+            r, L = bi.shape
+            idx.append(bi.ravel())
+            val.append(bv.ravel())
+            start_parts.append(n + L * np.arange(1, r + 1, dtype=np.int64))
+            n += r * L
+            lo.extend([a] * r)
+            up.extend([b] * r)
+        cat = lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dtype=dt)  # noqa: E731
+        return (np.concatenate(start_parts), cat(idx, np.int64), cat(val, float),
+                np.asarray(lo, dtype=float), np.asarray(up, dtype=float))
+
+    def name_of(self, i: int) -> str:
+        nm = self.names[i]
+        if isinstance(nm, str):
+            return nm
+        prefix, shape, first = nm
+        return prefix + "_" + "_".join(str(int(k)) for k in np.unravel_index(i - first, shape))
+
+    def variables(self) -> list[_Var]:
+        vals = self.values
+        return [_Var(i, self.name_of(i), None if vals is None else float(vals[i])) for i in range(self.num_cols)]
+
+
+def _var(lp: _LP, name: str, low=None, up=None, cat=_CONTINUOUS) -> int:
+    return lp.var(name, low, up, binary=cat == _BINARY)
+
+
+def _add_choice(lp: _LP, sizes: list[int]) -> list[np.ndarray]:
+    total = int(sum(sizes))
+    allx = lp.block("x", (total,), 0.0, 1.0, binary=True)
+    x, off = [], 0
+    for k in sizes:
+        x.append(allx[off:off + k])
+        off += k
     for n, xs in enumerate(x):
-        lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(v, 1.0) for v in xs]),
-                                           pulp.LpConstraintEQ, rhs=1.0), f"onehot_{n}")
+        lp.row([(v, 1.0) for v in xs], "EQ", 1.0, f"onehot_{n}")
     return x
 
 
@@ -251,25 +365,29 @@ def _fold_edges(problem: Problem, node_obj: list[np.ndarray]) -> list[tuple[int,
     return kept
 
 
-def _add_edges(lp: pulp.LpProblem, x, edges) -> list[tuple[pulp.LpVariable, float]]:
-    """Edge variables and marginal rows; returns the (e, cost) objective terms."""
-    obj_terms = []
+def _add_edges(lp: _LP, x, edges) -> tuple[np.ndarray, np.ndarray]:
+    """Edge variables and marginal rows (numpy blocks); returns the objective's (e index, cost)."""
+    obj_i, obj_v = [], []
     for k, (u, v, m) in enumerate(edges):
         ns, nt = m.shape
-        e = [[_var(lp, f"e_{k}_{s}_{t}", 0.0) for t in range(nt)] for s in range(ns)]
-        for s in range(ns):
-            lp.addConstraint(pulp.LpConstraint(
-                pulp.LpAffineExpression([(e[s][t], 1.0) for t in range(nt)] + [(x[u][s], -1.0)]),
-                pulp.LpConstraintEQ, rhs=0.0), f"erow_{k}_{s}")
-        for t in range(nt - 1):
-            lp.addConstraint(pulp.LpConstraint(
-                pulp.LpAffineExpression([(e[s][t], 1.0) for s in range(ns)] + [(x[v][t], -1.0)]),
-                pulp.LpConstraintEQ, rhs=0.0), f"ecol_{k}_{t}")
-        obj_terms.extend((e[s][t], float(m[s, t])) for s in range(ns) for t in range(nt) if m[s, t] != 0.0)
-    return obj_terms
+        e = lp.block(f"e_{k}", (ns, nt), 0.0, math.inf)
+        xu, xv = np.asarray(x[u]), np.asarray(x[v])
+        # sum_t e[s,t] - x[u,s] == 0 for every s
+        lp.row_block(np.concatenate([e, xu[:, None]], axis=1),
+                     np.concatenate([np.ones((ns, nt)), -np.ones((ns, 1))], axis=1), 0.0, 0.0)
+        # sum_s e[s,t] - x[v,t] == 0 for every t but the last
+        if nt > 1:
+            lp.row_block(np.concatenate([e[:, :nt - 1].T, xv[:nt - 1, None]], axis=1),
+                         np.concatenate([np.ones((nt - 1, ns)), -np.ones((nt - 1, 1))], axis=1), 0.0, 0.0)
+        nz = m != 0.0
+        obj_i.append(e[nz])
+        obj_v.append(m[nz].astype(float))
+    if not obj_i:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    return np.concatenate(obj_i), np.concatenate(obj_v)
 
 
-def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tuple[list, list[_GroupParts]]:
+def _add_checkpoint_groups(lp: _LP, problem: Problem, x, sizes) -> tuple[list, list[_GroupParts]]:
     cs, parts = [], []
     for gi, g in enumerate(problem.checkpoint_groups):
         saved = _sum_terms(g.saved, sizes)
@@ -290,7 +408,7 @@ def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tu
             else:
                 parts.append(_GroupParts(mem_x=a, mem_z=[], rec_x={}, rec_z=[], time_x={}, time_z=[]))
             continue
-        c = _var(lp, f"c_{gi}", cat=pulp.LpBinary)
+        c = _var(lp, f"c_{gi}", cat=_BINARY)
         cs.append(c)
         mem_z, rec_z, time_z = [], [], []
         for n in nodes:
@@ -301,11 +419,8 @@ def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tu
                     continue  # z would not change any coefficient
                 z = _var(lp, f"z_{gi}_{n}_{s}", 0.0, 1.0)
                 zs.append(z)
-                lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(z, 1.0), (x[n][s], -1.0)]),
-                                                   pulp.LpConstraintLE, rhs=0.0), f"zx_{gi}_{n}_{s}")
-                lp.addConstraint(pulp.LpConstraint(
-                    pulp.LpAffineExpression([(z, 1.0), (x[n][s], -1.0), (c, 1.0)]),
-                    pulp.LpConstraintGE, rhs=0.0), f"zlo_{gi}_{n}_{s}")
+                lp.row([(z, 1.0), (x[n][s], -1.0)], "LE", 0.0, f"zx_{gi}_{n}_{s}")
+                lp.row([(z, 1.0), (x[n][s], -1.0), (c, 1.0)], "GE", 0.0, f"zlo_{gi}_{n}_{s}")
                 if dm != 0.0:
                     mem_z.append((z, dm))
                 if dr != 0.0:
@@ -313,26 +428,24 @@ def _add_checkpoint_groups(lp: pulp.LpProblem, problem: Problem, x, sizes) -> tu
                 if dt != 0.0:
                     time_z.append((z, dt))
             if zs:
-                lp.addConstraint(pulp.LpConstraint(
-                    pulp.LpAffineExpression([(z, 1.0) for z in zs] + [(c, 1.0)]),
-                    pulp.LpConstraintLE, rhs=1.0), f"zc_{gi}_{n}")
+                lp.row([(z, 1.0) for z in zs] + [(c, 1.0)], "LE", 1.0, f"zc_{gi}_{n}")
         parts.append(_GroupParts(mem_x=b, mem_z=mem_z, rec_x=r, rec_z=rec_z, time_x=t, time_z=time_z))
     return cs, parts
 
 
-def _merge_z(zterms) -> list[tuple[pulp.LpVariable, float]]:
-    zsum: dict[str, list] = {}
+def _merge_z(zterms) -> list[tuple[int, float]]:
+    zsum: dict[int, list] = {}
     for z, w in zterms:  # a group listed twice in one constraint counts twice
-        if z.name in zsum:
-            zsum[z.name][1] += w
+        if z in zsum:
+            zsum[z][1] += w
         else:
-            zsum[z.name] = [z, w]
+            zsum[z] = [z, w]
     return [(z, w) for z, w in zsum.values() if w != 0.0]
 
 
-def _recompute_rows(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, parts) -> list:
+def _recompute_rows(lp: _LP, problem: Problem, mi: int, sizes, x, parts) -> list:
     """``R_mi >= rec_g`` for every group of memory constraint ``mi`` that can recompute; returns
-    the (R, 1.0) term to add to the constraint's row (none when no group can)."""
+    the (R, unit) term to add to the constraint's row (none when no group can)."""
     rows = []
     for gi in sorted(set(problem.memory[mi].groups)):
         p = parts[gi]
@@ -349,18 +462,16 @@ def _recompute_rows(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, par
     rvar = _var(lp, f"rec_{mi}", 0.0)
     for k, terms in enumerate(rows):
         norm = max(abs(w) for _, w in terms)
-        lp.addConstraint(pulp.LpConstraint(
-            pulp.LpAffineExpression([(v, w / norm) for v, w in terms] + [(rvar, -unit / norm)]),
-            pulp.LpConstraintLE, rhs=0.0), f"rec_{mi}_{k}")
+        lp.row([(v, w / norm) for v, w in terms] + [(rvar, -unit / norm)], "LE", 0.0, f"rec_{mi}_{k}")
     return [(rvar, unit)]
 
 
-def _memory_row(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, parts: list[_GroupParts]):
+def _memory_row(lp: _LP, problem: Problem, mi: int, sizes, x, parts: list[_GroupParts]):
     """(list of (var, bytes), const bytes) of memory constraint ``mi``'s total (adds its
     recompute rows to ``lp``)."""
     m = problem.memory[mi]
     coef = _sum_terms(m.terms, sizes)
-    zterms: list[tuple[pulp.LpVariable, float]] = []
+    zterms: list[tuple[int, float]] = []
     for gi in m.groups:
         for n, arr in parts[gi].mem_x.items():
             coef[n] = coef.get(n, np.zeros(sizes[n])) + arr
@@ -371,7 +482,7 @@ def _memory_row(lp: pulp.LpProblem, problem: Problem, mi: int, sizes, x, parts: 
     return terms, float(m.const)
 
 
-def _add_memory(lp: pulp.LpProblem, problem: Problem, sizes, x, parts) -> bool:
+def _add_memory(lp: _LP, problem: Problem, sizes, x, parts) -> bool:
     """Budget rows; returns False when a variable-free row is already over budget."""
     for mi, m in enumerate(problem.memory):
         if not math.isfinite(m.budget) and m.budget > 0:
@@ -385,15 +496,14 @@ def _add_memory(lp: pulp.LpProblem, problem: Problem, sizes, x, parts) -> bool:
         if not math.isfinite(rhs):  # budget == -inf
             return False
         norm = max(abs(rhs), max(abs(w) for _, w in terms))
-        lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression([(v, w / norm) for v, w in terms]),
-                                           pulp.LpConstraintLE, rhs=rhs / norm), f"mem_{mi}")
+        lp.row([(v, w / norm) for v, w in terms], "LE", rhs / norm, f"mem_{mi}")
     return True
 
 
-def _set_objective(lp: pulp.LpProblem, x, node_obj, edge_terms, parts) -> tuple[float, float]:
+def _set_objective(lp: _LP, x, node_obj, edge_terms, parts) -> tuple[float, float]:
     """Set the scaled objective; returns (offset, scale)."""
     node_obj = [o.copy() for o in node_obj]
-    zterms: list[tuple[pulp.LpVariable, float]] = []
+    zterms: list[tuple[int, float]] = []
     for p in parts:
         for n, arr in p.time_x.items():
             node_obj[n] = node_obj[n] + arr
@@ -403,32 +513,33 @@ def _set_objective(lp: pulp.LpProblem, x, node_obj, edge_terms, parts) -> tuple[
         lo = float(o.min())
         offset += lo
         node_obj[n] = o - lo
-    big = max([float(o.max()) for o in node_obj] + [abs(w) for _, w in edge_terms] + [abs(w) for _, w in zterms]
-              + [0.0])
+    e_idx, e_val = edge_terms
+    big = max([float(o.max()) for o in node_obj] + [float(np.abs(e_val).max()) if e_val.size else 0.0]
+              + [abs(w) for _, w in zterms] + [0.0])
     scale = _OBJ_TARGET / big if big > 0 else 1.0
-    terms = [(x[n][s], float(o[s]) * scale) for n, o in enumerate(node_obj) for s in range(len(o)) if o[s] != 0.0]
-    terms += [(v, w * scale) for v, w in edge_terms]
-    terms += [(v, w * scale) for v, w in zterms]
-    lp.setObjective(pulp.LpAffineExpression(terms))
+    lp.set_objective([(v, w * scale) for v, w in zterms])
+    xi = np.concatenate([np.asarray(xs) for xs in x]) if x else np.zeros(0, dtype=np.int64)
+    xv = np.concatenate(node_obj) * scale if node_obj else np.zeros(0)
+    nz = xv != 0.0
+    lp.add_objective(xi[nz], xv[nz])
+    lp.add_objective(e_idx, e_val * scale)
     return offset, scale
 
 
-def _add_peak_rows(lp: pulp.LpProblem, problem: Problem, sizes, x, parts) -> None:
+def _add_peak_rows(lp: _LP, problem: Problem, sizes, x, parts) -> None:
     rows = [_memory_row(lp, problem, mi, sizes, x, parts) for mi in range(len(problem.memory))]
     # One common scale: every row shares the variable P.
     norm = max([abs(c) for _, c in rows] + [abs(w) for t, _ in rows for _, w in t] + [1.0])
     peak = _var(lp, "peak")
     for mi, (terms, const) in enumerate(rows):
-        lp.addConstraint(pulp.LpConstraint(
-            pulp.LpAffineExpression([(v, w / norm) for v, w in terms] + [(peak, -1.0)]),
-            pulp.LpConstraintLE, rhs=-const / norm), f"peak_{mi}")
-    lp.setObjective(pulp.LpAffineExpression([(peak, 1.0)]))
+        lp.row([(v, w / norm) for v, w in terms] + [(peak, -1.0)], "LE", -const / norm, f"peak_{mi}")
+    lp.set_objective([(peak, 1.0)])
 
 
 def build(problem: Problem, peak: bool = False) -> _Model:
     """Build the PuLP model (``peak=True``: the min-peak-memory model). Exposed for timing."""
     sizes = [len(c) for c in problem.costs]
-    lp = pulp.LpProblem("autopar_min_peak" if peak else "autopar_sharding", pulp.LpMinimize)
+    lp = _LP("autopar_min_peak" if peak else "autopar_sharding")
     x = _add_choice(lp, sizes)
     cs, parts = _add_checkpoint_groups(lp, problem, x, sizes)
     model = _Model(lp=lp, x=x, c=cs)
@@ -445,60 +556,149 @@ def build(problem: Problem, peak: bool = False) -> _Model:
 
 # ----------------------------------------------------------------------------- solving
 
-def _make_solver(backend: str, time_limit: float | None, threads: int, mip: bool = True, mip_gap: float = 1e-7):
-    use_highs = backend == "highs"
-    if backend == "auto":
-        try:
-            import highspy  # noqa: F401
-            use_highs = pulp.HiGHS(msg=False).available()
-        except ImportError:
-            use_highs = False
-    elif backend not in ("highs", "cbc"):
+def _use_highs(backend: str) -> bool:
+    if backend not in ("auto", "highs", "cbc"):
         raise _input_error(f"unknown solver backend {backend!r}; use 'auto', 'highs' or 'cbc'")
-    if use_highs:
-        if not pulp.HiGHS(msg=False).available():
+    if backend == "cbc":
+        return False
+    try:
+        import highspy  # noqa: F401
+        return True
+    except ImportError:
+        if backend == "highs":
             raise _input_error("backend='highs' needs the highspy package: pip install highspy, or use backend='cbc'")
-        return pulp.HiGHS(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
-                          gapRel=mip_gap, gapAbs=_GAP_ABS, random_seed=0)
+        return False
+
+
+def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True) -> str:
+    import highspy
+
+    lp = model.lp
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", int(threads))
+    h.setOptionValue("random_seed", 0)
+    h.setOptionValue("mip_rel_gap", float(mip_gap))
+    h.setOptionValue("mip_abs_gap", _GAP_ABS)
+    if time_limit is not None:
+        h.setOptionValue("time_limit", float(time_limit))
+    n = lp.num_cols
+    start, index, value, row_lo, row_up = lp.matrix()
+    hl = highspy.HighsLp()
+    hl.num_col_, hl.num_row_ = n, len(row_lo)
+    hl.col_cost_ = lp.cost()
+    hl.col_lower_ = np.asarray(lp.lower, dtype=float)
+    hl.col_upper_ = np.asarray(lp.upper, dtype=float)
+    hl.row_lower_ = row_lo
+    hl.row_upper_ = row_up
+    hl.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    hl.a_matrix_.num_col_, hl.a_matrix_.num_row_ = n, len(row_lo)
+    hl.a_matrix_.start_ = start.astype(np.int32)
+    hl.a_matrix_.index_ = index.astype(np.int32)
+    hl.a_matrix_.value_ = value
+    if mip and any(lp.integer):
+        hl.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous
+                           for b in lp.integer]
+    h.passModel(hl)
+    if model.start is not None:
+        # A warm start (a neighbouring configuration's choice): the x columns only; HiGHS
+        # completes the edge/checkpoint columns itself, and ignores a start that is infeasible.
+        cols = np.array([int(model.x[n][s]) for n, s in enumerate(model.start) if s is not None], dtype=np.int32)
+        if cols.size:
+            h.setSolution(int(cols.size), cols, np.ones(cols.size))
+    h.run()
+    lp.solver_model = h
+    status = h.getModelStatus()
+    MS = highspy.HighsModelStatus
+    info = h.getInfo()
+    has_solution = info.primal_solution_status == 2   # kSolutionStatusFeasible
+    if has_solution:
+        lp.values = np.asarray(h.getSolution().col_value, dtype=float)
+    if status == MS.kOptimal:
+        return "optimal"
+    if status in (MS.kInfeasible,):
+        return "infeasible"
+    if has_solution and status in (MS.kTimeLimit, MS.kIterationLimit, MS.kSolutionLimit, MS.kInterrupt,
+                                   MS.kObjectiveBound, MS.kObjectiveTarget):
+        return "feasible"
+    if status == MS.kUnboundedOrInfeasible:
+        return "infeasible"
+    if time_limit is not None:
+        raise _input_error(f"the HiGHS solver found no feasible plan within time_limit={time_limit} s; "
+                           "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
+    raise _input_error(f"the HiGHS solver returned status {h.modelStatusToString(status)!r}")
+
+
+def _to_pulp(lp: _LP, mip: bool = True):
+    """The same model as a PuLP problem (for CBC); returns (problem, PuLP variable per column)."""
+    prob = pulp.LpProblem(lp.name, pulp.LpMinimize)
+    # PuLP >= 3.3 wants variables created through the problem (the 4.0 API); older PuLP lacks it.
+    make = prob.add_variable if hasattr(prob, "add_variable") else pulp.LpVariable
+    pv = [make(lp.name_of(i), None if math.isinf(lo) else lo, None if math.isinf(up) else up,
+               cat=pulp.LpBinary if (b and mip) else pulp.LpContinuous)
+          for i, (lo, up, b) in enumerate(zip(lp.lower, lp.upper, lp.integer))]
+    start, index, value, row_lo, row_up = lp.matrix()
+    for r in range(len(row_lo)):
+        a, b = start[r], start[r + 1]
+        expr = pulp.LpAffineExpression([(pv[i], float(w)) for i, w in zip(index[a:b], value[a:b])])
+        lo, up = float(row_lo[r]), float(row_up[r])
+        if lo == up:
+            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintEQ, rhs=lo), f"r{r}")
+        elif math.isinf(lo):
+            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintLE, rhs=up), f"r{r}")
+        else:
+            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintGE, rhs=lo), f"r{r}")
+    cost = lp.cost()
+    prob.setObjective(pulp.LpAffineExpression([(pv[i], float(cost[i])) for i in np.flatnonzero(cost)]))
+    return prob, pv
+
+
+def _run_cbc(model: _Model, time_limit, threads, mip_gap, mip: bool = True) -> str:
+    prob, pv = _to_pulp(model.lp, mip)
     with warnings.catch_warnings():
         # PULP_CBC_CMD is the bundled CBC (facts.md: no system cbc); PuLP 3.3 flags it for 4.0.
         warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
-                                 gapRel=mip_gap, gapAbs=_GAP_ABS)
-
-
-def _run(model: _Model, backend, time_limit, threads, mip_gap) -> str:
-    """Solve the model; returns 'optimal' | 'feasible' | 'infeasible'."""
-    solver = _make_solver(backend, time_limit, threads, mip_gap=mip_gap)
-    model.lp.solve(solver)
-    if model.lp.sol_status == pulp.LpSolutionOptimal:
+        solver = pulp.PULP_CBC_CMD(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
+                                   gapRel=mip_gap, gapAbs=_GAP_ABS)
+    prob.solve(solver)
+    model.lp.values = np.array([p.varValue if p.varValue is not None else 0.0 for p in pv], dtype=float)
+    model.cbc_objective = float(pulp.value(prob.objective) or 0.0) if prob.status == pulp.LpStatusOptimal else None
+    if not mip:
+        return "optimal" if prob.status == pulp.LpStatusOptimal else "unknown"
+    if prob.sol_status == pulp.LpSolutionOptimal:
         return "optimal"
-    if model.lp.sol_status == pulp.LpSolutionIntegerFeasible:
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
         return "feasible"
-    if model.lp.status == pulp.LpStatusInfeasible or model.lp.sol_status == pulp.LpSolutionInfeasible:
+    if prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
         return "infeasible"
     if time_limit is not None:
         raise _input_error(f"the {solver.name} solver found no feasible plan within time_limit={time_limit} s; "
                            "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
-    raise _input_error(f"the {solver.name} solver returned status {pulp.LpStatus[model.lp.status]!r}")
+    raise _input_error(f"the {solver.name} solver returned status {pulp.LpStatus[prob.status]!r}")
+
+
+def _run(model: _Model, backend, time_limit, threads, mip_gap) -> str:
+    """Solve the model; returns 'optimal' | 'feasible' | 'infeasible'."""
+    if _use_highs(backend):
+        return _run_highs(model, time_limit, threads, mip_gap)
+    return _run_cbc(model, time_limit, threads, mip_gap)
 
 
 def _extract(model: _Model) -> tuple[list[int], list[bool]]:
-    choice = [int(np.argmax([v.varValue or 0.0 for v in xs])) for xs in model.x]
-    ckpt = [c if isinstance(c, bool) else (c.varValue or 0.0) > 0.5 for c in model.c]
+    vals = model.lp.values
+    choice = [int(np.argmax(vals[np.asarray(xs)])) for xs in model.x]
+    ckpt = [c if isinstance(c, bool) else float(vals[c]) > 0.5 for c in model.c]
     return choice, ckpt
 
 
 def _bound(model: _Model, backend, time_limit, threads) -> float:
     """Lower bound (scaled units) after a time-limited stop; see the module docstring."""
-    solver_model = getattr(model.lp, "solverModel", None)
-    if solver_model is not None and hasattr(solver_model, "getInfo"):  # HiGHS
-        return float(solver_model.getInfo().mip_dual_bound)
-    lp_solver = _make_solver(backend, time_limit, threads, mip=False)
-    model.lp.solve(lp_solver)
-    if model.lp.status != pulp.LpStatusOptimal:
+    h = model.lp.solver_model
+    if h is not None:  # HiGHS
+        return float(h.getInfo().mip_dual_bound)
+    if _run_cbc(model, time_limit, threads, 1e-7, mip=False) != "optimal" or model.cbc_objective is None:
         return -math.inf
-    return float(pulp.value(model.lp.objective) or 0.0)
+    return model.cbc_objective
 
 
 def release_threads() -> None:
@@ -520,12 +720,13 @@ def _is_trivial(problem: Problem) -> bool:
 
 
 def solve(problem: Problem, time_limit: float | None = None, backend: str = "auto", threads: int = 2,
-          mip_gap: float = 1e-7) -> Solution:
+          mip_gap: float = 1e-7, start: list | None = None) -> Solution:
     """Cheapest strategy per node and checkpoint decision per group within every memory budget.
 
     ``mip_gap`` is the relative gap at which the solver may stop and call the result optimal
     (1e-7 by default so results match brute force; 1e-4, HiGHS's own default, is much faster
-    on large problems). ``backend``: "auto" (HiGHS if available, else CBC), "highs", "cbc".
+    on large problems). ``start``: per node a strategy index (or None) to warm-start from
+    (HiGHS; an incumbent to prune with from the first node). ``backend``: "auto" (HiGHS if available, else CBC), "highs", "cbc".
     """
     t0 = time.perf_counter()
     validate(problem)
@@ -536,6 +737,8 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
             return Solution([], [], math.inf, "infeasible", solve_seconds=time.perf_counter() - t0)
         return Solution(choice, [], obj, "optimal", solve_seconds=time.perf_counter() - t0, peak_memory=mem)
     model = build(problem)
+    if start is not None and len(start) == problem.num_nodes:
+        model.start = [s if s is None or 0 <= s < len(problem.costs[n]) else None for n, s in enumerate(start)]
     if model.infeasible:
         return Solution([], [], math.inf, "infeasible", solve_seconds=time.perf_counter() - t0)
     status = _run(model, backend, time_limit, threads, mip_gap)
@@ -548,6 +751,49 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
         bound = model.offset + _bound(model, backend, time_limit, threads) / model.scale
         gap = max(0.0, obj - bound) / max(abs(obj), 1e-300) if math.isfinite(bound) else _MAX_TIME_LIMIT_GAP
     return Solution(choice, ckpt, obj, status, gap=gap, solve_seconds=time.perf_counter() - t0, peak_memory=mem)
+
+
+def memory_floor_exceeds_budget(problem: Problem) -> bool:
+    """True when some memory constraint cannot hold whatever the choice: its constant plus each
+    node's smallest bytes plus, per checkpoint group, the smaller of its smallest saved and
+    kept bytes (recompute working sets taken as 0) is over budget. Pure numpy, a quick
+    infeasibility test before the solver spends seconds proving it."""
+    def floor(terms) -> float:
+        return float(sum(float(np.min(arr)) for _, arr in terms if len(arr)))
+
+    for m in problem.memory:
+        if not math.isfinite(m.budget):
+            continue
+        total = m.const + floor(_sum_terms(m.terms, [len(c) for c in problem.costs]).items())
+        for gi in m.groups:
+            g = problem.checkpoint_groups[gi]
+            sizes = [len(c) for c in problem.costs]
+            saved = floor(_sum_terms(g.saved, sizes).items())
+            kept = floor(_sum_terms(g.kept, sizes).items())
+            total += saved if g.forced is False else kept if g.forced else min(saved, kept)
+        if total > m.budget + _MEM_RTOL * max(1.0, abs(m.budget)):
+            return True
+    return False
+
+
+def relaxation_bound(problem: Problem, time_limit: float | None = None, threads: int = 2) -> float:
+    """The optimum of the LP relaxation (seconds): a lower bound of the ILP's optimum, or -inf
+    when HiGHS is unavailable or the LP does not finish."""
+    validate(problem)
+    if _is_trivial(problem):
+        return evaluate(problem, [0] * problem.num_nodes, [])[0]
+    if not _use_highs("auto"):
+        return -math.inf
+    model = build(problem)
+    if model.infeasible:
+        return math.inf
+    status = _run_highs(model, time_limit, threads, 1e-7, mip=False)
+    if status == "infeasible":
+        return math.inf
+    h = model.lp.solver_model
+    if status != "optimal":
+        return -math.inf
+    return model.offset + float(h.getInfo().objective_function_value) / model.scale
 
 
 def min_peak_memory(problem: Problem, time_limit: float | None = None, backend: str = "auto",

@@ -21,6 +21,7 @@ class GPTConfig:
     seq: int = 16             # context length = size of the position table
     dropout: float = 0.0      # dropout after attention/MLP and on embeddings
     mlp_ratio: int = 4        # MLP hidden = mlp_ratio * d_model
+    attention: str = "sdpa"   # "sdpa" (fused) | "explicit": matmul, causal mask, softmax, dropout (Megatron-LM)
 
 
 def _init_weights(m: nn.Module):
@@ -43,14 +44,23 @@ class Block(nn.Module):
         self.fc = nn.Linear(c.d_model, c.mlp_ratio * c.d_model)
         self.fc_out = nn.Linear(c.mlp_ratio * c.d_model, c.d_model)
         self.drop = nn.Dropout(c.dropout)
+        self.explicit = c.attention == "explicit"
+        if self.explicit:
+            self.attn_drop = nn.Dropout(c.dropout)
+            self.register_buffer("mask", torch.ones(c.seq, c.seq, dtype=torch.bool).tril(), persistent=False)
 
     def attn(self, x):
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)
         # (b, s, d) -> (b, heads, s, head_dim)
         q, k, v = (t.view(b, s, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.explicit:   # as Megatron-LM without fused attention: scores, mask, softmax, dropout
+            att = (q @ k.transpose(-2, -1)) * (1.0 / (d // self.n_head) ** 0.5)
+            att = att.masked_fill(~self.mask[:s, :s], float("-inf"))
+            y = self.attn_drop(F.softmax(att, dim=-1)) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, s, d))
 
     def forward(self, x):
@@ -86,9 +96,11 @@ class GPT(nn.Module):
 
 
 def gpt(*, n_layer=2, n_head=4, d_model=64, vocab=256, seq=16, batch=8, dropout=0.0,
-        device="cpu", seed=0):
-    """A GPT of any shape and an example (idx, targets) batch."""
-    c = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, vocab=vocab, seq=seq, dropout=dropout)
+        device="cpu", seed=0, attention="sdpa"):
+    """A GPT of any shape and an example (idx, targets) batch (``attention="explicit"``:
+    matmul/softmax/dropout attention instead of fused SDPA)."""
+    c = GPTConfig(n_layer=n_layer, n_head=n_head, d_model=d_model, vocab=vocab, seq=seq, dropout=dropout,
+                  attention=attention)
     model = build(lambda: GPT(c), device, seed)
     return model, example_tokens(batch, seq, vocab, device, seed, n=2)
 

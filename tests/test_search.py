@@ -1,0 +1,91 @@
+"""The outer search's pruning and caching never change the plan: on small cases the pruned search
+returns a configuration whose predicted step time equals the exhaustive search's (every
+configuration solved, no bounds, no time limit), and every bound it prunes with is below what
+the configuration's own plan predicts. Also: the progress line exists under verbose.
+No timing assertions here (timings live in benchmarks/bench_planning.py)."""
+import pytest
+
+import autopar
+from autopar.batching import infer_batch_dims, input_shapes
+from autopar.candidates import candidates
+from autopar.models import ZOO
+from autopar.predict import predict, step_time_lower_bound
+from autopar.pricing import Settings, price, price_edges
+from autopar.build import build_problem
+from autopar.search import MIP_GAP, configurations, search
+from autopar.trace import trace
+from solver.ilp import solve
+
+CASES = [
+    ("gpt2", {}, ("cpu", dict(devices=4)), None),
+    ("mlp", {}, ("cpu", dict(devices=4)), None),
+    ("gpt2", dict(n_layer=3, batch=8), ("dgx-a100", dict(nodes=1)), None),
+    ("llama", {}, ("cpu", dict(devices=4)), {"zero": 1}),
+]
+
+
+@pytest.fixture(scope="module", params=range(len(CASES)), ids=[f"{c[0]}-{c[2][0]}" for c in CASES])
+def case(request):
+    name, kw, (preset, ckw), cons = CASES[request.param]
+    model, inputs = ZOO[name](**kw)
+    g = trace(model, inputs)
+    g.batch_dims = infer_batch_dims(input_shapes(g), None)
+    return g, autopar.Cluster.preset(preset, **ckw), cons
+
+
+def _base(cluster, budget=None):
+    return Settings(budget=float(budget if budget is not None else cluster.device.memory_bytes))
+
+
+def test_pruned_search_equals_exhaustive(case):
+    g, cluster, cons = case
+    best, stats = search(g, cluster, _base(cluster), cons)
+    ref, ref_stats = search(g, cluster, _base(cluster), cons, exhaustive=True)
+    assert ref_stats["pruned"] == 0 and ref_stats["solved"] + ref_stats["infeasible"] >= ref_stats["configs"] - 0
+    assert best.prediction["step_time"] == pytest.approx(ref.prediction["step_time"], rel=MIP_GAP)
+    assert best.prediction["step_time"] <= ref.prediction["step_time"] * (1 + MIP_GAP)
+
+
+def test_bounds_are_below_every_configurations_plan(case):
+    g, cluster, cons = case
+    from autopar.search import check_constraints
+    cache = {}
+    for cfg in configurations(g, cluster, _base(cluster), check_constraints(cons)):
+        c = cache.setdefault(cfg.mesh, candidates(g, cfg.mesh))
+        P = price(c, cluster, cfg.settings, edges=False)
+        node_bound = step_time_lower_bound(P)
+        price_edges(c, cluster, cfg.settings, P)
+        edge_bound = step_time_lower_bound(P, edges=True)
+        problem = build_problem(c, P, cfg.settings)
+        sol = solve(problem, mip_gap=MIP_GAP)
+        if sol.status == "infeasible":
+            continue
+        step = predict(c, P, cfg.settings, problem, sol, cluster)["step_time"]
+        assert node_bound <= edge_bound * (1 + 1e-12) + 1e-15
+        assert edge_bound <= step * (1 + 1e-9), (cfg.mesh.describe(), cfg.settings)
+
+
+def test_ops_priced_once_per_mesh_match_a_fresh_pricing():
+    """The per-(mesh, micro-batches) op cache gives the same arrays as pricing from scratch."""
+    model, inputs = ZOO["gpt2"]()
+    g = trace(model, inputs)
+    cluster = autopar.Cluster.preset("cpu", devices=4)
+    cfgs = [c for c in configurations(g, cluster, _base(cluster), {}) if c.settings.zero == 3]
+    cfg = cfgs[0]
+    c = candidates(g, cfg.mesh)
+    for z in (0, 1, 2):   # fill the caches through other stages first
+        price(c, cluster, Settings(zero=z, num_micro_batches=cfg.settings.num_micro_batches), edges=True)
+    cached = price(c, cluster, cfg.settings, edges=True)
+    fresh = price(candidates(g, cfg.mesh), cluster, cfg.settings, edges=True)
+    for field in ("compute", "comm", "grad_comm", "optimizer", "saved", "transient", "valid", "edges"):
+        a, b = getattr(cached, field), getattr(fresh, field)
+        assert a.keys() == b.keys(), field
+        for k in a:
+            assert (a[k] == b[k]).all(), (field, k)
+
+
+def test_verbose_shows_search_progress(capsys):
+    model, inputs = ZOO["mlp"]()
+    autopar.plan(model, inputs, autopar.Cluster.preset("cpu", devices=4), verbose=True)
+    out = capsys.readouterr().out
+    assert "configurations visited" in out and "pruned" in out and "best" in out
