@@ -66,10 +66,9 @@ def valid_counts(labels, pieces: int) -> list[int]:
     return [int((c != -100).sum()) for c in labels.chunk(pieces, dim=0)]
 
 
-def eager(factory, steps: int = STEPS):
-    """One process, plain PyTorch: (losses, state_dict) after ``steps`` SGD-momentum steps."""
-    model, batch = factory()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+def train_eagerly(model, batch, opt, steps: int = STEPS):
+    """The reference every exactness test compares with: ``steps`` plain PyTorch steps of ``opt``
+    on one process; returns (losses, final state_dict)."""
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -78,6 +77,17 @@ def eager(factory, steps: int = STEPS):
         opt.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def sgd(params, lr: float = LR, momentum: float = MOMENTUM):
+    """torch.optim.SGD with momentum over the trainable ``params`` (frozen ones left out)."""
+    return torch.optim.SGD([p for p in params if p.requires_grad], lr=lr, momentum=momentum)
+
+
+def eager(factory, steps: int = STEPS):
+    """One process, plain PyTorch: (losses, state_dict) after ``steps`` SGD-momentum steps."""
+    model, batch = factory()
+    return train_eagerly(model, batch, sgd(model.parameters()), steps)
 
 
 def _train(rank, world, factory, plan_json, steps):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from exactness import train_eagerly
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -73,14 +74,7 @@ def reference(name, steps=STEPS, **kw):
     """Eager single-process training with torch.optim.SGD(momentum): (losses, state_dict)."""
     model, batch = FACTORIES[name](**kw)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_eagerly(model, batch, opt, steps)
 
 
 # ------------------------------------------------------------------ measuring saved activations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from exactness import train_eagerly
 
 import autopar
 from autopar.errors import ExecutionError
@@ -28,15 +29,7 @@ LR = 1e-3   # AdamW normalises updates: with a larger lr, float noise in near-ze
 def reference(name: str, steps: int = STEPS, **kw):
     """Eager single-process training: (losses, final state_dict)."""
     model, batch = FACTORIES[name](**kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_eagerly(model, batch, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), steps)
 
 
 def _train(rank, world, name, devices, constraints, plan_json, steps, kw):

@@ -38,6 +38,7 @@ import json
 
 import pytest
 import torch
+from exactness import train_eagerly
 
 import autopar
 from autopar.models import HF_ZOO
@@ -67,14 +68,7 @@ def reference(name, **kw):
     """Eager single-process training with torch.optim.SGD: (losses, final state_dict)."""
     model, batch = HF_ZOO[name](**kw)
     opt = torch.optim.SGD(model.parameters(), lr=OPT["lr"], momentum=OPT["momentum"])
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_eagerly(model, batch, opt, STEPS)
 
 
 def _train(rank, world, name, plan_json, kw):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from exactness import train_eagerly
 
 import autopar
 from autopar.errors import ExecutionError
@@ -25,14 +26,7 @@ FACTORIES = {**ZOO, **HF_ZOO}
 
 def eager(model, batch, steps=STEPS):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=SGD["lr"], momentum=SGD["momentum"])
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_eagerly(model, batch, opt, steps)
 
 
 def _meta_train(rank, world, name, plan_json, weights, steps):

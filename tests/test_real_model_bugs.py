@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from exactness import train_eagerly
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -25,14 +26,7 @@ def eager(model, batch, steps=STEPS, params=None):
     """One-process training with torch.optim.SGD(momentum): (losses, state_dict)."""
     opt = torch.optim.SGD(params if params is not None else [p for p in model.parameters() if p.requires_grad],
                           lr=SGD["lr"], momentum=SGD["momentum"])
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_eagerly(model, batch, opt, steps)
 
 
 def assert_same_training(got_losses, got_sd, want_losses, want_sd):
