@@ -1,6 +1,7 @@
 """Multi-process execution of plans (gloo, forked ranks) against a single-process eager run of the
-same model, seed and batch: the loss at every step and every parameter after 3 AdamW steps must
-agree (fp32, rtol 1e-5, atol 1e-6)."""
+same model, seed and batch: the loss at every step (rtol 1e-5) and every parameter after 3 steps of
+SGD with momentum (rtol 1e-4) must agree, fp32. SGD, not Adam: Adam's g/sqrt(v) turns fp32
+reduction-order noise on near-zero gradients into visible parameter differences (shared/facts.md)."""
 from __future__ import annotations
 
 import pytest
@@ -18,25 +19,25 @@ torch.set_num_threads(1)
 
 STEPS = 3
 FACTORIES = {**ZOO, **HF_ZOO}
-# Some gradients are exactly zero in exact arithmetic (the key bias of attention: softmax ignores a
-# constant shift), so they are float noise that differs with the summation order. AdamW turns noise
-# into updates of size lr * noise / (|noise| + eps): a larger eps keeps them below the tolerance,
-# identically on both sides.
-EPS = 1e-5
-LR = 1e-3   # AdamW normalises updates: with a larger lr, float noise in near-zero grads shows above atol
+OPT = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}   # compile's optimizer; eager uses the same
+PARAM_RTOL = 1e-4
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=OPT["lr"], momentum=OPT["momentum"])
 
 
 def reference(name: str, steps: int = STEPS, **kw):
     """Eager single-process training: (losses, final state_dict)."""
     model, batch = FACTORIES[name](**kw)
-    return train_eagerly(model, batch, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), steps)
+    return train_eagerly(model, batch, _sgd(model), steps)
 
 
 def _train(rank, world, name, devices, constraints, plan_json, steps, kw):
     model, batch = FACTORIES[name](**kw)
     cluster = autopar.Cluster.preset("cpu", devices=devices)
     plan = autopar.Plan.from_json(plan_json) if plan_json else None
-    cm = autopar.compile(model, cluster, example_inputs=batch, plan=plan, lr=LR, eps=EPS,
+    cm = autopar.compile(model, cluster, example_inputs=batch, plan=plan, **OPT,
                          plan_options={"constraints": constraints})
     losses = [cm.step(*batch) for _ in range(steps)]
     sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}   # numpy: plain pickling through the queue
@@ -74,7 +75,7 @@ def check_against_reference(name, nprocs, constraints=None, plan_in_compile=Fals
     sd = res[0][1]
     assert set(sd) == set(ref_sd)
     for k in ref_sd:
-        torch.testing.assert_close(torch.from_numpy(sd[k]), ref_sd[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(torch.from_numpy(sd[k]), ref_sd[k], rtol=PARAM_RTOL, atol=1e-6, msg=lambda m: f"{k}: {m}")
     return res
 
 
@@ -159,7 +160,7 @@ def _lazy_and_local_rows(rank, world, constraints):
     step fed only this rank's rows (batch_rows()), then a forward-only evaluation."""
     model, batch = ZOO["gpt2"](batch=8)
     cluster = autopar.Cluster.preset("cpu", devices=world)
-    cm = autopar.compile(model, cluster, lr=LR, eps=EPS,
+    cm = autopar.compile(model, cluster, **OPT,
                          **({"plan_options": {"constraints": constraints}} if constraints else {}))
     first = cm.step(*batch)
     rows = cm.batch_rows()
@@ -171,7 +172,7 @@ def _lazy_and_local_rows(rank, world, constraints):
 def check_lazy_and_local_rows():
     """Run by test_compile_with_only_model_and_cluster in a fresh interpreter."""
     model, batch = ZOO["gpt2"](batch=8)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    opt = _sgd(model)
     want = []
     for _ in range(2):
         opt.zero_grad()
@@ -240,7 +241,7 @@ def test_vocab_parallel_embedding_and_cross_entropy():
     res = run_plan("gpt2", 2, plan_json=forced)
     torch.testing.assert_close(torch.tensor(res[0][0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for k in ref_sd:
-        torch.testing.assert_close(torch.from_numpy(res[0][1][k]), ref_sd[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.from_numpy(res[0][1][k]), ref_sd[k], rtol=PARAM_RTOL, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -255,7 +256,7 @@ def _check_plan_against_reference(name, plan):
     for losses, _, _, _ in res:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for k in ref_sd:
-        torch.testing.assert_close(torch.from_numpy(res[0][1][k]), ref_sd[k], rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(torch.from_numpy(res[0][1][k]), ref_sd[k], rtol=PARAM_RTOL, atol=1e-6,
                                    msg=lambda m: f"{k}: {m}")
 
 
@@ -297,7 +298,7 @@ def test_micro_batches_zero2():
 def _ckpt_phase(rank, world, directory, phase, plan_json):
     model, batch = ZOO["gpt2"]()
     cluster = autopar.Cluster.preset("cpu", devices=world)
-    cm = autopar.compile(model, cluster, example_inputs=batch, lr=LR, eps=EPS, plan=autopar.Plan.from_json(plan_json))
+    cm = autopar.compile(model, cluster, example_inputs=batch, **OPT, plan=autopar.Plan.from_json(plan_json))
     if phase == "save":
         losses = [cm.step(*batch) for _ in range(2)]
         cm.save(directory)
