@@ -241,7 +241,7 @@ class _LP:
         self.obj_idx: list[np.ndarray] = []
         self.obj_val: list[np.ndarray] = []
         self.values: np.ndarray | None = None   # column values after a solve
-        self.solver_model = None           # the highspy.Highs of the last solve
+        self.solver_model = None           # _HighsFigures of the last HiGHS solve
 
     @property
     def num_cols(self) -> int:
@@ -570,6 +570,13 @@ def _use_highs(backend: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class _HighsFigures:
+    """What the search reads back from a HiGHS run after it returns."""
+    mip_dual_bound: float
+    objective_function_value: float
+
+
 def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True) -> str:
     import highspy
 
@@ -607,10 +614,12 @@ def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True) ->
         if cols.size:
             h.setSolution(int(cols.size), cols, np.ones(cols.size))
     h.run()
-    lp.solver_model = h
     status = h.getModelStatus()
     MS = highspy.HighsModelStatus
     info = h.getInfo()
+    # Keep the figures, not the Highs object: an instance alive when the process exits (torchrun
+    # ranks) can hold the solver's thread pool past release_threads() and abort the exit.
+    lp.solver_model = _HighsFigures(float(info.mip_dual_bound), float(info.objective_function_value))
     has_solution = info.primal_solution_status == 2   # kSolutionStatusFeasible
     if has_solution:
         lp.values = np.asarray(h.getSolution().col_value, dtype=float)
@@ -695,7 +704,7 @@ def _bound(model: _Model, backend, time_limit, threads) -> float:
     """Lower bound (scaled units) after a time-limited stop; see the module docstring."""
     h = model.lp.solver_model
     if h is not None:  # HiGHS
-        return float(h.getInfo().mip_dual_bound)
+        return h.mip_dual_bound
     if _run_cbc(model, time_limit, threads, 1e-7, mip=False) != "optimal" or model.cbc_objective is None:
         return -math.inf
     return model.cbc_objective
@@ -710,6 +719,9 @@ def release_threads() -> None:
         import highspy
     except ImportError:
         return
+    import gc
+
+    gc.collect()   # Highs instances still referenced from cycles would outlive the reset below
     reset = getattr(highspy.Highs, "resetGlobalScheduler", None)
     if reset is not None:
         reset(True)
@@ -793,7 +805,7 @@ def relaxation_bound(problem: Problem, time_limit: float | None = None, threads:
     h = model.lp.solver_model
     if status != "optimal":
         return -math.inf
-    return model.offset + float(h.getInfo().objective_function_value) / model.scale
+    return model.offset + h.objective_function_value / model.scale
 
 
 def min_peak_memory(problem: Problem, time_limit: float | None = None, backend: str = "auto",
