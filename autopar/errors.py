@@ -1,8 +1,7 @@
 """Errors autopar raises to users. Every message says what is wrong and what to change."""
 
 
-class PlanError(Exception):
-    """Planning failed for a reason the user can act on."""
+from solver.errors import PlanError  # noqa: F401  (defined below autopar/: the solver raises it too)
 
 
 class ClusterError(PlanError):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from autopar.reshard import Step
 from runtime import collectives as C
 
 
@@ -41,11 +40,11 @@ def apply_steps(tensor: torch.Tensor, steps, groups: dict, labels: dict,
             x = C.slice_block(x, s.dim, g, lab)
         elif s.kind == "partial":
             x = C.make_partial(x, g)
-        else:  # pragma: no cover - Step validates its kind
+        else:  # pragma: no cover - autopar.reshard.Step validates its kind
             raise ValueError(f"unknown step kind {s.kind!r}")
     for a in sorted(set(partial_grad_axes) - fused):
         x = C.copy(x, groups[a], labels[a])
     return x
 
 
-__all__ = ["apply_steps", "Step"]
+__all__ = ["apply_steps"]

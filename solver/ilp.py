@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
+from solver.errors import PlanError
 from solver.problem import Problem, Solution
 
 _OBJ_TARGET = 1e3      # largest objective coefficient after scaling
@@ -59,8 +60,6 @@ _MAX_TIME_LIMIT_GAP = math.inf
 
 
 def _input_error(message: str) -> Exception:
-    # Imported lazily: solver/ must stay torch-free even if autopar/__init__ grows imports.
-    from autopar.errors import PlanError
     return PlanError(message)
 
 
