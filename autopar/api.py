@@ -31,8 +31,9 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     Beyond api.md: ``traced`` reuses a TracedGraph (autopar.trace.trace) instead of tracing again;
     ``policy="megatron"`` restricts every linear to Megatron's column/row splits (to price a
     hand-written Megatron-LM configuration in the same cost model); ``verbose`` logs every
-    configuration the search solves. ``constraints["checkpoint"]`` is "none", "full" or a dict
-    block group name (``TracedGraph.blocks``, e.g. "blocks") -> bool pinning some groups only;
+    configuration the search solves. ``constraints["checkpoint"]`` is "none", "selective" (recompute
+    only each block's attention core, Korthikanti et al. 2022), "full" or a dict block group name
+    (``TracedGraph.blocks``, e.g. "blocks") -> bool or one of those, pinning some groups only;
     ``batch_dims`` names each input's batch dim (an int or None
     per input, or one int for all; default: inferred, autopar/batching.py) — the dim the data
     axes split and micro-batching cuts, recorded in the plan."""
@@ -60,11 +61,18 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
     base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm)
     log = print if verbose else None
-    try:
-        result, stats = search(graph, cluster, base, constraints, time_limit=time_limit, log=log, policy=policy)
+    from autopar.pipeline import apply_pipeline
+    from autopar.pipeline_search import plan_search
+    try:   # pp=1 and pipelined candidates (stages over sub-meshes): autopar/pipeline_search.py
+        result, stats, pipe = plan_search(graph, cluster, base, constraints, search,
+                                          time_limit=time_limit, log=log, policy=policy)
     finally:
         release_threads()   # no solver thread outlives planning (solver/ilp.py: release_threads)
-    data = plan_data(result, cluster, graph, optimizer, precision, budget, overlap_grad_comm, stats)
+    from autopar.grid_search import GridResult, grid_plan_data
+    make = grid_plan_data if isinstance(result, GridResult) else plan_data
+    data = make(result, cluster, graph, optimizer, precision, budget, overlap_grad_comm, stats)
+    if pipe is not None:
+        data = apply_pipeline(data, pipe)
     stats.update(trace_seconds=t_trace, total_seconds=time.perf_counter() - t0)
     return Plan(data, stats=stats)
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from autopar.candidates import Candidates
 from autopar.pricing import Priced, Settings
+from autopar.selective_pricing import selective_groups
 from solver.problem import CheckpointGroup, Edge, MemoryConstraint, Problem
 
 
@@ -67,6 +68,7 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
             raise ConstraintError(f"constraint checkpoint names block groups {unknown} the model does not have "
                                   f"(its repeated block groups: {sorted(g.name for g in groups.values())})")
     cgroups = [groups[g] for g in sorted(groups)]
+    cgroups += selective_groups(c, P, s, groups, cgroups, index)   # autopar/selective_pricing.py
     memory = []
     base_terms = static_terms + plain_saved
     gidx = list(range(len(cgroups)))
@@ -118,7 +120,8 @@ def restrict(problem: Problem, keep: list[np.ndarray]) -> Problem:
         edges=[Edge(e.src, e.dst, e.cost[np.ix_(keep[e.src], keep[e.dst])]) for e in problem.edges],
         memory=[MemoryConstraint(m.name, m.budget, m.const, sub(m.terms), list(m.groups)) for m in problem.memory],
         checkpoint_groups=[CheckpointGroup(g.name, sub(g.saved), sub(g.kept), sub(g.recompute_memory),
-                                           sub(g.recompute_time), g.forced) for g in problem.checkpoint_groups],
+                                           sub(g.recompute_time), g.forced, g.implied_by)
+                           for g in problem.checkpoint_groups],
         strategy_names=[[names[j] for j in k] for names, k in zip(problem.strategy_names, keep)],
     )
     out.kept = keep

@@ -5,17 +5,26 @@ Measures, on every rank at once (so ranks that share cores or memory bandwidth s
 * GEMMs over a sweep of shapes (square and narrow, as tensor parallelism makes them): FLOP/s by
   arithmetic intensity (cost.gemm_intensity);
 * memory-bound kernels (an elementwise add) by bytes moved, and the cost of a tiny kernel;
+* the backward / forward time ratio of common ops (SDPA, GELU, layer norm, softmax, dropout,
+  add, mul, cross-entropy, embedding: ``backward_ratios``) and the median over five elementwise
+  ops for the rest;
 * each collective (all_reduce, all_gather, reduce_scatter, broadcast, all_to_all) by message
   size over the world group and over groups of 2 consecutive ranks (the mesh axes a 2-level
-  mesh uses), as nccl-tests bus bandwidth;
+  mesh uses), as nccl-tests bus bandwidth — run by the runtime's own collective code inside a
+  compute + collective loop without barriers, so each call includes the wait for the slowest
+  rank that a training step's blocking collectives see;
 * the slowdown of a GEMM loop while an all-reduce runs behind it (overlap_slowdown).
 
 Runs under an initialised process group (torchrun / ``autopar run -n N``: NCCL on GPUs, gloo on
-CPUs) or, for the ``cpu`` preset, forks ``nprocs`` local gloo processes itself. Timings are
-the fastest of ``repeats`` runs (the slowest rank's; collectives are timed between barriers).
+CPUs) or, for the ``cpu`` preset, forks ``nprocs`` local gloo processes itself. CPU compute is
+timed on rank 0 alone (fastest single call: robust to other users' load) and divided by the core
+share each process gets (cores / local processes, at most 1); GPU compute is timed sustained
+(>= 20 ms per timing) on every rank at once, the slowest rank's.
 """
 from __future__ import annotations
 
+import math
+import os
 import statistics
 import time
 
@@ -43,16 +52,31 @@ SWEEPS = {
 
 
 def _timed(fn, repeats: int, sync) -> float:
+    """Seconds of one call, fastest of ``repeats``: the machine's own speed, not other users' load."""
+    return _sustained(fn, repeats, sync, 1)
+
+
+def _sustained(fn, repeats: int, sync, calls: int) -> float:
+    """Seconds per call of ``fn`` run ``calls`` times back to back, fastest of ``repeats``. With
+    ``calls`` chosen so one timing spans several scheduler slices (``_calls_for``), processes
+    that share a core are seen sharing it: a single short call runs inside one slice at the
+    full core's speed, which a training step of many calls does not get."""
     fn()
     sync()
     ts = []
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         sync()
-        ts.append(time.perf_counter() - t0)
-    return min(ts)   # fastest of ``repeats``: the machine's own speed, not other users' load
+        ts.append((time.perf_counter() - t0) / calls)
+    return min(ts)
+
+
+# one sustained timing lasts at least this long: several CFS slices (3-4 ms each when a few
+# processes share a core), so time-sharing averages in
+SUSTAIN = 0.02
 
 
 def _collapse(points, key_digits: int = 2):
@@ -89,18 +113,68 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
         return float(x)
 
+    # The fraction of a core each process gets when all of this machine's processes compute at
+    # once: 4 processes on 2 cores get half a core each (1 for GPUs: one device per process).
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = 1.0 if gpu else min(1.0, cores / (local * torch.get_num_threads()))
+
+    def timed(fn, reps=repeats) -> float:
+        """Seconds per call. GPU: sustained over SUSTAIN on every rank at once, the slowest
+        rank's. CPU: rank 0 alone, fastest single call (the machine's per-core speed; other
+        users' load only ever adds time, so the fastest call is the one it spared), divided by
+        the core share (time-sharing made explicit: a 20 ms sustained timing saw it too, but
+        also every other user's load, and priced compute up to 2x slow under load)."""
+        if gpu:
+            fn()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            calls = max(1, math.ceil(SUSTAIN / max(agreed(time.perf_counter() - t0), 1e-7)))
+            barrier()
+            return agreed(_sustained(fn, reps, sync, calls))
+        t = _timed(fn, max(reps, 5), sync) if rank == 0 else 0.0
+        if dist_on:
+            x = torch.tensor([t], dtype=torch.float64)
+            dist.broadcast(x, src=0)
+            t = float(x)
+        return t / share
+
+    def ratio(fw, fb, calls: int = max(2 * repeats, 12)) -> float:
+        """Backward / forward time of an op: single calls of forward and forward + backward
+        alternately, fastest of each on this rank, averaged over ranks. A ratio of two times
+        on the same core: time-sharing cancels out, and single calls are the ones least often
+        hit by other processes' load (sustained timings under a changing load were off by 3x)."""
+        fw()
+        fb()
+        t_f = t_fb = math.inf
+        for _ in range(calls):
+            sync()
+            t0 = time.perf_counter()
+            fw()
+            sync()
+            t1 = time.perf_counter()
+            fb()
+            sync()
+            t_f, t_fb = min(t_f, t1 - t0), min(t_fb, time.perf_counter() - t1)
+        r = (t_fb - t_f) / t_f
+        if dist_on:
+            x = torch.tensor([r], dtype=torch.float64)
+            dist.all_reduce(x)
+            r = float(x) / world
+        return r
+
     # GEMMs (all ranks at once)
     gemm = []
     for (m, n, k) in shapes:
         a = torch.randn(m, k, dtype=dtype, device=device)
         b = torch.randn(k, n, dtype=dtype, device=device)
-        barrier()
-        t = agreed(_timed(lambda: torch.mm(a, b), repeats, sync))
+        t = timed(lambda: torch.mm(a, b))
         ai = gemm_intensity({"m": m, "n": n, "k": k}, ["mk", "kn", "mn"], itemsize)
         gemm.append((ai, 2.0 * m * n * k / t))
     tiny_a = torch.randn(1, 1, dtype=dtype, device=device)
-    barrier()
-    gemm_latency = agreed(_timed(lambda: torch.mm(tiny_a, tiny_a), max(repeats, 20), sync))
+    gemm_latency = timed(lambda: torch.mm(tiny_a, tiny_a))
     # elementwise arithmetic (pointwise rules count 1 FLOP per element): the median over a mix of
     # cheap and transcendental ops, forward and backward, on 1 Mi elements
     x = torch.randn(2**20, dtype=dtype, device=device, requires_grad=True)
@@ -114,21 +188,21 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
 
         def fb(f=f):
             f(x).backward(g)
-        barrier()
-        fwd_t.append(agreed(_timed(fw, repeats, sync)))
-        both_t.append(agreed(_timed(fb, repeats, sync)))
+        fwd_t.append(timed(fw))
+        both_t.append(ratio(fw, fb))
     vector_rate = 2**20 / statistics.median(fwd_t)
-    backward_ratio = max(1.0, statistics.median((b - f) / f for f, b in zip(fwd_t, both_t)))
+    backward_ratio = max(1.0, statistics.median(both_t))
+    backward_ratios = _backward_ratios(ratio, dtype, device)
     # a view (no data moved) still costs a dispatch on the host; on a GPU that overlaps the
     # device's work, on a CPU it does not
-    view_overhead = agreed(_timed(lambda: x.view(-1).t(), max(repeats, 20), sync)) / 2 if not gpu else 0.0
+    view_overhead = timed(lambda: x.view(-1).t()) / 2 if not gpu else 0.0
     # optimizer: fixed cost per parameter tensor of one AdamW step (torch's single-tensor path,
     # op for op what runtime/optim.py runs), tiny tensors so bytes do not count
     params = [torch.nn.Parameter(torch.randn(16, dtype=torch.float32, device=device)) for _ in range(32)]
     for q in params:
         q.grad = torch.randn_like(q)
     opt = torch.optim.AdamW(params, foreach=False)
-    optimizer_overhead = agreed(_timed(opt.step, repeats, sync)) / len(params)
+    optimizer_overhead = timed(opt.step) / len(params)
     # memory-bound: c = a + b moves 3 × size bytes
     memory = []
     for size in mem_sizes:
@@ -136,8 +210,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
         a = torch.randn(numel, dtype=dtype, device=device)
         b = torch.randn(numel, dtype=dtype, device=device)
         out = torch.empty_like(a)
-        barrier()
-        t = agreed(_timed(lambda: torch.add(a, b, out=out), repeats, sync))
+        t = timed(lambda: torch.add(a, b, out=out))
         memory.append((3.0 * numel * itemsize, 3.0 * numel * itemsize / t))
     # per-op overhead as training sees it: a chain of tiny ops through autograd, forward and
     # backward (dispatcher, autograd bookkeeping, launch), per kernel
@@ -149,8 +222,10 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
         for _ in range(chain):
             y = y * 1.0001
         y.sum().backward()
-    kernel_overhead = agreed(_timed(ops, max(repeats, 10), sync)) / (2 * chain + 2)
-    # collectives: world group and groups of 2 consecutive ranks
+    kernel_overhead = timed(ops) / (2 * chain + 2)
+    # collectives: world group and groups of 2 consecutive ranks, each timed as a training step
+    # meets it (_in_loop): the runtime's own collective code, back to back with compute between,
+    # no barrier, so each call includes waiting for the slowest rank of its group
     curves = []
     groups = {}
     if dist_on and world > 1:
@@ -158,6 +233,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
         if world > 2 and world % 2 == 0:
             pairs = [dist.new_group(list(range(i, i + 2))) for i in range(0, world, 2)]
             groups[2] = pairs[rank // 2]
+    work_a = torch.randn(*COLL_WORK[gpu], dtype=dtype, device=device)
     for n, group in groups.items():
         for kind in KINDS:
             pts = []
@@ -166,7 +242,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
                 nbytes = numel * itemsize
                 fn = _collective(kind, numel, n, dtype, device, group)
                 barrier()
-                t = agreed(_timed(fn, repeats, barrier))
+                t = agreed(_in_loop(fn, lambda: torch.mm(work_a, work_a), repeats, sync))
                 pts.append((float(nbytes), FACTOR[kind](n) * nbytes / t))
             curves.append((kind, n, isotonic(sorted(pts))))
 
@@ -194,19 +270,22 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
         # t_both = max(alone, comm) + slowdown · hidden (cost.exposed_comm's model)
         slowdown = min(0.95, max(0.0, (t_both - max(t_alone, t_comm)) / hidden)) if hidden > 0 else 0.0
 
+    from runtime.collectives import COMM_STATS
+    COMM_STATS.reset()   # the runtime's collectives counted the calibration's bytes
     if rank != 0:
         return None
     links = {"hop_latency": 0.0,
              "curves": {f"{k}@{n}": [list(p) for p in t] for k, n, t in curves}} if curves else None
     out = {"name": f"{'gpu' if gpu else 'cpu'}-measured", "source":
            f"autopar calibrate: {world} process(es), {device.type}, {str(dtype).replace('torch.', '')}, "
-           f"sweep {sweep}, fastest of {repeats}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+           f"sweep {sweep}, fastest of {repeats}, compute x {1 / share:g} ({local} process(es) per "
+           f"{cores} core(s)), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
            "gemm_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
            "gemm": [list(p) for p in fit_gemm(gemm)], "gemm_latency": gemm_latency,
            "memory": [list(p) for p in _collapse(memory, 0)], "kernel_overhead": kernel_overhead,
            "overlap_slowdown": slowdown, "vector_rate": vector_rate,
            "optimizer_overhead": optimizer_overhead, "backward_ratio": backward_ratio,
-           "view_overhead": view_overhead}
+           "view_overhead": view_overhead, "backward_ratios": backward_ratios}
     if links:
         out["links"] = {"intra": links}
     else:   # one process: no links measured; a placeholder curve (never used by a 1-rank mesh)
@@ -249,23 +328,94 @@ def fit_gemm(points):
     return tuple((a, R * a ** p / (a ** p + k ** p)) for a in grid)
 
 
+# the compute between two collectives of the timing loop: ~0.2 ms on a CPU core (a few
+# hundred µs of kernels separate the collectives of a tensor-parallel step on this scale)
+COLL_WORK = {False: (160, 160), True: (2048, 2048)}
+COLL_CALLS = 8   # collectives per timing loop
+
+
+def _in_loop(fn, work, repeats: int, sync) -> float:
+    """Seconds per collective as a training step meets it: ``COLL_CALLS`` × (``work``; ``fn``)
+    back to back with no barrier, each collective call timed on its own (so the wait for the
+    slowest rank of the group, which compute skew and time-shared cores cause, is included and
+    the compute is not), summed; fastest of ``repeats`` loops."""
+    fn()
+    sync()
+    best = math.inf
+    for _ in range(repeats):
+        total = 0.0
+        for _ in range(COLL_CALLS):
+            work()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            total += time.perf_counter() - t0
+        best = min(best, total / COLL_CALLS)
+    return best
+
+
 def _collective(kind, numel, n, dtype, device, group):
+    """One collective of ``numel`` elements (the larger buffer) run by the runtime's own code
+    (runtime/collectives.py: list all_gather + concatenation, gloo's reduce-scatter as an
+    all-reduce, list all_to_all), so the profile prices what training runs."""
     import torch
     import torch.distributed as dist
+
+    from runtime import collectives as rc
     x = torch.randn(numel, dtype=dtype, device=device)
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(x, group=group)
+        return lambda: rc._raw_all_reduce(x, group, "calibrate")
     if kind == "broadcast":
         src = dist.get_global_rank(group, 0) if group is not None else 0
         return lambda: dist.broadcast(x, src=src, group=group)
     if kind == "all_gather":
         shard = torch.randn(numel // n, dtype=dtype, device=device)
-        return lambda: dist.all_gather_into_tensor(x, shard, group=group)
+        return lambda: rc._raw_all_gather(shard, 0, group, "calibrate")
     if kind == "reduce_scatter":
-        shard = torch.empty(numel // n, dtype=dtype, device=device)
-        return lambda: dist.reduce_scatter_tensor(shard, x, group=group)
-    out = torch.empty_like(x)
-    return lambda: dist.all_to_all_single(out, x, group=group)
+        return lambda: rc._raw_reduce_scatter(x, 0, group, "calibrate")
+    return lambda: rc._raw_all_to_all(x, 0, 0, group, "calibrate")
+
+
+# ops whose backward / forward ratio is measured (autopar rule name -> builder of (forward,
+# forward + backward) on representative activation shapes); the rest use the median ratio
+def _backward_ratios(ratio, dtype, device) -> dict:
+    import torch
+    import torch.nn.functional as F
+    b, s, h, heads = 8, 128, 256, 4
+    kw = dict(dtype=dtype, device=device)
+
+    def leaf(*shape):
+        return torch.randn(*shape, **kw, requires_grad=True)
+    x, y = leaf(b, s, h), leaf(b, s, h)
+    w, bias = leaf(h), leaf(h)
+    q, k, v = (leaf(b, heads, s, h // heads) for _ in range(3))
+    logits = leaf(b * s, 1024)
+    target = torch.randint(0, 1024, (b * s,), device=device)
+    table = leaf(1024, h)
+    idx = torch.randint(0, 1024, (b, s), device=device)
+    ops = {
+        "gelu": lambda: F.gelu(x),
+        "layer_norm": lambda: F.layer_norm(x, (h,), w, bias),
+        "softmax": lambda: torch.softmax(x, -1),
+        "dropout": lambda: F.dropout(x, 0.1, training=True),
+        "add": lambda: x + y,
+        "mul": lambda: x * y,
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "cross_entropy": lambda: F.cross_entropy(logits, target),
+        "embedding": lambda: F.embedding(idx, table),
+    }
+    out = {}
+    for rule, f in ops.items():
+        g = torch.ones_like(f())
+
+        def fw(f=f):   # with autograd recording, as a training forward runs (SDPA on a CPU
+            f()        # takes another kernel under no_grad)
+
+        def fb(f=f, g=g):
+            f().backward(g)
+        out[rule] = max(0.1, ratio(fw, fb))
+    return out
 
 
 def _local_main(rank, world, sweep, repeats):

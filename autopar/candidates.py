@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autopar import sequence
 from autopar.batching import graph_batch_dims
 from autopar.layout import Layout
 from autopar.mesh import Mesh
@@ -90,10 +91,10 @@ def _leaf_strategy(name: str, layout: Layout, mesh: Mesh) -> Strategy:
 def megatron_filter(spec, strategies: list[Strategy], mesh: Mesh) -> list[Strategy]:
     """Megatron-style policy: every linear splits its weight over every model axis (column- or
     row-parallel); other ops stay free. Used to price hand-written Megatron configurations."""
-    if spec.rule != "linear" or not mesh.model_axes():
+    if spec.rule != "linear" or not sequence.param_axes(mesh):
         return strategies
     keep = [st for st in strategies
-            if all(any(a in axes for axes in st.inputs[1].dims) for a in mesh.model_axes()
+            if all(any(a in axes for axes in st.inputs[1].dims) for a in sequence.param_axes(mesh)
                    if mesh.shape[a] > 1)]
     return keep or strategies
 
@@ -103,7 +104,7 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
     nodes: dict[str, NodeInfo] = {}
     order: list[str] = []
     batch_of: dict[str, tuple] = {}
-    model_axes = mesh.model_axes()
+    model_axes = sequence.param_axes(mesh)   # weights are replicated on sequence axes
     # Block instances after the first reuse the first instance's spec and strategies (same ops,
     # same shapes): enumeration is the expensive part of this function.
     first_of = {}
@@ -152,12 +153,13 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
             else:
                 letters, out_batch = propagate_batch(spec, in_batch)
                 strategies = enumerate_strategies(spec, mesh, letters)
-                if policy == "megatron":
+                if sequence.split_policy(policy)[0] == "megatron":
                     strategies = megatron_filter(spec, strategies, mesh)
                 memo[(node.name, tuple(in_batch))] = (spec, letters, out_batch, strategies)
             batch_of[node.name] = tuple(out_batch)
             nodes[node.name] = NodeInfo(node.name, "op", node, strategies, spec=spec, batch_dims=tuple(out_batch))
             order.append(node.name)
+    sequence.restrict(graph, mesh, nodes, order, policy)   # sequence-parallel modes (autopar/sequence.py)
     roots, root_bytes = _storage_roots(gm, nodes)
     cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=_needs_grad(gm, nodes, graph.buffers))
     _assign_representatives(cands)

@@ -1,7 +1,7 @@
 """The `autopar` command: plan, show, diff, ops, run.
 
     autopar plan MODULE:FACTORY --cluster PRESET|FILE [--nodes N] [--devices N] [-o plan.json] [--arg k=v ...]
-    autopar show plan.json [--ops N] [--code --rank R --factory F]
+    autopar show plan.json [--ops N] [--code --rank R --factory F] [--timeline t.png]
     autopar diff old.json new.json [--threshold 0.02] [--force]   # exit 1 on a predicted regression
     autopar ops MODULE:FACTORY [--arg k=v ...]             # which ops hit which rule, which fell back
     autopar run -n N script.py [args...]                   # run a script on N local gloo processes
@@ -145,6 +145,17 @@ def cmd_show(args) -> int:
         print(per_rank_code(p, args.rank, factory=args.factory, pairs=args.arg))
         return 0
     print(show_text(p, limit=args.ops), end="")
+    if args.timeline:
+        if p.degrees.get("pp", 1) <= 1:
+            raise PlanError(f"--timeline draws a pipeline schedule, but {args.plan} has pp=1: plan with "
+                            f"--constraint pp=N (and num_micro_batches) or let the search choose pp")
+        from autopar.pipeline import simulate_plan
+        from autopar.timeline import draw_timeline
+        d = p.degrees
+        out = draw_timeline(simulate_plan(p.data), args.timeline,
+                            title=f"predicted {d['pp_schedule']} schedule: pp={d['pp']}, "
+                                  f"{d['num_micro_batches']} micro-batches")
+        print(f"timeline saved to {out}")
     return 0
 
 
@@ -208,7 +219,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="plan a model from a factory")
     p.add_argument("factory", help="module.path:FACTORY, file.py:FACTORY or a zoo name (gpt2_xl, llama, ...)")
-    p.add_argument("--cluster", required=True, help="preset (dgx-a100, dgx-h100, cpu) or a YAML file")
+    p.add_argument("--cluster", required=True, help="preset (dgx-a100, dgx-h100, tacc-longhorn, cpu) or a YAML file")
     p.add_argument("--nodes", type=_positive_int("--nodes"), default=1)
     p.add_argument("--devices", type=_positive_int("--devices"), default=None, help="devices for the cpu preset")
     p.add_argument("-o", "--output")
@@ -227,6 +238,7 @@ def main(argv=None) -> int:
     s.add_argument("--rank", type=int, default=0)
     s.add_argument("--factory", help="model factory (needed with --code)")
     s.add_argument("--arg", action="append")
+    s.add_argument("--timeline", help="draw the predicted pipeline schedule to this image (e.g. t.png)")
     s.set_defaults(fn=cmd_show)
     d = sub.add_parser("diff", help="what changed between two plans; exit 1 on a predicted regression")
     d.add_argument("old")

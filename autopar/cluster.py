@@ -304,6 +304,36 @@ def _cpu(nodes: int, devices: int | None) -> Cluster:
     return Cluster("cpu", 1, per_node, device, link, link, "gloo")
 
 
+def _fixed_node(name: str, device: Device, intra: Link, inter: Link, per_node_max: int, what: str):
+    """A preset whose machines hold ``per_node_max`` GPUs (``devices`` may ask for fewer)."""
+    def make(nodes: int, devices: int | None) -> Cluster:
+        _check_count("nodes", nodes, name)
+        per_node = per_node_max if devices is None else devices
+        _check_count("devices", per_node, name)
+        if per_node > per_node_max:
+            raise ClusterError(f"preset {name!r}: devices={per_node} is devices per node and {what} has "
+                               f"{per_node_max}; use nodes={-(-per_node // per_node_max)} for more GPUs")
+        return Cluster(name, nodes, per_node, device, intra, inter, "nccl")
+    return make
+
+
+# TACC Longhorn (the V100 machine of the 2D/2.5D/3D tensor-parallelism papers' 64-GPU runs; issue 8).
+# Every figure and its source: docs/cost-model.md, section "V100 (tacc-longhorn)". In short:
+#  - node: IBM POWER9 with 4 × Tesla V100 (Cornell Virtual Workshop, "GPUs on Frontera": Longhorn,
+#    Frontera's V100 subsystem until 2022, "100+ IBM nodes, each equipped with 4 NVIDIA Tesla V100s").
+#  - V100 SXM2 16 GB: 125 TFLOP/s fp16 tensor cores (NVIDIA, "Programming Tensor Cores in CUDA 9"),
+#    15.7 TFLOP/s fp32 CUDA cores (no TF32 on Volta), 16 GB HBM2 at 900 GB/s (OLCF Summit V100 guide).
+#    Volta has no bf16: the schema needs a bf16 entry and it mirrors fp16 (price plans in fp16 terms).
+#  - NVLink 2.0: 25 GB/s per brick per direction, two bricks between processors = 50 GB/s (OLCF);
+#    effective ring bus bandwidth 0.76 × 50 = 38 GB/s, 0.76 being the A100's measured/nominal ratio
+#    (229 / 300 GB/s). An estimate: no published nccl-tests curve for this node was found.
+#  - InfiniBand EDR 100 Gb/s = 12.5 GB/s per port; two ports per 4-GPU AC922 node assumed (as on
+#    Bede's AC922 GPU nodes: one per POWER9 socket, needed for GPUDirect RDMA) = 6.25 GB/s per GPU,
+#    × 0.9 of line rate (the A100 preset's ratio) = 5.6 GB/s.
+V100_SXM2_16GB = Device("V100-SXM2-16GB", FrozenMap({"bf16": 125e12, "fp16": 125e12, "fp32": 15.7e12}),
+                        16_000_000_000, 900e9)
+
+
 PRESETS = {
     "dgx-a100": _dgx("dgx-a100",
                      Device("A100-SXM4-80GB", FrozenMap({"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}),
@@ -313,6 +343,8 @@ PRESETS = {
                      Device("H100-SXM5-80GB", FrozenMap({"bf16": 989e12, "fp16": 989e12, "fp32": 494.5e12}),
                             80_000_000_000, 3.35e12),
                      Link(370e9, 5e-6), Link(48e9, 1e-5)),
+    "tacc-longhorn": _fixed_node("tacc-longhorn", V100_SXM2_16GB, Link(38e9, 5e-6), Link(5.6e9, 1e-5), 4,
+                                 "a Longhorn (IBM AC922) node"),
     "cpu": _cpu,
 }
 

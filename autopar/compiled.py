@@ -48,7 +48,7 @@ passing the global batch must pass the same one. ``compile(loss_fn=...)`` traces
 
 Random ops (dropout) draw from generators seeded from one base seed rank 0 broadcasts at set-up
 (runtime/rng.py). Frozen parameters (``requires_grad=False``) are held like buffers. ``load``
-checks the checkpoint's tensors against this model's before reading (``_check_checkpoint``).
+checks the checkpoint's tensors against this model's before reading (autopar/compiled_state.py).
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ from datetime import timedelta  # noqa: F401  (documented: the process-group tim
 import torch
 import torch.distributed as dist
 
+from autopar import compiled_state
 from autopar.errors import ExecutionError
 from autopar.placement import require_process_group as _require_pg
 from autopar.placement import run_device as _run_device
@@ -122,12 +123,17 @@ class CompiledModel:
                 self.plan = _broadcast_plan(self.model, example_inputs, self.cluster, self.plan_options, traced)
         plan = self.plan
         world = dist.get_world_size()
-        if plan.mesh.size != world:
-            raise ExecutionError(f"the plan is for {plan.mesh.size} devices (mesh {plan.mesh.describe()}) but the "
-                                 f"process group has {world} ranks: launch {plan.mesh.size} processes or re-plan", collective=True)
+        if plan.world_size != world:
+            raise ExecutionError(f"the plan is for {plan.world_size} devices (mesh {plan.mesh.describe()}, pp={plan.pp}) "
+                                 f"but the process group has {world} ranks: launch {plan.world_size} processes or re-plan",
+                                 collective=True)
         if traced.fingerprint != plan.fingerprint:
             raise ExecutionError(f"plan made for a different model: the plan's fingerprint is "
                                  f"{plan.fingerprint[:16]}, this model traces to {traced.fingerprint[:16]}", collective=True)
+        from autopar.grid_compiled import GridCompiledModel, is_grid_plan
+        if is_grid_plan(plan):   # 2D / 2.5D / 3D tensor parallelism: its own program (autopar/grid_compiled.py)
+            self.__class__ = GridCompiledModel
+            return self.setup_grid(traced, example_inputs)
         nm = int(plan.degrees.get("num_micro_batches", 1) or 1)
         self.nm = nm
         from autopar.batching import batch_size, plan_batch_dims
@@ -155,9 +161,14 @@ class CompiledModel:
         self.traced = traced
         self.device = _run_device()
         self.dtype = _working_dtype(plan.data.get("settings", {}).get("precision", "fp32"), self.precision, self.device)
-        self.ctx = context.setup(plan.mesh, self.device.type)
+        self.pp = plan.pp
+        if self.pp > 1:
+            from autopar import pipeline_run
+            pipeline_run.check_options(self)
+        self.ctx = context.setup(plan.mesh, self.device.type, pp=self.pp)
         rng.broadcast_seed(self.device)   # one base seed for every rank's random ops (runtime/rng.py)
         self.rank = dist.get_rank()
+        self.stage = self.rank // mesh_size(plan)
         mesh = plan.mesh
         zero = int(plan.degrees.get("zero", 0) or 0)
         self.zero = zero
@@ -178,19 +189,26 @@ class CompiledModel:
         keys = sorted({chunk_key(traced.param_fqn[n]) for n in trainable})
         chunk_index = {k: i for i, k in enumerate(keys)}
         self.chunk_of = {traced.param_fqn[n]: chunk_index[chunk_key(traced.param_fqn[n])] for n in trainable}
-        self.program = generate(traced, plan, self.rank, self.chunk_of if zero == 3 else None,
+        self.program = generate(traced, plan.stage_plan(), self.rank % mesh_size(plan), self.chunk_of if zero == 3 else None,
                                 compute_dtype=self.dtype,
                                 # a meta model traced on meta: its factory ops (arange) say device=meta
                                 device=self.device if (self.device.type != "cpu" or is_meta_model(self.model)) else None,
                                 batch_carrying=carrying)
         prog = self.program
+        mine = set(prog.param_names)
+        if self.pp > 1:   # only this stage's part of the program and of the parameters
+            from codegen.stages import split_stages
+            stages = plan.data["stages"]   # pp x v (virtual) stages; rank position r runs r, r + pp, ...
+            unit_stage = [k for k, st in enumerate(stages) for _ in range(*st["blocks"])]
+            self.stage_programs = split_stages(prog, traced, unit_stage, len(stages))
+            mine = {n for sp in self.stage_programs if sp.index % self.pp == self.stage for n in sp.param_names}
 
         # Parameters: only this rank's blocks, from the weight source (autopar/weights.py).
         self.params, self.buffers = {}, {}
         self.local: list[torch.Tensor] = []
         with torch.no_grad():
-            source = self._weight_source(traced, prog)
-            for name in prog.param_names:
+            source = self._weight_source(traced, prog, mine)
+            for name in (n for n in prog.param_names if n in mine):
                 fqn = prog.param_fqn[name]
                 # fp32 on this rank's device; the optimizer makes the parameters views of its
                 # working-dtype buffers, the fp32 values seed the master weights.
@@ -233,54 +251,16 @@ class CompiledModel:
         if zero == 3:
             context.set_zero3(self.opt)
         self._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}
+        if self.pp > 1:
+            from autopar import pipeline_run
+            pipeline_run.setup(self)
         self._ready = True
 
-    def _weight_source(self, traced, prog):
-        """fqn, slices -> this rank's block (module doc of autopar/weights.py). Lifted constants
-        and real buffers come from the model; buffers on meta are recomputed; parameters from
-        ``weights``."""
-        from autopar import weights as W
-
-        model, dev = self.model, self.device
-        fqns = [prog.param_fqn[n] for n in prog.param_names]
-        meta = W.is_meta_model(model)
-        choice = self.weights
-        if choice is None and meta:
-            raise ExecutionError(f"the model's parameters are on the meta device, so there are no values to train: "
-                                 f"pass {W.OPTIONS.split(', ', 1)[1]}")
-        if choice is not None and not isinstance(choice, (str, bytes)) and not hasattr(choice, "__fspath__"):
-            raise ExecutionError(f"weights={choice!r}: options are {W.OPTIONS}")
-        meta_bufs = W.fill_meta_buffers(model) if any(b.is_meta for b in model.buffers()) else {}
-
-        def own(fqn):   # a constant, a real buffer, or a real parameter of the model
-            t = traced.value_of(model, fqn)
-            return None if t.is_meta else t
-
-        def fixed(fqn, slices):
-            if fqn in meta_bufs:
-                return W._fp(meta_bufs[fqn][slices]).to(dev, copy=True).contiguous()
-            return W._fp(own(fqn).detach()[slices]).to(dev, copy=True).contiguous()
-
-        if choice is None:
-            src = W.ModelWeights(traced, model, [f for f in fqns if f not in meta_bufs])
-            return lambda fqn, sl: fixed(fqn, sl) if fqn in meta_bufs else src.block(fqn, sl, dev)
-        if choice == "init":
-            params = dict(model.named_parameters())
-            want = {f: prog.param_slices[f] for f in fqns if f in params}
-            state = self._init_rng_state
-            import torch.distributed as dist
-            dist.broadcast(state, src=0)   # rank 0's stream, on every rank (5 KB)
-            blocks = W.init_weights(model, want, state)
-            return lambda fqn, sl: blocks[fqn].to(dev).contiguous() if fqn in blocks else fixed(fqn, sl)
-        src = W.open_weights(choice, traced, model)
-
-        def read(fqn, sl):
-            if src.has(fqn):
-                return src.block(fqn, sl, dev)
-            if fqn in meta_bufs or own(fqn) is not None:   # non-persistent buffers, constants
-                return fixed(fqn, sl)
-            raise ExecutionError(f"{fqn} is neither in the checkpoint {choice} nor computable from the model")
-        return read
+    def _weight_source(self, traced, prog, mine=None):
+        """fqn, slices -> this rank's block (autopar/weights.py weight_source)."""
+        from autopar.weights import weight_source
+        return weight_source(self.model, traced, prog, self.weights, self.device,
+                             getattr(self, "_init_rng_state", None), mine)
 
     def _forward_order(self) -> list:
         """Trainable parameters in the order the program first reads them: backward completes
@@ -395,7 +375,7 @@ class CompiledModel:
 
         counts = None
         for inputs in micro:
-            c = prog.count_gm(*self.local, *inputs)
+            c = prog.count_gm(*self._all_params(), *inputs)
             counts = list(c) if counts is None else [a + b for a, b in zip(counts, c)]
         values = {}
         for (name, axes), c in zip(prog.mean_losses, counts):
@@ -405,6 +385,15 @@ class CompiledModel:
             values[name] = c
         RL.set_denominators(values)
 
+    def _all_params(self) -> list:
+        """The program's parameter arguments: this rank's blocks, None for other stages' ones
+        (the count program reads none of them)."""
+        if self.pp == 1:
+            return self.local
+        prog = self.program
+        vals = {**self.params, **self.buffers}
+        return [vals.get(prog.param_fqn[n]) for n in prog.param_names]
+
     def step(self, *batch) -> float:
         if not self._ready:
             self._setup(batch)
@@ -412,6 +401,9 @@ class CompiledModel:
         try:
             micro = self._local_micro_batches(batch)
             self._set_denominators(micro)
+            if self.pp > 1:
+                from autopar import pipeline_run
+                return pipeline_run.step(self, micro)
             total = torch.zeros((), device=self.device)
             reducer = self.opt.reducer
             pending = None
@@ -442,59 +434,29 @@ class CompiledModel:
         total = torch.zeros((), device=self.device)
         micro = self._local_micro_batches(inputs)
         self._set_denominators(micro)
+        if self.pp > 1:
+            from autopar import pipeline_run
+            return torch.tensor(pipeline_run.forward(self, micro))
         for mb in micro:
             total = total + self.program.gm(*self.local, *mb).float()
         return torch.tensor(self._global_loss(total))
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ state (autopar/compiled_state.py)
     def _gather_full(self, local: torch.Tensor, fqn: str) -> torch.Tensor:
-        """Assemble the full tensor from every rank's block (collective over the world)."""
-        prog = self.program
-        lay = prog.param_layouts[fqn]
-        shape = [s.stop - s.start for s in prog.param_slices[fqn]]
-        full_shape = [n * _factor(lay, d, prog.mesh_shape) for d, n in enumerate(shape)]
-        world = dist.get_world_size()
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local.contiguous())
-        full = torch.empty(full_shape, dtype=local.dtype)
-        mesh = self.plan.mesh
-        for r in range(world):
-            from codegen.per_rank import block_slices
-            full[block_slices(lay, full_shape, prog.mesh_shape, mesh.coords(r))] = parts[r]
-        return full
+        return compiled_state.gather_full(self, local, fqn)
 
-    @torch.no_grad()
     def _local_values(self) -> dict[str, torch.Tensor]:
-        """This rank's block of every parameter (fp32: the master copy under mixed precision) and buffer."""
-        vals = {}
-        for c in self.opt.chunks:
-            flat = self.opt.full_flat(c)
-            for p, off in zip(c.params, c.offsets):
-                vals[self._fqn_of(p)] = flat[off:off + p.numel()].view(p.shape).clone()
-        vals.update({fqn: b.clone() for fqn, b in self.buffers.items()})
-        return vals
+        return compiled_state.local_values(self)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors, keys of model.state_dict() (tied aliases included); on every rank."""
-        self._need_ready()
-        out = {}
-        for fqn, v in self._local_values().items():
-            full = self._gather_full(v, fqn).cpu()
-            for alias in self.traced.tied.get(fqn, [fqn]):
-                out[alias] = full
-        keys = list(self.model.state_dict().keys())
-        return {k: out[k] for k in keys if k in out}
+        return compiled_state.full_state_dict(self)
 
     def _optimizer_local_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """fqn -> {state name: tensor shaped like my parameter block} (collective over the data group)."""
-        out = {}
-        for c in self.opt.chunks:
-            for name, t in c.state.items():
-                flat = self.opt.gather_local(c, t)
-                for p, off in zip(c.params, c.offsets):
-                    fqn = self._fqn_of(p)
-                    out.setdefault(fqn, {})[name] = flat[off:off + p.numel()].view(p.shape).clone()
-        return out
+        return compiled_state.optimizer_local_state(self)
+
+    def _full_optimizer_state(self) -> dict[str, torch.Tensor]:
+        return compiled_state.full_optimizer_state(self)
 
     def _fqn_of(self, p):
         if not hasattr(self, "_fqn_by_id"):
@@ -503,58 +465,11 @@ class CompiledModel:
 
     def save(self, directory) -> None:
         """Full (unsharded) tensors via torch.distributed.checkpoint: loads onto any plan."""
-        import torch.distributed.checkpoint as dcp
+        compiled_state.save(self, directory)
 
-        self._need_ready()
-        state = {"model": self.full_state_dict()}
-        opt_state = {}
-        for fqn, d in self._optimizer_local_state().items():
-            for name, t in d.items():
-                opt_state[f"{fqn}.{name}"] = self._gather_full(t, fqn).cpu()
-        state["optim"] = opt_state
-        state["step"] = torch.tensor(self.opt.step_count)
-        dcp.save(state, checkpoint_id=str(directory))
-
-    @torch.no_grad()
     def load(self, directory) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        self._need_ready()
-        model_sd = {k: v.clone() for k, v in self.full_state_dict().items()}
-        opt_sd = {}
-        for fqn, d in self._optimizer_local_state().items():
-            for name, t in d.items():
-                opt_sd[f"{fqn}.{name}"] = self._gather_full(t, fqn).clone()
-        state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(0)}
-        _check_checkpoint(directory, state)
-        try:
-            dcp.load(state, checkpoint_id=str(directory))
-        except BaseException as e:   # dcp's CheckpointException is a BaseException, not an Exception
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise ExecutionError(f"rank {self.rank}: could not load checkpoint {directory}: "
-                                 f"{type(e).__name__}: {str(e).strip()[:500]}") from None
-        prog = self.program
-
-        def my_flat(c, values: dict, suffix: str = "") -> torch.Tensor:
-            """The chunk's padded fp32 buffer filled with this rank's blocks of the saved tensors."""
-            flat = torch.zeros(c.padded, dtype=torch.float32)
-            for p, off in zip(c.params, c.offsets):
-                fqn = self._fqn_of(p)
-                flat[off:off + p.numel()] = values[fqn + suffix][prog.param_slices[fqn]].reshape(-1)
-            return flat.to(self.device)
-
-        for c in self.opt.chunks:
-            self.opt.load_flat(c, my_flat(c, state["model"]))   # working copy (and master) from fp32 values
-            for name, t in c.state.items():
-                flat = my_flat(c, state["optim"], "." + name)
-                t.copy_(flat[c.lo:c.hi] if t.numel() == c.shard and self.zero >= 1 else flat[:t.numel()])
-        for fqn, b in self.buffers.items():
-            # Non-persistent buffers (RoPE tables) and lifted constants are not in the state dict:
-            # they keep the model's values, as torch's load_state_dict does.
-            if fqn in state["model"]:
-                b.copy_(state["model"][fqn][prog.param_slices[fqn]])
-        self.opt.step_count = int(state["step"])
+        """Values saved by save() (from any plan), after checking they are this model's."""
+        compiled_state.load(self, directory)
 
     # ------------------------------------------------------------------ communication
     def comm_stats(self) -> dict[str, int]:
@@ -566,6 +481,9 @@ class CompiledModel:
             data = [self.plan.mesh.names[a] for a in self.program.data_axes]
             key = "+".join(data) if data else "dp"
             out[key] = out.get(key, 0) + self.opt.bytes_sent
+            if self.pp > 1:   # activations/gradients sent between stages; tied gradients summed between them
+                out["pp"] = self.runner.p2p_bytes
+                out["pp_tied"] = self.tied_bytes
         return out
 
     def reset_comm_stats(self) -> None:
@@ -574,43 +492,8 @@ class CompiledModel:
         COMM_STATS.reset()
         if self._ready:
             self.opt.reset_comm_stats()
-
-
-def _check_checkpoint(directory, state: dict) -> None:
-    """Refuse a checkpoint whose tensors are not the ones this plan trains (a 2-layer model into a
-    1-layer one, another optimizer's state, other shapes): dcp.load would fill what matches and
-    silently ignore the rest. Every rank reads the same metadata, so every rank raises."""
-    import os
-
-    import torch.distributed.checkpoint as dcp
-
-    if not os.path.exists(str(directory)):
-        raise ExecutionError(f"checkpoint directory {directory} does not exist: give the directory "
-                             f"compiled.save() wrote", collective=True)
-    if not os.path.isdir(str(directory)):
-        raise ExecutionError(f"{directory} is a file, not a checkpoint directory: give the directory "
-                             f"compiled.save() wrote", collective=True)
-    try:
-        meta = dcp.FileSystemReader(str(directory)).read_metadata()
-    except Exception as e:
-        raise ExecutionError(f"no readable checkpoint at {directory}: {type(e).__name__}: {e}", collective=True) from None
-    saved = {k: getattr(v, "size", None) for k, v in meta.state_dict_metadata.items()}
-    want = {"step": torch.Size([])}
-    for group in ("model", "optim"):
-        want.update({f"{group}.{k}": v.shape for k, v in state[group].items()})
-    missing = sorted(set(want) - set(saved))
-    extra = sorted(set(saved) - set(want))
-    shapes = sorted(f"{k} {tuple(saved[k])} (this model: {tuple(want[k])})" for k in set(want) & set(saved)
-                    if saved[k] is not None and tuple(saved[k]) != tuple(want[k]))
-    if not (missing or extra or shapes):
-        return
-    show = lambda xs: ", ".join(xs[:8]) + (f" and {len(xs) - 8} more" if len(xs) > 8 else "")  # noqa: E731
-    parts = ([f"missing from the checkpoint: {show(missing)}"] if missing else []) + \
-            ([f"not in this model: {show(extra)}"] if extra else []) + \
-            ([f"shape differs: {show(shapes)}"] if shapes else [])
-    raise ExecutionError(f"checkpoint {directory} does not match this model and optimizer ("
-                         + "; ".join(parts) + "): nothing was loaded. Load it into the model (and "
-                         "optimizer) it was saved from.", collective=True)
+            if self.pp > 1:
+                self.tied_bytes = self.runner.p2p_bytes = 0
 
 
 class _nullcontext:
@@ -621,8 +504,9 @@ class _nullcontext:
         return False
 
 
-def _factor(lay, d, mesh_shape) -> int:
-    return math.prod(mesh_shape[a] for a in lay.dims[d])
+def mesh_size(plan) -> int:
+    """Ranks of one pipeline stage (the plan's mesh is one stage's)."""
+    return plan.mesh.size
 
 
 def _block_of(lay, n, mesh_shape, coords, dim: int = 0) -> slice:
@@ -655,9 +539,9 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
         install()
     if plan is not None and not isinstance(plan, Plan):
         raise ExecutionError(f"plan must be an autopar.Plan, got {type(plan).__name__}", collective=True)
-    if plan is not None and plan.mesh.size != dist.get_world_size():
-        raise ExecutionError(f"the plan is for {plan.mesh.size} devices (mesh {plan.mesh.describe()}) but the "
-                             f"process group has {dist.get_world_size()} ranks: launch {plan.mesh.size} "
+    if plan is not None and plan.world_size != dist.get_world_size():
+        raise ExecutionError(f"the plan is for {plan.world_size} devices (mesh {plan.mesh.describe()}, pp={plan.pp}) "
+                             f"but the process group has {dist.get_world_size()} ranks: launch {plan.world_size} "
                              f"processes or re-plan", collective=True)
     if grad_clip is not None and not grad_clip > 0:
         raise ExecutionError(f"grad_clip must be a positive number, got {grad_clip!r}", collective=True)

@@ -66,7 +66,8 @@ def step_traffic(steps, src: Layout, shape, itemsize: int, mesh_shape) -> list[T
     lay = src
     for step in steps:
         local = math.prod(lay.local_shape(tuple(shape), tuple(mesh_shape))) * itemsize
-        nbytes = local * mesh_shape[step.axis] if step.kind in ("all_gather", "slice") else local
+        # a slice's backward all-gathers into a buffer of the pre-slice block (``local``)
+        nbytes = local * mesh_shape[step.axis] if step.kind == "all_gather" else local
         out.append(Traffic(step.axis, FORWARD[step.kind], BACKWARD[step.kind], int(nbytes)))
         lay = apply_step(lay, step)
     return out

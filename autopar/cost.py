@@ -147,13 +147,17 @@ def _dtype_scale(device: Device, dtype: str, measured: str) -> float:
 
 def fwd_bwd_compute(flops: float, nbytes: float, dtype: str, device: Device,
                     weight_grad: bool, intensity: float | None = None,
-                    calibration: Calibration | None = None) -> tuple[float, float]:
+                    calibration: Calibration | None = None, op: str | None = None) -> tuple[float, float]:
     """(forward seconds, backward seconds). Ops with a weight gradient run two forward-sized
     kernels in backward (grad input, grad weight: the same three shapes, so the same intensity);
-    other ops one."""
+    other ops one. A calibration profile may carry measured per-op ratios (``op``: the rule
+    name, ``OpSpec.rule``) and a measured ratio for ops without a weight gradient."""
     fwd = compute_time(flops, nbytes, dtype, device, intensity if weight_grad else None, calibration)
     cal = calibration if calibration is not None else builtin_for(device)
-    ratio = 2.0 if weight_grad else (cal.backward_ratio if cal is not None else 1.0)
+    if cal is None:
+        ratio = 2.0 if weight_grad else 1.0
+    else:
+        ratio = cal.backward_ratio_for(op, weight_grad)
     return fwd, ratio * fwd
 
 
@@ -229,6 +233,29 @@ class Collectives:
         if kind == "broadcast":
             return ring("broadcast", nbytes, b, inter) + ring("broadcast", nbytes, a, intra)
         return ring("all_to_all", nbytes, p.size, inter)
+
+
+# runtime/zero.py sizes stage-0 data-parallel buckets to half the gradient bytes, between 1 MiB
+# and DDP's 25 MiB (runtime/ddp.py); ZeRO reduces and gathers whole chunks of parameters. Either
+# way one collective carries many parameters, so a parameter pays its share of a bucket-sized
+# collective, not a latency-bound collective of its own.
+BUCKET_MIN, BUCKET_MAX = 2**20, 25 * 2**20
+
+
+def grad_bucket_bytes(total_grad_bytes: float) -> float:
+    """Bytes per gradient collective the runtime issues for a model of ``total_grad_bytes``
+    (a model smaller than one bucket: one collective of all its gradients)."""
+    return min(BUCKET_MAX, max(BUCKET_MIN, total_grad_bytes / 2), total_grad_bytes)
+
+
+def bucket_share(comm, kind: str, nbytes: float, axis: int, bucket: float) -> float:
+    """Seconds of one parameter's part of a bucketed gradient collective: ``nbytes / bucket`` of
+    one ``bucket``-byte collective (a parameter larger than a bucket gets one of its own)."""
+    if nbytes <= 0:
+        return 0.0
+    if nbytes >= bucket:
+        return comm(kind, nbytes, axis)
+    return nbytes / bucket * comm(kind, bucket, axis)
 
 
 # bytes touched per element by one optimizer step, by precision (see module docstring)

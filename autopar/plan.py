@@ -1,10 +1,13 @@
 """The Plan: versioned, deterministic JSON — the only thing that crosses from planning to running.
 
-Schema (version 1):
+Schema (version 2; version-1 files are migrated on load, see ``migrate``):
   version, fingerprint (of the traced graph), cluster (Cluster.to_dict), mesh (Mesh.to_json),
   settings (optimizer, precision, memory budget, overlap), degrees (api.md's keys),
-  stages: [{index, ranks: [first, last], nodes: [first node, last node], checkpoint: {block group: bool}}]
-  (one stage until pipelining lands), ops: [{node, target, module, rule, strategy, inputs, outputs,
+  stages: [{index, ranks: [first, last], nodes: [first node, last node], checkpoint: {block group: bool | "selective"}}]
+  (one stage without pipelining; with ``degrees.pp`` > 1 one per pipeline stage, each also with
+  ``blocks`` [first, end) into the traced graph's block instances, ``params`` and predicted
+  ``time`` / ``peak_memory``: autopar/pipeline.py; ``mesh`` is then ONE stage's sub-mesh and stage
+  s runs on ranks [s * mesh.size, (s + 1) * mesh.size)), ops: [{node, target, module, rule, strategy, inputs, outputs,
   splits, special}], params: {fqn: {node, shape, layout}}, inputs (placeholder names), batch_dims
   (per input the dim the data axes split and micro-batching cuts, or null; absent in older plans:
   dim 0, autopar/batching.py), predictions (step time and breakdown,
@@ -21,7 +24,20 @@ from pathlib import Path
 
 from autopar.errors import PlanError
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+# Version 2: tp_mode "2d" now means SUMMA on a q x q grid (autopar/grid_search.py); the 2-axis
+# resharding mode version 1 called "2d" is "2d-reshard". ``migrate`` rewrites a version-1 plan
+# (nothing else changed, so its ops and params still run as they did).
+
+
+def migrate(data):
+    """A version-1 plan as version 2 (tp_mode "2d" -> "2d-reshard"); anything else unchanged."""
+    if isinstance(data, dict) and data.get("version") == 1 and isinstance(data.get("degrees"), dict):
+        data = dict(data, version=2, degrees=dict(data["degrees"]))
+        if data["degrees"].get("tp_mode") == "2d":
+            data["degrees"]["tp_mode"] = "2d-reshard"
+        data["migrated_from"] = 1
+    return data
 
 
 def _round(x):
@@ -66,6 +82,28 @@ class Plan:
         return dict(self.data["degrees"])
 
     @property
+    def pp(self) -> int:
+        """Pipeline stages (1: no pipeline)."""
+        return int(self.data["degrees"].get("pp", 1) or 1)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan runs on: pipeline stages x the stage mesh (``mesh`` is one stage's)."""
+        return self.mesh.size * self.pp
+
+    def stage_plan(self) -> "Plan":
+        """The plan one pipeline stage's program is generated from: this plan with one stage
+        (every stage runs the same strategies on its sub-mesh; autopar/pipeline.py)."""
+        if self.pp == 1:
+            return self
+        data = dict(self.data)
+        data["degrees"] = dict(self.data["degrees"], pp=1, pp_schedule=None)
+        st = self.data["stages"][0]
+        data["stages"] = [{"index": 0, "ranks": [0, self.mesh.size - 1], "nodes": st.get("nodes"),
+                           "checkpoint": st.get("checkpoint", {})}]
+        return Plan(data)
+
+    @property
     def fingerprint(self) -> str:
         return self.data["fingerprint"]
 
@@ -103,6 +141,7 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError(f"{source} is not a plan file: invalid JSON ({e})") from None
+        data = migrate(data)
         check_plan_data(data, source)
         return Plan(data)
 

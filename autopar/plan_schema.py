@@ -95,6 +95,21 @@ def _values(data, path: str):
 
 _MISSING = object()
 
+CHECKPOINT_MODES = ("none", "selective", "full")
+
+
+def checkpoint_mode_of(value) -> str:
+    """A block group's checkpoint decision as recorded in ``stages[].checkpoint``: plans record
+    True (full recompute) / False (none) — as every plan before selective recompute did — or
+    "selective"; the strings "none" / "full" are read too."""
+    if value is True:
+        return "full"
+    if value is False or value is None:
+        return "none"
+    if value in CHECKPOINT_MODES:
+        return value
+    raise PlanError(f"checkpoint decision {value!r}: must be true, false or one of {list(CHECKPOINT_MODES)}")
+
 
 def check_plan_data(data, source: str = "plan") -> None:
     """Raise PlanError for the first field of ``data`` a plan reader would trip on."""
@@ -119,6 +134,17 @@ def check_plan_data(data, source: str = "plan") -> None:
                                 f"autopar plan; {fix}")
             if not isinstance(value, types) or isinstance(value, bool):
                 raise PlanError(f"{source}: field '{where}' must be {_type_name(types)}, got {_shown(value)}; {fix}")
+    for k, stage in enumerate(data["stages"]):
+        ck = stage.get("checkpoint") if isinstance(stage, dict) else None
+        if ck is None:
+            continue
+        if not isinstance(ck, dict):
+            raise PlanError(f"{source}: field 'stages[{k}].checkpoint' must be a mapping block group -> decision, "
+                            f"got {_shown(ck)}; {fix}")
+        for grp, v in ck.items():
+            if not (isinstance(v, bool) or v in CHECKPOINT_MODES):
+                raise PlanError(f"{source}: field 'stages[{k}].checkpoint.{grp}' must be true, false or one of "
+                                f"{list(CHECKPOINT_MODES)}, got {_shown(v)}; {fix}")
     mesh = data["mesh"]
     if len(mesh["shape"]) != len(mesh["names"]):
         raise PlanError(f"{source}: field 'mesh' has {len(mesh['shape'])} sizes but {len(mesh['names'])} "

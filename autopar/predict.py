@@ -28,7 +28,7 @@ def model_flops(c: Candidates) -> float:
 def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Solution, cluster: Cluster) -> dict:
     mesh = c.mesh
     pick = chosen(problem, sol)
-    ckpt = {g.name: bool(sol.checkpoint[i]) for i, g in enumerate(problem.checkpoint_groups)}
+    ckpt = checkpoint_modes(problem, sol.checkpoint)
 
     def total(d: dict) -> float:
         return float(sum(arr[pick[n]] for n, arr in d.items() if n in pick))
@@ -49,8 +49,9 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
     # Recomputing a checkpointed block reruns its forward collectives: the in-op ones (in
     # recompute_time above) and the reshard steps of the edges into its nodes (codegen emits
     # those with the consumer, inside the consumer's checkpoint region).
-    ckpt_groups = {gi for gi, blk in enumerate(c.graph.blocks) if ckpt.get(blk.name)}
+    ckpt_groups = {gi for gi, blk in enumerate(c.graph.blocks) if ckpt.get(blk.name) is True}
     recomputed = {n for n, gi in c.block_of_rep.items() if gi in ckpt_groups and c.nodes[n].repeats >= 2}
+    recomputed |= selective_nodes(c, ckpt)
     for (u, v), m in P.edge_fwd.items():
         if v in recomputed and u in pick and v in pick:
             recompute += float(m[pick[u], pick[v]])
@@ -91,6 +92,29 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
             for a, arr in enumerate(per_axis):
                 comm_bytes[mesh.names[a]] += float(arr[pick[u], pick[v]])
 
+    # compute (forward + backward, all repeats) by op rule: where the step's compute goes
+    by_rule: dict[str, float] = {}
+    for n, arr in P.compute.items():
+        info = c.nodes.get(n)
+        if n in pick and info is not None and info.kind == "op" and info.spec is not None:
+            by_rule[info.spec.rule] = by_rule.get(info.spec.rule, 0.0) + float(arr[pick[n]])
+
+    # communication in ops and resharding into ops (by the consumer's rule), gradients excluded
+    comm_by_rule: dict[str, float] = {}
+    for n, arr in P.comm.items():
+        info = c.nodes.get(n)
+        if n in pick and info is not None and info.kind == "op" and info.spec is not None:
+            t = float(arr[pick[n]]) - float(P.grad_comm[n][pick[n]])
+            if t > 0:
+                comm_by_rule[info.spec.rule] = comm_by_rule.get(info.spec.rule, 0.0) + t
+    for (u, v), m in P.edges.items():
+        info = c.nodes.get(v)
+        if u in pick and v in pick and info is not None and info.spec is not None:
+            t = float(m[pick[u], pick[v]])
+            if t > 0:
+                key = f"reshard->{info.spec.rule}"
+                comm_by_rule[key] = comm_by_rule.get(key, 0.0) + t
+
     dtype = "bf16" if s.precision == "bf16" else "fp32"
     flops = model_flops(c)
     mfu = flops / (step * mesh.size * cluster.device.peak_flops[dtype]) if step > 0 else 0.0
@@ -99,6 +123,8 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
         "time_breakdown": {"compute": compute, "recompute": recompute, "op_comm": op_comm,
                            "reshard_comm": reshard, "grad_comm": grad_comm, "grad_comm_exposed": exposed_grad,
                            "optimizer": optimizer, "bubble": 0.0},
+        "compute_by_rule": dict(sorted(by_rule.items(), key=lambda kv: -kv[1])),
+        "comm_by_rule": dict(sorted(comm_by_rule.items(), key=lambda kv: -kv[1])),
         "overlap_grad_comm": s.overlap_grad_comm,
         "peak_memory": int(math.ceil(peak)),
         "memory_breakdown": {k: int(round(v)) for k, v in
@@ -110,15 +136,39 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
     }
 
 
-def checkpoint_mode(ckpt: dict[str, bool]) -> str:
-    if not ckpt:
+def checkpoint_modes(problem: Problem, decision) -> dict:
+    """Block group -> True (full recompute), False (none) or "selective" (only its attention
+    cores: the group's companion "<group>/attention" is on, the group itself off; build.py)."""
+    groups = problem.checkpoint_groups
+    companion = {g.implied_by: i for i, g in enumerate(groups) if g.implied_by is not None}
+    out = {}
+    for i, g in enumerate(groups):
+        if g.implied_by is not None:
+            continue
+        sel = i in companion and bool(decision[companion[i]])
+        out[g.name] = True if decision[i] else ("selective" if sel else False)
+    return out
+
+
+def selective_nodes(c: Candidates, ckpt: dict) -> set[str]:
+    """Representative nodes of the attention cores of the groups ``ckpt`` recomputes selectively."""
+    from autopar.attention_core import attention_cores
+
+    sel = {gi for gi, blk in enumerate(c.graph.blocks) if ckpt.get(blk.name) == "selective"}
+    if not sel:
+        return set()
+    return {n for (gi, i), cores in attention_cores(c.graph).items() if gi in sel and i == 0
+            for core in cores for n in core if n in c.nodes and c.nodes[n].repeats >= 2}
+
+
+def checkpoint_mode(ckpt: dict) -> str:
+    """One word for a plan's per-group decisions: none / selective / full / mixed."""
+    from autopar.plan_schema import checkpoint_mode_of
+
+    vals = {checkpoint_mode_of(v) for v in ckpt.values()}
+    if not vals:
         return "none"
-    vals = set(ckpt.values())
-    if vals == {True}:
-        return "full"
-    if vals == {False}:
-        return "none"
-    return "mixed"
+    return vals.pop() if len(vals) == 1 else "mixed"
 
 
 def step_time_lower_bound(P: Priced, edges: bool = False) -> float:

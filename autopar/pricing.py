@@ -22,7 +22,8 @@ import torch
 from autopar.candidates import FLOAT_DTYPES, Candidates, NodeInfo
 from autopar.cluster import Cluster
 from autopar.conjugates import region_inputs, step_traffic
-from autopar.cost import Collectives, fwd_bwd_compute, gemm_intensity, optimizer_step_time, profile_of
+from autopar.cost import (Collectives, bucket_share, fwd_bwd_compute, gemm_intensity, grad_bucket_bytes,
+                          optimizer_step_time, profile_of)
 from autopar.layout import Layout
 from autopar.memory import state_bytes, zero_shard
 from autopar.mesh import Mesh
@@ -43,9 +44,18 @@ class Settings:
     num_micro_batches: int = 1
     budget: float = float("inf")
     overlap_grad_comm: bool = True
-    # None: the ILP decides per block group; "none" | "full": pinned for every group; a sorted tuple
-    # of (block group name, bool): those groups pinned, the others decided by the ILP.
+    # None: the ILP decides per block group; "none" | "selective" | "full": pinned for every group; a
+    # sorted tuple of (block group name, bool | mode): those groups pinned, the others by the ILP.
     checkpoint: str | tuple | None = None
+
+
+def op_bytes_scale(val, precision: str) -> float:
+    """What an op's ``spec.bytes`` (counted in the traced dtypes, fp32 for a model traced in
+    fp32) is multiplied by at run time: under bf16 mixed precision the kernels move bf16
+    activations, half those bytes. ``val``: the op's traced output value."""
+    v0 = val[0] if isinstance(val, (tuple, list)) and val else val
+    return (_itemsize(v0.dtype, precision) / v0.element_size()
+            if isinstance(v0, torch.Tensor) and v0.dtype in FLOAT_DTYPES else 1.0)
 
 
 def _itemsize(dtype, precision: str) -> int:
@@ -159,6 +169,14 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     if (cuda, s.precision) not in cache:
         cache[cuda, s.precision] = {**c.storage_root, **device_storage_roots(c, cuda, s.precision)}
     roots = cache[cuda, s.precision]
+    # gradient collectives run in buckets (cost.bucket_share): size them as the runtime does
+    if "_grad_numel" not in c.__dict__:
+        c.__dict__["_grad_numel"] = sum(node_val(i.node).numel() * i.repeats for n, i in c.nodes.items()
+                                        if i.kind == "param" and i.rep == n and n in c.needs_grad)
+    bucket = grad_bucket_bytes(c.__dict__["_grad_numel"] * (2 if s.precision == "bf16" else 4))
+
+    def share(kind, nbytes, a):
+        return bucket_share(comm, kind, nbytes, a, bucket)
     # Ops' prices do not depend on the ZeRO stage (only parameters' do): price them once per
     # (cluster, micro-batches, precision) and re-use them for every stage.
     ops_key = ("ops", id(cluster), nm, s.precision)
@@ -205,7 +223,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                     if mesh.shape[a] == 1:
                         continue
                     if s.zero == 0:
-                        t = comm("all_reduce", gbytes, a)
+                        t = share("all_reduce", gbytes, a)
                         axis_bytes[a][j] += gbytes * k
                         grad_t[j] += t * k
                     else:
@@ -217,19 +235,20 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                         # priced below, is that all-gather). ZeRO-3 total: 3x params (ZeRO paper).
                         n_rs = nm if s.zero >= 2 else 1
                         n_ag = 0 if s.zero == 3 else 1
-                        t = n_rs * comm("reduce_scatter", gbytes, a) + n_ag * comm("all_gather", pbytes, a)
+                        t = n_rs * share("reduce_scatter", gbytes, a) + n_ag * share("all_gather", pbytes, a)
                         axis_bytes[a][j] += (n_rs * gbytes + n_ag * pbytes) * k
                         grad_t[j] += t * k
                         if s.zero == 3:   # parameters gathered for forward and again for backward, per micro-batch
-                            comm_t[j] += 2 * nm * comm("all_gather", pbytes, a) * k
+                            comm_t[j] += 2 * nm * share("all_gather", pbytes, a) * k
                             axis_bytes[a][j] += 2 * nm * pbytes * k
         elif info.kind == "op":
             spec = info.spec
             wgrad = has_contraction(spec)
+            bscale = op_bytes_scale(val, s.precision)
             for j, st in enumerate(info.strategies):
                 ai = _local_intensity(spec, info, st, mesh, nm, 2 if dtype == "bf16" else 4) if wgrad else None
-                f, b = fwd_bwd_compute(spec.flops * st.work_fraction / nm, spec.bytes * st.work_fraction / nm,
-                                       dtype, device, wgrad, ai, cal)
+                f, b = fwd_bwd_compute(spec.flops * st.work_fraction / nm, spec.bytes * bscale * st.work_fraction / nm,
+                                       dtype, device, wgrad, ai, cal, op=spec.rule)
                 compute[j] = (f + b) * nm * k
                 fwd[j] = f * nm * k
                 for (kind, a, nbytes) in st.comms:
@@ -543,9 +562,11 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
             for a_i, src in enumerate(srcs):
                 if src == dst:
                     continue
-                ck = (src, dst, shape, itemsize, bdim)
+                # a value no gradient flows back to (token ids, buffers) runs no backward conjugates
+                grad = pname in c.needs_grad
+                ck = (src, dst, shape, itemsize, bdim, grad)
                 if ck not in cache:
-                    cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm)
+                    cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm, grad)
                 t, per_axis, tf, per_axis_f = cache[ck]
                 mat[a_i, b_i] = t
                 fmat[a_i, b_i] = tf
@@ -568,7 +589,7 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
             P.edge_fwd_bytes[key] = [n * y for y in fbytes_axes]
 
 
-def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm):
+def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm, grad: bool = True):
     """(seconds, bytes per mesh axis) of resharding one tensor, forward and backward, over all
     ``nm`` micro-batches, then the same for the forward steps alone; a batch-carrying tensor
     (batch dim ``bdim``) is 1/nm of its size each time."""
@@ -596,7 +617,7 @@ def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm):
         return FORBIDDEN, per_axis, 0.0, fwd_axis
     t = tf = 0.0
     for tr in traffic:
-        for kind in (tr.forward, tr.backward):
+        for kind in (tr.forward, tr.backward if grad else None):
             if kind:
                 t += comm(kind, tr.nbytes, tr.axis) * nm
                 per_axis[tr.axis] += tr.nbytes * nm

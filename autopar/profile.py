@@ -17,6 +17,8 @@ YAML schema (all tables are ``[size, rate]`` pairs, interpolated log-log, clampe
     vector_rate: 2e9                  # optional: FLOP/s of elementwise arithmetic (default: GEMM plateau)
     optimizer_overhead: 60us          # optional: fixed cost per parameter tensor of an optimizer step
     backward_ratio: 1.0               # optional: backward / forward time of ops without a weight gradient
+    backward_ratios: {sdpa: 5.1, gelu: 2.6}   # optional: measured backward / forward time per op rule
+                                      # (OpSpec.rule); overrides backward_ratio and the 2x of contractions
     view_overhead: 0us                # optional: host cost of an op that moves no data (CPU: not hidden)
     links:
       intra:
@@ -111,6 +113,19 @@ class Calibration:
     optimizer_overhead: float | None = None   # seconds per parameter tensor per step (None: kernel_overhead)
     backward_ratio: float = 1.0       # backward / forward time of ops without a weight gradient
     view_overhead: float = 0.0        # seconds per op that moves no data (a view): host dispatch
+    # measured backward / forward time per op rule (OpSpec.rule), as sorted (rule, ratio) pairs:
+    # on a CPU SDPA's backward takes ~5x its forward and GELU's ~2.6x, not the 2x / 1x of the
+    # generic model (autopar calibrate measures them; GPU built-ins carry none)
+    backward_ratios: tuple[tuple[str, float], ...] = ()
+
+    def backward_ratio_for(self, rule: str | None, weight_grad: bool) -> float:
+        """Backward / forward time of an op: its measured ratio if the profile has one, else 2
+        for a contraction (grad input + grad weight, same shapes), else ``backward_ratio``."""
+        if rule is not None and self.backward_ratios:
+            for r, v in self.backward_ratios:
+                if r == rule:
+                    return v
+        return 2.0 if weight_grad else self.backward_ratio
 
     # ---- serialisation
     def to_dict(self) -> dict:
@@ -125,6 +140,7 @@ class Calibration:
                 **({"optimizer_overhead": self.optimizer_overhead} if self.optimizer_overhead else {}),
                 **({"backward_ratio": self.backward_ratio} if self.backward_ratio != 1.0 else {}),
                 **({"view_overhead": self.view_overhead} if self.view_overhead else {}),
+                **({"backward_ratios": dict(self.backward_ratios)} if self.backward_ratios else {}),
                 "links": {"intra": link(self.intra), "inter": link(self.inter)}}
 
     @staticmethod
@@ -157,7 +173,7 @@ def _parse(d: Any, source: str) -> Calibration:
         raise ClusterError(f"{source}: calibration profile must be a mapping, got {type(d).__name__}")
     allowed = {"name", "source", "gemm_dtype", "gemm", "gemm_latency", "memory", "kernel_overhead",
                "overlap_slowdown", "links", "vector_rate", "optimizer_overhead", "backward_ratio",
-               "view_overhead"}
+               "view_overhead", "backward_ratios"}
     extra = set(d) - allowed
     if extra:
         raise fail(sorted(extra)[0], f"unknown field; expected one of {sorted(allowed)}")
@@ -208,6 +224,11 @@ def _parse(d: Any, source: str) -> Calibration:
     slow = d.get("overlap_slowdown", 0.0)
     if not isinstance(slow, (int, float)) or not 0 <= slow < 1:
         raise fail("overlap_slowdown", f"got {slow!r}; expected a fraction in [0, 1)")
+    ratios = d.get("backward_ratios") or {}
+    if not isinstance(ratios, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            for v in ratios.values()):
+        raise fail("backward_ratios", f"got {ratios!r}; expected a mapping op rule -> ratio > 0")
     dt = d.get("gemm_dtype", "bf16")
     if dt not in ("bf16", "fp16", "fp32"):
         raise fail("gemm_dtype", f"got {dt!r}; expected bf16, fp16 or fp32")
@@ -219,7 +240,8 @@ def _parse(d: Any, source: str) -> Calibration:
                        vector_rate=float(d["vector_rate"]) if d.get("vector_rate") else None,
                        optimizer_overhead=seconds(d.get("optimizer_overhead"), "optimizer_overhead", None),
                        backward_ratio=float(d.get("backward_ratio", 1.0)),
-                       view_overhead=seconds(d.get("view_overhead"), "view_overhead", 0.0))
+                       view_overhead=seconds(d.get("view_overhead"), "view_overhead", 0.0),
+                       backward_ratios=tuple(sorted((str(k), float(v)) for k, v in ratios.items())))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +320,32 @@ def _h100() -> Calibration:
 OVERLAP_SLOWDOWN = 0.10
 
 
+def _same_latency(table: Table, plateau: float) -> Table:
+    """The ramp of a link that has the same small-message times but a different bandwidth: sizes and
+    bus bandwidths both scaled by plateau / top, so every point's time (size / busbw) is unchanged.
+    (``_scaled`` keeps the sizes: at a 5.6 GB/s plateau it prices a 2 MB message at 2.4 ms, 41x its
+    A100 NVLink time, where the wire alone takes 0.36 ms; this construction gives 0.47 ms.)"""
+    r = plateau / table[-1][1]
+    return tuple((s * r, b * r) for s, b in table)
+
+
+def _v100() -> Calibration:
+    """TACC Longhorn's V100 nodes (docs/cost-model.md, "V100 (tacc-longhorn)"): no measured curves
+    were found, so every shape is the A100's, rescaled to the V100's published rates."""
+    # GEMMs: 125 TF fp16 tensor-core peak; maximum efficiency 0.8 (cost.py's MAX_EFFICIENCY, an
+    # assumption); knee = the H100 knee (150 FLOP/B) scaled by machine balance (V100 139 FLOP/B
+    # vs H100 295): 70.6 FLOP/B.
+    knee = 150.0 * (125e12 / 900e9) / (989e12 / 3.35e12)
+    # NVLink 2.0 ring (4 GPUs): the A100 ramp's small-message times with a 38 GB/s plateau
+    # (0.76 x 50 GB/s, see cluster.py)
+    intra = LinkCurves((("all_reduce", 4, _same_latency(A100_NVLINK_AR8, 38e9)),), hop_latency=1.9e-6)
+    # EDR InfiniBand: 5.6 GB/s per GPU (two 100 Gb/s ports per 4-GPU node x 0.9), same construction
+    inter = LinkCurves((("all_reduce", 2, _same_latency(A100_NVLINK_AR8, 5.6e9)),), hop_latency=4.0e-6)
+    return Calibration("v100-public", intensity_fit_table(125e12, 0.8, knee), _memory_table(900e9),
+                       intra, inter, "fp16", gemm_latency=10e-6, kernel_overhead=5e-6,
+                       overlap_slowdown=OVERLAP_SLOWDOWN, source="public data, docs/cost-model.md (V100)")
+
+
 def _generic(device) -> Calibration:
     """A device with no profile: the A100 shapes scaled to its own peak and bandwidth."""
     peak, hbm = device.peak("bf16"), device.hbm_bandwidth
@@ -314,9 +362,9 @@ _BUILTIN: dict[str, Calibration] = {}
 def builtin_for(device) -> Calibration | None:
     """The public-data profile for a known GPU (by device name), else None."""
     name = device.name.upper()
-    key = "A100" if "A100" in name else "H100" if "H100" in name else None
+    key = "A100" if "A100" in name else "H100" if "H100" in name else "V100" if "V100" in name else None
     if key is None:
         return None
     if key not in _BUILTIN:
-        _BUILTIN[key] = _a100() if key == "A100" else _h100()
+        _BUILTIN[key] = {"A100": _a100, "H100": _h100, "V100": _v100}[key]()
     return _BUILTIN[key]

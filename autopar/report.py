@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -39,8 +40,12 @@ def summary_table(plan) -> Table:
     t.add_column("")
     t.add_row("cluster", f"{c['name']}: {c['nodes']} node(s) × {c['devices_per_node']} {c['device']['name']}")
     t.add_row("mesh", plan.mesh.describe())
-    t.add_row("degrees", f"dp={d['dp']} tp={d['tp']} ({d['tp_mode']}) pp={d['pp']} sp={d['sp']} zero={d['zero']} "
+    t.add_row("degrees", f"dp={d['dp']} tp={d['tp']} ({d['tp_mode']}) pp={d['pp']} sp={d['sp']}"
+                         + (f" ({d['sp_mode']})" if d.get("sp_mode") else "") + f" zero={d['zero']} "
                          f"checkpoint={d['checkpoint']}")
+    ck = checkpoint_text(plan)
+    if ck:
+        t.add_row("recompute", ck)
     split = split_text(plan)
     if split:
         t.add_row("work split", split)
@@ -51,7 +56,7 @@ def summary_table(plan) -> Table:
                            f"{_secs(tb['recompute'])}, op comm {_secs(tb['op_comm'])}, reshard "
                            f"{_secs(tb['reshard_comm'])}, grad comm {_secs(tb['grad_comm'])} of which exposed "
                            f"{_secs(tb['grad_comm_exposed'])}{' (overlapped with backward)' if p['overlap_grad_comm'] else ''}, "
-                           f"optimizer {_secs(tb['optimizer'])})")
+                           f"optimizer {_secs(tb['optimizer'])}{bubble_text(tb)})")
     mb = p["memory_breakdown"]
     t.add_row("peak memory", f"{_gib(p['peak_memory'])} of {_gib(plan.data['settings']['memory_budget'])}  "
                              + ", ".join(f"{k} {_gib(v)}" for k, v in mb.items()))
@@ -61,6 +66,42 @@ def summary_table(plan) -> Table:
     t.add_row("solver", f"{s['status']} (gap {s['gap']:.2%}); {s['configs']} configurations, {s['pruned']} pruned; "
                         f"ILP {s['ilp_nodes']} nodes / {s['ilp_strategy_vars']} strategy variables")
     return t
+
+
+def checkpoint_text(plan) -> str:
+    """Per block group what backward recomputes: "blocks: selective (attention cores)" etc."""
+    from autopar.plan_schema import checkpoint_mode_of
+
+    stages = plan.data.get("stages") or [{}]
+    decided = stages[0].get("checkpoint") or {}
+    what = {"none": "none", "selective": "selective (attention cores)", "full": "full (whole blocks)"}
+    return ", ".join(f"{g}: {what[checkpoint_mode_of(v)]}" for g, v in decided.items())
+
+
+def bubble_text(tb: dict) -> str:
+    """The pipeline bubble part of the step-time breakdown (pipelined plans only)."""
+    if "bubble" not in tb:
+        return ""
+    frac = tb.get("bubble_fraction")
+    return f", pipeline bubble {_secs(tb['bubble'])}" + (f" ({frac:.1%} of all ranks' time)" if frac else "")
+
+
+def pipeline_stage_table(plan) -> Table | None:
+    """One row per (virtual) stage of a pipelined plan (autopar/timeline.py's stage_table)."""
+    from autopar.timeline import stage_table
+
+    d = plan.degrees
+    if d.get("pp", 1) <= 1:
+        return None
+    rows = []
+    for s in plan.data["stages"]:
+        a, b = s["ranks"]
+        i, j = s["blocks"]
+        rows.append(dict(s, ranks=f"{a}-{b}" if b > a else str(a),
+                         blocks=(f"{i}-{j - 1}" if j - i > 1 else str(i)) + f" ({s['alive_micro_batches']} alive)"))
+    tb = plan.predictions["time_breakdown"]
+    return stage_table(rows, title=f"pipeline stages: pp={d['pp']} {d['pp_schedule']}, {d['num_micro_batches']} "
+                                   f"micro-batches, bubble {_secs(tb.get('bubble', 0.0))}")
 
 
 def split_text(plan) -> str:
@@ -93,7 +134,8 @@ def ops_table(plan, limit: int | None = None) -> Table:
         t.add_column(col)
     rows = plan.ops if limit is None else plan.ops[:limit]
     for op in rows:
-        t.add_row(op["node"], op["target"].replace("aten.", ""), op["module"], op["rule"], op["strategy"])
+        # escaped: "[ring_attention]" in a strategy name is not rich markup
+        t.add_row(op["node"], op["target"].replace("aten.", ""), op["module"], op["rule"], escape(op["strategy"]))
     if limit is not None and len(plan.ops) > limit:
         t.add_row("…", f"{len(plan.ops) - limit} more", "", "", "")
     return t
@@ -111,7 +153,9 @@ def memory_table(plan) -> Table:
 
 
 def show_text(plan, limit: int | None = 60) -> str:
-    return _render(summary_table(plan), memory_table(plan), ops_table(plan, limit))
+    stages = pipeline_stage_table(plan)
+    return _render(summary_table(plan), *([stages] if stages is not None else []), memory_table(plan),
+                   ops_table(plan, limit))
 
 
 def diff(old, new, threshold: float = 0.02) -> tuple[str, bool]:

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 
 from autopar.batching import batch_size, graph_batch_dims, input_shapes
-from autopar.build import bound_problem, build_problem
+from autopar import sequence
+from autopar.build import bound_problem, build_problem, chosen
 from autopar.candidates import Candidates, candidates
 from autopar.pricing import Settings, price, price_edges
 from autopar.cluster import Cluster
@@ -58,31 +59,24 @@ def check_constraints(constraints: dict | None) -> dict:
             hint = difflib.get_close_matches(k, DEGREE_KEYS, n=1)
             raise ConstraintError(f"unknown constraint {k!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                                   + f"; valid keys: {', '.join(DEGREE_KEYS)}")
-    unsupported = {"pp": 1, "sp": 1, "offload": False}
+    from autopar.pipeline import pipeline_pins
+    pipeline_pins(constraints)   # pp / pp_schedule pins: autopar/pipeline.py plans them
+    unsupported = {"offload": False}
     for k, ok in unsupported.items():
         if k in constraints and constraints[k] != ok:
             raise ConstraintError(f"constraint {k}={constraints[k]!r} cannot be met: this version of autopar "
-                                  f"plans {k}={ok!r} only (pipeline, sequence parallelism and offload are not "
-                                  f"implemented yet)")
-    if "tp_shape" in constraints and (not isinstance(constraints["tp_shape"], (list, tuple)) or not all(
-            isinstance(x, int) and x > 1 for x in constraints["tp_shape"]) or len(constraints["tp_shape"]) > 2):
-        raise ConstraintError(f"constraint tp_shape={constraints['tp_shape']!r}: must be a list of one or two "
-                              f"model-axis sizes > 1, e.g. [2, 2] for a (dp, tp, tp2) mesh")
-    if constraints.get("tp_mode") not in (None, "1d", "2d"):
-        raise ConstraintError(f"constraint tp_mode={constraints['tp_mode']!r} cannot be met: tensor parallelism "
-                              f"over one model axis ('1d') or two ('2d', operands split over a 2-D grid with "
-                              f"resharding collectives) is implemented; 2.5d and 3d are not yet")
-    if constraints.get("sp_mode") is not None:
-        raise ConstraintError("constraint sp_mode cannot be met: sequence parallelism is not implemented yet")
-    if constraints.get("pp_schedule") is not None:
-        raise ConstraintError("constraint pp_schedule cannot be met: pipeline parallelism is not implemented yet")
+                                  f"plans {k}={ok!r} only (offload is not implemented yet)")
+    from autopar.grid_search import check_grid_constraints
+    check_grid_constraints(constraints)   # tp_mode / tp_shape (1d, 2d-reshard, 2d, 2.5d, 3d)
+    sequence.check_constraints(constraints)   # sp / sp_mode (autopar/sequence.py)
     if "zero" in constraints and constraints["zero"] not in (0, 1, 2, 3):
         raise ConstraintError(f"constraint zero={constraints['zero']!r}: must be 0, 1, 2 or 3")
     ck = constraints.get("checkpoint")
-    if "checkpoint" in constraints and not (ck in ("none", "full") or (
-            isinstance(ck, dict) and ck and all(isinstance(k, str) and isinstance(v, bool) for k, v in ck.items()))):
-        raise ConstraintError(f"constraint checkpoint={ck!r}: must be 'none', 'full' or a dict block group name -> "
-                              f"bool (e.g. {{'blocks': True}}); selective recompute is not implemented yet")
+    if "checkpoint" in constraints and not (ck in ("none", "selective", "full") or (
+            isinstance(ck, dict) and ck and all(isinstance(k, str) and (isinstance(v, bool) or v in (
+                "none", "selective", "full")) for k, v in ck.items()))):
+        raise ConstraintError(f"constraint checkpoint={ck!r}: must be 'none', 'selective', 'full' or a dict block "
+                              f"group name -> bool or one of those (e.g. {{'blocks': 'selective'}})")
     for k in ("dp", "tp", "micro_batch_size", "num_micro_batches"):
         if k in constraints and (isinstance(constraints[k], bool) or not isinstance(constraints[k], int)
                                  or constraints[k] < 1):
@@ -95,7 +89,8 @@ def check_constraints(constraints: dict | None) -> dict:
 
 
 def _checkpoint_setting(ck):
-    """Settings.checkpoint: "none" | "full" | None, or per block group a sorted tuple of (name, bool)."""
+    """Settings.checkpoint: "none" | "selective" | "full" | None, or per block group a sorted tuple of
+    (name, bool | "none" | "selective" | "full")."""
     return tuple(sorted(ck.items())) if isinstance(ck, dict) else ck
 
 
@@ -166,14 +161,19 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
 
 def allowed_meshes(cluster: Cluster, constraints: dict):
     """The cluster's logical meshes that the dp/tp/tp_mode/tp_shape pins allow."""
-    for mesh in cluster.meshes():
-        dp, tp = mesh.degree("dp"), mesh.size // mesh.degree("dp")
+    if constraints.get("tp_mode") in ("2d", "2.5d", "3d"):
+        return   # grid modes are not ILP meshes (autopar/grid_search.py)
+    for mesh in list(cluster.meshes()) + sequence.meshes(cluster, constraints):
+        dp, tp = mesh.degree("dp"), sequence.tp_degree(mesh)   # sequence axes are not tensor axes
         if constraints.get("dp", dp) != dp or constraints.get("tp", tp) != tp:
             continue
-        if "tp_mode" in constraints and len(mesh.model_axes()) > 0 and \
-                len(mesh.model_axes()) != {"1d": 1, "2d": 2}[constraints["tp_mode"]]:
-            continue   # 1d: one model axis (Megatron); 2d: two
-        if "tp_shape" in constraints and list(constraints["tp_shape"]) != [mesh.shape[a] for a in mesh.model_axes()]:
+        if not sequence.mesh_allowed(mesh, constraints):
+            continue
+        model_axes = sequence.param_axes(mesh)
+        axes = len(model_axes)
+        if constraints.get("tp_mode") == "1d" and axes > 1 or constraints.get("tp_mode") == "2d-reshard" and axes != 2:
+            continue   # 1d: at most one model axis (Megatron; tp=1 is plain DP); 2d-reshard: exactly two
+        if "tp_shape" in constraints and list(constraints["tp_shape"]) != [mesh.shape[a] for a in model_axes]:
             continue
         yield mesh
 
@@ -219,6 +219,9 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     tests); ``progress`` forces the live progress line on or off (default: when stderr is a
     terminal)."""
     constraints = check_constraints(constraints)
+    if constraints.get("pp", 1) > 1:
+        raise ConstraintError("pipelined plans (pp > 1) are made by autopar.plan (autopar/pipeline.py), not search()")
+    policy = sequence.policy_for(policy, constraints)
     t0 = time.perf_counter()
     best: Result | None = None
     stats = {"configs": 0, "pruned": 0, "solved": 0, "infeasible": 0, "gap": 0.0}
@@ -226,7 +229,8 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     memory_floors: list = []   # configurations whose static memory alone exceeds the budget
     cand_cache: dict = {}
     configs = list(configurations(graph, cluster, base, constraints))
-    if not configs:
+    from autopar.grid_search import GRID_MODES, best_grid
+    if not configs and constraints.get("tp_mode") not in GRID_MODES:
         batch = global_batch(graph)
         dps = [m.degree("dp") for m in allowed_meshes(cluster, constraints) if batch % m.degree("dp") == 0]
         raise ConstraintError(_micro_batch_error(batch, dps, constraints)
@@ -252,14 +256,23 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
             bar.update(stats, best)
     finally:
         bar.close()
+    # 2D / 2.5D / 3D grid modes against the best ILP plan (autopar/grid_search.py)
+    grid = best_grid(graph, cluster, base, constraints, None if best is None else best.prediction["step_time"],
+                     stats, log)
+    best = grid if grid is not None else best
     stats["seconds"] = time.perf_counter() - t0
     if best is None:
-        if infeasible or memory_floors:
+        if stats.get("timed_out"):
+            raise PlanError(f"no plan found within time_limit={time_limit} s: the solver ran out of time on "
+                            f"{stats['timed_out']} of {stats['configs']} configurations before finding any plan; "
+                            f"raise time_limit or pin more of the degrees (constraints=)")
+        grid_floor = stats.get("grid_min_peak")    # grid configurations that lowered but did not fit
+        if infeasible or memory_floors or grid_floor is not None:
             # the true smallest peak (not a bound): solve each configuration for its minimum peak
             for cfg, P in memory_floors:
                 price_edges(cand_cache[cfg.mesh], cluster, cfg.settings, P)
                 infeasible.append(build_problem(cand_cache[cfg.mesh], P, cfg.settings))
-            floor = min(min_peak_memory(p) for p in infeasible)
+            floor = min([min_peak_memory(p) for p in infeasible] + ([grid_floor] if grid_floor is not None else []))
             raise MemoryBudgetError(
                 f"no plan fits in the memory budget of {_bytes(base.budget)} per device: the smallest "
                 f"peak memory any plan reaches is {_bytes(floor)}. Raise memory_budget to at least "
@@ -301,8 +314,19 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         # The LP relaxation of the same problem with gradient communication free: about a
         # quarter of the ILP's time, often within a few % of the plan, and an infeasible LP
         # means an infeasible ILP (which HiGHS is slow to prove).
-        lp = relaxation_bound(bound_problem(problem, P), time_limit=remaining)
-        stats["lp_bounds"] = stats.get("lp_bounds", 0) + 1
+        try:
+            lp = relaxation_bound(bound_problem(problem, P), time_limit=remaining)
+            stats["lp_bounds"] = stats.get("lp_bounds", 0) + 1
+        except PlanError:
+            if remaining is None:
+                raise
+            # the LP ran out of the time left (HiGHS raises when it stops with no solution):
+            # keep the best plan so far; with none yet, let the ILP try this configuration
+            if best is not None:
+                stats["timed_out"] = stats.get("timed_out", 0) + 1   # configurations cut short
+                stats["pruned"] += 1
+                return best
+            lp = -math.inf
         if lp == math.inf:
             stats["infeasible"] += 1
             infeasible.append(problem)
@@ -313,10 +337,12 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
     try:
         sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
     except PlanError:
-        if remaining is None or best is None:
+        if remaining is None:
             raise
         # out of time before the solver found any plan of this configuration: keep the best one
-        # (the old search raised here, losing the plan it had)
+        # (the old search raised here, losing the plan it had); with none yet, the next
+        # configurations still get their second each, and search() says so if all time out
+        stats["timed_out"] = stats.get("timed_out", 0) + 1
         stats["pruned"] += 1
         return best
     stats["solved"] += 1
@@ -356,11 +382,11 @@ def degrees_of(result: Result) -> dict:
     mesh = result.config.mesh
     s = result.config.settings
     dp = mesh.degree("dp")
-    model = [mesh.shape[a] for a in mesh.model_axes()]
+    model = [mesh.shape[a] for a in sequence.param_axes(mesh)]
     batch = global_batch(result.cands.graph)
     return {
-        "dp": dp, "tp": math.prod(model) if model else 1, "tp_mode": "1d" if len(model) <= 1 else "2d",
-        "tp_shape": model, "sp": 1, "sp_mode": None, "pp": 1, "pp_schedule": None,
+        "dp": dp, "tp": math.prod(model) if model else 1, "tp_mode": "1d" if len(model) <= 1 else "2d-reshard",
+        "tp_shape": model, **sequence.degrees(result.cands, chosen(result.problem, result.solution), mesh), "pp": 1, "pp_schedule": None,
         "micro_batch_size": batch // dp // s.num_micro_batches, "num_micro_batches": s.num_micro_batches,
         "zero": s.zero, "checkpoint": checkpoint_mode(result.prediction["checkpoint"]), "offload": False,
     }

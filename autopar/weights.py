@@ -469,3 +469,49 @@ def open_weights(weights, traced, model):
     raise ExecutionError(f"weights={path!r}: neither a Hugging Face checkpoint (model.safetensors or "
                          f"model.safetensors.index.json) nor a compiled.save() directory (.metadata). "
                          f"Options: {OPTIONS}")
+
+
+def weight_source(model, traced, prog, choice, dev, init_rng_state=None, mine=None):
+    """fqn, slices -> this rank's block (module doc of autopar/weights.py). Lifted constants
+    and real buffers come from the model; buffers on meta are recomputed; parameters from
+    ``choice`` (compile's ``weights=``): None, "init" or a directory.
+    ``init_rng_state``: the RNG state "init" replays (broadcast from rank 0 here)."""
+    all_fqns = [prog.param_fqn[n] for n in prog.param_names]   # the checksum is collective: every rank's
+    fqns = [prog.param_fqn[n] for n in prog.param_names if mine is None or n in mine]   # what this rank loads
+    meta = is_meta_model(model)
+    if choice is None and meta:
+        raise ExecutionError(f"the model's parameters are on the meta device, so there are no values to train: "
+                             f"pass {OPTIONS.split(', ', 1)[1]}")
+    if choice is not None and not isinstance(choice, (str, bytes)) and not hasattr(choice, "__fspath__"):
+        raise ExecutionError(f"weights={choice!r}: options are {OPTIONS}")
+    meta_bufs = fill_meta_buffers(model) if any(b.is_meta for b in model.buffers()) else {}
+
+    def own(fqn):   # a constant, a real buffer, or a real parameter of the model
+        t = traced.value_of(model, fqn)
+        return None if t.is_meta else t
+
+    def fixed(fqn, slices):
+        if fqn in meta_bufs:
+            return _fp(meta_bufs[fqn][slices]).to(dev, copy=True).contiguous()
+        return _fp(own(fqn).detach()[slices]).to(dev, copy=True).contiguous()
+
+    if choice is None:
+        src = ModelWeights(traced, model, [f for f in all_fqns if f not in meta_bufs])
+        return lambda fqn, sl: fixed(fqn, sl) if fqn in meta_bufs else src.block(fqn, sl, dev)
+    if choice == "init":
+        params = dict(model.named_parameters())
+        want = {f: prog.param_slices[f] for f in fqns if f in params}
+        state = init_rng_state
+        import torch.distributed as dist
+        dist.broadcast(state, src=0)   # rank 0's stream, on every rank (5 KB)
+        blocks = init_weights(model, want, state)
+        return lambda fqn, sl: blocks[fqn].to(dev).contiguous() if fqn in blocks else fixed(fqn, sl)
+    src = open_weights(choice, traced, model)
+
+    def read(fqn, sl):
+        if src.has(fqn):
+            return src.block(fqn, sl, dev)
+        if fqn in meta_bufs or own(fqn) is not None:   # non-persistent buffers, constants
+            return fixed(fqn, sl)
+        raise ExecutionError(f"{fqn} is neither in the checkpoint {choice} nor computable from the model")
+    return read

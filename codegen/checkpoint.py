@@ -2,7 +2,8 @@
 checkpoints, and the post-pass that outlines each one into a sub-GraphModule.
 
 ``checkpointed_groups(traced, plan) -> set[int]``: indices into ``traced.blocks`` of the block
-groups the plan checkpoints (``plan.data["stages"][0]["checkpoint"]``, group name -> bool).
+groups the plan checkpoints fully (``plan.data["stages"][0]["checkpoint"]``, group name -> True;
+"selective" groups outline only their attention cores: codegen/selective.py).
 
 ``outline_regions(gm, regions) -> list[str]``: ``regions`` maps a region name (the instance's
 module, e.g. ``blocks.1``) to the program nodes codegen/per_rank.py emitted for that instance,
@@ -21,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ExecutionError
+from autopar.plan_schema import checkpoint_mode_of
 from runtime.checkpoint import checkpoint_region
 
 
@@ -34,7 +36,7 @@ def checkpointed_groups(traced, plan) -> set[int]:
     if unknown:
         raise ExecutionError(f"the plan checkpoints block groups {unknown} that the traced model does not have "
                              f"(it has {sorted(names)}): plan made for a different model")
-    return {names[n] for n, on in decided.items() if on}
+    return {names[n] for n, on in decided.items() if checkpoint_mode_of(on) == "full"}
 
 
 def attr_name(region: str) -> str:

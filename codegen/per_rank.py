@@ -58,7 +58,9 @@ that region), and values leaving the region are wrapped in ``zero3_exit`` so bac
 Activation checkpointing (the plan's ``stages[0].checkpoint``, block group -> bool): every node
 emitted while translating a node of a checkpointed block instance (its collectives and ZeRO-3
 calls included) is recorded under that instance; at the end ``codegen/checkpoint.py`` outlines
-each instance into one ``checkpoint_region`` call.
+each instance into one ``checkpoint_region`` call. A group recomputed "selective"ly records only
+the nodes of each instance's attention core, under ``<instance>.attention_core``
+(codegen/selective.py).
 """
 from __future__ import annotations
 
@@ -79,10 +81,13 @@ from autopar.rules.localize import local_call
 from autopar.microbatch import decompose, loss_scale
 from autopar.strategy import Strategy
 from codegen.checkpoint import checkpointed_groups, outline_regions, program_code
+from codegen.selective import selective_regions
 from codegen.random_ops import is_random, random_block
 from runtime import context as RC
 from runtime import rng as RNG
 from runtime import special as SP
+from autopar.sequence import zigzag_axes
+from codegen import sp_ops as SPO
 
 
 @dataclass
@@ -165,6 +170,7 @@ class _Builder:
         self.coords = tuple(self.mesh.coords(rank))
         self.comm = Collectives(plan.cluster, self.mesh)
         self.ops = {o["node"]: o for o in plan.data["ops"]}
+        self.zigzag_axes = zigzag_axes(plan.data["ops"])   # load-balanced ring attention's axes
         self.params_by_node = {v["node"]: (fqn, v) for fqn, v in plan.data["params"].items()}
         self.zero3 = dict(zero3_chunks or {})
         self.g = fx.Graph()
@@ -173,6 +179,7 @@ class _Builder:
         self.data_axes = tuple(a for a in self.mesh.data_axes() if self.mesh_shape[a] > 1)
         self.attrs: dict[str, object] = {}      # get_attr targets of the new program (submodules, constants)
         self.region: str | None = None           # checkpointed block instance being emitted (module FQN)
+        self.source: str | None = None           # traced node being emitted (pipeline stages split by it)
         self.region_nodes: dict[str, list[fx.Node]] = {}
         self.nm = int(plan.data.get("degrees", {}).get("num_micro_batches", 1) or 1)
         from autopar.batching import plan_batch_dims
@@ -238,6 +245,8 @@ class _Builder:
     # ------------------------------------------------------------- emission helpers
     def call(self, fn, args, kwargs=None, name=None):
         node = self.g.create_node("call_function", fn, tuple(args), dict(kwargs or {}), name=name)
+        if self.source is not None:   # the traced node this one was emitted for (codegen/stages.py)
+            node.meta["autopar_source"] = self.source
         if self.region is not None:
             self.region_nodes.setdefault(self.region, []).append(node)
         return node
@@ -250,7 +259,11 @@ class _Builder:
         last_on_axis = {s.axis: i for i, s in enumerate(steps)}
         fused = {a for a in partial_grad_axes if a in last_on_axis and steps[last_on_axis[a]].kind == "all_gather"}
         for i, s in enumerate(steps):
-            if s.kind == "all_reduce":
+            kw = {"axis": s.axis, **({"partial_grad": True} if s.axis in fused and i == last_on_axis[s.axis] else {})}
+            zz = SPO.reshard_step(self, x, s, kw) if self.zigzag_axes else None   # codegen/sp_ops.py
+            if zz is not None:
+                x = zz
+            elif s.kind == "all_reduce":
                 x = self.call(RC.all_reduce, (x,), {"axis": s.axis})
             elif s.kind == "reduce_scatter":
                 x = self.call(RC.reduce_scatter, (x, s.dim), {"axis": s.axis})
@@ -343,6 +356,7 @@ class _Builder:
             self.rng_position = self.call(RNG.tick, (), name="rng_position")
 
         ckpt = checkpointed_groups(traced, self.plan)
+        selective = selective_regions(traced, self.plan)   # attention cores recomputed selectively
         out_node = None
         for k, n in enumerate(nodes):
             if n.op == "output":
@@ -354,7 +368,8 @@ class _Builder:
             if n.op != "call_function":
                 continue
             g, i, _ = traced.block_of.get(n.name, (None, None, None))
-            self.region = traced.blocks[g].module_fqns[i] if g in ckpt else None
+            self.region = traced.blocks[g].module_fqns[i] if g in ckpt else selective.get(n.name)
+            self.source = n.name
             for c in starts.get(k, ()):
                 self.call(RC.zero3_gather, (c,))
             if n.target is operator.getitem:
@@ -373,7 +388,7 @@ class _Builder:
                 for m in crossing:
                     self.env[m.name] = self.call(RC.zero3_exit, (self.env[m.name], (c,)))
                 self.call(RC.zero3_free, (c,))
-        self.region = None
+        self.region = self.source = None
 
         # The loss: returned as this rank's local value (partial over loss_layout.partial); with
         # micro-batches, a loss that does not depend on the batch at all counts 1/nm per micro-batch.
@@ -527,7 +542,9 @@ class _Builder:
         it = iter(new_inputs)
         args, kwargs = pytree.tree_map_only(fx.Node, lambda _: next(it), (tuple(call.args), dict(call.kwargs)))
         args, kwargs = self._retarget(args, kwargs)   # traced in fp32 on cpu/meta (module doc)
-        if call.needs_algorithm:
+        if SPO.handles(st):
+            out = SPO.attention(self, n, st, args, kwargs)   # Ulysses / ring attention (codegen/sp_ops.py)
+        elif call.needs_algorithm:
             algo = call.needs_algorithm
             if "," in algo:
                 raise NotImplementedError(f"{n.name}: several special algorithms at once ({algo})")

@@ -29,7 +29,7 @@ happened; ``record_regions()`` lets a measurement see each region's body and inp
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
@@ -39,9 +39,13 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 class RegionStats:
     forward: int = 0      # region bodies run in forward with autograd recording
     recompute: int = 0    # region bodies rerun by backward
+    # region name -> times rerun by backward ("blocks.1", or "blocks.1.attention_core" for a
+    # selectively recomputed block: tests check which regions, not only how many, were rerun)
+    recomputed: dict = field(default_factory=dict)
 
     def reset(self) -> None:
         self.forward = self.recompute = 0
+        self.recomputed = {}
 
 
 STATS = RegionStats()
@@ -80,6 +84,7 @@ class _Run:
             STATS.forward += 1
             return self.body(*args)
         STATS.recompute += 1
+        STATS.recomputed[self.name] = STATS.recomputed.get(self.name, 0) + 1
         _RECOMPUTING += 1
         try:
             return self.body(*args)

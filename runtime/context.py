@@ -53,14 +53,23 @@ def set_current(ctx: Context | None) -> None:
     _CTX = ctx
 
 
-def setup(mesh, device: str = "cpu") -> Context:
+def setup(mesh, device: str = "cpu", pp: int = 1) -> Context:
     """Create the process groups of ``mesh`` (collective: every rank must call it) and make them
-    the current context. Requires an initialised default process group of ``mesh.size`` ranks."""
+    the current context. Requires an initialised default process group of ``mesh.size`` ranks,
+    or ``pp * mesh.size`` with ``pp`` pipeline stages: then ``mesh`` is one stage's sub-mesh, the
+    global mesh is (pp, *mesh) with stage s on ranks [s * mesh.size, (s + 1) * mesh.size), every
+    axis group stays inside a stage, and ``extra`` holds ``stage`` and ``pp_group`` (this rank's
+    counterparts on every stage, the pipeline's point-to-point group)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank = dist.get_rank()
-    dm = init_device_mesh(device, tuple(mesh.shape), mesh_dim_names=tuple(mesh.names))
-    groups = {a: dm.get_group(a) for a in range(mesh.ndim)}
+    if pp > 1:
+        dm = init_device_mesh(device, (pp, *mesh.shape), mesh_dim_names=("pp", *mesh.names))
+        groups = {a: dm.get_group(mesh.names[a]) for a in range(mesh.ndim)}
+    else:
+        dm = init_device_mesh(device, tuple(mesh.shape), mesh_dim_names=tuple(mesh.names))
+        groups = {a: dm.get_group(a) for a in range(mesh.ndim)}
+    stage, local = divmod(rank, mesh.size)
     labels = {a: mesh.names[a] for a in range(mesh.ndim)}
     data_axes = [a for a in mesh.data_axes() if mesh.shape[a] > 1]
     if len(data_axes) == 1:
@@ -69,18 +78,21 @@ def setup(mesh, device: str = "cpu") -> Context:
         # Zero or several data axes: one group per set of ranks that share the model coordinates.
         # new_group is collective over the world, so every rank creates every group in one order.
         data_group = None
-        coords = mesh.coords(rank)
+        coords = mesh.coords(local)
         model_axes = [a for a in range(mesh.ndim) if a not in data_axes]
-        buckets: dict[tuple, list[int]] = {}
-        for r in range(mesh.size):
-            c = mesh.coords(r)
-            buckets.setdefault(tuple(c[a] for a in model_axes), []).append(r)
-        for key in sorted(buckets):
-            g = dist.new_group(buckets[key])
-            if key == tuple(coords[a] for a in model_axes):
-                data_group = g
-    ctx = Context(mesh=mesh, rank=rank, coords=tuple(mesh.coords(rank)), groups=groups, labels=labels,
+        for s in range(pp):   # (pp > 1: every stage's groups, created by every rank in one order)
+            buckets: dict[tuple, list[int]] = {}
+            for r in range(mesh.size):
+                c = mesh.coords(r)
+                buckets.setdefault(tuple(c[a] for a in model_axes), []).append(s * mesh.size + r)
+            for key in sorted(buckets):
+                g = dist.new_group(buckets[key])
+                if s == stage and key == tuple(coords[a] for a in model_axes):
+                    data_group = g
+    ctx = Context(mesh=mesh, rank=rank, coords=tuple(mesh.coords(local)), groups=groups, labels=labels,
                   data_group=data_group, device_mesh=dm)
+    if pp > 1:
+        ctx.extra.update(stage=stage, pp_group=dm.get_group("pp"))
     set_current(ctx)
     return ctx
 

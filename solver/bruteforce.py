@@ -10,6 +10,7 @@ import itertools
 import math
 import time
 
+from solver.checkpoint_links import links_hold
 from solver.ilp import _input_error, evaluate, fits, validate
 from solver.problem import Problem, Solution
 
@@ -18,7 +19,7 @@ MAX_COMBINATIONS = 1_000_000
 
 def _decisions(problem: Problem):
     per_group = [(g.forced,) if g.forced is not None else (False, True) for g in problem.checkpoint_groups]
-    return list(itertools.product(*per_group))
+    return [d for d in itertools.product(*per_group) if links_hold(problem, d)]
 
 
 def _count(problem: Problem) -> int:

@@ -18,6 +18,9 @@ Variables and constraint families (each added by the function named):
   strategies where it changes a coefficient. Group activation bytes
   ``= sum_saved z*a + sum_kept (x - z)*b``; recompute working set
   ``rec_g = sum_recompute_memory (x - z)*r``; extra time ``= sum_recompute_time (x - z)*t``.
+- **Checkpoint links** -- ``_add_checkpoint_links`` (solver/checkpoint_links.py): ``c[implied_by] <= c[g]`` for a group
+  with ``implied_by`` (a block group's selective-recompute companion is on whenever the whole
+  block is recomputed; a pinned side becomes a bound).
 - **Memory (liveness sets)** -- ``_add_memory``: ``const + sum terms + group bytes + R <= budget``
   per MemoryConstraint with a finite budget, where continuous ``R >= rec_g`` for each group the
   constraint lists (``_recompute_rows``): backward recomputes one block at a time, so only the
@@ -49,6 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
+from solver.checkpoint_links import add_checkpoint_links as _add_checkpoint_links
+from solver.checkpoint_links import validate_links as _validate_links
 from solver.errors import PlanError
 from solver.problem import Problem, Solution
 
@@ -115,6 +120,7 @@ def validate(problem: Problem) -> None:
     for gi, g in enumerate(problem.checkpoint_groups):
         for part in ("saved", "kept", "recompute_memory", "recompute_time"):
             check_terms(f"checkpoint group {g.name!r} {part}", getattr(g, part))
+    _validate_links(problem)
     seen = set()
     for m in problem.memory:
         if m.name in seen:
@@ -541,6 +547,7 @@ def build(problem: Problem, peak: bool = False) -> _Model:
     lp = _LP("autopar_min_peak" if peak else "autopar_sharding")
     x = _add_choice(lp, sizes)
     cs, parts = _add_checkpoint_groups(lp, problem, x, sizes)
+    _add_checkpoint_links(lp, problem, cs)
     model = _Model(lp=lp, x=x, c=cs)
     if peak:
         _add_peak_rows(lp, problem, sizes, x, parts)

@@ -62,6 +62,10 @@ class CheckpointGroup:
     recompute_memory: list[tuple[int, np.ndarray]] = field(default_factory=list)
     recompute_time: list[tuple[int, np.ndarray]] = field(default_factory=list)
     forced: bool | None = None   # pin the decision (True = checkpoint, False = never)
+    # index of a group whose checkpointing implies this one's (c[implied_by] <= c[self]): a block
+    # group's selective-recompute companion (its attention cores) is on whenever the whole block
+    # is recomputed, so (off, off) = none, (off, on) = selective, (on, on) = full
+    implied_by: int | None = None
 
 
 @dataclass

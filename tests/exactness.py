@@ -79,6 +79,20 @@ def train_eagerly(model, batch, opt, steps: int = STEPS):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def assert_matches_eager(rank_losses, state, ref_losses, ref_sd, param_rtol: float = 1e-4, label: str = ""):
+    """The comparison every multi-process exactness test makes: every rank reports the same
+    losses, they equal eager's (rel 1e-5), and rank 0's full ``state`` (numpy arrays, as they come
+    back from forked ranks) has eager's keys and values (rel ``param_rtol``)."""
+    losses0 = rank_losses[0]
+    for r, losses in enumerate(rank_losses):
+        assert losses == losses0, f"rank {r} reports different losses"
+    torch.testing.assert_close(torch.tensor(losses0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert set(state) == set(ref_sd)
+    for k, want in ref_sd.items():
+        torch.testing.assert_close(torch.from_numpy(state[k]), want, rtol=param_rtol, atol=1e-6,
+                                   msg=lambda m: f"{label}{k}: {m}")
+
+
 def sgd(params, lr: float = LR, momentum: float = MOMENTUM):
     """torch.optim.SGD with momentum over the trainable ``params`` (frozen ones left out)."""
     return torch.optim.SGD([p for p in params if p.requires_grad], lr=lr, momentum=momentum)

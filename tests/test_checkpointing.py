@@ -365,8 +365,8 @@ def test_unknown_block_groups_are_clear_errors():
 
     with pytest.raises(ConstraintError, match="block groups \\['middle'\\]"):
         make_plan("two_stacks", 1, {"checkpoint": {"middle": True}})
-    with pytest.raises(ConstraintError, match="must be 'none', 'full' or a dict"):
-        make_plan("two_stacks", 1, {"checkpoint": "selective"})
+    with pytest.raises(ConstraintError, match="must be 'none', 'selective', 'full' or a dict"):
+        make_plan("two_stacks", 1, {"checkpoint": "sometimes"})
     model, batch = FACTORIES["gpt2"]()
     plan = make_plan("gpt2", 1, {"checkpoint": "full"})
     plan.data["stages"][0]["checkpoint"] = {"layers": True}

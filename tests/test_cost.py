@@ -333,3 +333,22 @@ def test_exposed_comm(c, k):
 def test_exposed_comm_bad_input():
     with pytest.raises(PlanError):
         exposed_comm(-1.0, 0.0, True)
+
+
+def test_gradient_collectives_priced_as_bucket_shares():
+    """The runtime packs gradients into buckets (runtime/zero.py: half the gradient bytes, 1 to
+    25 MiB): a small parameter pays its share of one bucket-sized collective, not a latency-bound
+    collective of its own; the shares of a full bucket add up to that bucket's collective."""
+    from autopar.cost import BUCKET_MAX, BUCKET_MIN, bucket_share, grad_bucket_bytes
+    assert grad_bucket_bytes(1e3) == 1e3   # smaller than a bucket: one collective of everything
+    assert grad_bucket_bytes(1.5 * BUCKET_MIN) == BUCKET_MIN and grad_bucket_bytes(1e12) == BUCKET_MAX
+    assert grad_bucket_bytes(8 * 2**20) == 4 * 2**20
+    comm = Collectives(A100, mesh((4, 8)))
+    bucket = 4 * 2**20
+    parts = [2**10] * 4096   # 4 MiB of 1 KiB parameters
+    total = sum(bucket_share(comm, "all_reduce", p, 0, bucket) for p in parts)
+    assert total == pytest.approx(comm("all_reduce", bucket, 0))
+    assert total < 0.01 * sum(comm("all_reduce", p, 0) for p in parts)
+    # a parameter larger than a bucket gets a collective of its own
+    assert bucket_share(comm, "all_reduce", 2 * bucket, 0, bucket) == comm("all_reduce", 2 * bucket, 0)
+    assert bucket_share(comm, "all_reduce", 0, 0, bucket) == 0.0

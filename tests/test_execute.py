@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from exactness import train_eagerly
+from exactness import assert_matches_eager, train_eagerly
 
 import autopar
 from autopar.errors import ExecutionError
@@ -68,14 +68,7 @@ def check_against_reference(name, nprocs, constraints=None, plan_in_compile=Fals
     assert any(v > 0 for v in stats.values()), f"nothing moved on any mesh axis: {stats}"
     for axis in moves:
         assert stats.get(axis, 0) > 0, f"no bytes moved on mesh axis {axis!r}: {stats}"
-    losses0 = res[0][0]
-    for r, (losses, _, _, _) in enumerate(res):
-        assert losses == losses0, f"rank {r} reports different losses"
-    torch.testing.assert_close(torch.tensor(losses0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    sd = res[0][1]
-    assert set(sd) == set(ref_sd)
-    for k in ref_sd:
-        torch.testing.assert_close(torch.from_numpy(sd[k]), ref_sd[k], rtol=PARAM_RTOL, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    assert_matches_eager([out[0] for out in res], res[0][1], ref_losses, ref_sd, param_rtol=PARAM_RTOL)
     return res
 
 
@@ -118,15 +111,16 @@ def test_dp_tp_gpt2_2x2():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit", "mlp"])
 def test_automatic_plan_zoo(name):
-    """The planner's own choice for 4 CPU devices (e.g. gpt2: dp=2 x tp=2). The tiny MLP's free
-    choice replicates everything (nothing to compare): under a budget of 60% of that plan's peak
-    the search has to split it."""
+    """The planner's own choice for 4 CPU devices (e.g. gpt2: dp=2 x tp=2). Should the tiny MLP's
+    free choice replicate everything (nothing to compare; it did before the cpu preset was
+    calibrated), a budget of 60% of that plan's peak makes the search split it."""
     budget = None
     if name == "mlp":
         model, batch = FACTORIES[name]()
         free = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4))
-        assert free.predictions["split_share"] and not any(free.predictions["split_share"].values())
-        budget = 0.6 * free.peak_memory
+        assert free.predictions["split_share"]
+        if not any(free.predictions["split_share"].values()):
+            budget = 0.6 * free.peak_memory
     check_against_reference(name, 4, None, memory_budget=budget)
 
 
@@ -266,11 +260,11 @@ def _axes_splitting_params(plan) -> set[int]:
 
 @pytest.mark.slow
 def test_2d_tensor_parallel_weights_split_over_two_axes():
-    """dp=1 x tp=2 x tp2=2 (tp_mode "2d"): MLP weights split over both model axes at once."""
+    """dp=1 x tp=2 x tp2=2 (tp_mode "2d-reshard"): MLP weights split over both model axes at once."""
     model, batch = ZOO["gpt2"]()
     plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4),
                         constraints={"dp": 1, "tp": 4, "tp_shape": [2, 2], **NM1})
-    assert plan.degrees["tp_mode"] == "2d"
+    assert plan.degrees["tp_mode"] == "2d-reshard"
     assert any("@tp " in o["strategy"] + " " and "@tp2" in o["strategy"] for o in plan.data["ops"])
     _check_plan_against_reference("gpt2", plan)
 

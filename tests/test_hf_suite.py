@@ -38,7 +38,7 @@ import json
 
 import pytest
 import torch
-from exactness import train_eagerly
+from exactness import assert_matches_eager, train_eagerly
 
 import autopar
 from autopar.models import HF_ZOO
@@ -91,15 +91,7 @@ def check(name, plan, **kw):
     """Train under ``plan`` on its processes and compare with eager; returns rank 0's comm stats."""
     ref_losses, ref_sd = reference(name, **kw)
     res = run_local(_train, plan.mesh.size, args=(name, plan.to_json(), kw), timeout=240)
-    losses0 = res[0][0]
-    for r, (losses, _, _) in enumerate(res):
-        assert losses == losses0, f"rank {r} reports different losses"
-    torch.testing.assert_close(torch.tensor(losses0), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    sd = res[0][1]
-    assert set(sd) == set(ref_sd)
-    for k, want in ref_sd.items():
-        torch.testing.assert_close(torch.from_numpy(sd[k]), want, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{name}: {k}: {m}")
+    assert_matches_eager([out[0] for out in res], res[0][1], ref_losses, ref_sd, label=f"{name}: ")
     return res[0][2]
 
 

@@ -67,10 +67,11 @@ def test_plans(name, cluster_name):
         return
     p = autopar.plan(model, inputs, cluster, traced=g)
     d = p.degrees
-    assert d["dp"] * d["tp"] * d["pp"] * d["sp"] == cluster.num_devices, d
+    assert d["dp"] * d["tp"] * d["pp"] * (1 if d["sp_mode"] == "megatron" else d["sp"]) == cluster.num_devices, d
     assert d["tp"] <= cluster.devices_per_node
     assert 0 < p.peak_memory <= cluster.device.memory_bytes
     assert p.step_time > 0
     assert 0 < p.mfu < 1
-    assert set(p.comm_bytes) == set(p.mesh.names)
+    # the mesh is one stage's; under pipelining the stages' point-to-point bytes are reported as "pp"
+    assert set(p.comm_bytes) == set(p.mesh.names) | ({"pp"} if d["pp"] > 1 else set())
     assert p.fingerprint == g.fingerprint

@@ -89,3 +89,59 @@ def test_verbose_shows_search_progress(capsys):
     autopar.plan(model, inputs, autopar.Cluster.preset("cpu", devices=4), verbose=True)
     out = capsys.readouterr().out
     assert "configurations visited" in out and "pruned" in out and "best" in out
+
+
+def _out_of_time(real):
+    """``real`` (a solver call) as it behaves when the search's time runs out mid-call: HiGHS
+    gets a time limit it cannot do anything in, stops with no solution and raises PlanError."""
+    def call(problem, time_limit=None, **kw):
+        assert time_limit is not None, "the search passes its remaining time to the solver"
+        return real(problem, **dict(kw, time_limit=1e-9))
+    return call
+
+
+def test_a_time_limit_hit_in_the_lp_bound_returns_the_best_plan_so_far(monkeypatch):
+    """The LP relaxation bound runs under the time limit too: running out of time there keeps the
+    best plan found (it used to abort the whole search with the LP's PlanError)."""
+    import autopar.search as S
+    from autopar.build import bound_problem
+    from autopar.errors import PlanError
+    from solver.ilp import relaxation_bound
+
+    model, inputs = ZOO["gpt2"]()
+    g = trace(model, inputs)
+    g.batch_dims = infer_batch_dims(input_shapes(g), None)
+    cluster = autopar.Cluster.preset("cpu", devices=4)
+    # the premise: a real LP bound of one configuration, out of time, raises
+    cfg = next(iter(configurations(g, cluster, _base(cluster), {})))
+    c = candidates(g, cfg.mesh)
+    P = price(c, cluster, cfg.settings)
+    with pytest.raises(PlanError, match="time_limit"):
+        _out_of_time(relaxation_bound)(bound_problem(build_problem(c, P, cfg.settings), P), time_limit=5.0)
+
+    monkeypatch.setattr(S, "relaxation_bound", _out_of_time(relaxation_bound))
+    best, stats = search(g, cluster, _base(cluster), None, time_limit=60)
+    assert stats["timed_out"] >= 1 and "lp_bounds" not in stats
+    assert best.prediction["step_time"] > 0 and stats["solved"] >= 1
+
+
+def test_a_time_limit_with_no_plan_found_is_a_clear_error(monkeypatch):
+    """Every LP and ILP out of time before any plan: a PlanError naming the time limit, after
+    every configuration had its try (not the first solver's message half-way through)."""
+    import autopar.search as S
+    from autopar.errors import PlanError
+    from solver.ilp import relaxation_bound
+
+    model, inputs = ZOO["gpt2"]()
+    g = trace(model, inputs)
+    g.batch_dims = infer_batch_dims(input_shapes(g), None)
+    cluster = autopar.Cluster.preset("cpu", devices=4)
+    # ILP configurations only (no grid plan to fall back on), each a real HiGHS problem (tp=1
+    # problems are solved without HiGHS)
+    pins = {"tp_mode": "1d", "tp": 2}
+    monkeypatch.setattr(S, "relaxation_bound", _out_of_time(relaxation_bound))
+    monkeypatch.setattr(S, "solve", _out_of_time(solve))
+    with pytest.raises(PlanError, match=r"no plan found within time_limit=60 s.*raise time_limit") as ei:
+        search(g, cluster, _base(cluster), pins, time_limit=60)
+    n = len(list(configurations(g, cluster, _base(cluster), pins)))
+    assert n > 1 and f"on {n} of {n} configurations" in str(ei.value), str(ei.value)

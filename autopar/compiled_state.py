@@ -1,0 +1,168 @@
+"""A compiled model's state: full tensors assembled from every rank's blocks, and checkpoints.
+
+``full_state_dict`` gathers each parameter's blocks (collective over the world) into the tensors of
+``model.state_dict()``; ``save`` writes them, with the optimizer state and step count, through
+torch.distributed.checkpoint as full (unsharded) tensors, so a checkpoint loads onto any plan;
+``load`` first checks the checkpoint's tensors against this model's (``check_checkpoint``), then
+cuts this rank's blocks out of the full tensors. Pipelined plans assemble their state in
+autopar/pipeline_run.py. The functions take the CompiledModel (autopar/compiled.py), whose
+methods of the same names call them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import ExecutionError
+
+
+def _factor(lay, d, mesh_shape) -> int:
+    return math.prod(mesh_shape[a] for a in lay.dims[d])
+
+
+def gather_full(cm, local: torch.Tensor, fqn: str) -> torch.Tensor:
+    """Assemble the full tensor from every rank's block (collective over the world)."""
+    prog = cm.program
+    lay = prog.param_layouts[fqn]
+    shape = [s.stop - s.start for s in prog.param_slices[fqn]]
+    full_shape = [n * _factor(lay, d, prog.mesh_shape) for d, n in enumerate(shape)]
+    world = dist.get_world_size()
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous())
+    full = torch.empty(full_shape, dtype=local.dtype)
+    mesh = cm.plan.mesh
+    for r in range(world):
+        from codegen.per_rank import block_slices
+        full[block_slices(lay, full_shape, prog.mesh_shape, mesh.coords(r))] = parts[r]
+    return full
+
+@torch.no_grad()
+def local_values(cm) -> dict[str, torch.Tensor]:
+    """This rank's block of every parameter (fp32: the master copy under mixed precision) and buffer."""
+    vals = {}
+    for c in cm.opt.chunks:
+        flat = cm.opt.full_flat(c)
+        for p, off in zip(c.params, c.offsets):
+            vals[cm._fqn_of(p)] = flat[off:off + p.numel()].view(p.shape).clone()
+    vals.update({fqn: b.clone() for fqn, b in cm.buffers.items()})
+    return vals
+
+def full_state_dict(cm) -> dict[str, torch.Tensor]:
+    """Full tensors, keys of model.state_dict() (tied aliases included); on every rank."""
+    cm._need_ready()
+    if cm.pp > 1:
+        from autopar import pipeline_run
+        return pipeline_run.full_state_dict(cm)
+    out = {}
+    for fqn, v in cm._local_values().items():
+        full = cm._gather_full(v, fqn).cpu()
+        for alias in cm.traced.tied.get(fqn, [fqn]):
+            out[alias] = full
+    keys = list(cm.model.state_dict().keys())
+    return {k: out[k] for k in keys if k in out}
+
+def optimizer_local_state(cm) -> dict[str, dict[str, torch.Tensor]]:
+    """fqn -> {state name: tensor shaped like my parameter block} (collective over the data group)."""
+    out = {}
+    for c in cm.opt.chunks:
+        for name, t in c.state.items():
+            flat = cm.opt.gather_local(c, t)
+            for p, off in zip(c.params, c.offsets):
+                fqn = cm._fqn_of(p)
+                out.setdefault(fqn, {})[name] = flat[off:off + p.numel()].view(p.shape).clone()
+    return out
+
+def full_optimizer_state(cm) -> dict[str, torch.Tensor]:
+    """"{fqn}.{state name}" -> the full tensor (collective over the world)."""
+    local = cm._optimizer_local_state()
+    if cm.pp > 1:
+        from autopar import pipeline_run
+        return pipeline_run.full_optimizer_state(cm, local)
+    return {f"{fqn}.{name}": cm._gather_full(t, fqn) for fqn, d in local.items() for name, t in d.items()}
+
+def save(cm, directory) -> None:
+    """Full (unsharded) tensors via torch.distributed.checkpoint: loads onto any plan."""
+    import torch.distributed.checkpoint as dcp
+
+    cm._need_ready()
+    state = {"model": cm.full_state_dict()}
+    state["optim"] = {k: v.cpu() for k, v in cm._full_optimizer_state().items()}
+    state["step"] = torch.tensor(cm.opt.step_count)
+    dcp.save(state, checkpoint_id=str(directory))
+
+@torch.no_grad()
+def load(cm, directory) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    cm._need_ready()
+    model_sd = {k: v.clone() for k, v in cm.full_state_dict().items()}
+    opt_sd = {k: v.clone() for k, v in cm._full_optimizer_state().items()}
+    state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(0)}
+    check_checkpoint(directory, state)
+    try:
+        dcp.load(state, checkpoint_id=str(directory))
+    except BaseException as e:   # dcp's CheckpointException is a BaseException, not an Exception
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ExecutionError(f"rank {cm.rank}: could not load checkpoint {directory}: "
+                             f"{type(e).__name__}: {str(e).strip()[:500]}") from None
+    prog = cm.program
+
+    def my_flat(c, values: dict, suffix: str = "") -> torch.Tensor:
+        """The chunk's padded fp32 buffer filled with this rank's blocks of the saved tensors."""
+        flat = torch.zeros(c.padded, dtype=torch.float32)
+        for p, off in zip(c.params, c.offsets):
+            fqn = cm._fqn_of(p)
+            flat[off:off + p.numel()] = values[fqn + suffix][prog.param_slices[fqn]].reshape(-1)
+        return flat.to(cm.device)
+
+    for c in cm.opt.chunks:
+        cm.opt.load_flat(c, my_flat(c, state["model"]))   # working copy (and master) from fp32 values
+        for name, t in c.state.items():
+            flat = my_flat(c, state["optim"], "." + name)
+            t.copy_(flat[c.lo:c.hi] if t.numel() == c.shard and cm.zero >= 1 else flat[:t.numel()])
+    for fqn, b in cm.buffers.items():
+        # Non-persistent buffers (RoPE tables) and lifted constants are not in the state dict:
+        # they keep the model's values, as torch's load_state_dict does.
+        if fqn in state["model"]:
+            b.copy_(state["model"][fqn][prog.param_slices[fqn]])
+    cm.opt.step_count = int(state["step"])
+
+
+def check_checkpoint(directory, state: dict) -> None:
+    """Refuse a checkpoint whose tensors are not the ones this plan trains (a 2-layer model into a
+    1-layer one, another optimizer's state, other shapes): dcp.load would fill what matches and
+    silently ignore the rest. Every rank reads the same metadata, so every rank raises."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.exists(str(directory)):
+        raise ExecutionError(f"checkpoint directory {directory} does not exist: give the directory "
+                             f"compiled.save() wrote", collective=True)
+    if not os.path.isdir(str(directory)):
+        raise ExecutionError(f"{directory} is a file, not a checkpoint directory: give the directory "
+                             f"compiled.save() wrote", collective=True)
+    try:
+        meta = dcp.FileSystemReader(str(directory)).read_metadata()
+    except Exception as e:
+        raise ExecutionError(f"no readable checkpoint at {directory}: {type(e).__name__}: {e}", collective=True) from None
+    saved = {k: getattr(v, "size", None) for k, v in meta.state_dict_metadata.items()}
+    want = {"step": torch.Size([])}
+    for group in ("model", "optim"):
+        want.update({f"{group}.{k}": v.shape for k, v in state[group].items()})
+    missing = sorted(set(want) - set(saved))
+    extra = sorted(set(saved) - set(want))
+    shapes = sorted(f"{k} {tuple(saved[k])} (this model: {tuple(want[k])})" for k in set(want) & set(saved)
+                    if saved[k] is not None and tuple(saved[k]) != tuple(want[k]))
+    if not (missing or extra or shapes):
+        return
+    show = lambda xs: ", ".join(xs[:8]) + (f" and {len(xs) - 8} more" if len(xs) > 8 else "")  # noqa: E731
+    parts = ([f"missing from the checkpoint: {show(missing)}"] if missing else []) + \
+            ([f"not in this model: {show(extra)}"] if extra else []) + \
+            ([f"shape differs: {show(shapes)}"] if shapes else [])
+    raise ExecutionError(f"checkpoint {directory} does not match this model and optimizer ("
+                         + "; ".join(parts) + "): nothing was loaded. Load it into the model (and "
+                         "optimizer) it was saved from.", collective=True)

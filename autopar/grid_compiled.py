@@ -1,0 +1,180 @@
+"""Execution of a 2D / 2.5D / 3D tensor-parallel plan (tp_mode "2d", "2.5d", "3d"): the grid of
+runtime/grid.py, each rank's parameter blocks, codegen/grid_ops.py's per-rank program, the
+optimizer on the local blocks, the global loss, and checkpoints reassembled from the blocks.
+
+``CompiledModel._setup`` hands a grid plan to ``GridCompiledModel.setup_grid`` (the object's
+class becomes GridCompiledModel: same public API - step, __call__, full_state_dict,
+comm_stats, reset_comm_stats).
+
+Parameter blocks (the stored global tensor, then runtime/grid.take with the rank's spec):
+    weight  nn.Linear.weight.T [in, out] (QKV: columns in head-grouped order), weight spec
+    conv    patch-embedding weight reshaped to [out, C*kh*kw], transposed, weight spec
+    bias    [out] (QKV: same order), vector spec of the linear's layout
+    norm    LayerNorm vector: vector spec of swap(layout) (3D), the plane's otherwise
+    table   embedding table [V, h]: hidden piece of q^2 (q^3 in 3D)
+    loose   hidden block of q on its hidden dim, replicated over the token groups
+Gradients are exactly each block's (the grid ops' own backward); so plain SGD / Adam on the
+local blocks is the one-process optimizer, element by element.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.compiled import CompiledModel
+from autopar.errors import ExecutionError
+from codegen.grid_layout import GRID_MODES, geometry_of
+from runtime.grid import take
+
+
+def is_grid_plan(plan) -> bool:
+    return plan.degrees.get("tp_mode") in GRID_MODES
+
+
+def _spec(geo, use, coords, shape):
+    if use.kind in ("weight", "conv"):
+        return geo.weight_spec(use.L, coords)
+    if use.kind == "bias":
+        return geo.vector_spec(use.L, coords)
+    if use.kind == "norm":
+        return geo.vector_spec(geo.swap(use.L), coords)
+    if use.kind == "table":
+        return geo.table_spec(use.L, coords)
+    spec = [None] * len(shape)
+    spec[use.hdim] = geo.hid_block(use.L, coords)
+    return tuple(spec)
+
+
+def to_stored(use, t: torch.Tensor) -> torch.Tensor:
+    """The global tensor the blocks are cut from."""
+    if use.kind == "weight":
+        t = t.t()
+    elif use.kind == "conv":
+        t = t.reshape(t.shape[0], -1).t()
+    if use.perm is not None:
+        t = t[..., list(use.perm)]
+    return t.contiguous()
+
+
+def from_stored(use, t: torch.Tensor, shape) -> torch.Tensor:
+    if use.perm is not None:
+        out = torch.empty_like(t)
+        out[..., list(use.perm)] = t
+        t = out
+    if use.kind == "weight":
+        t = t.t()
+    elif use.kind == "conv":
+        t = t.t().reshape(shape)
+    return t.contiguous()
+
+
+def _place(full: torch.Tensor, spec, block: torch.Tensor) -> None:
+    idx = []
+    for dim, s in enumerate(spec):
+        if s is None:
+            idx.append(slice(None))
+        else:
+            i, n = s
+            size = full.shape[dim] // n
+            idx.append(slice(i * size, (i + 1) * size))
+    idx += [slice(None)] * (full.dim() - len(idx))
+    full[tuple(idx)] = block
+
+
+class GridCompiledModel(CompiledModel):
+    def setup_grid(self, traced, example_inputs):
+        from codegen.grid_ops import GridProgram
+        from runtime.grid import Grid2D, Grid3D, Grid25D
+
+        plan = self.plan
+        d = plan.degrees
+        if int(d.get("num_micro_batches", 1) or 1) != 1:
+            raise ExecutionError("a grid plan runs with one micro-batch in this version", collective=True)
+        if self.weights is not None:
+            raise ExecutionError("a grid plan takes the model's own weights (weights=None)", collective=True)
+        self.geo = geo = geometry_of(d["tp_mode"], d["tp_shape"], int(d.get("dp", 1)))
+        self.grid = {"2d": lambda: Grid2D(geo.q, dp=geo.dp), "2.5d": lambda: Grid25D(geo.q, geo.d, dp=geo.dp),
+                     "3d": lambda: Grid3D(geo.q, dp=geo.dp)}[geo.mode]()
+        self.traced = traced
+        coords = dict(zip(self.grid.names, self.grid.coords), dp=self.grid.dp_rank)
+        batch = example_inputs[0].shape[0]
+        prog = GridProgram(traced, geo, batch).analyse()
+        self.local_params = {}
+        for name, use in prog.uses.items():
+            full = traced.value_of(self.model, traced.param_fqn[name]).detach()
+            stored = to_stored(use, full.float())
+            block = take(stored, _spec(geo, use, coords, stored.shape))
+            self.local_params[name] = block.requires_grad_(name not in traced.buffers)
+        self.program = prog.bind(self.grid, coords, self.local_params)
+        trainable = [t for n, t in self.local_params.items() if n not in traced.buffers]
+        kw = dict(self.optimizer_kwargs)
+        if self.optimizer_name == "sgd":
+            self.opt = torch.optim.SGD(trainable, lr=self.lr, **kw)
+        elif self.optimizer_name in ("adam", "adamw"):
+            cls = torch.optim.Adam if self.optimizer_name == "adam" else torch.optim.AdamW
+            self.opt = cls(trainable, lr=self.lr, **kw)
+        else:
+            raise ExecutionError(f"optimizer {self.optimizer_name!r} is not supported on a grid plan "
+                                 f"(sgd, adam, adamw)", collective=True)
+        self.rank = dist.get_rank()
+        self._ready = True
+
+    def _inputs(self, batch):
+        return dict(zip(self.traced.input_names, batch))
+
+    def _global(self, share: torch.Tensor) -> float:
+        t = share.detach().clone().reshape(1)
+        dist.all_reduce(t)    # uncounted: the loss report is not the plan's traffic
+        return float(t[0]) / self.program.replicas
+
+    def step(self, *batch) -> float:
+        if not self._ready:
+            self._setup(batch)
+        loss = self.program.forward(self._inputs(batch))
+        loss.backward()
+        if self.geo.dp > 1:
+            # the replicas' losses are shares of one global loss: their gradients add up
+            from runtime.collectives import _raw_all_reduce
+            for t in self.opt.param_groups[0]["params"]:
+                t.grad = _raw_all_reduce(t.grad, self.grid.dp_group, "dp")
+        self.opt.step()
+        self.opt.zero_grad()
+        return self._global(loss)
+
+    @torch.no_grad()
+    def __call__(self, *inputs):
+        return torch.tensor(self._global(self.program.forward(self._inputs(inputs))))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole (blocks of all ranks placed back; tied names share it)."""
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {n: t.detach() for n, t in self.local_params.items()})
+        out = {}
+        for name, use in self.program.uses.items():
+            fqn = self.traced.param_fqn[name]
+            shape = tuple(self.traced.value_of(self.model, fqn).shape)
+            stored = to_stored(use, torch.zeros(shape))
+            full = torch.zeros_like(stored)
+            for r, blocks in enumerate(gathered):
+                _place(full, _spec(self.geo, use, self.geo.coords_of(r), stored.shape), blocks[name])
+            value = from_stored(use, full, shape)
+            for f in self.traced.tied.get(fqn, [fqn]):
+                out[f] = value
+        return out
+
+    def _local_values(self):
+        raise ExecutionError("save/load of a grid plan is not implemented yet: use full_state_dict()")
+
+    def save(self, directory) -> None:
+        self._local_values()
+
+    def load(self, directory) -> None:
+        self._local_values()
+
+    def comm_stats(self) -> dict[str, int]:
+        from runtime.collectives import COMM_STATS
+        return dict(COMM_STATS.snapshot())
+
+    def reset_comm_stats(self) -> None:
+        from runtime.collectives import COMM_STATS
+        COMM_STATS.reset()

@@ -1,0 +1,347 @@
+"""2D (SUMMA), 2.5D (Tesseract) and 3D tensor parallelism in the search: the tp_mode / tp_shape
+constraints, the grid configurations of a cluster, their price, and their plan data.
+
+What is chosen (a block-level choice, the honest first step the design allows): the whole model
+runs in one grid mode (codegen/grid_ops.py lowers every op of the traced graph; a model it cannot
+lower has no grid configuration), priced here and compared by the search (autopar/search.py)
+with the best ILP plan of the 1D and 2d-reshard meshes by predicted step time, under the same
+memory budget. Per-op mixing of grid layouts with the ILP's layouts is not modelled.
+
+Price of a grid configuration (dp replicas of the grid, one micro-batch, no ZeRO / checkpointing):
+  * compute: every op of the graph with its work split evenly over the world (each grid op
+    computes 1/world of the GEMM; local ops run on 1/tok_parts of the tokens and 1/q of the
+    hidden), priced by autopar.cost.fwd_bwd_compute as the ILP prices an op (``grid_compute``:
+    the GEMM efficiency curve at the local kernel shape the grid program records, e.g. SUMMA's
+    q GEMMs [my tokens, k/q] x [k/q, n/q] per linear, bf16 bytes, the op's backward ratio);
+  * communication: each collective of solver/tp_grid_cost.py the lowering issues (forward +
+    backward, exactly what COMM_STATS records), priced by autopar.cost.Collectives on the mesh
+    axis of its group (mesh axes named like the grid's groups: col/row, depth/col/row, x/y/z),
+    serial with compute (SUMMA's broadcasts are not overlapped by the runtime);
+  * with dp > 1: one all-reduce of the local gradient blocks over the dp axis, not overlapped;
+  * optimizer step on the local blocks;
+  * memory: the local parameter blocks with their gradients and optimizer state, plus the
+    saved activations the lowering counts (1/q^2, 1/(d q^2) or 1/q^3 of the activations).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.errors import ConstraintError
+from codegen.grid_layout import GRID_MODES, Geometry
+
+TP_MODES = ("1d", "2d-reshard") + GRID_MODES
+
+
+def check_grid_constraints(constraints: dict) -> None:
+    mode = constraints.get("tp_mode")
+    if mode is not None and mode not in TP_MODES:
+        hint = " ('2d' now means SUMMA; the former 2-axis resharding mode is '2d-reshard')" if mode == "2D" else ""
+        raise ConstraintError(f"constraint tp_mode={mode!r}: must be one of {', '.join(map(repr, TP_MODES))}{hint}")
+    if "tp_shape" not in constraints:
+        if mode in GRID_MODES and "tp" in constraints:
+            _check_world(mode, constraints["tp"], None)
+        return
+    shape = constraints["tp_shape"]
+    if not isinstance(shape, (list, tuple)) or not shape or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x > 1 for x in shape) or len(shape) > 3:
+        raise ConstraintError(f"constraint tp_shape={shape!r}: must be a list of one to three model-axis sizes > 1, "
+                              f"e.g. [2, 2] for 2d q=2, [2, 2, 2] for 2.5d q=2 d=2 or 3d q=2")
+    if mode in (None, "1d", "2d-reshard") and len(shape) > 2:
+        raise ConstraintError(f"constraint tp_shape={list(shape)!r} has three axes: pin tp_mode='2.5d' (q, q, d) or "
+                              f"'3d' (q, q, q) with it")
+    if mode == "1d" and len(shape) != 1 or mode == "2d-reshard" and len(shape) != 2:
+        raise ConstraintError(f"constraints tp_mode={mode!r} and tp_shape={list(shape)!r} contradict each other: "
+                              f"'1d' has one model axis, '2d-reshard' two")
+    if mode in GRID_MODES:
+        _check_world(mode, math.prod(shape), shape)
+    if "tp" in constraints and constraints["tp"] != math.prod(shape):
+        raise ConstraintError(f"constraints tp={constraints['tp']} and tp_shape={list(shape)!r} contradict each other: "
+                              f"tp is the product of tp_shape ({math.prod(shape)})")
+
+
+def _check_world(mode: str, tp: int, shape) -> None:
+    """A grid of ``tp`` devices (and its shape, when pinned) that the mode can build."""
+    from runtime.grid import GridError, check_2d, check_2p5d, check_3d
+    try:
+        if mode == "2d":
+            q = shape[0] if shape else round(tp ** 0.5)
+            if shape is not None and (len(shape) != 2 or shape[0] != shape[1]):
+                raise GridError(f"2D tensor parallelism runs on a q x q grid: tp_shape must be [q, q], got {list(shape)}")
+            check_2d(tp, q)
+        elif mode == "2.5d":
+            if shape is None:
+                if not any(tp % (q * q) == 0 and tp // (q * q) >= 1 for q in range(2, int(tp ** 0.5) + 1)):
+                    raise GridError(f"2.5D tensor parallelism needs q*q*d devices with q >= 2; {tp} is not")
+                return
+            if len(shape) != 3 or shape[0] != shape[1]:
+                raise GridError(f"2.5D tensor parallelism runs on q x q x d: tp_shape must be [q, q, d], got {list(shape)}")
+            check_2p5d(tp, shape[0], shape[2])
+        else:
+            q = shape[0] if shape else round(tp ** (1 / 3))
+            if shape is not None and (len(shape) != 3 or len(set(shape)) != 1):
+                raise GridError(f"3D tensor parallelism runs on q x q x q: tp_shape must be [q, q, q], got {list(shape)}")
+            check_3d(tp, q)
+    except GridError as e:
+        raise ConstraintError(f"constraint tp_mode={mode!r}: {e}") from None
+
+
+def grid_geometries(num_devices: int, constraints: dict) -> list[Geometry]:
+    """The grid configurations the pins allow: dp replicas (outermost) of a 2D / 2.5D / 3D grid."""
+    mode = constraints.get("tp_mode")
+    if mode is not None and mode not in GRID_MODES:
+        return []
+    pins_ok = (constraints.get("zero", 0) == 0
+               and constraints.get("checkpoint", "none") in ("none", None)
+               and constraints.get("num_micro_batches", 1) == 1
+               and constraints.get("sp", 1) == 1 and constraints.get("sp_mode") is None)
+    out = []
+    for dp in range(1, num_devices + 1):
+        if num_devices % dp or constraints.get("dp", dp) != dp:
+            continue
+        tp = num_devices // dp
+        for q in range(2, tp + 1):
+            if q * q == tp:
+                out.append(Geometry("2d", q, 1, dp))
+            if q ** 3 == tp:
+                out.append(Geometry("3d", q, 1, dp))
+            for d in range(2, tp + 1):
+                if q * q * d == tp:
+                    out.append(Geometry("2.5d", q, d, dp))
+    out = [g for g in out if (mode is None or g.mode == mode)
+           and ("tp_shape" not in constraints or list(constraints["tp_shape"]) == g.tp_shape)
+           and constraints.get("tp", g.world) == g.world]
+    if out and not pins_ok:
+        if mode is not None:
+            raise ConstraintError(f"constraint tp_mode={mode!r} runs with zero=0, one micro-batch, no "
+                                  f"activation checkpointing and no sequence parallelism in this version; drop the other pins")
+        return []
+    if mode is not None and not out:
+        tp = constraints.get("tp", num_devices // constraints.get("dp", 1))
+        _check_world(mode, tp, constraints.get("tp_shape"))   # the grid's own message first
+        raise ConstraintError(f"constraint tp_mode={mode!r} cannot be met on {num_devices} devices"
+                              + (f" with tp_shape={list(constraints['tp_shape'])}" if "tp_shape" in constraints else "")
+                              + ": 2d needs q*q devices, 2.5d q*q*d, 3d q*q*q (q >= 2)")
+    return out
+
+
+@dataclass
+class GridResult:
+    geo: Geometry
+    mesh: object
+    program: object
+    prediction: dict
+    cands: object
+
+
+def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
+    """The predicted step of ``graph`` in grid mode ``geo`` (module doc). ``cands``: candidates
+    of the graph on a one-device mesh (per-op FLOPs and bytes)."""
+    from autopar.batching import graph_batch_dims, input_shapes, batch_size
+    from autopar.cost import Collectives, optimizer_step_time, profile_of
+    from autopar.memory import state_bytes
+    from autopar.mesh import Mesh
+    from autopar.predict import model_flops
+    from codegen.grid_ops import GridProgram
+
+    batch = batch_size(input_shapes(graph), graph_batch_dims(graph))
+    prog = GridProgram(graph, geo, batch).analyse()
+    mesh = Mesh(geo.mesh_shape, geo.mesh_names, cluster.devices_per_node)
+    comm = Collectives(cluster, mesh)
+    dtype = "bf16" if base.precision == "bf16" else "fp32"
+    scale = 0.5 if base.precision == "bf16" else 1.0    # the lowering counts fp32 bytes
+    cal = profile_of(cluster)
+    per_op = grid_compute(cands, prog, cluster, base.precision, geo)
+    compute = sum(t for _, t in per_op.values())
+    # a rooted reduce is priced as the broadcast it mirrors (pipelined ring: S/B + (n-1) alpha;
+    # autopar/cost.py has no separate reduce)
+    op_comm = sum(c.count * comm("broadcast" if c.kind == "reduce" else c.kind, c.nbytes * scale,
+                                 geo.mesh_names.index(c.group)) for c in prog.colls)
+    local = 0
+    for n, use in prog.uses.items():
+        if n not in graph.buffers:
+            local += _local_numel(graph, n, geo, use)
+    # data parallelism over the grid replicas: each local gradient block all-reduced over dp
+    grad_bytes = local * 4
+    grad_comm = comm("all_reduce", grad_bytes * scale, 0) if geo.dp > 1 else 0.0
+    static = state_bytes(local, base.optimizer, base.precision)
+    optimizer = optimizer_step_time(local, base.optimizer, base.precision, cluster.device, cal)
+    acts = prog.saved * scale
+    step = compute + op_comm + grad_comm + optimizer
+    peak = sum(static.values()) + acts
+    flops = model_flops(cands)
+    comm_bytes = {g: 0 for g in geo.mesh_names}
+    comm_bytes.update(prog.bytes_per_group())
+    if geo.dp > 1:
+        comm_bytes["dp"] = grad_bytes
+    pred = {
+        "step_time": step,
+        "time_breakdown": {"compute": compute, "recompute": 0.0, "op_comm": op_comm, "reshard_comm": 0.0,
+                           "grad_comm": grad_comm, "grad_comm_exposed": grad_comm, "optimizer": optimizer, "bubble": 0.0},
+        "overlap_grad_comm": base.overlap_grad_comm,
+        "peak_memory": int(math.ceil(peak)),
+        "memory_breakdown": {**{k: int(round(v)) for k, v in static.items()}, "activations": int(round(acts)),
+                             "other": 0},
+        "comm_bytes": {k: int(v) for k, v in comm_bytes.items()},
+        "model_flops": flops,
+        "mfu": flops / (step * geo.devices * cluster.device.peak_flops[dtype]) if step > 0 else 0.0,
+        "saved_activations_per_rank": int(prog.saved),
+        "split_share": {g: 1.0 for g in geo.mesh_names},
+    }
+    return GridResult(geo, mesh, prog, pred, cands)
+
+
+def grid_compute(cands, prog, cluster, precision: str, geo: Geometry) -> dict[str, tuple[float, float]]:
+    """Per op (representative, times its repeats): (forward, forward + backward) seconds of one
+    rank in grid mode ``geo``. Priced as autopar/pricing.py prices an ILP op - bf16 bytes, the
+    op's backward ratio, and for a contraction the GEMM-by-intensity curve at the local shape
+    the rank's kernel runs on - so grid and ILP plans compare like with like. A SUMMA linear
+    runs q kernels of 1/q of its work each (one per step), a 3D linear one."""
+    from autopar.cost import fwd_bwd_compute, gemm_intensity, profile_of
+    from autopar.pricing import has_contraction, op_bytes_scale
+    from autopar.rules.table import val as node_val
+
+    dtype = "bf16" if precision == "bf16" else "fp32"
+    itemsize = 2 if dtype == "bf16" else 4
+    cal = profile_of(cluster)
+    world = geo.devices
+    out = {}
+    for name in cands.order:
+        info = cands.nodes[name]
+        if info.rep != name or info.kind != "op" or info.spec is None:
+            continue
+        spec = info.spec
+        wgrad = has_contraction(spec)
+        kernels, ai = 1, None
+        if name in prog.gemms:
+            kernels, m, k, n = prog.gemms[name]
+            # the ILP's intensity of a linear counts its bias among the operands: so does this one
+            bias = ["n"] if spec.rule == "linear" and len([t for t in spec.inputs if t]) == 3 else []
+            ai = gemm_intensity({"m": m, "k": k, "n": n}, ["mk", "nk", *bias, "mn"], itemsize)
+        elif wgrad:
+            ai = _local_intensity(spec, prog.local_shapes.get(name), itemsize)
+        bscale = op_bytes_scale(node_val(info.node), precision)
+        f, b = fwd_bwd_compute(spec.flops / world / kernels, spec.bytes * bscale / world / kernels, dtype,
+                               cluster.device, wgrad, ai, cal, op=spec.rule)
+        out[name] = (f * kernels * info.repeats, (f + b) * kernels * info.repeats)
+    return out
+
+
+def _local_intensity(spec, shapes, itemsize: int) -> float:
+    """FLOP/byte of a local contraction (e.g. attention) at the shapes it ran on in the grid
+    program: each letter of the op's spec takes its local size (global where no shape says)."""
+    from autopar.cost import gemm_intensity
+
+    sizes = {ch: float(v) for ch, v in spec.sizes.items()}
+    if shapes is not None:
+        ins, outs = shapes
+        tensors = [t for t in spec.inputs if t is not None]
+        for letters, shape in list(zip(tensors, ins)) + list(zip(spec.outputs, outs)):
+            if letters and len(letters) == len(shape):
+                for ch, size in zip(letters, shape):
+                    sizes[ch] = min(sizes[ch], float(size))
+    used = {ch for t in list(spec.inputs) + list(spec.outputs) if t for ch in t}
+    return gemm_intensity({ch: v for ch, v in sizes.items() if ch in used},
+                          [t for t in spec.inputs if t] + list(spec.outputs), itemsize)
+
+
+def _local_numel(graph, name, geo, use) -> int:
+    n = graph.gm.graph.find_nodes(op="placeholder", target=name)[0].meta["val"].numel()
+    if use.kind in ("weight", "conv"):
+        return n // (geo.q ** 3 if geo.mode == "3d" else geo.q ** 2)
+    if use.kind in ("bias", "norm", "table"):
+        return n // geo.table_parts()
+    return n // geo.q
+
+
+def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, stats: dict, log=None):
+    """The cheapest grid configuration that fits the budget and beats ``best_step`` (None: any),
+    or None. A pinned grid mode the model cannot run is a ConstraintError naming the op."""
+    from autopar.candidates import candidates
+    from autopar.mesh import Mesh
+    from codegen.grid_ops import GridLoweringError
+
+    geos = grid_geometries(cluster.num_devices, constraints)
+    if not geos:
+        return None
+    pinned = constraints.get("tp_mode") in GRID_MODES
+    cands = candidates(graph, Mesh((1,), ("dp",), cluster.devices_per_node))
+    best = None
+    first_error = None   # (geometry, GridLoweringError) of the first geometry that did not lower
+    lowered = 0
+    for geo in geos:
+        stats["configs"] = stats.get("configs", 0) + 1
+        try:
+            r = price_grid(graph, cluster, base, geo, cands)
+        except GridLoweringError as e:
+            # another geometry the pins allow (a smaller q, another d or dp) may still lower
+            first_error = first_error or (geo, e)
+            stats["infeasible"] = stats.get("infeasible", 0) + 1   # no grid program for this model
+            continue
+        lowered += 1
+        stats["solved"] = stats.get("solved", 0) + 1    # priced exactly (no solver needed)
+        if log:
+            log(f"{geo.mode:>6} grid {geo.tp_shape}  step={r.prediction['step_time']:.4g}s "
+                f"peak={r.prediction['peak_memory'] / 2**30:.2f}GiB")
+        if r.prediction["peak_memory"] > base.budget:
+            stats["infeasible"] = stats.get("infeasible", 0) + 1
+            # the search's MemoryBudgetError states the smallest peak of any plan, grids included
+            stats["grid_min_peak"] = min(stats.get("grid_min_peak", math.inf), r.prediction["peak_memory"])
+            continue
+        if best is None or r.prediction["step_time"] < best.prediction["step_time"]:
+            best = r
+    if pinned and not lowered:
+        geo, e = first_error
+        tried = ", ".join(f"{g.tp_shape}" + (f" x dp={g.dp}" if g.dp > 1 else "") for g in geos)
+        raise ConstraintError(f"constraint tp_mode={geo.mode!r} cannot be met: {e}"
+                              + (f" (no grid the pins allow lowers: tried {tried})" if len(geos) > 1 else ""))
+    if best is not None and best_step is not None and best.prediction["step_time"] >= best_step:
+        return None
+    return best
+
+
+def grid_plan_data(result: GridResult, cluster, graph, optimizer, precision, budget, overlap, stats) -> dict:
+    from autopar.batching import graph_batch_dims
+    from autopar.plan import PLAN_VERSION
+
+    geo, prog = result.geo, result.program
+    batch = _batch(graph)
+    params = {}
+    for name, use in sorted(prog.uses.items()):
+        fqn = graph.param_fqn[name]
+        params[fqn] = {"node": name, "shape": list(graph.gm.graph.find_nodes(op="placeholder", target=name)[0]
+                                                      .meta["val"].shape),
+                       "grid": {"kind": use.kind, "layout": list(use.L) if isinstance(use.L, tuple) else use.L,
+                                "qkv_order": use.perm is not None, "hdim": use.hdim},
+                       "tied": sorted(graph.tied.get(fqn, []))}
+    ops = [{"node": n.name, "target": str(n.target), "module": graph.module_of(n), "rule": "grid",
+            "strategy": f"{geo.mode}: {prog.kinds.get(n.name, 'local')}", "inputs": [], "outputs": [], "splits": [], "special": []}
+           for n in graph.gm.graph.nodes if n.op == "call_function"]
+    names = [n for n in graph.gm.graph.nodes if n.op == "call_function"]
+    return {
+        "version": PLAN_VERSION,
+        "fingerprint": graph.fingerprint,
+        "cluster": cluster.to_dict(),
+        "mesh": result.mesh.to_json(),
+        "settings": {"optimizer": optimizer, "precision": precision, "memory_budget": budget,
+                     "overlap_grad_comm": overlap},
+        "degrees": {"dp": geo.dp, "tp": geo.world, "tp_mode": geo.mode, "tp_shape": geo.tp_shape, "sp": 1,
+                    "sp_mode": None, "pp": 1, "pp_schedule": None, "micro_batch_size": batch // geo.dp,
+                    "num_micro_batches": 1, "zero": 0, "checkpoint": "none", "offload": False},
+        "stages": [{"index": 0, "ranks": [0, geo.devices - 1], "nodes": [names[0].name, names[-1].name],
+                    "checkpoint": {}}],
+        "ops": ops,
+        "params": params,
+        "inputs": graph.input_names,
+        "batch_dims": graph_batch_dims(graph),
+        "grid": {"mode": geo.mode, "q": geo.q, "d": geo.d, "dp": geo.dp, "axes": list(geo.mesh_names),
+                 "collectives": [[c.kind, c.group, c.size, c.nbytes, c.count, c.phase] for c in prog.colls]},
+        "predictions": dict(result.prediction),
+        "solver": {"status": "grid", "gap": 0.0, "configs": stats.get("configs", 0),
+                   "pruned": stats.get("pruned", 0), "ilp_nodes": 0, "ilp_strategy_vars": 0},
+    }
+
+
+def _batch(graph) -> int:
+    from autopar.batching import batch_size, graph_batch_dims, input_shapes
+    return batch_size(input_shapes(graph), graph_batch_dims(graph))

@@ -1,0 +1,109 @@
+"""The outer search over pipeline degrees: pp, schedule and micro-batch count next to the rest.
+
+``autopar.plan`` calls ``plan_search`` once. With ``pp`` pinned it is autopar/pipeline.py's pinned
+planning; with ``pp=1`` pinned the ordinary search. Otherwise:
+
+1. The ordinary search (pp=1: mesh shape, ZeRO, micro-batch size, strategies) runs first; it may
+   find nothing that fits memory (a ``MemoryBudgetError`` is kept, not raised yet).
+2. Pipelined candidates: pp in the powers of two from 2 up to ``MAX_PP`` that the model's blocks
+   and the cluster allow (``pipeline.stage_cluster``), schedules ``SCHEDULES`` and micro-batch
+   counts ``pp * MICRO_FACTORS`` dividing the batch. Each is ``pipeline.search_pipelined`` with
+   those pins (the inner plan on the stage sub-mesh, the DP partition, the simulated schedule);
+   the inner plan depends only on (pp, m) and the user's other pins, so it is searched once per
+   (pp, m) and reused for every schedule (``inner_cache``).
+3. The pipelined candidate with the least predicted step time is chosen only if it beats the
+   pp=1 plan's (or pp=1 found nothing that fits).
+
+Pruning (why small models stay fast): a pipelined step cannot take less than the pp=1 plan's
+compute time times 1 + (pp - 1) / (m * v) (same FLOPs on the same devices, plus the least fill
+and drain of 1F1B / interleaving with v stages per rank); a candidate whose bound is not below
+the pp=1 step time is not searched. This bound assumes the pipelined stages compute no faster
+than the pp=1 plan does, which holds when both split work over the same devices evenly.
+"""
+from __future__ import annotations
+
+import time
+
+from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
+
+MAX_PP = 16
+SCHEDULES = ("1f1b", "interleaved_1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
+MICRO_FACTORS = (1, 2, 4)
+
+
+def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
+    from codegen.stages import pipeline_units
+    from autopar.pipeline import stage_cluster
+
+    units = len(pipeline_units(graph))
+    out, pp = [], 2
+    while pp <= min(MAX_PP, units):
+        try:
+            stage_cluster(cluster, pp)
+            if cluster.num_devices % pp == 0:
+                out.append(pp)
+        except ConstraintError:
+            pass
+        pp *= 2
+    return out
+
+
+def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw):
+    """(Result, stats, pipeline figures or None): the best plan over pp=1 and pipelined candidates."""
+    from autopar.pipeline import pipeline_pins, search_pipelined, unpipelined_pin, virtual_stages
+    from autopar.search import global_batch
+
+    constraints = dict(constraints or {})
+    pp, _ = pipeline_pins(constraints)
+    if pp > 1:
+        return search_pipelined(graph, cluster, base, constraints, search_fn, **kw)
+    flat = {k: v for k, v in constraints.items() if k != "pp"}
+    if "pp" in constraints or constraints.get("checkpoint") not in (None, "none") or unpipelined_pin(flat):
+        return (*search_fn(graph, cluster, base, flat, **kw), None)
+    t0 = time.perf_counter()
+    best = best_stats = best_pipe = None
+    err = None
+    try:
+        best, best_stats = search_fn(graph, cluster, base, flat, **kw)
+    except MemoryBudgetError as e:
+        err = e
+    base_time = best.prediction["step_time"] if best is not None else float("inf")
+    base_compute = best.prediction["time_breakdown"]["compute"] if best is not None else 0.0
+    batch = global_batch(graph)
+    inner_cache: dict = {}
+    tried = 0
+
+    def cached_search(g, sub, settings, inner, **kw2):
+        key = (sub.nodes, sub.devices_per_node, settings.budget, repr(sorted(inner.items())))
+        if key not in inner_cache:
+            try:
+                inner_cache[key] = search_fn(g, sub, settings, inner, **kw2)
+            except (MemoryBudgetError, ConstraintError, PlanError) as e:
+                inner_cache[key] = e
+        if isinstance(inner_cache[key], Exception):
+            raise inner_cache[key]
+        return inner_cache[key]
+
+    best_time = base_time
+    for p in _pp_choices(graph, cluster, constraints):
+        for sched in SCHEDULES:
+            v = virtual_stages(sched)
+            for f in MICRO_FACTORS:
+                m = p * f
+                if batch % m or "num_micro_batches" in constraints and constraints["num_micro_batches"] != m:
+                    continue
+                if base_compute * (1 + (p - 1) / (m * v)) >= best_time:
+                    continue   # cannot beat the best so far (module doc: pruning)
+                pins = dict(flat, pp=p, pp_schedule=sched, num_micro_batches=m)
+                try:
+                    result, stats, pipe = search_pipelined(graph, cluster, base, pins, cached_search, **kw)
+                except (MemoryBudgetError, ConstraintError, PlanError):
+                    continue
+                tried += 1
+                if pipe["step_time"] < best_time:
+                    best, best_stats, best_pipe, best_time = result, stats, pipe, pipe["step_time"]
+    if best is None:
+        raise err
+    best_stats = dict(best_stats, pipeline_candidates=tried, inner_searches=len(inner_cache),
+                      pipeline_seconds=time.perf_counter() - t0)
+    return best, best_stats, best_pipe

@@ -1,0 +1,405 @@
+"""Sequence parallelism in the planner (issue 7): which meshes have a sequence axis, which
+strategies ops get on it, what attention does there, and what the plan reports.
+
+Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
+
+- ``"megatron"``: no new axis. Around tensor-parallel linears the norms (and, as the ILP finds
+  cheapest, dropouts and residual adds) split the sequence over the tensor axis; resharding turns
+  the row-parallel all-reduce into a reduce-scatter and the column-parallel entry into an
+  all-gather (autopar/reshard.py: same paths, same prices as any other layout change). The pin
+  keeps only the norm strategies that split a non-batch token letter on every model axis and
+  Megatron's column/row linears; the plan reports "megatron" whenever a norm runs that way.
+- ``"ulysses"`` / ``"ring"``: a mesh axis named ``sp`` (between ``dp`` and ``tp``). Parameters
+  are replicated on it (their gradients come back complete through the usual conjugates); an op
+  that carries a sequence letter (propagated from the user inputs' first non-batch dim, the way
+  batch letters are) splits it there, other ops stay replicated there. Attention
+  (``aten.scaled_dot_product_attention``) gets its own strategies on the axis: q, k, v and the
+  output split on the sequence, run by ``runtime.ulysses.ulysses_attention`` (all-to-all to
+  heads and back) or ``runtime.ring_attention.ring_attention`` (K/V around the ring), priced with
+  the runtime's closed forms (``ulysses_bytes``, ``ring_attention_bytes``,
+  ``ring_attention_flops``). Causal ring attention is load-balanced ("zigzag" layout: every
+  split over the sp axis is then a zig-zag split, so slices and gathers on that axis permute,
+  codegen/sp_ops.py); ``"ring-contiguous"`` keeps contiguous blocks (unbalanced).
+  Explicit matmul/softmax attention needs no special op: q stays sequence-split, K/V are
+  all-gathered by ordinary resharding (the all-gathered-K/V algorithm), the mask sliced alike.
+
+Bad input is a ConstraintError / PlanError naming the op: a sequence that does not divide,
+heads % sp for Ulysses, a mask other than none/causal under ring attention.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+from autopar.errors import ConstraintError, PlanError
+from autopar.layout import Layout
+from autopar.mesh import Mesh, enumerate_meshes
+from autopar.strategy import Strategy
+
+SP_AXIS = "sp"
+MODES = (None, "megatron", "ulysses", "ring", "ring-contiguous", "hybrid")
+RING, RING_CONTIGUOUS, ULYSSES = "ring_attention", "ring_attention_contiguous", "ulysses_attention"
+ALGORITHMS = (RING, RING_CONTIGUOUS, ULYSSES)
+_NORMS = ("layer_norm", "rms_norm")
+
+
+# ------------------------------------------------------------------ constraints, policy, meshes
+
+def check_constraints(constraints: dict) -> None:
+    """Validate the ``sp`` / ``sp_mode`` pins (called by search.check_constraints)."""
+    mode = constraints.get("sp_mode")
+    if mode not in MODES:
+        raise ConstraintError(f"constraint sp_mode={mode!r}: must be one of {', '.join(map(repr, MODES))}")
+    if mode == "hybrid":
+        raise ConstraintError("constraint sp_mode='hybrid' cannot be met: the Ulysses x ring hybrid exists as a "
+                              "runtime op (runtime/hybrid_sp.py) but is not planned yet; pin 'ulysses' or 'ring'")
+    sp = constraints.get("sp")
+    if "sp" in constraints and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
+        raise ConstraintError(f"constraint sp={sp!r}: must be a positive integer")
+    if mode in ("ulysses", "ring", "ring-contiguous") and sp == 1:
+        raise ConstraintError(f"constraints sp=1 and sp_mode={mode!r} contradict each other: {mode} attention needs "
+                              f"a sequence axis of at least 2 ranks")
+    if mode == "megatron" and sp not in (None, 1) and "tp" in constraints and sp != constraints["tp"]:
+        raise ConstraintError(f"constraint sp_mode='megatron' splits the sequence over the tensor axis, so sp must "
+                              f"equal tp: got sp={sp}, tp={constraints['tp']}")
+    if mode == "megatron" and constraints.get("tp") == 1:
+        raise ConstraintError("constraint sp_mode='megatron' needs tensor parallelism (tp > 1): the sequence is "
+                              "split over the tensor axis around the tensor-parallel linears")
+
+
+def mode_of(constraints: dict) -> str | None:
+    mode = constraints.get("sp_mode")
+    if mode is None and constraints.get("sp", 1) > 1:
+        return "auto"       # a sequence axis, attention mode left to the ILP
+    return mode
+
+
+def policy_for(policy: str | None, constraints: dict) -> str | None:
+    """The candidates policy string: the caller's policy plus ``+sp:<mode>`` when sequence
+    parallelism is pinned (candidates are cached per mesh, so the mode travels with the policy)."""
+    mode = mode_of(constraints)
+    if mode is None:
+        return policy
+    return f"{policy or ''}+sp:{mode}"
+
+
+def split_policy(policy: str | None) -> tuple[str | None, str | None]:
+    """(base policy, sequence mode) of a policy string made by ``policy_for``."""
+    if not policy or "+sp:" not in policy:
+        return policy, None
+    base, mode = policy.split("+sp:", 1)
+    return base or None, mode
+
+
+def seq_axes(mesh: Mesh) -> tuple[int, ...]:
+    return tuple(a for a in range(mesh.ndim) if mesh.names[a].startswith(SP_AXIS))
+
+
+def param_axes(mesh: Mesh) -> tuple[int, ...]:
+    """Model axes parameters may be split over (not the sequence axes: weights are replicated there)."""
+    return tuple(a for a in mesh.model_axes() if not mesh.names[a].startswith(SP_AXIS))
+
+
+def meshes(cluster, constraints: dict):
+    """Meshes with a sequence axis (dp, sp[, tp]) for the pinned sp (or every sp dividing the
+    devices when only sp_mode is pinned); none unless a Ulysses/ring mode or sp > 1 is pinned."""
+    mode = mode_of(constraints)
+    if mode in (None, "megatron"):
+        return []
+    n = cluster.num_devices
+    sps = [constraints["sp"]] if "sp" in constraints else [k for k in range(2, n + 1) if n % k == 0]
+    out = []
+    for sp in sps:
+        if n % sp:
+            continue
+        for m in enumerate_meshes(n // sp, cluster.devices_per_node, max_model_axes=1):
+            out.append(Mesh((m.shape[0], sp) + m.shape[1:], (m.names[0], SP_AXIS) + m.names[1:],
+                            cluster.devices_per_node))
+    return out
+
+
+def tp_degree(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in param_axes(mesh))
+
+
+# ------------------------------------------------------------------ sequence letters
+
+def input_seq_dims(graph, batch_dims) -> dict[str, frozenset]:
+    """Each user input's sequence dim: its first dim that is not the batch dim (2-D+ inputs)."""
+    from autopar.rules.table import shape as tensor_shape
+    from autopar.rules.table import val as node_val
+    out = {}
+    placeholders = {n.name: n for n in graph.gm.graph.nodes if n.op == "placeholder"}
+    for name, bd in zip(graph.input_names, batch_dims):
+        v = node_val(placeholders[name]) if name in placeholders else None
+        nd = len(tensor_shape(v)) if v is not None and hasattr(v, "shape") else 0
+        dims = [d for d in range(nd) if d != bd]
+        out[name] = frozenset(dims[:1]) if bd is not None and nd >= 2 else frozenset()
+    return out
+
+
+def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | None) -> None:
+    """Apply the sequence mode of ``policy`` to the candidates' strategies in place (called by
+    candidates.candidates before block representatives are assigned: deterministic per spec,
+    so every block instance keeps the same list)."""
+    _, mode = split_policy(policy)
+    sps = [a for a in seq_axes(mesh) if mesh.shape[a] > 1]
+    if mode is None and not sps:
+        return
+    if mode in ("ulysses", "ring", "ring-contiguous") and not any(
+            nodes[n].kind == "op" and nodes[n].spec.rule == "sdpa" for n in order):
+        raise PlanError(f"sp_mode={mode!r} runs scaled_dot_product_attention with {mode} attention, but the model "
+                        f"has no such op (explicit matmul/softmax attention?): pin only sp, and its attention runs "
+                        f"on the sequence split with K/V all-gathered by resharding")
+    for name, letters in seq_letters(graph, nodes, order).items():
+        info = nodes[name]
+        node, spec = info.node, info.spec
+        if mode == "megatron":
+            info.strategies = _megatron(node, spec, info.strategies, mesh, letters) or info.strategies
+        if sps:
+            info.strategies = _on_seq_axes(node, spec, info.strategies, mesh, sps, letters, mode)
+
+
+def seq_letters(graph, nodes: dict, order: list[str]) -> dict[str, frozenset]:
+    """Per op node: its letters that carry the sequence (not the batch), propagated from the
+    user inputs' sequence dims as batch letters are (``strategy.propagate_batch``)."""
+    from autopar.batching import graph_batch_dims
+    from autopar.rules import tensor_inputs
+    from autopar.strategy import propagate_batch
+    seq_of = {n: (d,) for n, d in input_seq_dims(graph, graph_batch_dims(graph)).items()}
+    out = {}
+    for name in order:
+        info = nodes[name]
+        if info.kind != "op":
+            continue
+        node, spec = info.node, info.spec
+        ins = []
+        for p in tensor_inputs(node):
+            outs = seq_of.get(p.name, (frozenset(),))
+            if node.target is operator.getitem:
+                idx = node.args[1]
+                ins.append(outs[idx] if idx < len(outs) else frozenset())
+            else:
+                ins.append(outs[0] if outs else frozenset())
+        letters, out_dims = propagate_batch(spec, ins)
+        if spec.rule == "sdpa" and ins and 2 in ins[0]:
+            # causal attention keeps "s" unsplittable for ordinary strategies; its own
+            # sequence-parallel algorithms split it, and its output carries the sequence on
+            letters, out_dims = frozenset("s") | letters, [frozenset({2})]
+        seq_of[name] = tuple(out_dims)
+        batch_letters = {ls[d] for ls, dims in zip(spec.outputs, info.batch_dims) for d in dims if d < len(ls)}
+        out[name] = frozenset(letters - batch_letters)
+    return out
+
+
+def norm_like(node, spec) -> bool:
+    """A norm, or a norm written out by hand (a mean over the last dim with keepdim: RMSNorm's
+    statistics): the ops Megatron-SP splits on the sequence."""
+    if spec.rule in _NORMS:
+        return True
+    if spec.rule != "mean" or not spec.inputs or not spec.inputs[0]:
+        return False
+    ins, outs = spec.inputs[0], spec.outputs[0]
+    return len(ins) >= 2 and len(outs) == len(ins) and ins[:-1] == outs[:-1] and outs[-1] != ins[-1]
+
+
+def _megatron(node, spec, strategies, mesh: Mesh, seq_letters) -> list[Strategy]:
+    """Megatron-SP: norms split a sequence letter on every model axis; linears column/row."""
+    axes = [a for a in mesh.model_axes() if mesh.shape[a] > 1]
+    if norm_like(node, spec) and seq_letters:
+        return [st for st in strategies if all(st.splits[a] in seq_letters for a in axes)]
+    if spec.rule == "linear":
+        return [st for st in strategies if all(any(a in ax for ax in st.inputs[1].dims) for a in axes)]
+    return strategies
+
+
+def _on_seq_axes(node, spec, strategies, mesh: Mesh, sps, seq_letters, mode) -> list[Strategy]:
+    """Strategies on the sequence axes: a sequence letter or nothing; attention its own algorithms."""
+    if spec.rule == "sdpa":
+        return attention_strategies(node, spec, strategies, mesh, sps, mode)
+    keep = [st for st in strategies if all(st.splits[a] is None or st.splits[a] in seq_letters for a in sps)]
+    splitting = [st for st in keep if all(st.splits[a] in seq_letters for a in sps)]
+    # As data axes must split the batch: an op carrying the sequence splits it (when it can).
+    return splitting or [st for st in keep if all(st.splits[a] is None for a in sps)] or strategies[:1]
+
+
+# ------------------------------------------------------------------ attention on the sequence axis
+
+def _arg(node, i, name, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def attention_facts(node) -> dict:
+    from autopar.rules.table import is_tensor
+    from autopar.rules.table import shape as tensor_shape
+    q, k, v = node.args[:3]
+    (b, h, s, d), (_, hk, t, _) = tensor_shape(q), tensor_shape(k)
+    mask = _arg(node, 3, "attn_mask")
+    return dict(b=b, h=h, hk=hk, s=s, t=t, d=d, e=tensor_shape(v)[-1], mask=is_tensor(mask),
+                dropout=float(_arg(node, 4, "dropout_p", 0.0) or 0.0), causal=bool(_arg(node, 5, "is_causal", False)),
+                itemsize=q.meta["val"].element_size())
+
+
+def attention_strategies(node, spec, strategies, mesh: Mesh, sps, mode) -> list[Strategy]:
+    """SDPA strategies with the sequence split over the sp axis: Ulysses and/or ring attention
+    on top of every strategy of the other axes that keeps the sequence whole (``mode`` "ulysses",
+    "ring", "ring-contiguous" keep that algorithm only; "auto"/None offer both and the
+    replicated-on-sp ones)."""
+    if len(sps) != 1:
+        raise PlanError(f"{node.name}: attention over {len(sps)} sequence axes (hybrid) is not planned yet")
+    a = sps[0]
+    sp = mesh.shape[a]
+    f = attention_facts(node)
+    base = [st for st in strategies if st.splits[a] is None
+            and not any(st.inputs[i] is not None and st.inputs[i].dims[2] for i in range(3))]
+    algos = {"ulysses": [ULYSSES], "ring": [RING], "ring-contiguous": [RING_CONTIGUOUS]}.get(mode, [ULYSSES, RING])
+    why = []
+    out = []
+    for algo in algos:
+        reason = _refuse(node, f, sp, algo)
+        if reason:
+            why.append(reason)
+            continue
+        for st in base:
+            made = _with_algorithm(st, spec, f, mesh, a, algo)
+            if made is None:
+                why.append(f"{algo}: the local heads of {st.name} do not divide by sp={sp}")
+            else:
+                out.append(made)
+    # The ordinary strategies splitting the query rows on the axis: K/V (and a mask's key dim) are
+    # all-gathered by resharding, any mask's rows sliced like the queries (the all-gathered-K/V
+    # algorithm, priced as the reshards it runs). SDPA's rule allows them without is_causal.
+    gathered = [st for st in strategies if st.splits[a] == "s"]
+    if mode in ("ulysses", "ring", "ring-contiguous"):
+        if not out and gathered and f["mask"]:
+            import warnings
+            warnings.warn(f"autopar: {node.name} has an explicit attn_mask, which {mode} attention cannot split; it "
+                          f"runs sequence-split with K/V all-gathered instead (priced)", stacklevel=2)
+            return gathered
+        if not out:
+            raise PlanError(f"{node.name} (scaled_dot_product_attention): sp_mode={mode!r} cannot run it on "
+                            f"sp={sp}: " + "; ".join(dict.fromkeys(why)))
+        return out
+    return out + gathered + base
+
+
+def _refuse(node, f, sp, algo) -> str | None:
+    if f["s"] != f["t"]:
+        return f"cross-attention (query length {f['s']}, key length {f['t']}) is not sequence-parallel"
+    if f["dropout"]:
+        return f"attention dropout (dropout_p={f['dropout']}) is not supported by {algo}"
+    if f["mask"]:
+        return (f"an explicit attn_mask: {algo} supports no mask or is_causal=True only (ring attention would "
+                f"have to split a general mask over its blocks); write the attention as matmul/softmax to get "
+                f"the all-gathered-K/V form, or use is_causal")
+    chunks = 2 * sp if (algo == RING and f["causal"]) else sp
+    if f["s"] % chunks:
+        extra = " (load-balanced causal ring attention cuts it into 2·sp zig-zag chunks)" if chunks == 2 * sp else ""
+        return f"the sequence length {f['s']} does not divide into {chunks} chunks for sp={sp}{extra}"
+    if algo == ULYSSES and f["h"] % sp:
+        return f"Ulysses splits the {f['h']} heads over sp={sp} ranks: heads must divide by sp"
+    return None
+
+
+def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Strategy | None:
+    from runtime.ring_attention import ring_attention_bytes, ring_attention_flops
+    from runtime.ulysses import ulysses_bytes
+    sp = mesh.shape[a]
+
+    def seq_split(lay: Layout) -> Layout:
+        dims = list(lay.dims)
+        dims[2] = dims[2] + (a,)
+        return Layout(tuple(dims), lay.partial)
+
+    ins = tuple(seq_split(l) if (l is not None and i < 3) else l for i, l in enumerate(st.inputs))
+    outs = (seq_split(st.outputs[0]),)
+    local = {ch: spec.sizes[ch] // math.prod(mesh.shape[x] for x, s in enumerate(st.splits) if s == ch)
+             for ch in spec.sizes}
+    b, h, hk, d = local["b"], local["h"], local.get("g", local["h"]), local["d"]
+    s, isz = f["s"], f["itemsize"]
+    splits = list(st.splits)
+    splits[a] = "s"
+    if algo == ULYSSES:
+        if h % sp or (hk * (math.lcm(hk, sp) // hk)) % sp:
+            return None
+        tr = ulysses_bytes(b, h, hk, s, d, sp, isz)
+        one = b * (s // sp) * d * isz
+        from runtime.seq_layout import kv_repeat_factor
+        kvh = hk * kv_repeat_factor(h, hk, sp)
+        # forward all-to-alls of q, stacked k/v and the output; backward moves the same (priced x2)
+        comms = (("all_to_all", a, float(h * one)), ("all_to_all", a, float(2 * kvh * one)),
+                 ("all_to_all", a, float(h * one)))
+        assert abs(sum(c[2] for c in comms) - tr.forward_bytes) < 1e-6 * max(tr.forward_bytes, 1)
+        work = 1.0 / sp
+    else:
+        layout = "zigzag" if algo == RING else "contiguous"
+        tr = ring_attention_bytes(b, hk, s, d, sp, isz)
+        # Pricing doubles each forward entry for its backward: one entry carrying half of the
+        # forward + backward bytes keeps the byte count exact (fp32 dK/dV make backward larger).
+        # Time: an all-to-all of that size on the axis ~ the ring's (sp-1) hops per direction.
+        comms = (("all_to_all", a, (tr.forward_bytes + tr.backward_bytes) / 2.0),)
+        fwd_flops, _ = ring_attention_flops(b, h, s, d, sp, is_causal=f["causal"], layout=layout)
+        # executed matmul FLOPs of the busiest rank (causal contiguous: the last rank does sp blocks)
+        work = fwd_flops / spec.flops if spec.flops else 1.0 / sp
+    name = "" if st.name == "R" else st.name
+    name = (name + " " if name else "") + f"S(s)@{mesh.names[a]} [{algo}]"
+    return Strategy(name, ins, outs, tuple(splits), work, comms, (algo,))
+
+
+# ------------------------------------------------------------------ what the plan did
+
+def degrees(cands, pick, mesh: Mesh) -> dict:
+    """``sp`` and ``sp_mode`` of a solved configuration (``pick``: representative -> index)."""
+    sps = [a for a in seq_axes(mesh) if mesh.shape[a] > 1]
+    algos = set()
+    megatron = False
+    model = [a for a in mesh.model_axes() if mesh.shape[a] > 1 and a not in sps]
+    seq = seq_letters(cands.graph, cands.nodes, cands.order) if model else {}
+    for name in cands.order:
+        info = cands.nodes[name]
+        if info.kind != "op":
+            continue
+        st = info.strategies[pick[info.rep]]
+        algos |= {x for x in st.special if x in ALGORITHMS}
+        if model and norm_like(info.node, info.spec) and any(st.splits[a] in seq.get(name, ()) for a in model):
+            megatron = True
+    if sps:
+        sp = math.prod(mesh.shape[a] for a in sps)
+        if algos == {ULYSSES}:
+            mode = "ulysses"
+        elif algos == {RING}:
+            mode = "ring"
+        elif algos == {RING_CONTIGUOUS}:
+            mode = "ring-contiguous"
+        elif not algos:
+            mode = "sequence"      # sequence axis, attention kept whole on it
+        else:
+            mode = "mixed"
+        return {"sp": sp, "sp_mode": mode}
+    if megatron:
+        return {"sp": math.prod(mesh.shape[a] for a in model), "sp_mode": "megatron"}
+    return {"sp": 1, "sp_mode": None}
+
+
+def zigzag_axes(plan_ops: list[dict]) -> tuple[int, ...]:
+    """Mesh axes whose splits are zig-zag in a plan (those load-balanced ring attention runs on)."""
+    axes = set()
+    for op in plan_ops:
+        if RING in op.get("special", ()):
+            axes |= {a for a, s in enumerate(op["splits"]) if s == "s"}
+    return tuple(sorted(axes))
+
+
+def mesh_allowed(mesh: Mesh, constraints: dict) -> bool:
+    """Whether a mesh fits the sequence pins: a sequence axis exactly when a Ulysses/ring mode
+    (or sp > 1 without a mode) is pinned, of the pinned size; Megatron-SP needs tensor axes."""
+    mode = mode_of(constraints)
+    sps = seq_axes(mesh)
+    if mode in (None, "megatron"):
+        if sps:
+            return False
+        if mode == "megatron":   # Megatron-SP: one tensor axis, the sequence split over it
+            tp = tp_degree(mesh)
+            return tp > 1 and len(param_axes(mesh)) == 1 and constraints.get("sp", tp) == tp
+        return True
+    return bool(sps) and math.prod(mesh.shape[a] for a in sps) == constraints.get("sp", mesh.shape[sps[0]])

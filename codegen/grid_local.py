@@ -1,0 +1,261 @@
+"""Ops of the grid program (codegen/grid_ops.py) that run locally on each rank's blocks: views,
+transposes, split, cat, select, expand, elementwise ops, attention - and the "loose" parameters
+they meet (a class token, a position table), split over hidden like the activation they join,
+their gradient summed over the token groups.
+
+A value's ``Lay`` says which dims are split (tokens: ``tdim``, hidden: ``hdim``); the layout
+algebra below carries them through each op: a split dim must stay the outermost non-trivial dim
+of its group in a view (its blocks stay contiguous), cat / select / split on a split dim are
+refused (except a split of QKV columns stored head-grouped).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from solver import tp_grid_cost as tc
+
+aten = torch.ops.aten
+
+
+class GridLoweringError(ValueError):
+    """The model has an op or a layout the grid program cannot run."""
+
+
+@dataclass(frozen=True)
+class Lay:
+    kind: str                 # act | hid | full | in | loss
+    L: object = None          # layout (codegen/grid_layout.py)
+    tdim: int | None = None   # dim split into token blocks (act) / batch dim (in)
+    hdim: int | None = None   # dim split into hidden blocks (act, hid)
+
+
+@dataclass
+class ParamUse:
+    kind: str                 # weight | bias | norm | table | conv | loose
+    L: object
+    perm: tuple | None = None     # QKV column order of a weight / bias
+    hdim: int | None = None       # loose: the hidden dim
+
+
+
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+class LocalOps:
+    """Mixin of GridProgram: the local ops."""
+
+    def _loose(self, n, name, lay_like: Lay, ndim: int):
+        """A parameter met by an activation outside the grid ops: split over hidden like it,
+        replicated over the token groups (its gradient summed there)."""
+        geo = self.geo
+        gshape = list(self.g.gm.graph.find_nodes(op="placeholder", target=name)[0].meta["val"].shape)
+        hdim = lay_like.hdim - (ndim - len(gshape))
+        if hdim < 0 or gshape[hdim] == 1:
+            self._fail(n, "a parameter broadcast over the hidden dim")
+        L = lay_like.L
+        shape = list(gshape)
+        shape[hdim] //= geo.q
+        t = self._param(name, ParamUse("loose", L, hdim=hdim), shape)
+        trainable = name not in self.g.buffers
+        if trainable:
+            for label, size in geo.tok_groups(L):
+                self.colls.append(tc.Collective("all_reduce", label, size, math.prod(shape) * 4, 1, "backward"))
+        if not self.meta and trainable:
+            from runtime import collectives as C
+            for label, _ in geo.tok_groups(L):
+                t = C.copy(t, self.grid.group(label), label)
+        return t, Lay("hid", L, None, hdim)
+
+    def _local(self, n, env):
+        geo = self.geo
+        args = [self._val(env, a) if isinstance(a, torch.fx.Node) else a for a in n.args]
+        tensors = [a for a in args if isinstance(a, tuple) and isinstance(a[1], Lay)]
+        nd = len(self._gshape(n)) if hasattr(n.meta.get("val"), "shape") else None
+        # the split layout the op's values share, aligned to the output's dims
+        ref_t = next((v for v in tensors if v[1].kind == "act"), None) or \
+            next((v for v in tensors if v[1].kind == "hid"), None)
+        ref = None if ref_t is None else _align(ref_t[1], ref_t[0].dim(), nd)
+        for i, a in enumerate(args):
+            if isinstance(a, tuple) and isinstance(a[1], str):      # a parameter met here
+                if nd is None:
+                    self._fail(n, f"parameter {a[1]} used by an op without a tensor output")
+                args[i] = self._loose(n, a[1], ref or Lay("hid", geo.L0, None, nd - 1), nd)
+        if ref is None:
+            ref_t = next((v for v in args if isinstance(v, tuple) and v[1].kind == "hid"), None)
+            ref = None if ref_t is None else _align(ref_t[1], ref_t[0].dim(), nd)
+        if n.target is aten.cat.default:
+            return self._cat(n, env)
+        t = n.target
+        x0 = args[0] if isinstance(args[0], tuple) else None
+        if t in VIEWS or t is aten.flatten.using_ints:
+            return self._view(n, x0)
+        if t is aten.expand.default:
+            return self._expand(n, x0)
+        if t is aten.transpose.int:
+            d0, d1 = (a % x0[0].dim() for a in args[1:3])
+            perm = list(range(x0[0].dim()))
+            perm[d0], perm[d1] = perm[d1], perm[d0]
+            return x0[0].transpose(d0, d1), _permute(x0[1], perm)
+        if t is aten.permute.default:
+            return x0[0].permute(*args[1]), _permute(x0[1], [p % x0[0].dim() for p in args[1]])
+        if t is aten.select.int:
+            dim = args[1] % x0[0].dim()
+            if dim in (x0[1].tdim, x0[1].hdim):
+                self._fail(n, "select on a split dim")
+            return x0[0].select(dim, args[2]), _drop(x0[1], dim)
+        if t is aten.unsqueeze.default:
+            dim = args[1] % (x0[0].dim() + 1)
+            return x0[0].unsqueeze(dim), _insert(x0[1], dim)
+        if t is aten.split.Tensor:
+            return self._split(n, x0, args)
+        if t is aten.dropout.default and args[1] and args[2]:
+            self._fail(n, "dropout with p > 0 (its random mask would differ from one process)")
+        if t is aten.scaled_dot_product_attention.default:
+            lay = x0[1]
+            if lay.kind != "act" or lay.tdim != 0 or lay.hdim != 1:
+                self._fail(n, "attention needs whole sequences and heads split on dim 1")
+            if (len(args) > 3 and args[3] is not None) or (len(args) > 4 and args[4]):
+                self._fail(n, "attention with a mask tensor or dropout")
+            if self.meta:
+                # meta has no fused CPU kernel: what it saves (q, k, v, the output and the fp32
+                # logsumexp; docs/architecture.md "Memory") is recorded here
+                qv, kv, vv = (a[0] for a in args[:3])
+                b_, h_, s_, d_ = qv.shape     # CPU's flash kernel lays its output out as (b, s, h, d)
+                out = self._fresh((b_, s_, h_, d_), qv.dtype).transpose(1, 2)
+                self.local_shapes[n.name] = ([tuple(qv.shape), tuple(kv.shape), tuple(vv.shape)], [tuple(out.shape)])
+                self._save(qv, kv, vv, out, self._fresh(qv.shape[:-1]))
+                return out, x0[1]
+        # pointwise / same-shape local op
+        if ref is not None:
+            for i, a in enumerate(args):
+                if isinstance(a, tuple) and a[1].kind == "in":
+                    args[i] = (self._tokens(a, ref.L), None)
+        out = t(*[a[0] if isinstance(a, tuple) else a for a in args], **n.kwargs)
+        if self.meta:   # the local shapes the kernel ran on (planning: its GEMM efficiency)
+            self.local_shapes[n.name] = ([tuple(a[0].shape) for a in args if isinstance(a, tuple)
+                                          and isinstance(a[0], torch.Tensor)],
+                                         [tuple(o.shape) for o in (out if isinstance(out, (tuple, list)) else (out,))
+                                          if isinstance(o, torch.Tensor)])
+        if ref is not None:
+            return out, ref
+        ins = [l for _, l in tensors if l.kind == "in"]
+        if ins and nd == tensors[0][0].dim():
+            return out, ins[0]
+        return out, Lay("full")
+
+    def _cat(self, n, env):
+        parts = [self._val(env, a) for a in n.args[0]]
+        dim = n.args[1] if len(n.args) > 1 else 0
+        lays = {l for _, l in parts}
+        if len(lays) != 1:
+            self._fail(n, f"cat of differently split values {lays}")
+        lay = lays.pop()
+        dim %= parts[0][0].dim()
+        if dim in (lay.tdim, lay.hdim):
+            self._fail(n, "cat along a split dim")
+        return torch.cat([p for p, _ in parts], dim), lay
+
+    def _view(self, n, x):
+        t, lay = x
+        old, new = self._gshape(n.args[0]), self._gshape(n)
+        lay2 = _map_view(old, new, lay, self.geo, n, self._fail)
+        return t.reshape(self._lshape(new, lay2) if lay2.kind != "in" else new), lay2
+
+    def _expand(self, n, x):
+        t, lay = x
+        new = list(self._gshape(n))
+        off = len(new) - t.dim()
+        if lay.kind == "hid" and new[0] == self.batch and (off > 0 or t.shape[0] == 1):
+            lay2 = Lay("act", lay.L, 0, lay.hdim + off)
+        else:
+            lay2 = _shift(lay, off)
+        return t.expand(*self._lshape(new, lay2)), lay2
+
+    def _split(self, n, x, args):
+        t, lay = x
+        size, dim = args[1], (args[2] if len(args) > 2 else 0) % t.dim()
+        if dim == lay.tdim:
+            self._fail(n, "split along the token dim")
+        if dim == lay.hdim:
+            if n.args[0].name not in self.grouped:
+                self._fail(n, "split along the hidden dim of a value whose columns are not grouped per block")
+            size //= self.geo.q
+        return list(torch.split(t, size, dim)), lay
+
+
+# ------------------------------------------------------------------ layout algebra of local ops
+
+def _shift(lay: Lay, off: int) -> Lay:
+    return replace(lay, tdim=None if lay.tdim is None else lay.tdim + off,
+                   hdim=None if lay.hdim is None else lay.hdim + off)
+
+
+def _align(lay: Lay, nd_in, nd_out) -> Lay:
+    return _shift(lay, (nd_out or 0) - (nd_in or 0)) if nd_in is not None and nd_out is not None else lay
+
+
+def _permute(lay: Lay, perm) -> Lay:
+    def m(d):
+        return None if d is None else perm.index(d)
+    return replace(lay, tdim=m(lay.tdim), hdim=m(lay.hdim))
+
+
+def _drop(lay: Lay, dim) -> Lay:
+    def m(d):
+        return None if d is None else d - (d > dim)
+    return replace(lay, tdim=m(lay.tdim), hdim=m(lay.hdim))
+
+
+def _insert(lay: Lay, dim) -> Lay:
+    def m(d):
+        return None if d is None else d + (d >= dim)
+    return replace(lay, tdim=m(lay.tdim), hdim=m(lay.hdim))
+
+
+def _groups(old, new):
+    """Pairs (old dims, new dims) whose sizes multiply to the same product, in order."""
+    out, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        oi, nj = [i] if i < len(old) else [], [j] if j < len(new) else []
+        po = old[i] if i < len(old) else 1
+        pn = new[j] if j < len(new) else 1
+        i, j = i + (i < len(old)), j + (j < len(new))
+        while po != pn:
+            if po < pn:
+                oi.append(i)
+                po *= old[i]
+                i += 1
+            else:
+                nj.append(j)
+                pn *= new[j]
+                j += 1
+        out.append((oi, nj))
+    return out
+
+
+def _map_view(old, new, lay: Lay, geo, n, fail) -> Lay:
+    """Where the split dims of ``lay`` go through a view: a split dim must be the outermost
+    non-trivial dim of its group (its blocks stay contiguous) and lands on the group's first
+    non-trivial new dim."""
+    res = {}
+    for key, parts in (("tdim", geo.tok_parts), ("hdim", geo.q)):
+        d = getattr(lay, key)
+        if d is None or lay.kind in ("full",) or (key == "hdim" and lay.kind == "in"):
+            res[key] = None
+            continue
+        if lay.kind == "in" and key == "tdim":
+            parts = 1
+        for oi, nj in _groups(list(old), list(new)):
+            if d in oi:
+                first_o = next(o for o in oi if old[o] != 1)
+                if first_o != d:
+                    fail(n, f"a view that moves the split dim {d} inside a merged group")
+                tgt = next((k for k in nj if new[k] != 1), None)
+                if tgt is None or new[tgt] % parts:
+                    fail(n, f"a view whose new dim cannot hold the {parts} blocks of dim {d}")
+                res[key] = tgt
+                break
+    return replace(lay, **res)
+

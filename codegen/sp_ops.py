@@ -1,0 +1,54 @@
+"""Emission of sequence-parallel ops into a per-rank program (autopar/sequence.py plans them).
+
+``attention(builder, node, strategy, args, kwargs)``: an SDPA node whose strategy carries a
+sequence-parallel algorithm becomes one call of runtime/sp_exec.py (``ulysses`` or ``ring``) on
+the local q, k, v blocks, with the traced is_causal and scale. ``reshard_step(builder, x, step,
+kwargs)``: a reshard step on an axis where the plan's splits are zig-zag (load-balanced ring
+attention) becomes the zig-zag form of the step (runtime/sp_exec.py explains why that keeps
+values, gradients and bytes right); ``None`` for steps the caller emits as usual.
+"""
+from __future__ import annotations
+
+from autopar.errors import ExecutionError
+from autopar.sequence import ALGORITHMS, RING, RING_CONTIGUOUS, ULYSSES
+from runtime import sp_exec as SX
+
+
+def handles(strategy) -> bool:
+    return any(a in ALGORITHMS for a in strategy.special)
+
+
+def _arg(args, kwargs, i, name, default=None):
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def attention(builder, node, strategy, args, kwargs):
+    algo = next(a for a in strategy.special if a in ALGORITHMS)
+    axes = [a for a, s in enumerate(strategy.splits) if s == "s" and builder.mesh_shape[a] > 1]
+    if len(axes) != 1:
+        raise ExecutionError(f"{node.name}: {algo} needs exactly one sequence axis, the plan gives {axes}")
+    q, k, v = args[:3]
+    if _arg(args, kwargs, 3, "attn_mask") is not None or float(_arg(args, kwargs, 4, "dropout_p", 0.0) or 0.0):
+        raise ExecutionError(f"{node.name}: {algo} runs without attn_mask and dropout only (plan/model mismatch)")
+    kw = {"axis": axes[0], "is_causal": bool(_arg(args, kwargs, 5, "is_causal", False)),
+          "scale": kwargs.get("scale")}
+    if algo == ULYSSES:
+        return builder.call(SX.ulysses, (q, k, v), kw, name=node.name)
+    kw["layout"] = "zigzag" if algo == RING else "contiguous"
+    assert algo in (RING, RING_CONTIGUOUS)
+    return builder.call(SX.ring, (q, k, v), kw, name=node.name)
+
+
+def reshard_step(builder, x, step, kwargs):
+    if step.axis not in builder.zigzag_axes:
+        return None
+    if step.kind == "slice":
+        return builder.call(SX.zz_slice, (x, step.dim), {"axis": step.axis})
+    if step.kind == "all_gather":
+        return builder.call(SX.zz_all_gather, (x, step.dim), kwargs)
+    if step.kind == "reduce_scatter":
+        return builder.call(SX.zz_reduce_scatter, (x, step.dim), {"axis": step.axis})
+    if step.kind == "all_to_all":
+        raise ExecutionError(f"an all-to-all on mesh axis {step.axis}, whose splits are zig-zag (load-balanced ring "
+                             f"attention), is not supported")
+    return None

@@ -1,0 +1,176 @@
+"""Split one rank's program into pipeline stages: one fx GraphModule per stage.
+
+``split_stages(prog, traced, unit_stage, num_stages) -> list[StageProgram]``
+
+The units a pipeline partitions are the traced graph's repeated-block instances, in graph order
+(``pipeline_units``); ``unit_stage[u]`` is the stage of unit ``u`` (non-decreasing). Every node of
+the per-rank program carries the traced node it was emitted for (``meta["autopar_source"]``,
+codegen/per_rank.py), so a node of block instance ``u`` runs on ``unit_stage[u]``. A node outside
+every block (embeddings before the first block, final norm / head / loss after the last) runs on
+the stage of the last block node before it (stage 0 for the prologue, the last stage for the
+epilogue), and never before a stage that produces one of its inputs.
+
+Values that do not depend on a trainable parameter (the inputs' own computations: positions,
+masks, the random ops' position tick, constants) are not sent between stages: they are copied
+into every stage that reads them (each stage computes them from the micro-batch's inputs, which
+every stage receives). What crosses the boundary between stage k and k+1 is every
+parameter-dependent value produced on a stage <= k and read on a stage > k, in program order;
+a stage passes on what it receives but does not use.
+
+A stage's GraphModule takes ``(*params, *received, *inputs)``: the parameter/buffer placeholders
+it reads (program order; ``param_names``), the values of the previous boundary, and the user
+inputs it reads (``input_positions`` into the program's inputs). It returns the tuple of the next
+boundary's values, or the loss on the last stage. A parameter read on several stages (a tied
+embedding and output head) appears in each; its gradient is summed between them at run time
+(runtime/pipeline.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from autopar.errors import ExecutionError
+
+
+@dataclass
+class StageProgram:
+    index: int
+    gm: fx.GraphModule
+    param_names: list[str]          # program parameter/buffer placeholders this stage reads
+    input_positions: list[int]      # positions (into the program's user inputs) this stage reads
+    received: list[str]             # program values received from the previous stage, in order
+    sent: list[str] = field(default_factory=list)   # program values sent to the next stage
+
+
+def pipeline_units(traced) -> list[tuple[int, int]]:
+    """Every repeated-block instance, as (group, instance), in graph order of its first node."""
+    first = {}
+    order = {n.name: k for k, n in enumerate(traced.gm.graph.nodes)}
+    for g, grp in enumerate(traced.blocks):
+        for i, names in enumerate(grp.instances):
+            first[(g, i)] = min(order[n] for n in names)
+    return sorted(first, key=lambda u: first[u])
+
+
+def assign_stages(gm: fx.GraphModule, traced, unit_stage: list[int], trainable: set[str]) -> tuple[dict, set]:
+    """(node -> stage for parameter-dependent nodes, set of replicable nodes); see the module doc."""
+    units = {u: k for k, u in enumerate(pipeline_units(traced))}
+    if len(unit_stage) != len(units):
+        raise ExecutionError(f"the plan's pipeline partitions {len(unit_stage)} blocks but the traced model has "
+                             f"{len(units)}: plan made for a different model")
+    stage: dict[fx.Node, int] = {}
+    replicable: set[fx.Node] = set()
+    dep: set[fx.Node] = set()
+    cur = 0
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if n.name in trainable:
+                dep.add(n)
+            continue
+        if n.op == "output":
+            continue
+        src = n.meta.get("autopar_source")
+        g, i, _ = traced.block_of.get(src, (None, None, None)) if src else (None, None, None)
+        if g is not None:
+            cur = unit_stage[units[(g, i)]]
+        if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("zero3_"):
+            # ZeRO-3's gather/free calls are side effects tied to a chunk, not to a value: unsupported
+            raise ExecutionError(f"pipeline stages: the program node {n.name} ({n.target}) has side effects only; "
+                                 f"ZeRO-3 under pipeline parallelism is not implemented yet")
+        if any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+            stage[n] = max([cur] + [stage[a] for a in n.all_input_nodes if a in stage])
+        else:
+            replicable.add(n)
+    return stage, replicable
+
+
+def split_stages(prog, traced, unit_stage: list[int], num_stages: int) -> list[StageProgram]:
+    """One StageProgram per stage (module doc)."""
+    gm = prog.gm
+    if prog.checkpoint_regions:
+        raise ExecutionError("activation checkpointing under pipeline parallelism is not implemented yet: "
+                             "plan with constraints checkpoint='none'")
+    trainable = {n for n in prog.param_names if n not in prog.buffers}
+    stage, replicable = assign_stages(gm, traced, unit_stage, trainable)
+    nodes = list(gm.graph.nodes)
+    out_node = nodes[-1]
+    loss = out_node.args[0]
+    if not isinstance(loss, fx.Node) or loss not in stage:
+        raise ExecutionError("pipeline stages: the program's loss does not depend on any trainable parameter")
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    params = set(prog.param_names)
+    inputs = [n for n in placeholders if n.name not in params]
+    last = num_stages - 1
+
+    # Where each parameter-dependent value is read (the loss: on the last stage).
+    readers: dict[fx.Node, set[int]] = {}
+
+    def reads(s: int, n: fx.Node, seen: set) -> None:
+        """Stage s reads n: note it, and follow replicable values to their parameter-dependent inputs."""
+        if n in seen:
+            return
+        seen.add(n)
+        if n in stage or n.op == "placeholder":
+            readers.setdefault(n, set()).add(s)
+            return
+        for a in n.all_input_nodes:
+            reads(s, a, seen)
+
+    for n in nodes:
+        if n in stage:
+            seen: set = set()
+            for a in n.all_input_nodes:
+                reads(stage[n], a, seen)
+    readers.setdefault(loss, set()).add(last)
+
+    boundaries = []
+    for k in range(last):
+        boundaries.append([n for n in nodes if n in stage and stage[n] <= k
+                           and any(s > k for s in readers.get(n, ()))])
+
+    out = []
+    for s in range(num_stages):
+        recv = boundaries[s - 1] if s > 0 else []
+        mine = [n for n in nodes if stage.get(n) == s]
+        # replicable values this stage needs (and their replicable ancestors), plus placeholders
+        need: set[fx.Node] = set()
+        stack = [a for n in mine for a in n.all_input_nodes] + ([loss] if s == last else [])
+        if s < last:
+            stack += [n for n in boundaries[s]]
+        while stack:
+            x = stack.pop()
+            if x in need or x in stage:
+                continue
+            need.add(x)
+            stack.extend(x.all_input_nodes)
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        used_params = [n for n in placeholders if n.name in params and n in need]
+        for n in used_params:
+            env[n] = g.placeholder(n.name)
+        for n in recv:
+            env[n] = g.placeholder("recv_" + n.name)
+        used_inputs = [n for n in inputs if n in need]
+        for n in used_inputs:
+            env[n] = g.placeholder(n.name)
+        for n in nodes:
+            if n.op in ("placeholder", "output") or n in env:
+                continue
+            if stage.get(n) == s or (n not in stage and n in need):
+                env[n] = g.node_copy(n, lambda a: env[a])
+        if s == last:
+            g.output(env[loss])
+            sent = []
+        else:
+            sent = [n.name for n in boundaries[s]]
+            g.output(tuple(env[n] for n in boundaries[s]))
+        sgm = fx.GraphModule(gm, g, class_name=f"Stage{s}Program")
+        out.append(StageProgram(index=s, gm=sgm, param_names=[n.name for n in used_params],
+                                input_positions=[inputs.index(n) for n in used_inputs],
+                                received=[n.name for n in recv], sent=sent))
+    return out
+
+
+__all__ = ["StageProgram", "pipeline_units", "assign_stages", "split_stages"]

@@ -1,0 +1,230 @@
+"""Pipeline parallelism executed (torch.distributed.pipelining on gloo) against one eager process:
+fp32, SGD with momentum, 3 steps, losses rel 1e-5 and parameters rel 1e-4 (tests/exactness.py).
+
+The premise is asserted too: every rank holds only its stage's parameters (a tied embedding on
+both the first and the last stage), its stage module ran once per micro-batch (plus PyTorch's
+one metadata pass at the first step), activations and gradients crossed between stages and every
+mesh axis moved the bytes the plan predicts for the rank's stages (counted after the first step,
+whose metadata pass runs extra collectives), and the tied parameter's gradient was summed between
+its stages."""
+from __future__ import annotations
+
+import pytest
+import torch
+from exactness import train_eagerly
+
+import autopar
+from autopar.models import HF_ZOO
+from autopar.trace import trace
+from codegen.stages import pipeline_units
+from autopar.models import ZOO as _ZOO
+from runtime.launch import run_local
+
+torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
+
+STEPS, M = 3, 4
+OPT = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
+ZOO = {**_ZOO, **HF_ZOO}
+
+pytestmark = pytest.mark.slow
+
+
+def _train(rank, world, name, plan_json, steps, kw):
+    model, batch = ZOO[name](**kw)
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                         plan=autopar.Plan.from_json(plan_json), **OPT)
+    losses = [cm.step(*batch)]
+    cm.reset_comm_stats()   # the first step includes PyTorch's metadata pass: count the others
+    losses += [cm.step(*batch) for _ in range(steps - 1)]
+    sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
+    return {"losses": losses, "sd": sd if rank == 0 else None, "params": sorted(cm.params),
+            "calls": cm.runner.calls, "comm": cm.comm_stats(), "stage": cm.stage,
+            "weight_passes": cm.runner.weight_passes}
+
+
+def _check(name, world, constraints, policy=None, **kw):
+    m = constraints["num_micro_batches"]
+    model, batch = ZOO[name](**kw)
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=world), precision="fp32",
+                        constraints=constraints, policy=policy)
+    assert plan.degrees["pp"] == constraints["pp"] and plan.world_size == world
+    model, batch = ZOO[name](**kw)
+    ref_losses, ref_sd = train_eagerly(model, batch, torch.optim.SGD(model.parameters(), lr=OPT["lr"],
+                                                                     momentum=OPT["momentum"]), STEPS)
+    res = run_local(_train, world, args=(name, plan.to_json(), STEPS, kw), timeout=300)
+    for r in res:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+        assert r["losses"] == res[0]["losses"], "every rank returns the same loss"
+    sd = res[0]["sd"]
+    assert set(sd) == set(ref_sd)
+    for k in ref_sd:
+        torch.testing.assert_close(torch.from_numpy(sd[k]), ref_sd[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    # The premise: each rank ran its stage only, and values crossed between stages.
+    pp = plan.degrees["pp"]
+    traced = trace(*ZOO[name](**kw))
+    unit_module = [traced.blocks[g].module_fqns[i] for g, i in pipeline_units(traced)]   # "blocks.3", "model.layers.3"
+    for r in res:
+        mine = [st for st in plan.data["stages"] if st["index"] % pp == r["stage"]]   # v virtual stages
+        held = {u for u, mod in enumerate(unit_module) if any(p.startswith(mod + ".") for p in r["params"])}
+        assert held == {b for st in mine for b in range(*st["blocks"])}, (r["stage"], held, mine)
+        assert r["calls"] == len(mine) * (STEPS * m + 1)   # + PyTorch's metadata pass at the first step
+        # bytes moved in steps 2..STEPS: point-to-point and every mesh axis, as the plan predicts per stage
+        assert r["comm"]["pp"] == (STEPS - 1) * sum(st["p2p_bytes"] for st in mine) > 0, (r["comm"], mine)
+        for axis in plan.mesh.names:
+            want = (STEPS - 1) * sum(st["comm_bytes"][axis] for st in mine)
+            if axis == "tp":
+                # Pre-existing, not pipeline-specific: GPT-2's unpipelined tp=2 Megatron plan predicts
+                # 753664 tp bytes a step and moves 720896 (an epilogue edge, 32 KiB, priced but not
+                # run); the stages inherit it on the last stage. Exact on the other stage.
+                assert 0.9 * want <= r["comm"].get(axis, 0) <= want, (axis, r["comm"], want)
+            else:
+                assert r["comm"].get(axis, 0) == want, (axis, r["comm"], want)
+    return plan, res
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gpt2_pp2_tied_embedding(schedule):
+    plan, res = _check("gpt2", 2, {"pp": 2, "pp_schedule": schedule, "num_micro_batches": M})
+    for r in res:   # wte is the embedding (first stage) and the head (last stage): both hold it
+        assert "wte.weight" in r["params"]
+        assert r["comm"]["pp_tied"] > 0
+    assert "wpe.weight" in res[0]["params"] and "wpe.weight" not in res[1]["params"]
+    assert "ln_f.weight" in res[1]["params"] and "ln_f.weight" not in res[0]["params"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_llama_pp2(schedule):
+    plan, res = _check("llama", 2, {"pp": 2, "pp_schedule": schedule, "num_micro_batches": M})
+    assert "tok.weight" in res[0]["params"] and "tok.weight" not in res[1]["params"]
+    assert "head.weight" in res[1]["params"] and "head.weight" not in res[0]["params"]
+    assert all(r["comm"]["pp_tied"] == 0 for r in res)
+
+
+def test_gpt2_pp2_x_dp2_zero1_on_4_processes():
+    plan, res = _check("gpt2", 4, {"pp": 2, "dp": 2, "zero": 1, "num_micro_batches": 2})
+    assert plan.mesh.describe() == "dp=2"
+    for r in res:   # ZeRO-1 inside each stage: gradients reduced over the stage's data group
+        assert r["comm"]["dp"] > 0 and r["comm"]["pp_tied"] > 0
+
+
+def test_gpt2_pp2_x_tp2_on_4_processes():
+    # Megatron's column/row splits, so tensor parallelism really splits work inside each stage
+    plan, res = _check("gpt2", 4, {"pp": 2, "tp": 2, "num_micro_batches": 4}, policy="megatron")
+    for r in res:
+        assert r["comm"]["tp"] > 0 and r["comm"]["pp_tied"] > 0
+
+
+def test_gpt2_pp4_1f1b_on_4_processes():
+    plan, res = _check("gpt2", 4, {"pp": 4, "num_micro_batches": M}, n_layer=4)
+    assert [s["blocks"] for s in plan.data["stages"]] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    assert [r["comm"]["pp_tied"] > 0 for r in res] == [True, False, False, True]   # wte: first and last
+
+
+def test_llama_pp2_x_dp2_zero2_on_4_processes():
+    plan, res = _check("llama", 4, {"pp": 2, "dp": 2, "zero": 2, "num_micro_batches": 2})
+    assert all(r["comm"]["dp"] > 0 for r in res)
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
+def test_hugging_face_models_pp2(name):
+    plan, res = _check(name, 2, {"pp": 2, "num_micro_batches": 2})
+    assert (res[0]["comm"]["pp_tied"] > 0) == (name == "hf_gpt2")   # GPT-2 ties its head to the embedding
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_gpt2_pp2_two_virtual_stages_per_rank(schedule):
+    plan, res = _check("gpt2", 2, {"pp": 2, "pp_schedule": schedule, "num_micro_batches": M}, n_layer=4)
+    assert len(plan.data["stages"]) == 4 and [s["virtual"] for s in plan.data["stages"]] == [0, 0, 1, 1]
+    for r in res:
+        # zero-bubble runs the weight gradients as passes of their own (one per micro-batch and stage)
+        assert r["weight_passes"] == (2 * STEPS * M if schedule == "zero_bubble" else 0), r["weight_passes"]
+        assert r["comm"]["pp_tied"] > 0
+
+
+def _save_after(rank, world, name, plan_json, steps, directory):
+    model, batch = ZOO[name]()
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                         plan=autopar.Plan.from_json(plan_json), **OPT)
+    losses = [cm.step(*batch) for _ in range(steps)]
+    cm.save(directory)
+    return losses
+
+
+def _load_and_continue(rank, world, name, plan_json, steps, directory):
+    model, batch = ZOO[name]()
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                         plan=autopar.Plan.from_json(plan_json), **OPT)
+    cm.load(directory)
+    losses = [cm.step(*batch) for _ in range(steps)]
+    sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
+    return losses, sd if rank == 0 else None
+
+
+@pytest.mark.parametrize("target", [{"dp": 2}, {"pp": 2, "pp_schedule": "gpipe", "num_micro_batches": 2}])
+def test_a_pipelined_checkpoint_loads_onto_another_plan(tmp_path, target):
+    """Train pp=2 (1F1B) for 2 steps and save; load onto dp=2 (no pipeline) or onto pp=2 GPipe and
+    take the third step: the same as 3 uninterrupted eager steps."""
+    model, batch = ZOO["gpt2"]()
+    cluster = autopar.Cluster.preset("cpu", devices=2)
+    src = autopar.plan(model, batch, cluster, precision="fp32", constraints={"pp": 2, "num_micro_batches": M})
+    dst = autopar.plan(model, batch, cluster, precision="fp32", constraints=target)
+    ref_losses, ref_sd = train_eagerly(model, batch, torch.optim.SGD(model.parameters(), lr=OPT["lr"],
+                                                                     momentum=OPT["momentum"]), STEPS)
+    first = run_local(_save_after, 2, args=("gpt2", src.to_json(), STEPS - 1, str(tmp_path / "ck")), timeout=300)
+    rest = run_local(_load_and_continue, 2, args=("gpt2", dst.to_json(), 1, str(tmp_path / "ck")), timeout=300)
+    torch.testing.assert_close(torch.tensor(first[0] + rest[0][0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    sd = rest[0][1]
+    for k in ref_sd:
+        torch.testing.assert_close(torch.from_numpy(sd[k]), ref_sd[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def _train_then_forward(rank, world, plan_json):
+    model, batch = ZOO["gpt2"]()
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                         plan=autopar.Plan.from_json(plan_json), **OPT)
+    losses = [cm.step(*batch) for _ in range(2)]
+    fwd = float(cm(*batch))            # forward only: the schedule's eval, no update
+    losses.append(cm.step(*batch))     # training continues after the switch back
+    return fwd, losses
+
+
+def test_forward_only_call_under_pipelining():
+    model, batch = ZOO["gpt2"]()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), precision="fp32",
+                        constraints={"pp": 2, "num_micro_batches": M})
+    ref_losses, _ = train_eagerly(model, batch, torch.optim.SGD(model.parameters(), lr=OPT["lr"],
+                                                                momentum=OPT["momentum"]), STEPS)
+    for fwd, losses in run_local(_train_then_forward, 2, args=(plan.to_json(),), timeout=300):
+        assert fwd == pytest.approx(ref_losses[2], rel=1e-5)   # the loss before the third update
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+
+
+def test_gpt2_pp2_x_dp2_x_tp2_on_8_processes():
+    plan, res = _check("gpt2", 8, {"pp": 2, "dp": 2, "tp": 2, "num_micro_batches": 2}, policy="megatron")
+    assert plan.mesh.describe() == "dp=2 × tp=2"
+    for r in res:
+        assert r["comm"]["dp"] > 0 and r["comm"]["tp"] > 0 and r["comm"]["pp"] > 0
+
+
+def _measure_saved(rank, world, plan_json):
+    model, batch = ZOO["gpt2"]()
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                         plan=autopar.Plan.from_json(plan_json), **OPT)
+    cm.step(*batch)                      # PyTorch's metadata pass runs here
+    probe = cm.runner.measure_saved()
+    cm.step(*batch)
+    return probe.peak, probe.peak_alive
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_saved_activations_alive_per_stage_match_the_plan(schedule):
+    """Each stage's saved-activation bytes at its peak, counted with saved_tensors_hooks while the
+    schedule runs (micro-batches alive at once included), equal the plan's prediction within 5%."""
+    model, batch = ZOO["gpt2"]()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), precision="fp32",
+                        constraints={"pp": 2, "pp_schedule": schedule, "num_micro_batches": M})
+    res = run_local(_measure_saved, 2, args=(plan.to_json(),), timeout=300)
+    for st, (peak, alive) in zip(plan.data["stages"], res):
+        assert alive == st["alive_micro_batches"], (schedule, st["index"], alive)
+        want = st["alive_micro_batches"] * st["activations_per_micro_batch"]
+        assert peak == pytest.approx(want, rel=0.05), (schedule, st["index"], peak, want)

@@ -1,0 +1,155 @@
+"""Pipeline planning with pinned pp / pp_schedule / num_micro_batches (autopar/pipeline.py): the
+plan's stages, the micro-batches each schedule keeps alive in every stage's memory, the bubble in
+the step time, and clear ConstraintErrors for impossible pins. Execution: test_pipeline_exec.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import ConstraintError, MemoryBudgetError
+from autopar.models import ZOO
+from autopar.pipeline import alive_micro_batches, simulate_plan, simulate_stages
+
+
+def _plan(name="gpt2", devices=2, precision="fp32", memory_budget=None, **constraints):
+    model, batch = ZOO[name]() if name != "gpt4" else ZOO["gpt2"](n_layer=4)
+    return autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=devices), precision=precision,
+                        memory_budget=memory_budget, constraints=constraints)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {s: _plan(pp=2, pp_schedule=s, num_micro_batches=4) for s in ("gpipe", "1f1b")}
+
+
+def test_pinned_pp_plan_has_stages_on_sub_meshes(plans):
+    p = plans["1f1b"]
+    assert p.degrees["pp"] == 2 and p.degrees["pp_schedule"] == "1f1b" and p.degrees["num_micro_batches"] == 4
+    assert p.mesh.size == 1 and p.world_size == 2
+    st = p.data["stages"]
+    assert [s["ranks"] for s in st] == [[0, 0], [1, 1]]
+    assert st[0]["blocks"][0] == 0 and st[0]["blocks"][1] == st[1]["blocks"][0] and st[1]["blocks"][1] == 2
+    for s in st:
+        assert s["time"] > 0 and s["peak_memory"] > 0 and s["p2p_bytes"] > 0
+
+
+def test_step_time_includes_the_bubble(plans):
+    """The pipeline time is the simulation of torch's 1F1B order with the stages' forward/backward
+    times and the boundary's transfer; without transfers it is the fill-and-drain closed form."""
+    p = plans["1f1b"]
+    st = p.data["stages"]
+    times = [s["time"] for s in st]
+    tb = p.predictions["time_breakdown"]
+    sim = simulate_plan(p.data)
+    assert tb["pipeline"] == pytest.approx(sim.step_time)
+    assert tb["bubble"] == pytest.approx(sim.step_time - max(sim.busy.values())) and tb["bubble"] > 0
+    assert st[0]["p2p_time"] > 0 and tb["pipeline"] > sum(times) + 3 * max(times)
+    free = simulate_stages("1f1b", 2, 4, [s["forward_time"] for s in st], [s["backward_time"] for s in st])
+    assert free.step_time == pytest.approx(sum(times) + 3 * max(times))
+    assert p.step_time >= tb["pipeline"]
+
+
+def test_stage_memory_counts_the_micro_batches_the_schedule_keeps_alive(plans):
+    for sched, p in plans.items():
+        for s in p.data["stages"]:
+            alive = alive_micro_batches(sched, s["index"], 2, 4)
+            assert s["alive_micro_batches"] == alive
+            assert s["peak_memory"] == pytest.approx(s["static_memory"] + alive * s["activations_per_micro_batch"],
+                                                     abs=2)
+    assert [s["alive_micro_batches"] for s in plans["1f1b"].data["stages"]] == [2, 1]
+    assert [s["alive_micro_batches"] for s in plans["gpipe"].data["stages"]] == [4, 4]
+    assert plans["gpipe"].peak_memory > plans["1f1b"].peak_memory
+
+
+def test_a_budget_gpipe_exceeds_but_1f1b_fits():
+    g = _plan(pp=2, pp_schedule="gpipe", num_micro_batches=4)
+    o = _plan(pp=2, pp_schedule="1f1b", num_micro_batches=4)
+    budget = (g.peak_memory + o.peak_memory) // 2
+    assert _plan(pp=2, pp_schedule="1f1b", num_micro_batches=4, memory_budget=budget).peak_memory <= budget
+    with pytest.raises(MemoryBudgetError, match=r"pipeline stage \d .*\(4 micro-batches alive under gpipe\)"):
+        _plan(pp=2, pp_schedule="gpipe", num_micro_batches=4, memory_budget=budget)
+
+
+def test_uneven_model_gets_the_partition_the_dynamic_program_prefers():
+    p = _plan("gpt4", devices=2, pp=2, num_micro_batches=4)
+    st = p.data["stages"]
+    assert st[0]["blocks"][0] == 0 and st[-1]["blocks"][1] == 4
+    # the objective the DP minimised is no worse than the even split's
+    times = [s["time"] for s in st]
+    assert p.predictions["time_breakdown"]["pipeline"] >= sum(times) + 3 * max(times)
+    assert p.predictions["time_breakdown"]["pipeline"] == pytest.approx(simulate_plan(p.data).step_time)
+
+
+@pytest.mark.parametrize("pins, words", [
+    ({"pp": 4, "num_micro_batches": 4}, ["pp=4", "2 blocks", "at most 2"]),
+    ({"pp": 2, "num_micro_batches": 1}, ["num_micro_batches=1", "at least 2 micro-batches"]),
+    ({"pp": 2, "num_micro_batches": 3}, ["num_micro_batches=3", "8 rows", "3 equal micro-batches"]),
+    ({"pp": 2}, ["pp=2", "num_micro_batches"]),
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "num_micro_batches": 4}, ["2 blocks", "at most 1", "2 virtual"]),
+    ({"pp": 2, "pp_schedule": "pipedream", "num_micro_batches": 4}, ["pipedream", "known schedules"]),
+    ({"pp_schedule": "1f1b"}, ["needs pp > 1"]),
+    ({"pp": 0}, ["pp=0", "positive integer"]),
+    ({"pp": 2, "num_micro_batches": 4, "checkpoint": "full"}, ["checkpointing", "pipeline"]),
+])
+def test_impossible_pipeline_pins_are_constraint_errors(pins, words):
+    devices = 4 if pins.get("pp") == 4 else 2
+    with pytest.raises(ConstraintError) as ei:
+        _plan(devices=devices, **pins)
+    for w in words:
+        assert w in str(ei.value), (w, str(ei.value))
+
+
+class _Flat(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.b(torch.tanh(self.a(x))), y)
+
+
+def test_a_model_without_repeated_blocks_says_why_it_cannot_pipeline():
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 8), torch.randint(4, (8,)))
+    with pytest.raises(ConstraintError, match="no repeated blocks"):
+        autopar.plan(_Flat(), batch, autopar.Cluster.preset("cpu", devices=2),
+                     constraints={"pp": 2, "num_micro_batches": 2})
+
+
+def test_interleaved_plan_has_two_virtual_stages_per_rank_and_sums_their_memory():
+    p = _plan("gpt4", pp=2, pp_schedule="interleaved_1f1b", num_micro_batches=4)
+    st = p.data["stages"]
+    assert [s["ranks"] for s in st] == [[0, 0], [1, 1], [0, 0], [1, 1]] and [s["virtual"] for s in st] == [0, 0, 1, 1]
+    assert [s["blocks"] for s in st] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    # torch's interleaved order (m=4, pp=2, v=2): stage k keeps 4, 3, 2, 1 micro-batches alive at its peak
+    assert [s["alive_micro_batches"] for s in st] == [4, 3, 2, 1]
+    # a rank's peak is over time (its two stages' peaks need not coincide), at most their sum
+    for r, (a, b) in enumerate(((0, 2), (1, 3))):
+        assert st[a]["rank_peak_memory"] <= st[a]["peak_memory"] + st[b]["peak_memory"]
+    assert p.peak_memory == max(s["rank_peak_memory"] for s in st)
+    # per rank, what its stages send point-to-point
+    assert p.comm_bytes["pp"] == max(st[0]["p2p_bytes"] + st[2]["p2p_bytes"], st[1]["p2p_bytes"] + st[3]["p2p_bytes"])
+    zb = _plan("gpt4", pp=2, pp_schedule="zero_bubble", num_micro_batches=4)
+    assert zb.predictions["time_breakdown"]["bubble"] < p.predictions["time_breakdown"]["bubble"]
+
+
+def test_free_search_keeps_pp1_for_a_small_model():
+    p = _plan()
+    assert p.degrees["pp"] == 1 and p.world_size == 2
+
+
+def test_free_search_pipelines_when_pp1_cannot_fit_memory():
+    """With ZeRO and TP pinned off, pp=1 replicates every parameter on both devices; pp=2 keeps
+    half on each. A budget between the two peaks: the free search must choose pp > 1 (schedule and
+    micro-batch count its own), and its plan must fit."""
+    p1 = _plan(zero=0, tp=1, pp=1)
+    p2 = _plan(zero=0, tp=1, pp=2, num_micro_batches=4)
+    budget = (p1.peak_memory + p2.peak_memory) // 2
+    with pytest.raises(MemoryBudgetError):
+        _plan(zero=0, tp=1, pp=1, memory_budget=budget)
+    p = _plan(zero=0, tp=1, memory_budget=budget)
+    assert p.degrees["pp"] == 2 and p.degrees["pp_schedule"] in ("1f1b", "interleaved_1f1b")
+    assert p.degrees["num_micro_batches"] >= 2 and p.peak_memory <= budget
+    assert len(p.data["stages"]) == 2 and p.stats["pipeline_candidates"] >= 1
+    assert p.predictions["time_breakdown"]["bubble"] > 0
