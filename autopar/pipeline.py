@@ -31,7 +31,7 @@
    and optimizer step scaled to the largest rank's share of the parameters. The bubble reported
    is the busiest rank's idle time in the simulation (its work + bubble = the pipeline time).
 
-Interleaved schedules (``interleaved_1f1b``, ``zero_bubble``: PyTorch's ScheduleInterleaved1F1B and
+Interleaved schedules (``interleaved-1f1b``, ``zero-bubble``: PyTorch's ScheduleInterleaved1F1B and
 ScheduleInterleavedZeroBubble) give every rank v = 2 virtual stages (k and k + pp): pp x v ranges.
 
 Impossible pins are ``ConstraintError``: more stages than blocks, fewer micro-batches than
@@ -45,14 +45,25 @@ import math
 
 from autopar.errors import ConstraintError, MemoryBudgetError
 
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")   # v stages per rank (PyTorch's Interleaved1F1B, InterleavedZeroBubble)
+MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")   # v stages per rank (PyTorch's Interleaved1F1B, InterleavedZeroBubble)
 RUNNABLE_SCHEDULES = ("gpipe", "1f1b", *MULTI_STAGE)
 KNOWN_SCHEDULES = RUNNABLE_SCHEDULES
+# Spellings accepted for the api.md names above (plans record the api.md name).
+SCHEDULE_ALIASES = {"interleaved_1f1b": "interleaved-1f1b", "interleaved": "interleaved-1f1b",
+                    "zero_bubble": "zero-bubble", "zb": "zero-bubble"}
+
+
+def canonical_schedules(constraints: dict) -> dict:
+    """``constraints`` (a copy) with ``pp_schedule`` spelled as api.md spells it."""
+    sched = constraints.get("pp_schedule")
+    if isinstance(sched, str) and sched.lower() in SCHEDULE_ALIASES:
+        constraints = dict(constraints, pp_schedule=SCHEDULE_ALIASES[sched.lower()])
+    return constraints
 
 
 def pipeline_pins(constraints: dict | None) -> tuple[int, str | None]:
     """(pp, pp_schedule) from constraints, validated; pp=1 means no pipeline."""
-    constraints = constraints or {}
+    constraints = canonical_schedules(constraints or {})
     pp = constraints.get("pp", 1)
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ConstraintError(f"constraint pp={pp!r}: must be a positive integer (pipeline stages)")
@@ -255,7 +266,7 @@ def _costs(result, graph) -> _Costs:
 
 
 # Torch's schedule names (runtime/pipeline_orders.py) for the planner's pp_schedule values.
-_TORCH_NAME = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved-1f1b", "zero_bubble": "zero-bubble"}
+_TORCH_NAME = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "interleaved-1f1b", "zero-bubble": "zero-bubble"}
 # Share of a stage's backward that is the weight-gradient pass under zero-bubble (I and W scheduled
 # apart): for a matmul dX and dW cost one forward each, so half; the pass the simulator prices.
 WEIGHT_GRAD_SHARE = 0.5
@@ -281,9 +292,9 @@ def simulate_stages(schedule: str, pp: int, m: int, fwd, bwd, p2p=(), timeline: 
     micro-batch and per-boundary transfer seconds (solver/pipeline_schedule.py)."""
     from solver.pipeline_schedule import StageDurations, simulate
 
-    w = WEIGHT_GRAD_SHARE if schedule == "zero_bubble" else 0.0
+    w = WEIGHT_GRAD_SHARE if schedule == "zero-bubble" else 0.0
     d = StageDurations(list(fwd), [b * (1 - w) for b in bwd], [b * w for b in bwd], list(p2p))
-    if schedule == "zero_bubble":   # torch 2.13 runs stage 0's whole backward in its W action
+    if schedule == "zero-bubble":   # torch 2.13 runs stage 0's whole backward in its W action
         d = d.first_stage_backward_in_weight_pass()
     return simulate(orders_for(schedule, pp, m), d, timeline=timeline)
 
@@ -402,6 +413,14 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
             "peak_static": worst_static}
 
 
+def max_zero(graph) -> int:
+    """The highest ZeRO stage a pipelined plan of ``graph`` executes (autopar/pipeline_run.py):
+    ZeRO-3 is not implemented under pipelining, and a parameter shared by two stages (a tied
+    embedding and head) has its gradient summed between them only under ZeRO <= 1. Which
+    parameters end up on two stages is known only after partitioning, so any tie caps it at 1."""
+    return 1 if graph.tied else 2
+
+
 def simulate_plan(data: dict):
     """The predicted schedule of a saved pipelined plan, with its timeline (for ``autopar show``)."""
     deg = data["degrees"]
@@ -425,10 +444,15 @@ def search_pipelined(graph, cluster, base, constraints: dict, search_fn, **kw):
     why = unpipelined_pin(inner)
     if why:
         raise ConstraintError(f"constraint pp={pp} cannot be met together with {why}: drop one of the two pins")
+    top = max_zero(graph)
+    if inner.get("zero", 0) > top:
+        raise ConstraintError(f"constraint zero={inner['zero']} cannot be met with pp={pp}: pipelined stages run "
+                              f"ZeRO <= {top}" + (" for this model (its tied parameters may sit on two stages)"
+                                                  if top < 2 else "") + "; pin a lower zero or drop pp")
     budget = base.budget
     # The whole model need not fit one stage: the budget is checked per stage (plan_stages).
     lifted = dataclasses.replace(base, budget=budget * pp)
-    result, stats = search_fn(graph, sub, lifted, inner, **kw)
+    result, stats = search_fn(graph, sub, lifted, inner, max_zero=top, **kw)
     info = plan_stages(result, graph, cluster, pp, schedule, budget)
     info.update(pp=pp, schedule=schedule, num_micro_batches=m)
     return result, stats, info

@@ -19,6 +19,11 @@ compute time times 1 + (pp - 1) / (m * v) (same FLOPs on the same devices, plus 
 and drain of 1F1B / interleaving with v stages per rank); a candidate whose bound is not below
 the pp=1 step time is not searched. This bound assumes the pipelined stages compute no faster
 than the pp=1 plan does, which holds when both split work over the same devices evenly.
+Candidates are visited in order of that bound, so a good pipelined plan found early prunes the
+rest. A ``time_limit`` covers the whole search: pipelined candidates get what pp=1 left.
+
+Only executable plans are searched: a pipelined stage runs ZeRO <= 2, <= 1 when the model ties
+parameters (``pipeline.max_zero``; autopar/pipeline_run.py refuses the rest).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import time
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 
 MAX_PP = 16
-SCHEDULES = ("1f1b", "interleaved_1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
+SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
 MICRO_FACTORS = (1, 2, 4)
 
 
@@ -50,10 +55,12 @@ def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
 
 def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw):
     """(Result, stats, pipeline figures or None): the best plan over pp=1 and pipelined candidates."""
-    from autopar.pipeline import pipeline_pins, search_pipelined, unpipelined_pin, virtual_stages
+    from autopar.pipeline import (canonical_schedules, pipeline_pins, search_pipelined, unpipelined_pin,
+                                  virtual_stages)
     from autopar.search import global_batch
 
-    constraints = dict(constraints or {})
+    constraints = canonical_schedules(dict(constraints or {}))
+    kw = dict(kw, shared_candidates={})   # candidates and pricing caches per mesh, across the searches below
     pp, _ = pipeline_pins(constraints)
     if pp > 1:
         return search_pipelined(graph, cluster, base, constraints, search_fn, **kw)
@@ -84,7 +91,9 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
             raise inner_cache[key]
         return inner_cache[key]
 
-    best_time = base_time
+    # Every pipelined candidate with its lower bound (module doc: pruning), visited best bound
+    # first so that a good pipelined plan found early prunes the rest.
+    cands = []
     for p in _pp_choices(graph, cluster, constraints):
         for sched in SCHEDULES:
             v = virtual_stages(sched)
@@ -92,18 +101,27 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
                 m = p * f
                 if batch % m or "num_micro_batches" in constraints and constraints["num_micro_batches"] != m:
                     continue
-                if base_compute * (1 + (p - 1) / (m * v)) >= best_time:
-                    continue   # cannot beat the best so far (module doc: pruning)
-                pins = dict(flat, pp=p, pp_schedule=sched, num_micro_batches=m)
-                try:
-                    result, stats, pipe = search_pipelined(graph, cluster, base, pins, cached_search, **kw)
-                except (MemoryBudgetError, ConstraintError, PlanError):
-                    continue
-                tried += 1
-                if pipe["step_time"] < best_time:
-                    best, best_stats, best_pipe, best_time = result, stats, pipe, pipe["step_time"]
+                cands.append((base_compute * (1 + (p - 1) / (m * v)), p, SCHEDULES.index(sched), m, sched))
+    best_time = base_time
+    pruned = 0
+    for bound, p, _, m, sched in sorted(cands):
+        if bound >= best_time:
+            pruned += 1
+            continue
+        limit = kw.get("time_limit")
+        if limit is not None and time.perf_counter() - t0 >= limit:
+            break   # the time limit covers the whole search, pipelined candidates included
+        pins = dict(flat, pp=p, pp_schedule=sched, num_micro_batches=m)
+        kw_left = kw if limit is None else dict(kw, time_limit=max(1.0, limit - (time.perf_counter() - t0)))
+        try:
+            result, stats, pipe = search_pipelined(graph, cluster, base, pins, cached_search, **kw_left)
+        except (MemoryBudgetError, ConstraintError, PlanError):
+            continue
+        tried += 1
+        if pipe["step_time"] < best_time:
+            best, best_stats, best_pipe, best_time = result, stats, pipe, pipe["step_time"]
     if best is None:
         raise err
-    best_stats = dict(best_stats, pipeline_candidates=tried, inner_searches=len(inner_cache),
+    best_stats = dict(best_stats, pipeline_candidates=tried, pipeline_pruned=pruned, inner_searches=len(inner_cache),
                       pipeline_seconds=time.perf_counter() - t0)
     return best, best_stats, best_pipe

@@ -119,7 +119,7 @@ def price(c: Candidates, cluster: Cluster, s: Settings, edges: bool = True) -> P
 
 
 def price_edges(c: Candidates, cluster: Cluster, s: Settings, P: Priced) -> None:
-    key = (id(cluster), s.num_micro_batches, s.precision)
+    key = (cluster, s.num_micro_batches, s.precision)
     if key not in c.edge_cache:   # edges depend on micro-batching and precision only, not on ZeRO
         _price_edges(c, cluster, s, mesh_comm(c, cluster), P)
         c.edge_cache[key] = (P.edges, P.edge_bytes, P.edge_fwd, P.edge_fwd_bytes)
@@ -148,7 +148,7 @@ class MemoComm:
 
 def mesh_comm(c: Candidates, cluster: Cluster) -> MemoComm:
     """The memoised collectives of ``c``'s mesh on ``cluster`` (one per pair, kept on ``c``)."""
-    key = ("comm", id(cluster))
+    key = ("comm", cluster)
     if key not in c.edge_cache:
         c.edge_cache[key] = (cluster, MemoComm(Collectives(cluster, c.mesh)))
     return c.edge_cache[key][1]
@@ -179,7 +179,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
         return bucket_share(comm, kind, nbytes, a, bucket)
     # Ops' prices do not depend on the ZeRO stage (only parameters' do): price them once per
     # (cluster, micro-batches, precision) and re-use them for every stage.
-    ops_key = ("ops", id(cluster), nm, s.precision)
+    ops_key = ("ops", cluster, nm, s.precision)
     ops_done = c.edge_cache.get(ops_key)
     ops_new: dict = {}
     for name in c.order:

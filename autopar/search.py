@@ -144,13 +144,14 @@ def _micro_batch_error(batch: int, dps: list[int], constraints: dict) -> str | N
             + f". Pin one of those, or change the batch size or dp")
 
 
-def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict):
+def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict, max_zero: int = 3):
     batch = global_batch(graph)
     for mesh in allowed_meshes(cluster, constraints):
         dp = mesh.degree("dp")
         if batch % dp:
             continue
-        zeros = [constraints["zero"]] if "zero" in constraints else ([0, 1, 2, 3] if dp > 1 else [0])
+        zeros = [constraints["zero"]] if "zero" in constraints else \
+            ([z for z in (0, 1, 2, 3) if z <= max_zero] if dp > 1 else [0])
         for nm in _micro_choices(batch // dp, constraints):
             for z in zeros:
                 yield Config(mesh, Settings(optimizer=base.optimizer, precision=base.precision, zero=z,
@@ -213,11 +214,15 @@ class _Progress:
 
 def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict | None = None,
            time_limit: float | None = None, log=None, policy: str | None = None,
-           exhaustive: bool = False, progress: bool | None = None) -> tuple[Result, dict]:
+           exhaustive: bool = False, progress: bool | None = None, max_zero: int = 3,
+           shared_candidates: dict | None = None) -> tuple[Result, dict]:
     """The best configuration and search statistics. ``exhaustive`` solves every configuration
     (no bound pruning, no time limit: the reference the pruned search must match, used by
     tests); ``progress`` forces the live progress line on or off (default: when stderr is a
-    terminal)."""
+    terminal); ``max_zero`` caps the unpinned ZeRO stages (pipelined stages execute ZeRO <= 2,
+    autopar/pipeline.py ``max_zero``); ``shared_candidates`` keeps each mesh's candidates and their
+    pricing caches across the searches of one ``autopar.plan`` call (pp=1 and every pipelined
+    candidate's inner search on a stage's sub-mesh: autopar/pipeline_search.py)."""
     constraints = check_constraints(constraints)
     if constraints.get("pp", 1) > 1:
         raise ConstraintError("pipelined plans (pp > 1) are made by autopar.plan (autopar/pipeline.py), not search()")
@@ -227,8 +232,8 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     stats = {"configs": 0, "pruned": 0, "solved": 0, "infeasible": 0, "gap": 0.0}
     infeasible: list = []
     memory_floors: list = []   # configurations whose static memory alone exceeds the budget
-    cand_cache: dict = {}
-    configs = list(configurations(graph, cluster, base, constraints))
+    cand_cache: dict = ({} if shared_candidates is None else shared_candidates).setdefault(policy, {})
+    configs = list(configurations(graph, cluster, base, constraints, max_zero))
     from autopar.grid_search import GRID_MODES, best_grid
     if not configs and constraints.get("tp_mode") not in GRID_MODES:
         batch = global_batch(graph)

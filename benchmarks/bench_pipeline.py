@@ -30,7 +30,7 @@ NARAYANAN_PP = [
 ]
 
 
-def narayanan_pp(rows=None, schedules=("1f1b", "interleaved_1f1b")):
+def narayanan_pp(rows=None, schedules=("1f1b", "interleaved-1f1b")):
     print("| model | GPUs | t | p | schedule | m | predicted step | bubble | peak mem | published step | "
           "predicted TF/s/GPU | published | error | step error vs published x 3/4 |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -64,6 +64,7 @@ the nodes of each instance's attention core, under ``<instance>.attention_core``
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -153,6 +154,26 @@ def strategy_of(op: dict) -> Strategy:
 
 def _val(node):
     return node.meta.get("val")
+
+
+# reshard steps whose result is a new tensor, contiguous in its dims' order (runtime/collectives.py)
+_NEW_TENSOR_STEPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "slice")
+
+
+def _memory_order(val) -> tuple[int, ...] | None:
+    """``val``'s dims from outermost to innermost in memory (by decreasing stride), when that is
+    not their order (a transposed or permuted view, e.g. attention's q of shape (b, h, s, d)
+    laid out (b, s, h, d)); None for a value already in order, a broadcast (stride 0) one, or a
+    non-tensor. Dims of size 1 do not count."""
+    if not isinstance(val, torch.Tensor) or val.ndim < 2 or val.layout != torch.strided:
+        return None
+    big = [d for d in range(val.ndim) if val.shape[d] > 1]
+    if any(val.stride(d) == 0 for d in big):
+        return None
+    order = tuple(sorted(range(val.ndim), key=lambda d: (-val.stride(d), d)))
+    if [d for d in order if d in big] == big:
+        return None
+    return order
 
 
 def _is_float(v) -> bool:
@@ -252,10 +273,24 @@ class _Builder:
         return node
 
     def reshard(self, x: fx.Node, src: Layout, dst: Layout, val, partial_grad_axes) -> fx.Node:
-        """Steps from src to dst on this rank's block of ``val``, plus the gradient conjugates."""
+        """Steps from src to dst on this rank's block of ``val``, plus the gradient conjugates.
+
+        The collectives return new tensors, contiguous in the order of their dims; a value the
+        trace lays out in another order (``val`` a transposed view: q, k, v of attention) is
+        viewed in its traced memory order around the steps (``_memory_order``: two permutes,
+        no copy), so the result has the traced layout. What a consumer's kernel then does with
+        it (flash attention lays its output out like q; a later ``reshape`` is a view or a copy)
+        is what the trace did, which is what the memory model counts (pricing.py)."""
         steps = ()
         if src != dst:
             steps = plan_reshard(src, dst, tuple(val.shape), val.element_size(), self.mesh_shape, self.comm).steps
+        order = _memory_order(val) if any(s.kind in _NEW_TENSOR_STEPS for s in steps) else None
+        if order is not None:
+            at = {d: i for i, d in enumerate(order)}   # traced dim -> its position in memory order
+            steps = tuple(dataclasses.replace(s, dim=None if s.dim is None else at[s.dim],
+                                              dst_dim=None if s.dst_dim is None else at[s.dst_dim])
+                          for s in steps)
+            x = self.call(torch.ops.aten.permute.default, (x, list(order)))
         last_on_axis = {s.axis: i for i, s in enumerate(steps)}
         fused = {a for a in partial_grad_axes if a in last_on_axis and steps[last_on_axis[a]].kind == "all_gather"}
         for i, s in enumerate(steps):
@@ -278,6 +313,8 @@ class _Builder:
                 x = self.call(RC.slice_block, (x, s.dim), {"axis": s.axis})
             elif s.kind == "partial":
                 x = self.call(RC.make_partial, (x,), {"axis": s.axis})
+        if order is not None:
+            x = self.call(torch.ops.aten.permute.default, (x, [order.index(d) for d in range(len(order))]))
         for a in sorted(set(partial_grad_axes) - fused):
             x = self.call(RC.copy, (x,), {"axis": a})
         return x

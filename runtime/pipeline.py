@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 # Schedules with several stages per rank: PyTorch's class for each.
-MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleInterleavedZeroBubble"}
+MULTI = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "zero-bubble": "ScheduleInterleavedZeroBubble"}
 SCHEDULES = ("gpipe", "1f1b", *MULTI)
 
 

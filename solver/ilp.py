@@ -27,6 +27,8 @@ Variables and constraint families (each added by the function named):
   largest recompute working set is alive, not their sum. Each row is divided by its largest
   magnitude so the solver's feasibility tolerance is relative. A row with no variables is
   checked directly.
+- **Presolve** -- ``solver/presolve.py``: checkpoint groups that cannot matter (every memory row
+  holds with them off whatever the strategies) are pinned off before the model is built.
 - **Objective** -- ``_set_objective``: node costs + edge costs + recompute time. Each node's
   cheapest cost is moved into a constant offset and the rest is scaled so the largest
   coefficient is ``_OBJ_TARGET``; costs from 1e-6 s to 100 s then sit well above solver
@@ -55,6 +57,7 @@ import pulp
 from solver.checkpoint_links import add_checkpoint_links as _add_checkpoint_links
 from solver.checkpoint_links import validate_links as _validate_links
 from solver.errors import PlanError
+from solver.presolve import fix_needless_checkpointing
 from solver.problem import Problem, Solution
 
 _OBJ_TARGET = 1e3      # largest objective coefficient after scaling
@@ -748,6 +751,7 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
     """
     t0 = time.perf_counter()
     validate(problem)
+    problem = fix_needless_checkpointing(problem)   # solver/presolve.py: same optimum, smaller ILP
     if _is_trivial(problem):
         choice = [0] * problem.num_nodes
         obj, mem = evaluate(problem, choice, [])
@@ -798,6 +802,7 @@ def relaxation_bound(problem: Problem, time_limit: float | None = None, threads:
     """The optimum of the LP relaxation (seconds): a lower bound of the ILP's optimum, or -inf
     when HiGHS is unavailable or the LP does not finish."""
     validate(problem)
+    problem = fix_needless_checkpointing(problem)
     if _is_trivial(problem):
         return evaluate(problem, [0] * problem.num_nodes, [])[0]
     if not _use_highs("auto"):

@@ -21,6 +21,7 @@ matches the formula exactly (benchmarks/RESULTS.md, section "Activation memory")
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -68,11 +69,12 @@ def test_prediction_equals_hooks_on_the_rank_program(shape, attention, tp):
     plan, predicted = make_plan(shape, attention, tp)
     model, inputs, traced = layer(shape, attention)
     measured = rank_saved_bytes(model, inputs, plan, traced, rank=0)
-    # SDPA at tp=8 is 1.9% under: this plan reshards q into the attention (all-to-all), which
-    # hands flash attention a contiguous q, so its output and the projection's input are two
-    # storages; the model assumes q keeps its traced layout (docs/architecture.md, memory).
-    tol = 0.02 if (attention, tp) == ("sdpa", 8) else 1e-6
-    assert predicted == pytest.approx(measured, rel=tol), (shape, attention, tp, predicted, measured)
+    # SDPA at tp=8: the plan reshards q, k, v into the attention (all-to-all); codegen runs the
+    # collective in q's traced memory order (b, s, h, d), so flash attention's output is laid out
+    # as in the trace and the projection's input is a view of it (codegen/per_rank.py, reshard).
+    # SDPA with dropout: flash's RNG state on meta is a (2,) uint64 seed and a () uint64 offset,
+    # 8 B more than the model's two 8-byte scalars (hence rel, not ==).
+    assert predicted == pytest.approx(measured, rel=1e-6), (shape, attention, tp, predicted, measured)
 
 
 @pytest.mark.parametrize("shape,attention", [("22b", "explicit"), ("22b", "sdpa")])
@@ -85,16 +87,37 @@ def test_eager_model_measures_the_same(shape, attention):
     assert eager == pytest.approx(predicted, abs=16)   # flash's RNG seed is a (2,) uint64 on meta: 8 B more
 
 
-@pytest.mark.xfail(strict=False, reason='fails on main after the 2026-11-23 merges of calib/spplan/gridplan (tp=8 per-layer bytes and the grid-vs-ILP comparison changed); open, see the closing note')
+def hidden_dropout_splits(plan) -> list[int]:
+    """How many blocks the plan splits each hidden-state dropout's output (b, s, h) into: the
+    dropouts after the output projection and after fc_out (not the attention probabilities')."""
+    shape = plan.mesh.shape
+    out = []
+    for op in plan.data["ops"]:
+        dims = op["outputs"][0]["dims"] if op["rule"] == "dropout" else None
+        if dims is not None and len(dims) == 3:
+            out.append(math.prod(shape[a] for axes in dims for a in axes))
+    return out
+
+
 @pytest.mark.parametrize("tp", [1, 8])
 def test_explicit_layer_is_the_closed_form_plus_what_it_omits(tp):
     """Measured bytes = Korthikanti et al.'s formula + the causal mask (s² bool) + the two layer
-    norms' fp32 mean and rstd (16 bytes per row): exactly."""
+    norms' fp32 mean and rstd (16 bytes per row): exactly, with the two hidden-state dropout
+    masks (sbh each in the formula: Megatron runs them on the all-reduced, replicated output)
+    counted as the plan lays them out. At tp=8 the plan runs those dropouts and the residual
+    adds on 1/t of the hidden dim: a reduce-scatter in place of the row-parallel linear's
+    all-reduce and an all-gather before the next layer norm (the same bytes as the all-reduce,
+    1/t of the dropout work), so each mask is sbh/t, as under Korthikanti et al.'s sequence
+    parallelism."""
     plan, _ = make_plan("22b", "explicit", tp)
     model, inputs, traced = layer("22b", "explicit")
     measured = rank_saved_bytes(model, inputs, plan, traced, rank=0)
-    s = SHAPES["22b"]["seq"]
-    assert measured == round(closed_form("22b", tp)) + s * s + 16 * s
+    c = SHAPES["22b"]
+    s, sbh = c["seq"], c["seq"] * c["hidden"]
+    splits = hidden_dropout_splits(plan)
+    assert len(splits) == 2 and all(sbh % f == 0 for f in splits), splits
+    masks = sum(sbh - sbh // f for f in splits)     # what the split masks save against sbh each
+    assert measured == round(closed_form("22b", tp)) + s * s + 16 * s - masks
 
 
 def test_cuda_dropout_masks_are_one_byte():

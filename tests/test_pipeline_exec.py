@@ -131,13 +131,13 @@ def test_hugging_face_models_pp2(name):
     assert (res[0]["comm"]["pp_tied"] > 0) == (name == "hf_gpt2")   # GPT-2 ties its head to the embedding
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble"])
 def test_gpt2_pp2_two_virtual_stages_per_rank(schedule):
     plan, res = _check("gpt2", 2, {"pp": 2, "pp_schedule": schedule, "num_micro_batches": M}, n_layer=4)
     assert len(plan.data["stages"]) == 4 and [s["virtual"] for s in plan.data["stages"]] == [0, 0, 1, 1]
     for r in res:
         # zero-bubble runs the weight gradients as passes of their own (one per micro-batch and stage)
-        assert r["weight_passes"] == (2 * STEPS * M if schedule == "zero_bubble" else 0), r["weight_passes"]
+        assert r["weight_passes"] == (2 * STEPS * M if schedule == "zero-bubble" else 0), r["weight_passes"]
         assert r["comm"]["pp_tied"] > 0
 
 

@@ -86,7 +86,7 @@ def test_uneven_model_gets_the_partition_the_dynamic_program_prefers():
     ({"pp": 2, "num_micro_batches": 1}, ["num_micro_batches=1", "at least 2 micro-batches"]),
     ({"pp": 2, "num_micro_batches": 3}, ["num_micro_batches=3", "8 rows", "3 equal micro-batches"]),
     ({"pp": 2}, ["pp=2", "num_micro_batches"]),
-    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "num_micro_batches": 4}, ["2 blocks", "at most 1", "2 virtual"]),
+    ({"pp": 2, "pp_schedule": "interleaved-1f1b", "num_micro_batches": 4}, ["2 blocks", "at most 1", "2 virtual"]),
     ({"pp": 2, "pp_schedule": "pipedream", "num_micro_batches": 4}, ["pipedream", "known schedules"]),
     ({"pp_schedule": "1f1b"}, ["needs pp > 1"]),
     ({"pp": 0}, ["pp=0", "positive integer"]),
@@ -118,7 +118,7 @@ def test_a_model_without_repeated_blocks_says_why_it_cannot_pipeline():
 
 
 def test_interleaved_plan_has_two_virtual_stages_per_rank_and_sums_their_memory():
-    p = _plan("gpt4", pp=2, pp_schedule="interleaved_1f1b", num_micro_batches=4)
+    p = _plan("gpt4", pp=2, pp_schedule="interleaved-1f1b", num_micro_batches=4)
     st = p.data["stages"]
     assert [s["ranks"] for s in st] == [[0, 0], [1, 1], [0, 0], [1, 1]] and [s["virtual"] for s in st] == [0, 0, 1, 1]
     assert [s["blocks"] for s in st] == [[0, 1], [1, 2], [2, 3], [3, 4]]
@@ -130,7 +130,7 @@ def test_interleaved_plan_has_two_virtual_stages_per_rank_and_sums_their_memory(
     assert p.peak_memory == max(s["rank_peak_memory"] for s in st)
     # per rank, what its stages send point-to-point
     assert p.comm_bytes["pp"] == max(st[0]["p2p_bytes"] + st[2]["p2p_bytes"], st[1]["p2p_bytes"] + st[3]["p2p_bytes"])
-    zb = _plan("gpt4", pp=2, pp_schedule="zero_bubble", num_micro_batches=4)
+    zb = _plan("gpt4", pp=2, pp_schedule="zero-bubble", num_micro_batches=4)
     assert zb.predictions["time_breakdown"]["bubble"] < p.predictions["time_breakdown"]["bubble"]
 
 
@@ -149,7 +149,7 @@ def test_free_search_pipelines_when_pp1_cannot_fit_memory():
     with pytest.raises(MemoryBudgetError):
         _plan(zero=0, tp=1, pp=1, memory_budget=budget)
     p = _plan(zero=0, tp=1, memory_budget=budget)
-    assert p.degrees["pp"] == 2 and p.degrees["pp_schedule"] in ("1f1b", "interleaved_1f1b")
+    assert p.degrees["pp"] == 2 and p.degrees["pp_schedule"] in ("1f1b", "interleaved-1f1b")
     assert p.degrees["num_micro_batches"] >= 2 and p.peak_memory <= budget
     assert len(p.data["stages"]) == 2 and p.stats["pipeline_candidates"] >= 1
     assert p.predictions["time_breakdown"]["bubble"] > 0
