@@ -5,7 +5,7 @@ outer search -> a Plan (JSON) -> per-rank programs run with torch.distributed.
 """
 from autopar.cluster import Cluster
 from autopar.errors import ClusterError, ConstraintError, ExecutionError, MemoryBudgetError, PlanError, TraceError
-from autopar.plan import Plan
+from autopar.plans.plan import Plan
 
 
 def plan(*args, **kwargs):
@@ -15,8 +15,8 @@ def plan(*args, **kwargs):
 
 
 def compile(*args, **kwargs):
-    """See autopar.compiled.compile."""
-    from autopar.compiled import compile as _compile
+    """See autopar.execution.compiled.compile."""
+    from autopar.execution.compiled import compile as _compile
     return _compile(*args, **kwargs)
 
 

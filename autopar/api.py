@@ -8,16 +8,16 @@ import time
 
 import torch
 
-from autopar.batching import graph_batch_dims, infer_batch_dims, input_shapes
-from autopar.build import chosen
-from autopar.pricing import Settings
+from autopar.frontend.batching import graph_batch_dims, infer_batch_dims, input_shapes
+from autopar.search.build import chosen
+from autopar.pricing.price import Settings
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, PlanError
-from autopar.memory import check_optimizer, check_precision
-from autopar.plan import PLAN_VERSION, Plan
+from autopar.pricing.memory import check_optimizer, check_precision
+from autopar.plans.plan import PLAN_VERSION, Plan
 from autopar.rules import tensor_inputs
-from autopar.search import Result, degrees_of, search
-from autopar.trace import trace
+from autopar.search.outer import Result, degrees_of, search
+from autopar.frontend.trace import trace
 from autopar.units import parse_bytes, parse_seconds
 from solver import release_threads
 
@@ -28,14 +28,14 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
          traced=None, policy: str | None = None, batch_dims=None) -> Plan:
     """Find the fastest configuration of ``model`` on ``cluster`` that fits in memory.
 
-    Beyond api.md: ``traced`` reuses a TracedGraph (autopar.trace.trace) instead of tracing again;
+    Beyond api.md: ``traced`` reuses a TracedGraph (autopar.frontend.trace.trace) instead of tracing again;
     ``policy="megatron"`` restricts every linear to Megatron's column/row splits (to price a
     hand-written Megatron-LM configuration in the same cost model); ``verbose`` logs every
     configuration the search solves. ``constraints["checkpoint"]`` is "none", "selective" (recompute
     only each block's attention core, Korthikanti et al. 2022), "full" or a dict block group name
     (``TracedGraph.blocks``, e.g. "blocks") -> bool or one of those, pinning some groups only;
     ``batch_dims`` names each input's batch dim (an int or None
-    per input, or one int for all; default: inferred, autopar/batching.py) — the dim the data
+    per input, or one int for all; default: inferred, autopar/frontend/batching.py) — the dim the data
     axes split and micro-batching cuts, recorded in the plan."""
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -61,14 +61,14 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
     base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm)
     log = print if verbose else None
-    from autopar.pipeline import apply_pipeline
-    from autopar.pipeline_search import plan_search
-    try:   # pp=1 and pipelined candidates (stages over sub-meshes): autopar/pipeline_search.py
+    from autopar.search.pipeline import apply_pipeline
+    from autopar.search.pipeline_search import plan_search
+    try:   # pp=1 and pipelined candidates (stages over sub-meshes): autopar/search/pipeline_search.py
         result, stats, pipe = plan_search(graph, cluster, base, constraints, search,
                                           time_limit=time_limit, log=log, policy=policy)
     finally:
         release_threads()   # no solver thread outlives planning (solver/ilp.py: release_threads)
-    from autopar.grid_search import GridResult, grid_plan_data
+    from autopar.search.grid_search import GridResult, grid_plan_data
     make = grid_plan_data if isinstance(result, GridResult) else plan_data
     data = make(result, cluster, graph, optimizer, precision, budget, overlap_grad_comm, stats)
     if pipe is not None:

@@ -131,8 +131,8 @@ def cmd_plan(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from autopar.plan import Plan
-    from autopar.report import show_text
+    from autopar.plans.plan import Plan
+    from autopar.plans.report import show_text
     p = Plan.load(args.plan)
     if args.code:
         from codegen import per_rank_code
@@ -149,8 +149,8 @@ def cmd_show(args) -> int:
         if p.degrees.get("pp", 1) <= 1:
             raise PlanError(f"--timeline draws a pipeline schedule, but {args.plan} has pp=1: plan with "
                             f"--constraint pp=N (and num_micro_batches) or let the search choose pp")
-        from autopar.pipeline import simulate_plan
-        from autopar.timeline import draw_timeline
+        from autopar.search.pipeline import simulate_plan
+        from autopar.plans.timeline import draw_timeline
         d = p.degrees
         out = draw_timeline(simulate_plan(p.data), args.timeline,
                             title=f"predicted {d['pp_schedule']} schedule: pp={d['pp']}, "
@@ -160,8 +160,8 @@ def cmd_show(args) -> int:
 
 
 def cmd_diff(args) -> int:
-    from autopar.plan import Plan
-    from autopar.report import diff
+    from autopar.plans.plan import Plan
+    from autopar.plans.report import diff
     old, new = Plan.load(args.old), Plan.load(args.new)
     if old.fingerprint != new.fingerprint and not args.force:
         raise PlanError(f"{args.old} and {args.new} are plans of different models (graph fingerprints "
@@ -176,7 +176,7 @@ def cmd_ops(args) -> int:
     from collections import Counter
 
     from autopar.rules import coverage
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
     model, inputs = _load_model(args.factory, args.arg)
     g = trace(model, inputs)
     rows = coverage(g.gm.graph)
@@ -200,7 +200,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from autopar.calibrate import calibrate
+    from autopar.pricing.calibrate import calibrate
     cal = calibrate(nprocs=args.nprocs, sweep=args.sweep, repeats=args.repeats, output=args.output)
     if cal is not None:
         print(f"wrote {args.output}: {cal.source}")

@@ -1,7 +1,7 @@
 """The hardware a plan is made for: devices, links, presets and the YAML cluster file.
 
 This module owns the ``Cluster`` description (and nothing about pricing: that is
-``autopar/cost.py``). It is deliberately torch-free so the planner, the CLI and the solver's
+``autopar/pricing/cost.py``). It is deliberately torch-free so the planner, the CLI and the solver's
 offline tools can load a cluster without importing torch.
 
 A ``Cluster`` is ``nodes`` × ``devices_per_node`` identical devices. Devices inside a node
@@ -159,7 +159,7 @@ class Cluster:
     intra_link: Link
     inter_link: Link
     backend: str = "nccl"
-    calibration: Any = None   # autopar.profile.Calibration (measured rates), or None: see cost.profile_of
+    calibration: Any = None   # autopar.pricing.profile.Calibration (measured rates), or None: see cost.profile_of
 
     def __post_init__(self):
         for what, v in [("nodes", self.nodes), ("devices_per_node", self.devices_per_node)]:
@@ -219,7 +219,7 @@ class Cluster:
         }
 
     def with_calibration(self, calibration) -> "Cluster":
-        """The same cluster priced with ``calibration`` (an autopar.profile.Calibration)."""
+        """The same cluster priced with ``calibration`` (an autopar.pricing.profile.Calibration)."""
         import dataclasses
         return dataclasses.replace(self, calibration=calibration)
 
@@ -563,7 +563,7 @@ def _parse(data, source: str) -> Cluster:
     name = r.text(data.get("name", "custom"), "name")
     calibration = None
     if "calibration" in data:   # a profile path (relative to the cluster file) or the profile inline
-        from autopar.profile import Calibration
+        from autopar.pricing.profile import Calibration
         cv = data["calibration"]
         if isinstance(cv, str):
             p = Path(cv)

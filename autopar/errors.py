@@ -29,7 +29,7 @@ class ExecutionError(Exception):
     """Running a plan failed (wrong model, wrong world size, a rank died).
 
     ``collective``: every rank raises this same error (a check all ranks make alike: the plan, the
-    batch, a checkpoint's metadata), so one rank reporting it is enough (autopar/error_report.py)."""
+    batch, a checkpoint's metadata), so one rank reporting it is enough (autopar/execution/error_report.py)."""
 
     def __init__(self, message: str = "", collective: bool = False):
         super().__init__(message)

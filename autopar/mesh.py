@@ -4,7 +4,7 @@ Devices are numbered node-major (rank = node * devices_per_node + local index) a
 is laid over them row-major, so the last axis varies fastest and stays inside a node as long
 as it can. For each axis we record how many of its ranks share a node (``intra``) and how many
 nodes it spans (``inter``): collectives on an axis with inter > 1 are priced hierarchically
-(intra-node link first, then the inter-node link; see ``autopar/cost.py``).
+(intra-node link first, then the inter-node link; see ``autopar/pricing/cost.py``).
 
 Axis names carry the axis' role: names starting with ``dp`` are data axes (they split the
 batch dimension and hold replicas of parameters, sharded by ZeRO); every other axis is a model

@@ -16,7 +16,7 @@ import torch
 
 import autopar
 from autopar.models.megatron import megatron_layer
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from tests.saved_activations import rank_saved_bytes
 
 SHAPES = {"22B (h 6144, a 64, s 2048)": dict(hidden=6144, heads=64, seq=2048),

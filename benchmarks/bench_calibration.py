@@ -19,7 +19,7 @@ import time
 import torch
 
 import autopar
-from autopar.calibrate import calibrate
+from autopar.pricing.calibrate import calibrate
 from autopar.models import ZOO
 from runtime.launch import run_local
 

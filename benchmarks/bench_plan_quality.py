@@ -15,8 +15,8 @@ import time
 import autopar
 from autopar.errors import PlanError
 from autopar.models import ZOO
-from autopar.search import global_batch
-from autopar.trace import trace
+from autopar.search.outer import global_batch
+from autopar.frontend.trace import trace
 
 MODELS = {
     "gpt2": dict(n_layer=4),

@@ -20,7 +20,7 @@ import warnings
 
 import autopar
 from autopar.models import HF_ZOO, ZOO
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 
 # The 2.6B GPT of the planner issue: Megatron-LM's shape with explicit matmul/softmax/dropout
 # attention (not fused SDPA), on 2 DGX-A100 nodes, nothing pinned.

@@ -26,9 +26,9 @@ import contextlib
 import time
 
 import autopar
-import autopar.candidates as candidates_mod
+import autopar.rules.candidates as candidates_mod
 from autopar.models import ZOO
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 
 # Narayanan et al. SC'21 Table 1 (no pipelining): params, heads, hidden, layers, t, GPUs, batch, TF/GPU
 NARAYANAN = [

@@ -3,8 +3,8 @@ and the bytes per step 1D / 2D / 2.5D / 3D move on CPU, measured against the pre
 
 (a) Predicted per-layer step time of one transformer layer on 64 V100s (``tacc-longhorn`` preset,
     16 nodes x 4) for 1D (Megatron, p=64), 2D (q=8), 2.5D (q=4, d=4) and 3D (q=4): GEMMs of the
-    local block shapes and memory-bound kernels priced by autopar.cost, plus the exact collectives
-    of solver/tp_grid_cost.py (1D: Megatron's four all-reduces) priced by autopar.cost's collective
+    local block shapes and memory-bound kernels priced by autopar.pricing.cost, plus the exact collectives
+    of solver/tp_grid_cost.py (1D: Megatron's four all-reduces) priced by autopar.pricing.cost's collective
     model on the link each group lies on (benchmarks/tp_grid_predict.py). Speedups T_B / T_A next
     to the papers' published ones.
 (b) One forward + backward of the same small layer on gloo ranks (8 processes for 1D, 2.5D, 3D;
@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 
 from autopar.cluster import Cluster
-from autopar.cost import profile_of
+from autopar.pricing.cost import profile_of
 from benchmarks.tp_grid_predict import (MODES_64, PUBLISHED, SOURCES, Mode, Setting, group_sizes, megatron_1d,
                                         placement, predict, speedup, wire_bytes)
 from solver import tp_grid_cost as tgc

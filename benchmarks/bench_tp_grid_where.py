@@ -1,7 +1,7 @@
 """Where the unpinned search picks 2D / 2.5D / 3D tensor parallelism (issue 8, benchmarks).
 
 For each (model, cluster) case: ``autopar.plan`` UNPINNED (the ILP's 1D / 2d-reshard meshes and
-the grid modes of autopar/grid_search.py compete by predicted step time under the memory
+the grid modes of autopar/search/grid_search.py compete by predicted step time under the memory
 budget), then each grid mode pinned (``constraints={"tp_mode": m}``), and a table of the
 winner's tp_mode, its step time, and the best grid mode's step time relative to the winner.
 
@@ -15,7 +15,7 @@ each with its own links (NVLink-class) and with slow links (PCIe/Ethernet-class)
     8-GPU nodes, 2.8 on 4-GPU nodes).
 The built-in GPU profiles price collectives by their calibration curves, not by ``Cluster``'s
 ``Link`` figures, so a slow cluster gets both: Links replaced (for ``describe``) and the profile's
-intra / inter curves rebuilt with autopar.profile's own construction (``_same_latency``: the A100
+intra / inter curves rebuilt with autopar.pricing.profile's own construction (``_same_latency``: the A100
 NVLink ramp's small-message times with the new plateau), exactly as the V100 profile is built.
 
 Models (meta device, dropout 0, fused SDPA attention, which the grid lowering accepts): GPTs of
@@ -34,11 +34,11 @@ import time
 
 import autopar
 from autopar.cluster import Cluster, Link
-from autopar.cost import profile_of
+from autopar.pricing.cost import profile_of
 from autopar.errors import PlanError
 from autopar.models.gpt2 import gpt
-from autopar.profile import A100_NVLINK_AR8, LinkCurves, _same_latency
-from autopar.trace import trace
+from autopar.pricing.profile import A100_NVLINK_AR8, LinkCurves, _same_latency
+from autopar.frontend.trace import trace
 from codegen.grid_layout import GRID_MODES
 
 PCIE4_X16_BUS = 31.5e9 * 0.76     # 24 GB/s (module doc)

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ExecutionError
-from autopar.plan_schema import checkpoint_mode_of
+from autopar.plans.plan_schema import checkpoint_mode_of
 from runtime.checkpoint import checkpoint_region
 
 

@@ -46,7 +46,7 @@ aten = torch.ops.aten
 
 
 class GridProgram(LocalOps):
-    """``graph``: autopar.trace.TracedGraph; ``geo``: the grid; ``grid``: runtime/grid.py grid
+    """``graph``: autopar.frontend.trace.TracedGraph; ``geo``: the grid; ``grid``: runtime/grid.py grid
     (None with ``meta``)."""
 
     def __init__(self, graph, geo: Geometry, batch: int):
@@ -108,7 +108,7 @@ class GridProgram(LocalOps):
     # ------------------------------------------------------------------ interpreter
     def _run(self, inputs: dict):
         env: dict[str, tuple] = {}
-        from autopar.batching import graph_batch_dims
+        from autopar.frontend.batching import graph_batch_dims
         bdims = dict(zip(self.g.input_names, graph_batch_dims(self.g)))
         for n in self.g.gm.graph.nodes:
             if n.op == "placeholder":

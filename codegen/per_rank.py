@@ -28,7 +28,7 @@ mesh axis or over micro-batches run as a local sum divided by the GLOBAL denomin
 ``RankProgram.count_gm`` computes this rank's share of each denominator for one micro-batch: the
 ancestors of the targets (and class weights) copied from the program, which must not involve a
 trainable parameter; same placeholders as ``gm``, returns a tuple with one 0-d float64 per entry
-of ``mean_losses`` ((loss node, mesh axes its targets are split over)). autopar.compiled sums it
+of ``mean_losses`` ((loss node, mesh axes its targets are split over)). autopar.execution.compiled sums it
 over the micro-batches, all-reduces over those axes and installs the results before running ``gm``.
 
 Layouts are normalised before comparing: an axis of size 1 splits nothing, so it is dropped.
@@ -73,21 +73,21 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.conjugates import region_inputs
-from autopar.cost import Collectives
-from autopar.layout import Layout
-from autopar.reshard import plan_reshard
+from autopar.pricing.conjugates import region_inputs
+from autopar.pricing.cost import Collectives
+from autopar.rules.layout import Layout
+from autopar.pricing.reshard import plan_reshard
 from autopar.rules import spec_for, tensor_inputs
 from autopar.rules.localize import local_call
-from autopar.microbatch import decompose, loss_scale
-from autopar.strategy import Strategy
+from autopar.execution.microbatch import decompose, loss_scale
+from autopar.rules.strategy import Strategy
 from codegen.checkpoint import checkpointed_groups, outline_regions, program_code
 from codegen.selective import selective_regions
 from codegen.random_ops import is_random, random_block
 from runtime import context as RC
 from runtime import rng as RNG
 from runtime import special as SP
-from autopar.sequence import zigzag_axes
+from autopar.rules.sequence import zigzag_axes
 from codegen import sp_ops as SPO
 
 
@@ -203,16 +203,16 @@ class _Builder:
         self.source: str | None = None           # traced node being emitted (pipeline stages split by it)
         self.region_nodes: dict[str, list[fx.Node]] = {}
         self.nm = int(plan.data.get("degrees", {}).get("num_micro_batches", 1) or 1)
-        from autopar.batching import plan_batch_dims
+        from autopar.frontend.batching import plan_batch_dims
         self.batch_dims = plan_batch_dims(plan.data, len(traced.input_names))
         self.mean_losses: list[tuple[str, tuple[int, ...]]] = []
         self.count_args: list[tuple] = []        # per mean loss: (target node, weight node, ignore_index)
-        self.decomp = None                       # how the loss splits over micro-batches (autopar/microbatch.py)
+        self.decomp = None                       # how the loss splits over micro-batches (autopar/execution/microbatch.py)
         if self.nm > 1:
             from autopar.errors import ExecutionError
             if batch_carrying is None:
                 raise ExecutionError("generate: a plan with several micro-batches needs batch_carrying= "
-                                     "(autopar.microbatch.batch_carrying of the global and micro-batch traces)")
+                                     "(autopar.execution.microbatch.batch_carrying of the global and micro-batch traces)")
             self.decomp = decompose(traced, batch_carrying)
             if self.decomp.error:
                 raise ExecutionError(f"the plan runs {self.nm} micro-batches but {self.decomp.error}")
@@ -619,7 +619,7 @@ def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None
              compute_dtype: torch.dtype | None = None, device=None, batch_carrying: set[str] | None = None) -> RankProgram:
     """The per-rank program of ``plan`` for ``rank`` (see the module docstring). ``traced`` is the
     graph of ONE micro-batch; with several micro-batches ``batch_carrying`` names its nodes whose
-    values carry the batch (``autopar.microbatch.batch_carrying``)."""
+    values carry the batch (``autopar.execution.microbatch.batch_carrying``)."""
     if not 0 <= rank < plan.mesh.size:
         raise ValueError(f"rank {rank} is outside the plan's mesh {plan.mesh.describe()} ({plan.mesh.size} ranks)")
     return _Builder(traced, plan, rank, zero3_chunks, compute_dtype, device, batch_carrying).build()
@@ -632,7 +632,7 @@ def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
     import ast
 
     from autopar.models import load_factory
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
 
     fn = load_factory(factory) if isinstance(factory, str) else factory
     kwargs = {}
@@ -651,8 +651,8 @@ def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
                              f"{factory} traces to {traced.fingerprint[:12]}")
     carrying = None
     if nm > 1:   # the program runs one micro-batch: cut every input along its batch dim
-        from autopar.batching import plan_batch_dims
-        from autopar.microbatch import batch_carrying
+        from autopar.frontend.batching import plan_batch_dims
+        from autopar.execution.microbatch import batch_carrying
         dims = plan_batch_dims(plan.data, len(inputs))
         micro = trace(model, tuple(x if d is None else x.narrow(d, 0, x.shape[d] // nm) for x, d in zip(inputs, dims)))
         carrying, traced = batch_carrying(traced, micro), micro

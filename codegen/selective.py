@@ -3,7 +3,7 @@ form the attention-core checkpoint regions of the block groups a plan recomputes
 
 ``selective_regions(traced, plan) -> {node name: region name}``: for every block instance of a
 group whose ``stages[0].checkpoint`` decision is "selective", each node of its attention core
-(autopar/attention_core.py: the nodes between the q/k/v projections' outputs and the output
+(autopar/rules/attention_core.py: the nodes between the q/k/v projections' outputs and the output
 projection's input, the s^2 part included) maps to the region ``"<instance>.attention_core"``.
 codegen/per_rank.py records every node it emits for those nodes (their reshard collectives
 included) under that region, and codegen/checkpoint.py's ``outline_regions`` outlines each into
@@ -13,8 +13,8 @@ random ops (attention dropout) redraw the same masks from the program call's rng
 """
 from __future__ import annotations
 
-from autopar.attention_core import attention_cores, core_region_name
-from autopar.plan_schema import checkpoint_mode_of
+from autopar.rules.attention_core import attention_cores, core_region_name
+from autopar.plans.plan_schema import checkpoint_mode_of
 
 
 def selective_groups(traced, plan) -> set[int]:

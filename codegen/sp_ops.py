@@ -1,4 +1,4 @@
-"""Emission of sequence-parallel ops into a per-rank program (autopar/sequence.py plans them).
+"""Emission of sequence-parallel ops into a per-rank program (autopar/rules/sequence.py plans them).
 
 ``attention(builder, node, strategy, args, kwargs)``: an SDPA node whose strategy carries a
 sequence-parallel algorithm becomes one call of runtime/sp_exec.py (``ulysses`` or ``ring``) on
@@ -10,7 +10,7 @@ values, gradients and bytes right); ``None`` for steps the caller emits as usual
 from __future__ import annotations
 
 from autopar.errors import ExecutionError
-from autopar.sequence import ALGORITHMS, RING, RING_CONTIGUOUS, ULYSSES
+from autopar.rules.sequence import ALGORITHMS, RING, RING_CONTIGUOUS, ULYSSES
 from runtime import sp_exec as SX
 
 

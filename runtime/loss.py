@@ -5,7 +5,7 @@ A mean over targets is sum(loss_i) / count, where count is the number of valid t
 targets are spread over ranks (data or model axes) or over micro-batches, the mean of local
 means is not the global mean as soon as the pieces hold different numbers of valid targets
 (masked-LM labels, padding). So a per-rank program runs such a loss as a local SUM and divides
-it by the GLOBAL count (``divide``), which ``autopar.compiled`` computes before the micro-batches
+it by the GLOBAL count (``divide``), which ``autopar.execution.compiled`` computes before the micro-batches
 run (a count program codegen derives from the targets' ancestors, summed over every micro-batch
 and all-reduced over the axes the targets are split over) and installs with ``set_denominators``.
 Each rank's loss is then its exact share of the global loss.
@@ -45,7 +45,7 @@ def denominator(name: str) -> torch.Tensor:
     d = context.current().extra.get(_KEY, {})
     if name not in d:
         raise RuntimeError(f"autopar: no global denominator for the mean loss {name!r} was computed before "
-                           f"running the program (autopar.compiled computes them in step / __call__)")
+                           f"running the program (autopar.execution.compiled computes them in step / __call__)")
     return d[name]
 
 

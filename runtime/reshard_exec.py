@@ -40,7 +40,7 @@ def apply_steps(tensor: torch.Tensor, steps, groups: dict, labels: dict,
             x = C.slice_block(x, s.dim, g, lab)
         elif s.kind == "partial":
             x = C.make_partial(x, g)
-        else:  # pragma: no cover - autopar.reshard.Step validates its kind
+        else:  # pragma: no cover - autopar.pricing.reshard.Step validates its kind
             raise ValueError(f"unknown step kind {s.kind!r}")
     for a in sorted(set(partial_grad_axes) - fused):
         x = C.copy(x, groups[a], labels[a])

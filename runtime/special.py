@@ -2,7 +2,7 @@
 dimension of an embedding table and of the cross-entropy's logits (Megatron-style).
 
 Both take the mesh axes the vocabulary is split over (contiguous blocks, first axis outer, as in
-autopar/layout.py) and find this rank's block from the execution context (runtime/context.py).
+autopar/rules/layout.py) and find this rank's block from the execution context (runtime/context.py).
 
 - ``vocab_parallel_embedding(weight, indices, padding_idx, axes)``: my block of the table holds rows
   [start, start + V_local); indices outside it read row 0 and are zeroed, so the output is a

@@ -1,5 +1,5 @@
 """Links between checkpoint groups (torch-free): a group with ``implied_by`` is on whenever that
-other group is. autopar/build.py gives each block group with attention a selective-recompute
+other group is. autopar/search/build.py gives each block group with attention a selective-recompute
 companion (its attention cores) implied by the block group, so the pair encodes none (off, off),
 selective (off, on) and full (on, on) with two binaries and one row ``c[implied_by] <= c[g]``.
 

@@ -134,8 +134,8 @@ def force(plan, model, batch, picks) -> autopar.Plan:
     """A hand-edited plan: ops matched by ``picks`` (predicate(fx node) -> predicate(strategy))
     get the first candidate strategy the second predicate accepts."""
     from autopar.rules import spec_for
-    from autopar.strategy import enumerate_strategies
-    from autopar.trace import trace
+    from autopar.rules.strategy import enumerate_strategies
+    from autopar.frontend.trace import trace
 
     data = json.loads(plan.to_json())
     nodes = {n.name: n for n in trace(model, batch).gm.graph.nodes}

@@ -4,8 +4,8 @@ group (used by tests/test_activation_memory_full_scale.py and benchmarks/bench_a
 ``rank_saved_bytes(model, inputs, plan, rank)`` generates ``rank``'s program of ``plan``
 (codegen.per_rank.generate, working dtype from the plan's precision), gives it this rank's
 blocks of the parameters and inputs as meta tensors, rewrites its dropout / SDPA calls to the
-ops CUDA runs when the plan is for a GPU cluster (autopar.saved_probe.cuda_kernels_fx), and runs
-its forward under saved_tensors_hooks (autopar.saved_probe.saved_bytes: distinct storages,
+ops CUDA runs when the plan is for a GPU cluster (autopar.pricing.saved_probe.cuda_kernels_fx), and runs
+its forward under saved_tensors_hooks (autopar.pricing.saved_probe.saved_bytes: distinct storages,
 parameters excluded).
 
 The collectives are stubbed: on meta there is nothing to communicate, and one rank's saved
@@ -14,7 +14,7 @@ shape the real collective returns (all-reduce: the same shape; all-gather: ``n``
 concatenated; reduce-scatter / slice: this rank's block; all-to-all: blocks moved between the
 dims) — the same as runtime/collectives.py, whose autograd functions save nothing. What the
 program saves is then exactly what the rank saves on a GPU, up to the kernels the emulation
-covers (module doc of autopar/saved_probe.py).
+covers (module doc of autopar/pricing/saved_probe.py).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from autopar.saved_probe import as_cuda, cuda_kernels_fx, saved_bytes
+from autopar.pricing.saved_probe import as_cuda, cuda_kernels_fx, saved_bytes
 from codegen.per_rank import block_slices, generate
 from runtime import collectives as C
 from runtime import context, rng
@@ -93,7 +93,7 @@ def stub_collectives(mesh, rank: int):
 
 def rank_saved_bytes(model, inputs, plan, traced, rank: int = 0, cuda: bool = True, detail=None) -> int:
     """Saved-activation bytes of ``rank``'s program of ``plan`` (module doc). ``model`` and
-    ``inputs`` on meta; ``traced`` is ``autopar.trace.trace(model, inputs)``."""
+    ``inputs`` on meta; ``traced`` is ``autopar.frontend.trace.trace(model, inputs)``."""
     precision = plan.data.get("settings", {}).get("precision", "fp32")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     prog = generate(traced, plan, rank, compute_dtype=dtype)

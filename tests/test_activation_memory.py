@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.build import build_problem, chosen
-from autopar.candidates import candidates
-from autopar.pricing import Settings, price
+from autopar.search.build import build_problem, chosen
+from autopar.rules.candidates import candidates
+from autopar.pricing.price import Settings, price
 from solver.ilp import solve
 from autopar.mesh import Mesh
 from autopar.models import ZOO
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from autopar.cluster import Cluster
 
 

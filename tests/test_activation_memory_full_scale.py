@@ -28,8 +28,8 @@ import torch
 
 import autopar
 from autopar.models.megatron import megatron_layer
-from autopar.saved_probe import cuda_kernels, saved_bytes
-from autopar.trace import trace
+from autopar.pricing.saved_probe import cuda_kernels, saved_bytes
+from autopar.frontend.trace import trace
 from tests.saved_activations import rank_saved_bytes
 
 SHAPES = {"22b": dict(hidden=6144, heads=64, seq=2048), "gpt2xl": dict(hidden=1600, heads=25, seq=1024)}

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 
 from autopar.cluster import Cluster
-from autopar.cost import Collectives, compute_time, profile_of
+from autopar.pricing.cost import Collectives, compute_time, profile_of
 from autopar.errors import ClusterError
 from autopar.mesh import Mesh
-from autopar.profile import Calibration, LinkCurves, interp
+from autopar.pricing.profile import Calibration, LinkCurves, interp
 
 PROFILE = {
     "name": "test", "source": "hand-written", "gemm_dtype": "fp32",
@@ -77,7 +77,7 @@ def test_measured_backward_ratios_per_op():
     """A profile's per-op backward ratios (what `autopar calibrate` measures: on a CPU SDPA's
     backward is several times its forward) replace the generic 2x / backward_ratio for that op
     only, and survive the YAML round trip."""
-    from autopar.cost import fwd_bwd_compute
+    from autopar.pricing.cost import fwd_bwd_compute
     cal = Calibration.from_dict(dict(PROFILE, backward_ratio=1.5, backward_ratios={"sdpa": 5.0, "gelu": 2.6}))
     dev = Cluster.preset("cpu").device
     f, b = fwd_bwd_compute(1e6, 1e6, "fp32", dev, True, 10.0, cal, op="sdpa")

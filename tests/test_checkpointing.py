@@ -205,7 +205,7 @@ def test_recomputation_really_happens(key):
     plan, res = run_case(key)
     ckpt = plan.data["stages"][0]["checkpoint"]
     name = CASES[key][0]
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
     traced = trace(*FACTORIES[name]())
     want = [fqn for g in traced.blocks if ckpt.get(g.name) for fqn in g.module_fqns]
     nm = plan.degrees["num_micro_batches"]
@@ -266,7 +266,7 @@ def test_dropout_masks_are_recomputed_identically():
 
 def _program(name, checkpoint, **kw):
     """A 1-device plan's program (no collectives: it runs without a process group)."""
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
     from codegen import generate
 
     model, batch = FACTORIES[name](**kw)
@@ -338,7 +338,7 @@ def test_regions_outline_collectives_and_zero3_calls():
     """A dp x Megatron-tp ZeRO-3 program: each block instance is one checkpoint_region call whose
     body holds the block's tensor-parallel collectives and its chunk's gather/exit/free; the
     printed program shows the bodies."""
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
     from codegen import generate
 
     model, batch = FACTORIES["gpt2"]()
@@ -360,7 +360,7 @@ def test_regions_outline_collectives_and_zero3_calls():
 
 def test_unknown_block_groups_are_clear_errors():
     from autopar.errors import ConstraintError, ExecutionError
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
     from codegen import generate
 
     with pytest.raises(ConstraintError, match="block groups \\['middle'\\]"):

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from autopar.cli import main
-from autopar.plan import Plan
+from autopar.plans.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -175,7 +175,7 @@ def test_show_pipelined_plan_prints_stages_bubble_and_draws_the_timeline(capsys,
     assert "pipeline stages: pp=2 1f1b, 4 micro-batches" in out
     assert "(2 alive)" in out and "(1 alive)" in out      # 1F1B: stage 0 holds 2, stage 1 holds 1
     assert "pipeline bubble" in out
-    from autopar.report import _secs
+    from autopar.plans.report import _secs
     assert _secs(p.predictions["time_breakdown"]["bubble"]) in out
     assert f"timeline saved to {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

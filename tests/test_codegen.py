@@ -10,10 +10,10 @@ import torch
 
 import autopar
 from autopar.models import ZOO
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from codegen import generate, per_rank_code
 from codegen.per_rank import block_slices, normalize
-from autopar.layout import Layout
+from autopar.rules.layout import Layout
 
 warnings.filterwarnings("ignore", message="autopar: no sharding rule")
 

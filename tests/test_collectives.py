@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.layout import Layout
+from autopar.rules.layout import Layout
 from autopar.mesh import Mesh
-from autopar.reshard import plan_reshard
+from autopar.pricing.reshard import plan_reshard
 from runtime import collectives as C
 from runtime.collectives import COMM_STATS
 from runtime.launch import run_local

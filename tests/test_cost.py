@@ -6,11 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.cluster import Cluster
-from autopar.cost import (KINDS, MAX_EFFICIENCY, Collectives, compute_time, efficiency, exposed_comm,
+from autopar.pricing.cost import (KINDS, MAX_EFFICIENCY, Collectives, compute_time, efficiency, exposed_comm,
                           fwd_bwd_compute, gemm_intensity, optimizer_bytes_per_element, optimizer_step_time,
                           profile_of)
 from autopar.errors import PlanError
-from autopar.memory import OPTIMIZERS, PRECISIONS
+from autopar.pricing.memory import OPTIMIZERS, PRECISIONS
 from autopar.mesh import Mesh
 
 A100 = Cluster.preset("dgx-a100", nodes=4)
@@ -339,7 +339,7 @@ def test_gradient_collectives_priced_as_bucket_shares():
     """The runtime packs gradients into buckets (runtime/zero.py: half the gradient bytes, 1 to
     25 MiB): a small parameter pays its share of one bucket-sized collective, not a latency-bound
     collective of its own; the shares of a full bucket add up to that bucket's collective."""
-    from autopar.cost import BUCKET_MAX, BUCKET_MIN, bucket_share, grad_bucket_bytes
+    from autopar.pricing.cost import BUCKET_MAX, BUCKET_MIN, bucket_share, grad_bucket_bytes
     assert grad_bucket_bytes(1e3) == 1e3   # smaller than a bucket: one collective of everything
     assert grad_bucket_bytes(1.5 * BUCKET_MIN) == BUCKET_MIN and grad_bucket_bytes(1e12) == BUCKET_MAX
     assert grad_bucket_bytes(8 * 2**20) == 4 * 2**20

@@ -49,7 +49,7 @@ def test_seeded_masks_agree_for_equal_blocks_and_differ_otherwise():
 def test_codegen_keys_dropout_by_the_axes_its_output_is_split_over():
     """dp=2 x tp=2: the first dropout's output is split over both axes (its key names both
     coordinates), the second one's is replicated over tp (its key leaves tp out)."""
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
     from codegen import generate
 
     model, batch = mlp()

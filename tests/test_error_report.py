@@ -1,4 +1,4 @@
-"""Errors under several processes appear once (autopar/error_report.py), through a real launcher."""
+"""Errors under several processes appear once (autopar/execution/error_report.py), through a real launcher."""
 from __future__ import annotations
 
 import subprocess
@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from autopar.error_report import format_error
+from autopar.execution.error_report import format_error
 from autopar.errors import ExecutionError, PlanError
 
 

@@ -202,8 +202,8 @@ def _force(plan_json: str, picks: dict) -> str:
     import json
 
     from autopar.rules import spec_for
-    from autopar.trace import trace
-    from autopar.strategy import enumerate_strategies
+    from autopar.frontend.trace import trace
+    from autopar.rules.strategy import enumerate_strategies
 
     data = json.loads(plan_json)
     plan = autopar.Plan(data)

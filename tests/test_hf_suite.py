@@ -127,8 +127,8 @@ def test_bert_vocab_parallel_embedding_with_padding_tokens():
     and the padding token (0) in the batch. The padding row is zero at init but the tied decoder
     updates it, so from step 2 aten.embedding reads a nonzero row there; the vocab-parallel version
     used to zero those outputs and drifted the embeddings, the tied decoder and the head's transform."""
-    from autopar.candidates import candidates
-    from autopar.trace import trace
+    from autopar.rules.candidates import candidates
+    from autopar.frontend.trace import trace
 
     kw = {"vocab": 64}
     model, batch = HF_ZOO["hf_bert"](**kw)
@@ -171,7 +171,7 @@ def test_checkpoint_with_a_lifted_constant(tmp_path):
     reads its value from the trace; save on dp=2 x tp=2, load on dp=2, the third step continues eager's."""
     name = "hf_bart"
     model, batch = HF_ZOO[name]()
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
     assert trace(model, batch).constants, "premise: a lifted constant"
     ref_losses, _ = reference(name)
     four = make_plan(name, PINNED["dp2_tp2"], policy="megatron").to_json()

@@ -84,7 +84,7 @@ def test_vocab_parallel_cross_entropy_masked_labels(nm):
     model, batch = factory()
     base = _plan(factory, dp=1, tp=2, num_micro_batches=nm)
     assert base.degrees["num_micro_batches"] == nm
-    last_linear = [n.name for n in __import__("autopar.trace", fromlist=["trace"]).trace(model, batch).gm.graph.nodes
+    last_linear = [n.name for n in __import__("autopar.frontend.trace", fromlist=["trace"]).trace(model, batch).gm.graph.nodes
                    if n.target is aten.linear.default][-1]
     plan = E.force(base, model, batch, [
         (lambda n: n.name == last_linear, _splits_last_dim_on_tp(base)),
@@ -144,7 +144,7 @@ class SelfLabelled(torch.nn.Module):
 
 def test_targets_computed_from_parameters_are_a_clear_error():
     from autopar.errors import ExecutionError
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
     from codegen import generate
 
     torch.manual_seed(0)

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import PlanError
-from autopar.memory import (OPTIMIZERS, PRECISIONS, bytes_per_element, check_optimizer, check_precision,
+from autopar.pricing.memory import (OPTIMIZERS, PRECISIONS, bytes_per_element, check_optimizer, check_precision,
                             state_bytes, zero_shard)
 
 # (params, grads, optimizer) bytes per element, written out by hand from the module docstring

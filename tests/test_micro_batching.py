@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import autopar
 import exactness as E
-from autopar.batching import infer_batch_dims, plan_batch_dims
+from autopar.frontend.batching import infer_batch_dims, plan_batch_dims
 from autopar.errors import ConstraintError, PlanError
 from autopar.models import ZOO
 
@@ -70,8 +70,8 @@ def test_batch_dims_inferred_and_recorded():
 
 def test_data_axis_splits_the_batch_dim_of_a_sequence_first_input():
     plan = _plan(2, dp=2, num_micro_batches=1)
-    from autopar.candidates import candidates
-    from autopar.trace import trace
+    from autopar.rules.candidates import candidates
+    from autopar.frontend.trace import trace
 
     model, batch = seq_first()
     g = trace(model, batch)
@@ -97,7 +97,7 @@ def test_invalid_micro_batch_counts_are_constraint_errors(constraints, says):
 
 
 def test_search_only_tries_counts_that_divide():
-    from autopar.search import _micro_choices
+    from autopar.search.outer import _micro_choices
 
     for per_dp in (1, 6, 8, 12, 16):
         for nm in _micro_choices(per_dp, {}):
@@ -164,8 +164,8 @@ def regularized(how: str = "plain"):
 
 
 def _decompose(factory, nm=2):
-    from autopar.microbatch import batch_carrying, decompose
-    from autopar.trace import trace
+    from autopar.execution.microbatch import batch_carrying, decompose
+    from autopar.frontend.trace import trace
 
     model, batch = factory()
     dims = infer_batch_dims([x.shape for x in batch])

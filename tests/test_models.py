@@ -7,7 +7,7 @@ import torch
 
 from autopar.errors import PlanError
 from autopar.models import HF_ZOO, ZOO, load_factory
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 
 TINY = ["gpt2", "llama", "bert", "vit", "mlp"]
 

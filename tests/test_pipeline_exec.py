@@ -15,7 +15,7 @@ from exactness import train_eagerly
 
 import autopar
 from autopar.models import HF_ZOO
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 from codegen.stages import pipeline_units
 from autopar.models import ZOO as _ZOO
 from runtime.launch import run_local

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from autopar.cluster import Cluster, Device, Link
 from autopar.errors import PlanError
-from autopar.pipeline_cost import boundary_p2p_time, crosses_nodes, p2p_time
+from autopar.pricing.pipeline_cost import boundary_p2p_time, crosses_nodes, p2p_time
 from runtime.pipeline_orders import SCHEDULES, pipeline_orders, stage_ranks
 from solver.pipeline_schedule import StageDurations, simulate
 
@@ -218,7 +218,7 @@ def test_p2p_bad_input():
 
 def test_timeline_png_is_drawn(tmp_path):
     pytest.importorskip("matplotlib")
-    from autopar.timeline import draw_timeline
+    from autopar.plans.timeline import draw_timeline
 
     sim = _sim("zero-bubble", 2, 4, f=1e-3, bi=1e-3, bw=1e-3, p2p=1e-4)
     out = draw_timeline(sim, tmp_path / "t.png", title="zero-bubble pp=2 m=4")
@@ -227,7 +227,7 @@ def test_timeline_png_is_drawn(tmp_path):
 
 
 def test_stage_table_renders_rows():
-    from autopar.timeline import stage_table
+    from autopar.plans.timeline import stage_table
 
     t = stage_table([
         {"index": 0, "ranks": [0, 1], "blocks": (0, 6), "time": 0.0123, "peak_memory": 3 * 2**30},

@@ -1,4 +1,4 @@
-"""Where a rank runs (autopar/placement.py): working dtype and the process-group requirement."""
+"""Where a rank runs (autopar/execution/placement.py): working dtype and the process-group requirement."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.errors import ExecutionError
-from autopar.placement import require_process_group, working_dtype
+from autopar.execution.placement import require_process_group, working_dtype
 
 
 def test_working_dtype_follows_plan_on_gpu_and_is_fp32_on_cpu():

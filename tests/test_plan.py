@@ -14,8 +14,8 @@ import torch.nn as nn
 import autopar
 from autopar import ClusterError, ConstraintError, MemoryBudgetError, Plan, PlanError, TraceError
 from autopar.models import ZOO
-from autopar.plan import PLAN_VERSION
-from autopar.trace import trace
+from autopar.plans.plan import PLAN_VERSION
+from autopar.frontend.trace import trace
 
 API_TP_MODES = ("1d", "2d-reshard", "2d", "2.5d", "3d")
 API_CHECKPOINT = ("none", "selective", "full", "mixed")

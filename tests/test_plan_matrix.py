@@ -11,7 +11,7 @@ import pytest
 
 import autopar
 from autopar.models import HF_ZOO, ZOO
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 
 pytestmark = pytest.mark.slow
 

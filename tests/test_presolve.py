@@ -14,7 +14,7 @@ from solver.problem import CheckpointGroup, Edge, MemoryConstraint, Problem
 
 def block_and_core(block_time, core_time, budget: float) -> Problem:
     """Two nodes; a block group and its selective-recompute companion (implied_by the block),
-    as autopar/build.py makes them: the block's own time may be negative (full recompute
+    as autopar/search/build.py makes them: the block's own time may be negative (full recompute
     = block + core)."""
     costs = [np.array([1.0, 2.0]), np.array([3.0, 1.0])]
     block = CheckpointGroup("blocks", saved=[(0, np.array([50.0, 40.0]))], kept=[(0, np.array([5.0, 5.0]))],

@@ -72,7 +72,7 @@ def falcon():
 def test_falcon_lifted_constants_come_from_the_export():
     """Falcon's rotary tables are plain tensor attributes: torch.export lifts them as
     CONSTANT_TENSOR inputs named '...lifted_tensor_0', which no module has as an attribute."""
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
 
     model, batch = falcon()
     traced = trace(model, batch)
@@ -240,7 +240,7 @@ def test_custom_autograd_function_is_refused_with_its_name_and_module():
     model = build(WithCustomFunction, "cpu", 0)
     batch = (torch.randn(8, 16), torch.randint(8, (8,)))
     for frontend in ("export", "fx"):
-        from autopar.trace import trace
+        from autopar.frontend.trace import trace
 
         with pytest.raises(TraceError, match=r"ClampTwiceGrad called in module act \(ClampAct\)"):
             trace(model, batch, frontend=frontend)
@@ -294,7 +294,7 @@ class WithExactFunction(nn.Module):
 def test_custom_function_whose_backward_is_its_forwards_gradient_is_traced():
     """Checked numerically at trace time: inlining its forward trains exactly like its backward, so
     the model is accepted (Bloom's GeLU); the clamp with a doubled gradient above is still refused."""
-    from autopar.trace import _backward_matches_forward, trace
+    from autopar.frontend.trace import _backward_matches_forward, trace
 
     assert _backward_matches_forward(ExactTanh, [("tensor", (8, 32), torch.float32)], {})
     assert not _backward_matches_forward(ClampTwiceGrad, [("tensor", (8, 32), torch.float32)], {})

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from autopar.layout import Layout
-from autopar.reshard import ReshardPlan, Step, plan_reshard, reshard_cost_matrix
+from autopar.rules.layout import Layout
+from autopar.pricing.reshard import ReshardPlan, Step, plan_reshard, reshard_cost_matrix
 
 
 @dataclass(frozen=True)

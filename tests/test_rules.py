@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from autopar.mesh import Mesh
 from autopar.rules import coverage, spec_for, tensor_inputs
 from autopar.rules.localize import local_call
-from autopar.strategy import enumerate_strategies, propagate_batch
+from autopar.rules.strategy import enumerate_strategies, propagate_batch
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -378,7 +378,7 @@ def _measured_saved_bytes(target, args, kwargs):
 
 
 def _spec_saved_bytes(node, env, spec):
-    from autopar.pricing import saved_applies
+    from autopar.pricing.price import saved_applies
 
     ins = tensor_inputs(node)
     outs = env[node] if isinstance(env[node], (tuple, list)) else (env[node],)

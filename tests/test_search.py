@@ -6,14 +6,14 @@ No timing assertions here (timings live in benchmarks/bench_planning.py)."""
 import pytest
 
 import autopar
-from autopar.batching import infer_batch_dims, input_shapes
-from autopar.candidates import candidates
+from autopar.frontend.batching import infer_batch_dims, input_shapes
+from autopar.rules.candidates import candidates
 from autopar.models import ZOO
-from autopar.predict import predict, step_time_lower_bound
-from autopar.pricing import Settings, price, price_edges
-from autopar.build import build_problem
-from autopar.search import MIP_GAP, configurations, search
-from autopar.trace import trace
+from autopar.search.predict import predict, step_time_lower_bound
+from autopar.pricing.price import Settings, price, price_edges
+from autopar.search.build import build_problem
+from autopar.search.outer import MIP_GAP, configurations, search
+from autopar.frontend.trace import trace
 from solver.ilp import solve
 
 CASES = [
@@ -48,7 +48,7 @@ def test_pruned_search_equals_exhaustive(case):
 
 def test_bounds_are_below_every_configurations_plan(case):
     g, cluster, cons = case
-    from autopar.search import check_constraints
+    from autopar.search.outer import check_constraints
     cache = {}
     for cfg in configurations(g, cluster, _base(cluster), check_constraints(cons)):
         c = cache.setdefault(cfg.mesh, candidates(g, cfg.mesh))
@@ -103,8 +103,8 @@ def _out_of_time(real):
 def test_a_time_limit_hit_in_the_lp_bound_returns_the_best_plan_so_far(monkeypatch):
     """The LP relaxation bound runs under the time limit too: running out of time there keeps the
     best plan found (it used to abort the whole search with the LP's PlanError)."""
-    import autopar.search as S
-    from autopar.build import bound_problem
+    import autopar.search.outer as S
+    from autopar.search.build import bound_problem
     from autopar.errors import PlanError
     from solver.ilp import relaxation_bound
 
@@ -128,7 +128,7 @@ def test_a_time_limit_hit_in_the_lp_bound_returns_the_best_plan_so_far(monkeypat
 def test_a_time_limit_with_no_plan_found_is_a_clear_error(monkeypatch):
     """Every LP and ILP out of time before any plan: a PlanError naming the time limit, after
     every configuration had its try (not the first solver's message half-way through)."""
-    import autopar.search as S
+    import autopar.search.outer as S
     from autopar.errors import PlanError
     from solver.ilp import relaxation_bound
 

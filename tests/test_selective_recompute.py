@@ -1,6 +1,6 @@
 """Selective activation recompute (Korthikanti et al. 2022): only each block's attention core
 (QK^T, scale, mask, softmax, attention dropout, x V and the head split/merge around them) is
-recomputed in backward — autopar/attention_core.py finds it, autopar/build.py prices it as the
+recomputed in backward — autopar/rules/attention_core.py finds it, autopar/search/build.py prices it as the
 third per-group choice of the ILP, codegen/selective.py outlines it.
 
 - numerics: one process (identical gradients to the plain program, dropout 0.3), and 2 gloo
@@ -50,7 +50,7 @@ def gpt2_plan(devices, constraints, policy=None, budget=None, **kw):
 # ------------------------------------------------------------------ one process
 
 def _program(checkpoint, **kw):
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
     from codegen import generate
 
     model, batch = ZOO["gpt2"](**EXPLICIT, **kw)
@@ -61,9 +61,9 @@ def _program(checkpoint, **kw):
 def test_cores_are_found_in_every_zoo_family():
     """The core of GPT-2 (explicit and SDPA), Llama (RoPE, GQA), BERT and a Hugging Face Llama
     with eager attention: it holds the attention op, no projection, and is one per instance."""
-    from autopar.attention_core import attention_cores
+    from autopar.rules.attention_core import attention_cores
     from autopar.models import HF_ZOO
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
 
     cases = [("gpt2", EXPLICIT, "softmax"), ("gpt2", {}, "scaled_dot_product"), ("llama", {}, "scaled_dot_product"),
              ("bert", {}, "scaled_dot_product"), ("hf_llama_eager", {}, "softmax")]
@@ -220,8 +220,8 @@ def test_plans_record_read_and_show_selective(tmp_path):
     """The plan file round-trips "selective"; a plan written before (booleans) still reads and
     runs codegen; a bad value is a clear PlanError naming the field; ``autopar show`` says it."""
     from autopar.errors import PlanError
-    from autopar.report import show_text
-    from autopar.trace import trace
+    from autopar.plans.report import show_text
+    from autopar.frontend.trace import trace
     from codegen import generate
 
     plan = gpt2_plan(1, {"checkpoint": "selective"})
@@ -418,11 +418,11 @@ def _predicted_without_recompute(cons, policy, **kw):
     checkpoint decision off): what the plan adds for recomputation."""
     import dataclasses
 
-    from autopar.batching import infer_batch_dims, input_shapes
-    from autopar.predict import predict
-    from autopar.pricing import Settings
-    from autopar.search import search
-    from autopar.trace import trace
+    from autopar.frontend.batching import infer_batch_dims, input_shapes
+    from autopar.search.predict import predict
+    from autopar.pricing.price import Settings
+    from autopar.search.outer import search
+    from autopar.frontend.trace import trace
 
     model, batch = ZOO["gpt2"](**EXPLICIT, **kw)
     graph = trace(model, batch)

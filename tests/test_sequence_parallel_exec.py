@@ -239,7 +239,7 @@ def test_show_names_the_mode_per_attention_op():
     assert plan.degrees["sp_mode"] == "ulysses"
     names = [op["strategy"] for op in _attention_ops(plan)]
     assert names and all("[ulysses_attention]" in s for s in names), names
-    from autopar.report import show_text
+    from autopar.plans.report import show_text
     text = show_text(plan, limit=None)
     assert "sp=2 (ulysses)" in text and text.count("[ulysses") >= len(names), text
 
@@ -254,9 +254,9 @@ def test_attention_mode_pin_needs_an_sdpa_op():
 
 def _predicted_saved(name, plan, cluster, policy):
     """The plan's saved-activation bytes per rank: the priced ``saved`` of each chosen strategy."""
-    from autopar.candidates import candidates
-    from autopar.pricing import Settings, price
-    from autopar.trace import trace
+    from autopar.rules.candidates import candidates
+    from autopar.pricing.price import Settings, price
+    from autopar.frontend.trace import trace
     model, batch = ZOO[name]()
     c = candidates(trace(model, batch), plan.mesh, policy)
     P = price(c, cluster, Settings(optimizer="sgd", precision="fp32", zero=plan.degrees["zero"]), edges=False)
@@ -266,7 +266,7 @@ def _predicted_saved(name, plan, cluster, policy):
 
 
 def _measure_saved(rank, world, name, plan_json):
-    from autopar.saved_probe import saved_bytes
+    from autopar.pricing.saved_probe import saved_bytes
     model, batch = ZOO[name]()
     cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
                          plan=autopar.Plan.from_json(plan_json), **OPT)
@@ -281,7 +281,7 @@ def _measure_saved(rank, world, name, plan_json):
 def test_saved_activations_match_prediction_llama(cons):
     """saved_tensors_hooks on every rank against the plan: exact for Ulysses, contiguous ring and
     Megatron-SP; zig-zag ring also saves the int64 permutation indices of its reshards (< 1%)."""
-    from autopar.sequence import policy_for
+    from autopar.rules.sequence import policy_for
     model, batch = ZOO["llama"]()
     cluster = autopar.Cluster.preset("cpu", devices=2)
     plan = autopar.plan(model, batch, cluster, precision="fp32", optimizer="sgd",

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from autopar.mesh import Mesh
 from autopar.rules import spec_for, tensor_inputs
 from autopar.rules.spec import OpSpec
-from autopar.strategy import enumerate_strategies, propagate_batch
+from autopar.rules.strategy import enumerate_strategies, propagate_batch
 
 aten = torch.ops.aten
 DP_TP = Mesh((2, 2), ("dp", "tp"), 8)

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from autopar.cluster import Cluster, Device, FrozenMap, Link
-from autopar.cost import efficiency
+from autopar.pricing.cost import efficiency
 from benchmarks import tp_grid_predict as tp
 from benchmarks.tp_grid_predict import Mode, Setting
 from solver import tp_grid_cost as tgc

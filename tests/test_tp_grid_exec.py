@@ -37,7 +37,7 @@ def _cluster(n):
 
 
 def _train(rank, world, name, plan_json, kw):
-    from autopar.saved_probe import saved_bytes
+    from autopar.pricing.saved_probe import saved_bytes
 
     model, batch = ZOO[name](**kw)
     cm = autopar.compile(model, _cluster(world), example_inputs=batch, plan=autopar.Plan.from_json(plan_json), **OPT)
@@ -141,7 +141,7 @@ def test_a_pinned_mode_tries_every_grid_the_pins_allow():
     lower on q=4 (the classifier bias splits into q^2 = 16 pieces) but can on q=2: the plan is
     the q=2 grid, not an error about the first geometry tried; with 10 classes neither lowers
     and the error names the op of the first failure."""
-    from autopar.grid_search import grid_geometries
+    from autopar.search.grid_search import grid_geometries
     from codegen.grid_layout import Geometry
 
     assert grid_geometries(16, {"tp_mode": "2d"}) == [Geometry("2d", 4, 1, 1), Geometry("2d", 2, 1, 4)]
@@ -189,7 +189,7 @@ def test_saved_activations_scale_with_the_grid():
     embedding columns are not split); 3D saves the gathered X_ab of each matmul (1/q^2 of an
     activation, runtime/matmul3d.py), so it lands between 1/q^2 and 1/q^3."""
     from autopar.models.gpt2 import gpt
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
     from codegen.grid_layout import Geometry
     from codegen.grid_ops import GridProgram
 

@@ -1,4 +1,4 @@
-"""The grid modes' compute is priced like the ILP's (autopar/grid_search.py grid_compute): the same
+"""The grid modes' compute is priced like the ILP's (autopar/search/grid_search.py grid_compute): the same
 GEMM-by-intensity curve at the local shape a rank's kernel runs on, bf16 bytes and backward
 ratio, so the search compares grid and ILP plans like with like.
 
@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.batching import infer_batch_dims, input_shapes
-from autopar.candidates import candidates
-from autopar.cost import gemm_intensity, profile_of
-from autopar.grid_search import grid_compute
+from autopar.frontend.batching import infer_batch_dims, input_shapes
+from autopar.rules.candidates import candidates
+from autopar.pricing.cost import gemm_intensity, profile_of
+from autopar.search.grid_search import grid_compute
 from autopar.mesh import Mesh
 from autopar.models import ZOO
-from autopar.pricing import Settings, _local_intensity, price
-from autopar.trace import trace
+from autopar.pricing.price import Settings, _local_intensity, price
+from autopar.frontend.trace import trace
 from codegen.grid_layout import Geometry
 from codegen.grid_ops import GridProgram
 

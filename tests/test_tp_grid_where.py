@@ -23,7 +23,7 @@ PINS = {"1d": {"tp_mode": "1d", "tp": 4, "dp": 2}, "2d-reshard": {"tp_mode": "2d
 
 def test_unpinned_search_is_never_worse_than_a_pinned_mode():
     """2 nodes x 4 A100 with PCIe Gen4 inside a node and one 100 GbE port per node."""
-    from autopar.trace import trace
+    from autopar.frontend.trace import trace
     cluster = slow_links(Cluster.preset("dgx-a100", nodes=2, devices=4))
     model, batch = ZOO["gpt2"](batch=16)
     traced = trace(model, batch)

@@ -1,4 +1,4 @@
-"""autopar.trace: export front end, fx fallback, tied weights, repeated blocks, fingerprint,
+"""autopar.frontend.trace: export front end, fx fallback, tied weights, repeated blocks, fingerprint,
 errors that name the module and source line, meta-device tracing of big shapes."""
 import inspect
 import os
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from autopar.errors import TraceError
 from autopar.models import ZOO
-from autopar.trace import trace
+from autopar.frontend.trace import trace
 
 
 def run_graph(tg, model, inputs):

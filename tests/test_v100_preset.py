@@ -6,7 +6,7 @@ import pytest
 
 import autopar
 from autopar.cluster import Cluster
-from autopar.cost import Collectives, compute_time, gemm_intensity, profile_of
+from autopar.pricing.cost import Collectives, compute_time, gemm_intensity, profile_of
 from autopar.errors import ClusterError
 from autopar.mesh import Mesh
 from autopar.models import ZOO

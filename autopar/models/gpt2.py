@@ -83,7 +83,7 @@ class GPT(nn.Module):
 
     def _init_weights(self, module: nn.Module):
         # A method (as in Hugging Face models) so a meta-device GPT can replay it per module
-        # (autopar/weights.py, compile(weights="init")).
+        # (autopar/execution/weights.py, compile(weights="init")).
         _init_weights(module)
 
     def forward(self, idx, targets):

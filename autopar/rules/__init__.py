@@ -1,4 +1,7 @@
-"""Op rules: a table from ATen ops to declarative einsum-style OpSpecs.
+"""Op rules: a table from ATen ops to declarative einsum-style OpSpecs, and what follows from
+them per mesh: layouts (layout.py), strategies (strategy.py), each node's candidates
+(candidates.py), sequence letters and attention strategies (sequence.py), attention cores
+(attention_core.py).
 
 Importing this package registers every rule family (``ops_*`` modules) into ``RULES``.
 """

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.microbatch import FIXED_MEAN_LOSSES
+from autopar.execution.microbatch import FIXED_MEAN_LOSSES
 from autopar.rules.spec import OpSpec
-from autopar.strategy import Strategy, split_factor
+from autopar.rules.strategy import Strategy, split_factor
 
 aten = torch.ops.aten
 
@@ -69,7 +69,7 @@ def _split_letters(spec: OpSpec, strategy: Strategy, mesh_shape, letters) -> boo
 
 
 def local_call(node: fx.Node, spec: OpSpec, strategy: Strategy, mesh_shape, micro_batches: int = 1) -> LocalCall:
-    """``micro_batches``: for an op that reduces the batch away (autopar/microbatch.py), how many
+    """``micro_batches``: for an op that reduces the batch away (autopar/execution/microbatch.py), how many
     micro-batches the step runs (a mean over one is 1/micro_batches of the step's mean); else 1."""
     args, kwargs = tuple(node.args), dict(node.kwargs)
     target = node.target

@@ -13,7 +13,7 @@ Set-up (every rank, collectively):
    same (the plan's ops are keyed by node name);
 4. mesh process groups (runtime/context.py), the per-rank program (codegen/per_rank.py; the block
    instances the plan checkpoints run as activation-checkpoint regions, runtime/checkpoint.py), only
-   this rank's parameter blocks from ``weights`` (autopar/weights.py: the model's own copy checked
+   this rank's parameter blocks from ``weights`` (autopar/execution/weights.py: the model's own copy checked
    by a checksum, the replayed initialization of a meta model, or a checkpoint read slice by
    slice; no full tensor crosses the network), and a
    ``ShardedOptimizer`` over the data axes with the plan's ZeRO stage.
@@ -42,13 +42,13 @@ indices along each input's batch dim), first computes the global denominators of
 split over), then runs every micro-batch forward and backward — each micro-batch program returns
 its exact share of the step's loss, so losses and gradients are summed, not averaged — steps the
 optimizer and returns the global loss as a float, identical on every rank. Its inputs must match
-the example batch (count, shapes, dtypes; autopar/batch_check.py), and on the first step every rank
+the example batch (count, shapes, dtypes; autopar/execution/batch_check.py), and on the first step every rank
 passing the global batch must pass the same one. ``compile(loss_fn=...)`` traces
 ``loss_fn(model(*inputs[:k]), *inputs[k:])``.
 
 Random ops (dropout) draw from generators seeded from one base seed rank 0 broadcasts at set-up
 (runtime/rng.py). Frozen parameters (``requires_grad=False``) are held like buffers. ``load``
-checks the checkpoint's tensors against this model's before reading (autopar/compiled_state.py).
+checks the checkpoint's tensors against this model's before reading (autopar/execution/compiled_state.py).
 """
 from __future__ import annotations
 
@@ -58,12 +58,12 @@ from datetime import timedelta  # noqa: F401  (documented: the process-group tim
 import torch
 import torch.distributed as dist
 
-from autopar import compiled_state
+from autopar.execution import compiled_state
 from autopar.errors import ExecutionError
-from autopar.placement import require_process_group as _require_pg
-from autopar.placement import run_device as _run_device
-from autopar.placement import working_dtype as _working_dtype
-from autopar.plan import Plan
+from autopar.execution.placement import require_process_group as _require_pg
+from autopar.execution.placement import run_device as _run_device
+from autopar.execution.placement import working_dtype as _working_dtype
+from autopar.plans.plan import Plan
 
 
 def _as_tuple(x):
@@ -96,7 +96,7 @@ class CompiledModel:
         # is used on every rank), before set-up draws from it.
         self._init_rng_state = torch.get_rng_state()
         self.model, self.cluster, self.plan = model, cluster, plan
-        self.loss_fn = loss_fn   # traced as loss_fn(model(*inputs[:k]), *inputs[k:]) (autopar.trace)
+        self.loss_fn = loss_fn   # traced as loss_fn(model(*inputs[:k]), *inputs[k:]) (autopar.frontend.trace)
         self.optimizer_name, self.lr, self.optimizer_kwargs = optimizer, lr, dict(optimizer_kwargs)
         self.plan_options = plan_options
         self.precision, self.grad_clip = precision, grad_clip
@@ -104,14 +104,14 @@ class CompiledModel:
 
     # ------------------------------------------------------------------ set-up
     def _setup(self, example_inputs):
-        from autopar.trace import trace
+        from autopar.frontend.trace import trace
         from codegen import generate
         from runtime import context, rng
         from runtime.optim import make_optimizer
         from runtime.zero import ShardedOptimizer
 
         example_inputs = _as_tuple(example_inputs)
-        from autopar.weights import all_on_meta, is_meta_model
+        from autopar.execution.weights import all_on_meta, is_meta_model
         meta = is_meta_model(self.model)
         if meta:
             # A meta model traces (and plans) on meta copies of the batch, and of its real buffers
@@ -130,13 +130,13 @@ class CompiledModel:
         if traced.fingerprint != plan.fingerprint:
             raise ExecutionError(f"plan made for a different model: the plan's fingerprint is "
                                  f"{plan.fingerprint[:16]}, this model traces to {traced.fingerprint[:16]}", collective=True)
-        from autopar.grid_compiled import GridCompiledModel, is_grid_plan
-        if is_grid_plan(plan):   # 2D / 2.5D / 3D tensor parallelism: its own program (autopar/grid_compiled.py)
+        from autopar.execution.grid_compiled import GridCompiledModel, is_grid_plan
+        if is_grid_plan(plan):   # 2D / 2.5D / 3D tensor parallelism: its own program (autopar/execution/grid_compiled.py)
             self.__class__ = GridCompiledModel
             return self.setup_grid(traced, example_inputs)
         nm = int(plan.degrees.get("num_micro_batches", 1) or 1)
         self.nm = nm
-        from autopar.batching import batch_size, plan_batch_dims
+        from autopar.frontend.batching import batch_size, plan_batch_dims
         self.batch_dims = plan_batch_dims(plan.data, len(example_inputs))
         self.global_batch = batch_size([tuple(x.shape) for x in example_inputs], self.batch_dims)
         self._example = [(tuple(x.shape), x.dtype) for x in example_inputs]
@@ -153,8 +153,8 @@ class CompiledModel:
             if seq(mt) != seq(traced):
                 raise ExecutionError("re-tracing one micro-batch gave a different op sequence than the global "
                                      "batch; the model's graph depends on the batch size", collective=True)
-            from autopar.microbatch import batch_carrying
-            carrying = batch_carrying(traced, mt)   # which values the micro-batches cut (autopar/microbatch.py)
+            from autopar.execution.microbatch import batch_carrying
+            carrying = batch_carrying(traced, mt)   # which values the micro-batches cut (autopar/execution/microbatch.py)
             traced = mt
         else:
             carrying = None
@@ -163,7 +163,7 @@ class CompiledModel:
         self.dtype = _working_dtype(plan.data.get("settings", {}).get("precision", "fp32"), self.precision, self.device)
         self.pp = plan.pp
         if self.pp > 1:
-            from autopar import pipeline_run
+            from autopar.execution import pipeline_run
             pipeline_run.check_options(self)
         self.ctx = context.setup(plan.mesh, self.device.type, pp=self.pp)
         rng.broadcast_seed(self.device)   # one base seed for every rank's random ops (runtime/rng.py)
@@ -203,7 +203,7 @@ class CompiledModel:
             self.stage_programs = split_stages(prog, traced, unit_stage, len(stages))
             mine = {n for sp in self.stage_programs if sp.index % self.pp == self.stage for n in sp.param_names}
 
-        # Parameters: only this rank's blocks, from the weight source (autopar/weights.py).
+        # Parameters: only this rank's blocks, from the weight source (autopar/execution/weights.py).
         self.params, self.buffers = {}, {}
         self.local: list[torch.Tensor] = []
         with torch.no_grad():
@@ -252,13 +252,13 @@ class CompiledModel:
             context.set_zero3(self.opt)
         self._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}
         if self.pp > 1:
-            from autopar import pipeline_run
+            from autopar.execution import pipeline_run
             pipeline_run.setup(self)
         self._ready = True
 
     def _weight_source(self, traced, prog, mine=None):
-        """fqn, slices -> this rank's block (autopar/weights.py weight_source)."""
-        from autopar.weights import weight_source
+        """fqn, slices -> this rank's block (autopar/execution/weights.py weight_source)."""
+        from autopar.execution.weights import weight_source
         return weight_source(self.model, traced, prog, self.weights, self.device,
                              getattr(self, "_init_rng_state", None), mine)
 
@@ -322,8 +322,8 @@ class CompiledModel:
 
     def _check_batch(self, batch) -> None:
         """Inputs against the example batch; on the first call, the same global batch on every
-        rank (autopar/batch_check.py)."""
-        from autopar.batch_check import check_index_ranges, check_inputs, index_bounds, is_global_batch, \
+        rank (autopar/execution/batch_check.py)."""
+        from autopar.execution.batch_check import check_index_ranges, check_inputs, index_bounds, is_global_batch, \
             same_global_batch
 
         local = len(self.batch_rows())
@@ -402,7 +402,7 @@ class CompiledModel:
             micro = self._local_micro_batches(batch)
             self._set_denominators(micro)
             if self.pp > 1:
-                from autopar import pipeline_run
+                from autopar.execution import pipeline_run
                 return pipeline_run.step(self, micro)
             total = torch.zeros((), device=self.device)
             reducer = self.opt.reducer
@@ -435,13 +435,13 @@ class CompiledModel:
         micro = self._local_micro_batches(inputs)
         self._set_denominators(micro)
         if self.pp > 1:
-            from autopar import pipeline_run
+            from autopar.execution import pipeline_run
             return torch.tensor(pipeline_run.forward(self, micro))
         for mb in micro:
             total = total + self.program.gm(*self.local, *mb).float()
         return torch.tensor(self._global_loss(total))
 
-    # ------------------------------------------------------------------ state (autopar/compiled_state.py)
+    # ------------------------------------------------------------------ state (autopar/execution/compiled_state.py)
     def _gather_full(self, local: torch.Tensor, fqn: str) -> torch.Tensor:
         return compiled_state.gather_full(self, local, fqn)
 
@@ -532,10 +532,10 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
     must match the plan's). Without ``example_inputs`` the set-up happens at the first ``step``.
     ``weights``: None (the model's own tensors), "init" (a meta model's initialization, run for this
     rank's shards only) or a directory (Hugging Face safetensors checkpoint or compiled.save());
-    see autopar/weights.py."""
+    see autopar/execution/weights.py."""
     _require_pg(cluster)
     if dist.get_world_size() > 1:   # an uncaught autopar error prints once, not once per rank
-        from autopar.error_report import install
+        from autopar.execution.error_report import install
         install()
     if plan is not None and not isinstance(plan, Plan):
         raise ExecutionError(f"plan must be an autopar.Plan, got {type(plan).__name__}", collective=True)
@@ -556,7 +556,7 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
         options["loss_fn"] = loss_fn
     if batch_dims is not None:
         if plan is not None:
-            from autopar.batching import plan_batch_dims
+            from autopar.frontend.batching import plan_batch_dims
             want = [batch_dims] * len(plan.data.get("inputs", [])) if isinstance(batch_dims, int) else list(batch_dims)
             if want != plan_batch_dims(plan.data, len(want)):
                 raise ExecutionError(f"batch_dims={batch_dims!r} differs from the plan's batch dims "

@@ -19,19 +19,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from autopar.candidates import FLOAT_DTYPES, Candidates, NodeInfo
+from autopar.rules.candidates import FLOAT_DTYPES, Candidates, NodeInfo
 from autopar.cluster import Cluster
-from autopar.conjugates import region_inputs, step_traffic
-from autopar.cost import (Collectives, bucket_share, fwd_bwd_compute, gemm_intensity, grad_bucket_bytes,
+from autopar.pricing.conjugates import region_inputs, step_traffic
+from autopar.pricing.cost import (Collectives, bucket_share, fwd_bwd_compute, gemm_intensity, grad_bucket_bytes,
                           optimizer_step_time, profile_of)
-from autopar.layout import Layout
-from autopar.memory import state_bytes, zero_shard
+from autopar.rules.layout import Layout
+from autopar.pricing.memory import state_bytes, zero_shard
 from autopar.mesh import Mesh
-from autopar.reshard import plan_reshard
+from autopar.pricing.reshard import plan_reshard
 from autopar.rules import tensor_inputs
 from autopar.rules.table import shape as tensor_shape
 from autopar.rules.table import val as node_val
-from autopar.strategy import Strategy
+from autopar.rules.strategy import Strategy
 
 FORBIDDEN = 1e6   # seconds: a cost no plan will pay (strategies invalid under the micro-batching)
 
@@ -348,7 +348,7 @@ def _divides_micro_batch(c: Candidates, info: NodeInfo, st: Strategy, nm: int) -
 
 def _region_cost(c: Candidates, info: NodeInfo, st: Strategy, precision: str, nm: int, comm):
     """Backward all-reduces of inputs replicated on an axis the op splits its work on (see
-    autopar/conjugates.py). A parameter's data-axis reduction is its gradient sync, priced with
+    autopar/pricing/conjugates.py). A parameter's data-axis reduction is its gradient sync, priced with
     the parameter (once per step, not per micro-batch)."""
     mesh = c.mesh
     ins = c.inputs(info.node)

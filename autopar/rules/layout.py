@@ -7,7 +7,7 @@ sizes (2, 2) gives rank (i, j) the block i*2 + j of size 2 (the first axis is th
 
 This one form covers data parallel (batch dim split over the data axis), Megatron 1D
 (weight dims split over a model axis), ZeRO and multi-axis splits. Resharding between two
-layouts lives in ``autopar/reshard.py``.
+layouts lives in ``autopar/pricing/reshard.py``.
 """
 from __future__ import annotations
 

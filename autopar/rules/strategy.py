@@ -17,7 +17,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from autopar.layout import Layout
+from autopar.rules.layout import Layout
 from autopar.mesh import Mesh
 from autopar.rules.spec import OpSpec
 

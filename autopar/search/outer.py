@@ -13,15 +13,15 @@ import math
 import time
 from dataclasses import dataclass
 
-from autopar.batching import batch_size, graph_batch_dims, input_shapes
-from autopar import sequence
-from autopar.build import bound_problem, build_problem, chosen
-from autopar.candidates import Candidates, candidates
-from autopar.pricing import Settings, price, price_edges
+from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
+from autopar.rules import sequence
+from autopar.search.build import bound_problem, build_problem, chosen
+from autopar.rules.candidates import Candidates, candidates
+from autopar.pricing.price import Settings, price, price_edges
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
-from autopar.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound
-from autopar.trace import TracedGraph
+from autopar.search.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound
+from autopar.frontend.trace import TracedGraph
 from solver.ilp import memory_floor_exceeds_budget, min_peak_memory, relaxation_bound, solve
 
 # Relative optimality gap at which each configuration's ILP stops: plans within 0.1% of the
@@ -59,16 +59,16 @@ def check_constraints(constraints: dict | None) -> dict:
             hint = difflib.get_close_matches(k, DEGREE_KEYS, n=1)
             raise ConstraintError(f"unknown constraint {k!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                                   + f"; valid keys: {', '.join(DEGREE_KEYS)}")
-    from autopar.pipeline import pipeline_pins
-    pipeline_pins(constraints)   # pp / pp_schedule pins: autopar/pipeline.py plans them
+    from autopar.search.pipeline import pipeline_pins
+    pipeline_pins(constraints)   # pp / pp_schedule pins: autopar/search/pipeline.py plans them
     unsupported = {"offload": False}
     for k, ok in unsupported.items():
         if k in constraints and constraints[k] != ok:
             raise ConstraintError(f"constraint {k}={constraints[k]!r} cannot be met: this version of autopar "
                                   f"plans {k}={ok!r} only (offload is not implemented yet)")
-    from autopar.grid_search import check_grid_constraints
+    from autopar.search.grid_search import check_grid_constraints
     check_grid_constraints(constraints)   # tp_mode / tp_shape (1d, 2d-reshard, 2d, 2.5d, 3d)
-    sequence.check_constraints(constraints)   # sp / sp_mode (autopar/sequence.py)
+    sequence.check_constraints(constraints)   # sp / sp_mode (autopar/rules/sequence.py)
     if "zero" in constraints and constraints["zero"] not in (0, 1, 2, 3):
         raise ConstraintError(f"constraint zero={constraints['zero']!r}: must be 0, 1, 2 or 3")
     ck = constraints.get("checkpoint")
@@ -96,7 +96,7 @@ def _checkpoint_setting(ck):
 
 def global_batch(graph: TracedGraph) -> int:
     """The global batch size: the size of the first batch-carrying input's batch dim
-    (autopar/batching.py; not blindly dim 0)."""
+    (autopar/frontend/batching.py; not blindly dim 0)."""
     return batch_size(input_shapes(graph), graph_batch_dims(graph))
 
 
@@ -163,7 +163,7 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
 def allowed_meshes(cluster: Cluster, constraints: dict):
     """The cluster's logical meshes that the dp/tp/tp_mode/tp_shape pins allow."""
     if constraints.get("tp_mode") in ("2d", "2.5d", "3d"):
-        return   # grid modes are not ILP meshes (autopar/grid_search.py)
+        return   # grid modes are not ILP meshes (autopar/search/grid_search.py)
     for mesh in list(cluster.meshes()) + sequence.meshes(cluster, constraints):
         dp, tp = mesh.degree("dp"), sequence.tp_degree(mesh)   # sequence axes are not tensor axes
         if constraints.get("dp", dp) != dp or constraints.get("tp", tp) != tp:
@@ -220,12 +220,12 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     (no bound pruning, no time limit: the reference the pruned search must match, used by
     tests); ``progress`` forces the live progress line on or off (default: when stderr is a
     terminal); ``max_zero`` caps the unpinned ZeRO stages (pipelined stages execute ZeRO <= 2,
-    autopar/pipeline.py ``max_zero``); ``shared_candidates`` keeps each mesh's candidates and their
+    autopar/search/pipeline.py ``max_zero``); ``shared_candidates`` keeps each mesh's candidates and their
     pricing caches across the searches of one ``autopar.plan`` call (pp=1 and every pipelined
-    candidate's inner search on a stage's sub-mesh: autopar/pipeline_search.py)."""
+    candidate's inner search on a stage's sub-mesh: autopar/search/pipeline_search.py)."""
     constraints = check_constraints(constraints)
     if constraints.get("pp", 1) > 1:
-        raise ConstraintError("pipelined plans (pp > 1) are made by autopar.plan (autopar/pipeline.py), not search()")
+        raise ConstraintError("pipelined plans (pp > 1) are made by autopar.plan (autopar/search/pipeline.py), not search()")
     policy = sequence.policy_for(policy, constraints)
     t0 = time.perf_counter()
     best: Result | None = None
@@ -234,7 +234,7 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     memory_floors: list = []   # configurations whose static memory alone exceeds the budget
     cand_cache: dict = ({} if shared_candidates is None else shared_candidates).setdefault(policy, {})
     configs = list(configurations(graph, cluster, base, constraints, max_zero))
-    from autopar.grid_search import GRID_MODES, best_grid
+    from autopar.search.grid_search import GRID_MODES, best_grid
     if not configs and constraints.get("tp_mode") not in GRID_MODES:
         batch = global_batch(graph)
         dps = [m.degree("dp") for m in allowed_meshes(cluster, constraints) if batch % m.degree("dp") == 0]
@@ -261,7 +261,7 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
             bar.update(stats, best)
     finally:
         bar.close()
-    # 2D / 2.5D / 3D grid modes against the best ILP plan (autopar/grid_search.py)
+    # 2D / 2.5D / 3D grid modes against the best ILP plan (autopar/search/grid_search.py)
     grid = best_grid(graph, cluster, base, constraints, None if best is None else best.prediction["step_time"],
                      stats, log)
     best = grid if grid is not None else best

@@ -2,11 +2,11 @@
 
 ``candidates(graph, mesh, policy=None) -> Candidates``: for call_function nodes the op rules'
 strategies on the mesh (optionally filtered by the Megatron policy), for parameters and inputs
-their layout choices (an input's batch dim, autopar/batching.py, is split over the data axes);
+their layout choices (an input's batch dim, autopar/frontend/batching.py, is split over the data axes);
 which dims carry the batch; which nodes alias which storage (saved tensors
 are counted once); and the representative of every repeated-block node (the ILP gets one variable
 set per representative). Depends only on (graph, mesh): the outer search reuses it for every ZeRO
-stage, micro-batch count and precision on that mesh; pricing is autopar/pricing.py.
+stage, micro-batch count and precision on that mesh; pricing is autopar/pricing/price.py.
 """
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar import sequence
-from autopar.batching import graph_batch_dims
-from autopar.layout import Layout
+from autopar.rules import sequence
+from autopar.frontend.batching import graph_batch_dims
+from autopar.rules.layout import Layout
 from autopar.mesh import Mesh
 from autopar.rules import spec_for, tensor_inputs
 from autopar.rules.table import shape as tensor_shape
 from autopar.rules.table import val as node_val
-from autopar.strategy import Strategy, enumerate_strategies, propagate_batch
-from autopar.trace import TracedGraph
+from autopar.rules.strategy import Strategy, enumerate_strategies, propagate_batch
+from autopar.frontend.trace import TracedGraph
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -126,7 +126,7 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
                 nodes[node.name] = NodeInfo(node.name, "param", node, strategies, batch_dims=(frozenset(),))
                 batch_of[node.name] = (frozenset(),)
             else:
-                # The data axes split the input's batch dim (autopar/batching.py), not blindly dim 0.
+                # The data axes split the input's batch dim (autopar/frontend/batching.py), not blindly dim 0.
                 bd = input_batch.get(node.name)
                 splits = {}
                 if bd is not None and all(shape[bd] % mesh.shape[a] == 0 for a in mesh.data_axes()):
@@ -159,7 +159,7 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
             batch_of[node.name] = tuple(out_batch)
             nodes[node.name] = NodeInfo(node.name, "op", node, strategies, spec=spec, batch_dims=tuple(out_batch))
             order.append(node.name)
-    sequence.restrict(graph, mesh, nodes, order, policy)   # sequence-parallel modes (autopar/sequence.py)
+    sequence.restrict(graph, mesh, nodes, order, policy)   # sequence-parallel modes (autopar/rules/sequence.py)
     roots, root_bytes = _storage_roots(gm, nodes)
     cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=_needs_grad(gm, nodes, graph.buffers))
     _assign_representatives(cands)

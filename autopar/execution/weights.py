@@ -472,7 +472,7 @@ def open_weights(weights, traced, model):
 
 
 def weight_source(model, traced, prog, choice, dev, init_rng_state=None, mine=None):
-    """fqn, slices -> this rank's block (module doc of autopar/weights.py). Lifted constants
+    """fqn, slices -> this rank's block (module doc of autopar/execution/weights.py). Lifted constants
     and real buffers come from the model; buffers on meta are recomputed; parameters from
     ``choice`` (compile's ``weights=``): None, "init" or a directory.
     ``init_rng_state``: the RNG state "init" replays (broadcast from rank 0 here)."""

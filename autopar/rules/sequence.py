@@ -6,7 +6,7 @@ Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
 - ``"megatron"``: no new axis. Around tensor-parallel linears the norms (and, as the ILP finds
   cheapest, dropouts and residual adds) split the sequence over the tensor axis; resharding turns
   the row-parallel all-reduce into a reduce-scatter and the column-parallel entry into an
-  all-gather (autopar/reshard.py: same paths, same prices as any other layout change). The pin
+  all-gather (autopar/pricing/reshard.py: same paths, same prices as any other layout change). The pin
   keeps only the norm strategies that split a non-batch token letter on every model axis and
   Megatron's column/row linears; the plan reports "megatron" whenever a norm runs that way.
 - ``"ulysses"`` / ``"ring"``: a mesh axis named ``sp`` (between ``dp`` and ``tp``). Parameters
@@ -32,9 +32,9 @@ import math
 import operator
 
 from autopar.errors import ConstraintError, PlanError
-from autopar.layout import Layout
+from autopar.rules.layout import Layout
 from autopar.mesh import Mesh, enumerate_meshes
-from autopar.strategy import Strategy
+from autopar.rules.strategy import Strategy
 
 SP_AXIS = "sp"
 MODES = (None, "megatron", "ulysses", "ring", "ring-contiguous", "hybrid")
@@ -163,9 +163,9 @@ def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | Non
 def seq_letters(graph, nodes: dict, order: list[str]) -> dict[str, frozenset]:
     """Per op node: its letters that carry the sequence (not the batch), propagated from the
     user inputs' sequence dims as batch letters are (``strategy.propagate_batch``)."""
-    from autopar.batching import graph_batch_dims
+    from autopar.frontend.batching import graph_batch_dims
     from autopar.rules import tensor_inputs
-    from autopar.strategy import propagate_batch
+    from autopar.rules.strategy import propagate_batch
     seq_of = {n: (d,) for n, d in input_seq_dims(graph, graph_batch_dims(graph)).items()}
     out = {}
     for name in order:

@@ -1,7 +1,7 @@
 """Pricing selective activation recompute (Korthikanti et al. 2022) for the ILP: per repeated
-block group with an attention core (autopar/attention_core.py), a companion CheckpointGroup whose
+block group with an attention core (autopar/rules/attention_core.py), a companion CheckpointGroup whose
 bytes and time are the core's, linked to the block group by ``implied_by`` (solver/checkpoint_links.py).
-Called by autopar/build.py ``build_problem``; also where the checkpoint pins of ``Settings`` (bool
+Called by autopar/search/build.py ``build_problem``; also where the checkpoint pins of ``Settings`` (bool
 or "none" / "selective" / "full", globally or per group) become ``forced`` decisions.
 """
 from __future__ import annotations
@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from autopar.candidates import Candidates
-from autopar.pricing import Priced, Settings
+from autopar.rules.candidates import Candidates
+from autopar.pricing.price import Priced, Settings
 from solver.problem import CheckpointGroup
 
 
 def selective_groups(c: Candidates, P: Priced, s: Settings, groups: dict, cgroups: list, index: dict) -> list:
     """Selective recompute (Korthikanti et al. 2022) as the third choice of a block group: per
-    group whose blocks have an attention core (autopar/attention_core.py), a companion
+    group whose blocks have an attention core (autopar/rules/attention_core.py), a companion
     CheckpointGroup "<group>/attention" that recomputes only the core. Its saved bytes are what the
     core's ops save (scores, softmax, dropout mask and output, q/k/v), moved out of the block
     group's saved bytes, except a core output's storage (kept by its consumer outside); its kept
@@ -28,7 +28,7 @@ def selective_groups(c: Candidates, P: Priced, s: Settings, groups: dict, cgroup
     and time are then exactly the block group's. Also applies the checkpoint pins of ``s`` to
     every group (bool or "none" / "selective" / "full"; a global "selective" leaves groups
     without an attention core unchecked)."""
-    from autopar.attention_core import attention_cores
+    from autopar.rules.attention_core import attention_cores
     from autopar.errors import ConstraintError
 
     cores = attention_cores(c.graph)

@@ -1,6 +1,6 @@
 """The outer search over pipeline degrees: pp, schedule and micro-batch count next to the rest.
 
-``autopar.plan`` calls ``plan_search`` once. With ``pp`` pinned it is autopar/pipeline.py's pinned
+``autopar.plan`` calls ``plan_search`` once. With ``pp`` pinned it is autopar/search/pipeline.py's pinned
 planning; with ``pp=1`` pinned the ordinary search. Otherwise:
 
 1. The ordinary search (pp=1: mesh shape, ZeRO, micro-batch size, strategies) runs first; it may
@@ -23,7 +23,7 @@ Candidates are visited in order of that bound, so a good pipelined plan found ea
 rest. A ``time_limit`` covers the whole search: pipelined candidates get what pp=1 left.
 
 Only executable plans are searched: a pipelined stage runs ZeRO <= 2, <= 1 when the model ties
-parameters (``pipeline.max_zero``; autopar/pipeline_run.py refuses the rest).
+parameters (``pipeline.max_zero``; autopar/execution/pipeline_run.py refuses the rest).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ MICRO_FACTORS = (1, 2, 4)
 
 def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
     from codegen.stages import pipeline_units
-    from autopar.pipeline import stage_cluster
+    from autopar.search.pipeline import stage_cluster
 
     units = len(pipeline_units(graph))
     out, pp = [], 2
@@ -55,9 +55,9 @@ def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
 
 def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw):
     """(Result, stats, pipeline figures or None): the best plan over pp=1 and pipelined candidates."""
-    from autopar.pipeline import (canonical_schedules, pipeline_pins, search_pipelined, unpipelined_pin,
+    from autopar.search.pipeline import (canonical_schedules, pipeline_pins, search_pipelined, unpipelined_pin,
                                   virtual_stages)
-    from autopar.search import global_batch
+    from autopar.search.outer import global_batch
 
     constraints = canonical_schedules(dict(constraints or {}))
     kw = dict(kw, shared_candidates={})   # candidates and pricing caches per mesh, across the searches below

@@ -1,5 +1,5 @@
-"""Assembling the torch-free ``Problem`` the solver takes (step 3, after autopar/candidates.py
-and autopar/pricing.py): objective terms, edges, liveness memory constraints and checkpoint
+"""Assembling the torch-free ``Problem`` the solver takes (step 3, after autopar/rules/candidates.py
+and autopar/pricing/price.py): objective terms, edges, liveness memory constraints and checkpoint
 groups; ``restrict`` drops strategies invalid for the micro-batch count and ``chosen`` maps a
 Solution back to candidate indices. Units: seconds and bytes only.
 """
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.candidates import Candidates
-from autopar.pricing import Priced, Settings
-from autopar.selective_pricing import selective_groups
+from autopar.rules.candidates import Candidates
+from autopar.pricing.price import Priced, Settings
+from autopar.pricing.selective_pricing import selective_groups
 from solver.problem import CheckpointGroup, Edge, MemoryConstraint, Problem
 
 
@@ -68,7 +68,7 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
             raise ConstraintError(f"constraint checkpoint names block groups {unknown} the model does not have "
                                   f"(its repeated block groups: {sorted(g.name for g in groups.values())})")
     cgroups = [groups[g] for g in sorted(groups)]
-    cgroups += selective_groups(c, P, s, groups, cgroups, index)   # autopar/selective_pricing.py
+    cgroups += selective_groups(c, P, s, groups, cgroups, index)   # autopar/pricing/selective_pricing.py
     memory = []
     base_terms = static_terms + plain_saved
     gidx = list(range(len(cgroups)))
@@ -132,7 +132,7 @@ def bound_problem(problem: Problem, P: Priced) -> Problem:
     """``problem`` with each node's cost lowered to what predict.py's step time charges at least:
     compute + in-op communication + optimizer step, gradient communication free (it may hide
     behind backward). Any lower bound of this problem's optimum (its LP relaxation) bounds the
-    predicted step time of every plan of the configuration (autopar/search.py prunes with it)."""
+    predicted step time of every plan of the configuration (autopar/search/outer.py prunes with it)."""
     import copy
 
     out = copy.copy(problem)

@@ -113,7 +113,7 @@ def checkpoint_mode_of(value) -> str:
 
 def check_plan_data(data, source: str = "plan") -> None:
     """Raise PlanError for the first field of ``data`` a plan reader would trip on."""
-    from autopar.plan import PLAN_VERSION
+    from autopar.plans.plan import PLAN_VERSION
 
     fix = "re-create it with `autopar plan` (or autopar.plan(...).save(path))"
     if not isinstance(data, dict):

@@ -70,7 +70,7 @@ def summary_table(plan) -> Table:
 
 def checkpoint_text(plan) -> str:
     """Per block group what backward recomputes: "blocks: selective (attention cores)" etc."""
-    from autopar.plan_schema import checkpoint_mode_of
+    from autopar.plans.plan_schema import checkpoint_mode_of
 
     stages = plan.data.get("stages") or [{}]
     decided = stages[0].get("checkpoint") or {}
@@ -87,8 +87,8 @@ def bubble_text(tb: dict) -> str:
 
 
 def pipeline_stage_table(plan) -> Table | None:
-    """One row per (virtual) stage of a pipelined plan (autopar/timeline.py's stage_table)."""
-    from autopar.timeline import stage_table
+    """One row per (virtual) stage of a pipelined plan (autopar/plans/timeline.py's stage_table)."""
+    from autopar.plans.timeline import stage_table
 
     d = plan.degrees
     if d.get("pp", 1) <= 1:

@@ -19,7 +19,7 @@
    (runtime/pipeline_orders.py -> solver/pipeline_schedule.py ``simulate``): per-stage forward and
    backward seconds per micro-batch from the inner plan (each op's forward share of its compute;
    under zero-bubble ``WEIGHT_GRAD_SHARE`` of the backward is the separate weight pass), and each
-   boundary's transfer priced on the link it crosses (autopar/pipeline_cost.py: NVLink inside a
+   boundary's transfer priced on the link it crosses (autopar/pricing/pipeline_cost.py: NVLink inside a
    node, InfiniBand across). The simulation gives every stage's peak count of micro-batches alive
    (1F1B: min(p - k, m); GPipe: m; interleaving and m not a multiple of p: whatever torch's order
    does, e.g. all m on rank 0) and every rank's peak activation bytes over time (its virtual stages
@@ -104,7 +104,7 @@ def stage_cluster(cluster, pp: int):
 def check_pins(graph, cluster, constraints: dict, pp: int) -> int:
     """Validate the pins against the model and cluster; returns the number of micro-batches."""
     from codegen.stages import pipeline_units
-    from autopar.search import global_batch
+    from autopar.search.outer import global_batch
 
     units = len(pipeline_units(graph))
     sched = constraints.get("pp_schedule") or "1f1b"
@@ -157,7 +157,7 @@ class _Costs:
 
 def _costs(result, graph) -> _Costs:
     """Per-instance and prologue/epilogue figures from the inner plan's priced arrays."""
-    from autopar.build import chosen
+    from autopar.search.build import chosen
     from codegen.stages import pipeline_units
 
     cands, P = result.cands, result.priced
@@ -318,7 +318,7 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
     """The stage partition and the pipeline's predictions (module doc, steps 2-4). With an
     interleaved schedule there are pp x v virtual stages, stage k on rank position k % pp."""
     from solver.pipeline import partition
-    from autopar.pipeline_cost import boundary_p2p_time
+    from autopar.pricing.pipeline_cost import boundary_p2p_time
 
     c = _costs(result, graph)
     mesh = result.config.mesh
@@ -414,7 +414,7 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
 
 
 def max_zero(graph) -> int:
-    """The highest ZeRO stage a pipelined plan of ``graph`` executes (autopar/pipeline_run.py):
+    """The highest ZeRO stage a pipelined plan of ``graph`` executes (autopar/execution/pipeline_run.py):
     ZeRO-3 is not implemented under pipelining, and a parameter shared by two stages (a tied
     embedding and head) has its gradient summed between them only under ZeRO <= 1. Which
     parameters end up on two stages is known only after partitioning, so any tie caps it at 1."""

@@ -19,7 +19,7 @@ whatever the model calls its modules:
   instance that read only parameters/buffers and feed only the core (a causal mask cut from a
   buffer) belong to it too: recomputed, not kept.
 
-The planner prices the core (autopar/build.py ``_selective_groups``) and codegen outlines it
+The planner prices the core (autopar/search/build.py ``_selective_groups``) and codegen outlines it
 (codegen/selective.py), both from this one function, so what is priced is what runs.
 """
 from __future__ import annotations

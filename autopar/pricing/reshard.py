@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from autopar.layout import Layout
+from autopar.rules.layout import Layout
 
 STEP_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "slice", "partial")
 

@@ -3,18 +3,18 @@ constraints, the grid configurations of a cluster, their price, and their plan d
 
 What is chosen (a block-level choice, the honest first step the design allows): the whole model
 runs in one grid mode (codegen/grid_ops.py lowers every op of the traced graph; a model it cannot
-lower has no grid configuration), priced here and compared by the search (autopar/search.py)
+lower has no grid configuration), priced here and compared by the search (autopar/search/outer.py)
 with the best ILP plan of the 1D and 2d-reshard meshes by predicted step time, under the same
 memory budget. Per-op mixing of grid layouts with the ILP's layouts is not modelled.
 
 Price of a grid configuration (dp replicas of the grid, one micro-batch, no ZeRO / checkpointing):
   * compute: every op of the graph with its work split evenly over the world (each grid op
     computes 1/world of the GEMM; local ops run on 1/tok_parts of the tokens and 1/q of the
-    hidden), priced by autopar.cost.fwd_bwd_compute as the ILP prices an op (``grid_compute``:
+    hidden), priced by autopar.pricing.cost.fwd_bwd_compute as the ILP prices an op (``grid_compute``:
     the GEMM efficiency curve at the local kernel shape the grid program records, e.g. SUMMA's
     q GEMMs [my tokens, k/q] x [k/q, n/q] per linear, bf16 bytes, the op's backward ratio);
   * communication: each collective of solver/tp_grid_cost.py the lowering issues (forward +
-    backward, exactly what COMM_STATS records), priced by autopar.cost.Collectives on the mesh
+    backward, exactly what COMM_STATS records), priced by autopar.pricing.cost.Collectives on the mesh
     axis of its group (mesh axes named like the grid's groups: col/row, depth/col/row, x/y/z),
     serial with compute (SUMMA's broadcasts are not overlapped by the runtime);
   * with dp > 1: one all-reduce of the local gradient blocks over the dp axis, not overlapped;
@@ -137,11 +137,11 @@ class GridResult:
 def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     """The predicted step of ``graph`` in grid mode ``geo`` (module doc). ``cands``: candidates
     of the graph on a one-device mesh (per-op FLOPs and bytes)."""
-    from autopar.batching import graph_batch_dims, input_shapes, batch_size
-    from autopar.cost import Collectives, optimizer_step_time, profile_of
-    from autopar.memory import state_bytes
+    from autopar.frontend.batching import graph_batch_dims, input_shapes, batch_size
+    from autopar.pricing.cost import Collectives, optimizer_step_time, profile_of
+    from autopar.pricing.memory import state_bytes
     from autopar.mesh import Mesh
-    from autopar.predict import model_flops
+    from autopar.search.predict import model_flops
     from codegen.grid_ops import GridProgram
 
     batch = batch_size(input_shapes(graph), graph_batch_dims(graph))
@@ -154,7 +154,7 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     per_op = grid_compute(cands, prog, cluster, base.precision, geo)
     compute = sum(t for _, t in per_op.values())
     # a rooted reduce is priced as the broadcast it mirrors (pipelined ring: S/B + (n-1) alpha;
-    # autopar/cost.py has no separate reduce)
+    # autopar/pricing/cost.py has no separate reduce)
     op_comm = sum(c.count * comm("broadcast" if c.kind == "reduce" else c.kind, c.nbytes * scale,
                                  geo.mesh_names.index(c.group)) for c in prog.colls)
     local = 0
@@ -193,12 +193,12 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
 
 def grid_compute(cands, prog, cluster, precision: str, geo: Geometry) -> dict[str, tuple[float, float]]:
     """Per op (representative, times its repeats): (forward, forward + backward) seconds of one
-    rank in grid mode ``geo``. Priced as autopar/pricing.py prices an ILP op - bf16 bytes, the
+    rank in grid mode ``geo``. Priced as autopar/pricing/price.py prices an ILP op - bf16 bytes, the
     op's backward ratio, and for a contraction the GEMM-by-intensity curve at the local shape
     the rank's kernel runs on - so grid and ILP plans compare like with like. A SUMMA linear
     runs q kernels of 1/q of its work each (one per step), a 3D linear one."""
-    from autopar.cost import fwd_bwd_compute, gemm_intensity, profile_of
-    from autopar.pricing import has_contraction, op_bytes_scale
+    from autopar.pricing.cost import fwd_bwd_compute, gemm_intensity, profile_of
+    from autopar.pricing.price import has_contraction, op_bytes_scale
     from autopar.rules.table import val as node_val
 
     dtype = "bf16" if precision == "bf16" else "fp32"
@@ -230,7 +230,7 @@ def grid_compute(cands, prog, cluster, precision: str, geo: Geometry) -> dict[st
 def _local_intensity(spec, shapes, itemsize: int) -> float:
     """FLOP/byte of a local contraction (e.g. attention) at the shapes it ran on in the grid
     program: each letter of the op's spec takes its local size (global where no shape says)."""
-    from autopar.cost import gemm_intensity
+    from autopar.pricing.cost import gemm_intensity
 
     sizes = {ch: float(v) for ch, v in spec.sizes.items()}
     if shapes is not None:
@@ -257,7 +257,7 @@ def _local_numel(graph, name, geo, use) -> int:
 def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, stats: dict, log=None):
     """The cheapest grid configuration that fits the budget and beats ``best_step`` (None: any),
     or None. A pinned grid mode the model cannot run is a ConstraintError naming the op."""
-    from autopar.candidates import candidates
+    from autopar.rules.candidates import candidates
     from autopar.mesh import Mesh
     from codegen.grid_ops import GridLoweringError
 
@@ -301,8 +301,8 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
 
 
 def grid_plan_data(result: GridResult, cluster, graph, optimizer, precision, budget, overlap, stats) -> dict:
-    from autopar.batching import graph_batch_dims
-    from autopar.plan import PLAN_VERSION
+    from autopar.frontend.batching import graph_batch_dims
+    from autopar.plans.plan import PLAN_VERSION
 
     geo, prog = result.geo, result.program
     batch = _batch(graph)
@@ -343,5 +343,5 @@ def grid_plan_data(result: GridResult, cluster, graph, optimizer, precision, bud
 
 
 def _batch(graph) -> int:
-    from autopar.batching import batch_size, graph_batch_dims, input_shapes
+    from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
     return batch_size(input_shapes(graph), graph_batch_dims(graph))

@@ -8,11 +8,11 @@ import math
 
 import numpy as np
 
-from autopar.build import chosen
-from autopar.candidates import Candidates
-from autopar.pricing import Priced, Settings, has_contraction
+from autopar.search.build import chosen
+from autopar.rules.candidates import Candidates
+from autopar.pricing.price import Priced, Settings, has_contraction
 from autopar.cluster import Cluster
-from autopar.cost import exposed_comm, profile_of
+from autopar.pricing.cost import exposed_comm, profile_of
 from solver.problem import Problem, Solution
 
 
@@ -152,7 +152,7 @@ def checkpoint_modes(problem: Problem, decision) -> dict:
 
 def selective_nodes(c: Candidates, ckpt: dict) -> set[str]:
     """Representative nodes of the attention cores of the groups ``ckpt`` recomputes selectively."""
-    from autopar.attention_core import attention_cores
+    from autopar.rules.attention_core import attention_cores
 
     sel = {gi for gi, blk in enumerate(c.graph.blocks) if ckpt.get(blk.name) == "selective"}
     if not sel:
@@ -163,7 +163,7 @@ def selective_nodes(c: Candidates, ckpt: dict) -> set[str]:
 
 def checkpoint_mode(ckpt: dict) -> str:
     """One word for a plan's per-group decisions: none / selective / full / mixed."""
-    from autopar.plan_schema import checkpoint_mode_of
+    from autopar.plans.plan_schema import checkpoint_mode_of
 
     vals = {checkpoint_mode_of(v) for v in ckpt.values()}
     if not vals:

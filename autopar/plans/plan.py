@@ -6,11 +6,11 @@ Schema (version 2; version-1 files are migrated on load, see ``migrate``):
   stages: [{index, ranks: [first, last], nodes: [first node, last node], checkpoint: {block group: bool | "selective"}}]
   (one stage without pipelining; with ``degrees.pp`` > 1 one per pipeline stage, each also with
   ``blocks`` [first, end) into the traced graph's block instances, ``params`` and predicted
-  ``time`` / ``peak_memory``: autopar/pipeline.py; ``mesh`` is then ONE stage's sub-mesh and stage
+  ``time`` / ``peak_memory``: autopar/search/pipeline.py; ``mesh`` is then ONE stage's sub-mesh and stage
   s runs on ranks [s * mesh.size, (s + 1) * mesh.size)), ops: [{node, target, module, rule, strategy, inputs, outputs,
   splits, special}], params: {fqn: {node, shape, layout}}, inputs (placeholder names), batch_dims
   (per input the dim the data axes split and micro-batching cuts, or null; absent in older plans:
-  dim 0, autopar/batching.py), predictions (step time and breakdown,
+  dim 0, autopar/frontend/batching.py), predictions (step time and breakdown,
   peak memory and breakdown, comm bytes per mesh axis, model FLOPs, MFU), solver (status, gap, backend).
 
 Byte-identical for identical inputs: keys sorted, floats written with repr (deterministic), and
@@ -25,7 +25,7 @@ from pathlib import Path
 from autopar.errors import PlanError
 
 PLAN_VERSION = 2
-# Version 2: tp_mode "2d" now means SUMMA on a q x q grid (autopar/grid_search.py); the 2-axis
+# Version 2: tp_mode "2d" now means SUMMA on a q x q grid (autopar/search/grid_search.py); the 2-axis
 # resharding mode version 1 called "2d" is "2d-reshard". ``migrate`` rewrites a version-1 plan
 # (nothing else changed, so its ops and params still run as they did).
 
@@ -93,7 +93,7 @@ class Plan:
 
     def stage_plan(self) -> "Plan":
         """The plan one pipeline stage's program is generated from: this plan with one stage
-        (every stage runs the same strategies on its sub-mesh; autopar/pipeline.py)."""
+        (every stage runs the same strategies on its sub-mesh; autopar/search/pipeline.py)."""
         if self.pp == 1:
             return self
         data = dict(self.data)
@@ -134,8 +134,8 @@ class Plan:
 
     @staticmethod
     def from_json(text: str, source: str = "plan") -> "Plan":
-        """Parse and validate (autopar/plan_schema.py): a bad file is one PlanError naming the field."""
-        from autopar.plan_schema import check_plan_data
+        """Parse and validate (autopar/plans/plan_schema.py): a bad file is one PlanError naming the field."""
+        from autopar.plans.plan_schema import check_plan_data
 
         try:
             data = json.loads(text)
@@ -160,7 +160,7 @@ class Plan:
         return Plan.from_json(text, source=f"plan file {p}")
 
     def summary(self) -> str:
-        from autopar.report import summary_text
+        from autopar.plans.report import summary_text
         return summary_text(self)
 
     def __repr__(self) -> str:

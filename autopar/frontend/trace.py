@@ -15,8 +15,8 @@ about it.
   found in the exception's traceback, with what to change.
 
 The TracedGraph also carries tied weights, a structural fingerprint and the repeated blocks
-(``autopar/blocks.py``). The checks made while tracing and the error messages are in
-``autopar/trace_checks.py``.
+(``autopar/frontend/blocks.py``). The checks made while tracing and the error messages are in
+``autopar/frontend/trace_checks.py``.
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ import torch
 import torch.nn as nn
 from torch.fx import GraphModule, Node
 
-from autopar.blocks import (BlockGroup, _drop_unused_tied_placeholders, _strip_call_suffix, _tied_fqns,
+from autopar.frontend.blocks import (BlockGroup, _drop_unused_tied_placeholders, _strip_call_suffix, _tied_fqns,
                             find_blocks, fingerprint)
 from autopar.errors import TraceError
-from autopar.trace_checks import (_AutogradFunctionWatch, _backward_matches_forward, _check_arguments,
+from autopar.frontend.trace_checks import (_AutogradFunctionWatch, _backward_matches_forward, _check_arguments,
                                   _quiet_torch_logs, _strip, _trace_error)
 
 __all__ = ["BlockGroup", "TracedGraph", "trace", "fingerprint", "find_blocks", "_backward_matches_forward"]

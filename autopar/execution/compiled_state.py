@@ -5,7 +5,7 @@
 torch.distributed.checkpoint as full (unsharded) tensors, so a checkpoint loads onto any plan;
 ``load`` first checks the checkpoint's tensors against this model's (``check_checkpoint``), then
 cuts this rank's blocks out of the full tensors. Pipelined plans assemble their state in
-autopar/pipeline_run.py. The functions take the CompiledModel (autopar/compiled.py), whose
+autopar/execution/pipeline_run.py. The functions take the CompiledModel (autopar/execution/compiled.py), whose
 methods of the same names call them.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def full_state_dict(cm) -> dict[str, torch.Tensor]:
     """Full tensors, keys of model.state_dict() (tied aliases included); on every rank."""
     cm._need_ready()
     if cm.pp > 1:
-        from autopar import pipeline_run
+        from autopar.execution import pipeline_run
         return pipeline_run.full_state_dict(cm)
     out = {}
     for fqn, v in cm._local_values().items():
@@ -78,7 +78,7 @@ def full_optimizer_state(cm) -> dict[str, torch.Tensor]:
     """"{fqn}.{state name}" -> the full tensor (collective over the world)."""
     local = cm._optimizer_local_state()
     if cm.pp > 1:
-        from autopar import pipeline_run
+        from autopar.execution import pipeline_run
         return pipeline_run.full_optimizer_state(cm, local)
     return {f"{fqn}.{name}": cm._gather_full(t, fqn) for fqn, d in local.items() for name, t in d.items()}
 

@@ -5,7 +5,7 @@ micro-batch forward (activations a -> b) and once backward (gradients b -> a). T
 intra-node one (NVLink; shared memory for local gloo processes) when a and b share a node,
 else the inter-node one (InfiniBand). Ranks are numbered node-major, as in autopar/mesh.py.
 
-The time comes from autopar.cost's collective model, so a calibrated cluster's measured
+The time comes from autopar.pricing.cost's collective model, so a calibrated cluster's measured
 curves and an uncalibrated cluster's alpha-beta links are both used as for every other
 transfer autopar prices. A transfer of n bytes is priced as an all-gather of 2n bytes on a
 two-rank axis, which is exactly "each rank sends n bytes to the other": on alpha-beta links
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numbers
 
 from autopar.cluster import Cluster
-from autopar.cost import Collectives
+from autopar.pricing.cost import Collectives
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 

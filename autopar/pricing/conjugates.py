@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autopar.layout import Layout
+from autopar.rules.layout import Layout
 
 BACKWARD = {"all_reduce": None, "reduce_scatter": "all_gather", "all_gather": None,
             "all_to_all": "all_to_all", "slice": "all_gather", "partial": None}
@@ -40,7 +40,7 @@ class Traffic:
 
 
 def apply_step(layout: Layout, step) -> Layout:
-    """The layout after one reshard step (see autopar/reshard.py for the step semantics)."""
+    """The layout after one reshard step (see autopar/pricing/reshard.py for the step semantics)."""
     dims = [tuple(d) for d in layout.dims]
     partial = tuple(layout.partial)
     a = step.axis

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.compiled import CompiledModel
+from autopar.execution.compiled import CompiledModel
 from autopar.errors import ExecutionError
 from codegen.grid_layout import GRID_MODES, geometry_of
 from runtime.grid import take

@@ -1,0 +1,1 @@
+"""Plans: the versioned JSON plan, its schema check, and how it is shown to people."""

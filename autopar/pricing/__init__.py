@@ -1,0 +1,1 @@
+"""Pricing: seconds and bytes of every strategy and edge (cost model, calibration, memory, resharding)."""

@@ -1,0 +1,1 @@
+"""Search: the Problem for one configuration, the outer search over configurations, predictions."""
