@@ -11,7 +11,6 @@ stage, micro-batch count and precision on that mesh; pricing is autopar/pricing/
 from __future__ import annotations
 
 import math
-import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -22,6 +21,7 @@ from autopar.frontend.batching import graph_batch_dims
 from autopar.rules.layout import Layout
 from autopar.mesh import Mesh
 from autopar.rules import spec_for, tensor_inputs
+from autopar.rules.table import input_dim_sets
 from autopar.rules.table import shape as tensor_shape
 from autopar.rules.table import val as node_val
 from autopar.rules.strategy import Strategy, enumerate_strategies, propagate_batch
@@ -138,15 +138,7 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
             order.append(node.name)
         elif node.op == "call_function":
             spec = spec_for(node)
-            ins = tensor_inputs(node)
-            in_batch = []
-            for i, p in enumerate(ins):
-                outs = batch_of.get(p.name, (frozenset(),))
-                if node.target is operator.getitem:
-                    idx = node.args[1]
-                    in_batch.append(outs[idx] if idx < len(outs) else frozenset())
-                else:
-                    in_batch.append(outs[0] if outs else frozenset())
+            in_batch = input_dim_sets(node, batch_of)
             first = first_of.get(node.name)
             if first is not None and (first, tuple(in_batch)) in memo:
                 spec, letters, out_batch, strategies = memo[(first, tuple(in_batch))]

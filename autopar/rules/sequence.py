@@ -29,7 +29,6 @@ heads % sp for Ulysses, a mask other than none/causal under ring attention.
 from __future__ import annotations
 
 import math
-import operator
 
 from autopar.errors import ConstraintError, PlanError
 from autopar.rules.layout import Layout
@@ -164,7 +163,7 @@ def seq_letters(graph, nodes: dict, order: list[str]) -> dict[str, frozenset]:
     """Per op node: its letters that carry the sequence (not the batch), propagated from the
     user inputs' sequence dims as batch letters are (``strategy.propagate_batch``)."""
     from autopar.frontend.batching import graph_batch_dims
-    from autopar.rules import tensor_inputs
+    from autopar.rules.table import input_dim_sets
     from autopar.rules.strategy import propagate_batch
     seq_of = {n: (d,) for n, d in input_seq_dims(graph, graph_batch_dims(graph)).items()}
     out = {}
@@ -173,14 +172,7 @@ def seq_letters(graph, nodes: dict, order: list[str]) -> dict[str, frozenset]:
         if info.kind != "op":
             continue
         node, spec = info.node, info.spec
-        ins = []
-        for p in tensor_inputs(node):
-            outs = seq_of.get(p.name, (frozenset(),))
-            if node.target is operator.getitem:
-                idx = node.args[1]
-                ins.append(outs[idx] if idx < len(outs) else frozenset())
-            else:
-                ins.append(outs[0] if outs else frozenset())
+        ins = input_dim_sets(node, seq_of)
         letters, out_dims = propagate_batch(spec, ins)
         if spec.rule == "sdpa" and ins and 2 in ins[0]:
             # causal attention keeps "s" unsplittable for ordinary strategies; its own

@@ -9,6 +9,7 @@ flattened, duplicates kept. This module also holds the small helpers every rule 
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from typing import Callable
 
@@ -45,6 +46,21 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """Every fx Node among args then kwargs, flattened, in order, duplicates kept."""
     leaves = pytree.tree_leaves((list(node.args), dict(node.kwargs)))
     return [x for x in leaves if isinstance(x, fx.Node)]
+
+
+def input_dim_sets(node: fx.Node, per_value: dict, inputs: list | None = None) -> list[frozenset]:
+    """For each tensor input of ``node`` (``inputs``, default ``tensor_inputs(node)``), the dim set
+    its producer recorded: ``per_value[name]`` holds one frozenset per output, a ``getitem``
+    reads its index; empty when the producer recorded none."""
+    out = []
+    for p in tensor_inputs(node) if inputs is None else inputs:
+        sets = per_value.get(p.name, (frozenset(),))
+        if node.target is operator.getitem:
+            idx = node.args[1]
+            out.append(sets[idx] if idx < len(sets) else frozenset())
+        else:
+            out.append(sets[0] if sets else frozenset())
+    return out
 
 
 def val(x):
