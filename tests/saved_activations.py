@@ -19,6 +19,7 @@ covers (module doc of autopar/pricing/saved_probe.py).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -112,3 +113,15 @@ def rank_saved_bytes(model, inputs, plan, traced, rank: int = 0, cuda: bool = Tr
         args.append(torch.empty(x.shape, dtype=dtype if x.is_floating_point() else x.dtype, device="meta"))
     with stub_collectives(plan.mesh, rank):
         return saved_bytes(prog.gm, *local, *args, exclude=[t for t in local if t.requires_grad], detail=detail)
+
+
+def hidden_dropout_splits(plan) -> list[int]:
+    """How many blocks the plan splits each hidden-state dropout's output (b, s, h) into: the
+    dropouts after the output projection and after fc_out (not the attention probabilities')."""
+    shape = plan.mesh.shape
+    out = []
+    for op in plan.data["ops"]:
+        dims = op["outputs"][0]["dims"] if op["rule"] == "dropout" else None
+        if dims is not None and len(dims) == 3:
+            out.append(math.prod(shape[a] for axes in dims for a in axes))
+    return out

@@ -21,7 +21,6 @@ matches the formula exactly (benchmarks/RESULTS.md, section "Activation memory")
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ import autopar
 from autopar.models.megatron import megatron_layer
 from autopar.pricing.saved_probe import cuda_kernels, saved_bytes
 from autopar.frontend.trace import trace
-from tests.saved_activations import rank_saved_bytes
+from tests.saved_activations import hidden_dropout_splits, rank_saved_bytes
 
 SHAPES = {"22b": dict(hidden=6144, heads=64, seq=2048), "gpt2xl": dict(hidden=1600, heads=25, seq=1024)}
 
@@ -85,18 +84,6 @@ def test_eager_model_measures_the_same(shape, attention):
     with cuda_kernels():
         eager = saved_bytes(model, *inputs, exclude=list(model.parameters()))
     assert eager == pytest.approx(predicted, abs=16)   # flash's RNG seed is a (2,) uint64 on meta: 8 B more
-
-
-def hidden_dropout_splits(plan) -> list[int]:
-    """How many blocks the plan splits each hidden-state dropout's output (b, s, h) into: the
-    dropouts after the output projection and after fc_out (not the attention probabilities')."""
-    shape = plan.mesh.shape
-    out = []
-    for op in plan.data["ops"]:
-        dims = op["outputs"][0]["dims"] if op["rule"] == "dropout" else None
-        if dims is not None and len(dims) == 3:
-            out.append(math.prod(shape[a] for axes in dims for a in axes))
-    return out
 
 
 @pytest.mark.parametrize("tp", [1, 8])
