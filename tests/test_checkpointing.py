@@ -119,9 +119,9 @@ def measured_activation_bytes(cm, batch) -> dict:
 
 # ------------------------------------------------------------------ multi-process runs
 
-def _train(rank, world, name, plan_json, steps, kw, measure):
-    torch.manual_seed(1234)   # the same dropout masks on every run of a test
-    model, batch = FACTORIES[name](**kw)
+def train_measured(rank, world, model, batch, plan_json, steps, measure):
+    """Compile ``plan_json`` (SGD with momentum), measure saved activations if asked, train
+    ``steps`` steps; returns the compiled model and what the checkpointing tests compare."""
     plan = autopar.Plan.from_json(plan_json)
     cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch, plan=plan,
                          optimizer="sgd", lr=LR, momentum=MOMENTUM)
@@ -132,10 +132,16 @@ def _train(rank, world, name, plan_json, steps, kw, measure):
     losses.append(cm.step(*batch))
     comm = cm.comm_stats()
     losses += [cm.step(*batch) for _ in range(steps - 2)]
-    stats = (RCK.STATS.forward, RCK.STATS.recompute)
     sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
-    return dict(losses=losses, sd=sd if rank == 0 else None, stats=stats, measured=measured, comm=comm,
-                regions=list(cm.program.checkpoint_regions), code=cm.program.code if rank == 0 else None)
+    return cm, dict(losses=losses, sd=sd if rank == 0 else None, measured=measured, comm=comm,
+                    regions=list(cm.program.checkpoint_regions))
+
+
+def _train(rank, world, name, plan_json, steps, kw, measure):
+    torch.manual_seed(1234)   # the same dropout masks on every run of a test
+    model, batch = FACTORIES[name](**kw)
+    cm, out = train_measured(rank, world, model, batch, plan_json, steps, measure)
+    return dict(out, stats=(RCK.STATS.forward, RCK.STATS.recompute), code=cm.program.code if rank == 0 else None)
 
 
 def make_plan(name, devices, constraints, policy=None, **kw):

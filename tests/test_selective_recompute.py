@@ -34,7 +34,7 @@ from autopar.models import ZOO, build
 from runtime import checkpoint as RCK
 from runtime.launch import run_local
 from tests.saved_activations import hidden_dropout_splits
-from test_checkpointing import LR, MOMENTUM, STEPS, _grads, measured_activation_bytes, reference
+from test_checkpointing import STEPS, _grads, reference, train_measured
 
 torch.set_num_threads(1)
 
@@ -310,22 +310,10 @@ def test_korthikanti_closed_forms_per_layer(tp):
 def _train(rank, world, plan_json, steps, kw, measure):
     torch.manual_seed(1234)
     model, batch = ZOO["gpt2"](**EXPLICIT, **kw)
-    plan = autopar.Plan.from_json(plan_json)
-    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch, plan=plan,
-                         optimizer="sgd", lr=LR, momentum=MOMENTUM)
-    measured = measured_activation_bytes(cm, batch) if measure else None
-    RCK.STATS.reset()
-    losses = [cm.step(*batch)]
-    cm.reset_comm_stats()      # bytes of one whole step (the second), recomputation included
-    losses.append(cm.step(*batch))
-    comm = cm.comm_stats()
-    losses += [cm.step(*batch) for _ in range(steps - 2)]
-    sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
+    cm, out = train_measured(rank, world, model, batch, plan_json, steps, measure)
     bodies = {name: getattr(cm.program.gm, name).code for name, _ in cm.program.gm.named_children()
               if name.startswith("ckpt_")}
-    return dict(losses=losses, sd=sd if rank == 0 else None, measured=measured, bodies=bodies, comm=comm,
-                stats=(RCK.STATS.forward, RCK.STATS.recompute, dict(RCK.STATS.recomputed)),
-                regions=list(cm.program.checkpoint_regions))
+    return dict(out, bodies=bodies, stats=(RCK.STATS.forward, RCK.STATS.recompute, dict(RCK.STATS.recomputed)))
 
 
 def _run(plan, measure=True, **kw):
