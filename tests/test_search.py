@@ -3,6 +3,7 @@ returns a configuration whose predicted step time equals the exhaustive search's
 configuration solved, no bounds, no time limit), and every bound it prunes with is below what
 the configuration's own plan predicts. Also: the progress line exists under verbose.
 No timing assertions here (timings live in benchmarks/bench_planning.py)."""
+import numpy as np
 import pytest
 
 import autopar
@@ -11,10 +12,11 @@ from autopar.rules.candidates import candidates
 from autopar.models import ZOO
 from autopar.search.predict import predict, step_time_lower_bound
 from autopar.pricing.price import Settings, price, price_edges
-from autopar.search.build import build_problem
-from autopar.search.outer import MIP_GAP, configurations, search
+from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
+from autopar.search.build import bound_problem, build_problem
+from autopar.search.outer import FLOOR_LP_PAIRS, MIP_GAP, configurations, search
 from autopar.frontend.trace import trace
-from solver.ilp import solve
+from solver.ilp import relaxation_bound, solve
 
 CASES = [
     ("gpt2", {}, ("cpu", dict(devices=4)), None),
@@ -63,6 +65,35 @@ def test_bounds_are_below_every_configurations_plan(case):
         step = predict(c, P, cfg.settings, problem, sol, cluster)["step_time"]
         assert node_bound <= edge_bound * (1 + 1e-12) + 1e-15
         assert edge_bound <= step * (1 + 1e-9), (cfg.mesh.describe(), cfg.settings)
+        # the resharding floors (autopar/pricing/edge_floor.py) bound the priced matrices entry by
+        # entry, so the bounds built on them are below the priced ones and below the plan
+        F = with_edge_floors(P, c, cluster, cfg.settings.num_micro_batches)
+        for k, floor in F.edges.items():
+            assert np.all(floor <= P.edges[k] * (1 + 1e-9) + 1e-15), (cfg.mesh.describe(), k)
+        assert node_bound <= step_time_lower_bound(F, edges=True) * (1 + 1e-12) + 1e-15
+        assert step_time_lower_bound(F, edges=True) <= edge_bound * (1 + 1e-12) + 1e-15
+        if len(cfg.mesh.model_axes()) > 1:   # the LP over the floors, as the search runs it there
+            lp = relaxation_bound(bound_problem(build_problem(c, F, cfg.settings), F))
+            assert lp <= step * (1 + 1e-6), (cfg.mesh.describe(), cfg.settings)
+
+
+def test_floors_prune_the_two_axis_mesh_unpriced():
+    """The premise of the floors: on llama (cpu x4) the two-model-axis mesh, whose edges cost
+    tens of thousands of shortest-path searches, is pruned without pricing them, and the floors
+    are far from zero there (above the bound without resharding). The plan equals the exhaustive
+    search's (test_pruned_search_equals_exhaustive)."""
+    model, inputs = ZOO["llama"]()
+    g = trace(model, inputs)
+    g.batch_dims = infer_batch_dims(input_shapes(g), None)
+    cluster = autopar.Cluster.preset("cpu", devices=4)
+    best, stats = search(g, cluster, _base(cluster), None)
+    assert stats.get("pruned_unpriced", 0) >= 1
+    mesh = next(m for m in cluster.meshes() if len(m.model_axes()) == 2)
+    c = candidates(g, mesh)
+    assert edge_pairs(c, cluster) >= FLOOR_LP_PAIRS
+    s = Settings(budget=float(cluster.device.memory_bytes))
+    P = price(c, cluster, s, edges=False)
+    assert step_time_lower_bound(with_edge_floors(P, c, cluster, 1), edges=True) > 1.05 * step_time_lower_bound(P)
 
 
 def test_ops_priced_once_per_mesh_match_a_fresh_pricing():
@@ -120,7 +151,9 @@ def test_a_time_limit_hit_in_the_lp_bound_returns_the_best_plan_so_far(monkeypat
         _out_of_time(relaxation_bound)(bound_problem(build_problem(c, P, cfg.settings), P), time_limit=5.0)
 
     monkeypatch.setattr(S, "relaxation_bound", _out_of_time(relaxation_bound))
-    best, stats = search(g, cluster, _base(cluster), None, time_limit=60)
+    # tp=2 pinned: on this toy the data-parallel plan, visited first, prunes every other mesh
+    # by its bounds before any LP runs
+    best, stats = search(g, cluster, _base(cluster), {"tp": 2}, time_limit=60)
     assert stats["timed_out"] >= 1 and "lp_bounds" not in stats
     assert best.prediction["step_time"] > 0 and stats["solved"] >= 1
 

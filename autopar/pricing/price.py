@@ -518,11 +518,11 @@ def _source_layout(producer: NodeInfo, consumer_node, strat: Strategy) -> Layout
     return strat.outputs[0]
 
 
-def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) -> None:
-    """Resharding cost matrix per (producer, consumer) representative pair, summed over the
-    graph's edges; edges of repeated block instances are priced once and multiplied."""
-    mesh = c.mesh
-    nm = s.num_micro_batches
+def edge_groups(c: Candidates):
+    """The graph's (producer, consumer, input index) edges grouped by representative: yields
+    (count, producer NodeInfo, consumer NodeInfo, input index, producer name, tensor shape,
+    traced dtype, batch dim or None) once per group, in a fixed order. Edges of repeated block
+    instances share a group, so they are priced once and multiplied by ``count``."""
     counts: dict = defaultdict(int)
     example: dict = {}
     for name in c.order:
@@ -535,7 +535,6 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
             k = (c.nodes[p.name].rep, info.rep, i)
             counts[k] += 1
             example.setdefault(k, (p.name, name))
-    cache: dict = {}
     for k in sorted(counts):
         pname, cname = example[k]
         i = k[2]
@@ -545,20 +544,35 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
             pval = pval[info.node.args[1]] if info.node.target is operator.getitem else None
         if not isinstance(pval, torch.Tensor):
             continue
-        shape = tensor_shape(pval)
-        itemsize = _itemsize(pval.dtype, s.precision)
         bdims = prod.batch_dims[0] if prod.batch_dims else frozenset()
         if info.node.target is operator.getitem and len(prod.batch_dims) > 1:
             bdims = prod.batch_dims[info.node.args[1]]
-        bdim = min(bdims) if bdims else None
+        yield counts[k], prod, info, i, pname, tensor_shape(pval), pval.dtype, (min(bdims) if bdims else None)
+
+
+def edge_layouts(prod: NodeInfo, info: NodeInfo, i: int, ndim: int):
+    """(source layouts per producer strategy, destination layouts per consumer strategy) of one edge."""
+    srcs = [_source_layout(prod, info.node, ps) for ps in prod.strategies]
+    dsts = [cs.inputs[i] if i < len(cs.inputs) and cs.inputs[i] is not None else Layout.replicated(ndim)
+            for cs in info.strategies]
+    return srcs, dsts
+
+
+def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) -> None:
+    """Resharding cost matrix per (producer, consumer) representative pair, summed over the
+    graph's edges; edges of repeated block instances are priced once and multiplied."""
+    mesh = c.mesh
+    nm = s.num_micro_batches
+    cache: dict = {}
+    for n, prod, info, i, pname, shape, dtype, bdim in edge_groups(c):
+        itemsize = _itemsize(dtype, s.precision)
         S, T = len(prod.strategies), len(info.strategies)
         mat = np.zeros((S, T))
         bytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
         fmat = np.zeros((S, T))
         fbytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
-        srcs = [_source_layout(prod, info.node, ps) for ps in prod.strategies]
-        for b_i, cs in enumerate(info.strategies):
-            dst = cs.inputs[i] if i < len(cs.inputs) and cs.inputs[i] is not None else Layout.replicated(len(shape))
+        srcs, dsts = edge_layouts(prod, info, i, len(shape))
+        for b_i, dst in enumerate(dsts):
             for a_i, src in enumerate(srcs):
                 if src == dst:
                     continue
@@ -575,7 +589,6 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
                     fbytes_axes[a][a_i, b_i] = per_axis_f[a]
         if not mat.any():
             continue
-        n = counts[k]
         key = (prod.rep, info.rep)
         if key in P.edges:
             P.edges[key] = P.edges[key] + n * mat

@@ -78,53 +78,44 @@ def _validate(layout: Layout, shape: tuple[int, ...], mesh_shape: tuple[int, ...
             raise ValueError(f"{what} layout {layout}: dim {d} of size {s} does not split evenly into {f} blocks")
 
 
-def _moves(state: Layout, shape, mesh_shape, itemsize, dst: Layout):
-    """Every useful (step, next_state, kind, nbytes) from ``state``, in a fixed order.
+def _moves(dims, partial, local, nbytes, mesh_shape, want, dst_partial):
+    """Every useful (step, next dims, next partial, kind, nbytes) from the state (``dims``,
+    ``partial``) whose per-rank block has shape ``local`` and ``nbytes`` bytes, in a fixed order.
+    Steps are plain tuples (kind, axis, dim, dst_dim); ``plan_reshard`` makes Step objects of the
+    winning path only (this search runs tens of thousands of times per mesh).
 
     Moves that put an axis where the destination does not want it (slicing, reduce-scattering
     or all-to-all-ing axis a into a dim the destination does not split over a, or making the
     tensor partial over an axis the destination is not partial over) are never part of a
     cheapest path, since undoing them costs a collective; skipping them keeps the search small.
     A path always exists: reduce and gather everything, then slice and make partial as wanted."""
-    want = [set(axes) for axes in dst.dims]
-    local = state.local_shape(shape, mesh_shape)
-    nbytes = float(math.prod(local) * itemsize)
-    used = state.axes_used()
-    ndim = state.ndim
-
-    def with_dims(new_dims, partial=state.partial):
-        return Layout(tuple(new_dims), tuple(sorted(partial)))
-
-    for a in state.partial:
-        rest = tuple(p for p in state.partial if p != a)
-        yield Step("all_reduce", a), with_dims(state.dims, rest), "all_reduce", nbytes
+    ndim = len(dims)
+    for a in partial:
+        rest = tuple(p for p in partial if p != a)
+        yield ("all_reduce", a, None, None), dims, rest, "all_reduce", nbytes
         for d in range(ndim):
             if a in want[d] and local[d] % mesh_shape[a] == 0:
-                dims = list(state.dims)
-                dims[d] = dims[d] + (a,)
-                yield Step("reduce_scatter", a, d), with_dims(dims, rest), "reduce_scatter", nbytes
+                yield ("reduce_scatter", a, d, None), dims[:d] + (dims[d] + (a,),) + dims[d + 1:], rest, \
+                    "reduce_scatter", nbytes
     for d in range(ndim):
-        if not state.dims[d]:
+        if not dims[d]:
             continue
-        a = state.dims[d][-1]
-        dims = list(state.dims)
-        dims[d] = dims[d][:-1]
-        yield Step("all_gather", a, d), with_dims(dims), "all_gather", nbytes * mesh_shape[a]
+        a = dims[d][-1]
+        gathered = dims[:d] + (dims[d][:-1],) + dims[d + 1:]
+        yield ("all_gather", a, d, None), gathered, partial, "all_gather", nbytes * mesh_shape[a]
         for e in range(ndim):
             if e != d and a in want[e] and local[e] % mesh_shape[a] == 0:
-                dims2 = list(dims)
-                dims2[e] = dims2[e] + (a,)
-                yield Step("all_to_all", a, d, e), with_dims(dims2), "all_to_all", nbytes
+                yield ("all_to_all", a, d, e), gathered[:e] + (gathered[e] + (a,),) + gathered[e + 1:], partial, \
+                    "all_to_all", nbytes
+    used = {a for axes in dims for a in axes}.union(partial)
     for a in range(len(mesh_shape)):
         if a in used:
             continue
         for d in range(ndim):
             if a in want[d] and local[d] % mesh_shape[a] == 0:
-                dims = list(state.dims)
-                dims[d] = dims[d] + (a,)
-                yield Step("slice", a, d), with_dims(dims), None, 0.0
-        if a in dst.partial:
-            yield Step("partial", a), with_dims(state.dims, state.partial + (a,)), None, 0.0
+                yield ("slice", a, d, None), dims[:d] + (dims[d] + (a,),) + dims[d + 1:], partial, None, 0.0
+        if a in dst_partial:
+            yield ("partial", a, None, None), dims, tuple(sorted(partial + (a,))), None, 0.0
 
 
 def _key(cost: float) -> float:
@@ -138,23 +129,36 @@ def _plan_cached(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int
                  mesh_shape: tuple[int, ...], comm) -> ReshardPlan:
     _validate(src, shape, mesh_shape, "source")
     _validate(dst, shape, mesh_shape, "destination")
-    src = Layout(src.dims, tuple(sorted(src.partial)))
-    dst = Layout(dst.dims, tuple(sorted(dst.partial)))
+    goal = (dst.dims, tuple(sorted(dst.partial)))
+    start = (src.dims, tuple(sorted(src.partial)))
+    if start == goal:
+        return ReshardPlan((), 0.0)
+    want = [set(axes) for axes in dst.dims]
+    dst_partial = set(dst.partial)
     tie = itertools.count()
     # heap entries: (rounded cost, number of steps, insertion order, exact cost, state, steps)
-    heap = [(0.0, 0, next(tie), 0.0, src, ())]
-    done: set[Layout] = set()
+    heap = [(0.0, 0, next(tie), 0.0, start, ())]
+    done: set = set()
     while heap:
         _, n, _, cost, state, steps = heapq.heappop(heap)
         if state in done:
             continue
-        if state == dst:
-            return ReshardPlan(steps, cost)
+        if state == goal:
+            return ReshardPlan(tuple(Step(*st) for st in steps), cost)
         done.add(state)
-        for step, nxt, kind, nbytes in _moves(state, shape, mesh_shape, itemsize, dst):
+        dims, partial = state
+        local = []
+        for d, axes in enumerate(dims):
+            f = 1
+            for a in axes:
+                f *= mesh_shape[a]
+            local.append(shape[d] // f)
+        nbytes = float(math.prod(local) * itemsize)
+        for step, ndims, npartial, kind, nb in _moves(dims, partial, local, nbytes, mesh_shape, want, dst_partial):
+            nxt = (ndims, npartial)
             if nxt in done:
                 continue
-            c = cost + (float(comm(kind, nbytes, step.axis)) if kind else 0.0)
+            c = cost + (float(comm(kind, nb, step[1])) if kind else 0.0)
             heapq.heappush(heap, (_key(c), n + 1, next(tie), c, nxt, steps + (step,)))
     # Unreachable: gather/reduce everything, then slice and make partial, is always a path.
     raise AssertionError(f"no reshard path from {src} to {dst}")  # pragma: no cover

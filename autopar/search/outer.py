@@ -17,6 +17,7 @@ from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
 from autopar.rules import sequence
 from autopar.search.build import bound_problem, build_problem, chosen
 from autopar.rules.candidates import Candidates, candidates
+from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
 from autopar.pricing.price import Settings, price, price_edges
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
@@ -29,6 +30,10 @@ from solver.ilp import memory_floor_exceeds_budget, min_peak_memory, relaxation_
 MIP_GAP = 1e-3
 # Prune with the LP relaxation (gradient communication free) before solving a configuration's ILP.
 LP_BOUND = True
+# Above this many (producer, consumer) strategy pairs to price (a mesh with two model axes: tens
+# of thousands of shortest-path searches, seconds), an LP over the resharding floors is tried
+# first (about a second on such a mesh; on hf_llama's 1x2x2 mesh it prunes without pricing).
+FLOOR_LP_PAIRS = 20_000
 
 DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "pp", "pp_schedule", "micro_batch_size",
                "num_micro_batches", "zero", "checkpoint", "offload")
@@ -251,7 +256,11 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
             cand_cache[cfg.mesh] = candidates(graph, cfg.mesh, policy)
         P = price(cand_cache[cfg.mesh], cluster, cfg.settings, edges=False)
         queue.append((step_time_lower_bound(P), i, cfg, P))
-    queue.sort(key=lambda q: (q[0], q[1]))
+    # Best bound first, but meshes with one model axis or none before the rest: their ILPs are
+    # small (a few hundred strategies against thousands on two model axes), so they give an
+    # incumbent in a fraction of a second, and it prunes the large ones by their bounds. Only
+    # the order changes: every configuration is still pruned by a bound or solved.
+    queue.sort(key=lambda q: (min(len(q[2].mesh.model_axes()), 2), q[0], q[1]))
     bar = _Progress(len(queue), log, progress)
     try:
         for lower, _, cfg, P in queue:
@@ -303,6 +312,10 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
     if static_memory_lower_bound(P) > base.budget:
         stats["infeasible"] += 1
         memory_floors.append((cfg, P))
+        return best
+    if not exhaustive and best is not None and _pruned_by_floors(cfg, P, cands, cluster, best, remaining):
+        stats["pruned"] += 1
+        stats["pruned_unpriced"] = stats.get("pruned_unpriced", 0) + 1
         return best
     price_edges(cands, cluster, cfg.settings, P)
     edge_lower = step_time_lower_bound(P, edges=True)
@@ -365,6 +378,28 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         best = Result(cfg, cands, P, problem, sol, pred)
         stats["gap"] = sol.gap
     return best
+
+
+def _pruned_by_floors(cfg, P, cands, cluster, best, remaining) -> bool:
+    """Whether the resharding floors (autopar/pricing/edge_floor.py: each matrix entry's fewest
+    collectives at their latency, no shortest-path search) already bound this configuration
+    above the best plan: first the per-node bound, then, where pricing the edges would be costly
+    (``FLOOR_LP_PAIRS``), the LP relaxation over the floors. Either way no edge is priced."""
+    nm = cfg.settings.num_micro_batches
+    F = with_edge_floors(P, cands, cluster, nm)
+    target = best.prediction["step_time"]
+    if step_time_lower_bound(F, edges=True) >= target:
+        return True
+    if not LP_BOUND or edge_pairs(cands, cluster) < FLOOR_LP_PAIRS:
+        return False
+    problem = build_problem(cands, F, cfg.settings)
+    if memory_floor_exceeds_budget(problem):
+        return False   # the exact path reports it (and keeps the problem for the error message)
+    try:
+        lp = relaxation_bound(bound_problem(problem, F), time_limit=remaining)
+    except PlanError:
+        return False
+    return lp != math.inf and lp >= target
 
 
 def _bytes(x: float) -> str:
