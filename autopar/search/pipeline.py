@@ -415,10 +415,10 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
 
 def max_zero(graph) -> int:
     """The highest ZeRO stage a pipelined plan of ``graph`` executes (autopar/execution/pipeline_run.py):
-    ZeRO-3 is not implemented under pipelining, and a parameter shared by two stages (a tied
-    embedding and head) has its gradient summed between them only under ZeRO <= 1. Which
-    parameters end up on two stages is known only after partitioning, so any tie caps it at 1."""
-    return 1 if graph.tied else 2
+    all of them. ZeRO-3 gathers each chunk inside each stage per micro-batch, for forward and for
+    backward (codegen/stages.py), as priced; a parameter shared by two stages (a tied embedding
+    and head) is a chunk of its own on both, its gradient (shard) summed between them."""
+    return 3
 
 
 def simulate_plan(data: dict):
