@@ -12,9 +12,10 @@
    instances (``codegen.stages.pipeline_units``), the prologue (embeddings) joining the first
    stage and the epilogue (final norm, head, loss) the last. A range's time per micro-batch is the
    sum of its nodes' predicted compute and in-op communication in the inner plan (a repeated
-   block's representative divided by its repeats), plus the point-to-point sends of each boundary
-   it has (activations forward, their gradients backward, priced on the link the boundary
-   crosses: inside a node or between nodes).
+   block's representative divided by its repeats; under ZeRO-3 its parameters' all-gathers, one
+   for forward and one for backward per micro-batch, as each stage runs them), plus the
+   point-to-point sends of each boundary it has (activations forward, their gradients backward,
+   priced on the link the boundary crosses: inside a node or between nodes).
 3. The chosen split is simulated on the action order torch's schedule really runs
    (runtime/pipeline_orders.py -> solver/pipeline_schedule.py ``simulate``): per-stage forward and
    backward seconds per micro-batch from the inner plan (each op's forward share of its compute;
@@ -216,16 +217,25 @@ def _costs(result, graph) -> _Costs:
                 add_bytes(name, per, r)
         if info.kind == "param":
             s = sum(float(P.static[name][key][k]) for key in ("params", "grads", "optimizer")) if name in P.static else 0.0
+            # ZeRO-3's gathers (one for forward, one for backward, per micro-batch): on the stage(s)
+            # holding the parameter, in its time per micro-batch; gradient traffic stays in ``rest``
+            gt = (float(P.comm[name][k]) - float(P.grad_comm[name][k])) / nm if name in P.comm else 0.0
             gs = {graph.block_of[u][0] for u in users.get(name, []) if u in graph.block_of}
             if gs and all(u in graph.block_of for u in users.get(name, [])):
                 for g in gs:
                     st[g] += s / r
+                    t[g] += gt / r
+                    tf[g] += gt / 2 / r
             else:   # read outside the blocks: the prologue's, the epilogue's, or both (tied)
                 where = {order[u] < first_block for u in users.get(name, []) if u not in graph.block_of}
                 if True in where:
                     pro[1] += s
+                    pro[0] += gt
+                    fwd_pe[0] += gt / 2
                 if False in where:
                     epi[1] += s
+                    epi[0] += gt
+                    fwd_pe[1] += gt / 2
             continue
         if info.kind != "op":
             continue
