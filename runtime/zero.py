@@ -107,7 +107,7 @@ class _Chunk:
         self.state: dict[str, Tensor] = {}
         self.segments: Optional[Segments] = None
         self.views: list = []   # stage 0: (updated slice, state slices, working slice) per parameter
-        self.ready = 0          # params whose gradient arrived in this backward (stages 2, 3)
+        self.ready: set = set() # ids of params whose gradient arrived since the last reduce (stages 2, 3)
         self.gathered = True    # stage 3: full buffer materialised
         self.shared_group = None  # group its gradient is also summed over (shared_groups)
 
@@ -370,15 +370,27 @@ class ShardedOptimizer:
     # ---------------------------------------------------------------- backward (stages 2, 3)
     def _on_grad(self, p: Tensor) -> None:
         c = self._chunk_of[id(p)]
-        c.ready += 1
-        if c.ready == len(c.params):
+        c.ready.add(id(p))
+        if len(c.ready) == len(c.params):
             self._reduce_chunk(c)
+
+    def grads_accumulated(self, params) -> None:
+        """Stages 2-3: report gradients written into ``p.grad`` without autograd's accumulation
+        (so without its post-accumulate-grad hooks), e.g. torch.distributed.pipelining's
+        separate weight-gradient pass (zero-bubble schedules). A parameter already reported
+        since its chunk's last reduction, or without a gradient, is skipped."""
+        if self.stage < 2:
+            return
+        for p in params:
+            c = self._chunk_of.get(id(p))
+            if c is not None and p.grad is not None and id(p) not in c.ready:
+                self._on_grad(p)
 
     def _reduce_chunk(self, c: _Chunk) -> None:
         flat = c.flat_grad(free=True)  # the full gradient is gone once it is in flight
         work, out = self._reduce_scatter_async(c, flat)
         self._pending.append((c, work, out))
-        c.ready = 0
+        c.ready.clear()
         if self.stage == 3:
             self._free(c)
 
@@ -400,8 +412,9 @@ class ShardedOptimizer:
                 grads.append(out.div_(self.world) if self._rs_native else out.div(self.world))
             return grads
         # Stages 2, 3: chunks not completed by the hooks (a parameter without gradient) go now.
+        # (and, to be safe, any gradient written without the hooks: grads_accumulated)
         for c in self.chunks:
-            if c.ready:
+            if c.ready or any(p.grad is not None for p in c.params):
                 self._reduce_chunk(c)
         for c, work, out in self._pending:
             work.wait()
@@ -473,7 +486,7 @@ class ShardedOptimizer:
                 p.grad = None
             if c.grad_shard is not None:
                 c.grad_shard.zero_()
-            c.ready = 0
+            c.ready.clear()
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes held on this rank by persistent state, measured on the storages actually alive."""

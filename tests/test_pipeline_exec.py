@@ -130,13 +130,13 @@ def test_llama_pp2_x_dp2_zero2_on_4_processes():
     assert all(r["comm"]["dp"] > 0 for r in res)
 
 
-def _check_zero3(name):
+def _check_zero3(name, schedule="1f1b", **kw):
     """pp=2 x dp=2 with ZeRO-3 inside each stage: numerics as one process (``_check``, with every
     stage's dp bytes equal to the plan's), and the premise: each rank keeps only its shard of its
     stage's parameters, and gathers each of its chunks over dp once for forward and once for
     backward per micro-batch (4 per step at m=2), what the plan prices."""
     m = 2
-    plan, res = _check(name, 4, {"pp": 2, "dp": 2, "zero": 3, "num_micro_batches": m})
+    plan, res = _check(name, 4, {"pp": 2, "dp": 2, "zero": 3, "num_micro_batches": m, "pp_schedule": schedule}, **kw)
     assert plan.degrees["zero"] == 3 and plan.degrees["pp"] == 2 and plan.mesh.describe() == "dp=2"
     for r in res:
         assert r["shard_bytes"] * 2 == sum(r["chunk_bytes"]) > 0   # the shard only: half the padded chunks
@@ -157,6 +157,24 @@ def test_gpt2_pp2_x_dp2_zero3_on_4_processes():
 def test_llama_pp2_x_dp2_zero3_on_4_processes():
     plan, res = _check_zero3("llama")
     assert all(r["comm"]["pp_tied"] == 0 for r in res)
+
+
+def test_gpt2_interleaved_pp2_x_dp2_zero3_on_4_processes():
+    """Two virtual stages per rank: the rank's chunks of both are gathered per micro-batch."""
+    plan, res = _check_zero3("gpt2", "interleaved-1f1b", n_layer=4)
+    assert len(plan.data["stages"]) == 4
+    assert all(r["comm"]["pp_tied"] > 0 for r in res)
+
+
+def test_gpt2_zero_bubble_pp2_x_dp2_zero2_on_4_processes():
+    """zero-bubble's weight pass writes p.grad without autograd's hooks (on every stage but the
+    first): ZeRO-2 is told (grads_accumulated) and reduce-scatters them; the tied wte's gradient
+    shards are summed between the stages."""
+    plan, res = _check("gpt2", 4, {"pp": 2, "dp": 2, "zero": 2, "num_micro_batches": 2,
+                                   "pp_schedule": "zero-bubble"}, n_layer=4)
+    assert plan.degrees["zero"] == 2
+    for r in res:
+        assert r["weight_passes"] == 2 * STEPS * 2 and r["comm"]["pp_tied"] > 0
 
 
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])

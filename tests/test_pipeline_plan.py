@@ -176,3 +176,9 @@ def test_zero3_pinned_with_pp_plans_and_prices_the_gathers_per_micro_batch(name)
         # per stage: ZeRO-2 moves m reduce-scatters + 1 all-gather of its parameters, ZeRO-3 m + 2m
         # (plus the same few KiB of activation collectives on dp in both: GPT-2's position embedding)
         assert s3["comm_bytes"]["dp"] * (m + 1) == pytest.approx(s2["comm_bytes"]["dp"] * 3 * m, rel=0.01)
+
+
+def test_zero3_under_zero_bubble_is_refused():
+    """Its weight pass runs after later forwards freed the chunks: not run, so not planned."""
+    with pytest.raises(ConstraintError, match="ZeRO <= 2"):
+        _plan("gpt4", devices=4, pp=2, dp=2, zero=3, num_micro_batches=2, pp_schedule="zero-bubble")

@@ -423,12 +423,15 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
             "peak_static": worst_static}
 
 
-def max_zero(graph) -> int:
-    """The highest ZeRO stage a pipelined plan of ``graph`` executes (autopar/execution/pipeline_run.py):
-    all of them. ZeRO-3 gathers each chunk inside each stage per micro-batch, for forward and for
-    backward (codegen/stages.py), as priced; a parameter shared by two stages (a tied embedding
-    and head) is a chunk of its own on both, its gradient (shard) summed between them."""
-    return 3
+def max_zero(graph, schedule: str | None = None) -> int:
+    """The highest ZeRO stage a pipelined plan of ``graph`` under ``schedule`` executes
+    (autopar/execution/pipeline_run.py). ZeRO-3 gathers each chunk inside each stage per
+    micro-batch, for forward and for backward (codegen/stages.py), as priced; a parameter shared
+    by two stages (a tied embedding and head) is a chunk of its own on both, its gradient (shard)
+    summed between them. Not under zero-bubble: its weight-gradient pass of a micro-batch runs
+    after later micro-batches' forwards, which free the chunk (that pass would need a third
+    gather per micro-batch, not priced), so that schedule runs ZeRO <= 2."""
+    return 2 if schedule == "zero-bubble" else 3
 
 
 def simulate_plan(data: dict):
@@ -454,11 +457,11 @@ def search_pipelined(graph, cluster, base, constraints: dict, search_fn, **kw):
     why = unpipelined_pin(inner)
     if why:
         raise ConstraintError(f"constraint pp={pp} cannot be met together with {why}: drop one of the two pins")
-    top = max_zero(graph)
+    top = max_zero(graph, schedule)
     if inner.get("zero", 0) > top:
-        raise ConstraintError(f"constraint zero={inner['zero']} cannot be met with pp={pp}: pipelined stages run "
-                              f"ZeRO <= {top}" + (" for this model (its tied parameters may sit on two stages)"
-                                                  if top < 2 else "") + "; pin a lower zero or drop pp")
+        raise ConstraintError(f"constraint zero={inner['zero']} cannot be met with pp={pp}, pp_schedule={schedule}: "
+                              f"pipelined stages run ZeRO <= {top} under that schedule; pin a lower zero or "
+                              f"another schedule")
     budget = base.budget
     # The whole model need not fit one stage: the budget is checked per stage (plan_stages).
     lifted = dataclasses.replace(base, budget=budget * pp)
