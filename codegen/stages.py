@@ -86,9 +86,10 @@ def assign_stages(gm: fx.GraphModule, traced, unit_stage: list[int], trainable: 
         if g is not None:
             cur = unit_stage[units[(g, i)]]
         if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("zero3_"):
-            # ZeRO-3's gather/free calls are side effects tied to a chunk, not to a value: unsupported
+            # ZeRO-3's gather/free calls are side effects tied to a chunk, not to a value: a pipelined
+            # program is generated without them and each stage gets its own (add_zero3_regions)
             raise ExecutionError(f"pipeline stages: the program node {n.name} ({n.target}) has side effects only; "
-                                 f"ZeRO-3 under pipeline parallelism is not implemented yet")
+                                 f"generate a pipelined program without zero3_chunks (add_zero3_regions per stage)")
         if any(a in dep for a in n.all_input_nodes):
             dep.add(n)
             stage[n] = max([cur] + [stage[a] for a in n.all_input_nodes if a in stage])
