@@ -23,11 +23,22 @@ inputs it reads (``input_positions`` into the program's inputs). It returns the 
 boundary's values, or the loss on the last stage. A parameter read on several stages (a tied
 embedding and output head) appears in each; its gradient is summed between them at run time
 (runtime/pipeline.py).
+
+ZeRO-3 (``add_zero3_regions``): the per-rank program of a pipelined plan is generated without
+ZeRO-3 calls (a chunk's region in the whole program may span stages: the embedding and the head
+of a tied table); each stage program gets its own, as codegen/per_rank.py places them in an
+unpipelined program: a chunk is gathered before the first node of the stage that reads one of
+its parameters (or a value computed from its parameters alone: a view, a cast, a reshard), freed
+after the last one unless that is the loss, and the values leaving the region are wrapped in
+``zero3_exit`` so backward re-gathers it. So every stage gathers each of its chunks once per
+micro-batch for forward and once for backward, what the planner prices (2 x micro-batches).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from autopar.errors import ExecutionError
@@ -75,9 +86,10 @@ def assign_stages(gm: fx.GraphModule, traced, unit_stage: list[int], trainable: 
         if g is not None:
             cur = unit_stage[units[(g, i)]]
         if n.op == "call_function" and getattr(n.target, "__name__", "").startswith("zero3_"):
-            # ZeRO-3's gather/free calls are side effects tied to a chunk, not to a value: unsupported
+            # ZeRO-3's gather/free calls are side effects tied to a chunk, not to a value: a pipelined
+            # program is generated without them and each stage gets its own (add_zero3_regions)
             raise ExecutionError(f"pipeline stages: the program node {n.name} ({n.target}) has side effects only; "
-                                 f"ZeRO-3 under pipeline parallelism is not implemented yet")
+                                 f"generate a pipelined program without zero3_chunks (add_zero3_regions per stage)")
         if any(a in dep for a in n.all_input_nodes):
             dep.add(n)
             stage[n] = max([cur] + [stage[a] for a in n.all_input_nodes if a in stage])
@@ -173,4 +185,74 @@ def split_stages(prog, traced, unit_stage: list[int], num_stages: int) -> list[S
     return out
 
 
-__all__ = ["StageProgram", "pipeline_units", "assign_stages", "split_stages"]
+def add_zero3_regions(sp: StageProgram, chunk_of: dict[str, int], returns_loss: bool) -> None:
+    """Insert ZeRO-3 gather / exit / free calls into stage program ``sp`` (module doc), in place.
+    ``chunk_of``: parameter placeholder name -> index of its chunk in the rank's sharded optimizer
+    (parameters not in it, e.g. buffers, are left alone); ``returns_loss``: the stage's output is
+    the loss (the last stage), so a region ending there is not freed (backward needs it at once)."""
+    from runtime import context as RC
+
+    g = sp.gm.graph
+    nodes = list(g.nodes)
+    pos = {n: k for k, n in enumerate(nodes)}
+    out_node = nodes[-1]
+    # values computed from one chunk's parameters alone (the parameters, their views, casts, reshards)
+    derived: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n.op == "placeholder" and n.name in chunk_of:
+            derived[n] = chunk_of[n.name]
+        elif n.op == "call_function" and n.all_input_nodes:
+            cs = {derived.get(a, -1) for a in n.all_input_nodes}
+            if len(cs) == 1 and -1 not in cs:
+                derived[n] = cs.pop()
+    span: dict[int, list[int]] = {}
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        for a in n.all_input_nodes:
+            if a in derived:
+                s = span.setdefault(derived[a], [pos[n], pos[n]])
+                s[1] = max(s[1], pos[n])
+    for s in span.values():   # keep a multi-output op's getitems inside its region
+        while nodes[s[1] + 1].op == "call_function" and nodes[s[1] + 1].target is operator.getitem:
+            s[1] += 1
+    loss = out_node.args[0] if returns_loss else None
+    exits: dict[fx.Node, list[int]] = {}   # value -> chunks whose region it leaves
+    frees = []
+    for c, (a, b) in sorted(span.items()):
+        with g.inserting_before(nodes[a]):
+            g.call_function(RC.zero3_gather, (c,))
+        if isinstance(loss, fx.Node) and loss in pos and pos[loss] <= b:
+            continue   # the loss is computed in this region
+        for m in nodes[a:b + 1]:
+            if m.op == "call_function" and m not in derived and any(pos.get(u, -1) > b for u in m.users):
+                exits.setdefault(m, []).append(c)
+        frees.append((b, c))
+    # per end position: the exits of the values leaving, then the frees, before the next node
+    cur = {m: m for m in exits}   # a value's latest wrapper (regions may nest: wrap the wrapper)
+    for b in sorted({b for b, _ in frees}):
+        anchor = nodes[b + 1]
+        ending = {c for bb, c in frees if bb == b}
+        with g.inserting_before(anchor):
+            for m, cs in exits.items():
+                mine = tuple(c for c in cs if c in ending)
+                if not mine or not _maybe_float_tensor(m):
+                    continue
+                wrapped = g.call_function(RC.zero3_exit, (cur[m], mine))
+                cur[m].replace_all_uses_with(wrapped, delete_user_cb=lambda u, b=b: pos.get(u, -1) > b)
+                cur[m] = wrapped
+            for c in sorted(ending):
+                g.call_function(RC.zero3_free, (c,))
+    g.lint()
+    sp.gm.recompile()
+
+
+def _maybe_float_tensor(n: fx.Node) -> bool:
+    """A value that may be a floating tensor (zero3_exit passes anything else through unchanged)."""
+    val = n.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.is_floating_point()
+    return not isinstance(val, (tuple, list, int, float, bool))
+
+
+__all__ = ["StageProgram", "pipeline_units", "assign_stages", "split_stages", "add_zero3_regions"]

@@ -22,7 +22,11 @@ How the pieces meet PyTorch's runtime:
   identity on that output, losses and gradients are sums over micro-batches and the schedule must
   not rescale gradients (``scale_grads=False``).
 - Gradients accumulate in ``p.grad`` over the micro-batches; the caller's DP/ZeRO reducer runs once
-  after the schedule (``step`` runs the schedule inside the reducer's ``no_sync``).
+  after the schedule (``step`` runs the schedule inside the reducer's ``no_sync``). ZeRO-2/3
+  reduce a chunk's gradient as soon as a micro-batch's backward completes it (post-accumulate-grad
+  hooks); zero-bubble's separate weight pass writes ``p.grad`` itself (no hooks) except on stage
+  0, so ``on_weight_grads(params)`` is called after each weight pass (the sharded optimizer's
+  ``grads_accumulated``).
 - A parameter read on several stages (a tied embedding and output head) has a gradient part on
   each: ``sum_tied_grads`` all-reduces them over the group of those stages' ranks (same sub-mesh
   coordinates) before the optimizer, so every copy takes the same update.
@@ -123,7 +127,8 @@ class PipelineRunner:
     """This rank's stages (one, or ``v`` under interleaving: virtual stages r, r + pp, ...) under
     one PyTorch schedule. ``stages``: (stage index, GraphModule, parameter values, input positions)."""
 
-    def __init__(self, stages, num_stages: int, schedule: str, num_micro_batches: int, device, pp_group):
+    def __init__(self, stages, num_stages: int, schedule: str, num_micro_batches: int, device, pp_group,
+                 on_weight_grads=None):
         from torch.distributed import pipelining as PL
 
         if schedule not in SCHEDULES:
@@ -143,7 +148,8 @@ class PipelineRunner:
         for st in self.pipe_stages:
             for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
                 setattr(st, name, self._counting(getattr(st, name)))
-            st.backward_weight_one_chunk = self._counting_weight(st.backward_weight_one_chunk)
+            st.backward_weight_one_chunk = self._counting_weight(st.backward_weight_one_chunk, st.submod)
+        self.on_weight_grads = on_weight_grads
         kw = dict(loss_fn=_identity_loss, scale_grads=False)
         if schedule in MULTI:
             self.schedule = getattr(PL, MULTI[schedule])(self.pipe_stages, num_micro_batches, **kw)
@@ -183,10 +189,13 @@ class PipelineRunner:
             return ops
         return wrapped
 
-    def _counting_weight(self, fn):
+    def _counting_weight(self, fn, module):
         def wrapped(*a, **k):
             self.weight_passes += 1
-            return fn(*a, **k)
+            out = fn(*a, **k)
+            if self.on_weight_grads is not None:   # its p.grad were written without autograd's hooks
+                self.on_weight_grads(module.stage_params)
+            return out
         return wrapped
 
     def run(self, micro: list[tuple], train: bool = True) -> torch.Tensor | None:

@@ -53,6 +53,15 @@ norms, each parameter weighted by ``norm_weights`` (1/r for a parameter replicat
 ``extra_norm_groups``, e.g. a bias every tensor-parallel rank holds whole), summed over the data
 group (shards) and over ``extra_norm_groups``.
 
+A chunk may also be replicated OUTSIDE the data group (``shared_groups``: id(param) -> process
+group, e.g. a tied embedding and output head held by the first and the last pipeline stage, each
+stage with its own data group): at stages 2-3 its reduced gradient shard is then all-reduced
+(summed) over that group before the update, so every copy takes the same step. Its parameters
+must form a chunk of their own with the same layout on every member of the group (same
+parameters, same data-group size and rank), so the shards line up. Stages 0-1 keep full
+``p.grad`` until ``step()``; the caller sums those before it (runtime/pipeline.py
+``sum_tied_grads``). Bytes: ``shared_bytes``, not in ``bytes_sent`` (another group).
+
 Collectives must be issued in the same order on every rank: all ranks must run the same graph
 (same chunks used, in the same order). A parameter may belong to one chunk only (no tying across
 chunks); all parameters share one floating dtype and one device.
@@ -98,8 +107,9 @@ class _Chunk:
         self.state: dict[str, Tensor] = {}
         self.segments: Optional[Segments] = None
         self.views: list = []   # stage 0: (updated slice, state slices, working slice) per parameter
-        self.ready = 0          # params whose gradient arrived in this backward (stages 2, 3)
+        self.ready: set = set() # ids of params whose gradient arrived since the last reduce (stages 2, 3)
         self.gathered = True    # stage 3: full buffer materialised
+        self.shared_group = None  # group its gradient is also summed over (shared_groups)
 
     def local_segments(self, sharded: bool) -> Segments:
         """Which logical tensor each element of the local buffer belongs to (padding: own id)."""
@@ -144,7 +154,8 @@ class ShardedOptimizer:
                  bucket_bytes: Optional[int] = None, sync_params: bool = True,
                  first_bucket_bytes: int = 2 ** 20, grad_scale: Optional[dict] = None,
                  norm_weights: Optional[dict] = None, working_dtype: Optional[torch.dtype] = None,
-                 forward_order: Optional[Sequence[nn.Parameter]] = None):
+                 forward_order: Optional[Sequence[nn.Parameter]] = None,
+                 shared_groups: Optional[dict] = None):
         """``extra_norm_groups``: groups over which the gradients are *additionally* split into
         disjoint pieces (e.g. tensor parallel), for the global clipping norm. ``grad_scale``:
         id(param) -> factor its gradient is multiplied by before the averaging over the data
@@ -159,7 +170,8 @@ class ShardedOptimizer:
         with two of 4 MiB, 0.94 with four of 2 MiB). Large models get DDP's 25 MiB.
         ``forward_order``: the parameters in the order the forward first uses them (stage 0's
         buckets follow its reverse, the order backward completes their gradients; default: the
-        chunks' order)."""
+        chunks' order). ``shared_groups``: id(param) -> group its chunk's gradient is also summed
+        over (module doc; stages 2-3)."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
@@ -186,6 +198,17 @@ class ShardedOptimizer:
         self.norm_weights = dict(norm_weights or {})
         self.chunks = [_Chunk(list(g), self.world, self.rank, self.dtype) for g in param_groups if len(g)]
         self._chunk_of = {id(p): c for c in self.chunks for p in c.params}
+        self.shared_bytes = 0
+        shared_groups = dict(shared_groups or {})
+        for c in self.chunks:
+            gs = {id(shared_groups.get(id(p))) for p in c.params}
+            if len(gs) > 1:
+                raise ValueError("ShardedOptimizer: a shared parameter must form a chunk of its own "
+                                 "(every parameter of a chunk summed over the same group)")
+            c.shared_group = shared_groups.get(id(c.params[0]))
+        if zero_stage < 2 and any(c.shared_group is not None for c in self.chunks):
+            raise ValueError("ShardedOptimizer: shared_groups is for zero_stage 2 and 3 (stages 0-1 keep full "
+                             "gradients: sum them before step())")
         self._rs_native = self._probe_reduce_scatter()
 
         with torch.no_grad():
@@ -347,15 +370,27 @@ class ShardedOptimizer:
     # ---------------------------------------------------------------- backward (stages 2, 3)
     def _on_grad(self, p: Tensor) -> None:
         c = self._chunk_of[id(p)]
-        c.ready += 1
-        if c.ready == len(c.params):
+        c.ready.add(id(p))
+        if len(c.ready) == len(c.params):
             self._reduce_chunk(c)
+
+    def grads_accumulated(self, params) -> None:
+        """Stages 2-3: report gradients written into ``p.grad`` without autograd's accumulation
+        (so without its post-accumulate-grad hooks), e.g. torch.distributed.pipelining's
+        separate weight-gradient pass (zero-bubble schedules). A parameter already reported
+        since its chunk's last reduction, or without a gradient, is skipped."""
+        if self.stage < 2:
+            return
+        for p in params:
+            c = self._chunk_of.get(id(p))
+            if c is not None and p.grad is not None and id(p) not in c.ready:
+                self._on_grad(p)
 
     def _reduce_chunk(self, c: _Chunk) -> None:
         flat = c.flat_grad(free=True)  # the full gradient is gone once it is in flight
         work, out = self._reduce_scatter_async(c, flat)
         self._pending.append((c, work, out))
-        c.ready = 0
+        c.ready.clear()
         if self.stage == 3:
             self._free(c)
 
@@ -377,8 +412,9 @@ class ShardedOptimizer:
                 grads.append(out.div_(self.world) if self._rs_native else out.div(self.world))
             return grads
         # Stages 2, 3: chunks not completed by the hooks (a parameter without gradient) go now.
+        # (and, to be safe, any gradient written without the hooks: grads_accumulated)
         for c in self.chunks:
-            if c.ready:
+            if c.ready or any(p.grad is not None for p in c.params):
                 self._reduce_chunk(c)
         for c, work, out in self._pending:
             work.wait()
@@ -398,6 +434,11 @@ class ShardedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         grads = self._finish_backward()
+        if self.stage >= 2:
+            for c, g in zip(self.chunks, grads):
+                if c.shared_group is not None:   # a copy outside the data group (module doc)
+                    dist.all_reduce(g, group=c.shared_group)
+                    self.shared_bytes += _nbytes(g)
         if self.mixed:   # the optimizer (and the norm) work in fp32: upcast the working-dtype gradients
             grads = [g.float() for g in grads]
         if self.grad_clip is not None:
@@ -445,7 +486,7 @@ class ShardedOptimizer:
                 p.grad = None
             if c.grad_shard is not None:
                 c.grad_shard.zero_()
-            c.ready = 0
+            c.ready.clear()
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes held on this rank by persistent state, measured on the storages actually alive."""

@@ -36,10 +36,15 @@ def _train(rank, world, name, plan_json, steps, kw):
     losses = [cm.step(*batch)]
     cm.reset_comm_stats()   # the first step includes PyTorch's metadata pass: count the others
     losses += [cm.step(*batch) for _ in range(steps - 1)]
+    comm = cm.comm_stats()   # before full_state_dict, which gathers ZeRO-3 shards
+    gathers = [n for kind, n in cm.opt.comm_log if kind == "all_gather"]
+    chunk_bytes = [c.padded * c.flat.element_size() for c in cm.opt.chunks]
     sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
     return {"losses": losses, "sd": sd if rank == 0 else None, "params": sorted(cm.params),
-            "calls": cm.runner.calls, "comm": cm.comm_stats(), "stage": cm.stage,
-            "weight_passes": cm.runner.weight_passes}
+            "calls": cm.runner.calls, "comm": comm, "stage": cm.stage,
+            "weight_passes": cm.runner.weight_passes, "gathers": gathers, "chunk_bytes": chunk_bytes,
+            "param_bytes": {fqn: p.numel() * p.element_size() for fqn, p in cm.params.items()},
+            "shard_bytes": cm.opt.state_bytes()["params"]}
 
 
 def _check(name, world, constraints, policy=None, **kw):
@@ -123,6 +128,53 @@ def test_gpt2_pp4_1f1b_on_4_processes():
 def test_llama_pp2_x_dp2_zero2_on_4_processes():
     plan, res = _check("llama", 4, {"pp": 2, "dp": 2, "zero": 2, "num_micro_batches": 2})
     assert all(r["comm"]["dp"] > 0 for r in res)
+
+
+def _check_zero3(name, schedule="1f1b", **kw):
+    """pp=2 x dp=2 with ZeRO-3 inside each stage: numerics as one process (``_check``, with every
+    stage's dp bytes equal to the plan's), and the premise: each rank keeps only its shard of its
+    stage's parameters, and gathers each of its chunks over dp once for forward and once for
+    backward per micro-batch (4 per step at m=2), what the plan prices."""
+    m = 2
+    plan, res = _check(name, 4, {"pp": 2, "dp": 2, "zero": 3, "num_micro_batches": m, "pp_schedule": schedule}, **kw)
+    assert plan.degrees["zero"] == 3 and plan.degrees["pp"] == 2 and plan.mesh.describe() == "dp=2"
+    for r in res:
+        assert r["shard_bytes"] * 2 == sum(r["chunk_bytes"]) > 0   # the shard only: half the padded chunks
+        assert len(r["gathers"]) == (STEPS - 1) * 2 * m * len(r["chunk_bytes"])
+        assert sum(r["gathers"]) == (STEPS - 1) * 2 * m * sum(r["chunk_bytes"])
+    return plan, res
+
+
+def test_gpt2_pp2_x_dp2_zero3_on_4_processes():
+    """GPT-2 ties wte (the embedding on the first stage, the head on the last): a chunk of its own
+    on both, its gradient shards summed between the stages."""
+    plan, res = _check_zero3("gpt2")
+    for r in res:
+        assert "wte.weight" in r["params"]
+        assert r["comm"]["pp_tied"] == (STEPS - 1) * r["param_bytes"]["wte.weight"] // 2   # the dp shard
+
+
+def test_llama_pp2_x_dp2_zero3_on_4_processes():
+    plan, res = _check_zero3("llama")
+    assert all(r["comm"]["pp_tied"] == 0 for r in res)
+
+
+def test_gpt2_interleaved_pp2_x_dp2_zero3_on_4_processes():
+    """Two virtual stages per rank: the rank's chunks of both are gathered per micro-batch."""
+    plan, res = _check_zero3("gpt2", "interleaved-1f1b", n_layer=4)
+    assert len(plan.data["stages"]) == 4
+    assert all(r["comm"]["pp_tied"] > 0 for r in res)
+
+
+def test_gpt2_zero_bubble_pp2_x_dp2_zero2_on_4_processes():
+    """zero-bubble's weight pass writes p.grad without autograd's hooks (on every stage but the
+    first): ZeRO-2 is told (grads_accumulated) and reduce-scatters them; the tied wte's gradient
+    shards are summed between the stages."""
+    plan, res = _check("gpt2", 4, {"pp": 2, "dp": 2, "zero": 2, "num_micro_batches": 2,
+                                   "pp_schedule": "zero-bubble"}, n_layer=4)
+    assert plan.degrees["zero"] == 2
+    for r in res:
+        assert r["weight_passes"] == 2 * STEPS * 2 and r["comm"]["pp_tied"] > 0
 
 
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])

@@ -153,3 +153,32 @@ def test_free_search_pipelines_when_pp1_cannot_fit_memory():
     assert p.degrees["num_micro_batches"] >= 2 and p.peak_memory <= budget
     assert len(p.data["stages"]) == 2 and p.stats["pipeline_candidates"] >= 1
     assert p.predictions["time_breakdown"]["bubble"] > 0
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_zero3_pinned_with_pp_plans_and_prices_the_gathers_per_micro_batch(name):
+    """constraints pp=2 x dp=2 x zero=3 plan (GPT-2 ties its embedding across the first and last
+    stage). Against the same pins at ZeRO-2: each rank keeps half the parameters, its peak is
+    lower, and its step is longer by the stages' all-gathers (one for forward, one for backward
+    per micro-batch, inside each stage's time), while the dp bytes grow by exactly those gathers:
+    2 x m x parameters, in place of ZeRO-2's one all-gather after the step."""
+    pins = dict(name=name, devices=4, pp=2, dp=2, num_micro_batches=2)
+    z2, z3 = _plan(zero=2, **pins), _plan(zero=3, **pins)
+    assert z3.degrees["zero"] == 3 and z3.degrees["pp"] == 2 and z3.mesh.describe() == "dp=2"
+    assert z3.world_size == 4 and [s["blocks"] for s in z3.data["stages"]] == [s["blocks"] for s in z2.data["stages"]]
+    mb2, mb3 = z2.predictions["memory_breakdown"], z3.predictions["memory_breakdown"]
+    assert mb3["params"] == pytest.approx(mb2["params"] / 2, rel=0.01)
+    assert z3.peak_memory < z2.peak_memory
+    assert z3.step_time > z2.step_time
+    m = 2
+    for s2, s3 in zip(z2.data["stages"], z3.data["stages"]):
+        assert s3["time"] > s2["time"] and s3["forward_time"] > s2["forward_time"]
+        # per stage: ZeRO-2 moves m reduce-scatters + 1 all-gather of its parameters, ZeRO-3 m + 2m
+        # (plus the same few KiB of activation collectives on dp in both: GPT-2's position embedding)
+        assert s3["comm_bytes"]["dp"] * (m + 1) == pytest.approx(s2["comm_bytes"]["dp"] * 3 * m, rel=0.01)
+
+
+def test_zero3_under_zero_bubble_is_refused():
+    """Its weight pass runs after later forwards freed the chunks: not run, so not planned."""
+    with pytest.raises(ConstraintError, match="ZeRO <= 2"):
+        _plan("gpt4", devices=4, pp=2, dp=2, zero=3, num_micro_batches=2, pp_schedule="zero-bubble")

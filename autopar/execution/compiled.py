@@ -189,7 +189,9 @@ class CompiledModel:
         keys = sorted({chunk_key(traced.param_fqn[n]) for n in trainable})
         chunk_index = {k: i for i, k in enumerate(keys)}
         self.chunk_of = {traced.param_fqn[n]: chunk_index[chunk_key(traced.param_fqn[n])] for n in trainable}
-        self.program = generate(traced, plan.stage_plan(), self.rank % mesh_size(plan), self.chunk_of if zero == 3 else None,
+        # ZeRO-3 under pipelining: each stage program gets its own gather/free calls (pipeline_run.setup)
+        zero3_chunks = self.chunk_of if zero == 3 and self.pp == 1 else None
+        self.program = generate(traced, plan.stage_plan(), self.rank % mesh_size(plan), zero3_chunks,
                                 compute_dtype=self.dtype,
                                 # a meta model traced on meta: its factory ops (arange) say device=meta
                                 device=self.device if (self.device.type != "cpu" or is_meta_model(self.model)) else None,
@@ -202,6 +204,20 @@ class CompiledModel:
             unit_stage = [k for k, st in enumerate(stages) for _ in range(*st["blocks"])]
             self.stage_programs = split_stages(prog, traced, unit_stage, len(stages))
             mine = {n for sp in self.stage_programs if sp.index % self.pp == self.stage for n in sp.param_names}
+            # A parameter read on stages of several ranks (a tied embedding and head) is a chunk of
+            # its own: the same layout on each of them, so ZeRO-2/3 gradient shards can be summed
+            # between the stages (runtime/zero.py shared_groups).
+            self.tied_stages = {}
+            for n in trainable:
+                ranks = tuple(sorted({sp.index % self.pp for sp in self.stage_programs if n in sp.param_names}))
+                if len(ranks) > 1:
+                    self.tied_stages[traced.param_fqn[n]] = ranks
+            tied_key = {fqn: len(chunk_of_module) + 1 + i for i, fqn in enumerate(sorted(self.tied_stages))}
+            keys = sorted({tied_key.get(traced.param_fqn[n], chunk_key(traced.param_fqn[n])) for n in trainable})
+            chunk_index = {k: i for i, k in enumerate(keys)}
+            self.chunk_of = {traced.param_fqn[n]: chunk_index[tied_key.get(traced.param_fqn[n],
+                                                                           chunk_key(traced.param_fqn[n]))]
+                             for n in trainable}
 
         # Parameters: only this rank's blocks, from the weight source (autopar/execution/weights.py).
         self.params, self.buffers = {}, {}
@@ -242,12 +258,16 @@ class CompiledModel:
             r = math.prod(mesh.shape[a] for a in model_axes if a not in used)
             if r > 1:
                 norm_weights[id(p)] = 1.0 / r
+        shared = {}
+        if self.pp > 1:   # the groups that sum a tied parameter's gradient between its stages
+            from autopar.execution import pipeline_run
+            shared = pipeline_run.make_tied_groups(self)
         self.opt = ShardedOptimizer(groups, self.ctx.data_group, zero,
                                     make_optimizer(self.optimizer_name, self.lr, **self.optimizer_kwargs),
                                     grad_clip=self.grad_clip,
                                     extra_norm_groups=[self.ctx.groups[a] for a in model_axes],
                                     grad_scale=grad_scale, norm_weights=norm_weights, working_dtype=self.dtype,
-                                    forward_order=self._forward_order())
+                                    forward_order=self._forward_order(), shared_groups=shared)
         if zero == 3:
             context.set_zero3(self.opt)
         self._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}

@@ -6,6 +6,12 @@ that sum a parameter's gradient over the stages that read it; ``step(cm, micro)`
 training step, ``forward(cm, micro)`` a forward-only one; ``full_state_dict(cm)`` assembles full tensors when ranks hold different stages;
 ``full_optimizer_state(cm, local)`` the same for the optimizer's state (save/load);
 ``check_options(cm)`` refuses what does not run under pipelining yet, before any group is made.
+
+ZeRO inside a stage runs over the stage's data group as without pipelining (runtime/zero.py):
+ZeRO-2/3 reduce-scatter a chunk's gradient as each micro-batch's backward completes it, ZeRO-3
+gathers each chunk per micro-batch for forward and again for backward (calls codegen/stages.py
+puts into each stage program) — what the planner prices. A tied parameter is a chunk of its own
+on both of its stages, so its gradient shards line up and are summed between them.
 """
 from __future__ import annotations
 
@@ -28,37 +34,48 @@ def check_options(cm) -> None:
     if cm.grad_clip is not None:
         raise ExecutionError("grad_clip under pipeline parallelism is not implemented yet (the norm would "
                              "have to be summed over the stages)", collective=True)
-    if int(cm.plan.degrees.get("zero", 0) or 0) == 3:
-        raise ExecutionError("ZeRO-3 under pipeline parallelism is not implemented yet: plan with zero <= 2",
-                             collective=True)
+    if int(cm.plan.degrees.get("zero", 0) or 0) == 3 and cm.plan.degrees.get("pp_schedule") == "zero-bubble":
+        raise ExecutionError("ZeRO-3 under the zero-bubble schedule is not implemented: a micro-batch's weight "
+                             "pass runs after later forwards freed its chunks; plan with zero <= 2 or another "
+                             "schedule", collective=True)
+
+
+def make_tied_groups(cm) -> dict:
+    """The groups that sum a parameter's gradient over the stages of several ranks that read it
+    (a tied embedding and head; ``cm.tied_stages``, found when the program was cut): every rank
+    makes every group. Stages of one rank share the tensor, so autograd already sums there.
+    Returns ``shared_groups`` for the sharded optimizer: under ZeRO-2/3 it sums the tied
+    parameters' gradient shards itself (runtime/zero.py); under ZeRO <= 1 ``step`` sums the full
+    gradients before the optimizer."""
+    from runtime.pipeline import tied_groups
+
+    cm.tied_groups = tied_groups(cm.tied_stages, cm.pp, cm.plan.mesh.size, cm.rank % cm.plan.mesh.size)
+    cm.tied_bytes = 0
+    if cm.zero < 2:
+        return {}
+    return {id(cm.params[fqn]): cm.tied_groups[ranks] for fqn, ranks in cm.tied_stages.items() if fqn in cm.params}
 
 
 def setup(cm) -> None:
-    """This rank's stage under PyTorch's pipeline schedule (runtime/pipeline.py), and the
-    groups that sum a parameter's gradient over the stages that read it (a tied embedding)."""
-    from runtime.pipeline import PipelineRunner, tied_groups
+    """This rank's stage(s) under PyTorch's pipeline schedule (runtime/pipeline.py); under ZeRO-3
+    each stage program gets its chunks' gather / free calls (codegen/stages.py add_zero3_regions)."""
+    from runtime.pipeline import PipelineRunner
 
     prog = cm.program
     values = {**cm.params, **cm.buffers}
     mine = [sp for sp in cm.stage_programs if sp.index % cm.pp == cm.stage]   # virtual stages r, r + pp, ...
+    if cm.zero == 3:
+        from codegen.stages import add_zero3_regions
+        chunk = {id(p): i for i, c in enumerate(cm.opt.chunks) for p in c.params}
+        for sp in mine:
+            add_zero3_regions(sp, {n: chunk[id(cm.params[prog.param_fqn[n]])] for n in sp.param_names
+                                   if prog.param_fqn[n] in cm.params},
+                              returns_loss=sp.index == len(cm.stage_programs) - 1)
     specs = [(sp.index, sp.gm, [values[prog.param_fqn[n]] for n in sp.param_names], sp.input_positions)
              for sp in mine]
     schedule = cm.plan.degrees.get("pp_schedule") or "1f1b"
-    cm.runner = PipelineRunner(specs, len(cm.stage_programs), schedule, cm.nm, cm.device, cm.ctx.extra["pp_group"])
-    # A parameter read on stages of several ranks (a tied embedding and head) is summed between
-    # them; stages of one rank share the tensor, so autograd already sums there.
-    trainable = {n for n in prog.param_names if n not in prog.buffers}
-    cm.tied_stages = {}
-    for n in trainable:
-        ranks = tuple(sorted({s.index % cm.pp for s in cm.stage_programs if n in s.param_names}))
-        if len(ranks) > 1:
-            cm.tied_stages[prog.param_fqn[n]] = ranks
-    cm.tied_groups = tied_groups(cm.tied_stages, cm.pp, cm.plan.mesh.size, cm.rank % cm.plan.mesh.size)
-    if cm.tied_stages and cm.zero >= 2:
-        raise ExecutionError(f"parameters {sorted(cm.tied_stages)[:3]} are read on several pipeline stages; "
-                             f"summing their gradients between stages under ZeRO-{cm.zero} is not implemented "
-                             f"yet: plan with zero <= 1", collective=True)
-    cm.tied_bytes = 0
+    cm.runner = PipelineRunner(specs, len(cm.stage_programs), schedule, cm.nm, cm.device, cm.ctx.extra["pp_group"],
+                               on_weight_grads=cm.opt.grads_accumulated if cm.zero >= 2 else None)
 
 
 def step(cm, micro) -> float:
@@ -71,8 +88,11 @@ def step(cm, micro) -> float:
     with (reducer.no_sync() if reducer is not None else _nullcontext()):
         local = cm.runner.run(micro)
     pending = cm._start_loss(local) if local is not None else None
-    cm.tied_bytes += sum_tied_grads(cm.params, cm.tied_stages, cm.tied_groups, cm.stage)
+    if cm.zero < 2:   # ZeRO-2/3: the optimizer sums the tied gradient shards (make_tied_groups)
+        cm.tied_bytes += sum_tied_grads(cm.params, cm.tied_stages, cm.tied_groups, cm.stage)
+    shared = cm.opt.shared_bytes
     cm.opt.step()
+    cm.tied_bytes += cm.opt.shared_bytes - shared
     cm.opt.zero_grad()
     loss = torch.tensor(cm._finish_loss(pending), device=cm.device) if pending is not None else None
     return cm.runner.broadcast_loss(loss, cm.device)

@@ -224,8 +224,8 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     """The best configuration and search statistics. ``exhaustive`` solves every configuration
     (no bound pruning, no time limit: the reference the pruned search must match, used by
     tests); ``progress`` forces the live progress line on or off (default: when stderr is a
-    terminal); ``max_zero`` caps the unpinned ZeRO stages (pipelined stages execute ZeRO <= 2,
-    autopar/search/pipeline.py ``max_zero``); ``shared_candidates`` keeps each mesh's candidates and their
+    terminal); ``max_zero`` caps the unpinned ZeRO stages (pipelined stages execute all of them but
+    ZeRO-3 under zero-bubble, autopar/search/pipeline.py ``max_zero``); ``shared_candidates`` keeps each mesh's candidates and their
     pricing caches across the searches of one ``autopar.plan`` call (pp=1 and every pipelined
     candidate's inner search on a stage's sub-mesh: autopar/search/pipeline_search.py)."""
     constraints = check_constraints(constraints)

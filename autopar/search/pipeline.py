@@ -12,9 +12,10 @@
    instances (``codegen.stages.pipeline_units``), the prologue (embeddings) joining the first
    stage and the epilogue (final norm, head, loss) the last. A range's time per micro-batch is the
    sum of its nodes' predicted compute and in-op communication in the inner plan (a repeated
-   block's representative divided by its repeats), plus the point-to-point sends of each boundary
-   it has (activations forward, their gradients backward, priced on the link the boundary
-   crosses: inside a node or between nodes).
+   block's representative divided by its repeats; under ZeRO-3 its parameters' all-gathers, one
+   for forward and one for backward per micro-batch, as each stage runs them), plus the
+   point-to-point sends of each boundary it has (activations forward, their gradients backward,
+   priced on the link the boundary crosses: inside a node or between nodes).
 3. The chosen split is simulated on the action order torch's schedule really runs
    (runtime/pipeline_orders.py -> solver/pipeline_schedule.py ``simulate``): per-stage forward and
    backward seconds per micro-batch from the inner plan (each op's forward share of its compute;
@@ -216,16 +217,25 @@ def _costs(result, graph) -> _Costs:
                 add_bytes(name, per, r)
         if info.kind == "param":
             s = sum(float(P.static[name][key][k]) for key in ("params", "grads", "optimizer")) if name in P.static else 0.0
+            # ZeRO-3's gathers (one for forward, one for backward, per micro-batch): on the stage(s)
+            # holding the parameter, in its time per micro-batch; gradient traffic stays in ``rest``
+            gt = (float(P.comm[name][k]) - float(P.grad_comm[name][k])) / nm if name in P.comm else 0.0
             gs = {graph.block_of[u][0] for u in users.get(name, []) if u in graph.block_of}
             if gs and all(u in graph.block_of for u in users.get(name, [])):
                 for g in gs:
                     st[g] += s / r
+                    t[g] += gt / r
+                    tf[g] += gt / 2 / r
             else:   # read outside the blocks: the prologue's, the epilogue's, or both (tied)
                 where = {order[u] < first_block for u in users.get(name, []) if u not in graph.block_of}
                 if True in where:
                     pro[1] += s
+                    pro[0] += gt
+                    fwd_pe[0] += gt / 2
                 if False in where:
                     epi[1] += s
+                    epi[0] += gt
+                    fwd_pe[1] += gt / 2
             continue
         if info.kind != "op":
             continue
@@ -413,12 +423,15 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
             "peak_static": worst_static}
 
 
-def max_zero(graph) -> int:
-    """The highest ZeRO stage a pipelined plan of ``graph`` executes (autopar/execution/pipeline_run.py):
-    ZeRO-3 is not implemented under pipelining, and a parameter shared by two stages (a tied
-    embedding and head) has its gradient summed between them only under ZeRO <= 1. Which
-    parameters end up on two stages is known only after partitioning, so any tie caps it at 1."""
-    return 1 if graph.tied else 2
+def max_zero(graph, schedule: str | None = None) -> int:
+    """The highest ZeRO stage a pipelined plan of ``graph`` under ``schedule`` executes
+    (autopar/execution/pipeline_run.py). ZeRO-3 gathers each chunk inside each stage per
+    micro-batch, for forward and for backward (codegen/stages.py), as priced; a parameter shared
+    by two stages (a tied embedding and head) is a chunk of its own on both, its gradient (shard)
+    summed between them. Not under zero-bubble: its weight-gradient pass of a micro-batch runs
+    after later micro-batches' forwards, which free the chunk (that pass would need a third
+    gather per micro-batch, not priced), so that schedule runs ZeRO <= 2."""
+    return 2 if schedule == "zero-bubble" else 3
 
 
 def simulate_plan(data: dict):
@@ -444,11 +457,11 @@ def search_pipelined(graph, cluster, base, constraints: dict, search_fn, **kw):
     why = unpipelined_pin(inner)
     if why:
         raise ConstraintError(f"constraint pp={pp} cannot be met together with {why}: drop one of the two pins")
-    top = max_zero(graph)
+    top = max_zero(graph, schedule)
     if inner.get("zero", 0) > top:
-        raise ConstraintError(f"constraint zero={inner['zero']} cannot be met with pp={pp}: pipelined stages run "
-                              f"ZeRO <= {top}" + (" for this model (its tied parameters may sit on two stages)"
-                                                  if top < 2 else "") + "; pin a lower zero or drop pp")
+        raise ConstraintError(f"constraint zero={inner['zero']} cannot be met with pp={pp}, pp_schedule={schedule}: "
+                              f"pipelined stages run ZeRO <= {top} under that schedule; pin a lower zero or "
+                              f"another schedule")
     budget = base.budget
     # The whole model need not fit one stage: the budget is checked per stage (plan_stages).
     lifted = dataclasses.replace(base, budget=budget * pp)

@@ -22,8 +22,9 @@ than the pp=1 plan does, which holds when both split work over the same devices 
 Candidates are visited in order of that bound, so a good pipelined plan found early prunes the
 rest. A ``time_limit`` covers the whole search: pipelined candidates get what pp=1 left.
 
-Only executable plans are searched: a pipelined stage runs ZeRO <= 2, <= 1 when the model ties
-parameters (``pipeline.max_zero``; autopar/execution/pipeline_run.py refuses the rest).
+Only executable plans are searched: a pipelined stage runs ZeRO 0-3 (tied parameters too), but
+ZeRO <= 2 under zero-bubble, which is only pinned, never searched (``pipeline.max_zero``;
+autopar/execution/pipeline_run.py refuses the rest).
 """
 from __future__ import annotations
 
