@@ -193,8 +193,8 @@ def test_gpt2_pp2_two_virtual_stages_per_rank(schedule):
         assert r["comm"]["pp_tied"] > 0
 
 
-def _save_after(rank, world, name, plan_json, steps, directory):
-    model, batch = ZOO[name]()
+def _save_after(rank, world, name, plan_json, steps, directory, kw):
+    model, batch = ZOO[name](**kw)
     cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
                          plan=autopar.Plan.from_json(plan_json), **OPT)
     losses = [cm.step(*batch) for _ in range(steps)]
@@ -202,8 +202,8 @@ def _save_after(rank, world, name, plan_json, steps, directory):
     return losses
 
 
-def _load_and_continue(rank, world, name, plan_json, steps, directory):
-    model, batch = ZOO[name]()
+def _load_and_continue(rank, world, name, plan_json, steps, directory, kw):
+    model, batch = ZOO[name](**kw)
     cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
                          plan=autopar.Plan.from_json(plan_json), **OPT)
     cm.load(directory)
@@ -212,20 +212,34 @@ def _load_and_continue(rank, world, name, plan_json, steps, directory):
     return losses, sd if rank == 0 else None
 
 
-@pytest.mark.parametrize("target", [{"dp": 2}, {"pp": 2, "pp_schedule": "gpipe", "num_micro_batches": 2}])
+@pytest.mark.parametrize("target", ["dp=2 on 2", "pp=4 on 4"])
 def test_a_pipelined_checkpoint_loads_onto_another_plan(tmp_path, target):
-    """Train pp=2 (1F1B) for 2 steps and save; load onto dp=2 (no pipeline) or onto pp=2 GPipe and
-    take the third step: the same as 3 uninterrupted eager steps."""
-    model, batch = ZOO["gpt2"]()
-    cluster = autopar.Cluster.preset("cpu", devices=2)
-    src = autopar.plan(model, batch, cluster, precision="fp32", constraints={"pp": 2, "num_micro_batches": M})
-    dst = autopar.plan(model, batch, cluster, precision="fp32", constraints=target)
+    """The issue's case: train pp=2 x tp=2 (Megatron, 1F1B) on 4 processes for 2 steps and save;
+    load onto dp=2 (no pipeline) on 2 processes, or onto pp=4 on 4 processes, and take the third
+    step: the same as 3 uninterrupted eager steps (the momentum buffers moved with the weights)."""
+    kw = {"n_layer": 4}   # enough blocks for 4 stages
+    model, batch = ZOO["gpt2"](**kw)
+    src = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4), precision="fp32",
+                       constraints={"pp": 2, "tp": 2, "num_micro_batches": M}, policy="megatron")
+    assert src.degrees["pp"] == 2 and src.degrees["tp"] == 2 and src.world_size == 4
+    world = {"dp=2 on 2": 2, "pp=4 on 4": 4}[target]
+    constraints = {"dp=2 on 2": {"dp": 2, "pp": 1}, "pp=4 on 4": {"pp": 4, "num_micro_batches": M}}[target]
+    dst = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=world), precision="fp32",
+                       constraints=constraints)
+    assert dst.world_size == world
+    if target == "dp=2 on 2":
+        assert dst.degrees["pp"] == 1 and dst.degrees["dp"] == 2
+    else:
+        assert dst.degrees["pp"] == 4 and dst.mesh.size == 1 and len(dst.data["stages"]) == 4
     ref_losses, ref_sd = train_eagerly(model, batch, torch.optim.SGD(model.parameters(), lr=OPT["lr"],
                                                                      momentum=OPT["momentum"]), STEPS)
-    first = run_local(_save_after, 2, args=("gpt2", src.to_json(), STEPS - 1, str(tmp_path / "ck")), timeout=300)
-    rest = run_local(_load_and_continue, 2, args=("gpt2", dst.to_json(), 1, str(tmp_path / "ck")), timeout=300)
-    torch.testing.assert_close(torch.tensor(first[0] + rest[0][0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    ck = str(tmp_path / "ck")
+    first = run_local(_save_after, 4, args=("gpt2", src.to_json(), STEPS - 1, ck, kw), timeout=300)
+    rest = run_local(_load_and_continue, world, args=("gpt2", dst.to_json(), 1, ck, kw), timeout=300)
+    for r in rest:
+        torch.testing.assert_close(torch.tensor(first[0] + r[0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
     sd = rest[0][1]
+    assert set(sd) == set(ref_sd)
     for k in ref_sd:
         torch.testing.assert_close(torch.from_numpy(sd[k]), ref_sd[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
