@@ -294,3 +294,51 @@ def test_saved_activations_alive_per_stage_match_the_plan(schedule):
         assert alive == st["alive_micro_batches"], (schedule, st["index"], alive)
         want = st["alive_micro_batches"] * st["activations_per_micro_batch"]
         assert peak == pytest.approx(want, rel=0.05), (schedule, st["index"], peak, want)
+
+
+def _train_clipped(rank, world, plan_json, clip):
+    model, batch = ZOO["gpt2"]()
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                         plan=autopar.Plan.from_json(plan_json), grad_clip=clip, **OPT)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(cm.step(*batch))
+        norms.append(float(cm.opt.last_grad_norm))
+    sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
+    return losses, norms, sd if rank == 0 else None
+
+
+@pytest.mark.parametrize("constraints,policy", [
+    ({"pp": 2, "tp": 2, "num_micro_batches": 2}, "megatron"),
+    ({"pp": 2, "dp": 2, "zero": 2, "num_micro_batches": 2}, None),
+])
+def test_grad_clip_under_pipelining_is_the_global_norm(constraints, policy):
+    """compile(grad_clip=c) on pp=2 x tp=2 and pp=2 x dp=2 (ZeRO-2) on 4 processes: the norm summed
+    over both stages and every shard, the tied wte (whole on both stages) and the tensor-replicated
+    parameters counted once, equals clip_grad_norm_ on one process every step, and the clipped
+    updates match (fp32, SGD with momentum)."""
+    clip = 0.05
+    model, batch = ZOO["gpt2"]()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4), precision="fp32",
+                        constraints=constraints, policy=policy)
+    assert plan.degrees["pp"] == 2 and plan.world_size == 4
+    assert all(plan.degrees[k] == v for k, v in constraints.items() if k in ("tp", "dp", "zero"))
+    ref_losses, ref_norms = [], []
+    opt = torch.optim.SGD(model.parameters(), lr=OPT["lr"], momentum=OPT["momentum"])
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        ref_losses.append(loss.item())
+    ref_sd = model.state_dict()
+    assert min(ref_norms) > 10 * clip   # clipping binds at every step
+    res = run_local(_train_clipped, 4, args=(plan.to_json(), clip), timeout=300)
+    for losses, norms, _ in res:
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    sd = res[0][2]
+    assert set(sd) == set(ref_sd)
+    for k in ref_sd:
+        torch.testing.assert_close(torch.from_numpy(sd[k]), ref_sd[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
