@@ -37,6 +37,18 @@ class _nullcontext:
 
 def check_options(cm) -> None:
     """What pipelined execution does not do yet: a clear error before any group is made."""
+    from autopar.plans.plan_schema import checkpoint_mode_of
+
+    modes = {checkpoint_mode_of(v) for v in (cm.plan.data["stages"][0].get("checkpoint") or {}).values()} - {"none"}
+    if modes:
+        zero = int(cm.plan.degrees.get("zero", 0) or 0)
+        sched = cm.plan.degrees.get("pp_schedule")
+        why = ("selective recompute" if "selective" in modes else
+               "ZeRO-3 (the stages' gathers are outside their checkpoint regions)" if zero == 3 else
+               "the zero-bubble schedule" if sched == "zero-bubble" else None)
+        if why:
+            raise ExecutionError(f"activation checkpointing under pipeline parallelism with {why} is not implemented: "
+                                 f"re-plan (autopar/search/pipeline.py refuses these pins)", collective=True)
     if int(cm.plan.degrees.get("zero", 0) or 0) == 3 and cm.plan.degrees.get("pp_schedule") == "zero-bubble":
         raise ExecutionError("ZeRO-3 under the zero-bubble schedule is not implemented: a micro-batch's weight "
                              "pass runs after later forwards freed its chunks; plan with zero <= 2 or another "
