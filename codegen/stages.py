@@ -24,6 +24,11 @@ boundary's values, or the loss on the last stage. A parameter read on several st
 embedding and output head) appears in each; its gradient is summed between them at run time
 (runtime/pipeline.py).
 
+Activation checkpointing: a checkpointed block instance is one ``checkpoint_region`` call in the
+program (codegen/checkpoint.py), which carries its block's source node, so it goes to its block's
+stage like the nodes it replaced (its sub-GraphModule, a ``get_attr``, is copied along); the stage
+program runs it under torch.utils.checkpoint as the unpipelined program does (runtime/checkpoint.py).
+
 ZeRO-3 (``add_zero3_regions``): the per-rank program of a pipelined plan is generated without
 ZeRO-3 calls (a chunk's region in the whole program may span stages: the embedding and the head
 of a tied table); each stage program gets its own, as codegen/per_rank.py places them in an
@@ -101,9 +106,6 @@ def assign_stages(gm: fx.GraphModule, traced, unit_stage: list[int], trainable: 
 def split_stages(prog, traced, unit_stage: list[int], num_stages: int) -> list[StageProgram]:
     """One StageProgram per stage (module doc)."""
     gm = prog.gm
-    if prog.checkpoint_regions:
-        raise ExecutionError("activation checkpointing under pipeline parallelism is not implemented yet: "
-                             "plan with constraints checkpoint='none'")
     trainable = {n for n in prog.param_names if n not in prog.buffers}
     stage, replicable = assign_stages(gm, traced, unit_stage, trainable)
     nodes = list(gm.graph.nodes)

@@ -54,7 +54,9 @@ SCHEDULES = ("gpipe", "1f1b", *MULTI)
 class SavedProbe:
     """Saved-activation bytes alive on this rank while a schedule runs (measurement, tests):
     autograd's saved tensors of every (stage, micro-batch) forward, as distinct storages without
-    the parameters', alive from that forward until the micro-batch's backward on that stage."""
+    the parameters', alive from that forward until the micro-batch's backward on that stage; with
+    activation checkpointing, the tensor inputs each region keeps (runtime/checkpoint.py), and
+    ``regions`` lists the regions run (a test reruns their bodies to measure what recomputation saves)."""
 
     def __init__(self, params):
         self.skip = {id(p.untyped_storage()) for p in params}
@@ -62,24 +64,40 @@ class SavedProbe:
         self.reset()
 
     def reset(self):
+        self.regions: list[tuple] = []   # (key, region name, body, inputs) of every checkpoint region run
         self.saved: dict[tuple, dict] = {}
         self.alive: set = set()
         self.peak = 0
         self.peak_alive = 0
 
-    def run(self, key, fn, *args):
+    def run(self, key, fn, *args, inputs=()):
+        """``fn(*args)`` under the hooks; ``inputs``: the micro-batch's input tensors, views of the
+        global batch, whose shared storage is counted at the micro-batch's own size."""
+        from runtime.checkpoint import record_regions
+
         seen = self.saved.setdefault(key, {})
+        views = {id(x.untyped_storage()): x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor)}
+
+        def note(t):
+            st = t.untyped_storage()
+            if id(st) not in self.skip and id(st) not in seen:
+                seen[id(st)] = (st, views.get(id(st), st.nbytes()))
 
         def pack(t):
-            st = t.untyped_storage()
-            if id(st) not in self.skip:
-                seen.setdefault(id(st), st)
+            note(t)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), record_regions() as log:
             out = fn(*args)
+        # an activation-checkpoint region saves nothing through these hooks (torch.utils.checkpoint's
+        # own take them); what it keeps for backward is its tensor inputs
+        for name, body, rargs in log:
+            for a in rargs:
+                if isinstance(a, torch.Tensor):
+                    note(a)
+            self.regions.append((key, name, body, rargs))
         self.alive.add(key)
-        total = sum(st.nbytes() for k in self.alive for st in self.saved[k].values())
+        total = sum(nb for k in self.alive for _, nb in self.saved[k].values())
         if total > self.peak:
             self.peak, self.peak_alive = total, len(self.alive)
         return out
@@ -115,7 +133,8 @@ class StageModule(nn.Module):
         self.calls += 1
         args = (*self.stage_params, *acts, *(inputs[k] for k in self.input_positions))
         if self.probe is not None and torch.is_grad_enabled():
-            return self.probe.run((self.index, i), self.gm, *args)
+            return self.probe.run((self.index, i), self.gm, *args,
+                                  inputs=[inputs[k] for k in self.input_positions])
         return self.gm(*args)
 
 

@@ -193,8 +193,8 @@ def test_gpt2_pp2_two_virtual_stages_per_rank(schedule):
         assert r["comm"]["pp_tied"] > 0
 
 
-def _save_after(rank, world, name, plan_json, steps, directory):
-    model, batch = ZOO[name]()
+def _save_after(rank, world, name, plan_json, steps, directory, kw):
+    model, batch = ZOO[name](**kw)
     cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
                          plan=autopar.Plan.from_json(plan_json), **OPT)
     losses = [cm.step(*batch) for _ in range(steps)]
@@ -202,8 +202,8 @@ def _save_after(rank, world, name, plan_json, steps, directory):
     return losses
 
 
-def _load_and_continue(rank, world, name, plan_json, steps, directory):
-    model, batch = ZOO[name]()
+def _load_and_continue(rank, world, name, plan_json, steps, directory, kw):
+    model, batch = ZOO[name](**kw)
     cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
                          plan=autopar.Plan.from_json(plan_json), **OPT)
     cm.load(directory)
@@ -212,20 +212,34 @@ def _load_and_continue(rank, world, name, plan_json, steps, directory):
     return losses, sd if rank == 0 else None
 
 
-@pytest.mark.parametrize("target", [{"dp": 2}, {"pp": 2, "pp_schedule": "gpipe", "num_micro_batches": 2}])
+@pytest.mark.parametrize("target", ["dp=2 on 2", "pp=4 on 4"])
 def test_a_pipelined_checkpoint_loads_onto_another_plan(tmp_path, target):
-    """Train pp=2 (1F1B) for 2 steps and save; load onto dp=2 (no pipeline) or onto pp=2 GPipe and
-    take the third step: the same as 3 uninterrupted eager steps."""
-    model, batch = ZOO["gpt2"]()
-    cluster = autopar.Cluster.preset("cpu", devices=2)
-    src = autopar.plan(model, batch, cluster, precision="fp32", constraints={"pp": 2, "num_micro_batches": M})
-    dst = autopar.plan(model, batch, cluster, precision="fp32", constraints=target)
+    """The issue's case: train pp=2 x tp=2 (Megatron, 1F1B) on 4 processes for 2 steps and save;
+    load onto dp=2 (no pipeline) on 2 processes, or onto pp=4 on 4 processes, and take the third
+    step: the same as 3 uninterrupted eager steps (the momentum buffers moved with the weights)."""
+    kw = {"n_layer": 4}   # enough blocks for 4 stages
+    model, batch = ZOO["gpt2"](**kw)
+    src = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4), precision="fp32",
+                       constraints={"pp": 2, "tp": 2, "num_micro_batches": M}, policy="megatron")
+    assert src.degrees["pp"] == 2 and src.degrees["tp"] == 2 and src.world_size == 4
+    world = {"dp=2 on 2": 2, "pp=4 on 4": 4}[target]
+    constraints = {"dp=2 on 2": {"dp": 2, "pp": 1}, "pp=4 on 4": {"pp": 4, "num_micro_batches": M}}[target]
+    dst = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=world), precision="fp32",
+                       constraints=constraints)
+    assert dst.world_size == world
+    if target == "dp=2 on 2":
+        assert dst.degrees["pp"] == 1 and dst.degrees["dp"] == 2
+    else:
+        assert dst.degrees["pp"] == 4 and dst.mesh.size == 1 and len(dst.data["stages"]) == 4
     ref_losses, ref_sd = train_eagerly(model, batch, torch.optim.SGD(model.parameters(), lr=OPT["lr"],
                                                                      momentum=OPT["momentum"]), STEPS)
-    first = run_local(_save_after, 2, args=("gpt2", src.to_json(), STEPS - 1, str(tmp_path / "ck")), timeout=300)
-    rest = run_local(_load_and_continue, 2, args=("gpt2", dst.to_json(), 1, str(tmp_path / "ck")), timeout=300)
-    torch.testing.assert_close(torch.tensor(first[0] + rest[0][0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    ck = str(tmp_path / "ck")
+    first = run_local(_save_after, 4, args=("gpt2", src.to_json(), STEPS - 1, ck, kw), timeout=300)
+    rest = run_local(_load_and_continue, world, args=("gpt2", dst.to_json(), 1, ck, kw), timeout=300)
+    for r in rest:
+        torch.testing.assert_close(torch.tensor(first[0] + r[0]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
     sd = rest[0][1]
+    assert set(sd) == set(ref_sd)
     for k in ref_sd:
         torch.testing.assert_close(torch.from_numpy(sd[k]), ref_sd[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
@@ -280,3 +294,135 @@ def test_saved_activations_alive_per_stage_match_the_plan(schedule):
         assert alive == st["alive_micro_batches"], (schedule, st["index"], alive)
         want = st["alive_micro_batches"] * st["activations_per_micro_batch"]
         assert peak == pytest.approx(want, rel=0.05), (schedule, st["index"], peak, want)
+
+
+def _train_clipped(rank, world, plan_json, clip):
+    model, batch = ZOO["gpt2"]()
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                         plan=autopar.Plan.from_json(plan_json), grad_clip=clip, **OPT)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(cm.step(*batch))
+        norms.append(float(cm.opt.last_grad_norm))
+    sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
+    return losses, norms, sd if rank == 0 else None
+
+
+@pytest.mark.parametrize("constraints,policy", [
+    ({"pp": 2, "tp": 2, "num_micro_batches": 2}, "megatron"),
+    ({"pp": 2, "dp": 2, "zero": 2, "num_micro_batches": 2}, None),
+])
+def test_grad_clip_under_pipelining_is_the_global_norm(constraints, policy):
+    """compile(grad_clip=c) on pp=2 x tp=2 and pp=2 x dp=2 (ZeRO-2) on 4 processes: the norm summed
+    over both stages and every shard, the tied wte (whole on both stages) and the tensor-replicated
+    parameters counted once, equals clip_grad_norm_ on one process every step, and the clipped
+    updates match (fp32, SGD with momentum)."""
+    clip = 0.05
+    model, batch = ZOO["gpt2"]()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4), precision="fp32",
+                        constraints=constraints, policy=policy)
+    assert plan.degrees["pp"] == 2 and plan.world_size == 4
+    assert all(plan.degrees[k] == v for k, v in constraints.items() if k in ("tp", "dp", "zero"))
+    ref_losses, ref_norms = [], []
+    opt = torch.optim.SGD(model.parameters(), lr=OPT["lr"], momentum=OPT["momentum"])
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        ref_losses.append(loss.item())
+    ref_sd = model.state_dict()
+    assert min(ref_norms) > 10 * clip   # clipping binds at every step
+    res = run_local(_train_clipped, 4, args=(plan.to_json(), clip), timeout=300)
+    for losses, norms, _ in res:
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    sd = res[0][2]
+    assert set(sd) == set(ref_sd)
+    for k in ref_sd:
+        torch.testing.assert_close(torch.from_numpy(sd[k]), ref_sd[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def _train_checkpointed(rank, world, plan_json, kw):
+    from runtime import checkpoint as RCK
+
+    model, batch = ZOO["gpt2"](**kw)
+    cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
+                         plan=autopar.Plan.from_json(plan_json), **OPT)
+    assert cm.plan.mesh.size == 1
+    losses = [cm.step(*batch)]           # PyTorch's metadata pass runs here
+    probe = cm.runner.measure_saved()
+    RCK.STATS.reset()
+    losses.append(cm.step(*batch))
+    stats = (RCK.STATS.forward, RCK.STATS.recompute)
+    peak, alive = probe.peak, probe.peak_alive
+    # What recomputing one region saves again beyond what it keeps (its inputs): its body rerun
+    # with autograd under the same hooks, the largest over the regions (one at a time). The plan
+    # has no model axes (mesh of 1 per stage): the bodies run no collective.
+    recompute = 0
+    for key, _name, body, args in probe.regions:
+        again: dict = {}
+        held = {id(a.untyped_storage()) for a in args if isinstance(a, torch.Tensor)}
+
+        def pack(t, again=again):
+            st = t.untyped_storage()
+            if id(st) not in probe.skip and id(st) not in held:
+                again.setdefault(id(st), st)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+            body(*args)
+        recompute = max(recompute, sum(st.nbytes() for st in again.values()))
+    probe.regions.clear()
+    losses += [cm.step(*batch) for _ in range(STEPS - 2)]
+    sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
+    return {"losses": losses, "sd": sd if rank == 0 else None, "stats": stats, "peak": peak, "alive": alive,
+            "recompute": recompute, "regions": list(cm.program.checkpoint_regions), "stage": cm.stage}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_activation_checkpointing_under_pipelining(schedule):
+    """constraints={"pp": 2, "checkpoint": "full"}: every block of every stage runs as a checkpoint
+    region (recomputed once per micro-batch in backward), training equals one process, and each
+    stage's saved activations measured while the schedule runs (kept region inputs and what is saved
+    outside them, micro-batches alive at once included) and what one block's recomputation saves
+    again equal the plan's figures within 5%; the plan prices the recomputation in the stage times."""
+    kw = {"n_layer": 4}
+    model, batch = ZOO["gpt2"](**kw)
+    cluster = autopar.Cluster.preset("cpu", devices=2)
+    pins = {"pp": 2, "pp_schedule": schedule, "num_micro_batches": M}
+    plan = autopar.plan(model, batch, cluster, precision="fp32", constraints={**pins, "checkpoint": "full"})
+    base = autopar.plan(model, batch, cluster, precision="fp32", constraints=pins)
+    assert plan.degrees["pp"] == 2 and all(st["checkpoint"] == {"blocks": True} for st in plan.data["stages"])
+    assert base.data["stages"][0]["checkpoint"] == {"blocks": False}
+    assert plan.predictions["time_breakdown"]["recompute"] > 0
+    for st, st0 in zip(plan.data["stages"], base.data["stages"]):
+        assert st["blocks"] == st0["blocks"]
+        assert st["recompute_time"] > 0 and st["recompute_memory"] > 0
+        assert st["backward_time"] == pytest.approx(st0["backward_time"] + st["recompute_time"], rel=1e-9)
+        assert st["forward_time"] == pytest.approx(st0["forward_time"], rel=1e-9)
+        assert st["activations_per_micro_batch"] < st0["activations_per_micro_batch"]
+    ref_losses, ref_sd = train_eagerly(model, batch, torch.optim.SGD(model.parameters(), lr=OPT["lr"],
+                                                                     momentum=OPT["momentum"]), STEPS)
+    res = run_local(_train_checkpointed, 2, args=(plan.to_json(), kw), timeout=300)
+    for r in res:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    sd = res[0]["sd"]
+    assert set(sd) == set(ref_sd)
+    for k in ref_sd:
+        torch.testing.assert_close(torch.from_numpy(sd[k]), ref_sd[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    for r in res:
+        mine = [st for st in plan.data["stages"] if st["index"] % 2 == r["stage"]]
+        blocks = sum(st["blocks"][1] - st["blocks"][0] for st in mine)
+        assert r["regions"] == [f"blocks.{b}" for b in range(4)]   # the whole program's; each rank runs its own
+        assert r["stats"] == (blocks * M, blocks * M), r["stats"]   # each block once forward, once recomputed
+        # the rank's saved activations at their peak: its peak memory without its stages' static
+        # bytes and the recompute working set (one stage: alive micro-batches x bytes per one)
+        rec = max(st["recompute_memory"] for st in mine)
+        want = mine[0]["rank_peak_memory"] - sum(st["static_memory"] for st in mine) - rec
+        if len(mine) == 1:
+            assert r["alive"] == mine[0]["alive_micro_batches"]
+            assert want == pytest.approx(mine[0]["alive_micro_batches"] * mine[0]["activations_per_micro_batch"], abs=2)
+        print(f"{schedule} rank {r['stage']}: saved {r['peak']} (plan {want}), recompute {r['recompute']} (plan {rec})")
+        assert r["peak"] == pytest.approx(want, rel=0.05), (r["stage"], r["peak"], want)
+        assert r["recompute"] == pytest.approx(rec, rel=0.05), (r["stage"], r["recompute"], rec)

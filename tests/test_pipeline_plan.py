@@ -90,12 +90,15 @@ def test_uneven_model_gets_the_partition_the_dynamic_program_prefers():
     ({"pp": 2, "pp_schedule": "pipedream", "num_micro_batches": 4}, ["pipedream", "known schedules"]),
     ({"pp_schedule": "1f1b"}, ["needs pp > 1"]),
     ({"pp": 0}, ["pp=0", "positive integer"]),
-    ({"pp": 2, "num_micro_batches": 4, "checkpoint": "full"}, ["checkpointing", "pipeline"]),
+    ({"pp": 2, "num_micro_batches": 4, "checkpoint": "selective"}, ["selective", "pp=2", "not implemented"]),
+    ({"pp": 2, "num_micro_batches": 4, "checkpoint": {"blocks": "selective"}}, ["selective", "pp=2"]),
+    ({"pp": 2, "num_micro_batches": 4, "checkpoint": "full", "pp_schedule": "zero-bubble"}, ["zero-bubble"]),
+    ({"pp": 2, "num_micro_batches": 4, "checkpoint": "full", "zero": 3, "dp": 2}, ["zero=3", "ZeRO <= 2"]),
 ])
 def test_impossible_pipeline_pins_are_constraint_errors(pins, words):
-    devices = 4 if pins.get("pp") == 4 else 2
+    devices = 4 if pins.get("pp") == 4 or pins.get("dp") == 2 else 2
     with pytest.raises(ConstraintError) as ei:
-        _plan(devices=devices, **pins)
+        _plan("gpt4" if pins.get("pp_schedule") == "zero-bubble" else "gpt2", devices=devices, **pins)
     for w in words:
         assert w in str(ei.value), (w, str(ei.value))
 
@@ -182,3 +185,29 @@ def test_zero3_under_zero_bubble_is_refused():
     """Its weight pass runs after later forwards freed the chunks: not run, so not planned."""
     with pytest.raises(ConstraintError, match="ZeRO <= 2"):
         _plan("gpt4", devices=4, pp=2, dp=2, zero=3, num_micro_batches=2, pp_schedule="zero-bubble")
+
+
+def test_checkpointed_pipeline_plan_prices_recomputation_and_keeps_block_inputs():
+    """constraints={"pp": 2, "checkpoint": "full"} plans: every stage's blocks are recomputed, their
+    recomputation (the blocks' forward) is in the stages' backward time and in the step time, and a
+    stage keeps per micro-batch only its blocks' inputs besides what its prologue / epilogue save,
+    plus one block's recompute working set at its peak (the memory check counts it)."""
+    none = _plan("gpt4", pp=2, num_micro_batches=4)
+    full = _plan("gpt4", pp=2, num_micro_batches=4, checkpoint="full")
+    assert all(st["checkpoint"] == {"blocks": True} for st in full.data["stages"])
+    assert all(st["checkpoint"] == {"blocks": False} for st in none.data["stages"])
+    assert full.predictions["step_time"] > none.predictions["step_time"]
+    assert full.predictions["time_breakdown"]["recompute"] > 0 == none.predictions["time_breakdown"]["recompute"]
+    for a, b in zip(full.data["stages"], none.data["stages"]):
+        assert a["blocks"] == b["blocks"]
+        nb = a["blocks"][1] - a["blocks"][0]
+        assert a["recompute_time"] > 0 and b["recompute_time"] == 0 and b["recompute_memory"] == 0
+        assert a["backward_time"] == pytest.approx(b["backward_time"] + a["recompute_time"])
+        assert a["activations_per_micro_batch"] < b["activations_per_micro_batch"]
+        # what the blocks saved is gone but their inputs (saved by their first norm either way):
+        # exactly what recomputing them saves again; the prologue / epilogue are unchanged
+        assert b["activations_per_micro_batch"] - a["activations_per_micro_batch"] == \
+            pytest.approx(nb * a["recompute_memory"], abs=nb * 2)
+        assert a["peak_memory"] == pytest.approx(a["static_memory"] + a["alive_micro_batches"]
+                                                 * a["activations_per_micro_batch"] + a["recompute_memory"], abs=2)
+    assert full.predictions["peak_memory"] < none.predictions["peak_memory"]

@@ -251,11 +251,14 @@ class CompiledModel:
             groups[self.chunk_of[fqn]].append(p)
         self.chunks = groups
         model_axes = [a for a in mesh.model_axes() if mesh.shape[a] > 1]
-        # Clipping: a parameter replicated on r model-axis ranks counts 1/r in the summed norm.
+        # Clipping: a parameter replicated on r model-axis ranks counts 1/r in the summed norm (a
+        # tied parameter, held whole by the ranks of k stages after its gradient is summed, 1/k more).
         norm_weights = {}
         for fqn, p in self.params.items():
             used = prog.param_layouts[fqn].axes_used()
             r = math.prod(mesh.shape[a] for a in model_axes if a not in used)
+            if self.pp > 1 and fqn in self.tied_stages:   # a full copy on each of its stages' ranks
+                r *= len(self.tied_stages[fqn])
             if r > 1:
                 norm_weights[id(p)] = 1.0 / r
         shared = {}
@@ -265,7 +268,9 @@ class CompiledModel:
         self.opt = ShardedOptimizer(groups, self.ctx.data_group, zero,
                                     make_optimizer(self.optimizer_name, self.lr, **self.optimizer_kwargs),
                                     grad_clip=self.grad_clip,
-                                    extra_norm_groups=[self.ctx.groups[a] for a in model_axes],
+                                    # pipelined: the stages' norms are summed too (over the pp group)
+                                    extra_norm_groups=[self.ctx.groups[a] for a in model_axes]
+                                    + ([self.ctx.extra["pp_group"]] if self.pp > 1 else []),
                                     grad_scale=grad_scale, norm_weights=norm_weights, working_dtype=self.dtype,
                                     forward_order=self._forward_order(), shared_groups=shared)
         if zero == 3:

@@ -7,6 +7,12 @@ training step, ``forward(cm, micro)`` a forward-only one; ``full_state_dict(cm)`
 ``full_optimizer_state(cm, local)`` the same for the optimizer's state (save/load);
 ``check_options(cm)`` refuses what does not run under pipelining yet, before any group is made.
 
+Gradient clipping (``compile(grad_clip=...)``) is the sharded optimizer's (runtime/zero.py), with
+the pp group among its norm groups: each stage's squared norm (summed over its data and model
+axes) is summed over the stages, and a tied parameter, whose full gradient every one of its k
+stages holds once the copies are summed, is weighted 1/k — the norm of the whole model's gradient,
+as ``clip_grad_norm_`` on one process computes it.
+
 ZeRO inside a stage runs over the stage's data group as without pipelining (runtime/zero.py):
 ZeRO-2/3 reduce-scatter a chunk's gradient as each micro-batch's backward completes it, ZeRO-3
 gathers each chunk per micro-batch for forward and again for backward (calls codegen/stages.py
@@ -31,9 +37,18 @@ class _nullcontext:
 
 def check_options(cm) -> None:
     """What pipelined execution does not do yet: a clear error before any group is made."""
-    if cm.grad_clip is not None:
-        raise ExecutionError("grad_clip under pipeline parallelism is not implemented yet (the norm would "
-                             "have to be summed over the stages)", collective=True)
+    from autopar.plans.plan_schema import checkpoint_mode_of
+
+    modes = {checkpoint_mode_of(v) for v in (cm.plan.data["stages"][0].get("checkpoint") or {}).values()} - {"none"}
+    if modes:
+        zero = int(cm.plan.degrees.get("zero", 0) or 0)
+        sched = cm.plan.degrees.get("pp_schedule")
+        why = ("selective recompute" if "selective" in modes else
+               "ZeRO-3 (the stages' gathers are outside their checkpoint regions)" if zero == 3 else
+               "the zero-bubble schedule" if sched == "zero-bubble" else None)
+        if why:
+            raise ExecutionError(f"activation checkpointing under pipeline parallelism with {why} is not implemented: "
+                                 f"re-plan (autopar/search/pipeline.py refuses these pins)", collective=True)
     if int(cm.plan.degrees.get("zero", 0) or 0) == 3 and cm.plan.degrees.get("pp_schedule") == "zero-bubble":
         raise ExecutionError("ZeRO-3 under the zero-bubble schedule is not implemented: a micro-batch's weight "
                              "pass runs after later forwards freed its chunks; plan with zero <= 2 or another "

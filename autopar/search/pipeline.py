@@ -35,6 +35,14 @@
 Interleaved schedules (``interleaved-1f1b``, ``zero-bubble``: PyTorch's ScheduleInterleaved1F1B and
 ScheduleInterleavedZeroBubble) give every rank v = 2 virtual stages (k and k + pp): pp x v ranges.
 
+Activation checkpointing is pinned, not searched, under pipelining (``checkpoint="full"`` or per
+group true/false): the inner plan checkpoints those groups, and ``_costs`` prices each checkpointed
+block instance per micro-batch as build.py does for the ILP — it keeps its input (the output of
+the group's last node), its recomputation (forward compute, forward collectives, reshards into its
+nodes) is added to its stage's backward time, and the largest of its stage's blocks' recompute
+working sets (what recomputing one block saves again) is added once to the rank's memory. Not with
+selective recompute, ZeRO-3 or zero-bubble (``_checkpoint_pinned``, ``max_zero``).
+
 Impossible pins are ``ConstraintError``: more stages than blocks, fewer micro-batches than
 stages, a batch that does not divide, unknown schedules.
 """
@@ -154,11 +162,16 @@ class _Costs:
     unit_fwd: list[float] = dataclasses.field(default_factory=list)   # forward part of unit_time
     pro_fwd: float = 0.0
     epi_fwd: float = 0.0
+    # activation checkpointing (the inner plan's "full" groups): per instance the seconds of its
+    # recomputation per micro-batch (in unit_time, backward part) and the bytes its recomputation
+    # saves again in backward beyond its kept input (one block at a time: a stage counts its largest)
+    unit_recompute: list[float] = dataclasses.field(default_factory=list)
+    unit_recompute_memory: list[float] = dataclasses.field(default_factory=list)
 
 
 def _costs(result, graph) -> _Costs:
     """Per-instance and prologue/epilogue figures from the inner plan's priced arrays."""
-    from autopar.search.build import chosen
+    from autopar.search.build import _block_input_roots, chosen
     from codegen.stages import pipeline_units
 
     cands, P = result.cands, result.priced
@@ -179,6 +192,14 @@ def _costs(result, graph) -> _Costs:
     names = result.config.mesh.names
     ub = {g: {a: 0.0 for a in names} for g in groups}
     pro_b, epi_b = {a: 0.0 for a in names}, {a: 0.0 for a in names}
+    # Checkpointed block groups (full recompute, as build.py prices them): a checkpointed instance
+    # keeps only its input (priced as the output of the group's last node, as in the ILP), and its
+    # backward reruns its forward (compute, in-op forward collectives, reshards into its nodes).
+    modes = result.prediction.get("checkpoint") or {}
+    full = {g for g in groups if modes.get(graph.blocks[g].name) is True}
+    rec_t = {g: 0.0 for g in groups}
+    rec_m = {g: 0.0 for g in groups}
+    inputs_of = {g: _block_input_roots(cands, g) for g in full}
 
     def add_bytes(name, per_axis, r):
         """A node's (or edge's) bytes per mesh axis go with the node's block, prologue or epilogue."""
@@ -250,6 +271,12 @@ def _costs(result, graph) -> _Costs:
             t[g] += time / r
             tf[g] += time * fshare / r
             sv[g] += saved / r
+            if g in full:
+                again = saved - sum(float(arr[k]) for root, arr in P.saved_by_root.get(name, {}).items()
+                                    if root in inputs_of[g])
+                rec_m[g] += again / r
+                rec_t[g] += (float(P.fwd_compute[name][k]) + float(P.fwd_comm[name][k] if name in P.fwd_comm else 0.0)) \
+                    / nm / r
             if order[name] > last_pos[g] and name in P.transient:
                 last_pos[g], out[g] = order[name], float(P.transient[name][k])
         else:
@@ -267,12 +294,19 @@ def _costs(result, graph) -> _Costs:
             if v in graph.block_of:
                 t[graph.block_of[v][0]] += secs / max(1, cands.nodes[v].repeats)
                 tf[graph.block_of[v][0]] += fsecs / max(1, cands.nodes[v].repeats)
+                if graph.block_of[v][0] in full:   # recomputation reruns the reshards into the block
+                    rec_t[graph.block_of[v][0]] += fsecs / max(1, cands.nodes[v].repeats)
             elif v in order:
                 (pro if order[v] < first_block else epi)[0] += secs
                 fwd_pe[0 if order[v] < first_block else 1] += fsecs
+    for g in full:
+        last = graph.blocks[g].instances[0][-1]
+        sv[g] = float(P.transient[last][pick[last]]) if last in pick else out[g]   # what it keeps
+        t[g] += rec_t[g]
     return _Costs([t[g] for g, _ in units], [st[g] for g, _ in units], [sv[g] for g, _ in units],
                   [out[g] for g, _ in units], tuple(pro), tuple(epi), [dict(ub[g]) for g, _ in units], pro_b, epi_b,
-                  [tf[g] for g, _ in units], fwd_pe[0], fwd_pe[1])
+                  [tf[g] for g, _ in units], fwd_pe[0], fwd_pe[1], [rec_t[g] for g, _ in units],
+                  [rec_m[g] for g, _ in units])
 
 
 # Torch's schedule names (runtime/pipeline_orders.py) for the planner's pp_schedule values.
@@ -350,6 +384,11 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
         saved = sum(c.unit_saved[i:j]) + (c.pro[2] if i == 0 else 0.0) + (c.epi[2] if j == n else 0.0)
         return static, saved
 
+    def recompute_memory(i: int, j: int) -> float:
+        """Bytes one checkpointed block of [i, j) saves again while backward recomputes it: blocks
+        are recomputed one at a time, so the largest (0 without checkpointing)."""
+        return max(c.unit_recompute_memory[i:j], default=0.0)
+
     def times(i: int, j: int) -> tuple[float, float]:
         """(forward, backward) seconds per micro-batch of blocks [i, j), without point-to-point."""
         t = sum(c.unit_time[i:j]) + (c.pro[0] if i == 0 else 0.0) + (c.epi[0] if j == n else 0.0)
@@ -368,7 +407,7 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
         if j < n:
             t += 2 * p2p_secs(c.unit_out[j - 1], k)
         static, saved = memory_parts(i, j)
-        return t, static + est_alive[k] * saved
+        return t, static + est_alive[k] * saved + recompute_memory(i, j)
 
     try:
         part = partition(n, V, m, cost, device_options=(S,), total_devices=V * S)
@@ -381,7 +420,9 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
     parts = [memory_parts(i, j) for i, j in ranges]
     acts = sim.peak_rank_memory({k: parts[k][1] for k in range(V)})
     rank_static = [sum(parts[k][0] for k in range(V) if k % pp == r) for r in range(pp)]
-    rank_peak = [int(math.ceil(rank_static[r] + acts.get(r, 0.0))) for r in range(pp)]
+    # a rank recomputes one block at a time, whichever of its virtual stages it belongs to
+    rank_rec = [max((recompute_memory(*ranges[k]) for k in range(V) if k % pp == r), default=0.0) for r in range(pp)]
+    rank_peak = [int(math.ceil(rank_static[r] + acts.get(r, 0.0) + rank_rec[r])) for r in range(pp)]
     stages = []
     for k, (i, j) in enumerate(ranges):
         static, saved = parts[k]
@@ -390,12 +431,17 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
         comm = {a: sum(c.unit_bytes[u][a] for u in range(i, j)) + (c.pro_bytes[a] if i == 0 else 0.0)
                 + (c.epi_bytes[a] if j == n else 0.0) for a in mesh.names}
         nal = sim.peak_alive[k]
+        rec_mem = recompute_memory(i, j)
         stages.append({"index": k, "ranks": [r * S, (r + 1) * S - 1], "virtual": k // pp, "blocks": [i, j],
                        "time": fb[k][0] + fb[k][1], "forward_time": fb[k][0], "backward_time": fb[k][1],
                        "p2p_time": p2p[k] if k < V - 1 else 0.0,
                        "comm_bytes": {a: int(round(x)) for a, x in comm.items()},
-                       "peak_memory": int(math.ceil(static + nal * saved)), "static_memory": int(round(static)),
+                       "peak_memory": int(math.ceil(static + nal * saved + rec_mem)),
+                       "static_memory": int(round(static)),
                        "activations_per_micro_batch": int(round(saved)),
+                       # activation checkpointing: seconds of recomputation per micro-batch (in
+                       # backward_time) and the bytes one recomputed block saves again in backward
+                       "recompute_time": sum(c.unit_recompute[i:j]), "recompute_memory": int(round(rec_mem)),
                        "alive_micro_batches": nal, "p2p_bytes": int(round(p2p_bytes * m)),
                        "rank_peak_memory": rank_peak[r]})
     worst_r = max(range(pp), key=lambda r: rank_peak[r])
@@ -416,22 +462,43 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
     share = max(rank_static) / total_static if total_static > 0 else 1.0
     rest = (tb["grad_comm_exposed"] + tb["optimizer"]) * share
     worst_static = rank_static[worst_r]
+    busiest = max(sim.busy, key=lambda r: sim.busy[r])
+    recompute = m * sum(s["recompute_time"] for s in stages if s["index"] % pp == busiest)
     return {"stages": stages, "step_time": pipe + rest, "bubble": bubble, "pipeline": pipe, "rest": rest,
+            "recompute": recompute,
             "bubble_fraction": sim.bubble_fraction,
             "peak_memory": rank_peak[worst_r], "rank_peak_memory": rank_peak, "static_share": share,
             "peak_static_share": worst_static / total_static if total_static > 0 else 1.0,
             "peak_static": worst_static}
 
 
-def max_zero(graph, schedule: str | None = None) -> int:
+def _checkpoint_pinned(ck, pp: int, schedule: str) -> bool:
+    """Whether a pipelined plan's checkpoint pin recomputes any block (full recompute only)."""
+    from autopar.plans.plan_schema import checkpoint_mode_of
+
+    if ck is None or ck == "none":
+        return False
+    modes = {ck} if isinstance(ck, str) else {checkpoint_mode_of(v) for v in dict(ck).values()} - {"none"}
+    if "selective" in modes:
+        raise ConstraintError(f"constraint checkpoint={ck!r} cannot be met with pp={pp}: selective recompute is not "
+                              f"implemented under pipeline parallelism yet; pin 'full' (or per group true/false)")
+    if modes and schedule == "zero-bubble":
+        raise ConstraintError(f"constraint checkpoint={ck!r} cannot be met with pp_schedule=zero-bubble: its separate "
+                              f"weight-gradient pass is not run through checkpoint regions; use another schedule")
+    return bool(modes)
+
+
+def max_zero(graph, schedule: str | None = None, checkpointing: bool = False) -> int:
     """The highest ZeRO stage a pipelined plan of ``graph`` under ``schedule`` executes
     (autopar/execution/pipeline_run.py). ZeRO-3 gathers each chunk inside each stage per
     micro-batch, for forward and for backward (codegen/stages.py), as priced; a parameter shared
     by two stages (a tied embedding and head) is a chunk of its own on both, its gradient (shard)
     summed between them. Not under zero-bubble: its weight-gradient pass of a micro-batch runs
     after later micro-batches' forwards, which free the chunk (that pass would need a third
-    gather per micro-batch, not priced), so that schedule runs ZeRO <= 2."""
-    return 2 if schedule == "zero-bubble" else 3
+    gather per micro-batch, not priced), so that schedule runs ZeRO <= 2. Nor with activation
+    checkpointing: a stage's ZeRO-3 calls are placed outside its checkpoint regions, so a
+    recomputed block would not re-gather its chunk."""
+    return 2 if schedule == "zero-bubble" or checkpointing else 3
 
 
 def simulate_plan(data: dict):
@@ -450,14 +517,13 @@ def search_pipelined(graph, cluster, base, constraints: dict, search_fn, **kw):
     m = check_pins(graph, cluster, constraints, pp)
     sub = stage_cluster(cluster, pp)
     inner = {k: v for k, v in constraints.items() if k not in ("pp", "pp_schedule")}
-    if inner.get("checkpoint") not in (None, "none"):
-        raise ConstraintError("activation checkpointing under pipeline parallelism is not implemented yet: "
-                              "drop the checkpoint pin (pipelined plans run without it)")
-    inner["checkpoint"] = "none"
+    ck = inner.get("checkpoint")
+    inner["checkpoint"] = "none" if ck is None else ck   # not searched under pipelining: only pinned
+    checkpointing = _checkpoint_pinned(ck, pp, schedule)
     why = unpipelined_pin(inner)
     if why:
         raise ConstraintError(f"constraint pp={pp} cannot be met together with {why}: drop one of the two pins")
-    top = max_zero(graph, schedule)
+    top = max_zero(graph, schedule, checkpointing)
     if inner.get("zero", 0) > top:
         raise ConstraintError(f"constraint zero={inner['zero']} cannot be met with pp={pp}, pp_schedule={schedule}: "
                               f"pipelined stages run ZeRO <= {top} under that schedule; pin a lower zero or "
@@ -483,7 +549,9 @@ def apply_pipeline(data: dict, info: dict) -> dict:
     tb, share = pred["time_breakdown"], info["static_share"]
     # The busiest rank: its stages' compute, in-op and resharding communication and point-to-point
     # sends (all in "compute"), the bubble, and its share of gradient communication and optimizer.
-    pred["time_breakdown"] = {"compute": info["pipeline"] - info["bubble"], "recompute": 0.0, "op_comm": 0.0,
+    recompute = info.get("recompute", 0.0)   # the busiest rank's recomputation (activation checkpointing)
+    pred["time_breakdown"] = {"compute": info["pipeline"] - info["bubble"] - recompute, "recompute": recompute,
+                              "op_comm": 0.0,
                               "reshard_comm": 0.0, "grad_comm": tb["grad_comm"] * share,
                               "grad_comm_exposed": tb["grad_comm_exposed"] * share,
                               "optimizer": tb["optimizer"] * share, "bubble": info["bubble"],
