@@ -277,7 +277,11 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
         P.grad_comm[name], P.optimizer[name], P.saved[name] = grad_t, opt_t, saved
         P.transient[name], P.comm_bytes[name] = transient, axis_bytes
         P.fwd_comm[name], P.fwd_comm_bytes[name] = fwd_comm, fwd_bytes
-        P.valid[name] = np.array([_divides_micro_batch(c, info, st, nm) for st in info.strategies], dtype=bool)
+        # which strategies divide a micro-batch depends on the mesh and the count only: once per (mesh, nm)
+        valid = c.edge_cache.setdefault(("valid", nm), {})
+        if name not in valid:
+            valid[name] = np.array([_divides_micro_batch(c, info, st, nm) for st in info.strategies], dtype=bool)
+        P.valid[name] = valid[name]
         if info.kind == "param":
             P.static[name] = static
         if info.kind == "op" and ops_done is None:
