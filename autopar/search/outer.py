@@ -150,6 +150,11 @@ def _micro_batch_error(batch: int, dps: list[int], constraints: dict) -> str | N
 
 
 def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict, max_zero: int = 3):
+    """Every (mesh, ZeRO stage, micro-batch count) the pins allow. Unpinned, ZeRO-1 is left out
+    with one micro-batch where ZeRO-2 is allowed: there the two run the same collectives (one
+    reduce-scatter of the gradients, one all-gather of the parameters: pricing.price_nodes), so
+    they cost the same time, and ZeRO-2 holds a shard of the gradients instead of all of them: no
+    ZeRO-1 plan is faster or fits where the ZeRO-2 one does not."""
     batch = global_batch(graph)
     for mesh in allowed_meshes(cluster, constraints):
         dp = mesh.degree("dp")
@@ -159,6 +164,8 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
             ([z for z in (0, 1, 2, 3) if z <= max_zero] if dp > 1 else [0])
         for nm in _micro_choices(batch // dp, constraints):
             for z in zeros:
+                if z == 1 and nm == 1 and 2 in zeros and "zero" not in constraints:
+                    continue   # dominated by ZeRO-2 (docstring)
                 yield Config(mesh, Settings(optimizer=base.optimizer, precision=base.precision, zero=z,
                                             num_micro_batches=nm, budget=base.budget,
                                             overlap_grad_comm=base.overlap_grad_comm,
