@@ -15,14 +15,15 @@
     interleaved-1f1b} x micro-batch count x tp in {1, 2, 4, 8} x dp completing the mesh x ZeRO
     {0, 1} x checkpoint {none, full}, each point priced with ``constraints=`` and
     ``policy="megatron"`` by the same cost model; points the planner refuses (ConstraintError,
-    MemoryBudgetError) are counted. Micro-batch counts: the search's own m in {pp, 2pp, 4pp} and
+    MemoryBudgetError) are counted. Micro-batch counts: m in {pp, 2pp, 4pp} (the search's set before the fix) and
     those giving micro-batch sizes 1, 2, 4, 8 (for pp=1: micro-batch size in {1, 2, 4, 8}).
     ratio = automatic predicted step / best grid predicted step (the issue: never above 1.00).
     Models (explicit 2021 attention, bench_published's shapes): a 39B GPT (48 layers, hidden
-    8192, 64 heads, seq 2048, vocab 51,200, batch 512) on 8 DGX-A100 nodes (64 GPUs); ``--gpt3``
-    adds GPT-3 175B (96 layers, 12288, 96 heads, batch 1536) on 128 nodes with a pruned grid.
+    8192, 64 heads, seq 2048, vocab 51,200, batch 512) on 8 DGX-A100 nodes (64 GPUs); ``--models
+    gpt3-175B`` GPT-3 175B (96 layers, 12288, 96 heads, batch 1536) on 128 nodes with a pruned grid.
 
-    .venv/bin/python -m benchmarks.bench_pipeline [--part a|b|c] [--rows 39.1B 76.1B] [--checkpoint full|none] [--gpt3]
+    .venv/bin/python -m benchmarks.bench_pipeline [--part a|b|c] [--rows 39.1B 76.1B] [--checkpoint full|none]
+        [--models 39B gpt3-175B]
 """
 from __future__ import annotations
 
@@ -194,7 +195,8 @@ def main():
     ap.add_argument("--rows", nargs="*")
     ap.add_argument("--checkpoint", choices=("full", "none"), default="full",
                     help="part a: full recompute as the paper ran (default) or none (the old rows)")
-    ap.add_argument("--gpt3", action="store_true", help="part c: GPT-3 175B on 1024 GPUs too (slow)")
+    ap.add_argument("--models", nargs="*", default=["39B"], choices=list(GRID_MODELS),
+                    help="part c: models (gpt3-175B on 1024 GPUs is slow)")
     args = ap.parse_args()
     parts = args.part or ["a", "b"]
     print(open("/proc/loadavg").read().strip())
@@ -203,7 +205,7 @@ def main():
     if "b" in parts:
         gpt3_search()
     if "c" in parts:
-        plan_quality(("39B", "gpt3-175B") if args.gpt3 else ("39B",))
+        plan_quality(args.models)
     print(open("/proc/loadavg").read().strip())
 
 

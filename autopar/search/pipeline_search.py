@@ -7,7 +7,11 @@ planning; with ``pp=1`` pinned the ordinary search. Otherwise:
    find nothing that fits memory (a ``MemoryBudgetError`` is kept, not raised yet).
 2. Pipelined candidates: pp in the powers of two from 2 up to ``MAX_PP`` that the model's blocks
    and the cluster allow (``pipeline.stage_cluster``), schedules ``SCHEDULES`` and micro-batch
-   counts ``pp * MICRO_FACTORS`` dividing the batch. Each is ``pipeline.search_pipelined`` with
+   counts ``pp * MICRO_FACTORS`` dividing the batch. Factors up to 16: Megatron-style runs use many
+   more micro-batches than stages (micro-batch size 1, m = batch / dp), and at 4pp the 1F1B bubble
+   is still (pp - 1) / 4pp of the step; with factors only up to 4 a 39B GPT on 64 A100s missed
+   the grid's pp=4, m=64 plan by 0.3% (benchmarks/RESULTS.md section 10(c)). Larger counts have the
+   smaller bound (below), so they are visited first and a good one prunes the smaller counts. Each is ``pipeline.search_pipelined`` with
    those pins (the inner plan on the stage sub-mesh, the DP partition, the simulated schedule);
    the inner plan depends only on (pp, m) and the user's other pins, so it is searched once per
    (pp, m) and reused for every schedule (``inner_cache``).
@@ -34,7 +38,7 @@ from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 
 MAX_PP = 16
 SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
-MICRO_FACTORS = (1, 2, 4)
+MICRO_FACTORS = (1, 2, 4, 8, 16)   # module doc, step 2
 
 
 def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
@@ -52,6 +56,11 @@ def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
             pass
         pp *= 2
     return out
+
+
+def micro_batch_counts(pp: int, batch: int) -> list[int]:
+    """The micro-batch counts the free search tries with ``pp`` stages: pp x MICRO_FACTORS dividing the batch."""
+    return [pp * f for f in MICRO_FACTORS if batch % (pp * f) == 0]
 
 
 def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw):
@@ -98,9 +107,8 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
     for p in _pp_choices(graph, cluster, constraints):
         for sched in SCHEDULES:
             v = virtual_stages(sched)
-            for f in MICRO_FACTORS:
-                m = p * f
-                if batch % m or "num_micro_batches" in constraints and constraints["num_micro_batches"] != m:
+            for m in micro_batch_counts(p, batch):
+                if "num_micro_batches" in constraints and constraints["num_micro_batches"] != m:
                     continue
                 cands.append((base_compute * (1 + (p - 1) / (m * v)), p, SCHEDULES.index(sched), m, sched))
     best_time = base_time
