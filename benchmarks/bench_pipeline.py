@@ -20,7 +20,11 @@
     ratio = automatic predicted step / best grid predicted step (the issue: never above 1.00).
     Models (explicit 2021 attention, bench_published's shapes): a 39B GPT (48 layers, hidden
     8192, 64 heads, seq 2048, vocab 51,200, batch 512) on 8 DGX-A100 nodes (64 GPUs); ``--models
-    gpt3-175B`` GPT-3 175B (96 layers, 12288, 96 heads, batch 1536) on 128 nodes with a pruned grid.
+    gpt3-175B`` GPT-3 175B (96 layers, 12288, 96 heads, batch 1536) on 128 nodes with a pruned grid
+    (each point takes seconds, the automatic plan minutes): tp=8 only (Megatron's choice for every
+    model above 18B in Narayanan et al. Table 1, the NVLink domain), ZeRO-1 only (ZeRO-0 keeps the
+    same gradient traffic with more optimizer memory), micro-batch sizes {1, 2}; pp, schedules,
+    the counts {pp, 2pp, 4pp} and checkpoint {none, full} kept: 64 points.
 
     .venv/bin/python -m benchmarks.bench_pipeline [--part a|b|c] [--rows 39.1B 76.1B] [--checkpoint full|none]
         [--models 39B gpt3-175B]

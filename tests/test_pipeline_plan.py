@@ -221,3 +221,7 @@ def test_free_search_micro_batch_counts_reach_16_per_stage():
     assert micro_batch_counts(4, 512) == [4, 8, 16, 32, 64]
     assert micro_batch_counts(2, 24) == [2, 4, 8]   # only counts dividing the batch
     assert micro_batch_counts(8, 1536) == [8, 16, 32, 64, 128]
+    # with the cluster, Megatron's counts (micro-batch 1 or 2, tp over a node): GPT-3 batch 1536 on
+    # 128 DGX nodes, pp=8 leaves 16 nodes per stage, dp=16: m = 96 and 48
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=128)
+    assert micro_batch_counts(8, 1536, cluster) == [8, 16, 32, 48, 64, 96, 128]
