@@ -15,7 +15,7 @@
     interleaved-1f1b} x micro-batch count x tp in {1, 2, 4, 8} x dp completing the mesh x ZeRO
     {0, 1} x checkpoint {none, full}, each point priced with ``constraints=`` and
     ``policy="megatron"`` by the same cost model; points the planner refuses (ConstraintError,
-    MemoryBudgetError) are counted. Micro-batch counts: m in {pp, 2pp, 4pp} (the search's set before the fix) and
+    MemoryBudgetError) are counted. Micro-batch counts: m in {pp, 2pp, 4pp} (the search's set before the fixes) and
     those giving micro-batch sizes 1, 2, 4, 8 (for pp=1: micro-batch size in {1, 2, 4, 8}).
     ratio = automatic predicted step / best grid predicted step (the issue: never above 1.00).
     Models (explicit 2021 attention, bench_published's shapes): a 39B GPT (48 layers, hidden
