@@ -211,3 +211,17 @@ def test_checkpointed_pipeline_plan_prices_recomputation_and_keeps_block_inputs(
         assert a["peak_memory"] == pytest.approx(a["static_memory"] + a["alive_micro_batches"]
                                                  * a["activations_per_micro_batch"] + a["recompute_memory"], abs=2)
     assert full.predictions["peak_memory"] < none.predictions["peak_memory"]
+
+
+def test_free_search_micro_batch_counts_reach_16_per_stage():
+    """The free search's micro-batch counts go to 16 x pp (dividing the batch): with only
+    {pp, 2pp, 4pp} a 39B GPT on 64 A100s missed the Megatron-style grid's pp=4, m=64 plan
+    (benchmarks/RESULTS.md section 10(c))."""
+    from autopar.search.pipeline_search import micro_batch_counts
+    assert micro_batch_counts(4, 512) == [4, 8, 16, 32, 64]
+    assert micro_batch_counts(2, 24) == [2, 4, 8]   # only counts dividing the batch
+    assert micro_batch_counts(8, 1536) == [8, 16, 32, 64, 128]
+    # with the cluster, Megatron's counts (micro-batch 1 or 2, tp over a node): GPT-3 batch 1536 on
+    # 128 DGX nodes, pp=8 leaves 16 nodes per stage, dp=16: m = 96 and 48
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=128)
+    assert micro_batch_counts(8, 1536, cluster) == [8, 16, 32, 48, 64, 96, 128]

@@ -7,7 +7,15 @@ planning; with ``pp=1`` pinned the ordinary search. Otherwise:
    find nothing that fits memory (a ``MemoryBudgetError`` is kept, not raised yet).
 2. Pipelined candidates: pp in the powers of two from 2 up to ``MAX_PP`` that the model's blocks
    and the cluster allow (``pipeline.stage_cluster``), schedules ``SCHEDULES`` and micro-batch
-   counts ``pp * MICRO_FACTORS`` dividing the batch. Each is ``pipeline.search_pipelined`` with
+   counts ``pp * MICRO_FACTORS`` dividing the batch. Factors up to 16: Megatron-style runs use many
+   more micro-batches than stages (micro-batch size 1, m = batch / dp), and at 4pp the 1F1B bubble
+   is still (pp - 1) / 4pp of the step; with factors only up to 4 a 39B GPT on 64 A100s missed
+   the grid's pp=4, m=64 plan by 0.3% (benchmarks/RESULTS.md section 10(c)). And the counts
+   Megatron-LM runs: micro-batch size 1 or 2 with tensor parallelism over a node, i.e.
+   m = batch / (dp x mbs) with dp = the stage's nodes; batch / dp often has a factor 3 that no
+   pp x 2^k reaches (GPT-3 175B, batch 1536 on 1024 A100s, pp=8: m=96 was 9% faster than
+   anything the search tried). Larger counts have the smaller bound (below), so they are visited
+   first and a good one prunes the smaller counts. Each is ``pipeline.search_pipelined`` with
    those pins (the inner plan on the stage sub-mesh, the DP partition, the simulated schedule);
    the inner plan depends only on (pp, m) and the user's other pins, so it is searched once per
    (pp, m) and reused for every schedule (``inner_cache``).
@@ -34,7 +42,8 @@ from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 
 MAX_PP = 16
 SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
-MICRO_FACTORS = (1, 2, 4)
+MICRO_FACTORS = (1, 2, 4, 8, 16)   # module doc, step 2
+MEGATRON_MBS = (1, 2)
 
 
 def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
@@ -52,6 +61,24 @@ def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
             pass
         pp *= 2
     return out
+
+
+def micro_batch_counts(pp: int, batch: int, cluster=None) -> list[int]:
+    """The micro-batch counts the free search tries with ``pp`` stages (module doc, step 2): pp x
+    MICRO_FACTORS, and with ``cluster`` the Megatron-style counts batch / (dp x b) for micro-batch
+    sizes b in MEGATRON_MBS, dp being what a stage's devices leave for data parallelism when
+    tensor parallelism takes a whole node (dp = stage nodes). Only counts >= pp dividing the batch."""
+    ms = {pp * f for f in MICRO_FACTORS}
+    if cluster is not None:
+        from autopar.search.pipeline import stage_cluster
+        try:
+            sub = stage_cluster(cluster, pp)
+        except ConstraintError:
+            sub = None
+        if sub is not None:
+            dp = sub.num_devices // sub.devices_per_node
+            ms |= {batch // (dp * b) for b in MEGATRON_MBS if batch % (dp * b) == 0}
+    return sorted(m for m in ms if m >= pp and batch % m == 0)
 
 
 def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw):
@@ -98,9 +125,8 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
     for p in _pp_choices(graph, cluster, constraints):
         for sched in SCHEDULES:
             v = virtual_stages(sched)
-            for f in MICRO_FACTORS:
-                m = p * f
-                if batch % m or "num_micro_batches" in constraints and constraints["num_micro_batches"] != m:
+            for m in micro_batch_counts(p, batch, cluster):
+                if "num_micro_batches" in constraints and constraints["num_micro_batches"] != m:
                     continue
                 cands.append((base_compute * (1 + (p - 1) / (m * v)), p, SCHEDULES.index(sched), m, sched))
     best_time = base_time
