@@ -99,12 +99,12 @@ def outline_regions(gm: fx.GraphModule, regions: dict[str, list[fx.Node]]) -> li
             sub = graph.get_attr(name)
             call = graph.create_node("call_function", checkpoint_region, (sub, region, *inputs), {},
                                      name=name + "_out")
+            news = [call] if len(outputs) == 1 else \
+                [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
         # the traced node it stands for (its block instance's): pipeline stages place it by that
         source = next((n.meta["autopar_source"] for n in span if n.meta.get("autopar_source")), None)
         if source is not None:
             call.meta["autopar_source"] = source
-            news = [call] if len(outputs) == 1 else \
-                [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
         for old, new in zip(outputs, news):
             old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in inside)
         for n in reversed(span):

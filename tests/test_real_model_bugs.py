@@ -139,9 +139,11 @@ def test_frozen_parameters_are_priced_as_buffers():
     """No gradient or optimizer bytes for a frozen parameter in the plan's memory breakdown."""
     cluster = autopar.Cluster.preset("cpu", devices=2)
     model, batch = frozen_model()
-    frozen = autopar.plan(model, batch, cluster, optimizer="sgd", precision="fp32", constraints={"dp": 2, "tp": 1, **NM1})
+    # ZeRO-1 pinned: every rank holds whole gradients (unpinned, ZeRO-2 would halve them)
+    pins = {"dp": 2, "tp": 1, "zero": 1, **NM1}
+    frozen = autopar.plan(model, batch, cluster, optimizer="sgd", precision="fp32", constraints=pins)
     model.backbone.requires_grad_(True)
-    full = autopar.plan(model, batch, cluster, optimizer="sgd", precision="fp32", constraints={"dp": 2, "tp": 1, **NM1})
+    full = autopar.plan(model, batch, cluster, optimizer="sgd", precision="fp32", constraints=pins)
     head = sum(p.numel() for p in model.head.parameters())
     assert frozen.memory_breakdown["grads"] == pytest.approx(4 * head)
     assert frozen.memory_breakdown["grads"] < full.memory_breakdown["grads"]
