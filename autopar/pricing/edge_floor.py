@@ -12,9 +12,10 @@ floor: per (producer strategy, consumer strategy) pair,
 times the number of micro-batches and of edge instances. It is a lower bound of the priced
 entry: an axis that is used changes place only through a collective on that axis (all-reduce,
 reduce-scatter, all-gather, all-to-all; the free moves, slice and partial, only take unused
-axes, autopar/pricing/reshard.py; autopar/pricing/conjugates.py gives each step's backward), every micro-batch reshards again, and a collective on any
-number of bytes costs at least its latency terms (``latency_floor``). The floors depend on the mesh only, so they are computed once per
-(candidates, cluster) and scaled by the micro-batch count.
+axes, autopar/pricing/reshard.py; autopar/pricing/conjugates.py gives each step's backward),
+every micro-batch reshards again, and a collective on any number of bytes costs at least its
+latency terms (``latency_floor``). The floors depend on the mesh only, so they are computed once
+per (candidates, cluster) and scaled by the micro-batch count.
 """
 from __future__ import annotations
 
@@ -63,6 +64,11 @@ def collectives_needed(src: np.ndarray, dst: np.ndarray, grad: bool) -> np.ndarr
 def edge_floors(c, cluster) -> dict:
     """(producer rep, consumer rep) -> [S, T] floor seconds for ONE micro-batch, all edge
     instances (module doc). Cached on ``c`` per cluster."""
+    return _floors_and_pairs(c, cluster)[0]
+
+
+def _floors_and_pairs(c, cluster) -> tuple[dict, int]:
+    """(``edge_floors``, how many strategy pairs its edges have), one cache entry per cluster."""
     key = ("floors", cluster)
     if key in c.edge_cache:
         return c.edge_cache[key][1]
@@ -79,16 +85,14 @@ def edge_floors(c, cluster) -> dict:
             continue
         k = (prod.rep, info.rep)
         out[k] = out[k] + mat if k in out else mat
-    c.edge_cache[key] = (cluster, out)
-    c.edge_cache[("pairs", cluster)] = (cluster, pairs)
-    return out
+    c.edge_cache[key] = (cluster, (out, pairs))
+    return out, pairs
 
 
 def edge_pairs(c, cluster) -> int:
     """How many (producer strategy, consumer strategy) pairs pricing ``c``'s edges visits: what
     ``price_edges`` costs, roughly (tens of microseconds a distinct pair)."""
-    edge_floors(c, cluster)
-    return c.edge_cache[("pairs", cluster)][1]
+    return _floors_and_pairs(c, cluster)[1]
 
 
 def with_edge_floors(P: Priced, c, cluster, num_micro_batches: int) -> Priced:
