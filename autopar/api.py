@@ -72,8 +72,10 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
         result, stats, pipe = plan_search(graph, cluster, base, constraints, search,
                                           time_limit=time_limit, log=log, policy=policy)
     finally:
-        gc.unfreeze()
+        # release_threads() collects garbage first: while the model is still frozen, that walks
+        # only what the search allocated (after unfreezing, 0.3 s of a small model's plan)
         release_threads()   # no solver thread outlives planning (solver/ilp.py: release_threads)
+        gc.unfreeze()
     from autopar.search.grid_search import GridResult, grid_plan_data
     make = grid_plan_data if isinstance(result, GridResult) else plan_data
     data = make(result, cluster, graph, optimizer, precision, budget, overlap_grad_comm, stats)

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from autopar.errors import PlanError
 from solver.bruteforce import brute_force, brute_force_min_peak
-from solver.ilp import build, evaluate, fits, min_peak_memory, solve
+from solver.ilp import build, evaluate, fits, min_peak_memory, relaxation_bound, solve
+from solver.tree_bound import tree_lower_bound
 from solver.pipeline import partition, pipeline_objective
 from solver.problem import CheckpointGroup, Edge, MemoryConstraint, Problem
 
@@ -360,3 +361,51 @@ def test_recompute_working_set_binds_at_the_scale_of_real_models():
     _, mem = evaluate(problem, sol.choice, sol.checkpoint)
     assert sol.choice == [1], "the cheaper strategy's recompute set (300 MB) does not fit the 200 MB left"
     assert mem["end"] <= problem.memory[0].budget
+
+
+# ----------------------------------------------------------------------------- cheap bounds
+
+@settings(max_examples=150, **SETTINGS)
+@given(problems())
+def test_tree_bound_is_below_the_optimum(problem):
+    """solver/tree_bound.py prunes configurations: it must never exceed the true optimum."""
+    ref = brute_force(problem)
+    if ref.status == "infeasible":
+        return
+    assert tree_lower_bound(problem) <= ref.objective + tie_tol(problem)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(st.integers(2, 6), st.integers(0, 10_000))
+def test_tree_bound_is_exact_on_a_tree(n, seed):
+    """Without cycles, memory or checkpointing the dynamic program is the optimum itself."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(rng.integers(1, 4)) for _ in range(n)]
+    costs = [rng.uniform(0, 1, k) for k in sizes]
+    edges = []
+    for v in range(1, n):   # each node hangs off an earlier one, in either direction
+        u = int(rng.integers(0, v))
+        src, dst = (u, v) if rng.random() < 0.5 else (v, u)
+        edges.append(Edge(src, dst, rng.uniform(0, 1, (sizes[src], sizes[dst]))))
+    problem = Problem([f"n{i}" for i in range(n)], costs, edges)
+    assert math.isclose(tree_lower_bound(problem), brute_force(problem).objective, rel_tol=1e-9)
+
+
+def test_tree_bound_beats_the_per_node_bound_on_a_chain():
+    """Two nodes that each prefer strategy 0 alone but must pay to pair it: the forest sees it."""
+    problem = Problem(["a", "b"], [np.array([0.0, 1.0]), np.array([0.0, 1.0])],
+                      [Edge(0, 1, np.array([[5.0, 5.0], [5.0, 0.0]]))])
+    assert tree_lower_bound(problem) == 2.0 == brute_force(problem).objective
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_relaxation_bound_cutoff_only_answers_whether_it_is_reached(seed):
+    """With a cutoff the LP may stop early, but what it returns reaches the cutoff exactly when
+    the full LP optimum does, and never exceeds that optimum (outer.py prunes on it)."""
+    problem = random_problem(40, 6, 90, seed, budget_frac=10.0)
+    full = relaxation_bound(problem)
+    assert math.isfinite(full)
+    for frac in (0.5, 0.9, 0.999, 1.001, 1.2):
+        got = relaxation_bound(problem, cutoff=full * frac)
+        assert got <= full * (1 + 1e-9)
+        assert (got >= full * frac) == (frac <= 1.0), (frac, got, full)

@@ -316,38 +316,50 @@ def _local_intensity(spec, info: NodeInfo, st: Strategy, mesh: Mesh, nm: int, it
 _NODE_FIELDS = tuple(f.name for f in dataclasses.fields(Priced) if not f.name.startswith("edge") and f.name != "static")
 
 
-def _micro_shape(shape, batch_dims, nm: int):
-    if nm == 1 or not batch_dims:
-        return tuple(shape)
-    d = min(batch_dims)
-    return tuple(x // nm if i == d else x for i, x in enumerate(shape))
-
-
 def _divides_micro_batch(c: Candidates, info: NodeInfo, st: Strategy, nm: int) -> bool:
     """Every layout of the strategy splits one micro-batch's tensors evenly."""
     if nm == 1:
         return True
-    mesh = c.mesh
-    tensors = []
-    val = node_val(info.node)
-    outs = val if isinstance(val, (tuple, list)) else (val,)
-    for k, (o, lay) in enumerate(zip(outs, st.outputs)):
-        bd = info.batch_dims[k] if k < len(info.batch_dims) else frozenset()
-        tensors.append((o, bd, lay))
-    if info.kind == "op":
-        for p, lay in zip(c.inputs(info.node), st.inputs):
-            prod = c.nodes.get(p.name)
-            pv = node_val(p)
-            if prod is None or lay is None or not isinstance(pv, torch.Tensor):
-                continue
-            tensors.append((pv, prod.batch_dims[0] if prod.batch_dims else frozenset(), lay))
-    for t, bd, lay in tensors:
-        if not isinstance(t, torch.Tensor) or lay is None or lay.ndim != t.ndim:
+    shape = c.mesh.shape
+    for out, k, n, d in _batched_tensors(c, info):
+        lay = st.outputs[k] if out else (st.inputs[k] if k < len(st.inputs) else None)
+        if lay is None or lay.ndim != n:
             continue
-        shape = _micro_shape(tensor_shape(t), bd, nm)
-        if any(x % lay.split_factor(d, mesh.shape) for d, x in enumerate(shape)):
+        if (d[1] // nm) % lay.split_factor(d[0], shape):
             return False
     return True
+
+
+def _batched_tensors(c: Candidates, info: NodeInfo) -> list:
+    """The tensors a strategy of ``info`` lays out whose size a micro-batch count changes: (is an
+    output, index among the outputs / the op's inputs, ndim, (batch dim, its full size)). Only the
+    batch dim changes with the count (to its size // count); the full shapes divide by construction
+    (a strategy at one micro-batch is valid). Cached per node: pricing asks for every strategy
+    at every count."""
+    cache = c.__dict__.setdefault("_batched_tensors", {})
+    got = cache.get(info.node.name)
+    if got is not None:
+        return got
+    got = []
+    val = node_val(info.node)
+    outs = val if isinstance(val, (tuple, list)) else (val,)
+    for k, o in enumerate(outs):
+        bd = info.batch_dims[k] if k < len(info.batch_dims) else frozenset()
+        if isinstance(o, torch.Tensor) and bd:
+            d = min(bd)
+            got.append((True, k, o.ndim, (d, tensor_shape(o)[d])))
+    if info.kind == "op":
+        for i, p in enumerate(c.inputs(info.node)):
+            prod = c.nodes.get(p.name)
+            pv = node_val(p)
+            if prod is None or not isinstance(pv, torch.Tensor):
+                continue
+            bd = prod.batch_dims[0] if prod.batch_dims else frozenset()
+            if bd:
+                d = min(bd)
+                got.append((False, i, pv.ndim, (d, tensor_shape(pv)[d])))
+    cache[info.node.name] = got
+    return got
 
 
 def _region_cost(c: Candidates, info: NodeInfo, st: Strategy, precision: str, nm: int, comm):

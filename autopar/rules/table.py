@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import operator
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -42,10 +43,21 @@ def rule(*targets):
     return deco
 
 
+# node -> (its args, its kwargs, their fx Nodes): a pytree walk is ~10 us and planning asks for
+# the same node's inputs ~10,000 times. fx replaces a node's args/kwargs objects on every edit
+# (they are immutable), so an entry is valid while both are the very objects it was made from.
+_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """Every fx Node among args then kwargs, flattened, in order, duplicates kept."""
+    got = _INPUTS.get(node)
+    if got is not None and got[0] is node.args and got[1] is node.kwargs:
+        return list(got[2])
     leaves = pytree.tree_leaves((list(node.args), dict(node.kwargs)))
-    return [x for x in leaves if isinstance(x, fx.Node)]
+    out = [x for x in leaves if isinstance(x, fx.Node)]
+    _INPUTS[node] = (node.args, node.kwargs, tuple(out))
+    return out
 
 
 def input_dim_sets(node: fx.Node, per_value: dict, inputs: list | None = None) -> list[frozenset]:

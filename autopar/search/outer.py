@@ -24,6 +24,7 @@ from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.search.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound
 from autopar.frontend.trace import TracedGraph
 from solver.ilp import memory_floor_exceeds_budget, min_peak_memory, relaxation_bound, solve
+from solver.tree_bound import tree_lower_bound
 
 # Relative optimality gap at which each configuration's ILP stops: plans within 0.1% of the
 # optimum of one configuration; the reported gap says what was reached.
@@ -339,8 +340,14 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         # The LP relaxation of the same problem with gradient communication free: about a
         # quarter of the ILP's time, often within a few % of the plan, and an infeasible LP
         # means an infeasible ILP (which HiGHS is slow to prove).
+        relaxed = bound_problem(problem, P)
+        # the spanning-tree bound first: milliseconds where the LP takes tenths of a second
+        if best is not None and tree_lower_bound(relaxed) >= best.prediction["step_time"]:
+            stats["pruned"] += 1
+            return best
         try:
-            lp = relaxation_bound(bound_problem(problem, P), time_limit=remaining)
+            cutoff = None if best is None else best.prediction["step_time"]   # only whether it reaches the best
+            lp = relaxation_bound(relaxed, time_limit=remaining, cutoff=cutoff)
             stats["lp_bounds"] = stats.get("lp_bounds", 0) + 1
         except PlanError:
             if remaining is None:
@@ -402,8 +409,11 @@ def _pruned_by_floors(cfg, P, cands, cluster, best, remaining) -> bool:
     problem = build_problem(cands, F, cfg.settings)
     if memory_floor_exceeds_budget(problem):
         return False   # the exact path reports it (and keeps the problem for the error message)
+    relaxed = bound_problem(problem, F)
+    if tree_lower_bound(relaxed) >= target:   # milliseconds; the LP below tenths of a second
+        return True
     try:
-        lp = relaxation_bound(bound_problem(problem, F), time_limit=remaining)
+        lp = relaxation_bound(relaxed, time_limit=remaining, cutoff=target)
     except PlanError:
         return False
     return lp != math.inf and lp >= target
