@@ -171,7 +171,7 @@ def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | Non
         if sps:
             info.strategies = _on_seq_axes(node, spec, info.strategies, mesh, sps, letters, mode, heads.get(name))
     if mode == "ulysses" and heads:
-        _check_heads_split(nodes, heads, mesh, sps)
+        _check_heads_split(graph, nodes, heads, mesh, sps)
 
 
 def seq_letters(graph, nodes: dict, order: list[str]) -> dict[str, frozenset]:
@@ -250,11 +250,14 @@ def head_letters(graph, nodes: dict, order: list[str], seq: dict[str, frozenset]
     carries the attention heads, for the ops that have one.
 
     Seeded at each core's softmax (its letters that are neither batch, sequence, the softmax dim
-    nor size 1: the heads; Grouped-query K/V heads enter through the repeat's view, whose leading
-    letter is shared with the kv-head dim), then propagated through the core's specs in both
-    directions (a letter shared by an op's inputs and outputs is one dimension) until nothing
-    changes. Propagation stays inside the core: the q/k/v and output projections keep the
-    sequence split, so the head split begins and ends on the core's edges (the all-to-alls)."""
+    nor size 1: the heads), then propagated through the core's specs in both directions (a
+    letter shared by an op's inputs and outputs is one dimension) until nothing changes.
+    Grouped-query K/V repeated by expand + reshape (Hugging Face ``repeat_kv``) carry the letter
+    back to the kv heads: the reshape's leading letter is shared with the kv-head dim, so kv heads
+    that divide by sp move before the repeat. A ``repeat_interleave`` keeps its repeated dim
+    whole (ops_shape.py), so there the repeated heads move. Propagation stays inside the core:
+    the q/k/v and output projections keep the sequence split, so the head split begins and
+    ends on the core's edges (the all-to-alls)."""
     from autopar.rules.attention_core import attention_cores, is_anchor
     from autopar.rules.table import input_dim_sets, tensor_inputs
     core = []
@@ -338,27 +341,36 @@ def head_split_strategies(spec, strategies, mesh: Mesh, a: int, head: str) -> li
         seen.add((ins, outs))
         splits = list(st.splits)
         splits[a] = head
-        name = "" if st.name == "R" else st.name.split(" [")[0]
+        name = "" if st.name == "R" else st.name
         name = (name + " " if name else "") + f"S({head})@{mesh.names[a]} {HEAD_TAG}"
         out.append(Strategy(name, ins, outs, tuple(splits), st.work_fraction / sp, st.comms, st.special))
     return out
 
 
-def _check_heads_split(nodes: dict, heads: dict[str, str], mesh: Mesh, sps) -> None:
-    """Pinned Ulysses: every explicit attention's softmax must run head-split (its heads divide
-    by sp on some strategy), else a PlanError naming the op."""
-    from autopar.rules.attention_core import is_anchor
+def _check_heads_split(graph, nodes: dict, heads: dict[str, str], mesh: Mesh, sps) -> None:
+    """Pinned Ulysses: every explicit attention's softmax must run head-split (a head letter found
+    and dividing by sp on some strategy), else a PlanError naming the op."""
+    from autopar.rules.attention_core import attention_cores, is_anchor
     a = sps[0]
-    for name, ch in heads.items():
-        info = nodes[name]
-        if not is_anchor(info.node) or info.spec.rule == "sdpa":
-            continue
-        if not any(st.splits[a] == ch for st in info.strategies):
-            h = info.spec.sizes[ch]
-            raise PlanError(f"{name} ({info.node.target}, explicit attention): sp_mode='ulysses' splits its {h} heads "
-                            f"over sp={mesh.shape[a]} ranks, but the heads (on each tensor-parallel rank) do not "
-                            f"divide by {mesh.shape[a]}; use an sp that divides the head count, or pin only sp "
-                            f"(the attention then runs sequence-split with K/V all-gathered)")
+    sp = mesh.shape[a]
+    for cores in attention_cores(graph).values():
+        for names in cores:
+            for name in names:
+                info = nodes.get(name)
+                if info is None or info.kind != "op" or not is_anchor(info.node) or info.spec.rule == "sdpa":
+                    continue
+                ch = heads.get(name)
+                if ch is None:
+                    raise PlanError(f"{name} ({info.node.target}, explicit attention): sp_mode='ulysses' splits its "
+                                    f"heads over sp={sp} ranks, but no dim of it could be told to be the heads (not "
+                                    f"batch, sequence or the softmax dim); pin only sp (the attention then runs "
+                                    f"sequence-split with K/V all-gathered)")
+                if not any(st.splits[a] == ch for st in info.strategies):
+                    raise PlanError(f"{name} ({info.node.target}, explicit attention): sp_mode='ulysses' splits its "
+                                    f"{info.spec.sizes[ch]} heads over sp={sp} ranks, but the heads (on each "
+                                    f"tensor-parallel rank) do not divide by {sp}; use an sp that divides the head "
+                                    f"count, or pin only sp (the attention then runs sequence-split with K/V "
+                                    f"all-gathered)")
 
 
 # ------------------------------------------------------------------ attention on the sequence axis
