@@ -245,19 +245,21 @@ def test_show_names_the_mode_per_attention_op():
 
 
 def test_attention_mode_pin_needs_an_sdpa_op():
+    # ring attention is an SDPA algorithm; explicit attention runs Ulysses head-split
+    # (tests/test_ulysses_explicit.py) but has no ring form
     model, batch = ZOO["gpt2"](attention="explicit")
     with pytest.raises(autopar.PlanError, match=r"no such op"):
-        _plan(model, batch, 2, {"sp": 2, "sp_mode": "ulysses"})
+        _plan(model, batch, 2, {"sp": 2, "sp_mode": "ring"})
 
 
 # ------------------------------------------------------------------ saved activations: prediction vs measurement
 
-def _predicted_saved(name, plan, cluster, policy):
+def _predicted_saved(name, plan, cluster, policy, **kw):
     """The plan's saved-activation bytes per rank: the priced ``saved`` of each chosen strategy."""
     from autopar.rules.candidates import candidates
     from autopar.pricing.price import Settings, price
     from autopar.frontend.trace import trace
-    model, batch = ZOO[name]()
+    model, batch = ZOO[name](**kw)
     c = candidates(trace(model, batch), plan.mesh, policy)
     P = price(c, cluster, Settings(optimizer="sgd", precision="fp32", zero=plan.degrees["zero"]), edges=False)
     chosen = {op["node"]: op["strategy"] for op in plan.data["ops"]}
@@ -265,9 +267,9 @@ def _predicted_saved(name, plan, cluster, policy):
                for n, arr in P.saved.items() if len(arr) and n in chosen)
 
 
-def _measure_saved(rank, world, name, plan_json):
+def _measure_saved(rank, world, name, plan_json, kw=None):
     from autopar.pricing.saved_probe import saved_bytes
-    model, batch = ZOO[name]()
+    model, batch = ZOO[name](**(kw or {}))
     cm = autopar.compile(model, autopar.Cluster.preset("cpu", devices=world), example_inputs=batch,
                          plan=autopar.Plan.from_json(plan_json), **OPT)
     cm.step(*batch)

@@ -20,8 +20,16 @@ Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
   ``ring_attention_flops``). Causal ring attention is load-balanced ("zigzag" layout: every
   split over the sp axis is then a zig-zag split, so slices and gathers on that axis permute,
   codegen/sp_ops.py); ``"ring-contiguous"`` keeps contiguous blocks (unbalanced).
-  Explicit matmul/softmax attention needs no special op: q stays sequence-split, K/V are
-  all-gathered by ordinary resharding (the all-gathered-K/V algorithm), the mask sliced alike.
+  Explicit matmul/softmax attention needs no special op. Its ops (the attention core of
+  autopar/rules/attention_core.py: head split, scores, scale, mask, softmax, dropout, x V, head
+  merge) may either split the query sequence (K/V all-gathered by ordinary resharding, the mask
+  sliced alike: the all-gathered-K/V algorithm) or split the HEAD letter on the axis (Ulysses:
+  the edges into and out of the core become reshard ``all_to_all`` steps, sequence dim <-> head
+  dim, whose bytes are ``ulysses_bytes``; ``head_letters`` finds the head letter per op). Pinned
+  "ulysses" keeps only the head-split form wherever the heads divide (grouped-query K/V whose
+  kv heads do not divide by sp stay sequence-split up to the kv-head repeat, so the repeated
+  heads move: Ulysses' repeat when sp > kv_heads); "auto" offers both and the ILP chooses by
+  cost; ring modes need SDPA.
 
 Bad input is a ConstraintError / PlanError naming the op: a sequence that does not divide,
 heads % sp for Ulysses, a mask other than none/causal under ring attention.
@@ -29,6 +37,7 @@ heads % sp for Ulysses, a mask other than none/causal under ring attention.
 from __future__ import annotations
 
 import math
+import operator
 
 from autopar.errors import ConstraintError, PlanError
 from autopar.rules.layout import Layout
@@ -145,18 +154,24 @@ def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | Non
     sps = [a for a in seq_axes(mesh) if mesh.shape[a] > 1]
     if mode is None and not sps:
         return
-    if mode in ("ulysses", "ring", "ring-contiguous") and not any(
-            nodes[n].kind == "op" and nodes[n].spec.rule == "sdpa" for n in order):
+    seq = seq_letters(graph, nodes, order)
+    heads = head_letters(graph, nodes, order, seq) if sps else {}
+    has_sdpa = any(nodes[n].kind == "op" and nodes[n].spec.rule == "sdpa" for n in order)
+    if (mode in ("ring", "ring-contiguous") and not has_sdpa) or (mode == "ulysses" and not has_sdpa and not heads):
         raise PlanError(f"sp_mode={mode!r} runs scaled_dot_product_attention with {mode} attention, but the model "
-                        f"has no such op (explicit matmul/softmax attention?): pin only sp, and its attention runs "
-                        f"on the sequence split with K/V all-gathered by resharding")
-    for name, letters in seq_letters(graph, nodes, order).items():
+                        f"has no such op" + (" nor an explicit matmul/softmax attention whose heads it can split"
+                                             if mode == "ulysses" else " (explicit matmul/softmax attention?)")
+                        + ": pin only sp, and its attention runs on the sequence split with K/V all-gathered by "
+                          "resharding")
+    for name, letters in seq.items():
         info = nodes[name]
         node, spec = info.node, info.spec
         if mode == "megatron":
             info.strategies = _megatron(node, spec, info.strategies, mesh, letters) or info.strategies
         if sps:
-            info.strategies = _on_seq_axes(node, spec, info.strategies, mesh, sps, letters, mode)
+            info.strategies = _on_seq_axes(node, spec, info.strategies, mesh, sps, letters, mode, heads.get(name))
+    if mode == "ulysses" and heads:
+        _check_heads_split(graph, nodes, heads, mesh, sps)
 
 
 def seq_letters(graph, nodes: dict, order: list[str]) -> dict[str, frozenset]:
@@ -205,14 +220,157 @@ def _megatron(node, spec, strategies, mesh: Mesh, seq_letters) -> list[Strategy]
     return strategies
 
 
-def _on_seq_axes(node, spec, strategies, mesh: Mesh, sps, seq_letters, mode) -> list[Strategy]:
-    """Strategies on the sequence axes: a sequence letter or nothing; attention its own algorithms."""
+def _on_seq_axes(node, spec, strategies, mesh: Mesh, sps, seq_letters, mode, head=None) -> list[Strategy]:
+    """Strategies on the sequence axes: a sequence letter or nothing; attention its own algorithms;
+    an explicit attention core's op (``head``: its head letter) also the head split (Ulysses)."""
     if spec.rule == "sdpa":
         return attention_strategies(node, spec, strategies, mesh, sps, mode)
     keep = [st for st in strategies if all(st.splits[a] is None or st.splits[a] in seq_letters for a in sps)]
     splitting = [st for st in keep if all(st.splits[a] in seq_letters for a in sps)]
     # As data axes must split the batch: an op carrying the sequence splits it (when it can).
-    return splitting or [st for st in keep if all(st.splits[a] is None for a in sps)] or strategies[:1]
+    out = splitting or [st for st in keep if all(st.splits[a] is None for a in sps)] or strategies[:1]
+    if head is None or len(sps) != 1 or mode not in ("ulysses", "auto", None):
+        return out
+    split_heads = head_split_strategies(spec, strategies, mesh, sps[0], head)
+    if mode == "ulysses":
+        # Pinned: the core runs head-split wherever its heads divide; an op whose heads do not
+        # (GQA kv heads < sp before their repeat) keeps the sequence split, and the repeated
+        # heads are what the all-to-all moves.
+        return split_heads or out
+    return out + split_heads
+
+
+# ------------------------------------------------------------------ explicit attention, head-split (Ulysses)
+
+HEAD_TAG = "[ulysses-heads]"   # in the names of head-split strategies: what `autopar show` prints per op
+
+
+def head_letters(graph, nodes: dict, order: list[str], seq: dict[str, frozenset]) -> dict[str, str]:
+    """Per op node of an explicit (matmul/softmax) attention core: the letter of its spec that
+    carries the attention heads, for the ops that have one.
+
+    Seeded at each core's softmax (its letters that are neither batch, sequence, the softmax dim
+    nor size 1: the heads), then propagated through the core's specs in both directions (a
+    letter shared by an op's inputs and outputs is one dimension) until nothing changes.
+    Grouped-query K/V repeated by expand + reshape (Hugging Face ``repeat_kv``) carry the letter
+    back to the kv heads: the reshape's leading letter is shared with the kv-head dim, so kv heads
+    that divide by sp move before the repeat. A ``repeat_interleave`` keeps its repeated dim
+    whole (ops_shape.py), so there the repeated heads move. Propagation stays inside the core:
+    the q/k/v and output projections keep the sequence split, so the head split begins and
+    ends on the core's edges (the all-to-alls)."""
+    from autopar.rules.attention_core import attention_cores, is_anchor
+    from autopar.rules.table import input_dim_sets, tensor_inputs
+    core = []
+    for cores in attention_cores(graph).values():
+        for names in cores:
+            core.extend(n for n in names if n in nodes and nodes[n].kind == "op")
+    inside = set(core)
+    core = [n for n in order if n in inside]   # graph order: one forward sweep settles most of it
+
+    def barred(name):   # letters that are never heads at this node: batch, sequence, size 1, unsplittable
+        info = nodes[name]
+        spec = info.spec
+        batch = {ls[d] for ls, dims in zip(spec.outputs, info.batch_dims) for d in dims if d < len(ls)}
+        return batch | set(seq.get(name, ())) | set(spec.unsplittable) | {
+            ch for ch, size in spec.sizes.items() if size <= 1}
+
+    dims: dict[str, list[frozenset]] = {}   # node -> per output: its head dims
+    for name in core:
+        info = nodes[name]
+        if is_anchor(info.node) and info.spec.rule != "sdpa" and info.spec.outputs:
+            out = info.spec.outputs[0]
+            bad = barred(name)
+            dims[name] = [frozenset(d for d, ch in enumerate(out) if ch not in bad)] + \
+                [frozenset()] * (len(info.spec.outputs) - 1)
+    letters: dict[str, frozenset] = {}
+    changed = bool(dims)
+    while changed:
+        changed = False
+        for name in core:
+            info = nodes[name]
+            node, spec = info.node, info.spec
+            ins = tensor_inputs(node)
+            got = set()
+            for ls, ds in zip(spec.inputs, input_dim_sets(node, dims, ins)):
+                if ls is not None:
+                    got |= {ls[d] for d in ds if d < len(ls)}
+            for o, ds in zip(spec.outputs, dims.get(name, ())):
+                got |= {o[d] for d in ds if d < len(o)}
+            got = frozenset(got - barred(name))
+            if got == letters.get(name, frozenset()):
+                continue
+            letters[name] = got
+            changed = True
+            dims[name] = [frozenset(d for d, ch in enumerate(o) if ch in got) for o in spec.outputs]
+            for p, ls in zip(ins, spec.inputs):
+                if ls is None or p.name not in inside:
+                    continue
+                idx = node.args[1] if node.target is operator.getitem else 0
+                have = dims.setdefault(p.name, [frozenset()] * len(nodes[p.name].spec.outputs))
+                if idx < len(have):
+                    have[idx] = have[idx] | frozenset(d for d, ch in enumerate(ls) if ch in got)
+    # one head letter per op; an op where two letters claim to be heads is left alone (ambiguous)
+    return {n: next(iter(ls)) for n, ls in letters.items() if len(ls) == 1}
+
+
+def head_split_strategies(spec, strategies, mesh: Mesh, a: int, head: str) -> list[Strategy]:
+    """Each strategy replicated on sequence axis ``a`` made head-split there: ``a`` appended as
+    the innermost split of every dim carrying the ``head`` letter. Innermost, so that with heads
+    already split over a tensor axis (Megatron) each tensor rank's heads split over ``a`` -- the
+    layout one reshard all-to-all reaches from a sequence split (autopar/pricing/reshard.py
+    appends the axis innermost), the way DeepSpeed-Ulysses nests inside tensor parallelism."""
+    sp = mesh.shape[a]
+    out, seen = [], set()
+    for st in strategies:
+        if st.splits[a] is not None:
+            continue
+        factor = math.prod(mesh.shape[x] for x, s in enumerate(st.splits) if s == head)
+        if spec.sizes.get(head, 1) % (factor * sp):
+            continue
+
+        def add(lay: Layout | None, letters: str | None) -> Layout | None:
+            if lay is None or letters is None:
+                return lay
+            return Layout(tuple(axes + (a,) if ch == head else axes for axes, ch in zip(lay.dims, letters)),
+                          lay.partial)
+
+        ins = tuple(add(l, ls) for l, ls in zip(st.inputs, spec.inputs))
+        outs = tuple(add(l, o) for l, o in zip(st.outputs, spec.outputs))
+        if (ins, outs) in seen:
+            continue
+        seen.add((ins, outs))
+        splits = list(st.splits)
+        splits[a] = head
+        name = "" if st.name == "R" else st.name
+        name = (name + " " if name else "") + f"S({head})@{mesh.names[a]} {HEAD_TAG}"
+        out.append(Strategy(name, ins, outs, tuple(splits), st.work_fraction / sp, st.comms, st.special))
+    return out
+
+
+def _check_heads_split(graph, nodes: dict, heads: dict[str, str], mesh: Mesh, sps) -> None:
+    """Pinned Ulysses: every explicit attention's softmax must run head-split (a head letter found
+    and dividing by sp on some strategy), else a PlanError naming the op."""
+    from autopar.rules.attention_core import attention_cores, is_anchor
+    a = sps[0]
+    sp = mesh.shape[a]
+    for cores in attention_cores(graph).values():
+        for names in cores:
+            for name in names:
+                info = nodes.get(name)
+                if info is None or info.kind != "op" or not is_anchor(info.node) or info.spec.rule == "sdpa":
+                    continue
+                ch = heads.get(name)
+                if ch is None:
+                    raise PlanError(f"{name} ({info.node.target}, explicit attention): sp_mode='ulysses' splits its "
+                                    f"heads over sp={sp} ranks, but no dim of it could be told to be the heads (not "
+                                    f"batch, sequence or the softmax dim); pin only sp (the attention then runs "
+                                    f"sequence-split with K/V all-gathered)")
+                if not any(st.splits[a] == ch for st in info.strategies):
+                    raise PlanError(f"{name} ({info.node.target}, explicit attention): sp_mode='ulysses' splits its "
+                                    f"{info.spec.sizes[ch]} heads over sp={sp} ranks, but the heads (on each "
+                                    f"tensor-parallel rank) do not divide by {sp}; use an sp that divides the head "
+                                    f"count, or pin only sp (the attention then runs sequence-split with K/V "
+                                    f"all-gathered)")
 
 
 # ------------------------------------------------------------------ attention on the sequence axis
@@ -346,13 +504,17 @@ def degrees(cands, pick, mesh: Mesh) -> dict:
     algos = set()
     megatron = False
     model = [a for a in mesh.model_axes() if mesh.shape[a] > 1 and a not in sps]
-    seq = seq_letters(cands.graph, cands.nodes, cands.order) if model else {}
+    seq = seq_letters(cands.graph, cands.nodes, cands.order) if (model or sps) else {}
+    # explicit attention ops split on their head letter over the sequence axis ran Ulysses
+    heads = head_letters(cands.graph, cands.nodes, cands.order, seq) if sps else {}
     for name in cands.order:
         info = cands.nodes[name]
         if info.kind != "op":
             continue
         st = info.strategies[pick[info.rep]]
         algos |= {x for x in st.special if x in ALGORITHMS}
+        if name in heads and any(st.splits[a] == heads[name] for a in sps):
+            algos.add(ULYSSES)
         if model and norm_like(info.node, info.spec) and any(st.splits[a] in seq.get(name, ()) for a in model):
             megatron = True
     if sps:
