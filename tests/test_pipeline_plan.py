@@ -225,3 +225,20 @@ def test_free_search_micro_batch_counts_reach_16_per_stage():
     # 128 DGX nodes, pp=8 leaves 16 nodes per stage, dp=16: m = 96 and 48
     cluster = autopar.Cluster.preset("dgx-a100", nodes=128)
     assert micro_batch_counts(8, 1536, cluster) == [8, 16, 32, 48, 64, 96, 128]
+
+
+def test_inner_cutoff_changes_no_plan(monkeypatch):
+    """pipeline_search.py cuts off a pipelined candidate's inner configurations whose work over p
+    stages cannot beat the incumbent: the premise (some inner search is cut off) and the same plan
+    as without it."""
+    import autopar.search.pipeline_search as PS
+    from autopar.models import HF_ZOO
+    model, batch = HF_ZOO["hf_llama"]()   # its pp=1 plan reshards, so pipelined candidates get searched
+    cluster = autopar.Cluster.preset("cpu", devices=4)
+    with_cut = autopar.plan(model, batch, cluster)
+    assert with_cut.stats["inner_searches"] >= 2 and with_cut.stats["inner_cut_off"] >= 1, with_cut.stats
+    monkeypatch.setattr(PS, "INNER_CUTOFF", False)
+    without = autopar.plan(model, batch, cluster)
+    assert without.stats["inner_cut_off"] == 0
+    assert with_cut.degrees == without.degrees
+    assert with_cut.predictions["step_time"] == without.predictions["step_time"]

@@ -53,7 +53,7 @@ def test_a_3d_linear_is_priced_as_the_ilp_prices_the_same_local_gemm(setup):
         bias = ["n"] if len([t for t in info.spec.inputs if t]) == 3 else []
         ai = gemm_intensity({"m": m, "k": k, "n": n}, ["mk", "nk", *bias, "mn"], 2)
         same = [j for j, st in enumerate(info.strategies) if abs(st.work_fraction - 1 / 8) < 1e-12
-                and _local_intensity(info.spec, info, st, mesh, 1, 2) == pytest.approx(ai, rel=1e-12)]
+                and _local_intensity(c, info.spec, info, j, mesh, 1, 2) == pytest.approx(ai, rel=1e-12)]
         assert same, name    # the ILP has a strategy running this very kernel
         for j in same:
             assert grid[name][1] == pytest.approx(P.compute[name][j], rel=1e-12), name

@@ -246,7 +246,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
             wgrad = has_contraction(spec)
             bscale = op_bytes_scale(val, s.precision)
             for j, st in enumerate(info.strategies):
-                ai = _local_intensity(spec, info, st, mesh, nm, 2 if dtype == "bf16" else 4) if wgrad else None
+                ai = _local_intensity(c, spec, info, j, mesh, nm, 2 if dtype == "bf16" else 4) if wgrad else None
                 f, b = fwd_bwd_compute(spec.flops * st.work_fraction / nm, spec.bytes * bscale * st.work_fraction / nm,
                                        dtype, device, wgrad, ai, cal, op=spec.rule)
                 compute[j] = (f + b) * nm * k
@@ -291,9 +291,26 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     return P
 
 
-def _local_intensity(spec, info: NodeInfo, st: Strategy, mesh: Mesh, nm: int, itemsize: int) -> float:
-    """FLOP/byte of the contraction each rank runs: letter sizes divided by their splits (and
-    the batch letter by the micro-batch count), for the cost model's GEMM-by-intensity curve."""
+def _local_intensity(c: Candidates, spec, info: NodeInfo, j: int, mesh: Mesh, nm: int, itemsize: int) -> float:
+    """FLOP/byte of the contraction each rank runs under strategy ``j``: letter sizes divided by
+    their splits (and the batch letter by the micro-batch count), for the cost model's
+    GEMM-by-intensity curve."""
+    cache = c.__dict__.setdefault("_split_sizes", {})   # c is one mesh's: per (node, strategy)
+    got = cache.get((info.node.name, j))
+    if got is None:
+        got = cache[info.node.name, j] = _split_sizes(spec, info, info.strategies[j], mesh)
+    sizes, tensors, batch = got
+    if nm > 1 and batch:
+        sizes = dict(sizes)
+        for ch in batch:
+            sizes[ch] /= nm
+    return gemm_intensity(sizes, tensors, itemsize)
+
+
+def _split_sizes(spec, info: NodeInfo, st: Strategy, mesh: Mesh):
+    """(local letter sizes, the letter strings of the operands and result, the batch letters) of
+    one strategy: what ``_local_intensity`` needs whatever the micro-batch count (the search
+    prices each mesh at several counts)."""
     sizes = {ch: float(n) for ch, n in spec.sizes.items()}
     split: dict[str, int] = {}
     for letters, lay in list(zip(spec.inputs, st.inputs)) + list(zip(spec.outputs, st.outputs)):
@@ -304,13 +321,16 @@ def _local_intensity(spec, info: NodeInfo, st: Strategy, mesh: Mesh, nm: int, it
     for ch, f in split.items():
         if ch in sizes:
             sizes[ch] /= f
-    if nm > 1 and info.batch_dims and info.batch_dims[0] and spec.outputs:
+    batch = []
+    if info.batch_dims and info.batch_dims[0] and spec.outputs:
         for d in info.batch_dims[0]:
-            if d < len(spec.outputs[0]) and spec.outputs[0][d] in sizes:
-                sizes[spec.outputs[0][d]] /= nm
+            if d < len(spec.outputs[0]) and spec.outputs[0][d] in sizes and spec.outputs[0][d] not in batch:
+                batch.append(spec.outputs[0][d])
     used = {ch for t in list(spec.inputs) + list(spec.outputs) if t for ch in t}
-    return gemm_intensity({ch: v for ch, v in sizes.items() if ch in used},
-                          [t for t in spec.inputs if t] + list(spec.outputs), itemsize)
+    return ({ch: v for ch, v in sizes.items() if ch in used}, [t for t in spec.inputs if t] + list(spec.outputs),
+            tuple(ch for ch in batch if ch in used))
+
+
 # Per-node fields of Priced that price_nodes fills for ops (edges are priced by price_edges,
 # ``static`` is the parameters'): every other dict field, so a new one is cached too.
 _NODE_FIELDS = tuple(f.name for f in dataclasses.fields(Priced) if not f.name.startswith("edge") and f.name != "static")

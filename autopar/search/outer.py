@@ -228,14 +228,18 @@ class _Progress:
 def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict | None = None,
            time_limit: float | None = None, log=None, policy: str | None = None,
            exhaustive: bool = False, progress: bool | None = None, max_zero: int = 3,
-           shared_candidates: dict | None = None) -> tuple[Result, dict]:
+           shared_candidates: dict | None = None, cutoff: float | None = None) -> tuple[Result, dict]:
     """The best configuration and search statistics. ``exhaustive`` solves every configuration
     (no bound pruning, no time limit: the reference the pruned search must match, used by
     tests); ``progress`` forces the live progress line on or off (default: when stderr is a
     terminal); ``max_zero`` caps the unpinned ZeRO stages (pipelined stages execute all of them but
     ZeRO-3 under zero-bubble, autopar/search/pipeline.py ``max_zero``); ``shared_candidates`` keeps each mesh's candidates and their
     pricing caches across the searches of one ``autopar.plan`` call (pp=1 and every pipelined
-    candidate's inner search on a stage's sub-mesh: autopar/search/pipeline_search.py)."""
+    candidate's inner search on a stage's sub-mesh: autopar/search/pipeline_search.py); ``cutoff``
+    (seconds): a configuration whose work bound (``step_time_lower_bound(work_only=True)``: the
+    compute, communication and optimizer time its plans spend, gradient communication aside)
+    reaches it is not solved, and ``CutOff`` is raised if that leaves no plan (a pipelined
+    candidate cannot beat the incumbent with such an inner plan: pipeline_search.py)."""
     constraints = check_constraints(constraints)
     if constraints.get("pp", 1) > 1:
         raise ConstraintError("pipelined plans (pp > 1) are made by autopar.plan (autopar/search/pipeline.py), not search()")
@@ -274,7 +278,7 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
         for lower, _, cfg, P in queue:
             stats["configs"] += 1
             best = _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit, exhaustive,
-                          infeasible, memory_floors, log)
+                          infeasible, memory_floors, log, None if exhaustive else cutoff)
             bar.update(stats, best)
     finally:
         bar.close()
@@ -283,6 +287,9 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
                      stats, log)
     best = grid if grid is not None else best
     stats["seconds"] = time.perf_counter() - t0
+    if best is None and stats.get("cut_off"):
+        raise CutOff(f"{stats['cut_off']} of {stats['configs']} configurations cut off at {cutoff:.4g} s, "
+                     f"the rest found no plan")
     if best is None:
         if stats.get("timed_out"):
             raise PlanError(f"no plan found within time_limit={time_limit} s: the solver ran out of time on "
@@ -305,13 +312,26 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
 
 
 def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit, exhaustive, infeasible,
-           memory_floors, log):
+           memory_floors, log, cutoff=None):
     """Prune or solve one configuration; returns the best result so far. (Warm-starting HiGHS
     from the last solved configuration on the same mesh was measured: no faster.)"""
     elapsed = time.perf_counter() - t0
     if time_limit is not None and elapsed > time_limit and best is not None:
         stats["pruned"] += 1
         return best
+
+    def cut(bound: float) -> bool:
+        """Is the configuration cut off by ``search``'s ``cutoff`` (a work bound reaching it)?"""
+        if cutoff is None or bound < cutoff:
+            return False
+        stats["pruned"] += 1
+        stats["cut_off"] = stats.get("cut_off", 0) + 1
+        return True
+    if cut(step_time_lower_bound(P, work_only=True)):
+        return best
+    # the work bounds below (tree, LP: no gradient communication) answer both questions at once
+    work_target = min(math.inf if best is None else best.prediction["step_time"],
+                      math.inf if cutoff is None else cutoff)
     remaining = None if time_limit is None else max(1.0, time_limit - elapsed)
     cands = cand_cache[cfg.mesh]
     if not exhaustive and best is not None and lower >= best.prediction["step_time"]:
@@ -321,7 +341,7 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         stats["infeasible"] += 1
         memory_floors.append((cfg, P))
         return best
-    if not exhaustive and best is not None and _pruned_by_floors(cfg, P, cands, cluster, best, remaining):
+    if not exhaustive and best is not None and _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff):
         stats["pruned"] += 1
         stats["pruned_unpriced"] = stats.get("pruned_unpriced", 0) + 1
         return best
@@ -329,6 +349,8 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
     edge_lower = step_time_lower_bound(P, edges=True)
     if not exhaustive and best is not None and edge_lower >= best.prediction["step_time"]:
         stats["pruned"] += 1       # the bound with the resharding it cannot avoid
+        return best
+    if cut(step_time_lower_bound(P, edges=True, work_only=True)):
         return best
     problem = build_problem(cands, P, cfg.settings)
     if memory_floor_exceeds_budget(problem):
@@ -342,12 +364,15 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         # means an infeasible ILP (which HiGHS is slow to prove).
         relaxed = bound_problem(problem, P)
         # the spanning-tree bound first: milliseconds where the LP takes tenths of a second
-        if best is not None and tree_lower_bound(relaxed) >= best.prediction["step_time"]:
+        tree = tree_lower_bound(relaxed) if work_target < math.inf else -math.inf
+        if best is not None and tree >= best.prediction["step_time"]:
             stats["pruned"] += 1
             return best
-        try:
-            cutoff = None if best is None else best.prediction["step_time"]   # only whether it reaches the best
-            lp = relaxation_bound(relaxed, time_limit=remaining, cutoff=cutoff)
+        if cut(tree):
+            return best
+        try:   # only whether it reaches the target matters
+            lp = relaxation_bound(relaxed, time_limit=remaining,
+                                  cutoff=None if work_target == math.inf else work_target)
             stats["lp_bounds"] = stats.get("lp_bounds", 0) + 1
         except PlanError:
             if remaining is None:
@@ -365,6 +390,8 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
             return best
         if best is not None and lp >= best.prediction["step_time"]:
             stats["pruned"] += 1
+            return best
+        if cut(lp):
             return best
     try:
         sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
@@ -394,7 +421,7 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
     return best
 
 
-def _pruned_by_floors(cfg, P, cands, cluster, best, remaining) -> bool:
+def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None) -> bool:
     """Whether the resharding floors (autopar/pricing/edge_floor.py: each matrix entry's fewest
     collectives at their latency, no shortest-path search) already bound this configuration
     above the best plan: first the per-node bound, then, where pricing the edges would be costly
@@ -404,6 +431,10 @@ def _pruned_by_floors(cfg, P, cands, cluster, best, remaining) -> bool:
     target = best.prediction["step_time"]
     if step_time_lower_bound(F, edges=True) >= target:
         return True
+    if cutoff is not None:   # the work bounds (no gradient communication) against search's cutoff too
+        target = min(target, cutoff)
+        if step_time_lower_bound(F, edges=True, work_only=True) >= target:
+            return True
     if not LP_BOUND or edge_pairs(cands, cluster) < FLOOR_LP_PAIRS:
         return False
     problem = build_problem(cands, F, cfg.settings)
@@ -417,6 +448,11 @@ def _pruned_by_floors(cfg, P, cands, cluster, best, remaining) -> bool:
     except PlanError:
         return False
     return lp != math.inf and lp >= target
+
+
+class CutOff(PlanError):
+    """``search`` found no plan because its ``cutoff`` pruned the configurations (internal: the
+    pipelined search skips that candidate)."""
 
 
 def _bytes(x: float) -> str:

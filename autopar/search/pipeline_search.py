@@ -28,7 +28,11 @@ and drain of 1F1B / interleaving with v stages per rank); a candidate whose boun
 the pp=1 step time is not searched. This bound assumes the pipelined stages compute no faster
 than the pp=1 plan does, which holds when both split work over the same devices evenly.
 Candidates are visited in order of that bound, so a good pipelined plan found early prunes the
-rest. A ``time_limit`` covers the whole search: pipelined candidates get what pp=1 left.
+rest. Inside a candidate's inner search (the whole model on one stage's sub-mesh) a configuration
+is cut off when its work bound W (compute, in-op and resharding communication and optimizer step
+of the whole model, gradient communication aside) reaches p times the incumbent: the p stages
+split that work (each stage's time is its nodes' share of it), so the busiest rank's pipeline time
+plus its share (>= 1/p) of the optimizer step is at least W / p (``outer.search``'s ``cutoff``). A ``time_limit`` covers the whole search: pipelined candidates get what pp=1 left.
 
 Only executable plans are searched: a pipelined stage runs ZeRO 0-3 (tied parameters too), but
 ZeRO <= 2 under zero-bubble, which is only pinned, never searched (``pipeline.max_zero``;
@@ -44,6 +48,7 @@ MAX_PP = 16
 SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
 MICRO_FACTORS = (1, 2, 4, 8, 16)   # module doc, step 2
 MEGATRON_MBS = (1, 2)
+INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it changes no plan)
 
 
 def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
@@ -140,6 +145,8 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
             break   # the time limit covers the whole search, pipelined candidates included
         pins = dict(flat, pp=p, pp_schedule=sched, num_micro_batches=m)
         kw_left = kw if limit is None else dict(kw, time_limit=max(1.0, limit - (time.perf_counter() - t0)))
+        if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it (module doc)
+            kw_left = dict(kw_left, cutoff=best_time * p)
         try:
             result, stats, pipe = search_pipelined(graph, cluster, base, pins, cached_search, **kw_left)
         except (MemoryBudgetError, ConstraintError, PlanError):
@@ -149,6 +156,9 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
             best, best_stats, best_pipe, best_time = result, stats, pipe, pipe["step_time"]
     if best is None:
         raise err
+    from autopar.search.outer import CutOff
+    cut = sum(isinstance(r, CutOff) for r in inner_cache.values())
     best_stats = dict(best_stats, pipeline_candidates=tried, pipeline_pruned=pruned, inner_searches=len(inner_cache),
+                      inner_cut_off=cut,
                       pipeline_seconds=time.perf_counter() - t0)
     return best, best_stats, best_pipe

@@ -171,7 +171,7 @@ def checkpoint_mode(ckpt: dict) -> str:
     return vals.pop() if len(vals) == 1 else "mixed"
 
 
-def step_time_lower_bound(P: Priced, edges: bool = False) -> float:
+def step_time_lower_bound(P: Priced, edges: bool = False, work_only: bool = False) -> float:
     """A lower bound of the predicted step time of any plan of this configuration. Two per-node
     bounds, the larger one counts: (a) each node at its cheapest compute + in-op communication +
     optimizer step, gradient communication free (it may hide behind backward); (b) the same with
@@ -180,7 +180,10 @@ def step_time_lower_bound(P: Priced, edges: bool = False) -> float:
     Recompute is taken as free. With ``edges`` (P.edges priced), each resharding matrix is added
     to one of its two nodes as its cheapest entry per strategy of that node (every edge to its
     consumer, or every edge to its producer, whichever bound is larger): still a bound for any
-    choice, and much tighter where a configuration must reshard."""
+    choice, and much tighter where a configuration must reshard. ``work_only``: bound (a) alone,
+    i.e. of the plan's compute, in-op and resharding communication and optimizer step, whatever
+    its gradient communication (what a pipeline's stages split among themselves:
+    autopar/search/pipeline_search.py)."""
     ba, bb = {}, {}
     for n, comp in P.compute.items():
         if len(comp):
@@ -202,6 +205,8 @@ def step_time_lower_bound(P: Priced, edges: bool = False) -> float:
             add[key] = add[key] + vec if key in add else vec
         return float(sum(float(np.min(base[n] + add[n])) if n in add else float(np.min(base[n])) for n in base))
 
+    if work_only:
+        return total(ba, True) if not edges else max(total(ba, True), total(ba, False))
     if not edges:
         return max(total(ba, True), total(bb, True))
     return max(total(ba, True), total(ba, False), total(bb, True), total(bb, False))
