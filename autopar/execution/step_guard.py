@@ -34,6 +34,8 @@ group's timeout.
 
 The worker runs the step under the caller's grad mode (``compiled(*inputs)`` is ``no_grad``); other
 thread-local state of the caller (autocast, saved-tensor hooks around ``step``) does not reach it.
+A pipelined model keeps two idle daemon threads (worker, watcher) and two store connections for
+the life of the process.
 """
 from __future__ import annotations
 
