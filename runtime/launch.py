@@ -115,8 +115,8 @@ def _last_line(text: str) -> str:
 def _is_secondary(text: str) -> bool:
     """A rank that failed because a peer did (a collective error) is not the first cause."""
     t = str(text)
-    return any(k in t for k in ("Connection closed by peer", "Connection reset", "timed out", "Timeout",
-                                "training step failed"))
+    return any(k in t for k in ("Connection closed by peer", "Connection reset", "timed out", "Timed out", "Timeout",
+                                "failed because rank", "cannot run again"))
 
 
 def run_script(script: str, script_args: list[str], nprocs: int = 2, timeout: float | None = None) -> int:

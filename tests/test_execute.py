@@ -387,6 +387,8 @@ def test_rank_killed_mid_step_gives_every_rank_a_clear_error():
         run_local(_killed_in_backward, 2, args=(plan.to_json(),), timeout=120, pg_timeout=10)
     msg = str(ei.value)
     assert "rank 1 exited with code 3" in msg, msg
-    # the survivor reports an ExecutionError of its own (the collective failed), not a hang
-    assert "rank 0: autopar.errors.ExecutionError: rank 0: training step failed" in msg, msg
+    # the survivor reports an ExecutionError of its own (the collective failed), not a hang, naming
+    # the rank whose process is gone (autopar/execution/step_guard.py)
+    assert ("rank 0: autopar.errors.ExecutionError: rank 0: training step failed because rank 1 failed: "
+            "its process is gone and reported no cause") in msg, msg
     assert time.perf_counter() - t0 < 60

@@ -165,6 +165,12 @@ class CompiledModel:
         if self.pp > 1:
             from autopar.execution import pipeline_run
             pipeline_run.check_options(self)
+        # Before the first collective of set-up, so every rank is registered before any step runs:
+        # a rank failing mid-step is named to every rank (autopar/execution/step_guard.py).
+        from autopar.execution.step_guard import StepGuard
+        from runtime.failure_record import FailureRecord, job_store, next_job
+        self.guard = StepGuard(FailureRecord(job_store(), dist.get_rank(), dist.get_world_size(), next_job()),
+                               dist.get_rank(), watch=self.pp > 1)
         self.ctx = context.setup(plan.mesh, self.device.type, pp=self.pp)
         rng.broadcast_seed(self.device)   # one base seed for every rank's random ops (runtime/rng.py)
         self.rank = dist.get_rank()
@@ -361,6 +367,12 @@ class CompiledModel:
             same_global_batch(batch, is_global_batch(batch, self.global_batch, self.batch_dims), self.device,
                               self.rank)
 
+    def _check_usable(self) -> None:
+        """After a failed step the ranks' communication is out of step: refuse (step_guard.py)."""
+        guard = getattr(self, "guard", None)   # set up yet, and not a grid plan
+        if guard is not None:
+            guard.check_usable()
+
     def _need_ready(self):
         if not self._ready:
             raise ExecutionError("the compiled model is not set up yet: pass example_inputs to compile() or call "
@@ -422,49 +434,59 @@ class CompiledModel:
     def step(self, *batch) -> float:
         if not self._ready:
             self._setup(batch)
+        self._check_usable()
         self._check_batch(batch)
-        try:
-            micro = self._local_micro_batches(batch)
-            self._set_denominators(micro)
-            if self.pp > 1:
-                from autopar.execution import pipeline_run
-                return pipeline_run.step(self, micro)
-            total = torch.zeros((), device=self.device)
-            reducer = self.opt.reducer
-            pending = None
-            for m, inputs in enumerate(micro):
-                last = m == len(micro) - 1
-                sync = reducer.no_sync() if (reducer is not None and not last) else _nullcontext()
-                with sync:
-                    # each micro-batch's loss is its exact share of the step's loss (module doc): summed
-                    loss = self.program.gm(*self.local, *inputs)
-                    total = total + loss.detach().float()
-                    if last:   # the global loss is summed while backward runs
-                        pending = self._start_loss(total)
-                    loss.backward()
-            self.opt.step()
-            self.opt.zero_grad()
-            return self._finish_loss(pending)
-        except ExecutionError:
-            raise
-        except RuntimeError as e:   # a collective timed out or a peer died: never hang silently
-            raise ExecutionError(f"rank {self.rank}: training step failed: {e}") from e
+        # A failure inside names the failing rank on every rank, and a pipelined step never hangs
+        # on a failed peer (autopar/execution/step_guard.py).
+        if self.pp > 1:
+            return self.guard.run(lambda: self._pipelined(batch, train=True), "pipeline step")
+        return self.guard.run(lambda: self._step(batch), "training step")
+
+    def _step(self, batch) -> float:
+        micro = self._local_micro_batches(batch)
+        self._set_denominators(micro)
+        total = torch.zeros((), device=self.device)
+        reducer = self.opt.reducer
+        pending = None
+        for m, inputs in enumerate(micro):
+            last = m == len(micro) - 1
+            sync = reducer.no_sync() if (reducer is not None and not last) else _nullcontext()
+            with sync:
+                # each micro-batch's loss is its exact share of the step's loss (module doc): summed
+                loss = self.program.gm(*self.local, *inputs)
+                total = total + loss.detach().float()
+                if last:   # the global loss is summed while backward runs
+                    pending = self._start_loss(total)
+                loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return self._finish_loss(pending)
+
+    def _pipelined(self, batch, train: bool) -> float:
+        from autopar.execution import pipeline_run
+
+        micro = self._local_micro_batches(batch)
+        self._set_denominators(micro)
+        return pipeline_run.step(self, micro) if train else pipeline_run.forward(self, micro)
 
     @torch.no_grad()
     def __call__(self, *inputs):
         """Forward only: the global loss of the batch (a 0-d tensor, the same on every rank)."""
         if not self._ready:
             self._setup(inputs)
+        self._check_usable()
         self._check_batch(inputs)
-        total = torch.zeros((), device=self.device)
+        if self.pp > 1:
+            return torch.tensor(self.guard.run(lambda: self._pipelined(inputs, train=False), "pipelined forward"))
+        return torch.tensor(self.guard.run(lambda: self._forward(inputs), "forward"))
+
+    def _forward(self, inputs) -> float:
         micro = self._local_micro_batches(inputs)
         self._set_denominators(micro)
-        if self.pp > 1:
-            from autopar.execution import pipeline_run
-            return torch.tensor(pipeline_run.forward(self, micro))
+        total = torch.zeros((), device=self.device)
         for mb in micro:
             total = total + self.program.gm(*self.local, *mb).float()
-        return torch.tensor(self._global_loss(total))
+        return self._global_loss(total)
 
     # ------------------------------------------------------------------ state (autopar/execution/compiled_state.py)
     def _gather_full(self, local: torch.Tensor, fqn: str) -> torch.Tensor:
@@ -475,6 +497,7 @@ class CompiledModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors, keys of model.state_dict() (tied aliases included); on every rank."""
+        self._check_usable()
         return compiled_state.full_state_dict(self)
 
     def _optimizer_local_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -490,10 +513,12 @@ class CompiledModel:
 
     def save(self, directory) -> None:
         """Full (unsharded) tensors via torch.distributed.checkpoint: loads onto any plan."""
+        self._check_usable()
         compiled_state.save(self, directory)
 
     def load(self, directory) -> None:
         """Values saved by save() (from any plan), after checking they are this model's."""
+        self._check_usable()
         compiled_state.load(self, directory)
 
     # ------------------------------------------------------------------ communication
