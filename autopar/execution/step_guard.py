@@ -32,8 +32,9 @@ Without pipelining (``watch=False``) the step runs on the caller's thread, as be
 are named the same way, but a peer that stays alive after failing is noticed at the process
 group's timeout.
 
-The worker runs the step under the caller's grad mode (``compiled(*inputs)`` is ``no_grad``); other
-thread-local state of the caller (autocast, saved-tensor hooks around ``step``) does not reach it.
+The worker runs the step under the caller's grad mode (``compiled(*inputs)`` is ``no_grad``) and on
+the caller's current CUDA device (per thread: NCCL and PipelineStage use it); other thread-local
+state of the caller (autocast, saved-tensor hooks around ``step``) does not reach it.
 A pipelined model keeps two idle daemon threads (worker, watcher) and two store connections for
 the life of the process.
 """
@@ -105,8 +106,10 @@ class StepGuard:
     # ------------------------------------------------------------------ threads
     def _work(self):
         while True:
-            body, grad, out, done = self._jobs.get()
+            body, grad, cuda, out, done = self._jobs.get()
             try:
+                if cuda is not None:   # the current CUDA device is per thread: the caller's rank's GPU
+                    torch.cuda.set_device(cuda)
                 with torch.set_grad_enabled(grad):
                     out.put((True, body()))
             except BaseException as e:   # everything reaches the caller's thread, which decides
@@ -151,7 +154,8 @@ class StepGuard:
         if peer is not None:   # a peer failed since the last step: do not start communicating
             self._fail(None, what, peer)
         done = threading.Event()
-        self._jobs.put((body, torch.is_grad_enabled(), waiting, done))
+        cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self._jobs.put((body, torch.is_grad_enabled(), cuda, waiting, done))
         try:
             ok, value = waiting.get()
         except BaseException:
