@@ -167,8 +167,10 @@ def dropout(node):
                  Saved("extra", letters=ls, itemsize=_itemsize(node.args[0]), act=True, on="cpu")) if active else ()
     return OpSpec("dropout", (ls,), outs, dict(zip(ls, xs)), flops=float(math.prod(xs)),
                   bytes=io_bytes(node), saved=saved,
-                  # an inactive dropout is the identity: linear, so partial sums pass through
-                  partial_inputs=(0,) if not active else ())
+                  # an inactive dropout is the identity: linear, so partial sums pass through,
+                  # and it returns x itself (no copy), so what is saved of its output is x's storage
+                  partial_inputs=(0,) if not active else (),
+                  returns_input=0 if not active and not native else None)
 
 
 def _loss_letters(node):
