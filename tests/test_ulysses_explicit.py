@@ -208,11 +208,10 @@ def test_show_names_ulysses_on_explicit_attention_ops():
 @pytest.mark.parametrize("cons", [{"sp": 2, "sp_mode": "ulysses"}, {"sp": 4, "sp_mode": "ulysses"}],
                          ids=lambda c: f"sp{c['sp']}")
 def test_saved_activations_match_prediction_explicit_ulysses(cons):
-    """saved_tensors_hooks on every rank against the plan's priced saved bytes, head-split core.
-    The pricing of explicit attention over-counts one (b, h, s, s) fp32 tensor per layer already
-    on ONE process (the eager model measured here too: a gap of autopar/pricing, not of the head
-    split); head-split, each rank's gap must be exactly that tensor with h/sp heads -- i.e. the
-    head split itself is predicted exactly."""
+    """saved_tensors_hooks on every rank against the plan's priced saved bytes, head-split core:
+    within 2% per rank. Premises: one eager process matches its own prediction (explicit
+    attention is priced right before any split), and the plan's ranks save at least the head
+    split's share less of the s^2 part than one process."""
     from test_sequence_parallel_exec import _measure_saved, _predicted_saved
 
     from autopar.pricing.saved_probe import saved_bytes
@@ -222,11 +221,14 @@ def test_saved_activations_match_prediction_explicit_ulysses(cons):
     one = _plan("gpt2", 1, {}, **EXPLICIT)
     model, batch = ZOO["gpt2"](**EXPLICIT)
     eager = saved_bytes(model, *batch, exclude=list(model.parameters()) + list(model.buffers()))
-    gap = _predicted_saved("gpt2", one, autopar.Cluster.preset("cpu", devices=1), None, **EXPLICIT) - eager
-    assert gap == layers * b * h * s * s * 4, gap
+    pred_one = _predicted_saved("gpt2", one, autopar.Cluster.preset("cpu", devices=1), None, **EXPLICIT)
+    assert abs(pred_one - eager) <= 0.02 * eager, (pred_one, eager)
     n = cons["sp"]
     plan = _plan("gpt2", n, cons, **EXPLICIT)
     assert plan.degrees["sp_mode"] == "ulysses"
     pred = _predicted_saved("gpt2", plan, autopar.Cluster.preset("cpu", devices=n), policy_for(None, cons), **EXPLICIT)
+    # what the head split removes per rank: at least 1 - 1/sp of softmax's output, the one
+    # (b, h, s, s) tensor explicit attention saves without dropout
+    assert pred_one - pred >= layers * b * h * s * s * 4 * (1 - 1 / n), (pred_one, pred)
     for meas in run_local(_measure_saved, n, args=("gpt2", plan.to_json(), EXPLICIT), timeout=300):
-        assert pred - meas == gap // n, (meas, pred, gap)
+        assert abs(pred - meas) <= 0.02 * pred, (meas, pred)

@@ -531,6 +531,10 @@ def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str
             charged.add(root)
             nbytes = c.root_bytes.get(root, t.numel() * t.element_size())
             nbytes = nbytes // t.element_size() * _itemsize(t.dtype, precision)
+            if sv.kind == "input" and info.repeats > 1:
+                # price_nodes multiplies by the repeats; instances that all save one storage made
+                # before the blocks (RoPE's cos and sin) save it once: charge each its share
+                nbytes = nbytes * len(_instance_input_roots(c, info, sv.index, roots)) / info.repeats
             idx = sv.index
 
             def fn(st, nbytes=nbytes, idx=idx, kind=sv.kind):
@@ -546,6 +550,21 @@ def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str
             nbytes = size * itemsize
             fns.append((None, lambda st, nbytes=nbytes, letters=sv.letters: nbytes * _letter_fraction(letters, st, mesh)))
     return fns
+
+
+def _instance_input_roots(c: Candidates, info: NodeInfo, index: int, roots: dict[str, str]) -> set[str]:
+    """Storage roots of tensor input ``index`` over the block instances ``info`` stands for."""
+    inst = c.__dict__.get("_instances")
+    if inst is None:
+        inst = c.__dict__["_instances"] = defaultdict(list)
+        for n in c.order:
+            inst[c.nodes[n].rep].append(n)
+    out = set()
+    for n in inst[info.name]:
+        ins = tensor_inputs(c.nodes[n].node)
+        if index < len(ins):
+            out.add(roots.get(ins[index].name, ins[index].name))
+    return out
 
 
 def _source_layout(producer: NodeInfo, consumer_node, strat: Strategy) -> Layout:

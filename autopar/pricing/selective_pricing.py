@@ -7,7 +7,6 @@ or "none" / "selective" / "full", globally or per group) become ``forced`` decis
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from autopar.rules.candidates import Candidates
 from autopar.pricing.price import Priced, Settings
@@ -23,7 +22,9 @@ def selective_groups(c: Candidates, P: Priced, s: Settings, groups: dict, cgroup
     bytes the core's inputs as produced (the region keeps them; a reshard into the core runs
     inside it) unless an op outside the core saves them anyway; its recompute time the core's
     forward (moved out of the block group's recompute time); its working set what one core saves
-    again when recomputed (``_copies_inputs``). ``implied_by`` makes the companion on whenever
+    again when recomputed: its internal bytes (a saved input is the kept storage itself; the
+    copies a batched matmul makes of a non-contiguous q, k^T or v are its own, internal, bytes:
+    autopar/rules/ops_matmul.py ``saved_operands``). ``implied_by`` makes the companion on whenever
     the block group is: (off, off) = none, (off, on) = selective, (on, on) = full, whose bytes
     and time are then exactly the block group's. Also applies the checkpoint pins of ``s`` to
     every group (bool or "none" / "selective" / "full"; a global "selective" leaves groups
@@ -73,7 +74,7 @@ def selective_groups(c: Candidates, P: Priced, s: Settings, groups: dict, cgroup
             if moved.any():
                 sel.saved.append((index[n], moved))
                 grp.saved.append((index[n], -moved))
-            work = internal + (inpart if _copies_inputs(nodes[n], inside) else 0.0)
+            work = internal
             if work.any():
                 sel.recompute_memory.append((index[n], work / k))
             if np.any(t):
@@ -97,15 +98,3 @@ def selective_groups(c: Candidates, P: Priced, s: Settings, groups: dict, cgroup
         out.append(sel)
     return out
 
-
-def _copies_inputs(node, inside: set) -> bool:
-    """A batched matmul of the core reading a non-contiguous view made inside it (q, k^T, v after
-    the head split): aten.matmul reshapes it, a copy, which is what it saves. Recomputing the
-    core makes those copies again (new storages, one core's working set) although the region
-    keeps the input they were cut from; for other ops a saved input is the kept storage itself."""
-    from autopar.rules.table import tensor_inputs, val
-
-    if node.op != "call_function" or "matmul" not in str(node.target):
-        return False
-    return any(p.name in inside and isinstance(val(p), torch.Tensor) and not val(p).is_contiguous()
-               for p in tensor_inputs(node))

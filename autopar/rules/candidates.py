@@ -170,7 +170,9 @@ def _needs_grad(gm, nodes, buffers) -> set[str]:
 
 
 def _storage_roots(gm, nodes) -> tuple[dict[str, str], dict[str, int]]:
-    """Group values by the storage their fake tensor uses (views share it), first producer wins."""
+    """Group values by the storage their fake tensor uses (views share it), first producer wins.
+    An op that returns its input itself at run time (``OpSpec.returns_input``) shares the input's
+    root whatever storage its fake value has (and so do the views of it)."""
     first: dict[int, str] = {}
     roots, sizes = {}, {}
     for node in gm.graph.nodes:
@@ -182,6 +184,11 @@ def _storage_roots(gm, nodes) -> tuple[dict[str, str], dict[str, int]]:
             key, nbytes = id(storage), int(storage.nbytes())
         except Exception:   # some fake values carry no storage: treat as their own root
             key, nbytes = id(val), int(val.numel() * val.element_size())
+        info = nodes.get(node.name)
+        k = info.spec.returns_input if info is not None and info.spec is not None else None
+        src = tensor_inputs(node)[k] if k is not None else None
+        if src is not None and src.name in roots:
+            first.setdefault(key, roots[src.name])
         root = first.setdefault(key, node.name)
         roots[node.name] = root
         sizes.setdefault(root, nbytes)

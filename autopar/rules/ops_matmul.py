@@ -11,7 +11,7 @@ import math
 import torch
 
 from autopar.rules.spec import OpSpec, Saved
-from autopar.rules.table import Letters, io_bytes, is_tensor, rule, shape, tensor_inputs
+from autopar.rules.table import Letters, io_bytes, is_tensor, rule, shape, tensor_inputs, val
 
 aten = torch.ops.aten
 
@@ -32,6 +32,63 @@ def broadcast_letters(in_shape, out_letters: str, out_shape, L: Letters, sizes: 
             unsplit.add(ch)
             ls += ch
     return ls
+
+
+def saved_operands(fn, *xs) -> dict[int, int | None]:
+    """What autograd keeps of each tensor ``x`` in ``xs`` when ``fn(*xs)`` runs, for a composite
+    op such as ``torch.matmul``, which saves the operands of the bmm/mm it decomposes into:
+    ``x.expand(...).reshape(batch, m, k)``. That is a view of x when the reshape can be one and
+    a COPY otherwise (heads transposed out of a projection, a broadcast batch dim), and a copy is
+    a storage of its own: it is not x's, so it is not shared with whatever else saves x. Returns
+    {index: None (x's own storage) or the numel of the copy saved in its place}; an operand
+    absent from it is not saved. Found by running ``fn`` under saved_tensors_hooks on meta
+    stand-ins with the traced sizes and strides, all needing a gradient (the decomposition is
+    the same on every device: matmul is CompositeImplicitAutograd)."""
+    leaves = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta").requires_grad_()
+              for x in xs]
+    packed = []
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        fn(*leaves)
+    out: dict[int, int | None] = {}
+    for t in packed:
+        own = [i for i, x in enumerate(leaves) if x.untyped_storage() is t.untyped_storage()]
+        if own:
+            out.setdefault(own[0], None)
+            continue
+        # a copy: the leaf its autograd history leads back to is the operand it copies
+        reached, seen, todo = set(), set(), [t.grad_fn]
+        while todo:
+            g = todo.pop()
+            if g is None or id(g) in seen:
+                continue
+            seen.add(id(g))
+            var = getattr(g, "variable", None)
+            reached |= {i for i, x in enumerate(leaves) if x is var}
+            todo += [n for n, _ in g.next_functions]
+        if len(reached) == 1:
+            out[reached.pop()] = t.numel()
+    return out
+
+
+def operand_saves(fn, xs, letters: list[str], sizes: dict, expanded: list[str] | None = None,
+                  index: list[int] | None = None, **kw) -> dict[int, Saved]:
+    """{operand: ``Saved``} for ``fn``'s operands ``xs`` (tensor inputs ``index[i]``, default i, of
+    the op, with ``letters``) as ``saved_operands`` finds them: the input itself, or a copy of
+    its own sized by ``expanded[i]`` (the operand broadcast to the output's batch letters) or its
+    own letters, whichever counts its elements; the input where neither does. ``kw``: passed to
+    every ``Saved`` (e.g. ``on``)."""
+    try:
+        found = saved_operands(fn, *xs)
+    except Exception:   # not reproducible on meta: every operand as itself
+        found = dict.fromkeys(range(len(xs)))
+    out = {}
+    for i, n in sorted(found.items()):
+        cands = ((expanded or [None] * len(xs))[i], letters[i])
+        ls = next((ls for ls in cands if ls is not None and n is not None
+                   and math.prod(sizes[ch] for ch in ls) == n), None)
+        out[i] = (Saved("input", (index or range(len(xs)))[i], **kw) if ls is None
+                  else Saved("extra", letters=ls, itemsize=xs[i].element_size(), act=True, **kw))
+    return out
 
 
 @rule(aten.linear.default)
@@ -102,8 +159,12 @@ def matmul(node):
         lead = s[:len(s) - len(tail)]
         ins.append(broadcast_letters(lead, batch, out_shape[:nbatch], L, sizes, unsplit) + tail)
     flops = 2.0 * math.prod(out_shape) * a[-1]
+    # the bmm operands: each input broadcast to the output's batch letters, then flattened
+    expanded = [batch + ls[len(ls) - len(tail):] for ls, tail in
+                zip(ins, ("mk" if len(a) >= 2 else "k", "kn" if len(b) >= 2 else "k"))]
+    saved = tuple(operand_saves(torch.matmul, [val(x) for x in node.args[:2]], ins, sizes, expanded).values())
     return OpSpec("matmul", tuple(ins), (out,), sizes, unsplittable=frozenset(unsplit), flops=flops,
-                  bytes=io_bytes(node), partial_inputs=(0,), saved=(Saved("input", 0), Saved("input", 1)))
+                  bytes=io_bytes(node), partial_inputs=(0,), saved=saved)
 
 
 @rule(aten.einsum.default)

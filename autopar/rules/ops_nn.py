@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from autopar.rules.ops_matmul import broadcast_letters
+from autopar.rules.ops_matmul import broadcast_letters, operand_saves
 from autopar.rules.spec import Comm, OpSpec, Saved
 from autopar.rules.table import Letters, io_bytes, is_tensor, rule, shape, val
 
@@ -130,12 +130,19 @@ def sdpa(node):
     if dropout_p:
         cuda += (Saved("extra", itemsize=8, on="cuda"),) * 2
         # CPU with dropout runs the math path: k^T and the scaled q (as bmm operands), the
-        # attention weights, the dropout mask, the dropped weights and v. Under a 16-bit working
-        # dtype it upcasts to fp32 and saves fp32 copies, v included.
-        math_path = ("b" + kh + "td", "bhsd", "bhst", "bhst", "bhst")
-        cpu = ((Saved("input", 2, on="cpu32"),)
-               + tuple(Saved("extra", letters=ls, itemsize=isz, on="cpu32") for ls in math_path)
-               + tuple(Saved("extra", letters=ls, itemsize=4, on="cpu16") for ls in math_path + ("b" + kh + "te",)))
+        # attention weights, the dropout mask, the dropped weights and v. k and v with fewer
+        # heads are repeated to q's first (copies with h heads). k^T and q are scaled copies;
+        # v is saved as the dropped weights @ v matmul saves it: v's own storage when its bmm
+        # operand is a view of it, else a copy (v transposed out of a fused qkv projection).
+        # Under a 16-bit working dtype it upcasts to fp32 and saves fp32 copies, v included.
+        math_path = ("bhtd", "bhsd", "bhst", "bhst", "bhst")
+        v32 = Saved("extra", letters="bhte", itemsize=isz, act=True, on="cpu32")
+        if kh == "h":
+            probs = torch.empty((b, h, s, t), dtype=val(v).dtype, device="meta")
+            v32 = operand_saves(torch.matmul, [probs, val(v)], ["bhst", "bhte"], sizes,
+                                index=[None, 2], on="cpu32").get(1, v32)
+        cpu = ((v32,) + tuple(Saved("extra", letters=ls, itemsize=isz, on="cpu32") for ls in math_path)
+               + tuple(Saved("extra", letters=ls, itemsize=4, on="cpu16") for ls in math_path + ("bhte",)))
     else:
         cpu = tuple(Saved(sv.kind, sv.index, sv.letters, sv.itemsize, act=sv.act, on="cpu") for sv in fused)
     saved = cuda + cpu
@@ -167,8 +174,10 @@ def dropout(node):
                  Saved("extra", letters=ls, itemsize=_itemsize(node.args[0]), act=True, on="cpu")) if active else ()
     return OpSpec("dropout", (ls,), outs, dict(zip(ls, xs)), flops=float(math.prod(xs)),
                   bytes=io_bytes(node), saved=saved,
-                  # an inactive dropout is the identity: linear, so partial sums pass through
-                  partial_inputs=(0,) if not active else ())
+                  # an inactive dropout is the identity: linear, so partial sums pass through,
+                  # and it returns x itself (no copy), so what is saved of its output is x's storage
+                  partial_inputs=(0,) if not active else (),
+                  returns_input=0 if not active and not native else None)
 
 
 def _loss_letters(node):

@@ -82,3 +82,9 @@ class OpSpec:
     addend_inputs: tuple[int, ...] = ()       # inputs added into the result (a linear's bias): when a
                                               # contracted letter is split on an axis they are partial there too
                                               # (rank 0 of the axis keeps the value, the others zeros)
+    # Input whose very tensor the op returns when it runs (an inactive dropout, p = 0 or eval:
+    # ``aten.dropout`` returns its input on every device), or None. The trace's fake value of
+    # such an op is a fresh storage, so without this a tensor saved through it (attention probs
+    # saved by softmax and, after a p = 0 dropout, by the probs @ V matmul) is charged twice
+    # (autopar/rules/candidates.py ``_storage_roots``).
+    returns_input: int | None = None
