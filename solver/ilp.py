@@ -1,4 +1,5 @@
-"""The intra-stage sharding ILP: Problem -> Solution with PuLP (HiGHS or CBC). Torch-free.
+"""The intra-stage sharding ILP: Problem -> Solution (HiGHS or CBC: solver/backends.py runs the
+built model). Torch-free.
 
 Variables and constraint families (each added by the function named):
 
@@ -48,12 +49,11 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import pulp
 
+from solver.backends import _bound, _extract, _run, _run_highs, _use_highs, release_threads  # noqa: F401 (re-exported)
 from solver.checkpoint_links import add_checkpoint_links as _add_checkpoint_links
 from solver.checkpoint_links import validate_links as _validate_links
 from solver.errors import PlanError
@@ -63,7 +63,6 @@ from solver.problem import Problem, Solution
 _OBJ_TARGET = 1e3      # largest objective coefficient after scaling
 _SEP_RTOL = 1e-12      # a matrix is separable when its residual is below this * max|M|
 _MEM_RTOL = 1e-9       # relative slack allowed when checking a budget in numpy
-_GAP_ABS = 1e-9        # in scaled objective units (largest coefficient = _OBJ_TARGET)
 _MAX_TIME_LIMIT_GAP = math.inf
 
 
@@ -564,186 +563,6 @@ def build(problem: Problem, peak: bool = False) -> _Model:
 
 
 # ----------------------------------------------------------------------------- solving
-
-def _use_highs(backend: str) -> bool:
-    if backend not in ("auto", "highs", "cbc"):
-        raise _input_error(f"unknown solver backend {backend!r}; use 'auto', 'highs' or 'cbc'")
-    if backend == "cbc":
-        return False
-    try:
-        import highspy  # noqa: F401
-        return True
-    except ImportError:
-        if backend == "highs":
-            raise _input_error("backend='highs' needs the highspy package: pip install highspy, or use backend='cbc'")
-        return False
-
-
-@dataclass(frozen=True)
-class _HighsFigures:
-    """What the search reads back from a HiGHS run after it returns."""
-    mip_dual_bound: float
-    objective_function_value: float
-
-
-def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True, cutoff: float | None = None) -> str:
-    import highspy
-
-    lp = model.lp
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", int(threads))
-    h.setOptionValue("random_seed", 0)
-    h.setOptionValue("mip_rel_gap", float(mip_gap))
-    h.setOptionValue("mip_abs_gap", _GAP_ABS)
-    if time_limit is not None:
-        h.setOptionValue("time_limit", float(time_limit))
-    if not mip:
-        # The relaxations are bounds for pruning: HiGHS's LP presolve took longer than it saved
-        # on them (hf_llama's largest: 0.87 s with, 0.36 s without), and the dual simplex's
-        # objective bound (``cutoff``) is honoured only without it.
-        h.setOptionValue("presolve", "off")
-    if cutoff is not None:   # scaled units; see relaxation_bound
-        h.setOptionValue("objective_bound", float(cutoff))
-    n = lp.num_cols
-    start, index, value, row_lo, row_up = lp.matrix()
-    hl = highspy.HighsLp()
-    hl.num_col_, hl.num_row_ = n, len(row_lo)
-    hl.col_cost_ = lp.cost()
-    hl.col_lower_ = np.asarray(lp.lower, dtype=float)
-    hl.col_upper_ = np.asarray(lp.upper, dtype=float)
-    hl.row_lower_ = row_lo
-    hl.row_upper_ = row_up
-    hl.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-    hl.a_matrix_.num_col_, hl.a_matrix_.num_row_ = n, len(row_lo)
-    hl.a_matrix_.start_ = start.astype(np.int32)
-    hl.a_matrix_.index_ = index.astype(np.int32)
-    hl.a_matrix_.value_ = value
-    if mip and any(lp.integer):
-        hl.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous
-                           for b in lp.integer]
-    h.passModel(hl)
-    if model.start is not None:
-        # A warm start (a neighbouring configuration's choice): the x columns only; HiGHS
-        # completes the edge/checkpoint columns itself, and ignores a start that is infeasible.
-        cols = np.array([int(model.x[n][s]) for n, s in enumerate(model.start) if s is not None], dtype=np.int32)
-        if cols.size:
-            h.setSolution(int(cols.size), cols, np.ones(cols.size))
-    h.run()
-    status = h.getModelStatus()
-    MS = highspy.HighsModelStatus
-    info = h.getInfo()
-    # Keep the figures, not the Highs object: an instance alive when the process exits (torchrun
-    # ranks) can hold the solver's thread pool past release_threads() and abort the exit.
-    lp.solver_model = _HighsFigures(float(info.mip_dual_bound), float(info.objective_function_value))
-    has_solution = info.primal_solution_status == 2   # kSolutionStatusFeasible
-    if has_solution:
-        lp.values = np.asarray(h.getSolution().col_value, dtype=float)
-    if status == MS.kOptimal:
-        return "optimal"
-    if status in (MS.kInfeasible,):
-        return "infeasible"
-    if status == MS.kObjectiveBound and not mip:
-        return "above cutoff"
-    if has_solution and status in (MS.kTimeLimit, MS.kIterationLimit, MS.kSolutionLimit, MS.kInterrupt,
-                                   MS.kObjectiveBound, MS.kObjectiveTarget):
-        return "feasible"
-    if status == MS.kUnboundedOrInfeasible:
-        return "infeasible"
-    if time_limit is not None:
-        raise _input_error(f"the HiGHS solver found no feasible plan within time_limit={time_limit} s; "
-                           "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
-    raise _input_error(f"the HiGHS solver returned status {h.modelStatusToString(status)!r}")
-
-
-def _to_pulp(lp: _LP, mip: bool = True):
-    """The same model as a PuLP problem (for CBC); returns (problem, PuLP variable per column)."""
-    prob = pulp.LpProblem(lp.name, pulp.LpMinimize)
-    # PuLP >= 3.3 wants variables created through the problem (the 4.0 API); older PuLP lacks it.
-    make = prob.add_variable if hasattr(prob, "add_variable") else pulp.LpVariable
-    pv = [make(lp.name_of(i), None if math.isinf(lo) else lo, None if math.isinf(up) else up,
-               cat=pulp.LpBinary if (b and mip) else pulp.LpContinuous)
-          for i, (lo, up, b) in enumerate(zip(lp.lower, lp.upper, lp.integer))]
-    start, index, value, row_lo, row_up = lp.matrix()
-    for r in range(len(row_lo)):
-        a, b = start[r], start[r + 1]
-        expr = pulp.LpAffineExpression([(pv[i], float(w)) for i, w in zip(index[a:b], value[a:b])])
-        lo, up = float(row_lo[r]), float(row_up[r])
-        if lo == up:
-            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintEQ, rhs=lo), f"r{r}")
-        elif math.isinf(lo):
-            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintLE, rhs=up), f"r{r}")
-        else:
-            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintGE, rhs=lo), f"r{r}")
-    cost = lp.cost()
-    prob.setObjective(pulp.LpAffineExpression([(pv[i], float(cost[i])) for i in np.flatnonzero(cost)]))
-    return prob, pv
-
-
-def _run_cbc(model: _Model, time_limit, threads, mip_gap, mip: bool = True) -> str:
-    prob, pv = _to_pulp(model.lp, mip)
-    with warnings.catch_warnings():
-        # PULP_CBC_CMD is the bundled CBC (facts.md: no system cbc); PuLP 3.3 flags it for 4.0.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        solver = pulp.PULP_CBC_CMD(mip=mip, msg=False, timeLimit=time_limit, threads=threads,
-                                   gapRel=mip_gap, gapAbs=_GAP_ABS)
-    prob.solve(solver)
-    model.lp.values = np.array([p.varValue if p.varValue is not None else 0.0 for p in pv], dtype=float)
-    model.cbc_objective = float(pulp.value(prob.objective) or 0.0) if prob.status == pulp.LpStatusOptimal else None
-    if not mip:
-        return "optimal" if prob.status == pulp.LpStatusOptimal else "unknown"
-    if prob.sol_status == pulp.LpSolutionOptimal:
-        return "optimal"
-    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
-        return "feasible"
-    if prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
-        return "infeasible"
-    if time_limit is not None:
-        raise _input_error(f"the {solver.name} solver found no feasible plan within time_limit={time_limit} s; "
-                           "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
-    raise _input_error(f"the {solver.name} solver returned status {pulp.LpStatus[prob.status]!r}")
-
-
-def _run(model: _Model, backend, time_limit, threads, mip_gap) -> str:
-    """Solve the model; returns 'optimal' | 'feasible' | 'infeasible'."""
-    if _use_highs(backend):
-        return _run_highs(model, time_limit, threads, mip_gap)
-    return _run_cbc(model, time_limit, threads, mip_gap)
-
-
-def _extract(model: _Model) -> tuple[list[int], list[bool]]:
-    vals = model.lp.values
-    choice = [int(np.argmax(vals[np.asarray(xs)])) for xs in model.x]
-    ckpt = [c if isinstance(c, bool) else float(vals[c]) > 0.5 for c in model.c]
-    return choice, ckpt
-
-
-def _bound(model: _Model, backend, time_limit, threads) -> float:
-    """Lower bound (scaled units) after a time-limited stop; see the module docstring."""
-    h = model.lp.solver_model
-    if h is not None:  # HiGHS
-        return h.mip_dual_bound
-    if _run_cbc(model, time_limit, threads, 1e-7, mip=False) != "optimal" or model.cbc_objective is None:
-        return -math.inf
-    return model.cbc_objective
-
-
-def release_threads() -> None:
-    """Stop HiGHS's worker threads (they outlive a solve). Call after a batch of solves: a
-    process that then forks (test launchers) or exits (torchrun ranks: a joinable thread at exit
-    aborts the process with "terminate called without an active exception") is left clean; the
-    next solve starts the pool again."""
-    try:
-        import highspy
-    except ImportError:
-        return
-    import gc
-
-    gc.collect()   # Highs instances still referenced from cycles would outlive the reset below
-    reset = getattr(highspy.Highs, "resetGlobalScheduler", None)
-    if reset is not None:
-        reset(True)
-
 
 def _is_trivial(problem: Problem) -> bool:
     return not problem.checkpoint_groups and all(len(c) == 1 for c in problem.costs)
