@@ -557,3 +557,65 @@ def mesh_allowed(mesh: Mesh, constraints: dict) -> bool:
             return tp > 1 and len(param_axes(mesh)) == 1 and constraints.get("sp", tp) == tp
         return True
     return bool(sps) and math.prod(mesh.shape[a] for a in sps) == constraints.get("sp", mesh.shape[sps[0]])
+
+
+# ------------------------------------------------------------------ sp in the free search (issue 7)
+
+def sp_free(constraints: dict) -> bool:
+    """Whether the search may add sequence axes on its own: neither ``sp`` nor ``sp_mode`` pinned
+    (``sp=1`` is how a caller asks for no sequence axis), and no grid tensor mode."""
+    from codegen.grid_layout import GRID_MODES
+    return ("sp" not in constraints and constraints.get("sp_mode") is None
+            and constraints.get("tp_mode") not in GRID_MODES)
+
+
+def has_sequence_attention(graph) -> bool:
+    """An attention op (softmax or fused SDPA, attention_core.is_anchor) in a model whose user
+    inputs carry a sequence dim (``input_seq_dims``): what a sequence axis can split."""
+    from autopar.frontend.batching import graph_batch_dims
+    from autopar.rules.attention_core import is_anchor
+    if not any(input_seq_dims(graph, graph_batch_dims(graph)).values()):
+        return False
+    return any(is_anchor(n) for n in graph.gm.graph.nodes)
+
+
+def sp_sizes(cluster) -> list[int]:
+    """The sequence-axis sizes the free search retries with: every divisor > 1 of the devices."""
+    n = cluster.num_devices
+    return [k for k in range(2, n + 1) if n % k == 0]
+
+
+def search_with_sp(graph, cluster, constraints: dict, err, run):
+    """The free search's retry when nothing fits memory (module doc of pipeline_search, issue 7):
+    ``run(constraints)`` (the ordinary search, returning a tuple whose first item is the Result)
+    with each sequence-axis size ``sp_sizes`` pinned and the attention mode left to the ILP
+    (``"auto"``: Ulysses, ring or the K/V all-gather per attention op). The fastest result, or,
+    when none fits either, a MemoryBudgetError with the smallest peak over ``err`` and every
+    retry. ``err`` (the free search's MemoryBudgetError) is raised as it is when the retry does
+    not apply (sp pinned, or no attention over a sequence)."""
+    from autopar.errors import MemoryBudgetError
+    if not sp_free(constraints) or not has_sequence_attention(graph):
+        raise err
+    best, floors = None, [err.min_peak_bytes]
+    for sp in sp_sizes(cluster):
+        try:
+            out = run(dict(constraints, sp=sp))
+        except MemoryBudgetError as e:
+            floors.append(e.min_peak_bytes)
+            continue
+        except (ConstraintError, PlanError):
+            continue   # no mesh with this sequence axis (batch / heads do not divide, ...)
+        if best is None or out[0].prediction["step_time"] < best[0].prediction["step_time"]:
+            best = out
+    if best is not None:
+        return best
+    floors = [f for f in floors if f is not None]
+    if not floors:
+        raise err
+    from autopar.search.outer import _bytes
+    raise MemoryBudgetError(
+        f"no plan fits in the memory budget of {_bytes(err.budget_bytes)} per device, with or without a "
+        f"sequence-parallel axis (Ulysses / ring attention): the smallest peak memory any plan reaches is "
+        f"{_bytes(min(floors))}. Raise memory_budget to at least that, add devices, use a smaller batch or "
+        f"a shorter sequence, or relax constraints.",
+        min_peak_bytes=int(min(floors)), budget_bytes=err.budget_bytes)
