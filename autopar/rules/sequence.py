@@ -31,6 +31,20 @@ Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
   heads move: Ulysses' repeat when sp > kv_heads); "auto" offers both and the ILP chooses by
   cost; ring modes need SDPA.
 
+In the free search (issue 7: no ``sp`` / ``sp_mode`` pin): sequence axes are NOT offered up
+front, only when nothing fits memory without them. Then (``search_with_sp``, called by
+autopar/search/pipeline_search.py step 4 after pp=1 and the pipelined candidates both failed on
+memory) the ordinary search runs again with each sp size dividing the devices pinned and the mode
+left to the ILP ("auto": Ulysses, ring or K/V all-gather per attention op); the fastest plan that
+fits wins, and if none does the MemoryBudgetError reports the smallest peak over the free search
+and every retry. It applies only to a model with attention (softmax or SDPA) whose inputs carry a
+sequence dim (``has_sequence_attention``). Why only then: with parameters replicated on the sp axis,
+a sequence axis inside a node never holds less than tensor parallelism with Megatron-SP over the
+same ranks (which splits activations as much and the weights too), and the planner predicted no
+speed gain from it at the lengths measured (benchmarks/RESULTS.md section 11); its gain is length
+where tensor parallelism cannot reach (across nodes). Offering sp meshes to every search would
+multiply the meshes small models plan over (issue 12). ``sp=1`` rules sequence axes out.
+
 Bad input is a ConstraintError / PlanError naming the op: a sequence that does not divide,
 heads % sp for Ulysses, a mask other than none/causal under ring attention.
 """
