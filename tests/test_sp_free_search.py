@@ -37,10 +37,11 @@ def test_memory_error_reports_smallest_peak_over_both():
 
 
 def test_small_models_free_plans_unchanged(monkeypatch):
-    """The sp retry never runs when a plan fits: same degrees as with sequence axes ruled out."""
+    """No sp search runs for them (a plan fits, sequences < 2 x hidden): same degrees as with sp=1."""
     def boom(*a, **k):
         raise AssertionError("sp retry ran")
     monkeypatch.setattr(sequence, "search_with_sp", boom)
+    monkeypatch.setattr(sequence, "sp_sizes", boom)   # (b): sequences far below 2 x hidden
     cluster = autopar.Cluster.preset("cpu", devices=4)
     for name in ("gpt2", "llama"):
         model, inputs = ZOO[name]()
@@ -52,3 +53,16 @@ def test_small_models_free_plans_unchanged(monkeypatch):
 def test_retry_only_when_sp_is_free():
     assert sequence.sp_free({}) and sequence.sp_free({"tp": 2, "pp": 1})
     assert not sequence.sp_free({"sp": 1}) and not sequence.sp_free({"sp_mode": "megatron"})
+
+
+def test_long_sequence_offers_sp_up_front_when_faster():
+    """Issue 7 (b): seq >= SP_UPFRONT_RATIO x hidden. A 2-layer Llama-7B shape at 32k on 8 A100s:
+    the best plan without a sequence axis fits (tp=8 with Megatron-SP), and the free search
+    returns a ring/Ulysses plan predicted faster than it (measured: sp=4 ring, tp=2, -11%)."""
+    from autopar.models.llama import llama_7b
+    model, inputs = llama_7b(n_layer=2, seq=32768, batch=1)
+    cluster = autopar.Cluster.preset("dgx-a100")
+    no_sp = autopar.plan(model, inputs, cluster, constraints={"sp": 1})
+    free = autopar.plan(model, inputs, cluster)
+    assert free.degrees["sp_mode"] in ("ulysses", "ring") and free.degrees["sp"] > 1, free.degrees
+    assert free.step_time < no_sp.step_time and free.peak_memory <= cluster.device.memory_bytes

@@ -25,7 +25,10 @@ planning; with ``pp=1`` pinned the ordinary search. Otherwise:
    sp_mode are not pinned and the model runs attention over a sequence, the ordinary search runs
    again with each sequence-axis size pinned (Ulysses, ring or K/V all-gather chosen per attention
    op by the ILP: autopar/rules/sequence.py ``search_with_sp``); the fastest plan that fits wins, and
-   if none does the MemoryBudgetError reports the smallest peak over all of them.
+   if none does the MemoryBudgetError reports the smallest peak over all of them. When some
+   attention's sequence is at least ``sequence.SP_UPFRONT_RATIO`` (2) times its hidden size, the
+   same sp searches also run after a plan was found, and one of them wins if it is faster
+   (``sequence.faster_with_sp``; small models' sequences are far shorter, so they never pay).
 
 Pruning (why small models stay fast): a pipelined step cannot take less than the pp=1 plan's
 compute time times 1 + (pp - 1) / (m * v) (same FLOPs on the same devices, plus the least fill
@@ -105,9 +108,11 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
     flat = {k: v for k, v in constraints.items() if k != "pp"}
     if "pp" in constraints or constraints.get("checkpoint") not in (None, "none") or unpipelined_pin(flat):
         try:
-            return (*search_fn(graph, cluster, base, flat, **kw), None)
+            res = search_fn(graph, cluster, base, flat, **kw)
         except MemoryBudgetError as e:   # retried with sequence axes (step 4 of the module doc)
             return (*_with_sp(graph, cluster, base, flat, search_fn, e, kw), None)
+        return (*(_faster_with_sp(graph, cluster, base, flat, search_fn, kw, res[0].prediction["step_time"])
+                  or res), None)
     t0 = time.perf_counter()
     best = best_stats = best_pipe = None
     err = None
@@ -164,6 +169,9 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
             best, best_stats, best_pipe, best_time = result, stats, pipe, pipe["step_time"]
     if best is None:   # nothing fits: retried with sequence axes (step 4 of the module doc)
         return (*_with_sp(graph, cluster, base, flat, search_fn, err, kw), None)
+    sp_best = _faster_with_sp(graph, cluster, base, flat, search_fn, kw, best_time)   # step 4, long sequences
+    if sp_best is not None:
+        return (*sp_best, None)
     from autopar.search.outer import CutOff
     cut = sum(isinstance(r, CutOff) for r in inner_cache.values())
     best_stats = dict(best_stats, pipeline_candidates=tried, pipeline_pruned=pruned, inner_searches=len(inner_cache),
@@ -176,3 +184,9 @@ def _with_sp(graph, cluster, base, flat, search_fn, err, kw):
     """Step 4 (module doc): the search with each sequence-axis size, or ``err`` / the smallest peak."""
     from autopar.rules.sequence import search_with_sp
     return search_with_sp(graph, cluster, flat, err, lambda cons: search_fn(graph, cluster, base, cons, **kw))
+
+
+def _faster_with_sp(graph, cluster, base, flat, search_fn, kw, incumbent_time):
+    """Step 4 (module doc), long sequences: a plan with a sequence axis faster than the incumbent, or None."""
+    from autopar.rules.sequence import faster_with_sp
+    return faster_with_sp(graph, cluster, flat, incumbent_time, lambda cons: search_fn(graph, cluster, base, cons, **kw))
