@@ -697,7 +697,7 @@ def faster_with_sp(graph, cluster, constraints: dict, incumbent_time: float, run
     for sp in sp_sizes(cluster):
         try:
             out = run(dict(constraints, sp=sp))
-        except (PlanError, ConstraintError):   # does not fit (MemoryBudgetError), no such mesh
+        except (PlanError, ConstraintError):   # does not fit (MemoryBudgetError), cut off, no such mesh
             continue
         t = out[0].prediction["step_time"]
         if t < incumbent_time and (best is None or t < best[0].prediction["step_time"]):

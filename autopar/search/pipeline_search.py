@@ -189,4 +189,6 @@ def _with_sp(graph, cluster, base, flat, search_fn, err, kw):
 def _faster_with_sp(graph, cluster, base, flat, search_fn, kw, incumbent_time):
     """Step 4 (module doc), long sequences: a plan with a sequence axis faster than the incumbent, or None."""
     from autopar.rules.sequence import faster_with_sp
-    return faster_with_sp(graph, cluster, flat, incumbent_time, lambda cons: search_fn(graph, cluster, base, cons, **kw))
+    # cutoff: configurations whose work bound reaches the incumbent cannot beat it (outer.search)
+    return faster_with_sp(graph, cluster, flat, incumbent_time,
+                          lambda cons: search_fn(graph, cluster, base, cons, **dict(kw, cutoff=incumbent_time)))
