@@ -149,8 +149,8 @@ def test_free_search_pipelines_when_pp1_cannot_fit_memory():
     p1 = _plan(zero=0, tp=1, pp=1)
     p2 = _plan(zero=0, tp=1, pp=2, num_micro_batches=4)
     budget = (p1.peak_memory + p2.peak_memory) // 2
-    with pytest.raises(MemoryBudgetError):
-        _plan(zero=0, tp=1, pp=1, memory_budget=budget)
+    with pytest.raises(MemoryBudgetError):   # sp=1: a sequence axis would fit it (issue 7's retry)
+        _plan(zero=0, tp=1, pp=1, sp=1, memory_budget=budget)
     p = _plan(zero=0, tp=1, memory_budget=budget)
     assert p.degrees["pp"] == 2 and p.degrees["pp_schedule"] in ("1f1b", "interleaved-1f1b")
     assert p.degrees["num_micro_batches"] >= 2 and p.peak_memory <= budget

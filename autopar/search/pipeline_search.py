@@ -21,6 +21,14 @@ planning; with ``pp=1`` pinned the ordinary search. Otherwise:
    (pp, m) and reused for every schedule (``inner_cache``).
 3. The pipelined candidate with the least predicted step time is chosen only if it beats the
    pp=1 plan's (or pp=1 found nothing that fits).
+4. Sequence parallelism (issue 7): when neither step found a plan that fits memory, sp and
+   sp_mode are not pinned and the model runs attention over a sequence, the ordinary search runs
+   again with each sequence-axis size pinned (Ulysses, ring or K/V all-gather chosen per attention
+   op by the ILP: autopar/rules/sequence.py ``search_with_sp``); the fastest plan that fits wins, and
+   if none does the MemoryBudgetError reports the smallest peak over all of them. When some
+   attention's sequence is at least ``sequence.SP_UPFRONT_RATIO`` (2) times its hidden size, the
+   same sp searches also run after a plan was found, and one of them wins if it is faster
+   (``sequence.faster_with_sp``; small models' sequences are far shorter, so they never pay).
 
 Pruning (why small models stay fast): a pipelined step cannot take less than the pp=1 plan's
 compute time times 1 + (pp - 1) / (m * v) (same FLOPs on the same devices, plus the least fill
@@ -99,7 +107,12 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
         return search_pipelined(graph, cluster, base, constraints, search_fn, **kw)
     flat = {k: v for k, v in constraints.items() if k != "pp"}
     if "pp" in constraints or constraints.get("checkpoint") not in (None, "none") or unpipelined_pin(flat):
-        return (*search_fn(graph, cluster, base, flat, **kw), None)
+        try:
+            res = search_fn(graph, cluster, base, flat, **kw)
+        except MemoryBudgetError as e:   # retried with sequence axes (step 4 of the module doc)
+            return (*_with_sp(graph, cluster, base, flat, search_fn, e, kw), None)
+        return (*(_faster_with_sp(graph, cluster, base, flat, search_fn, kw, res[0].prediction["step_time"])
+                  or res), None)
     t0 = time.perf_counter()
     best = best_stats = best_pipe = None
     err = None
@@ -154,11 +167,28 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
         tried += 1
         if pipe["step_time"] < best_time:
             best, best_stats, best_pipe, best_time = result, stats, pipe, pipe["step_time"]
-    if best is None:
-        raise err
+    if best is None:   # nothing fits: retried with sequence axes (step 4 of the module doc)
+        return (*_with_sp(graph, cluster, base, flat, search_fn, err, kw), None)
+    sp_best = _faster_with_sp(graph, cluster, base, flat, search_fn, kw, best_time)   # step 4, long sequences
+    if sp_best is not None:
+        return (*sp_best, None)
     from autopar.search.outer import CutOff
     cut = sum(isinstance(r, CutOff) for r in inner_cache.values())
     best_stats = dict(best_stats, pipeline_candidates=tried, pipeline_pruned=pruned, inner_searches=len(inner_cache),
                       inner_cut_off=cut,
                       pipeline_seconds=time.perf_counter() - t0)
     return best, best_stats, best_pipe
+
+
+def _with_sp(graph, cluster, base, flat, search_fn, err, kw):
+    """Step 4 (module doc): the search with each sequence-axis size, or ``err`` / the smallest peak."""
+    from autopar.rules.sequence import search_with_sp
+    return search_with_sp(graph, cluster, flat, err, lambda cons: search_fn(graph, cluster, base, cons, **kw))
+
+
+def _faster_with_sp(graph, cluster, base, flat, search_fn, kw, incumbent_time):
+    """Step 4 (module doc), long sequences: a plan with a sequence axis faster than the incumbent, or None."""
+    from autopar.rules.sequence import faster_with_sp
+    # cutoff: configurations whose work bound reaches the incumbent cannot beat it (outer.search)
+    return faster_with_sp(graph, cluster, flat, incumbent_time,
+                          lambda cons: search_fn(graph, cluster, base, cons, **dict(kw, cutoff=incumbent_time)))

@@ -1,0 +1,89 @@
+"""Sequence parallelism in the free search (issue 7): the longest sequence of a Llama-2-7B shape
+(autopar.models.llama.llama_7b: 32 layers, d 4096, 32 heads, n_kv_heads=32, bf16, AdamW) that
+plans on A100-80GB nodes with tensor parallelism only against the full search.
+
+* "TP only": ``constraints={"sp": 1}`` (no sequence axis; tensor parallelism with Megatron-SP,
+  data parallelism, ZeRO, recompute and pipelining are all still searched).
+* "free": no constraints: the same search, and when nothing fits memory the retry with a
+  sequence axis of every size (Ulysses / ring / K/V all-gather per attention op, ILP's choice;
+  autopar/rules/sequence.py ``search_with_sp``).
+
+Global batch: one sequence per node (1 on 8 GPUs, 8 on 64), so data parallelism cannot take
+more than a node per sequence. Sequences are powers of two from 4k up; the free search is only
+planned from the first length TP only cannot fit (below it, it returns the same plan). Published
+reference gains in sequence length: ring self-attention 3.0x (Li et al. 2021, "Sequence
+Parallelism: Long Sequence Training from System Perspective", against Megatron tensor
+parallelism), DeepSpeed-Ulysses 4x (Jacobs et al. 2023, "sequences 4x longer than existing
+systems").
+
+    .venv/bin/python -m benchmarks.bench_sequence [--nodes 1 8] [--max-seq 1048576]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import autopar
+from autopar.errors import MemoryBudgetError
+from autopar.models.llama import llama_7b
+
+PUBLISHED = "ring self-attention 3.0x (Li et al. 2021), DeepSpeed-Ulysses 4x (Jacobs et al. 2023)"
+
+
+def fits(seq: int, nodes: int, constraints: dict | None):
+    """(plan or None, seconds, smallest peak bytes when it does not fit)."""
+    model, inputs = llama_7b(seq=seq, batch=nodes)
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=nodes)
+    t0 = time.perf_counter()
+    try:
+        plan = autopar.plan(model, inputs, cluster, constraints=constraints)
+        return plan, time.perf_counter() - t0, None
+    except MemoryBudgetError as e:
+        return None, time.perf_counter() - t0, e.min_peak_bytes
+
+
+def _deg(plan) -> str:
+    d = plan.degrees
+    sp = f" sp={d['sp']}({d['sp_mode']})" if d["sp_mode"] not in (None, "megatron") else ""
+    return f"dp={d['dp']} tp={d['tp']}{sp} pp={d['pp']} zero={d['zero']} ckpt={d['checkpoint']}"
+
+
+def longest(nodes: int, max_seq: int, constraints, start: int = 4096, log=print):
+    best, seq = None, start
+    while seq <= max_seq:
+        plan, secs, floor = fits(seq, nodes, constraints)
+        log(f"  nodes={nodes} seq={seq:>7} {constraints or 'free'}: "
+            + (f"fits, {_deg(plan)}, step {plan.step_time:.3g} s" if plan else
+               f"no plan (smallest peak {floor / 2**30:.1f} GiB)") + f"  [{secs:.0f} s planning]")
+        if plan is None:
+            return best, seq
+        best = (seq, plan)
+        seq *= 2
+    return best, seq
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-seq", type=int, default=1 << 20)
+    args = ap.parse_args()
+    rows = []
+    for nodes in args.nodes:
+        tp, first_fail = longest(nodes, args.max_seq, {"sp": 1})
+        free = tp
+        if first_fail <= args.max_seq:
+            more, _ = longest(nodes, args.max_seq, None, start=first_fail)
+            free = more or tp
+        rows.append((nodes, tp, free))
+    print(f"\n| GPUs | global batch | longest seq, TP only | plan | longest seq, free search | plan | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for nodes, tp, free in rows:
+        def cell(r):
+            return ("none", "-") if r is None else (f"{r[0] // 1024}k", _deg(r[1]))
+        ratio = f"{free[0] / tp[0]:.1f}x" if tp and free else "-"
+        print(f"| {8 * nodes} | {nodes} | {' | '.join(cell(tp))} | {' | '.join(cell(free))} | {ratio} |")
+    print(f"\npublished: {PUBLISHED}; lengths capped at {args.max_seq // 1024}k")
+
+
+if __name__ == "__main__":
+    main()
