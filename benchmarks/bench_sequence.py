@@ -17,6 +17,11 @@ parallelism), DeepSpeed-Ulysses 4x (Jacobs et al. 2023, "sequences 4x longer tha
 systems").
 
     .venv/bin/python -m benchmarks.bench_sequence [--nodes 1 8] [--max-seq 1048576]
+    .venv/bin/python -m benchmarks.bench_sequence --llama3-128k
+
+``--llama3-128k``: a Llama-3-8B shape (32 layers, d 4096, 32 heads, 8 KV heads, FFN 14336,
+vocabulary 128256) at 128K tokens on 2 DGX-H100 nodes, global batch 2 (one sequence per node),
+free search: the plan, its predicted step time and MFU, and the mode of every attention op.
 """
 from __future__ import annotations
 
@@ -62,11 +67,44 @@ def longest(nodes: int, max_seq: int, constraints, start: int = 4096, log=print)
     return best, seq
 
 
+def attention_modes(plan) -> dict[str, int]:
+    """How many attention ops run each way: the special op of an SDPA strategy (ring, Ulysses), a
+    head-split explicit core, or an attention kept whole / K/V all-gathered on the sequence."""
+    from autopar.rules.sequence import HEAD_TAG
+    out: dict[str, int] = {}
+    for op in plan.data["ops"]:
+        if op["rule"] == "sdpa" or op.get("special") or HEAD_TAG in op["strategy"]:
+            key = ",".join(op.get("special") or []) or ("ulysses (heads)" if HEAD_TAG in op["strategy"] else
+                                                        f"sdpa {op['strategy']}")
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def llama3_128k() -> None:
+    from autopar.models.llama import llama
+    model, inputs = llama(n_layer=32, n_head=32, n_kv_heads=8, d_model=4096, ffn_hidden=14336, vocab=128256,
+                          seq=131072, batch=2, device="meta")
+    cluster = autopar.Cluster.preset("dgx-h100", nodes=2)
+    t0 = time.perf_counter()
+    plan = autopar.plan(model, inputs, cluster)
+    secs = time.perf_counter() - t0
+    pr = plan.predictions
+    print(f"Llama-3-8B shape, 128K tokens x 2, 2 x DGX-H100 (16 GPUs), free search: planned in {secs:.0f} s")
+    print(f"  plan: {_deg(plan)}, micro-batch {plan.degrees['micro_batch_size']} x "
+          f"{plan.degrees['num_micro_batches']}; step {plan.step_time:.3g} s, MFU {pr['mfu']:.1%}, "
+          f"peak {plan.peak_memory / 2**30:.1f} GiB")
+    print(f"  attention ops: {attention_modes(plan)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-seq", type=int, default=1 << 20)
+    ap.add_argument("--llama3-128k", action="store_true", help="only the Llama-3-8B 128K plan (module doc)")
     args = ap.parse_args()
+    if args.llama3_128k:
+        llama3_128k()
+        return
     rows = []
     for nodes in args.nodes:
         tp, first_fail = longest(nodes, args.max_seq, {"sp": 1})
