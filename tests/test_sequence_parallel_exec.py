@@ -71,7 +71,7 @@ def _attention_ops(plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, tp", [("gpt2", 2), ("llama", 2), ("gpt2", 4)])
+@pytest.mark.parametrize("name, tp", [("gpt2", 2), ("llama", 2), ("gpt2", 4), ("llama", 4)])
 def test_megatron_sp(name, tp):
     plan, res = run_case(name, tp, {"tp": tp, "sp_mode": "megatron"})
     assert plan.degrees["sp_mode"] == "megatron" and plan.degrees["sp"] == plan.degrees["tp"] == tp
@@ -149,6 +149,9 @@ FOUR_PROCESS_CASES = {
     "llama-ulysses-sp4": ("llama", 4, {"sp": 4, "sp_mode": "ulysses"}),
     "llama-ring-sp4": ("llama", 4, {"sp": 4, "sp_mode": "ring"}),
     "gpt2-ring-contiguous-sp4": ("gpt2", 4, {"sp": 4, "sp_mode": "ring-contiguous"}),
+    "gpt2-ulysses-sp4": ("gpt2", 4, {"sp": 4, "sp_mode": "ulysses"}),
+    "gpt2-ring-sp4": ("gpt2", 4, {"sp": 4, "sp_mode": "ring"}),
+    "llama-ring-contiguous-sp4": ("llama", 4, {"sp": 4, "sp_mode": "ring-contiguous"}),
     "llama-dp2-ring-sp2": ("llama", 4, {"dp": 2, "sp": 2, "sp_mode": "ring"}),
     "gpt2-tp2-ulysses-sp2": ("gpt2", 4, {"tp": 2, "sp": 2, "sp_mode": "ulysses"}),
 }
