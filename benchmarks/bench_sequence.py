@@ -6,7 +6,7 @@ plans on A100-80GB nodes with tensor parallelism only against the full search.
   data parallelism, ZeRO, recompute and pipelining are all still searched).
 * "free": no constraints: the same search, and when nothing fits memory the retry with a
   sequence axis of every size (Ulysses / ring / K/V all-gather per attention op, ILP's choice;
-  autopar/rules/sequence.py ``search_with_sp``).
+  autopar/search/sequence_search.py ``search_with_sp``).
 
 Global batch: one sequence per node (1 on 8 GPUs, 8 on 64), so data parallelism cannot take
 more than a node per sequence. Sequences are powers of two from 4k up; the free search is only

@@ -1,4 +1,4 @@
-"""Sequence parallelism in the free search (issue 7, autopar/rules/sequence.py ``search_with_sp``):
+"""Sequence parallelism in the free search (issue 7, autopar/search/sequence_search.py ``search_with_sp``):
 Ulysses/ring meshes are searched when nothing fits memory without them, and only then."""
 import pytest
 
@@ -6,7 +6,7 @@ import autopar
 from autopar.errors import MemoryBudgetError
 from autopar.models import ZOO
 from autopar.models.llama import llama
-from autopar.rules import sequence
+from autopar.search import sequence_search as sequence
 
 # A tiny LLaMA with a 4k sequence on 2 nodes x 2 devices: tensor parallelism stays inside a node,
 # so without a sequence axis each sequence's activations split 2 ways (10.6 MB peak at least);

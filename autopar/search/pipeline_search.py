@@ -24,11 +24,11 @@ planning; with ``pp=1`` pinned the ordinary search. Otherwise:
 4. Sequence parallelism (issue 7): when neither step found a plan that fits memory, sp and
    sp_mode are not pinned and the model runs attention over a sequence, the ordinary search runs
    again with each sequence-axis size pinned (Ulysses, ring or K/V all-gather chosen per attention
-   op by the ILP: autopar/rules/sequence.py ``search_with_sp``); the fastest plan that fits wins, and
+   op by the ILP: autopar/search/sequence_search.py ``search_with_sp``); the fastest plan that fits wins, and
    if none does the MemoryBudgetError reports the smallest peak over all of them. When some
-   attention's sequence is at least ``sequence.SP_UPFRONT_RATIO`` (2) times its hidden size, the
+   attention's sequence is at least ``sequence_search.SP_UPFRONT_RATIO`` (2) times its hidden size, the
    same sp searches also run after a plan was found, and one of them wins if it is faster
-   (``sequence.faster_with_sp``; small models' sequences are far shorter, so they never pay).
+   (``sequence_search.faster_with_sp``; small models' sequences are far shorter, so they never pay).
 
 Pruning (why small models stay fast): a pipelined step cannot take less than the pp=1 plan's
 compute time times 1 + (pp - 1) / (m * v) (same FLOPs on the same devices, plus the least fill
@@ -182,13 +182,13 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
 
 def _with_sp(graph, cluster, base, flat, search_fn, err, kw):
     """Step 4 (module doc): the search with each sequence-axis size, or ``err`` / the smallest peak."""
-    from autopar.rules.sequence import search_with_sp
+    from autopar.search.sequence_search import search_with_sp
     return search_with_sp(graph, cluster, flat, err, lambda cons: search_fn(graph, cluster, base, cons, **kw))
 
 
 def _faster_with_sp(graph, cluster, base, flat, search_fn, kw, incumbent_time):
     """Step 4 (module doc), long sequences: a plan with a sequence axis faster than the incumbent, or None."""
-    from autopar.rules.sequence import faster_with_sp
+    from autopar.search.sequence_search import faster_with_sp
     # cutoff: configurations whose work bound reaches the incumbent cannot beat it (outer.search)
     return faster_with_sp(graph, cluster, flat, incumbent_time,
                           lambda cons: search_fn(graph, cluster, base, cons, **dict(kw, cutoff=incumbent_time)))

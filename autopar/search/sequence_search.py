@@ -1,0 +1,144 @@
+"""Sequence axes in the free search (issue 7): when the search adds Ulysses / ring meshes on its
+own, with neither ``sp`` nor ``sp_mode`` pinned (autopar/search/pipeline_search.py step 4):
+
+(a) nothing fits memory without them (``search_with_sp``: one rerun per sequence-axis size, the ILP
+    choosing Ulysses, ring or the K/V all-gather per attention op; the error then reports the
+    smallest peak over all);
+(b) some attention's sequence is at least ``SP_UPFRONT_RATIO`` times its hidden size
+    (``faster_with_sp``: the same reruns, kept when faster).
+
+``constraints={"sp": 1}`` rules both out (tensor parallelism only). What a sequence axis does to
+the strategies is autopar/rules/sequence.py's.
+"""
+from __future__ import annotations
+
+from autopar.errors import MemoryBudgetError, PlanError
+from autopar.rules.sequence import input_seq_dims
+from autopar.search.outer import _bytes
+
+
+def sp_free(constraints: dict) -> bool:
+    """Whether the search may add sequence axes on its own: neither ``sp`` nor ``sp_mode`` pinned
+    (``sp=1`` is how a caller asks for no sequence axis), and no grid tensor mode."""
+    from codegen.grid_layout import GRID_MODES
+    return ("sp" not in constraints and constraints.get("sp_mode") is None
+            and constraints.get("tp_mode") not in GRID_MODES)
+
+
+def has_sequence_attention(graph) -> bool:
+    """An attention op (softmax or fused SDPA, attention_core.is_anchor) in a model whose user
+    inputs carry a sequence dim (``input_seq_dims``): what a sequence axis can split."""
+    from autopar.frontend.batching import graph_batch_dims
+    from autopar.rules.attention_core import is_anchor
+    if not any(input_seq_dims(graph, graph_batch_dims(graph)).values()):
+        return False
+    return any(is_anchor(n) for n in graph.gm.graph.nodes)
+
+
+def sp_sizes(cluster) -> list[int]:
+    """The sequence-axis sizes the free search retries with: every divisor > 1 of the devices."""
+    n = cluster.num_devices
+    return [k for k in range(2, n + 1) if n % k == 0]
+
+
+def search_with_sp(graph, cluster, constraints: dict, err, run):
+    """The free search's retry when nothing fits memory (module doc of pipeline_search, issue 7):
+    ``run(constraints)`` (the ordinary search, returning a tuple whose first item is the Result)
+    with each sequence-axis size ``sp_sizes`` pinned and the attention mode left to the ILP
+    (``"auto"``: Ulysses, ring or the K/V all-gather per attention op). The fastest result, or,
+    when none fits either, a MemoryBudgetError with the smallest peak over ``err`` and every
+    retry. ``err`` (the free search's MemoryBudgetError) is raised as it is when the retry does
+    not apply (sp pinned, or no attention over a sequence)."""
+    if not sp_free(constraints) or not has_sequence_attention(graph):
+        raise err
+    floors = [err.min_peak_bytes]
+    best = _fastest_over_sp(cluster, constraints, run, floors)
+    if best is not None:
+        return best
+    floors = [f for f in floors if f is not None]
+    if not floors:
+        raise err
+    raise MemoryBudgetError(
+        f"no plan fits in the memory budget of {_bytes(err.budget_bytes)} per device, with or without a "
+        f"sequence-parallel axis (Ulysses / ring attention): the smallest peak memory any plan reaches is "
+        f"{_bytes(min(floors))}. Raise memory_budget to at least that, add devices, use a smaller batch or "
+        f"a shorter sequence, or relax constraints.",
+        min_peak_bytes=int(min(floors)), budget_bytes=err.budget_bytes)
+
+
+# Sequence axes up front (issue 7 (b)): when some attention's sequence is at least this many times
+# its hidden size (heads x head dim). Measured (benchmarks/RESULTS.md section 11): Llama-7B on 8
+# A100s, batch 1, best sp plan against the best without: s = h +0.6% (slower), 2h -3.6%, 4h -5.4%,
+# 8h -13.4% step time.
+SP_UPFRONT_RATIO = 2
+
+
+def _attention_shape(n) -> tuple[int, int] | None:
+    """(key sequence length, hidden = heads x head dim) of an attention anchor, or None."""
+    from autopar.rules.attention_core import _op_name
+    from autopar.rules.table import shape
+    try:
+        if "scaled_dot_product" in _op_name(n):
+            q, k = shape(n.args[0]), shape(n.args[1])
+            return (k[-2], q[-3] * q[-1]) if len(q) >= 3 else None
+        scores = shape(n.args[0])            # softmax over (b, heads, s_q, s_k)
+        if len(scores) < 4:
+            return None
+        frontier = [n.args[0]]
+        for _ in range(6):                   # up to the q @ k^T contraction (scale and mask between)
+            nxt = []
+            for m in frontier:
+                if getattr(m, "op", None) != "call_function":
+                    continue
+                if _op_name(m) in ("matmul", "bmm", "einsum") and hasattr(m.args[0], "meta"):
+                    qs = shape(m.args[0])
+                    return scores[-1], scores[-3] * qs[-1]
+                nxt += [a for a in m.args if hasattr(a, "meta")]
+            frontier = nxt
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return None
+
+
+def long_sequence(graph) -> bool:
+    """Some attention's sequence is at least ``SP_UPFRONT_RATIO`` times its hidden size."""
+    from autopar.rules.attention_core import is_anchor
+    for n in graph.gm.graph.nodes:
+        if is_anchor(n):
+            sh = _attention_shape(n)
+            if sh is not None and sh[0] >= SP_UPFRONT_RATIO * sh[1]:
+                return True
+    return False
+
+
+def upfront(graph, constraints: dict) -> bool:
+    """Whether the free search offers sequence axes next to the rest even when a plan fits."""
+    return sp_free(constraints) and has_sequence_attention(graph) and long_sequence(graph)
+
+
+def faster_with_sp(graph, cluster, constraints: dict, incumbent_time: float, run):
+    """The fastest ``run(constraints + sp)`` result over ``sp_sizes`` that beats ``incumbent_time``,
+    or None (no such plan, or the search does not offer sequence axes up front: ``upfront``)."""
+    if not upfront(graph, constraints):
+        return None
+    best = _fastest_over_sp(cluster, constraints, run)
+    return best if best is not None and best[0].prediction["step_time"] < incumbent_time else None
+
+
+def _fastest_over_sp(cluster, constraints: dict, run, floors: list | None = None):
+    """The fastest ``run(constraints + sp)`` over ``sp_sizes``, or None; a size that does not fit
+    adds its smallest peak to ``floors``, one with no such mesh (batch / heads do not divide) or
+    cut off is skipped."""
+    best = None
+    for sp in sp_sizes(cluster):
+        try:
+            out = run(dict(constraints, sp=sp))
+        except MemoryBudgetError as e:
+            if floors is not None:
+                floors.append(e.min_peak_bytes)
+            continue
+        except PlanError:   # ConstraintError, CutOff and the rest
+            continue
+        if best is None or out[0].prediction["step_time"] < best[0].prediction["step_time"]:
+            best = out
+    return best
