@@ -320,14 +320,15 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         stats["pruned"] += 1
         return best
 
-    def cut(bound: float) -> bool:
-        """Is the configuration cut off by ``search``'s ``cutoff`` (a work bound reaching it)?"""
-        if cutoff is None or bound < cutoff:
+    def cut(bound) -> bool:
+        """Is the configuration cut off by ``search``'s ``cutoff``? ``bound``: a work bound, or a
+        function computing one (not computed without a cutoff: this runs per configuration)."""
+        if cutoff is None or (bound() if callable(bound) else bound) < cutoff:
             return False
         stats["pruned"] += 1
         stats["cut_off"] = stats.get("cut_off", 0) + 1
         return True
-    if cut(step_time_lower_bound(P, work_only=True)):
+    if cut(lambda: step_time_lower_bound(P, work_only=True)):
         return best
     # the work bounds below (tree, LP: no gradient communication) answer both questions at once
     work_target = min(math.inf if best is None else best.prediction["step_time"],
@@ -350,7 +351,7 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
     if not exhaustive and best is not None and edge_lower >= best.prediction["step_time"]:
         stats["pruned"] += 1       # the bound with the resharding it cannot avoid
         return best
-    if cut(step_time_lower_bound(P, edges=True, work_only=True)):
+    if cut(lambda: step_time_lower_bound(P, edges=True, work_only=True)):
         return best
     problem = build_problem(cands, P, cfg.settings)
     if memory_floor_exceeds_budget(problem):
