@@ -182,6 +182,9 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     ops_key = ("ops", cluster, nm, s.precision)
     ops_done = c.edge_cache.get(ops_key)
     ops_new: dict = {}
+    # what does not depend on the micro-batch count, once per (mesh, precision, device kind): _op_base
+    op_bases = c.edge_cache.setdefault(("op bases", s.precision, cuda), {})
+    compute_memo = c.edge_cache.setdefault(("compute", cluster, dtype), {})   # fwd_bwd_compute is pure
     for name in c.order:
         info = c.nodes[name]
         if info.rep != name:
@@ -243,12 +246,18 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                             axis_bytes[a][j] += 2 * nm * pbytes * k
         elif info.kind == "op":
             spec = info.spec
-            wgrad = has_contraction(spec)
-            bscale = op_bytes_scale(val, s.precision)
+            base = op_bases.get(name)
+            if base is None:
+                base = op_bases[name] = _op_base(c, info, s.precision, cuda, roots, charged_roots)
+            wgrad = base.wgrad
             for j, st in enumerate(info.strategies):
                 ai = _local_intensity(c, spec, info, j, mesh, nm, 2 if dtype == "bf16" else 4) if wgrad else None
-                f, b = fwd_bwd_compute(spec.flops * st.work_fraction / nm, spec.bytes * bscale * st.work_fraction / nm,
-                                       dtype, device, wgrad, ai, cal, op=spec.rule)
+                fkey = (base.flops[j] / nm, base.nbytes[j] / nm, ai, wgrad, spec.rule)
+                fb = compute_memo.get(fkey)
+                if fb is None:
+                    fb = compute_memo[fkey] = fwd_bwd_compute(fkey[0], fkey[1], dtype, device, wgrad, ai, cal,
+                                                              op=spec.rule)
+                f, b = fb
                 compute[j] = (f + b) * nm * k
                 fwd[j] = f * nm * k
                 for (kind, a, nbytes) in st.comms:
@@ -258,21 +267,20 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                     axis_bytes[a][j] += 2 * nbytes * k
                     fwd_comm[j] += nm * comm(kind, nb, a) * k
                     fwd_bytes[a][j] += nbytes * k
-                t, per_axis = _region_cost(c, info, st, s.precision, nm, comm)
-                comm_t[j] += t * k
-                for a, nb in per_axis.items():
-                    axis_bytes[a][j] += nb * k
-            saved_roots = _saved_roots(c, info, s.precision, charged_roots, cuda=cuda, roots=roots)
-            for j, st in enumerate(info.strategies):
-                saved[j] = sum(fn(st) for _, fn in saved_roots) / nm * k
-                outs = val if isinstance(val, (tuple, list)) else (val,)
-                tb = 0.0
-                for o, lay in zip(outs, st.outputs):
-                    if isinstance(o, torch.Tensor):
-                        tb += o.numel() * _itemsize(o.dtype, s.precision) * _fraction(lay, mesh)
-                transient[j] = tb / nm
-            P.saved_by_root[name] = {root: np.array([fn(st) / nm * k for st in info.strategies])
-                                     for root, fn in saved_roots if root is not None}
+                # backward all-reduces of replicated inputs (autopar/pricing/conjugates.py); a
+                # batch-carrying tensor is 1/nm of its size each of the nm times backward runs
+                if base.region[j]:
+                    t, per_axis = 0.0, {}
+                    for a, nb, batchy in base.region[j]:
+                        size = nb / nm if batchy else nb
+                        t += comm("all_reduce", size, a) * nm
+                        per_axis[a] = per_axis.get(a, 0.0) + size * nm
+                    comm_t[j] += t * k
+                    for a, nb in per_axis.items():
+                        axis_bytes[a][j] += nb * k
+            saved = base.saved / nm * k
+            transient = base.transient / nm
+            P.saved_by_root[name] = {root: arr / nm * k for root, arr in base.saved_by_root.items()}
         P.compute[name], P.fwd_compute[name], P.comm[name] = compute, fwd, comm_t + grad_t
         P.grad_comm[name], P.optimizer[name], P.saved[name] = grad_t, opt_t, saved
         P.transient[name], P.comm_bytes[name] = transient, axis_bytes
@@ -382,13 +390,54 @@ def _batched_tensors(c: Candidates, info: NodeInfo) -> list:
     return got
 
 
-def _region_cost(c: Candidates, info: NodeInfo, st: Strategy, precision: str, nm: int, comm):
+@dataclass
+class _OpBase:
+    """What pricing one op's strategies needs that does not depend on the micro-batch count:
+    priced once per (mesh, precision, device kind) and divided by each count."""
+    wgrad: bool                      # a contraction: backward computes a weight gradient too
+    flops: list                      # per strategy, the local work of the whole batch
+    nbytes: list
+    region: list                     # per strategy, (axis, bytes, batch-carrying) of _region_terms
+    saved: np.ndarray                # per strategy, saved bytes of the whole batch, one repeat
+    saved_by_root: dict              # storage root -> per-strategy share of ``saved``
+    transient: np.ndarray            # per strategy, output bytes of the whole batch
+
+
+def _op_base(c: Candidates, info: NodeInfo, precision: str, cuda: bool, roots, charged: set) -> _OpBase:
+    spec = info.spec
+    mesh = c.mesh
+    val = node_val(info.node)
+    bscale = op_bytes_scale(val, precision)
+    saved_roots = _saved_roots(c, info, precision, charged, cuda=cuda, roots=roots)
+    outs = val if isinstance(val, (tuple, list)) else (val,)
+    S = len(info.strategies)
+    saved, transient = np.zeros(S), np.zeros(S)
+    for j, st in enumerate(info.strategies):
+        saved[j] = sum(fn(st) for _, fn in saved_roots)
+        tb = 0.0
+        for o, lay in zip(outs, st.outputs):
+            if isinstance(o, torch.Tensor):
+                tb += o.numel() * _itemsize(o.dtype, precision) * _fraction(lay, mesh)
+        transient[j] = tb
+    return _OpBase(
+        wgrad=has_contraction(spec),
+        flops=[spec.flops * st.work_fraction for st in info.strategies],
+        nbytes=[spec.bytes * bscale * st.work_fraction for st in info.strategies],
+        region=[_region_terms(c, info, st, precision) for st in info.strategies],
+        saved=saved, transient=transient,
+        saved_by_root={root: np.array([fn(st) for st in info.strategies]) for root, fn in saved_roots
+                       if root is not None})
+
+
+def _region_terms(c: Candidates, info: NodeInfo, st: Strategy, precision: str) -> list:
     """Backward all-reduces of inputs replicated on an axis the op splits its work on (see
-    autopar/pricing/conjugates.py). A parameter's data-axis reduction is its gradient sync, priced with
-    the parameter (once per step, not per micro-batch)."""
+    autopar/pricing/conjugates.py), as (axis, bytes of the whole batch, batch-carrying) triples:
+    backward runs once per micro-batch, and a batch-carrying tensor is 1/nm of its size each
+    time. A parameter's data-axis reduction is its gradient sync, priced with the parameter
+    (once per step, not per micro-batch)."""
     mesh = c.mesh
     ins = c.inputs(info.node)
-    t, per_axis = 0.0, {}
+    out = []
     for i, a in region_inputs(st, info.spec.inputs):
         p = ins[i]
         if p.name not in c.needs_grad:
@@ -399,12 +448,8 @@ def _region_cost(c: Candidates, info: NodeInfo, st: Strategy, precision: str, nm
         if isinstance(pv, (tuple, list)):
             continue
         nb = pv.numel() * _itemsize(pv.dtype, precision) * _fraction(st.inputs[i], mesh)
-        # backward runs once per micro-batch; a batch-carrying tensor is 1/nm of its size each time
-        batchy = bool(c.nodes[p.name].batch_dims and c.nodes[p.name].batch_dims[0])
-        size = nb / nm if batchy else nb
-        t += comm("all_reduce", size, a) * nm
-        per_axis[a] = per_axis.get(a, 0.0) + size * nm
-    return t, per_axis
+        out.append((a, nb, bool(c.nodes[p.name].batch_dims and c.nodes[p.name].batch_dims[0])))
+    return out
 
 
 def runs_cuda(cluster: Cluster) -> bool:

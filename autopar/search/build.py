@@ -144,7 +144,6 @@ def bound_problem(problem: Problem, P: Priced) -> Problem:
         else:
             out.costs.append(np.zeros(len(old)))
     return out
-    return out
 
 
 def chosen(problem: Problem, solution) -> dict[str, int]:

@@ -184,32 +184,56 @@ def step_time_lower_bound(P: Priced, edges: bool = False, work_only: bool = Fals
     i.e. of the plan's compute, in-op and resharding communication and optimizer step, whatever
     its gradient communication (what a pipeline's stages split among themselves:
     autopar/search/pipeline_search.py)."""
-    ba, bb = {}, {}
-    for n, comp in P.compute.items():
-        if len(comp):
-            ba[n] = comp + P.comm[n] - P.grad_comm[n] + P.optimizer[n]
-            bb[n] = P.fwd_compute[n] + P.comm[n] + P.optimizer[n]
+    names = [n for n, comp in P.compute.items() if len(comp)]
+    if not names:
+        return 0.0
+    sizes = [len(P.compute[n]) for n in names]
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    flat = {f: np.concatenate([getattr(P, f)[n] for n in names])
+            for f in ("compute", "comm", "grad_comm", "optimizer", "fwd_compute")}
+    ba = flat["compute"] + flat["comm"] - flat["grad_comm"] + flat["optimizer"]
+    bb = flat["fwd_compute"] + flat["comm"] + flat["optimizer"]
 
-    def total(base: dict, to_consumer: bool) -> float:
-        if not edges:
-            return float(sum(float(np.min(v)) for v in base.values()))
-        add = {}
-        for (u, v), m in P.edges.items():
-            if u not in base or v not in base:
-                continue
-            if u == v:
-                vec = np.diag(m)
-            else:
-                vec = m.min(axis=0) if to_consumer else m.min(axis=1)
-            key = v if to_consumer else u
-            add[key] = add[key] + vec if key in add else vec
-        return float(sum(float(np.min(base[n] + add[n])) if n in add else float(np.min(base[n])) for n in base))
+    def total(base: np.ndarray, add: np.ndarray | None) -> float:
+        # each node's cheapest strategy: one reduceat over the nodes' concatenated arrays
+        return float(np.minimum.reduceat(base if add is None else base + add, starts).sum())
 
-    if work_only:
-        return total(ba, True) if not edges else max(total(ba, True), total(ba, False))
     if not edges:
-        return max(total(ba, True), total(bb, True))
-    return max(total(ba, True), total(ba, False), total(bb, True), total(bb, False))
+        return total(ba, None) if work_only else max(total(ba, None), total(bb, None))
+    to_cons, to_prod = _edge_additions(P.edges, names, starts, len(ba))
+    if work_only:
+        return max(total(ba, to_cons), total(ba, to_prod))
+    return max(total(ba, to_cons), total(ba, to_prod), total(bb, to_cons), total(bb, to_prod))
+
+
+_EDGE_ADDITIONS: dict = {}   # id(edges) -> (edges, names, (to consumer, to producer)): module doc of the bound
+
+
+def _edge_additions(edges: dict, names: list, starts, length: int):
+    """For ``step_time_lower_bound(edges=True)``: every resharding matrix's cheapest entry per strategy
+    of its consumer (first array) or of its producer (second), summed per node and laid out like the
+    nodes' concatenated arrays. A configuration's edges are one dict shared by every ZeRO stage
+    (price.price_edges caches them), so this is computed once per dict."""
+    got = _EDGE_ADDITIONS.get(id(edges))
+    if got is not None and got[0] is edges and got[1] == names:
+        return got[2]
+    where = {n: int(s) for n, s in zip(names, starts)}
+    to_cons, to_prod = np.zeros(length), np.zeros(length)
+    for (u, v), m in edges.items():
+        if u not in where or v not in where:
+            continue
+        if u == v:
+            d = np.diag(m)
+            to_cons[where[v]:where[v] + len(d)] += d
+            to_prod[where[u]:where[u] + len(d)] += d
+            continue
+        a, b = m.min(axis=0), m.min(axis=1)
+        to_cons[where[v]:where[v] + len(a)] += a
+        to_prod[where[u]:where[u] + len(b)] += b
+    if len(_EDGE_ADDITIONS) > 256:   # one entry per priced configuration's edges; keep it bounded
+        _EDGE_ADDITIONS.clear()
+    _EDGE_ADDITIONS[id(edges)] = (edges, names, (to_cons, to_prod))
+    return to_cons, to_prod
 
 
 def static_memory_lower_bound(P: Priced) -> float:
