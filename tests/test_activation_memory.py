@@ -98,7 +98,7 @@ def _one_process(name, kw, cluster, precision="fp32", device="cpu"):
     from contextlib import nullcontext
 
     from autopar.models import HF_ZOO
-    from autopar.pricing.price import runs_cuda
+    from autopar.pricing.saved_roots import runs_cuda
     from autopar.pricing.saved_probe import cuda_kernels, saved_bytes
     factory = {**ZOO, **HF_ZOO}[name]
     model, inputs = factory(device=device, **kw)

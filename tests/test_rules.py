@@ -378,7 +378,7 @@ def _measured_saved_bytes(target, args, kwargs):
 
 
 def _spec_saved_bytes(node, env, spec):
-    from autopar.pricing.price import saved_applies
+    from autopar.pricing.saved_roots import saved_applies
 
     ins = tensor_inputs(node)
     outs = env[node] if isinstance(env[node], (tuple, list)) else (env[node],)

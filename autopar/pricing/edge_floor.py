@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from autopar.pricing.price import Priced, edge_groups, edge_layouts, mesh_comm
+from autopar.pricing.edge_price import edge_groups, edge_layouts
+from autopar.pricing.price import Priced, mesh_comm
 from autopar.rules.layout import Layout
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,20 +19,17 @@ import torch
 
 from autopar.rules.candidates import FLOAT_DTYPES, Candidates, NodeInfo
 from autopar.cluster import Cluster
-from autopar.pricing.conjugates import region_inputs, step_traffic
+from autopar.pricing.conjugates import region_inputs
 from autopar.pricing.cost import (Collectives, bucket_share, fwd_bwd_compute, gemm_intensity, grad_bucket_bytes,
                           optimizer_step_time, profile_of)
-from autopar.rules.layout import Layout
+from autopar.pricing.edge_price import _price_edges
+from autopar.pricing.local_bytes import block_fraction, runtime_itemsize
 from autopar.pricing.memory import state_bytes, zero_shard
 from autopar.mesh import Mesh
-from autopar.pricing.reshard import plan_reshard
-from autopar.rules import tensor_inputs
+from autopar.pricing.saved_roots import _saved_roots, device_storage_roots, runs_cuda
 from autopar.rules.table import shape as tensor_shape
 from autopar.rules.table import val as node_val
 from autopar.rules.strategy import Strategy
-
-FORBIDDEN = 1e6   # seconds: a cost no plan will pay (strategies invalid under the micro-batching)
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -54,15 +49,8 @@ def op_bytes_scale(val, precision: str) -> float:
     fp32) is multiplied by at run time: under bf16 mixed precision the kernels move bf16
     activations, half those bytes. ``val``: the op's traced output value."""
     v0 = val[0] if isinstance(val, (tuple, list)) and val else val
-    return (_itemsize(v0.dtype, precision) / v0.element_size()
+    return (runtime_itemsize(v0.dtype, precision) / v0.element_size()
             if isinstance(v0, torch.Tensor) and v0.dtype in FLOAT_DTYPES else 1.0)
-
-
-def _itemsize(dtype, precision: str) -> int:
-    """Bytes per element at run time: floating tensors are bf16 under bf16 mixed precision."""
-    if dtype in FLOAT_DTYPES and precision == "bf16":
-        return 2
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 @dataclass
@@ -90,18 +78,6 @@ class Priced:
     fwd_comm_bytes: dict[str, list[np.ndarray]] = field(default_factory=dict)
     edge_fwd: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     edge_fwd_bytes: dict[tuple[str, str], list[np.ndarray]] = field(default_factory=dict)
-
-
-def _fraction(layout: Layout | None, mesh: Mesh) -> float:
-    return 1.0 if layout is None else layout.shard_fraction(mesh.shape)
-
-
-def _letter_fraction(letters: str, strat: Strategy, mesh: Mesh) -> float:
-    f = 1.0
-    for a, split in enumerate(strat.splits):
-        if split is not None and split != "P" and split in letters:
-            f /= mesh.shape[a]
-    return f
 
 
 def has_contraction(spec) -> bool:
@@ -213,7 +189,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                 local = numel * st.outputs[0].shard_fraction(mesh.shape)
                 sb = zero_shard(state_bytes(local, s.optimizer, s.precision), s.zero, dp)
                 if name not in c.needs_grad:   # a buffer: stored, never trained
-                    sb = {"params": local * _itemsize(val.dtype, s.precision), "grads": 0, "optimizer": 0}
+                    sb = {"params": local * runtime_itemsize(val.dtype, s.precision), "grads": 0, "optimizer": 0}
                 for key in static:
                     static[key][j] = sb[key] * k
                 if name not in c.needs_grad:
@@ -417,7 +393,7 @@ def _op_base(c: Candidates, info: NodeInfo, precision: str, cuda: bool, roots, c
         tb = 0.0
         for o, lay in zip(outs, st.outputs):
             if isinstance(o, torch.Tensor):
-                tb += o.numel() * _itemsize(o.dtype, precision) * _fraction(lay, mesh)
+                tb += o.numel() * runtime_itemsize(o.dtype, precision) * block_fraction(lay, mesh)
         transient[j] = tb
     return _OpBase(
         wgrad=has_contraction(spec),
@@ -447,294 +423,6 @@ def _region_terms(c: Candidates, info: NodeInfo, st: Strategy, precision: str) -
         pv = node_val(p)
         if isinstance(pv, (tuple, list)):
             continue
-        nb = pv.numel() * _itemsize(pv.dtype, precision) * _fraction(st.inputs[i], mesh)
+        nb = pv.numel() * runtime_itemsize(pv.dtype, precision) * block_fraction(st.inputs[i], mesh)
         out.append((a, nb, bool(c.nodes[p.name].batch_dims and c.nodes[p.name].batch_dims[0])))
     return out
-
-
-def runs_cuda(cluster: Cluster) -> bool:
-    """Does the cluster run CUDA kernels (what autograd saves differs: see ``Saved.on``)? A
-    cluster on NCCL is a GPU cluster; gloo clusters are CPU processes."""
-    return cluster.backend == "nccl"
-
-
-def on_device(on: str, cuda: bool, work16: bool) -> bool:
-    """Does a rule's device tag (``Saved.on``, ``OpSpec.storage_order``) name this device?
-    ``work16``: the op's working floating dtype is 16-bit (bf16 mixed precision or a 16-bit trace)."""
-    if not on:
-        return True
-    dev = "cuda" if cuda else "cpu"
-    return on == dev or on == dev + ("16" if work16 else "32")
-
-
-def saved_applies(sv, cuda: bool, work16: bool) -> bool:
-    """Is ``Saved`` entry ``sv`` saved on this device (``Saved.on``)?"""
-    return on_device(sv.on, cuda, work16)
-
-
-# ops that may return a view of their input: replayed by ``device_storage_roots``
-_VIEWISH = {"transpose", "permute", "view", "reshape", "_unsafe_view", "contiguous", "flatten", "unflatten",
-            "squeeze", "unsqueeze", "t", "alias", "expand", "select", "slice", "clone", "_reshape_alias"}
-
-
-def device_storage_roots(c: Candidates, cuda: bool, precision: str = "bf16") -> dict[str, str]:
-    """Storage roots where the device's kernels lay an output out differently from the trace
-    (``OpSpec.storage_order``; e.g. flash attention's output, traced on meta through the math
-    path): the op's view-like consumers are replayed on a meta tensor with the device's layout,
-    and each gets the root of the storage it really aliases. Returns node -> root overrides of
-    ``c.storage_root``."""
-    over: dict[str, str] = {}
-    users: dict[str, list] = defaultdict(list)
-    for node in c.graph.gm.graph.nodes:
-        for p in node.all_input_nodes:
-            users[p.name].append(node)
-    for name in c.order:
-        info = c.nodes[name]
-        spec = info.spec
-        if info.kind != "op" or spec is None or not spec.storage_order:
-            continue
-        work16 = _itemsize(node_val(info.node).dtype, precision) == 2 if isinstance(node_val(info.node), torch.Tensor) else False
-        order = next((o for on, o in spec.storage_order if on_device(on, cuda, work16)), None)
-        out = node_val(info.node)
-        if order is None or not isinstance(out, torch.Tensor) or out.is_sparse:
-            continue
-        letters = spec.outputs[0]
-        if order.startswith("="):   # like an input: its dims by decreasing stride (torch.empty_like)
-            ref = node_val(tensor_inputs(info.node)[int(order[1:])])
-            dims = sorted(range(ref.ndim), key=lambda d: (-ref.stride(d), d))
-            order = "".join(letters[d] for d in dims)
-        shape = dict(zip(letters, out.shape))
-        base = torch.empty([shape[ch] for ch in order], dtype=out.dtype, device="meta")
-        base = base.permute([order.index(ch) for ch in letters])
-        owner = {id(base.untyped_storage()): c.storage_root.get(name, name)}
-        keep = [base.untyped_storage()]
-        vals = {name: base}
-        todo = [name]
-        while todo:
-            n = todo.pop()
-            for u in users[n]:
-                op = getattr(u.target, "overloadpacket", None)
-                if op is None or op.__name__ not in _VIEWISH or u.name in vals or len(u.all_input_nodes) != 1:
-                    continue
-                args = [vals[n] if getattr(a, "name", None) == n else a for a in u.args]
-                try:
-                    y = u.target(*args, **u.kwargs)
-                except Exception:
-                    continue
-                if not isinstance(y, torch.Tensor):
-                    continue
-                st = y.untyped_storage()
-                keep.append(st)
-                owner.setdefault(id(st), u.name)
-                over[u.name] = owner[id(st)]
-                vals[u.name] = y
-                todo.append(u.name)
-        del keep
-    return over
-
-
-def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str], cuda: bool = False,
-                 roots: dict[str, str] | None = None):
-    """(storage root or None, function strategy -> bytes) for each tensor this op saves, each
-    storage counted once (root None: a buffer of the op's own, e.g. a dropout mask). ``cuda``:
-    count what CUDA kernels save (``runs_cuda``), else what CPU kernels save; ``roots``: storage
-    roots on that device (``device_storage_roots``), default the traced ones."""
-    mesh = c.mesh
-    roots = c.storage_root if roots is None else roots
-    fns = []
-    ins = tensor_inputs(info.node)
-    val = node_val(info.node)
-    outs = val if isinstance(val, (tuple, list)) else (val,)
-    if info.name not in c.needs_grad:
-        return fns          # autograd records nothing for an op none of whose inputs needs a gradient
-    floats = [node_val(p).dtype for p in ins
-              if isinstance(node_val(p), torch.Tensor) and node_val(p).dtype in FLOAT_DTYPES]
-    work16 = any(_itemsize(d, precision) == 2 for d in floats)
-    for sv in info.spec.saved:
-        if not saved_applies(sv, cuda, work16):
-            continue
-        if sv.for_grad_of and not any(j < len(ins) and ins[j].name in c.needs_grad for j in sv.for_grad_of):
-            continue
-        if sv.kind in ("input", "output"):
-            if sv.kind == "input":
-                if sv.index >= len(ins):
-                    continue
-                src = ins[sv.index]
-                root = roots.get(src.name)
-                t = node_val(src)
-            else:
-                if sv.index >= len(outs):
-                    continue
-                root = roots.get(info.name) if sv.index == 0 else f"{info.name}#{sv.index}"
-                t = outs[sv.index]
-            if root is None or not isinstance(t, torch.Tensor):
-                continue
-            if root in c.nodes and c.nodes[root].kind == "param":
-                continue    # parameters are counted as parameters, not activations
-            if root in charged:
-                continue
-            charged.add(root)
-            nbytes = c.root_bytes.get(root, t.numel() * t.element_size())
-            nbytes = nbytes // t.element_size() * _itemsize(t.dtype, precision)
-            if sv.kind == "input" and info.repeats > 1:
-                # price_nodes multiplies by the repeats; instances that all save one storage made
-                # before the blocks (RoPE's cos and sin) save it once: charge each its share
-                nbytes = nbytes * len(_instance_input_roots(c, info, sv.index, roots)) / info.repeats
-            idx = sv.index
-
-            def fn(st, nbytes=nbytes, idx=idx, kind=sv.kind):
-                lay = (st.inputs[idx] if idx < len(st.inputs) else None) if kind == "input" else \
-                    (st.outputs[idx] if idx < len(st.outputs) else None)
-                return nbytes * _fraction(lay, mesh)
-            fns.append((root, fn))
-        else:
-            size = math.prod(info.spec.sizes[ch] for ch in sv.letters) if sv.letters else 1
-            # fixed-size extras (fp32 statistics, bool masks) keep their itemsize; an activation-
-            # typed one follows the working dtype (a fp32-traced dropout mask is 2 bytes under bf16)
-            itemsize = min(sv.itemsize, 2) if sv.act and precision == "bf16" else sv.itemsize
-            nbytes = size * itemsize
-            fns.append((None, lambda st, nbytes=nbytes, letters=sv.letters: nbytes * _letter_fraction(letters, st, mesh)))
-    return fns
-
-
-def _instance_input_roots(c: Candidates, info: NodeInfo, index: int, roots: dict[str, str]) -> set[str]:
-    """Storage roots of tensor input ``index`` over the block instances ``info`` stands for."""
-    inst = c.__dict__.get("_instances")
-    if inst is None:
-        inst = c.__dict__["_instances"] = defaultdict(list)
-        for n in c.order:
-            inst[c.nodes[n].rep].append(n)
-    out = set()
-    for n in inst[info.name]:
-        ins = tensor_inputs(c.nodes[n].node)
-        if index < len(ins):
-            out.add(roots.get(ins[index].name, ins[index].name))
-    return out
-
-
-def _source_layout(producer: NodeInfo, consumer_node, strat: Strategy) -> Layout:
-    if consumer_node.target is operator.getitem and len(strat.outputs) > 1:
-        return strat.outputs[consumer_node.args[1]]
-    return strat.outputs[0]
-
-
-def edge_groups(c: Candidates):
-    """The graph's (producer, consumer, input index) edges grouped by representative: yields
-    (count, producer NodeInfo, consumer NodeInfo, input index, producer name, tensor shape,
-    traced dtype, batch dim or None) once per group, in a fixed order. Edges of repeated block
-    instances share a group, so they are priced once and multiplied by ``count``."""
-    counts: dict = defaultdict(int)
-    example: dict = {}
-    for name in c.order:
-        info = c.nodes[name]
-        if info.kind != "op":
-            continue
-        for i, p in enumerate(c.inputs(info.node)):
-            if p.name not in c.nodes:
-                continue
-            k = (c.nodes[p.name].rep, info.rep, i)
-            counts[k] += 1
-            example.setdefault(k, (p.name, name))
-    for k in sorted(counts):
-        pname, cname = example[k]
-        i = k[2]
-        prod, info = c.nodes[pname], c.nodes[cname]
-        pval = node_val(prod.node)
-        if isinstance(pval, (tuple, list)):
-            pval = pval[info.node.args[1]] if info.node.target is operator.getitem else None
-        if not isinstance(pval, torch.Tensor):
-            continue
-        bdims = prod.batch_dims[0] if prod.batch_dims else frozenset()
-        if info.node.target is operator.getitem and len(prod.batch_dims) > 1:
-            bdims = prod.batch_dims[info.node.args[1]]
-        yield counts[k], prod, info, i, pname, tensor_shape(pval), pval.dtype, (min(bdims) if bdims else None)
-
-
-def edge_layouts(prod: NodeInfo, info: NodeInfo, i: int, ndim: int):
-    """(source layouts per producer strategy, destination layouts per consumer strategy) of one edge."""
-    srcs = [_source_layout(prod, info.node, ps) for ps in prod.strategies]
-    dsts = [cs.inputs[i] if i < len(cs.inputs) and cs.inputs[i] is not None else Layout.replicated(ndim)
-            for cs in info.strategies]
-    return srcs, dsts
-
-
-def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) -> None:
-    """Resharding cost matrix per (producer, consumer) representative pair, summed over the
-    graph's edges; edges of repeated block instances are priced once and multiplied."""
-    mesh = c.mesh
-    nm = s.num_micro_batches
-    cache: dict = {}
-    for n, prod, info, i, pname, shape, dtype, bdim in edge_groups(c):
-        itemsize = _itemsize(dtype, s.precision)
-        S, T = len(prod.strategies), len(info.strategies)
-        mat = np.zeros((S, T))
-        bytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
-        fmat = np.zeros((S, T))
-        fbytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
-        srcs, dsts = edge_layouts(prod, info, i, len(shape))
-        for b_i, dst in enumerate(dsts):
-            for a_i, src in enumerate(srcs):
-                if src == dst:
-                    continue
-                # a value no gradient flows back to (token ids, buffers) runs no backward conjugates
-                grad = pname in c.needs_grad
-                ck = (src, dst, shape, itemsize, bdim, grad)
-                if ck not in cache:
-                    cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm, grad)
-                t, per_axis, tf, per_axis_f = cache[ck]
-                mat[a_i, b_i] = t
-                fmat[a_i, b_i] = tf
-                for a in range(len(mesh.shape)):
-                    bytes_axes[a][a_i, b_i] = per_axis[a]
-                    fbytes_axes[a][a_i, b_i] = per_axis_f[a]
-        if not mat.any():
-            continue
-        key = (prod.rep, info.rep)
-        if key in P.edges:
-            P.edges[key] = P.edges[key] + n * mat
-            P.edge_bytes[key] = [x + n * y for x, y in zip(P.edge_bytes[key], bytes_axes)]
-            P.edge_fwd[key] = P.edge_fwd[key] + n * fmat
-            P.edge_fwd_bytes[key] = [x + n * y for x, y in zip(P.edge_fwd_bytes[key], fbytes_axes)]
-        else:
-            P.edges[key] = n * mat
-            P.edge_bytes[key] = [n * y for y in bytes_axes]
-            P.edge_fwd[key] = n * fmat
-            P.edge_fwd_bytes[key] = [n * y for y in fbytes_axes]
-
-
-def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm, grad: bool = True):
-    """(seconds, bytes per mesh axis) of resharding one tensor, forward and backward, over all
-    ``nm`` micro-batches, then the same for the forward steps alone; a batch-carrying tensor
-    (batch dim ``bdim``) is 1/nm of its size each time."""
-    local_shape = tuple(shape)
-    if bdim is not None and shape[bdim] % nm == 0:
-        local_shape = tuple(x // nm if d == bdim else x for d, x in enumerate(shape))
-    per_axis = [0.0] * len(mesh.shape)
-    fwd_axis = [0.0] * len(mesh.shape)
-    # The steps depend on the local shape, not on nm: memoised per mesh across micro-batch counts.
-    memo = getattr(comm, "reshard", None)
-    rk = (src, dst, local_shape, itemsize)
-    if memo is not None and rk in memo:
-        traffic = memo[rk]
-    else:
-        try:
-            rp = plan_reshard(src, dst, local_shape, itemsize, mesh.shape, comm)
-            traffic = step_traffic(rp.steps, src, local_shape, itemsize, mesh.shape)
-        except ValueError:
-            traffic = None
-        if memo is not None:
-            memo[rk] = traffic
-    if traffic is None:
-        # A layout that does not divide one micro-batch: the strategy is unusable with this many
-        # micro-batches. Forbid it through a prohibitive cost rather than a constraint.
-        return FORBIDDEN, per_axis, 0.0, fwd_axis
-    t = tf = 0.0
-    for tr in traffic:
-        for kind in (tr.forward, tr.backward if grad else None):
-            if kind:
-                t += comm(kind, tr.nbytes, tr.axis) * nm
-                per_axis[tr.axis] += tr.nbytes * nm
-        if tr.forward:
-            tf += comm(tr.forward, tr.nbytes, tr.axis) * nm
-            fwd_axis[tr.axis] += tr.nbytes * nm
-    return t, per_axis, tf, fwd_axis

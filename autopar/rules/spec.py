@@ -33,7 +33,7 @@ class Saved:
     ``itemsize`` of an extra is fixed (fp32 statistics: 4, a bool mask: 1) unless ``act``: then
     it is the traced itemsize of a floating activation, which bf16 mixed precision makes 2 (a
     CPU dropout mask is ``x * mask`` in the working dtype). ``on`` names the devices that save
-    the tensor, where CUDA and CPU kernels differ (autopar/pricing/price.py ``saved_applies``): ""
+    the tensor, where CUDA and CPU kernels differ (autopar/pricing/saved_roots.py ``saved_applies``): ""
     every device, "cuda" / "cpu" one backend's devices (a cluster on NCCL runs CUDA kernels),
     "cpu16" / "cpu32" / "cuda16" / "cuda32" that device with a 16-bit / wider working dtype (the
     math SDPA upcasts 16-bit inputs to fp32 and saves fp32 copies; flash attention takes 16-bit
@@ -77,7 +77,7 @@ class OpSpec:
     # kernel lays its output out other than contiguously, e.g. memory-efficient attention's "bshe"
     # for a "bhse" output, so that the usual transpose + reshape after it is a view (same storage)
     # and not a copy. ``device`` as in ``Saved.on``; the memory model follows it
-    # (autopar/pricing/price.py ``device_storage_roots``).
+    # (autopar/pricing/saved_roots.py ``device_storage_roots``).
     storage_order: tuple = ()
     addend_inputs: tuple[int, ...] = ()       # inputs added into the result (a linear's bias): when a
                                               # contracted letter is split on an axis they are partial there too

@@ -1,0 +1,157 @@
+"""Pricing the resharding matrices: for every edge group of the graph (a producer's output read
+by a consumer, repeated block instances grouped) and every (producer strategy, consumer
+strategy) pair, the cheapest collectives that turn the produced layout into the consumed one
+(autopar/pricing/reshard.py), forward and backward, in seconds and bytes per mesh axis. Called
+through ``price.price_edges``, which caches the result per (cluster, micro-batches, precision)."""
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from autopar.cluster import Cluster
+from autopar.mesh import Mesh
+from autopar.pricing.conjugates import step_traffic
+from autopar.pricing.local_bytes import runtime_itemsize
+from autopar.pricing.reshard import plan_reshard
+from autopar.rules.candidates import Candidates, NodeInfo
+from autopar.rules.layout import Layout
+from autopar.rules.strategy import Strategy
+from autopar.rules.table import shape as tensor_shape
+from autopar.rules.table import val as node_val
+
+if TYPE_CHECKING:
+    from autopar.pricing.price import Priced, Settings
+
+FORBIDDEN = 1e6   # seconds: a cost no plan will pay (strategies invalid under the micro-batching)
+
+
+def _source_layout(producer: NodeInfo, consumer_node, strat: Strategy) -> Layout:
+    if consumer_node.target is operator.getitem and len(strat.outputs) > 1:
+        return strat.outputs[consumer_node.args[1]]
+    return strat.outputs[0]
+
+
+def edge_groups(c: Candidates):
+    """The graph's (producer, consumer, input index) edges grouped by representative: yields
+    (count, producer NodeInfo, consumer NodeInfo, input index, producer name, tensor shape,
+    traced dtype, batch dim or None) once per group, in a fixed order. Edges of repeated block
+    instances share a group, so they are priced once and multiplied by ``count``."""
+    counts: dict = defaultdict(int)
+    example: dict = {}
+    for name in c.order:
+        info = c.nodes[name]
+        if info.kind != "op":
+            continue
+        for i, p in enumerate(c.inputs(info.node)):
+            if p.name not in c.nodes:
+                continue
+            k = (c.nodes[p.name].rep, info.rep, i)
+            counts[k] += 1
+            example.setdefault(k, (p.name, name))
+    for k in sorted(counts):
+        pname, cname = example[k]
+        i = k[2]
+        prod, info = c.nodes[pname], c.nodes[cname]
+        pval = node_val(prod.node)
+        if isinstance(pval, (tuple, list)):
+            pval = pval[info.node.args[1]] if info.node.target is operator.getitem else None
+        if not isinstance(pval, torch.Tensor):
+            continue
+        bdims = prod.batch_dims[0] if prod.batch_dims else frozenset()
+        if info.node.target is operator.getitem and len(prod.batch_dims) > 1:
+            bdims = prod.batch_dims[info.node.args[1]]
+        yield counts[k], prod, info, i, pname, tensor_shape(pval), pval.dtype, (min(bdims) if bdims else None)
+
+
+def edge_layouts(prod: NodeInfo, info: NodeInfo, i: int, ndim: int):
+    """(source layouts per producer strategy, destination layouts per consumer strategy) of one edge."""
+    srcs = [_source_layout(prod, info.node, ps) for ps in prod.strategies]
+    dsts = [cs.inputs[i] if i < len(cs.inputs) and cs.inputs[i] is not None else Layout.replicated(ndim)
+            for cs in info.strategies]
+    return srcs, dsts
+
+
+def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) -> None:
+    """Resharding cost matrix per (producer, consumer) representative pair, summed over the
+    graph's edges; edges of repeated block instances are priced once and multiplied."""
+    mesh = c.mesh
+    nm = s.num_micro_batches
+    cache: dict = {}
+    for n, prod, info, i, pname, shape, dtype, bdim in edge_groups(c):
+        itemsize = runtime_itemsize(dtype, s.precision)
+        S, T = len(prod.strategies), len(info.strategies)
+        mat = np.zeros((S, T))
+        bytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
+        fmat = np.zeros((S, T))
+        fbytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
+        srcs, dsts = edge_layouts(prod, info, i, len(shape))
+        for b_i, dst in enumerate(dsts):
+            for a_i, src in enumerate(srcs):
+                if src == dst:
+                    continue
+                # a value no gradient flows back to (token ids, buffers) runs no backward conjugates
+                grad = pname in c.needs_grad
+                ck = (src, dst, shape, itemsize, bdim, grad)
+                if ck not in cache:
+                    cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm, grad)
+                t, per_axis, tf, per_axis_f = cache[ck]
+                mat[a_i, b_i] = t
+                fmat[a_i, b_i] = tf
+                for a in range(len(mesh.shape)):
+                    bytes_axes[a][a_i, b_i] = per_axis[a]
+                    fbytes_axes[a][a_i, b_i] = per_axis_f[a]
+        if not mat.any():
+            continue
+        key = (prod.rep, info.rep)
+        if key in P.edges:
+            P.edges[key] = P.edges[key] + n * mat
+            P.edge_bytes[key] = [x + n * y for x, y in zip(P.edge_bytes[key], bytes_axes)]
+            P.edge_fwd[key] = P.edge_fwd[key] + n * fmat
+            P.edge_fwd_bytes[key] = [x + n * y for x, y in zip(P.edge_fwd_bytes[key], fbytes_axes)]
+        else:
+            P.edges[key] = n * mat
+            P.edge_bytes[key] = [n * y for y in bytes_axes]
+            P.edge_fwd[key] = n * fmat
+            P.edge_fwd_bytes[key] = [n * y for y in fbytes_axes]
+
+
+def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm, grad: bool = True):
+    """(seconds, bytes per mesh axis) of resharding one tensor, forward and backward, over all
+    ``nm`` micro-batches, then the same for the forward steps alone; a batch-carrying tensor
+    (batch dim ``bdim``) is 1/nm of its size each time."""
+    local_shape = tuple(shape)
+    if bdim is not None and shape[bdim] % nm == 0:
+        local_shape = tuple(x // nm if d == bdim else x for d, x in enumerate(shape))
+    per_axis = [0.0] * len(mesh.shape)
+    fwd_axis = [0.0] * len(mesh.shape)
+    # The steps depend on the local shape, not on nm: memoised per mesh across micro-batch counts.
+    memo = getattr(comm, "reshard", None)
+    rk = (src, dst, local_shape, itemsize)
+    if memo is not None and rk in memo:
+        traffic = memo[rk]
+    else:
+        try:
+            rp = plan_reshard(src, dst, local_shape, itemsize, mesh.shape, comm)
+            traffic = step_traffic(rp.steps, src, local_shape, itemsize, mesh.shape)
+        except ValueError:
+            traffic = None
+        if memo is not None:
+            memo[rk] = traffic
+    if traffic is None:
+        # A layout that does not divide one micro-batch: the strategy is unusable with this many
+        # micro-batches. Forbid it through a prohibitive cost rather than a constraint.
+        return FORBIDDEN, per_axis, 0.0, fwd_axis
+    t = tf = 0.0
+    for tr in traffic:
+        for kind in (tr.forward, tr.backward if grad else None):
+            if kind:
+                t += comm(kind, tr.nbytes, tr.axis) * nm
+                per_axis[tr.axis] += tr.nbytes * nm
+        if tr.forward:
+            tf += comm(tr.forward, tr.nbytes, tr.axis) * nm
+            fwd_axis[tr.axis] += tr.nbytes * nm
+    return t, per_axis, tf, fwd_axis
