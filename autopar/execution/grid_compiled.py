@@ -117,6 +117,8 @@ class GridCompiledModel(CompiledModel):
             raise ExecutionError(f"optimizer {self.optimizer_name!r} is not supported on a grid plan "
                                  f"(sgd, adam, adamw)", collective=True)
         self.rank = dist.get_rank()
+        self.coords = coords
+        self.step_count = 0
         self._ready = True
 
     def _inputs(self, batch):
@@ -139,37 +141,106 @@ class GridCompiledModel(CompiledModel):
                 t.grad = _raw_all_reduce(t.grad, self.grid.dp_group, "dp")
         self.opt.step()
         self.opt.zero_grad()
+        self.step_count += 1
         return self._global(loss)
 
     @torch.no_grad()
     def __call__(self, *inputs):
         return torch.tensor(self._global(self.program.forward(self._inputs(inputs))))
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter whole (blocks of all ranks placed back; tied names share it)."""
+    # ------------------------------------------------------------------ state and checkpoints
+    def _assemble(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Parameter name -> the whole tensor (model.state_dict() shape) from every rank's block
+        ``local[name]`` (collective over the world; replicas over dp hold equal blocks)."""
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, {n: t.detach() for n, t in self.local_params.items()})
+        dist.all_gather_object(gathered, {n: t.detach().cpu() for n, t in local.items()})
         out = {}
         for name, use in self.program.uses.items():
-            fqn = self.traced.param_fqn[name]
-            shape = tuple(self.traced.value_of(self.model, fqn).shape)
+            if name not in local:
+                continue
+            shape = tuple(self.traced.value_of(self.model, self.traced.param_fqn[name]).shape)
             stored = to_stored(use, torch.zeros(shape))
             full = torch.zeros_like(stored)
             for r, blocks in enumerate(gathered):
                 _place(full, _spec(self.geo, use, self.geo.coords_of(r), stored.shape), blocks[name])
-            value = from_stored(use, full, shape)
-            for f in self.traced.tied.get(fqn, [fqn]):
-                out[f] = value
+            out[name] = from_stored(use, full, shape)
         return out
 
-    def _local_values(self):
-        raise ExecutionError("save/load of a grid plan is not implemented yet: use full_state_dict()")
+    def _block_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of parameter ``name`` cut from its whole tensor ``full``."""
+        use = self.program.uses[name]
+        stored = to_stored(use, full.float())
+        return take(stored, _spec(self.geo, use, self.coords, stored.shape))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole (blocks of all ranks placed back; tied names share it), keys of
+        model.state_dict() (as other plans' full_state_dict)."""
+        self._need_ready()
+        out = {}
+        for name, value in self._assemble(self.local_params).items():
+            fqn = self.traced.param_fqn[name]
+            for f in self.traced.tied.get(fqn, [fqn]):
+                out[f] = value
+        keys = list(self.model.state_dict().keys())
+        return {k: out[k] for k in keys if k in out}
+
+    def _state_names(self) -> tuple[str, ...]:
+        """The optimizer's per-parameter state tensors, named as runtime/optim.py (and torch) name
+        them, so a checkpoint moves between grid and other plans."""
+        kw = self.optimizer_kwargs
+        if self.optimizer_name == "sgd":
+            return ("momentum_buffer",) if kw.get("momentum", 0) else ()
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kw.get("amsgrad") else ())
+
+    def _trainable(self) -> dict[str, torch.Tensor]:
+        return {n: t for n, t in self.local_params.items() if n not in self.traced.buffers}
+
+    def _full_optimizer_state(self) -> dict[str, torch.Tensor]:
+        """"{fqn}.{state name}" -> the whole tensor (zeros before the first step, as runtime/optim.py
+        keeps them); collective over the world."""
+        out = {}
+        for sn in self._state_names():
+            local = {n: self.opt.state.get(t, {}).get(sn, torch.zeros_like(t)) for n, t in self._trainable().items()}
+            for name, full in self._assemble(local).items():
+                out[f"{self.traced.param_fqn[name]}.{sn}"] = full
+        return out
 
     def save(self, directory) -> None:
-        self._local_values()
+        """Whole (unsharded) tensors via torch.distributed.checkpoint, in the format of
+        autopar/execution/compiled_state.py: loads onto any plan, grid or not."""
+        import torch.distributed.checkpoint as dcp
 
+        self._need_ready()
+        state = {"model": self.full_state_dict(), "optim": self._full_optimizer_state(),
+                 "step": torch.tensor(self.step_count)}
+        dcp.save(state, checkpoint_id=str(directory))
+
+    @torch.no_grad()
     def load(self, directory) -> None:
-        self._local_values()
+        """Values saved by save() of any plan, checked against this model's first
+        (compiled_state.check_checkpoint); this rank's blocks are cut from the whole tensors."""
+        from autopar.execution.compiled_state import read_checkpoint
+
+        self._need_ready()
+        state = {"model": {k: v.clone() for k, v in self.full_state_dict().items()},
+                 "optim": self._full_optimizer_state(), "step": torch.tensor(0)}
+        read_checkpoint(self.rank, directory, state)
+        for name, t in self.local_params.items():
+            fqn = self.traced.param_fqn[name]
+            # a non-persistent buffer is not in the state dict: it keeps the model's value
+            if fqn in state["model"]:
+                t.copy_(self._block_of(name, state["model"][fqn]))
+        step = int(state["step"])
+        for name, t in self._trainable().items():
+            st = self.opt.state[t]
+            st.clear()
+            if step == 0:       # no step taken: the optimizer starts fresh (SGD's first step copies the gradient)
+                continue
+            for sn in self._state_names():
+                st[sn] = self._block_of(name, state["optim"][f"{self.traced.param_fqn[name]}.{sn}"]).clone()
+            if self.optimizer_name in ("adam", "adamw"):
+                st["step"] = torch.tensor(float(step))
+        self.step_count = step
 
     def comm_stats(self) -> dict[str, int]:
         from runtime.collectives import COMM_STATS
