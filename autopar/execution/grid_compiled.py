@@ -88,11 +88,10 @@ class GridCompiledModel(CompiledModel):
 
         plan = self.plan
         d = plan.degrees
-        if int(d.get("num_micro_batches", 1) or 1) != 1:
-            raise ExecutionError("a grid plan runs with one micro-batch in this version", collective=True)
         if self.weights is not None:
             raise ExecutionError("a grid plan takes the model's own weights (weights=None)", collective=True)
-        self.geo = geo = geometry_of(d["tp_mode"], d["tp_shape"], int(d.get("dp", 1)))
+        self.geo = geo = geometry_of(d["tp_mode"], d["tp_shape"], int(d.get("dp", 1)),
+                                     int(d.get("num_micro_batches", 1) or 1))
         self.grid = {"2d": lambda: Grid2D(geo.q, dp=geo.dp), "2.5d": lambda: Grid25D(geo.q, geo.d, dp=geo.dp),
                      "3d": lambda: Grid3D(geo.q, dp=geo.dp)}[geo.mode]()
         self.traced = traced
@@ -129,11 +128,23 @@ class GridCompiledModel(CompiledModel):
         dist.all_reduce(t)    # uncounted: the loss report is not the plan's traffic
         return float(t[0]) / self.program.replicas
 
+    def _micro_batches(self, inputs: dict):
+        """Run the program once per micro-batch (the coordinate "mb" picks its slice of the
+        batch, codegen/grid_layout.py); yields each micro-batch's loss share. Every program call
+        takes the whole batch and cuts its own rows, so each loss divides by the step's count of
+        targets and the shares add up to the step's loss."""
+        for mb in range(self.geo.nm):
+            self.coords["mb"] = mb
+            yield self.program.forward(inputs)
+        self.coords["mb"] = 0
+
     def step(self, *batch) -> float:
         if not self._ready:
             self._setup(batch)
-        loss = self.program.forward(self._inputs(batch))
-        loss.backward()
+        total = torch.zeros(())
+        for loss in self._micro_batches(self._inputs(batch)):
+            loss.backward()      # gradients accumulate over the micro-batches in each block's .grad
+            total = total + loss.detach()
         if self.geo.dp > 1:
             # the replicas' losses are shares of one global loss: their gradients add up
             from runtime.collectives import _raw_all_reduce
@@ -142,11 +153,11 @@ class GridCompiledModel(CompiledModel):
         self.opt.step()
         self.opt.zero_grad()
         self.step_count += 1
-        return self._global(loss)
+        return self._global(total)
 
     @torch.no_grad()
     def __call__(self, *inputs):
-        return torch.tensor(self._global(self.program.forward(self._inputs(inputs))))
+        return torch.tensor(self._global(sum(self._micro_batches(self._inputs(inputs)))))
 
     # ------------------------------------------------------------------ state and checkpoints
     def _assemble(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -86,37 +86,53 @@ def _check_world(mode: str, tp: int, shape) -> None:
         raise ConstraintError(f"constraint tp_mode={mode!r}: {e}") from None
 
 
-def grid_geometries(num_devices: int, constraints: dict) -> list[Geometry]:
-    """The grid configurations the pins allow: dp replicas (outermost) of a 2D / 2.5D / 3D grid."""
+def grid_geometries(num_devices: int, constraints: dict, batch: int | None = None) -> list[Geometry]:
+    """The grid configurations the pins allow: dp replicas (outermost) of a 2D / 2.5D / 3D grid,
+    with the pinned micro-batch count (``num_micro_batches``, or ``micro_batch_size`` rows per
+    replica given ``batch``), else one micro-batch (best_grid tries more when that does not fit)."""
     mode = constraints.get("tp_mode")
     if mode is not None and mode not in GRID_MODES:
         return []
     pins_ok = (constraints.get("zero", 0) == 0
                and constraints.get("checkpoint", "none") in ("none", None)
-               and constraints.get("num_micro_batches", 1) == 1
                and constraints.get("sp", 1) == 1 and constraints.get("sp_mode") is None)
+    if mode is None and constraints.get("num_micro_batches", 1) != 1:
+        # A micro-batch count pinned without a grid mode: the grid modes stay out, as before they
+        # ran micro-batches. The pipelined search's inner searches (autopar/search/pipeline.py)
+        # pin the count this way, and a grid plan cannot be cut into pipeline stages.
+        return []
     out = []
     for dp in range(1, num_devices + 1):
         if num_devices % dp or constraints.get("dp", dp) != dp:
             continue
+        nm = constraints.get("num_micro_batches", 1)
+        if "micro_batch_size" in constraints and batch is not None:
+            rows = dp * constraints["micro_batch_size"]
+            if batch % rows:
+                continue
+            nm = batch // rows
         tp = num_devices // dp
         for q in range(2, tp + 1):
             if q * q == tp:
-                out.append(Geometry("2d", q, 1, dp))
+                out.append(Geometry("2d", q, 1, dp, nm))
             if q ** 3 == tp:
-                out.append(Geometry("3d", q, 1, dp))
+                out.append(Geometry("3d", q, 1, dp, nm))
             for d in range(2, tp + 1):
                 if q * q * d == tp:
-                    out.append(Geometry("2.5d", q, d, dp))
+                    out.append(Geometry("2.5d", q, d, dp, nm))
     out = [g for g in out if (mode is None or g.mode == mode)
            and ("tp_shape" not in constraints or list(constraints["tp_shape"]) == g.tp_shape)
            and constraints.get("tp", g.world) == g.world]
     if out and not pins_ok:
         if mode is not None:
-            raise ConstraintError(f"constraint tp_mode={mode!r} runs with zero=0, one micro-batch, no "
-                                  f"activation checkpointing and no sequence parallelism in this version; drop the other pins")
+            raise ConstraintError(f"constraint tp_mode={mode!r} runs with zero=0, no activation checkpointing "
+                                  f"and no sequence parallelism in this version; drop the other pins")
         return []
     if mode is not None and not out:
+        if "micro_batch_size" in constraints and batch is not None:
+            raise ConstraintError(f"constraint micro_batch_size={constraints['micro_batch_size']} with tp_mode={mode!r}: "
+                                  f"no data-parallel degree the pins allow on {num_devices} devices makes dp x "
+                                  f"micro_batch_size divide the batch of {batch}")
         tp = constraints.get("tp", num_devices // constraints.get("dp", 1))
         _check_world(mode, tp, constraints.get("tp_shape"))   # the grid's own message first
         raise ConstraintError(f"constraint tp_mode={mode!r} cannot be met on {num_devices} devices"
@@ -154,9 +170,9 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     per_op = grid_compute(cands, prog, cluster, base.precision, geo)
     compute = sum(t for _, t in per_op.values())
     # a rooted reduce is priced as the broadcast it mirrors (pipelined ring: S/B + (n-1) alpha;
-    # autopar/pricing/cost.py has no separate reduce)
-    op_comm = sum(c.count * comm("broadcast" if c.kind == "reduce" else c.kind, c.nbytes * scale,
-                                 geo.mesh_names.index(c.group)) for c in prog.colls)
+    # autopar/pricing/cost.py has no separate reduce); every micro-batch issues them all
+    op_comm = geo.nm * sum(c.count * comm("broadcast" if c.kind == "reduce" else c.kind, c.nbytes * scale,
+                                          geo.mesh_names.index(c.group)) for c in prog.colls)
     local = 0
     for n, use in prog.uses.items():
         if n not in graph.buffers:
@@ -166,12 +182,12 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     grad_comm = comm("all_reduce", grad_bytes * scale, 0) if geo.dp > 1 else 0.0
     static = state_bytes(local, base.optimizer, base.precision)
     optimizer = optimizer_step_time(local, base.optimizer, base.precision, cluster.device, cal)
-    acts = prog.saved * scale
+    acts = prog.saved * scale     # one micro-batch's: its backward runs before the next forward
     step = compute + op_comm + grad_comm + optimizer
     peak = sum(static.values()) + acts
     flops = model_flops(cands)
     comm_bytes = {g: 0 for g in geo.mesh_names}
-    comm_bytes.update(prog.bytes_per_group())
+    comm_bytes.update({g: geo.nm * b for g, b in prog.bytes_per_group().items()})
     if geo.dp > 1:
         comm_bytes["dp"] = grad_bytes
     pred = {
@@ -196,7 +212,8 @@ def grid_compute(cands, prog, cluster, precision: str, geo: Geometry) -> dict[st
     rank in grid mode ``geo``. Priced as autopar/pricing/price.py prices an ILP op - bf16 bytes, the
     op's backward ratio, and for a contraction the GEMM-by-intensity curve at the local shape
     the rank's kernel runs on - so grid and ILP plans compare like with like. A SUMMA linear
-    runs q kernels of 1/q of its work each (one per step), a 3D linear one."""
+    runs q kernels of 1/q of its work each (one per step), a 3D linear one; with ``geo.nm``
+    micro-batches every op runs nm times on 1/nm of the work (at the micro-batch's shapes)."""
     from autopar.pricing.cost import fwd_bwd_compute, gemm_intensity, profile_of
     from autopar.pricing.price import has_contraction, op_bytes_scale
     from autopar.rules.table import val as node_val
@@ -204,7 +221,7 @@ def grid_compute(cands, prog, cluster, precision: str, geo: Geometry) -> dict[st
     dtype = "bf16" if precision == "bf16" else "fp32"
     itemsize = 2 if dtype == "bf16" else 4
     cal = profile_of(cluster)
-    world = geo.devices
+    world = geo.devices * geo.nm    # the work of one op call, as a fraction of the step's
     out = {}
     for name in cands.order:
         info = cands.nodes[name]
@@ -223,7 +240,7 @@ def grid_compute(cands, prog, cluster, precision: str, geo: Geometry) -> dict[st
         bscale = op_bytes_scale(node_val(info.node), precision)
         f, b = fwd_bwd_compute(spec.flops / world / kernels, spec.bytes * bscale / world / kernels, dtype,
                                cluster.device, wgrad, ai, cal, op=spec.rule)
-        out[name] = (f * kernels * info.repeats, (f + b) * kernels * info.repeats)
+        out[name] = (f * kernels * geo.nm * info.repeats, (f + b) * kernels * geo.nm * info.repeats)
     return out
 
 
@@ -261,7 +278,8 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
     from autopar.mesh import Mesh
     from codegen.grid_ops import GridLoweringError
 
-    geos = grid_geometries(cluster.num_devices, constraints)
+    batch = _batch(graph)
+    geos = grid_geometries(cluster.num_devices, constraints, batch)
     if not geos:
         return None
     pinned = constraints.get("tp_mode") in GRID_MODES
@@ -269,7 +287,10 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
     best = None
     first_error = None   # (geometry, GridLoweringError) of the first geometry that did not lower
     lowered = 0
-    for geo in geos:
+    free_nm = "num_micro_batches" not in constraints and "micro_batch_size" not in constraints
+    queue = list(geos)
+    while queue:
+        geo = queue.pop(0)
         stats["configs"] = stats.get("configs", 0) + 1
         try:
             r = price_grid(graph, cluster, base, geo, cands)
@@ -281,12 +302,18 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
         lowered += 1
         stats["solved"] = stats.get("solved", 0) + 1    # priced exactly (no solver needed)
         if log:
-            log(f"{geo.mode:>6} grid {geo.tp_shape}  step={r.prediction['step_time']:.4g}s "
-                f"peak={r.prediction['peak_memory'] / 2**30:.2f}GiB")
+            log(f"{geo.mode:>6} grid {geo.tp_shape}" + (f" x dp={geo.dp}" if geo.dp > 1 else "")
+                + (f" micro={geo.nm}" if geo.nm > 1 else "")
+                + f"  step={r.prediction['step_time']:.4g}s peak={r.prediction['peak_memory'] / 2**30:.2f}GiB")
         if r.prediction["peak_memory"] > base.budget:
             stats["infeasible"] = stats.get("infeasible", 0) + 1
             # the search's MemoryBudgetError states the smallest peak of any plan, grids included
             stats["grid_min_peak"] = min(stats.get("grid_min_peak", math.inf), r.prediction["peak_memory"])
+            nxt = _more_micro_batches(geo, batch) if free_nm else None
+            if nxt is not None:
+                # over the budget: the next micro-batch count saves activations (only then is it
+                # priced, so a model that fits plans as fast as before)
+                queue.insert(0, nxt)
             continue
         if best is None or r.prediction["step_time"] < best.prediction["step_time"]:
             best = r
@@ -298,6 +325,21 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
     if best is not None and best_step is not None and best.prediction["step_time"] >= best_step:
         return None
     return best
+
+
+def _more_micro_batches(geo: Geometry, batch: int) -> Geometry | None:
+    """``geo`` with the next micro-batch count whose micro-batch still splits into the grid's
+    blocks of whole sequences (None: there is none). More micro-batches only lower the saved
+    activations (parameters, gradients and optimizer state stay) and cost time (every
+    micro-batch repeats the weight broadcasts, GEMMs get smaller), so they are tried in order
+    and the first that fits is the grid's choice for this geometry."""
+    from dataclasses import replace
+
+    per = batch // (geo.dp * geo.grid_tok_parts) if batch % (geo.dp * geo.grid_tok_parts) == 0 else 0
+    for nm in range(geo.nm + 1, per + 1):
+        if per % nm == 0:
+            return replace(geo, nm=nm)
+    return None
 
 
 def grid_plan_data(result: GridResult, cluster, graph, optimizer, precision, budget, overlap, stats) -> dict:
@@ -326,15 +368,15 @@ def grid_plan_data(result: GridResult, cluster, graph, optimizer, precision, bud
         "settings": {"optimizer": optimizer, "precision": precision, "memory_budget": budget,
                      "overlap_grad_comm": overlap},
         "degrees": {"dp": geo.dp, "tp": geo.world, "tp_mode": geo.mode, "tp_shape": geo.tp_shape, "sp": 1,
-                    "sp_mode": None, "pp": 1, "pp_schedule": None, "micro_batch_size": batch // geo.dp,
-                    "num_micro_batches": 1, "zero": 0, "checkpoint": "none", "offload": False},
+                    "sp_mode": None, "pp": 1, "pp_schedule": None, "micro_batch_size": batch // geo.batch_parts,
+                    "num_micro_batches": geo.nm, "zero": 0, "checkpoint": "none", "offload": False},
         "stages": [{"index": 0, "ranks": [0, geo.devices - 1], "nodes": [names[0].name, names[-1].name],
                     "checkpoint": {}}],
         "ops": ops,
         "params": params,
         "inputs": graph.input_names,
         "batch_dims": graph_batch_dims(graph),
-        "grid": {"mode": geo.mode, "q": geo.q, "d": geo.d, "dp": geo.dp, "axes": list(geo.mesh_names),
+        "grid": {"mode": geo.mode, "q": geo.q, "d": geo.d, "dp": geo.dp, "nm": geo.nm, "axes": list(geo.mesh_names),
                  "collectives": [[c.kind, c.group, c.size, c.nbytes, c.count, c.phase] for c in prog.colls]},
         "predictions": dict(result.prediction),
         "solver": {"status": "grid", "gap": 0.0, "configs": stats.get("configs", 0),
