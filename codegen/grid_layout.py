@@ -29,6 +29,7 @@ class Geometry:
     d: int = 1           # 2.5D depth (1 otherwise)
     dp: int = 1          # data-parallel replicas of the grid (outermost; they split the batch)
     nm: int = 1          # micro-batches per step (each a contiguous slice of the batch, run in turn)
+    zero: int = 0        # ZeRO stage over the dp replicas (1: optimizer state sharded over dp)
 
     # ---- grid shape, as runtime/grid.py builds it
     @property
@@ -143,7 +144,7 @@ class Geometry:
         return self.q ** 3 if self.mode == "3d" else self.q * self.q
 
 
-def geometry_of(tp_mode: str, tp_shape, dp: int = 1, nm: int = 1) -> Geometry:
+def geometry_of(tp_mode: str, tp_shape, dp: int = 1, nm: int = 1, zero: int = 0) -> Geometry:
     if tp_mode == "2.5d":
-        return Geometry("2.5d", tp_shape[0], tp_shape[2], dp, nm)
-    return Geometry(tp_mode, tp_shape[0], 1, dp, nm)
+        return Geometry("2.5d", tp_shape[0], tp_shape[2], dp, nm, zero)
+    return Geometry(tp_mode, tp_shape[0], 1, dp, nm, zero)

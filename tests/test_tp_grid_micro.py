@@ -10,9 +10,9 @@ below the one-micro-batch plan's.
 
 Planned (fast): the plan records the count and prices it (op communication and the weight
 broadcasts repeat per micro-batch, activations are one micro-batch's); an unpinned count is
-searched only when one micro-batch does not fit the budget; zero, activation checkpointing and
-dropout p > 0 pinned with a grid mode, and a micro-batch count the grid cannot split, are
-ConstraintErrors at plan time.
+searched only when one micro-batch does not fit the budget; activation checkpointing and
+dropout p > 0 pinned with a grid mode (also ZeRO 2/3, and ZeRO-1 without dp replicas of the
+grid), and a micro-batch count the grid cannot split, are ConstraintErrors at plan time.
 """
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ def test_an_unpinned_micro_batch_count_is_searched_only_when_one_does_not_fit(gp
 
 
 @pytest.mark.parametrize("pin, words", [
-    ({"zero": 1}, ["zero=0", "drop the other pins"]),
+    ({"zero": 2}, ["zero=0 or 1", "drop the other pins"]),
+    ({"zero": 1}, ["zero=1 need dp > 1"]),     # 4 devices: only the dp=1 grid
     ({"checkpoint": "full"}, ["no activation checkpointing", "drop the other pins"]),
     ({"num_micro_batches": 8}, ["16 blocks", "batch of 8", "8 micro-batch"]),
     ({"micro_batch_size": 3}, ["micro_batch_size=3", "batch of 8"]),
