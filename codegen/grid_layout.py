@@ -10,7 +10,9 @@ the axes triple ``L = (am, ak, an)`` of the linear it feeds (runtime/matmul3d.py
 transformer alternates two layouts and residual adds stay local.
 
 ``Geometry`` names, for a mode and grid shape, the part counts (planning, no process group) and,
-given a rank's grid coordinates, the block indices (execution).
+given a rank's grid coordinates, the block indices (execution). With ``nm`` micro-batches a rank
+runs the program once per micro-batch: the coordinate "mb" picks the micro-batch (a contiguous
+slice of the batch), inside which the tokens split over dp and the grid as above.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ class Geometry:
     q: int
     d: int = 1           # 2.5D depth (1 otherwise)
     dp: int = 1          # data-parallel replicas of the grid (outermost; they split the batch)
+    nm: int = 1          # micro-batches per step (each a contiguous slice of the batch, run in turn)
+    zero: int = 0        # ZeRO stage over the dp replicas (1: optimizer state sharded over dp)
 
     # ---- grid shape, as runtime/grid.py builds it
     @property
@@ -73,9 +77,15 @@ class Geometry:
         return {"2d": self.q, "2.5d": self.d * self.q, "3d": self.q * self.q}[self.mode]
 
     @property
+    def batch_parts(self) -> int:
+        """Slices of the batch one rank's micro-batch comes from: micro-batches x dp replicas."""
+        return self.nm * self.dp
+
+    @property
     def tok_parts(self) -> int:
-        """Token blocks of the whole batch: dp replicas, then the grid's token split."""
-        return self.grid_tok_parts * self.dp
+        """Token blocks of the whole batch: micro-batches, then dp replicas, then the grid's
+        token split (a rank runs block (mb, dp, grid) of micro-batch mb)."""
+        return self.grid_tok_parts * self.dp * self.nm
 
     def hid_group(self, L) -> str:
         """The group (COMM_STATS label) that splits the hidden dim of layout L."""
@@ -95,7 +105,7 @@ class Geometry:
             i, n = c["depth"] * self.q + c["col"], self.d * self.q
         else:
             i, n = c["col"], self.q
-        return c.get("dp", 0) * n + i, n * self.dp
+        return (c.get("mb", 0) * self.dp + c.get("dp", 0)) * n + i, n * self.dp * self.nm
 
     def hid_block(self, L, c: dict) -> tuple[int, int]:
         return (c[L[1]] if self.mode == "3d" else c["row"]), self.q
@@ -134,7 +144,7 @@ class Geometry:
         return self.q ** 3 if self.mode == "3d" else self.q * self.q
 
 
-def geometry_of(tp_mode: str, tp_shape, dp: int = 1) -> Geometry:
+def geometry_of(tp_mode: str, tp_shape, dp: int = 1, nm: int = 1, zero: int = 0) -> Geometry:
     if tp_mode == "2.5d":
-        return Geometry("2.5d", tp_shape[0], tp_shape[2], dp)
-    return Geometry(tp_mode, tp_shape[0], 1, dp)
+        return Geometry("2.5d", tp_shape[0], tp_shape[2], dp, nm, zero)
+    return Geometry(tp_mode, tp_shape[0], 1, dp, nm, zero)

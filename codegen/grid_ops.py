@@ -65,7 +65,14 @@ class GridProgram(LocalOps):
 
     # ------------------------------------------------------------------ planning
     def analyse(self) -> "GridProgram":
-        """Run on meta: decides parameter layouts, collects collectives and saved bytes."""
+        """Run on meta: decides parameter layouts, collects collectives and saved bytes (of one
+        micro-batch: a step runs the program ``geo.nm`` times)."""
+        geo = self.geo
+        if self.batch % geo.tok_parts:
+            raise GridLoweringError(
+                f"{geo.mode} tensor parallelism cannot split the batch of {self.batch} rows into {geo.tok_parts} "
+                f"blocks of whole sequences ({geo.nm} micro-batch(es) x dp={geo.dp} x {geo.grid_tok_parts} token "
+                f"blocks of the grid): choose a batch divisible by {geo.tok_parts}")
         self.meta, self.grid, self.coords = True, None, None
         self.uses, self.colls, self.saved = {}, [], 0
         self.gemms, self.local_shapes = {}, {}
@@ -322,21 +329,21 @@ class GridProgram(LocalOps):
         # SUMMA (2D; 2.5D per plane): q GEMMs [my tokens, k/q] x [k/q, n/q], one per step; 3D:
         # one GEMM of the gathered blocks [m/q, k/q] x [k/q, n/q] (runtime/summa.py, matmul3d.py)
         if geo.mode == "3d":
-            self.gemms[n.name] = (1, m // (geo.dp * q), k // q, nf // q)
+            self.gemms[n.name] = (1, m // (geo.batch_parts * q), k // q, nf // q)
         else:
             self.gemms[n.name] = (q, m // geo.tok_parts, k // q, nf // q)
         if geo.mode == "2d":
-            self.colls += tc.linear_2d(m // geo.dp, k, nf, q, bias=bias)
+            self.colls += tc.linear_2d(m // geo.batch_parts, k, nf, q, bias=bias)
         elif geo.mode == "2.5d":
-            self.colls += tc.linear_2p5d(m // geo.dp, k, nf, q, geo.d, bias=bias)
+            self.colls += tc.linear_2p5d(m // geo.batch_parts, k, nf, q, geo.d, bias=bias)
         else:
-            self.colls += tc.linear_3d(m // geo.dp, k, nf, q, bias=bias, axes=L)
+            self.colls += tc.linear_3d(m // geo.batch_parts, k, nf, q, bias=bias, axes=L)
         L2 = geo.swap(L)
         out_lay = Lay("act", L2, 0, x.dim() - 1)
         if self.meta:
             shape = list(x.shape[:-1])
             if geo.mode == "3d":   # tokens re-split: my rows of Y are those of layout swap(L)
-                self._save(self._fresh((m // geo.dp // q, k // q)), self._fresh((k // q, nf // q)))
+                self._save(self._fresh((m // geo.batch_parts // q, k // q)), self._fresh((k // q, nf // q)))
             else:
                 self._save(x.reshape(-1, x.shape[-1]))
             y = self._fresh(shape + [nf // q])
@@ -433,11 +440,11 @@ class GridProgram(LocalOps):
         b = self._param(self._pname(n, n.args[3]), ParamUse("norm", L), vec)
         m = math.prod(self._gshape(n.args[0])[:-1])
         if geo.mode == "2d":
-            self.colls += tc.layer_norm_2d(m // geo.dp, h, geo.q)
+            self.colls += tc.layer_norm_2d(m // geo.batch_parts, h, geo.q)
         elif geo.mode == "2.5d":
-            self.colls += tc.layer_norm_2p5d(m // geo.dp, h, geo.q, geo.d)
+            self.colls += tc.layer_norm_2p5d(m // geo.batch_parts, h, geo.q, geo.d)
         else:
-            self.colls += tc.layer_norm_3d(m // geo.dp, h, geo.q, axes=L)
+            self.colls += tc.layer_norm_3d(m // geo.batch_parts, h, geo.q, axes=L)
         if self.meta:
             x_hat = self._fresh(x.shape)
             self._save(x_hat, self._fresh(list(x.shape[:-1]) + [1]))
@@ -461,7 +468,7 @@ class GridProgram(LocalOps):
         full_t = tval[0]
         target = self._tokens(tval, lay.L)
         m = self._gshape(n.args[0])[0]
-        self.colls += tc.cross_entropy(geo.mode, m // geo.dp, geo.q, geo.d, axes=geo.swap(lay.L) if geo.mode == "3d" else ("x", "y", "z"))
+        self.colls += tc.cross_entropy(geo.mode, m // geo.batch_parts, geo.q, geo.d, axes=geo.swap(lay.L) if geo.mode == "3d" else ("x", "y", "z"))
         denom = m if self.meta else int((full_t != ignore).sum())
         if self.meta:
             rows, c = logits.shape

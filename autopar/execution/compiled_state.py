@@ -94,20 +94,11 @@ def save(cm, directory) -> None:
 
 @torch.no_grad()
 def load(cm, directory) -> None:
-    import torch.distributed.checkpoint as dcp
-
     cm._need_ready()
     model_sd = {k: v.clone() for k, v in cm.full_state_dict().items()}
     opt_sd = {k: v.clone() for k, v in cm._full_optimizer_state().items()}
     state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(0)}
-    check_checkpoint(directory, state)
-    try:
-        dcp.load(state, checkpoint_id=str(directory))
-    except BaseException as e:   # dcp's CheckpointException is a BaseException, not an Exception
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise ExecutionError(f"rank {cm.rank}: could not load checkpoint {directory}: "
-                             f"{type(e).__name__}: {str(e).strip()[:500]}") from None
+    read_checkpoint(cm.rank, directory, state)
     prog = cm.program
 
     def my_flat(c, values: dict, suffix: str = "") -> torch.Tensor:
@@ -129,6 +120,22 @@ def load(cm, directory) -> None:
         if fqn in state["model"]:
             b.copy_(state["model"][fqn][prog.param_slices[fqn]])
     cm.opt.step_count = int(state["step"])
+
+
+def read_checkpoint(rank: int, directory, state: dict) -> None:
+    """Fill ``state`` ({"model": full tensors, "optim": "{fqn}.{state name}" -> full tensors,
+    "step": 0-d tensor}, shaped as this model's) from the checkpoint, after ``check_checkpoint``.
+    Also used by grid plans (autopar/execution/grid_compiled.py), which cut their own blocks."""
+    import torch.distributed.checkpoint as dcp
+
+    check_checkpoint(directory, state)
+    try:
+        dcp.load(state, checkpoint_id=str(directory))
+    except BaseException as e:   # dcp's CheckpointException is a BaseException, not an Exception
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ExecutionError(f"rank {rank}: could not load checkpoint {directory}: "
+                             f"{type(e).__name__}: {str(e).strip()[:500]}") from None
 
 
 def check_checkpoint(directory, state: dict) -> None:

@@ -7,7 +7,8 @@ lower has no grid configuration), priced here and compared by the search (autopa
 with the best ILP plan of the 1D and 2d-reshard meshes by predicted step time, under the same
 memory budget. Per-op mixing of grid layouts with the ILP's layouts is not modelled.
 
-Price of a grid configuration (dp replicas of the grid, one micro-batch, no ZeRO / checkpointing):
+Price of a grid configuration (dp replicas of the grid, ``nm`` micro-batches run in turn with
+gradients accumulated, ZeRO 0 or 1 over dp, no activation checkpointing):
   * compute: every op of the graph with its work split evenly over the world (each grid op
     computes 1/world of the GEMM; local ops run on 1/tok_parts of the tokens and 1/q of the
     hidden), priced by autopar.pricing.cost.fwd_bwd_compute as the ILP prices an op (``grid_compute``:
@@ -16,11 +17,19 @@ Price of a grid configuration (dp replicas of the grid, one micro-batch, no ZeRO
   * communication: each collective of solver/tp_grid_cost.py the lowering issues (forward +
     backward, exactly what COMM_STATS records), priced by autopar.pricing.cost.Collectives on the mesh
     axis of its group (mesh axes named like the grid's groups: col/row, depth/col/row, x/y/z),
-    serial with compute (SUMMA's broadcasts are not overlapped by the runtime);
-  * with dp > 1: one all-reduce of the local gradient blocks over the dp axis, not overlapped;
-  * optimizer step on the local blocks;
-  * memory: the local parameter blocks with their gradients and optimizer state, plus the
-    saved activations the lowering counts (1/q^2, 1/(d q^2) or 1/q^3 of the activations).
+    serial with compute (SUMMA's broadcasts are not overlapped by the runtime); with nm
+    micro-batches every collective is issued nm times (the lowering runs on one micro-batch:
+    activation blocks 1/nm as large, weight broadcasts as large) and every op computes nm
+    times on 1/nm of the tokens;
+  * with dp > 1: one all-reduce of the local gradient blocks over the dp axis per step, not
+    overlapped; ZeRO-1: a reduce-scatter and an all-gather of them (flat, padded to dp shards);
+  * optimizer step on the local blocks (ZeRO-1: on this replica's 1/dp shard);
+  * memory: the local parameter blocks with their gradients and optimizer state (ZeRO-1: the
+    state / dp), plus the saved activations of one micro-batch the lowering counts (1/q^2,
+    1/(d q^2) or 1/q^3 of the activations).
+
+Unpinned, one micro-batch and ZeRO-0 are priced first; only a grid over the budget is retried
+with ZeRO-1 (dp > 1), then with more micro-batches (``best_grid``).
 """
 from __future__ import annotations
 
@@ -86,37 +95,59 @@ def _check_world(mode: str, tp: int, shape) -> None:
         raise ConstraintError(f"constraint tp_mode={mode!r}: {e}") from None
 
 
-def grid_geometries(num_devices: int, constraints: dict) -> list[Geometry]:
-    """The grid configurations the pins allow: dp replicas (outermost) of a 2D / 2.5D / 3D grid."""
+def grid_geometries(num_devices: int, constraints: dict, batch: int | None = None) -> list[Geometry]:
+    """The grid configurations the pins allow: dp replicas (outermost) of a 2D / 2.5D / 3D grid,
+    with the pinned micro-batch count (``num_micro_batches``, or ``micro_batch_size`` rows per
+    replica given ``batch``), else one micro-batch (best_grid tries more when that does not fit)."""
     mode = constraints.get("tp_mode")
     if mode is not None and mode not in GRID_MODES:
         return []
-    pins_ok = (constraints.get("zero", 0) == 0
+    zero = constraints.get("zero", 0)
+    pins_ok = (zero in (0, 1)
                and constraints.get("checkpoint", "none") in ("none", None)
-               and constraints.get("num_micro_batches", 1) == 1
                and constraints.get("sp", 1) == 1 and constraints.get("sp_mode") is None)
+    if mode is None and constraints.get("num_micro_batches", 1) != 1:
+        # A micro-batch count pinned without a grid mode: the grid modes stay out, as before they
+        # ran micro-batches. The pipelined search's inner searches (autopar/search/pipeline.py)
+        # pin the count this way, and a grid plan cannot be cut into pipeline stages.
+        return []
     out = []
     for dp in range(1, num_devices + 1):
-        if num_devices % dp or constraints.get("dp", dp) != dp:
-            continue
+        if num_devices % dp or constraints.get("dp", dp) != dp or (zero == 1 and dp == 1):
+            continue     # ZeRO-1 shards the optimizer state over the grid's dp replicas: dp > 1
+        nm = constraints.get("num_micro_batches", 1)
+        if "micro_batch_size" in constraints and batch is not None:
+            rows = dp * constraints["micro_batch_size"]
+            if batch % rows:
+                continue
+            nm = batch // rows
         tp = num_devices // dp
         for q in range(2, tp + 1):
             if q * q == tp:
-                out.append(Geometry("2d", q, 1, dp))
+                out.append(Geometry("2d", q, 1, dp, nm, zero))
             if q ** 3 == tp:
-                out.append(Geometry("3d", q, 1, dp))
+                out.append(Geometry("3d", q, 1, dp, nm, zero))
             for d in range(2, tp + 1):
                 if q * q * d == tp:
-                    out.append(Geometry("2.5d", q, d, dp))
+                    out.append(Geometry("2.5d", q, d, dp, nm, zero))
     out = [g for g in out if (mode is None or g.mode == mode)
            and ("tp_shape" not in constraints or list(constraints["tp_shape"]) == g.tp_shape)
            and constraints.get("tp", g.world) == g.world]
     if out and not pins_ok:
         if mode is not None:
-            raise ConstraintError(f"constraint tp_mode={mode!r} runs with zero=0, one micro-batch, no "
-                                  f"activation checkpointing and no sequence parallelism in this version; drop the other pins")
+            raise ConstraintError(f"constraint tp_mode={mode!r} runs with zero=0 or 1 (ZeRO-1: optimizer state "
+                                  f"sharded over the grid's dp replicas), no activation checkpointing and no "
+                                  f"sequence parallelism in this version; drop the other pins")
         return []
     if mode is not None and not out:
+        if zero == 1 and grid_geometries(num_devices, dict(constraints, zero=0), batch):
+            # the grids the other pins allow all have dp = 1
+            raise ConstraintError(f"constraints tp_mode={mode!r} and zero=1 need dp > 1: ZeRO-1 shards the optimizer "
+                                  f"state over the data-parallel replicas of the grid; pin dp > 1 or drop zero")
+        if "micro_batch_size" in constraints and batch is not None:
+            raise ConstraintError(f"constraint micro_batch_size={constraints['micro_batch_size']} with tp_mode={mode!r}: "
+                                  f"no data-parallel degree the pins allow on {num_devices} devices makes dp x "
+                                  f"micro_batch_size divide the batch of {batch}")
         tp = constraints.get("tp", num_devices // constraints.get("dp", 1))
         _check_world(mode, tp, constraints.get("tp_shape"))   # the grid's own message first
         raise ConstraintError(f"constraint tp_mode={mode!r} cannot be met on {num_devices} devices"
@@ -139,7 +170,7 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     of the graph on a one-device mesh (per-op FLOPs and bytes)."""
     from autopar.frontend.batching import graph_batch_dims, input_shapes, batch_size
     from autopar.pricing.cost import Collectives, optimizer_step_time, profile_of
-    from autopar.pricing.memory import state_bytes
+    from autopar.pricing.memory import state_bytes, zero_shard
     from autopar.mesh import Mesh
     from autopar.search.predict import model_flops
     from codegen.grid_ops import GridProgram
@@ -154,26 +185,35 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     per_op = grid_compute(cands, prog, cluster, base.precision, geo)
     compute = sum(t for _, t in per_op.values())
     # a rooted reduce is priced as the broadcast it mirrors (pipelined ring: S/B + (n-1) alpha;
-    # autopar/pricing/cost.py has no separate reduce)
-    op_comm = sum(c.count * comm("broadcast" if c.kind == "reduce" else c.kind, c.nbytes * scale,
-                                 geo.mesh_names.index(c.group)) for c in prog.colls)
+    # autopar/pricing/cost.py has no separate reduce); every micro-batch issues them all
+    op_comm = geo.nm * sum(c.count * comm("broadcast" if c.kind == "reduce" else c.kind, c.nbytes * scale,
+                                          geo.mesh_names.index(c.group)) for c in prog.colls)
     local = 0
     for n, use in prog.uses.items():
         if n not in graph.buffers:
             local += _local_numel(graph, n, geo, use)
-    # data parallelism over the grid replicas: each local gradient block all-reduced over dp
+    # data parallelism over the grid replicas: each local gradient block all-reduced over dp;
+    # ZeRO-1: the flat gradient (padded to dp shards) reduce-scattered, each replica updating
+    # its shard of the optimizer state, the updated shards all-gathered
     grad_bytes = local * 4
-    grad_comm = comm("all_reduce", grad_bytes * scale, 0) if geo.dp > 1 else 0.0
-    static = state_bytes(local, base.optimizer, base.precision)
-    optimizer = optimizer_step_time(local, base.optimizer, base.precision, cluster.device, cal)
-    acts = prog.saved * scale
+    if geo.dp > 1 and geo.zero:
+        grad_bytes = -(-local // geo.dp) * geo.dp * 4
+        grad_comm = comm("reduce_scatter", grad_bytes * scale, 0) + comm("all_gather", grad_bytes * scale, 0)
+        dp_bytes = 2 * grad_bytes
+    else:
+        grad_comm = comm("all_reduce", grad_bytes * scale, 0) if geo.dp > 1 else 0.0
+        dp_bytes = grad_bytes
+    static = zero_shard(state_bytes(local, base.optimizer, base.precision), geo.zero, geo.dp)
+    stepped = grad_bytes // 4 // geo.dp if geo.zero else local
+    optimizer = optimizer_step_time(stepped, base.optimizer, base.precision, cluster.device, cal)
+    acts = prog.saved * scale     # one micro-batch's: its backward runs before the next forward
     step = compute + op_comm + grad_comm + optimizer
     peak = sum(static.values()) + acts
     flops = model_flops(cands)
     comm_bytes = {g: 0 for g in geo.mesh_names}
-    comm_bytes.update(prog.bytes_per_group())
+    comm_bytes.update({g: geo.nm * b for g, b in prog.bytes_per_group().items()})
     if geo.dp > 1:
-        comm_bytes["dp"] = grad_bytes
+        comm_bytes["dp"] = dp_bytes
     pred = {
         "step_time": step,
         "time_breakdown": {"compute": compute, "recompute": 0.0, "op_comm": op_comm, "reshard_comm": 0.0,
@@ -196,7 +236,8 @@ def grid_compute(cands, prog, cluster, precision: str, geo: Geometry) -> dict[st
     rank in grid mode ``geo``. Priced as autopar/pricing/price.py prices an ILP op - bf16 bytes, the
     op's backward ratio, and for a contraction the GEMM-by-intensity curve at the local shape
     the rank's kernel runs on - so grid and ILP plans compare like with like. A SUMMA linear
-    runs q kernels of 1/q of its work each (one per step), a 3D linear one."""
+    runs q kernels of 1/q of its work each (one per step), a 3D linear one; with ``geo.nm``
+    micro-batches every op runs nm times on 1/nm of the work (at the micro-batch's shapes)."""
     from autopar.pricing.cost import fwd_bwd_compute, gemm_intensity, profile_of
     from autopar.pricing.price import has_contraction, op_bytes_scale
     from autopar.rules.table import val as node_val
@@ -204,7 +245,7 @@ def grid_compute(cands, prog, cluster, precision: str, geo: Geometry) -> dict[st
     dtype = "bf16" if precision == "bf16" else "fp32"
     itemsize = 2 if dtype == "bf16" else 4
     cal = profile_of(cluster)
-    world = geo.devices
+    world = geo.devices * geo.nm    # the work of one op call, as a fraction of the step's
     out = {}
     for name in cands.order:
         info = cands.nodes[name]
@@ -223,7 +264,7 @@ def grid_compute(cands, prog, cluster, precision: str, geo: Geometry) -> dict[st
         bscale = op_bytes_scale(node_val(info.node), precision)
         f, b = fwd_bwd_compute(spec.flops / world / kernels, spec.bytes * bscale / world / kernels, dtype,
                                cluster.device, wgrad, ai, cal, op=spec.rule)
-        out[name] = (f * kernels * info.repeats, (f + b) * kernels * info.repeats)
+        out[name] = (f * kernels * geo.nm * info.repeats, (f + b) * kernels * geo.nm * info.repeats)
     return out
 
 
@@ -257,11 +298,14 @@ def _local_numel(graph, name, geo, use) -> int:
 def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, stats: dict, log=None):
     """The cheapest grid configuration that fits the budget and beats ``best_step`` (None: any),
     or None. A pinned grid mode the model cannot run is a ConstraintError naming the op."""
+    from dataclasses import replace
+
     from autopar.rules.candidates import candidates
     from autopar.mesh import Mesh
     from codegen.grid_ops import GridLoweringError
 
-    geos = grid_geometries(cluster.num_devices, constraints)
+    batch = _batch(graph)
+    geos = grid_geometries(cluster.num_devices, constraints, batch)
     if not geos:
         return None
     pinned = constraints.get("tp_mode") in GRID_MODES
@@ -269,7 +313,11 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
     best = None
     first_error = None   # (geometry, GridLoweringError) of the first geometry that did not lower
     lowered = 0
-    for geo in geos:
+    free_nm = "num_micro_batches" not in constraints and "micro_batch_size" not in constraints
+    free_zero = "zero" not in constraints
+    queue = list(geos)
+    while queue:
+        geo = queue.pop(0)
         stats["configs"] = stats.get("configs", 0) + 1
         try:
             r = price_grid(graph, cluster, base, geo, cands)
@@ -281,12 +329,22 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
         lowered += 1
         stats["solved"] = stats.get("solved", 0) + 1    # priced exactly (no solver needed)
         if log:
-            log(f"{geo.mode:>6} grid {geo.tp_shape}  step={r.prediction['step_time']:.4g}s "
-                f"peak={r.prediction['peak_memory'] / 2**30:.2f}GiB")
+            log(f"{geo.mode:>6} grid {geo.tp_shape}" + (f" x dp={geo.dp}" if geo.dp > 1 else "")
+                + (f" micro={geo.nm}" if geo.nm > 1 else "")
+                + f"  step={r.prediction['step_time']:.4g}s peak={r.prediction['peak_memory'] / 2**30:.2f}GiB")
         if r.prediction["peak_memory"] > base.budget:
             stats["infeasible"] = stats.get("infeasible", 0) + 1
             # the search's MemoryBudgetError states the smallest peak of any plan, grids included
             stats["grid_min_peak"] = min(stats.get("grid_min_peak", math.inf), r.prediction["peak_memory"])
+            # over the budget: ZeRO-1 over dp (the same ring traffic, the optimizer state / dp),
+            # then the next micro-batch count (fewer saved activations, more traffic): only then
+            # are they priced, so a model that fits plans as fast as before
+            if free_zero and geo.dp > 1 and geo.zero == 0:
+                nxt = replace(geo, zero=1)
+            else:
+                nxt = _more_micro_batches(geo, batch) if free_nm else None
+            if nxt is not None:
+                queue.insert(0, nxt)
             continue
         if best is None or r.prediction["step_time"] < best.prediction["step_time"]:
             best = r
@@ -298,6 +356,21 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
     if best is not None and best_step is not None and best.prediction["step_time"] >= best_step:
         return None
     return best
+
+
+def _more_micro_batches(geo: Geometry, batch: int) -> Geometry | None:
+    """``geo`` with the next micro-batch count whose micro-batch still splits into the grid's
+    blocks of whole sequences (None: there is none). More micro-batches only lower the saved
+    activations (parameters, gradients and optimizer state stay) and cost time (every
+    micro-batch repeats the weight broadcasts, GEMMs get smaller), so they are tried in order
+    and the first that fits is the grid's choice for this geometry."""
+    from dataclasses import replace
+
+    per = batch // (geo.dp * geo.grid_tok_parts) if batch % (geo.dp * geo.grid_tok_parts) == 0 else 0
+    for nm in range(geo.nm + 1, per + 1):
+        if per % nm == 0:
+            return replace(geo, nm=nm)
+    return None
 
 
 def grid_plan_data(result: GridResult, cluster, graph, optimizer, precision, budget, overlap, stats) -> dict:
@@ -326,15 +399,15 @@ def grid_plan_data(result: GridResult, cluster, graph, optimizer, precision, bud
         "settings": {"optimizer": optimizer, "precision": precision, "memory_budget": budget,
                      "overlap_grad_comm": overlap},
         "degrees": {"dp": geo.dp, "tp": geo.world, "tp_mode": geo.mode, "tp_shape": geo.tp_shape, "sp": 1,
-                    "sp_mode": None, "pp": 1, "pp_schedule": None, "micro_batch_size": batch // geo.dp,
-                    "num_micro_batches": 1, "zero": 0, "checkpoint": "none", "offload": False},
+                    "sp_mode": None, "pp": 1, "pp_schedule": None, "micro_batch_size": batch // geo.batch_parts,
+                    "num_micro_batches": geo.nm, "zero": geo.zero, "checkpoint": "none", "offload": False},
         "stages": [{"index": 0, "ranks": [0, geo.devices - 1], "nodes": [names[0].name, names[-1].name],
                     "checkpoint": {}}],
         "ops": ops,
         "params": params,
         "inputs": graph.input_names,
         "batch_dims": graph_batch_dims(graph),
-        "grid": {"mode": geo.mode, "q": geo.q, "d": geo.d, "dp": geo.dp, "axes": list(geo.mesh_names),
+        "grid": {"mode": geo.mode, "q": geo.q, "d": geo.d, "dp": geo.dp, "nm": geo.nm, "axes": list(geo.mesh_names),
                  "collectives": [[c.kind, c.group, c.size, c.nbytes, c.count, c.phase] for c in prog.colls]},
         "predictions": dict(result.prediction),
         "solver": {"status": "grid", "gap": 0.0, "configs": stats.get("configs", 0),
