@@ -61,31 +61,25 @@ def _attention_shape(name, kw):
     return batch[0].shape[0], c.n_head, batch[0].shape[1], c.d_model // c.n_head
 
 
-def _run_pp_sp(name, mode, m=2, **kw):
-    """pp=2 x sp=2 (``mode``) on 4 gloo ranks against one process; returns (plan, per-rank results)."""
-    from runtime.ring_attention import ring_attention_bytes
-    from runtime.ulysses import ulysses_bytes
-
-    plan = _plan(name, {"pp": 2, "sp": 2, "sp_mode": mode, "num_micro_batches": m}, **kw)
+def _run(name, constraints, **kw):
+    """``constraints`` (pp=2 and a sequence mode) on 4 gloo ranks against one process: numerics,
+    every rank holding only its stage's blocks, bytes per mesh axis and point-to-point = the plan's
+    per-stage prediction. Returns (plan, per-rank results)."""
+    m = constraints["num_micro_batches"]
+    plan = _plan(name, constraints, **kw)
     deg = plan.degrees
-    assert (deg["pp"], deg["sp"], deg["sp_mode"], deg["num_micro_batches"]) == (2, 2, mode, m), deg
-    assert plan.world_size == 4 and plan.mesh.shape[plan.mesh.axis("sp")] == 2, plan.mesh.describe()
-    algo = {"ring": "ring_attention", "ulysses": "ulysses_attention"}[mode]
-    attn = [op for op in plan.data["ops"] if "scaled_dot_product_attention" in op["target"]]
-    assert attn and all(op["special"] == [algo] for op in attn), [op["strategy"] for op in attn]
-
+    for k, v in constraints.items():
+        if k in deg:
+            assert deg[k] == v, (k, deg)
+    assert plan.world_size == 4, plan.world_size
     model, batch = ZOO[name](**kw)
     ref_losses, ref_sd = train_eagerly(model, batch, torch.optim.SGD(model.parameters(), lr=OPT["lr"],
                                                                      momentum=OPT["momentum"]), STEPS)
     res = run_local(_train, 4, args=(name, plan.to_json(), kw), timeout=400)
     assert_matches_eager([r["losses"] for r in res], res[0]["sd"], ref_losses, ref_sd)
-
     pp = deg["pp"]
     traced = trace(*ZOO[name](**kw))
     unit_module = [traced.blocks[g].module_fqns[i] for g, i in pipeline_units(traced)]
-    b, h, s, d = _attention_shape(name, kw)
-    mb = b // deg["dp"] // m                      # rows of one micro-batch on one rank
-    sp_axis = plan.mesh.names[plan.mesh.axis("sp")]
     for r in res:
         mine = [st for st in plan.data["stages"] if st["index"] % pp == r["stage"]]
         held = {u for u, mod in enumerate(unit_module) if any(p.startswith(mod + ".") for p in r["params"])}
@@ -95,19 +89,47 @@ def _run_pp_sp(name, mode, m=2, **kw):
         for axis in plan.mesh.names:
             want = (STEPS - 1) * sum(st["comm_bytes"][axis] for st in mine)
             assert r["comm"].get(axis, 0) == want, (r["stage"], axis, r["comm"], want)
-        assert r["comm"][sp_axis] > 0, r["comm"]
         p2p = (STEPS - 1) * sum(st["p2p_bytes"] for st in mine)
         assert r["comm"]["pp"] == p2p > 0, (r["comm"], mine)
-        # what crosses the boundary is the local sequence shard: m micro-batches of (mb, s / sp, d_model)
-        # fp32 activations (forward, stage 0) or their gradients (backward, stage 1)
-        assert sum(st["p2p_bytes"] for st in mine) == m * mb * (s // deg["sp"]) * h * d * 4, mine
-        # the sequence axis ran the mode's algorithm: its closed-form bytes per attention call, once per
-        # layer of this stage and micro-batch
+    return plan, res
+
+
+def _local_shard_p2p(plan, res, name, kw, split):
+    """What crosses the boundary is each rank's local sequence shard: per micro-batch (mb, s / split,
+    d_model) fp32 activations (forward, stage 0) or their gradients (backward, stage 1)."""
+    b, h, s, d = _attention_shape(name, kw)
+    m = plan.degrees["num_micro_batches"]
+    mb = b // plan.degrees["dp"] // m
+    for r in res:
+        mine = [st for st in plan.data["stages"] if st["index"] % plan.degrees["pp"] == r["stage"]]
+        assert sum(st["p2p_bytes"] for st in mine) == m * mb * (s // split) * h * d * 4, mine
+
+
+def _run_pp_sp(name, mode, m=2, **kw):
+    """pp=2 x sp=2 (``mode``) on 4 gloo ranks (``_run``) and the sequence axis' premise."""
+    from runtime.ring_attention import ring_attention_bytes
+    from runtime.ulysses import ulysses_bytes
+
+    plan, res = _run(name, {"pp": 2, "sp": 2, "sp_mode": mode, "num_micro_batches": m}, **kw)
+    deg = plan.degrees
+    assert (deg["pp"], deg["sp"], deg["sp_mode"]) == (2, 2, mode), deg
+    assert plan.mesh.shape[plan.mesh.axis("sp")] == 2, plan.mesh.describe()
+    algo = {"ring": "ring_attention", "ulysses": "ulysses_attention"}[mode]
+    attn = [op for op in plan.data["ops"] if "scaled_dot_product_attention" in op["target"]]
+    assert attn and all(op["special"] == [algo] for op in attn), [op["strategy"] for op in attn]
+    _local_shard_p2p(plan, res, name, kw, deg["sp"])
+    b, h, s, d = _attention_shape(name, kw)
+    mb = b // deg["dp"] // m
+    for r in res:
+        assert r["comm"]["sp"] > 0, r["comm"]
+        # the sequence axis ran the mode's algorithm: its closed-form bytes per attention call, once
+        # per layer of this rank's stage and micro-batch
+        mine = [st for st in plan.data["stages"] if st["index"] % deg["pp"] == r["stage"]]
         layers = sum(st["blocks"][1] - st["blocks"][0] for st in mine)
         if mode == "ulysses":
-            got, per_call = r["kinds"].get(f"{sp_axis}:all_to_all", 0), ulysses_bytes(mb, h, h, s, d, 2, 4)
+            got, per_call = r["kinds"].get("sp:all_to_all", 0), ulysses_bytes(mb, h, h, s, d, 2, 4)
         else:
-            got = r["kinds"].get(f"{sp_axis}:ring_kv", 0) + r["kinds"].get(f"{sp_axis}:ring_dkv", 0)
+            got = r["kinds"].get("sp:ring_kv", 0) + r["kinds"].get("sp:ring_dkv", 0)
             per_call = ring_attention_bytes(mb, h, s, d, 2, 4)
         assert got == (STEPS - 1) * m * layers * per_call.total_bytes > 0, (r["kinds"], per_call)
     return plan, res
@@ -127,3 +149,38 @@ def test_gpt2_pp2_x_ulysses_sp2():
     plan, res = _run_pp_sp("gpt2", "ulysses")
     for r in res:
         assert "wte.weight" in r["params"] and r["comm"]["pp_tied"] > 0, r["comm"]
+
+
+@pytest.mark.slow
+def test_llama_pp2_x_megatron_sp_tp2():
+    """Megatron-SP inside each stage: the norms split the sequence over the tensor axis, the
+    row-parallel all-reduce is a reduce-scatter and the column-parallel entry an all-gather."""
+    plan, res = _run("llama", {"pp": 2, "tp": 2, "sp_mode": "megatron", "num_micro_batches": 2})
+    assert plan.degrees["sp"] == plan.degrees["tp"] == 2 and plan.degrees["sp_mode"] == "megatron"
+    tp = plan.mesh.axis("tp")
+    norms = [op for op in plan.data["ops"] if op["target"] == "aten.mean.dim"]   # RMSNorm's statistics
+    assert norms and all(op["splits"][tp] is not None for op in norms), [op["strategy"] for op in norms]
+    _local_shard_p2p(plan, res, "llama", {}, 2)   # the residual stream crosses sequence-split over tp
+    for r in res:
+        assert r["kinds"].get("tp:reduce_scatter", 0) > 0 and r["kinds"].get("tp:all_gather", 0) > 0, r["kinds"]
+
+
+@pytest.mark.parametrize("cons, msg", [
+    ({"pp": 2, "sp": 4, "sp_mode": "ring"}, r"pp=2 and sp=4 cannot be met on 4 devices.*sp=4 does not divide 2"),
+    ({"pp": 2, "dp": 2, "sp": 2, "sp_mode": "ulysses"}, r"dp=2 x sp=2 cannot be met.*4 does not divide 2"),
+    ({"pp": 2, "sp": 3}, r"sp=3 does not divide 2"),
+])
+def test_impossible_pp_x_sp_pins_are_clear_errors(cons, msg):
+    with pytest.raises(autopar.ConstraintError, match=msg):
+        _plan("llama", dict(cons, num_micro_batches=2))
+
+
+def test_pinned_pp_x_sp_plans_the_sequence_axis_in_each_stage():
+    """The premise without processes: the stage sub-mesh has the sequence axis, every attention op
+    of both stages runs ring attention there, and each stage predicts sequence-axis traffic."""
+    plan = _plan("llama", {"pp": 2, "sp": 2, "sp_mode": "ring", "num_micro_batches": 2})
+    assert plan.mesh.describe() == "dp=1 × sp=2" and plan.degrees["pp"] == 2
+    assert [s["ranks"] for s in plan.data["stages"]] == [[0, 1], [2, 3]]
+    attn = [op for op in plan.data["ops"] if "scaled_dot_product_attention" in op["target"]]
+    assert len(attn) == 2 and all(op["special"] == ["ring_attention"] for op in attn)
+    assert all(s["comm_bytes"]["sp"] > 0 for s in plan.data["stages"])
