@@ -184,3 +184,34 @@ def test_pinned_pp_x_sp_plans_the_sequence_axis_in_each_stage():
     attn = [op for op in plan.data["ops"] if "scaled_dot_product_attention" in op["target"]]
     assert len(attn) == 2 and all(op["special"] == ["ring_attention"] for op in attn)
     assert all(s["comm_bytes"]["sp"] > 0 for s in plan.data["stages"])
+
+
+def test_free_search_finds_pp_x_sp_when_memory_needs_both():
+    """Issue 7 step 4 with pipelining: a long-sequence Llama (2 layers, d=1024, s=1024, batch 4) on
+    4 devices with ZeRO and tensor parallelism pinned off, so parameters split only over pipeline
+    stages and a sequence's activations (beyond micro-batching) only over a sequence axis. The
+    budget is 1.1x the pinned pp=2 x sp=2 plan's peak. Neither alone fits it (pp=1 with any sequence
+    axis: the parameters are whole on every device; sp=1 with any pp: a stage's data ranks can cut
+    their 2 rows into at most 2 micro-batches), and the free search finds the pp x sp plan."""
+    from autopar.errors import MemoryBudgetError
+    from autopar.models.llama import llama
+
+    model, inputs = llama(n_layer=2, n_head=4, n_kv_heads=4, d_model=1024, ffn_hidden=4096, vocab=256, seq=1024,
+                          batch=4, device="meta")
+    pins = {"zero": 0, "tp": 1}
+
+    def plan(budget=None, **cons):
+        return autopar.plan(model, inputs, CPU4, precision="fp32", optimizer="sgd", memory_budget=budget,
+                            constraints={**pins, **cons})
+    both = plan(pp=2, sp=2, num_micro_batches=4)
+    budget = int(1.1 * both.peak_memory)
+    with pytest.raises(MemoryBudgetError):   # sequence axes without pipelining
+        plan(budget, pp=1)
+    with pytest.raises(MemoryBudgetError):   # pipelining without a sequence axis
+        plan(budget, sp=1)
+    free = plan(budget)
+    deg = free.degrees
+    assert deg["pp"] == 2 and deg["sp"] == 2 and deg["sp_mode"] in ("ring", "ulysses"), deg
+    assert free.mesh.shape[free.mesh.axis("sp")] == 2 and free.world_size == 4
+    assert len(free.data["stages"]) == 2 and free.peak_memory <= budget
+    assert free.stats["pipeline_candidates"] >= 1
