@@ -95,22 +95,26 @@ def _run(name, constraints, **kw):
 
 
 def _local_shard_p2p(plan, res, name, kw, split):
-    """What crosses the boundary is each rank's local sequence shard: per micro-batch (mb, s / split,
-    d_model) fp32 activations (forward, stage 0) or their gradients (backward, stage 1)."""
+    """What crosses a boundary is each rank's local sequence shard: per micro-batch (mb, s / split,
+    d_model) fp32 activations (forward, to the next stage) or their gradients (backward, to the
+    previous one); a stage sends over each of its boundaries."""
     b, h, s, d = _attention_shape(name, kw)
     m = plan.degrees["num_micro_batches"]
     mb = b // plan.degrees["dp"] // m
-    for r in res:
-        mine = [st for st in plan.data["stages"] if st["index"] % plan.degrees["pp"] == r["stage"]]
-        assert sum(st["p2p_bytes"] for st in mine) == m * mb * (s // split) * h * d * 4, mine
+    shard = mb * (s // split) * h * d * 4
+    last = len(plan.data["stages"]) - 1
+    for st in plan.data["stages"]:
+        assert st["p2p_bytes"] == ((st["index"] > 0) + (st["index"] < last)) * m * shard, st
 
 
-def _run_pp_sp(name, mode, m=2, **kw):
-    """pp=2 x sp=2 (``mode``) on 4 gloo ranks (``_run``) and the sequence axis' premise."""
+def _run_pp_sp(name, mode, m=2, extra=None, **kw):
+    """pp=2 x sp=2 (``mode``, and ``extra`` pins) on 4 gloo ranks (``_run``) and the sequence axis'
+    premise. With activation checkpointing every attention call's forward runs twice."""
     from runtime.ring_attention import ring_attention_bytes
     from runtime.ulysses import ulysses_bytes
 
-    plan, res = _run(name, {"pp": 2, "sp": 2, "sp_mode": mode, "num_micro_batches": m}, **kw)
+    plan, res = _run(name, {"pp": 2, "sp": 2, "sp_mode": mode, "num_micro_batches": m, **(extra or {})}, **kw)
+    recomputed = plan.degrees["checkpoint"] == "full"
     deg = plan.degrees
     assert (deg["pp"], deg["sp"], deg["sp_mode"]) == (2, 2, mode), deg
     assert plan.mesh.shape[plan.mesh.axis("sp")] == 2, plan.mesh.describe()
@@ -131,7 +135,8 @@ def _run_pp_sp(name, mode, m=2, **kw):
         else:
             got = r["kinds"].get("sp:ring_kv", 0) + r["kinds"].get("sp:ring_dkv", 0)
             per_call = ring_attention_bytes(mb, h, s, d, 2, 4)
-        assert got == (STEPS - 1) * m * layers * per_call.total_bytes > 0, (r["kinds"], per_call)
+        want = per_call.total_bytes + (per_call.forward_bytes if recomputed else 0)
+        assert got == (STEPS - 1) * m * layers * want > 0, (r["kinds"], per_call)
     return plan, res
 
 
@@ -149,6 +154,22 @@ def test_gpt2_pp2_x_ulysses_sp2():
     plan, res = _run_pp_sp("gpt2", "ulysses")
     for r in res:
         assert "wte.weight" in r["params"] and r["comm"]["pp_tied"] > 0, r["comm"]
+
+
+@pytest.mark.slow
+def test_gpt2_interleaved_pp2_x_ring_sp2():
+    """Two virtual stages per rank (torch's ScheduleInterleaved1F1B, 4 layers, 4 micro-batches)
+    with load-balanced ring attention in every stage."""
+    plan, res = _run_pp_sp("gpt2", "ring", m=4, extra={"pp_schedule": "interleaved-1f1b"}, n_layer=4)
+    assert [s["virtual"] for s in plan.data["stages"]] == [0, 0, 1, 1]
+
+
+@pytest.mark.slow
+def test_gpt2_pp2_x_ulysses_sp2_with_activation_checkpointing():
+    """Checkpointed blocks rerun their forward all-to-alls in backward: the plan's per-stage bytes
+    include them (autopar/search/pipeline.py ``_costs``) and equal what runs."""
+    plan, res = _run_pp_sp("gpt2", "ulysses", extra={"checkpoint": "full"})
+    assert plan.degrees["checkpoint"] == "full" and all(s["recompute_time"] > 0 for s in plan.data["stages"])
 
 
 @pytest.mark.slow

@@ -307,6 +307,8 @@ def _costs(result, graph) -> _Costs:
                 rec_m[g] += again / r
                 rec_t[g] += (float(P.fwd_compute[name][k]) + float(P.fwd_comm[name][k] if name in P.fwd_comm else 0.0)) \
                     / nm / r
+                for a, arr in enumerate(P.fwd_comm_bytes.get(name, [])):   # its forward collectives run again
+                    ub[g][names[a]] += float(arr[k]) / r
             if order[name] > last_pos[g] and name in P.transient:
                 last_pos[g], out[g] = order[name], float(P.transient[name][k])
         else:
@@ -317,6 +319,10 @@ def _costs(result, graph) -> _Costs:
     for (u, v), per_axis in P.edge_bytes.items():   # resharding goes with its consumer
         if u in pick and v in pick:
             add_bytes(v, [arr[pick[u], pick[v]] for arr in per_axis], max(1, cands.nodes[v].repeats))
+    for (u, v), per_axis in P.edge_fwd_bytes.items():   # recomputation reruns the reshards into a block
+        if u in pick and v in pick and v in graph.block_of and graph.block_of[v][0] in full:
+            for a, arr in enumerate(per_axis):
+                ub[graph.block_of[v][0]][names[a]] += float(arr[pick[u], pick[v]]) / max(1, cands.nodes[v].repeats)
     for (u, v), mat in P.edges.items():   # and so does its time
         if u in pick and v in pick:
             secs = float(mat[pick[u], pick[v]]) / nm
