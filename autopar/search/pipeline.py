@@ -43,8 +43,18 @@ nodes) is added to its stage's backward time, and the largest of its stage's blo
 working sets (what recomputing one block saves again) is added once to the rank's memory. Not with
 selective recompute, ZeRO-3 or zero-bubble (``_checkpoint_pinned``, ``max_zero``).
 
+Sequence parallelism composes (issue 7): ``sp`` / ``sp_mode`` pins go to the inner search, so the
+stage sub-mesh is (dp, sp[, tp]) and every stage runs its attention ops as the inner plan chose
+(Ulysses / ring on the sequence axis, Megatron-SP on the tensor axis). Nothing else changes: the
+per-instance figures of step 2 include the sequence axis' collectives, a boundary's transfer is
+the output of a block as the inner plan lays it out (each rank's local sequence shard: 1/sp of
+the tokens, zig-zag under load-balanced ring attention, the same on both sides of the boundary
+since both stages are cut from one per-rank program), and values that depend on no parameter
+(positions, RoPE tables, masks, sliced like the tokens) are recomputed on every stage.
+
 Impossible pins are ``ConstraintError``: more stages than blocks, fewer micro-batches than
-stages, a batch that does not divide, unknown schedules.
+stages, a batch that does not divide, unknown schedules, per-stage axes (dp x sp x tp) that do
+not fit a stage's devices (``check_stage_axes``).
 """
 from __future__ import annotations
 
@@ -90,14 +100,34 @@ def pipeline_pins(constraints: dict | None) -> tuple[int, str | None]:
 
 def unpipelined_pin(constraints: dict) -> str | None:
     """The pin (as text) that rules pipelining out, or None. The grid modes (2D/2.5D/3D) run one
-    micro-batch of the whole model, and sequence parallelism is not cut into stages yet."""
+    micro-batch of the whole model. (Sequence parallelism does not: its axis is part of each
+    stage's sub-mesh, module doc.)"""
     from codegen.grid_layout import GRID_MODES
 
     if constraints.get("tp_mode") in GRID_MODES:
         return f"tp_mode={constraints['tp_mode']!r} (the grid modes run without pipeline stages)"
-    if constraints.get("sp", 1) != 1 or constraints.get("sp_mode") not in (None, "none"):
-        return "sequence parallelism (not cut into pipeline stages yet)"
     return None
+
+
+def check_stage_axes(cluster, sub, constraints: dict, pp: int) -> None:
+    """The pinned per-stage axes (dp, tp, and a Ulysses/ring sequence axis sp) must fit one stage's
+    sub-mesh ``sub``: their product divides its devices, and equals them when all are pinned
+    (pp x dp x sp x tp = devices; Megatron-SP's sequence split is the tensor axis, no factor).
+    Otherwise a ConstraintError naming the product."""
+    n = sub.num_devices
+    seq_axis = constraints.get("sp_mode") != "megatron" and constraints.get("sp", 1) > 1
+    pinned = {k: constraints[k] for k in ("dp", "sp", "tp") if k in constraints and (k != "sp" or seq_axis)}
+    prod = math.prod(pinned.values())
+    every = "dp" in pinned and "tp" in pinned and ("sp" in pinned or "sp" in constraints
+                                                   or constraints.get("sp_mode") == "megatron")
+    if n % prod == 0 and not (every and prod != n):
+        return
+    what = " x ".join(f"{k}={v}" for k, v in pinned.items())
+    raise ConstraintError(
+        f"constraints pp={pp} and {what} cannot be met on {cluster.num_devices} devices: each of the {pp} pipeline "
+        f"stages runs on a sub-mesh of {n} devices that holds the {'/'.join(pinned)} "
+        f"ax{'es' if len(pinned) > 1 else 'is'}, and {prod if len(pinned) > 1 else what} "
+        f"{'does not divide' if n % prod else 'is not'} {n} (pp x dp x sp x tp must equal the devices)")
 
 
 def stage_cluster(cluster, pp: int):
@@ -277,6 +307,8 @@ def _costs(result, graph) -> _Costs:
                 rec_m[g] += again / r
                 rec_t[g] += (float(P.fwd_compute[name][k]) + float(P.fwd_comm[name][k] if name in P.fwd_comm else 0.0)) \
                     / nm / r
+                for a, arr in enumerate(P.fwd_comm_bytes.get(name, [])):   # its forward collectives run again
+                    ub[g][names[a]] += float(arr[k]) / r
             if order[name] > last_pos[g] and name in P.transient:
                 last_pos[g], out[g] = order[name], float(P.transient[name][k])
         else:
@@ -287,6 +319,10 @@ def _costs(result, graph) -> _Costs:
     for (u, v), per_axis in P.edge_bytes.items():   # resharding goes with its consumer
         if u in pick and v in pick:
             add_bytes(v, [arr[pick[u], pick[v]] for arr in per_axis], max(1, cands.nodes[v].repeats))
+    for (u, v), per_axis in P.edge_fwd_bytes.items():   # recomputation reruns the reshards into a block
+        if u in pick and v in pick and v in graph.block_of and graph.block_of[v][0] in full:
+            for a, arr in enumerate(per_axis):
+                ub[graph.block_of[v][0]][names[a]] += float(arr[pick[u], pick[v]]) / max(1, cands.nodes[v].repeats)
     for (u, v), mat in P.edges.items():   # and so does its time
         if u in pick and v in pick:
             secs = float(mat[pick[u], pick[v]]) / nm
@@ -517,6 +553,7 @@ def search_pipelined(graph, cluster, base, constraints: dict, search_fn, **kw):
     m = check_pins(graph, cluster, constraints, pp)
     sub = stage_cluster(cluster, pp)
     inner = {k: v for k, v in constraints.items() if k not in ("pp", "pp_schedule")}
+    check_stage_axes(cluster, sub, inner, pp)
     ck = inner.get("checkpoint")
     inner["checkpoint"] = "none" if ck is None else ck   # not searched under pipelining: only pinned
     checkpointing = _checkpoint_pinned(ck, pp, schedule)

@@ -28,7 +28,15 @@ planning; with ``pp=1`` pinned the ordinary search. Otherwise:
    if none does the MemoryBudgetError reports the smallest peak over all of them. When some
    attention's sequence is at least ``sequence_search.SP_UPFRONT_RATIO`` (2) times its hidden size, the
    same sp searches also run after a plan was found, and one of them wins if it is faster
-   (``sequence_search.faster_with_sp``; small models' sequences are far shorter, so they never pay).
+   (``sequence_search.fastest_with_sp``; small models' sequences are far shorter, so they never pay).
+   Either way the pipelined candidates of step 2 are then visited again with a sequence axis in
+   every stage (pinned ``sp``, the attention mode the ILP's): the size of the best pp=1 plan with a
+   sequence axis (the largest size up to it that divides a stage's devices), or, when nothing fits
+   at pp=1 even with one, every size a stage's devices allow (``sequence_search.stage_sp_sizes``);
+   their bound is the pp=1 sequence-parallel plan's compute (0 without one: the inner cutoff still
+   prunes). So a long-context model whose parameters need stages and whose activations need a
+   sequence axis gets pp x sp (tests/test_sp_pipeline.py). Models that never reach step 4 plan
+   as before.
 
 Pruning (why small models stay fast): a pipelined step cannot take less than the pp=1 plan's
 compute time times 1 + (pp - 1) / (m * v) (same FLOPs on the same devices, plus the least fill
@@ -96,9 +104,7 @@ def micro_batch_counts(pp: int, batch: int, cluster=None) -> list[int]:
 
 def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw):
     """(Result, stats, pipeline figures or None): the best plan over pp=1 and pipelined candidates."""
-    from autopar.search.pipeline import (canonical_schedules, pipeline_pins, search_pipelined, unpipelined_pin,
-                                  virtual_stages)
-    from autopar.search.outer import global_batch
+    from autopar.search.pipeline import canonical_schedules, pipeline_pins, search_pipelined, unpipelined_pin
 
     constraints = canonical_schedules(dict(constraints or {}))
     kw = dict(kw, shared_candidates={})   # candidates and pricing caches per mesh, across the searches below
@@ -109,86 +115,176 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
     if "pp" in constraints or constraints.get("checkpoint") not in (None, "none") or unpipelined_pin(flat):
         try:
             res = search_fn(graph, cluster, base, flat, **kw)
-        except MemoryBudgetError as e:   # retried with sequence axes (step 4 of the module doc)
-            return (*_with_sp(graph, cluster, base, flat, search_fn, e, kw), None)
-        return (*(_faster_with_sp(graph, cluster, base, flat, search_fn, kw, res[0].prediction["step_time"])
-                  or res), None)
+        except MemoryBudgetError as e:   # retried with sequence axes (step 4 of the module doc), pp=1
+            return _with_sp(graph, cluster, base, flat, search_fn, e, kw, None)
+        return _faster_with_sp(graph, cluster, base, flat, search_fn, kw, (*res, None), None) or (*res, None)
     t0 = time.perf_counter()
-    best = best_stats = best_pipe = None
+    best = best_stats = None
     err = None
     try:
         best, best_stats = search_fn(graph, cluster, base, flat, **kw)
     except MemoryBudgetError as e:
         err = e
-    base_time = best.prediction["step_time"] if best is not None else float("inf")
-    base_compute = best.prediction["time_breakdown"]["compute"] if best is not None else 0.0
-    batch = global_batch(graph)
-    inner_cache: dict = {}
-    tried = 0
-
-    def cached_search(g, sub, settings, inner, **kw2):
-        key = (sub.nodes, sub.devices_per_node, settings.budget, repr(sorted(inner.items())))
-        if key not in inner_cache:
-            try:
-                inner_cache[key] = search_fn(g, sub, settings, inner, **kw2)
-            except (MemoryBudgetError, ConstraintError, PlanError) as e:
-                inner_cache[key] = e
-        if isinstance(inner_cache[key], Exception):
-            raise inner_cache[key]
-        return inner_cache[key]
-
-    # Every pipelined candidate with its lower bound (module doc: pruning), visited best bound
-    # first so that a good pipelined plan found early prunes the rest.
-    cands = []
-    for p in _pp_choices(graph, cluster, constraints):
-        for sched in SCHEDULES:
-            v = virtual_stages(sched)
-            for m in micro_batch_counts(p, batch, cluster):
-                if "num_micro_batches" in constraints and constraints["num_micro_batches"] != m:
-                    continue
-                cands.append((base_compute * (1 + (p - 1) / (m * v)), p, SCHEDULES.index(sched), m, sched))
-    best_time = base_time
-    pruned = 0
-    for bound, p, _, m, sched in sorted(cands):
-        if bound >= best_time:
-            pruned += 1
-            continue
-        limit = kw.get("time_limit")
-        if limit is not None and time.perf_counter() - t0 >= limit:
-            break   # the time limit covers the whole search, pipelined candidates included
-        pins = dict(flat, pp=p, pp_schedule=sched, num_micro_batches=m)
-        kw_left = kw if limit is None else dict(kw, time_limit=max(1.0, limit - (time.perf_counter() - t0)))
-        if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it (module doc)
-            kw_left = dict(kw_left, cutoff=best_time * p)
-        try:
-            result, stats, pipe = search_pipelined(graph, cluster, base, pins, cached_search, **kw_left)
-        except (MemoryBudgetError, ConstraintError, PlanError):
-            continue
-        tried += 1
-        if pipe["step_time"] < best_time:
-            best, best_stats, best_pipe, best_time = result, stats, pipe, pipe["step_time"]
+    pipe = _Pipelined(graph, cluster, base, flat, search_fn, kw, t0)
+    best, best_stats, best_pipe = pipe.run(best, best_stats)
     if best is None:   # nothing fits: retried with sequence axes (step 4 of the module doc)
-        return (*_with_sp(graph, cluster, base, flat, search_fn, err, kw), None)
-    sp_best = _faster_with_sp(graph, cluster, base, flat, search_fn, kw, best_time)   # step 4, long sequences
-    if sp_best is not None:
-        return (*sp_best, None)
-    from autopar.search.outer import CutOff
-    cut = sum(isinstance(r, CutOff) for r in inner_cache.values())
-    best_stats = dict(best_stats, pipeline_candidates=tried, pipeline_pruned=pruned, inner_searches=len(inner_cache),
-                      inner_cut_off=cut,
-                      pipeline_seconds=time.perf_counter() - t0)
-    return best, best_stats, best_pipe
+        return pipe.with_stats(_with_sp(graph, cluster, base, flat, search_fn, err, kw, pipe))
+    incumbent = (best, best_stats, best_pipe)
+    if upfront_sp(graph, flat):   # step 4, long sequences
+        incumbent = _faster_with_sp(graph, cluster, base, flat, search_fn, kw, incumbent, pipe) or incumbent
+    return pipe.with_stats(incumbent)
 
 
-def _with_sp(graph, cluster, base, flat, search_fn, err, kw):
-    """Step 4 (module doc): the search with each sequence-axis size, or ``err`` / the smallest peak."""
-    from autopar.search.sequence_search import search_with_sp
-    return search_with_sp(graph, cluster, flat, err, lambda cons: search_fn(graph, cluster, base, cons, **kw))
+def _time(result, pipe) -> float:
+    return pipe["step_time"] if pipe is not None else result.prediction["step_time"]
 
 
-def _faster_with_sp(graph, cluster, base, flat, search_fn, kw, incumbent_time):
-    """Step 4 (module doc), long sequences: a plan with a sequence axis faster than the incumbent, or None."""
-    from autopar.search.sequence_search import faster_with_sp
+def upfront_sp(graph, flat) -> bool:
+    from autopar.search.sequence_search import upfront
+    return upfront(graph, flat)
+
+
+class _Pipelined:
+    """Step 2 of the module doc: the pipelined candidates (pp, schedule, m), optionally with a
+    sequence axis pinned (step 4), visited best bound first against an incumbent. One object per
+    ``plan_search``: its inner-search cache and counters are shared by every visit."""
+
+    def __init__(self, graph, cluster, base, flat, search_fn, kw, t0):
+        self.graph, self.cluster, self.base, self.flat, self.search_fn = graph, cluster, base, flat, search_fn
+        self.kw, self.t0 = kw, t0
+        self.inner_cache: dict = {}   # (pp, m[, sp]) inner plans, shared by every schedule (module doc)
+        self.tried = self.pruned = 0
+        self.floors: list = []   # smallest peaks of pipelined plans that did not fit (step 4's error)
+
+    def with_stats(self, out: tuple) -> tuple:
+        """``out`` (Result, stats, pipe) with the pipelined candidates' counters in its stats."""
+        from autopar.search.outer import CutOff
+        cut = sum(isinstance(r, CutOff) for r in self.inner_cache.values())
+        stats = dict(out[1], pipeline_candidates=self.tried, pipeline_pruned=self.pruned,
+                     inner_searches=len(self.inner_cache), inner_cut_off=cut,
+                     pipeline_seconds=time.perf_counter() - self.t0)
+        return out[0], stats, out[2]
+
+    def cached_search(self, g, sub, settings, inner, **kw2):
+        key = (sub.nodes, sub.devices_per_node, settings.budget, repr(sorted(inner.items())))
+        if key not in self.inner_cache:
+            try:
+                self.inner_cache[key] = self.search_fn(g, sub, settings, inner, **kw2)
+            except (MemoryBudgetError, ConstraintError, PlanError) as e:
+                self.inner_cache[key] = e
+        if isinstance(self.inner_cache[key], Exception):
+            raise self.inner_cache[key]
+        return self.inner_cache[key]
+
+    def candidates(self, base_compute: float, sp_for=None) -> list[tuple]:
+        """(bound, pp, schedule index, m, schedule, sp) of every candidate; ``sp_for(stage cluster)``:
+        the sequence-axis sizes to pin with that stage sub-mesh (None: no sequence axis)."""
+        from autopar.search.outer import global_batch
+        from autopar.search.pipeline import stage_cluster, virtual_stages
+
+        batch = global_batch(self.graph)
+        out = []
+        for p in _pp_choices(self.graph, self.cluster, self.flat):
+            sps = [None] if sp_for is None else sp_for(stage_cluster(self.cluster, p))
+            for sp in sps:
+                for sched in SCHEDULES:
+                    v = virtual_stages(sched)
+                    for m in micro_batch_counts(p, batch, self.cluster):
+                        if "num_micro_batches" in self.flat and self.flat["num_micro_batches"] != m:
+                            continue
+                        out.append((base_compute * (1 + (p - 1) / (m * v)), p, SCHEDULES.index(sched), m, sched,
+                                    sp or 0))
+        return out
+
+    def run(self, best, best_stats, best_pipe=None, sp_for=None, base_compute=None):
+        """The best of (``best``, ``best_pipe``) and the pipelined candidates: (Result, stats, pipe).
+        The bound of a candidate is ``base_compute`` (the pp=1 plan's compute; default ``best``'s)
+        times the least fill and drain (module doc, pruning)."""
+        from autopar.search.pipeline import search_pipelined
+
+        best_time = _time(best, best_pipe) if best is not None else float("inf")
+        if base_compute is None:
+            base_compute = best.prediction["time_breakdown"]["compute"] if best is not None else 0.0
+        kw = self.kw
+        for bound, p, _, m, sched, sp in sorted(self.candidates(base_compute, sp_for)):
+            if bound >= best_time:
+                self.pruned += 1
+                continue
+            limit = kw.get("time_limit")
+            if limit is not None and time.perf_counter() - self.t0 >= limit:
+                break   # the time limit covers the whole search, pipelined candidates included
+            pins = dict(self.flat, pp=p, pp_schedule=sched, num_micro_batches=m, **({"sp": sp} if sp else {}))
+            kw_left = kw if limit is None else dict(kw, time_limit=max(1.0, limit - (time.perf_counter() - self.t0)))
+            if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it
+                kw_left = dict(kw_left, cutoff=best_time * p)
+            try:
+                result, stats, pipe = search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search,
+                                                       **kw_left)
+            except MemoryBudgetError as e:
+                if e.budget_bytes == int(self.base.budget) and e.min_peak_bytes is not None:
+                    self.floors.append(e.min_peak_bytes)   # a stage partition that did not fit (plan_stages)
+                continue
+            except (ConstraintError, PlanError):
+                continue
+            self.tried += 1
+            if pipe["step_time"] < best_time:
+                best, best_stats, best_pipe, best_time = result, stats, pipe, pipe["step_time"]
+        return best, best_stats, best_pipe
+
+
+def _sp_of(result) -> int:
+    from autopar.rules.sequence import seq_axes
+    mesh = result.config.mesh
+    return max([mesh.shape[a] for a in seq_axes(mesh)], default=1)
+
+
+def _with_sp(graph, cluster, base, flat, search_fn, err, kw, pipe):
+    """Step 4 (module doc), nothing fits: the search with each sequence-axis size at pp=1
+    (``sequence_search.search_with_sp``), then (``pipe``: the pipelined candidates; None: pp=1
+    only) pipelined with a sequence axis in every stage (``sequence_search.stage_sp_sizes``: the
+    pp=1 winner's size, or when nothing fits at pp=1 every size a stage's devices allow). The
+    fastest plan that fits, or the MemoryBudgetError with the smallest peak over all."""
+    from autopar.search.sequence_search import (has_sequence_attention, no_fit_error, search_with_sp, sp_free,
+                                                stage_sp_sizes)
+
+    def run(cons):
+        return search_fn(graph, cluster, base, cons, **kw)
+    try:
+        best, stats = search_with_sp(graph, cluster, flat, err, run)
+    except MemoryBudgetError as e:
+        if pipe is None or not (sp_free(flat) and has_sequence_attention(graph)):
+            raise
+        best, stats, best_pipe = pipe.run(None, None, sp_for=stage_sp_sizes)
+        if best is not None:
+            return best, stats, best_pipe
+        floors = [f for f in (e.min_peak_bytes, *pipe.floors) if f is not None]
+        if not floors or min(floors) == e.min_peak_bytes:
+            raise
+        raise no_fit_error(e.budget_bytes, min(floors)) from None
+    if pipe is None:
+        return best, stats, None
+    sp = _sp_of(best)
+    return pipe.run(best, stats, sp_for=lambda sub: stage_sp_sizes(sub, sp))
+
+
+def _faster_with_sp(graph, cluster, base, flat, search_fn, kw, incumbent, pipe):
+    """Step 4 (module doc), long sequences: a plan with a sequence axis faster than ``incumbent``
+    (Result, stats, pipe or None): at pp=1 with each sequence-axis size, then pipelined with the
+    pp=1 winner's size in every stage (``sequence_search.stage_sp_sizes``); or None."""
+    from autopar.search.sequence_search import fastest_with_sp, stage_sp_sizes
+
+    incumbent_time = _time(incumbent[0], incumbent[2])
     # cutoff: configurations whose work bound reaches the incumbent cannot beat it (outer.search)
-    return faster_with_sp(graph, cluster, flat, incumbent_time,
-                          lambda cons: search_fn(graph, cluster, base, cons, **dict(kw, cutoff=incumbent_time)))
+    found = fastest_with_sp(graph, cluster, flat,
+                            lambda cons: search_fn(graph, cluster, base, cons, **dict(kw, cutoff=incumbent_time)))
+    if found is None:
+        return None
+    res, stats = found
+    if pipe is None:
+        return (res, stats, None) if res.prediction["step_time"] < incumbent_time else None
+    start = (res, stats, None) if res.prediction["step_time"] < incumbent_time else incumbent
+    sp = _sp_of(res)
+    # the pp=1 sp plan's compute bounds its pipelined forms (module doc, pruning)
+    out = pipe.run(*start, sp_for=lambda sub: stage_sp_sizes(sub, sp),
+                   base_compute=res.prediction["time_breakdown"]["compute"])
+    return None if out[0] is incumbent[0] else out

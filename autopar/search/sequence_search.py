@@ -7,6 +7,8 @@ own, with neither ``sp`` nor ``sp_mode`` pinned (autopar/search/pipeline_search.
 (b) some attention's sequence is at least ``SP_UPFRONT_RATIO`` times its hidden size
     (``faster_with_sp``: the same reruns, kept when faster).
 
+In both cases pipelined candidates with a sequence axis in every stage follow
+(autopar/search/pipeline_search.py step 4, sizes from ``stage_sp_sizes``).
 ``constraints={"sp": 1}`` rules both out (tensor parallelism only). What a sequence axis does to
 the strategies is autopar/rules/sequence.py's.
 """
@@ -58,12 +60,17 @@ def search_with_sp(graph, cluster, constraints: dict, err, run):
     floors = [f for f in floors if f is not None]
     if not floors:
         raise err
-    raise MemoryBudgetError(
-        f"no plan fits in the memory budget of {_bytes(err.budget_bytes)} per device, with or without a "
+    raise no_fit_error(err.budget_bytes, min(floors))
+
+
+def no_fit_error(budget: int, floor: float) -> MemoryBudgetError:
+    """The free search's error when no plan fits, with or without sequence axes (and pipelining)."""
+    return MemoryBudgetError(
+        f"no plan fits in the memory budget of {_bytes(budget)} per device, with or without a "
         f"sequence-parallel axis (Ulysses / ring attention): the smallest peak memory any plan reaches is "
-        f"{_bytes(min(floors))}. Raise memory_budget to at least that, add devices, use a smaller batch or "
+        f"{_bytes(floor)}. Raise memory_budget to at least that, add devices, use a smaller batch or "
         f"a shorter sequence, or relax constraints.",
-        min_peak_bytes=int(min(floors)), budget_bytes=err.budget_bytes)
+        min_peak_bytes=int(floor), budget_bytes=budget)
 
 
 # Sequence axes up front (issue 7 (b)): when some attention's sequence is at least this many times
@@ -116,12 +123,29 @@ def upfront(graph, constraints: dict) -> bool:
     return sp_free(constraints) and has_sequence_attention(graph) and long_sequence(graph)
 
 
+def fastest_with_sp(graph, cluster, constraints: dict, run):
+    """The fastest ``run(constraints + sp)`` result over ``sp_sizes``, or None (none found, or the
+    search does not offer sequence axes up front: ``upfront``)."""
+    if not upfront(graph, constraints):
+        return None
+    return _fastest_over_sp(cluster, constraints, run)
+
+
+def stage_sp_sizes(stage_cluster, preferred: int | None = None) -> list[int]:
+    """The sequence-axis sizes pinned in pipelined candidates whose stages run on ``stage_cluster``
+    (autopar/search/pipeline_search.py step 4): with ``preferred`` (the best pp=1 plan's sp) the
+    largest size up to it that divides a stage's devices, else every size ``sp_sizes`` gives."""
+    sizes = sp_sizes(stage_cluster)
+    if preferred is None:
+        return sizes
+    fit = [k for k in sizes if k <= preferred]
+    return fit[-1:]
+
+
 def faster_with_sp(graph, cluster, constraints: dict, incumbent_time: float, run):
     """The fastest ``run(constraints + sp)`` result over ``sp_sizes`` that beats ``incumbent_time``,
     or None (no such plan, or the search does not offer sequence axes up front: ``upfront``)."""
-    if not upfront(graph, constraints):
-        return None
-    best = _fastest_over_sp(cluster, constraints, run)
+    best = fastest_with_sp(graph, cluster, constraints, run)
     return best if best is not None and best[0].prediction["step_time"] < incumbent_time else None
 
 
