@@ -19,7 +19,10 @@ Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
   the runtime's closed forms (``ulysses_bytes``, ``ring_attention_bytes``,
   ``ring_attention_flops``). Causal ring attention is load-balanced ("zigzag" layout: every
   split over the sp axis is then a zig-zag split, so slices and gathers on that axis permute,
-  codegen/sp_ops.py); ``"ring-contiguous"`` keeps contiguous blocks (unbalanced).
+  codegen/sp_ops.py); ``"ring-contiguous"`` keeps contiguous blocks (unbalanced). An explicit
+  attn_mask runs with them only when autopar/rules/causal_mask.py proves it causal from the graph
+  (Hugging Face models build one from position ids): the algorithm then drops it and runs
+  is_causal=True; any other mask keeps the sequence split with K/V all-gathered (priced, warned).
   Explicit matmul/softmax attention needs no special op. Its ops (the attention core of
   autopar/rules/attention_core.py: head split, scores, scale, mask, softmax, dropout, x V, head
   merge) may either split the query sequence (K/V all-gathered by ordinary resharding, the mask
@@ -66,6 +69,9 @@ SP_AXIS = "sp"
 MODES = (None, "megatron", "ulysses", "ring", "ring-contiguous", "hybrid")
 RING, RING_CONTIGUOUS, ULYSSES = "ring_attention", "ring_attention_contiguous", "ulysses_attention"
 ALGORITHMS = (RING, RING_CONTIGUOUS, ULYSSES)
+# In an SDPA strategy's special beside the algorithm: its attn_mask is the causal mask
+# (autopar/rules/causal_mask.py), so the algorithm runs is_causal=True without it.
+CAUSAL_MASK = "causal_attn_mask"
 _NORMS = ("layer_norm", "rms_norm")
 
 
@@ -188,6 +194,8 @@ def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | Non
             info.strategies = _megatron(node, spec, info.strategies, mesh, letters) or info.strategies
         if sps:
             info.strategies = _on_seq_axes(node, spec, info.strategies, mesh, sps, letters, mode, heads.get(name))
+            if spec.rule == "sdpa" and info.strategies:
+                info.spec = _saves_as_run(node, spec, info.strategies)
     if mode == "ulysses" and heads:
         _check_heads_split(graph, nodes, heads, mesh, sps)
 
@@ -398,14 +406,20 @@ def _arg(node, i, name, default=None):
 
 
 def attention_facts(node) -> dict:
+    from autopar.rules.causal_mask import mask_is_causal
     from autopar.rules.table import is_tensor
     from autopar.rules.table import shape as tensor_shape
     q, k, v = node.args[:3]
     (b, h, s, d), (_, hk, t, _) = tensor_shape(q), tensor_shape(k)
     mask = _arg(node, 3, "attn_mask")
-    return dict(b=b, h=h, hk=hk, s=s, t=t, d=d, e=tensor_shape(v)[-1], mask=is_tensor(mask),
-                dropout=float(_arg(node, 4, "dropout_p", 0.0) or 0.0), causal=bool(_arg(node, 5, "is_causal", False)),
-                itemsize=q.meta["val"].element_size())
+    # An explicit mask proven causal from the graph (Hugging Face models build one instead of
+    # passing is_causal=True: autopar/rules/causal_mask.py) is run as is_causal=True by the
+    # sequence-parallel algorithms, which drop it (CAUSAL_MASK in the strategy's special).
+    causal_mask, why = mask_is_causal(node) if is_tensor(mask) else (False, "")
+    return dict(b=b, h=h, hk=hk, s=s, t=t, d=d, e=tensor_shape(v)[-1], mask=is_tensor(mask) and not causal_mask,
+                dropout=float(_arg(node, 4, "dropout_p", 0.0) or 0.0),
+                causal=bool(_arg(node, 5, "is_causal", False)) or causal_mask, causal_mask=causal_mask,
+                mask_why=why, itemsize=q.meta["val"].element_size())
 
 
 def attention_strategies(node, spec, strategies, mesh: Mesh, sps, mode) -> list[Strategy]:
@@ -441,14 +455,41 @@ def attention_strategies(node, spec, strategies, mesh: Mesh, sps, mode) -> list[
     if mode in ("ulysses", "ring", "ring-contiguous"):
         if not out and gathered and f["mask"]:
             import warnings
-            warnings.warn(f"autopar: {node.name} has an explicit attn_mask, which {mode} attention cannot split; it "
-                          f"runs sequence-split with K/V all-gathered instead (priced)", stacklevel=2)
+            warnings.warn(f"autopar: {node.name} has an explicit attn_mask, which {mode} attention cannot split "
+                          f"(it is not provably causal: {f['mask_why']}); it runs sequence-split with K/V "
+                          f"all-gathered instead (priced)", stacklevel=2)
             return gathered
         if not out:
             raise PlanError(f"{node.name} (scaled_dot_product_attention): sp_mode={mode!r} cannot run it on "
                             f"sp={sp}: " + "; ".join(dict.fromkeys(why)))
         return out
     return out + gathered + base
+
+
+def _saves_as_run(node, spec, strategies):
+    """The SDPA spec's saved tensors as its sequence-parallel algorithm keeps them, when every
+    strategy left runs one (a pinned mode; the spec is shared by all strategies of the node):
+
+    - an attn_mask proven causal is dropped (CAUSAL_MASK): nothing of it is saved, neither the
+      mask nor a fused kernel's copy of it in q's dtype;
+    - Ulysses saves the output of its local attention (head-split, between the two all-to-alls),
+      a buffer of its own: the op's output is the second all-to-all's result, which later ops
+      may save too (``y.transpose(1, 2)`` viewed by the output projection when the trace lays
+      the attention output out like a (b, s, h, d) q, as Hugging Face Llama's and GPT-2's are).
+      Priced as the op's output, those two were counted once.
+    Ring attention saves the output it returns (laid out like q, runtime/ring_attention.py)."""
+    import dataclasses
+    from autopar.rules.spec import Saved
+    saved = spec.saved
+    if all(CAUSAL_MASK in st.special for st in strategies):
+        mask = spec.inputs[3] if len(spec.inputs) > 3 else None
+        saved = tuple(sv for sv in saved if not ((sv.kind == "input" and sv.index == 3)
+                                                 or (sv.kind == "extra" and mask is not None and sv.letters == mask)))
+    if all(ULYSSES in st.special for st in strategies):
+        isz = node.meta["val"].element_size()
+        saved = tuple(Saved("extra", letters=spec.outputs[0], itemsize=isz, act=True, on=sv.on)
+                      if sv.kind == "output" and sv.index == 0 else sv for sv in saved)
+    return spec if saved is spec.saved else dataclasses.replace(spec, saved=saved)
 
 
 def _refuse(node, f, sp, algo) -> str | None:
@@ -511,7 +552,11 @@ def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Str
         work = fwd_flops / spec.flops if spec.flops else 1.0 / sp
     name = "" if st.name == "R" else st.name
     name = (name + " " if name else "") + f"S(s)@{mesh.names[a]} [{algo}]"
-    return Strategy(name, ins, outs, tuple(splits), work, comms, (algo,))
+    special = (algo,)
+    if f["causal_mask"]:
+        name += " (attn_mask causal)"
+        special += (CAUSAL_MASK,)
+    return Strategy(name, ins, outs, tuple(splits), work, comms, special)
 
 
 # ------------------------------------------------------------------ what the plan did
