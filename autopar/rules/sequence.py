@@ -3,8 +3,9 @@ strategies ops get on it, what attention does there, and what the plan reports.
 
 Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
 
-- ``"megatron"``: no new axis. Around tensor-parallel linears the norms (and, as the ILP finds
-  cheapest, dropouts and residual adds) split the sequence over the tensor axis; resharding turns
+- ``"megatron"``: no new axis. Around tensor-parallel linears the norms split the sequence over
+  the tensor axis, the residual adds are not whole there (``_megatron``) and dropouts follow as
+  the ILP finds cheapest; resharding turns
   the row-parallel all-reduce into a reduce-scatter and the column-parallel entry into an
   all-gather (autopar/pricing/reshard.py: same paths, same prices as any other layout change). The pin
   keeps only the norm strategies that split a non-batch token letter on every model axis and
@@ -237,12 +238,22 @@ def norm_like(node, spec) -> bool:
 
 
 def _megatron(node, spec, strategies, mesh: Mesh, seq_letters) -> list[Strategy]:
-    """Megatron-SP: norms split a sequence letter on every model axis; linears column/row."""
+    """Megatron-SP: norms split a sequence letter on every model axis; linears column/row; an
+    addition carrying the sequence (the residual adds) is not whole on the model axes (split on
+    some letter there, or a partial sum), where it can be.
+
+    The last rule is what turns the row-parallel all-reduce into a reduce-scatter: without it the
+    ILP may keep the residual stream whole. Hugging Face Llama's RMSNorm then computes its mean on
+    the sequence split, gathers the (b, s, 1) statistics and multiplies the whole hidden states,
+    keeping Megatron's all-reduce (one collective's latency cheaper on small CPU models, but not
+    sequence parallelism: every rank keeps the full-sequence residual stream and norm inputs)."""
     axes = [a for a in mesh.model_axes() if mesh.shape[a] > 1]
     if norm_like(node, spec) and seq_letters:
         return [st for st in strategies if all(st.splits[a] in seq_letters for a in axes)]
     if spec.rule == "linear":
         return [st for st in strategies if all(any(a in ax for ax in st.inputs[1].dims) for a in axes)]
+    if spec.rule == "add" and seq_letters:
+        return [st for st in strategies if all(st.splits[a] is not None for a in axes)] or strategies
     return strategies
 
 
