@@ -306,15 +306,18 @@ def _measure_saved(rank, world, name, plan_json, kw=None):
 SAVED_CASES = [("llama", {"sp": 2, "sp_mode": "ulysses"}), ("llama", {"sp": 2, "sp_mode": "ring"}),
                ("llama", {"sp": 2, "sp_mode": "ring-contiguous"}), ("llama", {"tp": 2, "sp_mode": "megatron"}),
                ("hf_llama", {"sp": 2, "sp_mode": "ring"}), ("hf_llama", {"sp": 2, "sp_mode": "ring-contiguous"}),
-               ("hf_llama", {"sp": 2, "sp_mode": "ulysses"})]
+               ("hf_llama", {"sp": 2, "sp_mode": "ulysses"}), ("gpt2", {"sp": 2, "sp_mode": "ulysses"}),
+               ("gpt2", {"sp": 2, "sp_mode": "ring"}), ("gpt2", {"sp": 2, "sp_mode": "ring-contiguous"})]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, cons", SAVED_CASES, ids=[f"{n}-{c['sp_mode']}" for n, c in SAVED_CASES])
 def test_saved_activations_match_prediction(name, cons):
     """saved_tensors_hooks on every rank against the plan, within 2%: exact for Ulysses, contiguous
-    ring and Megatron-SP on the zoo Llama; zig-zag ring also saves the int64 permutation indices
-    of its reshards (< 1%). Hugging Face Llama computes its RoPE cos/sin tables (from positions,
+    ring and Megatron-SP on the zoo Llama and GPT-2 (whose attention output the trace lays out like
+    its (b, s, h, d) q: ring attention returns it so, and Ulysses' saved output is its own buffer,
+    autopar/rules/sequence.py ``_saves_as_run``); zig-zag ring also saves the int64 permutation
+    indices of its reshards (< 1%). Hugging Face Llama computes its RoPE cos/sin tables (from positions,
     whole on every rank): the sequence-split rows the RoPE multiplies save are views of them, so
     the whole (1, s, head_dim) tables stay alive where the plan prices their 1/sp rows."""
     from autopar.rules.sequence import policy_for
