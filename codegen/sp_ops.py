@@ -2,7 +2,8 @@
 
 ``attention(builder, node, strategy, args, kwargs)``: an SDPA node whose strategy carries a
 sequence-parallel algorithm becomes one call of runtime/sp_exec.py (``ulysses`` or ``ring``) on
-the local q, k, v blocks, with the traced is_causal and scale. ``reshard_step(builder, x, step,
+the local q, k, v blocks, with the traced is_causal and scale (an attn_mask the planner proved causal,
+``CAUSAL_MASK`` in the strategy's special, is dropped and is_causal set). ``reshard_step(builder, x, step,
 kwargs)``: a reshard step on an axis where the plan's splits are zig-zag (load-balanced ring
 attention) becomes the zig-zag form of the step (runtime/sp_exec.py explains why that keeps
 values, gradients and bytes right); ``None`` for steps the caller emits as usual.
@@ -10,7 +11,7 @@ values, gradients and bytes right); ``None`` for steps the caller emits as usual
 from __future__ import annotations
 
 from autopar.errors import ExecutionError
-from autopar.rules.sequence import ALGORITHMS, RING, RING_CONTIGUOUS, ULYSSES
+from autopar.rules.sequence import ALGORITHMS, CAUSAL_MASK, RING, RING_CONTIGUOUS, ULYSSES
 from runtime import sp_exec as SX
 
 
@@ -28,9 +29,15 @@ def attention(builder, node, strategy, args, kwargs):
     if len(axes) != 1:
         raise ExecutionError(f"{node.name}: {algo} needs exactly one sequence axis, the plan gives {axes}")
     q, k, v = args[:3]
-    if _arg(args, kwargs, 3, "attn_mask") is not None or float(_arg(args, kwargs, 4, "dropout_p", 0.0) or 0.0):
+    # a mask the planner proved causal (autopar/rules/causal_mask.py) is dropped: is_causal=True
+    causal_mask = CAUSAL_MASK in strategy.special
+    if causal_mask and _arg(args, kwargs, 3, "attn_mask") is None:
+        raise ExecutionError(f"{node.name}: the plan runs its attn_mask as causal, but the model passes none "
+                             f"(plan/model mismatch)")
+    if (_arg(args, kwargs, 3, "attn_mask") is not None and not causal_mask) \
+            or float(_arg(args, kwargs, 4, "dropout_p", 0.0) or 0.0):
         raise ExecutionError(f"{node.name}: {algo} runs without attn_mask and dropout only (plan/model mismatch)")
-    kw = {"axis": axes[0], "is_causal": bool(_arg(args, kwargs, 5, "is_causal", False)),
+    kw = {"axis": axes[0], "is_causal": causal_mask or bool(_arg(args, kwargs, 5, "is_causal", False)),
           "scale": kwargs.get("scale")}
     if algo == ULYSSES:
         return builder.call(SX.ulysses, (q, k, v), kw, name=node.name)

@@ -274,7 +274,11 @@ class _RingAttention(torch.autograd.Function):
             if t < sp - 1:
                 _wait(pending)
                 kv = nxt
-        o = out.reshape(B, H, Sl, D).to(q.dtype)
+        o = out.reshape(B, H, Sl, D)
+        # Laid out like q, as SDPA's CPU kernel and the planner's memory model lay its output out:
+        # a q that is a transposed (b, s, h, d) projection (Hugging Face Llama after RoPE) makes
+        # the caller's ``o.transpose(1, 2).contiguous()`` a view of this saved tensor, not a copy.
+        o = o.to(q.dtype) if q.is_contiguous() else torch.empty_like(q).copy_(o)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.group, ctx.label, ctx.is_causal, ctx.layout, ctx.scale = group, label, is_causal, layout, scale
         return o

@@ -3,8 +3,9 @@ strategies ops get on it, what attention does there, and what the plan reports.
 
 Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
 
-- ``"megatron"``: no new axis. Around tensor-parallel linears the norms (and, as the ILP finds
-  cheapest, dropouts and residual adds) split the sequence over the tensor axis; resharding turns
+- ``"megatron"``: no new axis. Around tensor-parallel linears the norms split the sequence over
+  the tensor axis, the residual adds are not whole there (``_megatron``) and dropouts follow as
+  the ILP finds cheapest; resharding turns
   the row-parallel all-reduce into a reduce-scatter and the column-parallel entry into an
   all-gather (autopar/pricing/reshard.py: same paths, same prices as any other layout change). The pin
   keeps only the norm strategies that split a non-batch token letter on every model axis and
@@ -19,7 +20,10 @@ Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
   the runtime's closed forms (``ulysses_bytes``, ``ring_attention_bytes``,
   ``ring_attention_flops``). Causal ring attention is load-balanced ("zigzag" layout: every
   split over the sp axis is then a zig-zag split, so slices and gathers on that axis permute,
-  codegen/sp_ops.py); ``"ring-contiguous"`` keeps contiguous blocks (unbalanced).
+  codegen/sp_ops.py); ``"ring-contiguous"`` keeps contiguous blocks (unbalanced). An explicit
+  attn_mask runs with them only when autopar/rules/causal_mask.py proves it causal from the graph
+  (Hugging Face models build one from position ids): the algorithm then drops it and runs
+  is_causal=True; any other mask keeps the sequence split with K/V all-gathered (priced, warned).
   Explicit matmul/softmax attention needs no special op. Its ops (the attention core of
   autopar/rules/attention_core.py: head split, scores, scale, mask, softmax, dropout, x V, head
   merge) may either split the query sequence (K/V all-gathered by ordinary resharding, the mask
@@ -66,6 +70,9 @@ SP_AXIS = "sp"
 MODES = (None, "megatron", "ulysses", "ring", "ring-contiguous", "hybrid")
 RING, RING_CONTIGUOUS, ULYSSES = "ring_attention", "ring_attention_contiguous", "ulysses_attention"
 ALGORITHMS = (RING, RING_CONTIGUOUS, ULYSSES)
+# In an SDPA strategy's special beside the algorithm: its attn_mask is the causal mask
+# (autopar/rules/causal_mask.py), so the algorithm runs is_causal=True without it.
+CAUSAL_MASK = "causal_attn_mask"
 _NORMS = ("layer_norm", "rms_norm")
 
 
@@ -188,6 +195,8 @@ def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | Non
             info.strategies = _megatron(node, spec, info.strategies, mesh, letters) or info.strategies
         if sps:
             info.strategies = _on_seq_axes(node, spec, info.strategies, mesh, sps, letters, mode, heads.get(name))
+            if spec.rule == "sdpa" and info.strategies:
+                info.spec = _saves_as_run(node, spec, info.strategies)
     if mode == "ulysses" and heads:
         _check_heads_split(graph, nodes, heads, mesh, sps)
 
@@ -229,12 +238,22 @@ def norm_like(node, spec) -> bool:
 
 
 def _megatron(node, spec, strategies, mesh: Mesh, seq_letters) -> list[Strategy]:
-    """Megatron-SP: norms split a sequence letter on every model axis; linears column/row."""
+    """Megatron-SP: norms split a sequence letter on every model axis; linears column/row; an
+    addition carrying the sequence (the residual adds) is not whole on the model axes (split on
+    some letter there, or a partial sum), where it can be.
+
+    The last rule is what turns the row-parallel all-reduce into a reduce-scatter: without it the
+    ILP may keep the residual stream whole. Hugging Face Llama's RMSNorm then computes its mean on
+    the sequence split, gathers the (b, s, 1) statistics and multiplies the whole hidden states,
+    keeping Megatron's all-reduce (one collective's latency cheaper on small CPU models, but not
+    sequence parallelism: every rank keeps the full-sequence residual stream and norm inputs)."""
     axes = [a for a in mesh.model_axes() if mesh.shape[a] > 1]
     if norm_like(node, spec) and seq_letters:
         return [st for st in strategies if all(st.splits[a] in seq_letters for a in axes)]
     if spec.rule == "linear":
         return [st for st in strategies if all(any(a in ax for ax in st.inputs[1].dims) for a in axes)]
+    if spec.rule == "add" and seq_letters:
+        return [st for st in strategies if all(st.splits[a] is not None for a in axes)] or strategies
     return strategies
 
 
@@ -398,14 +417,20 @@ def _arg(node, i, name, default=None):
 
 
 def attention_facts(node) -> dict:
+    from autopar.rules.causal_mask import mask_is_causal
     from autopar.rules.table import is_tensor
     from autopar.rules.table import shape as tensor_shape
     q, k, v = node.args[:3]
     (b, h, s, d), (_, hk, t, _) = tensor_shape(q), tensor_shape(k)
     mask = _arg(node, 3, "attn_mask")
-    return dict(b=b, h=h, hk=hk, s=s, t=t, d=d, e=tensor_shape(v)[-1], mask=is_tensor(mask),
-                dropout=float(_arg(node, 4, "dropout_p", 0.0) or 0.0), causal=bool(_arg(node, 5, "is_causal", False)),
-                itemsize=q.meta["val"].element_size())
+    # An explicit mask proven causal from the graph (Hugging Face models build one instead of
+    # passing is_causal=True: autopar/rules/causal_mask.py) is run as is_causal=True by the
+    # sequence-parallel algorithms, which drop it (CAUSAL_MASK in the strategy's special).
+    causal_mask, why = mask_is_causal(node) if is_tensor(mask) else (False, "")
+    return dict(b=b, h=h, hk=hk, s=s, t=t, d=d, e=tensor_shape(v)[-1], mask=is_tensor(mask) and not causal_mask,
+                dropout=float(_arg(node, 4, "dropout_p", 0.0) or 0.0),
+                causal=bool(_arg(node, 5, "is_causal", False)) or causal_mask, causal_mask=causal_mask,
+                mask_why=why, itemsize=q.meta["val"].element_size())
 
 
 def attention_strategies(node, spec, strategies, mesh: Mesh, sps, mode) -> list[Strategy]:
@@ -441,14 +466,41 @@ def attention_strategies(node, spec, strategies, mesh: Mesh, sps, mode) -> list[
     if mode in ("ulysses", "ring", "ring-contiguous"):
         if not out and gathered and f["mask"]:
             import warnings
-            warnings.warn(f"autopar: {node.name} has an explicit attn_mask, which {mode} attention cannot split; it "
-                          f"runs sequence-split with K/V all-gathered instead (priced)", stacklevel=2)
+            warnings.warn(f"autopar: {node.name} has an explicit attn_mask, which {mode} attention cannot split "
+                          f"(it is not provably causal: {f['mask_why']}); it runs sequence-split with K/V "
+                          f"all-gathered instead (priced)", stacklevel=2)
             return gathered
         if not out:
             raise PlanError(f"{node.name} (scaled_dot_product_attention): sp_mode={mode!r} cannot run it on "
                             f"sp={sp}: " + "; ".join(dict.fromkeys(why)))
         return out
     return out + gathered + base
+
+
+def _saves_as_run(node, spec, strategies):
+    """The SDPA spec's saved tensors as its sequence-parallel algorithm keeps them, when every
+    strategy left runs one (a pinned mode; the spec is shared by all strategies of the node):
+
+    - an attn_mask proven causal is dropped (CAUSAL_MASK): nothing of it is saved, neither the
+      mask nor a fused kernel's copy of it in q's dtype;
+    - Ulysses saves the output of its local attention (head-split, between the two all-to-alls),
+      a buffer of its own: the op's output is the second all-to-all's result, which later ops
+      may save too (``y.transpose(1, 2)`` viewed by the output projection when the trace lays
+      the attention output out like a (b, s, h, d) q, as Hugging Face Llama's and GPT-2's are).
+      Priced as the op's output, those two were counted once.
+    Ring attention saves the output it returns (laid out like q, runtime/ring_attention.py)."""
+    import dataclasses
+    from autopar.rules.spec import Saved
+    saved = spec.saved
+    if all(CAUSAL_MASK in st.special for st in strategies):
+        mask = spec.inputs[3] if len(spec.inputs) > 3 else None
+        saved = tuple(sv for sv in saved if not ((sv.kind == "input" and sv.index == 3)
+                                                 or (sv.kind == "extra" and mask is not None and sv.letters == mask)))
+    if all(ULYSSES in st.special for st in strategies):
+        isz = node.meta["val"].element_size()
+        saved = tuple(Saved("extra", letters=spec.outputs[0], itemsize=isz, act=True, on=sv.on)
+                      if sv.kind == "output" and sv.index == 0 else sv for sv in saved)
+    return spec if saved is spec.saved else dataclasses.replace(spec, saved=saved)
 
 
 def _refuse(node, f, sp, algo) -> str | None:
@@ -511,7 +563,11 @@ def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Str
         work = fwd_flops / spec.flops if spec.flops else 1.0 / sp
     name = "" if st.name == "R" else st.name
     name = (name + " " if name else "") + f"S(s)@{mesh.names[a]} [{algo}]"
-    return Strategy(name, ins, outs, tuple(splits), work, comms, (algo,))
+    special = (algo,)
+    if f["causal_mask"]:
+        name += " (attn_mask causal)"
+        special += (CAUSAL_MASK,)
+    return Strategy(name, ins, outs, tuple(splits), work, comms, special)
 
 
 # ------------------------------------------------------------------ what the plan did
