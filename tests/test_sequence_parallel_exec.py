@@ -178,24 +178,29 @@ FOUR_PROCESS_CASES = {
     "hf_llama-ring-sp4": ("hf_llama", 4, {"sp": 4, "sp_mode": "ring"}),
     "hf_llama-ring-contiguous-sp4": ("hf_llama", 4, {"sp": 4, "sp_mode": "ring-contiguous"}),
     "hf_llama-ulysses-sp4": ("hf_llama", 4, {"sp": 4, "sp_mode": "ulysses"}),
+    # the dp=2 x ring sp=2 and tp=2 x Ulysses sp=2 on more of its models
+    "gpt2-dp2-ring-sp2": ("gpt2", 4, {"dp": 2, "sp": 2, "sp_mode": "ring"}),
+    "llama-tp2-ulysses-sp2": ("llama", 4, {"tp": 2, "sp": 2, "sp_mode": "ulysses"}),
+    "hf_llama-tp2-ulysses-sp2": ("hf_llama", 4, {"tp": 2, "sp": 2, "sp_mode": "ulysses"}, HF_TP4),
 }
 
 
 @pytest.mark.slow
-def test_dp2_tp2_ring_sp2_on_8_processes():
+@pytest.mark.parametrize("name, kw", [("llama", {}), ("gpt2", {})])
+def test_dp2_tp2_ring_sp2_on_8_processes(name, kw):
     # Megatron's column/row linears on the tensor axis (the CPU cost model alone keeps them whole)
-    plan, res = run_case("llama", 8, {"dp": 2, "tp": 2, "sp": 2, "sp_mode": "ring"}, policy="megatron")
-    _check_sequence_mode(plan, res, "llama", "ring")
+    plan, res = run_case(name, 8, {"dp": 2, "tp": 2, "sp": 2, "sp_mode": "ring"}, policy="megatron", **kw)
+    _check_sequence_mode(plan, res, name, "ring", kw)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("key", list(FOUR_PROCESS_CASES))
 def test_sequence_axis_with_data_or_tensor_axis(key):
-    name, n, cons = FOUR_PROCESS_CASES[key]
-    plan, res = run_case(name, n, cons)
+    name, n, cons, *kw = FOUR_PROCESS_CASES[key]
+    plan, res = run_case(name, n, cons, **(kw[0] if kw else {}))
     for k, v in cons.items():
         assert plan.degrees[k] == v, plan.degrees
-    _check_sequence_mode(plan, res, name, cons["sp_mode"])
+    _check_sequence_mode(plan, res, name, cons["sp_mode"], kw[0] if kw else None)
 
 
 # ------------------------------------------------------------------ bad input: clear errors naming the op
