@@ -180,6 +180,7 @@ FOUR_PROCESS_CASES = {
     "hf_llama-ulysses-sp4": ("hf_llama", 4, {"sp": 4, "sp_mode": "ulysses"}),
     # the dp=2 x ring sp=2 and tp=2 x Ulysses sp=2 on more of its models
     "gpt2-dp2-ring-sp2": ("gpt2", 4, {"dp": 2, "sp": 2, "sp_mode": "ring"}),
+    "hf_llama-dp2-ring-sp2": ("hf_llama", 4, {"dp": 2, "sp": 2, "sp_mode": "ring"}),
     "llama-tp2-ulysses-sp2": ("llama", 4, {"tp": 2, "sp": 2, "sp_mode": "ulysses"}),
     "hf_llama-tp2-ulysses-sp2": ("hf_llama", 4, {"tp": 2, "sp": 2, "sp_mode": "ulysses"}, HF_TP4),
 }

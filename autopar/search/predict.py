@@ -25,6 +25,35 @@ def model_flops(c: Candidates) -> float:
     return total
 
 
+def _count_program_edges(c: Candidates, pick: dict, micro_batches: int) -> set[tuple[str, str]]:
+    """The (producer, consumer) edges whose forward reshards the count program runs: those into
+    the ancestors of each target of a mean loss run as a local sum (``LocalCall.global_mean``),
+    and into the loss's target input itself (the program counts the target as the loss reads it)."""
+    from autopar.rules.localize import _MEAN_LOSSES, local_call
+
+    edges: set[tuple[str, str]] = set()
+    for n, k in pick.items():
+        info = c.nodes.get(n)
+        if info is None or info.kind != "op" or info.spec is None or info.node.target not in _MEAN_LOSSES:
+            continue
+        if len(info.node.args) < 2 or not hasattr(info.node.args[1], "all_input_nodes"):
+            continue
+        if not local_call(info.node, info.spec, info.strategies[k], c.mesh.shape, micro_batches).global_mean:
+            continue
+        target = info.node.args[1]
+        edges.add((target.name, n))
+        stack, seen = [target], set()
+        while stack:
+            x = stack.pop()
+            if x.name in seen:
+                continue
+            seen.add(x.name)
+            for p in x.all_input_nodes:
+                edges.add((p.name, x.name))
+                stack.append(p)
+    return {(u, v) for u, v in edges if u in pick and v in pick}
+
+
 def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Solution, cluster: Cluster) -> dict:
     mesh = c.mesh
     pick = chosen(problem, sol)
@@ -91,6 +120,12 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
         if v in recomputed and u in pick and v in pick:
             for a, arr in enumerate(per_axis):
                 comm_bytes[mesh.names[a]] += float(arr[pick[u], pick[v]])
+
+    # the count program (codegen/per_rank.py ``_count_program``) reruns the forward reshards of the
+    # mean losses' targets before the step (a Hugging Face shifted-labels path gathers them again)
+    for u, v in _count_program_edges(c, pick, s.num_micro_batches):
+        for a, arr in enumerate(P.edge_fwd_bytes.get((u, v), [])):
+            comm_bytes[mesh.names[a]] += float(arr[pick[u], pick[v]])
 
     # compute (forward + backward, all repeats) by op rule: where the step's compute goes
     by_rule: dict[str, float] = {}
