@@ -187,7 +187,7 @@ FOUR_PROCESS_CASES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, kw", [("llama", {}), ("gpt2", {})])
+@pytest.mark.parametrize("name, kw", [("llama", {}), ("gpt2", {}), ("hf_llama", HF_TP4)])
 def test_dp2_tp2_ring_sp2_on_8_processes(name, kw):
     # Megatron's column/row linears on the tensor axis (the CPU cost model alone keeps them whole)
     plan, res = run_case(name, 8, {"dp": 2, "tp": 2, "sp": 2, "sp_mode": "ring"}, policy="megatron", **kw)

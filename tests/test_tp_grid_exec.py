@@ -1,5 +1,5 @@
 """Whole zoo models (GPT-2 and ViT) planned and trained in 2D (SUMMA, q=2, 4 processes), 2.5D
-(Tesseract, q=2 d=2, 8), 3D (q=2, 8) and dp=2 x 2D q=2 (8, GPT-2) against one process: fp32, SGD with
+(Tesseract, q=2 d=2, 8), 3D (q=2, 8) and dp=2 x 2D q=2 (8, both models) against one process: fp32, SGD with
 momentum, 3 steps, losses rel 1e-5, parameters rel 1e-4 (full_state_dict reassembles every
 block, QKV column order and transposes undone).
 
@@ -52,7 +52,7 @@ def _train(rank, world, name, plan_json, kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mode, dp", [(name, mode, 1) for name in ("gpt2", "vit") for mode in ("2d", "2.5d", "3d")]
-                         + [("gpt2", "2d", 2)])
+                         + [("gpt2", "2d", 2), ("vit", "2d", 2)])
 def test_grid_mode_trains_like_one_process(name, mode, dp):
     """dp > 1: dp replicas of the grid split the batch; their gradient blocks are all-reduced
     over the "dp" axis (bytes predicted exactly too)."""
