@@ -339,10 +339,17 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
             # over the budget: ZeRO-1 over dp (the same ring traffic, the optimizer state / dp),
             # then the next micro-batch count (fewer saved activations, more traffic): only then
             # are they priced, so a model that fits plans as fast as before
-            if free_zero and geo.dp > 1 and geo.zero == 0:
+            # a variant that cannot beat the best plan is not priced (unpinned): ZeRO-1 saves at most
+            # the gradient sync and (dp-1)/dp of the optimizer step; more micro-batches only add time
+            t = r.prediction["time_breakdown"]
+            slower = lambda floor: not pinned and best_step is not None and floor >= best_step  # noqa: E731
+            zero1_floor = r.prediction["step_time"] - t["grad_comm"] - t["optimizer"] * (1 - 1 / max(geo.dp, 1))
+            if free_zero and geo.dp > 1 and geo.zero == 0 and not slower(zero1_floor):
                 nxt = replace(geo, zero=1)
+            elif not free_nm or slower(r.prediction["step_time"]):
+                nxt = None
             else:
-                nxt = _more_micro_batches(geo, batch) if free_nm else None
+                nxt = _more_micro_batches(geo, batch, _micro_batches_needed(r, geo, base.budget))
             if nxt is not None:
                 queue.insert(0, nxt)
             continue
@@ -358,16 +365,32 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
     return best
 
 
-def _more_micro_batches(geo: Geometry, batch: int) -> Geometry | None:
-    """``geo`` with the next micro-batch count whose micro-batch still splits into the grid's
-    blocks of whole sequences (None: there is none). More micro-batches only lower the saved
-    activations (parameters, gradients and optimizer state stay) and cost time (every
-    micro-batch repeats the weight broadcasts, GEMMs get smaller), so they are tried in order
-    and the first that fits is the grid's choice for this geometry."""
+def _micro_batches_needed(r: GridResult, geo: Geometry, budget: float) -> float:
+    """The fewest micro-batches that could bring ``r``'s peak under ``budget``: only the saved
+    activations shrink with more micro-batches, at best in proportion (parts that do not
+    depend on the micro-batch size only make more needed), so no count below this fits; inf
+    when parameters, gradients and optimizer state alone exceed the budget. Without it a 175B
+    model walked every count up to the batch, each lowered and priced (100 s of planning)."""
+    mem = r.prediction["memory_breakdown"]
+    acts = mem["activations"]
+    room = budget - (r.prediction["peak_memory"] - acts)
+    if room <= 0:
+        return math.inf
+    return acts * geo.nm / room
+
+
+def _more_micro_batches(geo: Geometry, batch: int, at_least: float = 0.0) -> Geometry | None:
+    """``geo`` with the next micro-batch count (at least ``at_least``) whose micro-batch still
+    splits into the grid's blocks of whole sequences (None: there is none). More micro-batches
+    only lower the saved activations (parameters, gradients and optimizer state stay) and cost
+    time (every micro-batch repeats the weight broadcasts, GEMMs get smaller), so they are tried
+    in order and the first that fits is the grid's choice for this geometry."""
     from dataclasses import replace
 
+    if at_least == math.inf:
+        return None
     per = batch // (geo.dp * geo.grid_tok_parts) if batch % (geo.dp * geo.grid_tok_parts) == 0 else 0
-    for nm in range(geo.nm + 1, per + 1):
+    for nm in range(max(geo.nm + 1, math.ceil(at_least * (1 - 1e-9))), per + 1):
         if per % nm == 0:
             return replace(geo, nm=nm)
     return None
