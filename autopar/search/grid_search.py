@@ -319,6 +319,11 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
     while queue:
         geo = queue.pop(0)
         stats["configs"] = stats.get("configs", 0) + 1
+        if best_step is not None and not pinned and _static_floor(graph, base, geo, free_zero) > base.budget:
+            # its parameters and optimizer state alone exceed the budget: not lowered (a second
+            # each for a 96-layer model), and with a plan found no error message needs its peak
+            stats["pruned"] = stats.get("pruned", 0) + 1
+            continue
         try:
             r = price_grid(graph, cluster, base, geo, cands)
         except GridLoweringError as e:
@@ -363,6 +368,19 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
     if best is not None and best_step is not None and best.prediction["step_time"] >= best_step:
         return None
     return best
+
+
+def _static_floor(graph, base, geo: Geometry, free_zero: bool) -> float:
+    """A lower bound of the parameter, gradient and optimizer bytes per rank of ``geo`` (or its
+    ZeRO-1 variant when ZeRO is free), before lowering: no tensor is split over more ranks than
+    the grid has, and ZeRO-1 shards the optimizer state over dp at most."""
+    from autopar.pricing.memory import state_bytes, zero_shard
+
+    trained = [n for n in graph.param_fqn if n not in graph.buffers and n not in getattr(graph, "frozen", set())]
+    total = sum(graph.gm.graph.find_nodes(op="placeholder", target=n)[0].meta["val"].numel() for n in trained)
+    local = total / geo.world
+    zero = 1 if geo.dp > 1 and (free_zero or geo.zero) else geo.zero
+    return float(sum(zero_shard(state_bytes(local, base.optimizer, base.precision), zero, geo.dp).values()))
 
 
 def _micro_batches_needed(r: GridResult, geo: Geometry, budget: float) -> float:
