@@ -17,6 +17,9 @@ import json
 import pytest
 import torch
 from exactness import assert_matches_eager, train_eagerly
+from grid_training import KW, OPT, STEPS
+from grid_training import cpu_cluster as _cluster
+from grid_training import train_rank as _train
 
 import autopar
 from autopar.errors import ConstraintError, PlanError
@@ -25,29 +28,8 @@ from runtime.launch import run_local
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
 
-STEPS = 3
-OPT = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
 SHAPES = {"2d": [2, 2], "2.5d": [2, 2, 2], "3d": [2, 2, 2]}
 NPROCS = {"2d": 4, "2.5d": 8, "3d": 8}
-KW = {"gpt2": {}, "vit": {"num_classes": 16}}   # 16 classes: the classifier bias splits into q^3 pieces
-
-
-def _cluster(n):
-    return autopar.Cluster.preset("cpu", devices=n)
-
-
-def _train(rank, world, name, plan_json, kw):
-    from autopar.pricing.saved_probe import saved_bytes
-
-    model, batch = ZOO[name](**kw)
-    cm = autopar.compile(model, _cluster(world), example_inputs=batch, plan=autopar.Plan.from_json(plan_json), **OPT)
-    cm.reset_comm_stats()
-    losses = [cm.step(*batch) for _ in range(STEPS)]
-    stats = cm.comm_stats()
-    inputs = dict(zip(cm.traced.input_names, batch))
-    saved = saved_bytes(cm.program.forward, inputs, exclude=list(cm.local_params.values()))
-    sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
-    return losses, (sd if rank == 0 else None), stats, saved
 
 
 @pytest.mark.slow
