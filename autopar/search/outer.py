@@ -342,9 +342,12 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         stats["infeasible"] += 1
         memory_floors.append((cfg, P))
         return best
-    if not exhaustive and best is not None and _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff):
+    if not exhaustive and (best is not None or cutoff is not None) and _pruned_by_floors(
+            cfg, P, cands, cluster, best, remaining, cutoff):
         stats["pruned"] += 1
         stats["pruned_unpriced"] = stats.get("pruned_unpriced", 0) + 1
+        if best is None:   # no plan to beat: it was the cutoff that settled it
+            stats["cut_off"] = stats.get("cut_off", 0) + 1
         return best
     price_edges(cands, cluster, cfg.settings, P)
     edge_lower = step_time_lower_bound(P, edges=True)
@@ -429,8 +432,8 @@ def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None) -> b
     (``FLOOR_LP_PAIRS``), the LP relaxation over the floors. Either way no edge is priced."""
     nm = cfg.settings.num_micro_batches
     F = with_edge_floors(P, cands, cluster, nm)
-    target = best.prediction["step_time"]
-    if step_time_lower_bound(F, edges=True) >= target:
+    target = math.inf if best is None else best.prediction["step_time"]
+    if best is not None and step_time_lower_bound(F, edges=True) >= target:
         return True
     if cutoff is not None:   # the work bounds (no gradient communication) against search's cutoff too
         target = min(target, cutoff)
