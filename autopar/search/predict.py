@@ -235,21 +235,19 @@ def step_time_lower_bound(P: Priced, edges: bool = False, work_only: bool = Fals
 
     if not edges:
         return total(ba, None) if work_only else max(total(ba, None), total(bb, None))
-    to_cons, to_prod = _edge_additions(P.edges, names, starts, len(ba))
+    to_cons, to_prod = _edge_additions(P, names, starts, len(ba))
     if work_only:
         return max(total(ba, to_cons), total(ba, to_prod))
     return max(total(ba, to_cons), total(ba, to_prod), total(bb, to_cons), total(bb, to_prod))
 
 
-_EDGE_ADDITIONS: dict = {}   # id(edges) -> (edges, names, (to consumer, to producer)): module doc of the bound
-
-
-def _edge_additions(edges: dict, names: list, starts, length: int):
+def _edge_additions(P: Priced, names: list, starts, length: int):
     """For ``step_time_lower_bound(edges=True)``: every resharding matrix's cheapest entry per strategy
     of its consumer (first array) or of its producer (second), summed per node and laid out like the
-    nodes' concatenated arrays. A configuration's edges are one dict shared by every ZeRO stage
-    (price.price_edges caches them), so this is computed once per dict."""
-    got = _EDGE_ADDITIONS.get(id(edges))
+    nodes' concatenated arrays. Kept on ``P`` (a configuration's bound is asked up to four times), not
+    in a module-level cache that would keep every search's matrices alive."""
+    edges = P.edges
+    got = P.__dict__.get("_edge_additions")
     if got is not None and got[0] is edges and got[1] == names:
         return got[2]
     where = {n: int(s) for n, s in zip(names, starts)}
@@ -265,9 +263,7 @@ def _edge_additions(edges: dict, names: list, starts, length: int):
         a, b = m.min(axis=0), m.min(axis=1)
         to_cons[where[v]:where[v] + len(a)] += a
         to_prod[where[u]:where[u] + len(b)] += b
-    if len(_EDGE_ADDITIONS) > 256:   # one entry per priced configuration's edges; keep it bounded
-        _EDGE_ADDITIONS.clear()
-    _EDGE_ADDITIONS[id(edges)] = (edges, names, (to_cons, to_prod))
+    P.__dict__["_edge_additions"] = (edges, names, (to_cons, to_prod))
     return to_cons, to_prod
 
 
