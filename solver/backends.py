@@ -13,8 +13,8 @@ import pulp
 
 from solver.errors import PlanError
 
-if TYPE_CHECKING:   # annotations only: ilp.py builds the models and imports this module
-    from solver.ilp import _LP, _Model
+if TYPE_CHECKING:   # annotations only
+    from solver.lp_arrays import _LP, _Model
 
 _GAP_ABS = 1e-9        # in scaled objective units (largest coefficient = solver/ilp.py's _OBJ_TARGET)
 
