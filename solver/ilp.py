@@ -531,14 +531,22 @@ def relaxation_bound(problem: Problem, time_limit: float | None = None, threads:
 def min_peak_memory(problem: Problem, time_limit: float | None = None, backend: str = "auto",
                     threads: int = 2, mip_gap: float = 1e-7) -> float:
     """Smallest achievable max over memory constraints (bytes), budgets ignored; 0 with none."""
+    sol = min_peak_solution(problem, time_limit, backend, threads, mip_gap)
+    return max(sol.peak_memory.values()) if sol.peak_memory else 0.0
+
+
+def min_peak_solution(problem: Problem, time_limit: float | None = None, backend: str = "auto",
+                      threads: int = 2, mip_gap: float = 1e-7) -> Solution:
+    """The decision with the smallest max over memory constraints, budgets ignored (its objective
+    and bytes per constraint computed exactly by ``evaluate``)."""
     validate(problem)
-    if not problem.memory:
-        return 0.0
-    if _is_trivial(problem):
-        return max(evaluate(problem, [0] * problem.num_nodes, [])[1].values())
-    model = build(problem, peak=True)
-    if _run(model, backend, time_limit, threads, mip_gap) == "infeasible":
-        raise _input_error("min_peak_memory: the peak model is infeasible, which should not happen")
-    choice, ckpt = _extract(model)
-    # Report the exact bytes of the plan found, not the solver's scaled P.
-    return max(evaluate(problem, choice, ckpt)[1].values())
+    t0 = time.perf_counter()
+    if not problem.memory or _is_trivial(problem):
+        choice, ckpt = [0] * problem.num_nodes, [False] * len(problem.checkpoint_groups)
+    else:
+        model = build(problem, peak=True)
+        if _run(model, backend, time_limit, threads, mip_gap) == "infeasible":
+            raise _input_error("min_peak_memory: the peak model is infeasible, which should not happen")
+        choice, ckpt = _extract(model)
+    obj, mem = evaluate(problem, choice, ckpt)
+    return Solution(choice, ckpt, obj, "optimal", solve_seconds=time.perf_counter() - t0, peak_memory=mem)

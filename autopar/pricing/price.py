@@ -71,6 +71,9 @@ class Priced:
     # node -> {storage root: its share of ``saved``} for the tensors the op saves that are nodes'
     # outputs (inputs or outputs of the op; internal buffers such as masks are not listed)
     saved_by_root: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    # node -> (input index, storage root, charged by this node, bytes per micro-batch of all
+    # repeats) of each activation input it saves: autopar/pricing/saved_copies.py
+    saved_inputs: dict[str, list] = field(default_factory=dict)
     # Forward halves, what recomputing a checkpointed block runs again: the node's in-op
     # collectives (seconds and bytes per mesh axis, all repeats) and each edge's reshard steps
     # (codegen emits an edge's steps with its consumer, so they belong to the consumer's block).
@@ -257,6 +260,8 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
             saved = base.saved / nm * k
             transient = base.transient / nm
             P.saved_by_root[name] = {root: arr / nm * k for root, arr in base.saved_by_root.items()}
+            if base.saved_inputs:
+                P.saved_inputs[name] = [(i, root, here, nb / nm * k) for i, root, here, nb in base.saved_inputs]
         P.compute[name], P.fwd_compute[name], P.comm[name] = compute, fwd, comm_t + grad_t
         P.grad_comm[name], P.optimizer[name], P.saved[name] = grad_t, opt_t, saved
         P.transient[name], P.comm_bytes[name] = transient, axis_bytes
@@ -377,6 +382,7 @@ class _OpBase:
     saved: np.ndarray                # per strategy, saved bytes of the whole batch, one repeat
     saved_by_root: dict              # storage root -> per-strategy share of ``saved``
     transient: np.ndarray            # per strategy, output bytes of the whole batch
+    saved_inputs: list               # (input index, root, charged here, bytes of the whole batch)
 
 
 def _op_base(c: Candidates, info: NodeInfo, precision: str, cuda: bool, roots, charged: set) -> _OpBase:
@@ -384,7 +390,8 @@ def _op_base(c: Candidates, info: NodeInfo, precision: str, cuda: bool, roots, c
     mesh = c.mesh
     val = node_val(info.node)
     bscale = op_bytes_scale(val, precision)
-    saved_roots = _saved_roots(c, info, precision, charged, cuda=cuda, roots=roots)
+    saved_inputs: list = []
+    saved_roots = _saved_roots(c, info, precision, charged, cuda=cuda, roots=roots, saved_inputs=saved_inputs)
     outs = val if isinstance(val, (tuple, list)) else (val,)
     S = len(info.strategies)
     saved, transient = np.zeros(S), np.zeros(S)
@@ -402,7 +409,8 @@ def _op_base(c: Candidates, info: NodeInfo, precision: str, cuda: bool, roots, c
         region=[_region_terms(c, info, st, precision) for st in info.strategies],
         saved=saved, transient=transient,
         saved_by_root={root: np.array([fn(st) for st in info.strategies]) for root, fn in saved_roots
-                       if root is not None})
+                       if root is not None},
+        saved_inputs=saved_inputs)
 
 
 def _region_terms(c: Candidates, info: NodeInfo, st: Strategy, precision: str) -> list:

@@ -98,11 +98,14 @@ def device_storage_roots(c: Candidates, cuda: bool, precision: str = "bf16") -> 
 
 
 def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str], cuda: bool = False,
-                 roots: dict[str, str] | None = None):
+                 roots: dict[str, str] | None = None, saved_inputs: list | None = None):
     """(storage root or None, function strategy -> bytes) for each tensor this op saves, each
     storage counted once (root None: a buffer of the op's own, e.g. a dropout mask). ``cuda``:
     count what CUDA kernels save (``runs_cuda``), else what CPU kernels save; ``roots``: storage
-    roots on that device (``device_storage_roots``), default the traced ones."""
+    roots on that device (``device_storage_roots``), default the traced ones. ``saved_inputs``:
+    a list to receive (input index, root, charged here, the input's bytes) of every activation
+    input the op saves, charged here or not: an input read through a reshard is a new storage
+    whatever was charged (autopar/pricing/saved_copies.py)."""
     mesh = c.mesh
     roots = c.storage_root if roots is None else roots
     fns = []
@@ -135,6 +138,9 @@ def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str
                 continue
             if root in c.nodes and c.nodes[root].kind == "param":
                 continue    # parameters are counted as parameters, not activations
+            if saved_inputs is not None and sv.kind == "input":
+                saved_inputs.append((sv.index, root, root not in charged,
+                                     t.numel() * runtime_itemsize(t.dtype, precision)))
             if root in charged:
                 continue
             charged.add(root)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import dataclasses
 from dataclasses import dataclass
 
 from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
@@ -19,11 +20,12 @@ from autopar.search.build import bound_problem, build_problem, chosen
 from autopar.rules.candidates import Candidates, candidates
 from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
 from autopar.pricing.price import Settings, price, price_edges
+from autopar.pricing.saved_copies import copy_bytes, row_extra, with_copy_terms
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.search.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound
 from autopar.frontend.trace import TracedGraph
-from solver.ilp import memory_floor_exceeds_budget, min_peak_memory, relaxation_bound, solve
+from solver.ilp import memory_floor_exceeds_budget, min_peak_solution, relaxation_bound, solve
 from solver.tree_bound import tree_lower_bound
 
 # Relative optimality gap at which each configuration's ILP stops: plans within 0.1% of the
@@ -300,8 +302,9 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
             # the true smallest peak (not a bound): solve each configuration for its minimum peak
             for cfg, P in memory_floors:
                 price_edges(cand_cache[cfg.mesh], cluster, cfg.settings, P)
-                infeasible.append(build_problem(cand_cache[cfg.mesh], P, cfg.settings))
-            floor = min([min_peak_memory(p) for p in infeasible] + ([grid_floor] if grid_floor is not None else []))
+                infeasible.append((build_problem(cand_cache[cfg.mesh], P, cfg.settings), cand_cache[cfg.mesh], P))
+            floor = min([_min_peak(*x) for x in infeasible] + ([grid_floor] if grid_floor is not None else [])
+                        + [stats.get("exact_min_peak", math.inf)])
             raise MemoryBudgetError(
                 f"no plan fits in the memory budget of {_bytes(base.budget)} per device: the smallest "
                 f"peak memory any plan reaches is {_bytes(floor)}. Raise memory_budget to at least "
@@ -360,7 +363,7 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
     if memory_floor_exceeds_budget(problem):
         # no choice fits (each node at its smallest bytes): HiGHS takes seconds to prove it
         stats["infeasible"] += 1
-        infeasible.append(problem)
+        infeasible.append((problem, cands, P))
         return best
     if not exhaustive and LP_BOUND:
         # The LP relaxation of the same problem with gradient communication free: about a
@@ -390,7 +393,7 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
             lp = -math.inf
         if lp == math.inf:
             stats["infeasible"] += 1
-            infeasible.append(problem)
+            infeasible.append((problem, cands, P))
             return best
         if best is not None and lp >= best.prediction["step_time"]:
             stats["pruned"] += 1
@@ -410,9 +413,11 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         return best
     stats["solved"] += 1
     stats["solve_seconds"] = stats.get("solve_seconds", 0.0) + sol.solve_seconds
+    if sol.status != "infeasible":
+        sol = _with_saved_copies(problem, sol, cands, P, remaining, stats)
     if sol.status == "infeasible":
         stats["infeasible"] += 1
-        infeasible.append(problem)
+        infeasible.append((problem, cands, P))
         return best
     pred = predict(cands, P, cfg.settings, problem, sol, cluster)
     if log:
@@ -423,6 +428,60 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         best = Result(cfg, cands, P, problem, sol, pred)
         stats["gap"] = sol.gap
     return best
+
+
+def _exact_memory(problem, sol, cands, P) -> dict[str, float]:
+    """Bytes per memory constraint of a solution with the copies its reshards save
+    (autopar/pricing/saved_copies.py) added to the ILP's node terms."""
+    add = row_extra(problem, sol, copy_bytes(cands, P, chosen(problem, sol)))
+    return {k: v + add.get(k, 0.0) for k, v in sol.peak_memory.items()}
+
+
+def _min_peak(problem, cands, P) -> float:
+    """The smallest peak memory of a configuration a plan is known to reach, copies included:
+    the ILP's smallest-peak plan, then again with the copies that plan made charged to their
+    consumers (``with_copy_terms``), twice; the smallest exact peak."""
+    seen: set = set()
+    best, probe = math.inf, problem
+    for _ in range(3):
+        sol = min_peak_solution(probe)
+        best = min(best, max(_exact_memory(problem, sol, cands, P).values(), default=0.0))
+        nxt = with_copy_terms(probe, cands, P, chosen(problem, sol), seen)
+        if nxt is probe:
+            break
+        probe = nxt
+    return best
+
+
+def _with_saved_copies(problem, sol, cands, P, remaining, stats):
+    """The solution with the copies its reshards save (autopar/pricing/saved_copies.py) in its
+    memory. When they push it over a budget, the ILP is solved again with those copies charged to
+    their consumers for the producers' strategies it chose (``with_copy_terms``), up to three
+    times; the first plan that fits is returned, else the configuration is infeasible (its exact
+    peaks are kept for the MemoryBudgetError's smallest peak)."""
+    seen: set = set()
+    probe = problem
+    for attempt in range(4):
+        mem = _exact_memory(problem, sol, cands, P)
+        if all(mem.get(m.name, 0.0) <= m.budget * (1 + 1e-9) for m in problem.memory):
+            sol.peak_memory = mem
+            return sol
+        stats["exact_min_peak"] = min(stats.get("exact_min_peak", math.inf), max(mem.values(), default=0.0))
+        nxt = with_copy_terms(probe, cands, P, chosen(problem, sol), seen)
+        if attempt == 3 or nxt is probe:
+            break
+        probe = nxt
+        try:
+            sol = solve(probe, time_limit=remaining, mip_gap=MIP_GAP)
+        except PlanError:
+            if remaining is None:
+                raise
+            break
+        stats["solved"] += 1
+        stats["saved_copy_resolves"] = stats.get("saved_copy_resolves", 0) + 1
+        if sol.status == "infeasible":
+            return sol
+    return dataclasses.replace(sol, status="infeasible")
 
 
 def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None) -> bool:

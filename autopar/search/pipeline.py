@@ -201,11 +201,13 @@ class _Costs:
 
 def _costs(result, graph) -> _Costs:
     """Per-instance and prologue/epilogue figures from the inner plan's priced arrays."""
+    from autopar.pricing.saved_copies import copy_bytes
     from autopar.search.build import _block_input_roots, chosen
     from codegen.stages import pipeline_units
 
     cands, P = result.cands, result.priced
     pick = chosen(result.problem, result.solution)
+    copies = copy_bytes(cands, P, pick)   # saved copies made by reshards (autopar/pricing/saved_copies.py)
     nm = result.config.settings.num_micro_batches
     units = pipeline_units(graph)
     order = {n.name: k for k, n in enumerate(graph.gm.graph.nodes)}
@@ -295,7 +297,7 @@ def _costs(result, graph) -> _Costs:
         # forward share: the op's forward compute share of its compute, applied to its whole time
         comp = float(P.compute[name][k])
         fshare = float(P.fwd_compute[name][k]) / comp if comp > 0 and name in P.fwd_compute else 0.5
-        saved = float(P.saved[name][k]) if name in P.saved else 0.0
+        saved = (float(P.saved[name][k]) if name in P.saved else 0.0) + copies.get(name, 0.0)
         if name in graph.block_of:
             g = graph.block_of[name][0]
             t[g] += time / r
