@@ -24,7 +24,8 @@ import math
 import torch
 
 from autopar.pricing.saved_probe import as_cuda, cuda_kernels_fx, saved_bytes
-from codegen.per_rank import block_slices, generate
+from codegen.per_rank import generate
+from codegen.rank_program import block_slices
 from runtime import collectives as C
 from runtime import context, rng
 

@@ -70,7 +70,7 @@ def test_prediction_equals_hooks_on_the_rank_program(shape, attention, tp):
     measured = rank_saved_bytes(model, inputs, plan, traced, rank=0)
     # SDPA at tp=8: the plan reshards q, k, v into the attention (all-to-all); codegen runs the
     # collective in q's traced memory order (b, s, h, d), so flash attention's output is laid out
-    # as in the trace and the projection's input is a view of it (codegen/per_rank.py, reshard).
+    # as in the trace and the projection's input is a view of it (codegen/reshard_calls.py, reshard).
     # SDPA with dropout: flash's RNG state on meta is a (2,) uint64 seed and a () uint64 offset,
     # 8 B more than the model's two 8-byte scalars (hence rel, not ==).
     assert predicted == pytest.approx(measured, rel=1e-6), (shape, attention, tp, predicted, measured)

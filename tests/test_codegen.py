@@ -12,7 +12,7 @@ import autopar
 from autopar.models import ZOO
 from autopar.frontend.trace import trace
 from codegen import generate, per_rank_code
-from codegen.per_rank import block_slices, normalize
+from codegen.rank_program import block_slices, normalize
 from autopar.rules.layout import Layout
 
 warnings.filterwarnings("ignore", message="autopar: no sharding rule")

@@ -34,7 +34,7 @@ def gather_full(cm, local: torch.Tensor, fqn: str) -> torch.Tensor:
     full = torch.empty(full_shape, dtype=local.dtype)
     mesh = cm.plan.mesh
     for r in range(world):
-        from codegen.per_rank import block_slices
+        from codegen.rank_program import block_slices
         full[block_slices(lay, full_shape, prog.mesh_shape, mesh.coords(r))] = parts[r]
     return full
 

@@ -1,0 +1,79 @@
+"""What one rank's program is and where its blocks sit: ``RankProgram`` (the GraphModule with
+its placeholders' names, layouts and blocks, returned by codegen/per_rank.py ``generate``) and the
+layout helpers both codegen and execution use to place a rank's block of a tensor.
+
+Layouts are normalised before comparing (``normalize``): an axis of size 1 splits nothing, so it
+is dropped. ``block_slices`` is this rank's contiguous block of a tensor (first split axis outer);
+``input_layout`` the layout of a user input (its batch dim split over the data axes);
+``strategy_of`` a plan op's strategy as a ``Strategy``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from autopar.rules.layout import Layout
+from autopar.rules.strategy import Strategy
+from codegen.checkpoint import program_code
+
+
+@dataclass
+class RankProgram:
+    gm: fx.GraphModule
+    rank: int
+    coords: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    param_names: list[str]                      # placeholder names of params/buffers, in graph order
+    param_fqn: dict[str, str]                   # placeholder name -> FQN
+    buffers: set[str]                           # placeholder names that are buffers
+    param_layouts: dict[str, Layout]            # FQN -> layout (normalised)
+    param_slices: dict[str, tuple[slice, ...]]  # FQN -> this rank's block of the full tensor
+    input_names: list[str]
+    input_layouts: list[Layout]
+    grad_partial_axes: dict[str, tuple[int, ...]]   # FQN -> data axes its grad is left partial over
+    loss_layout: Layout
+    data_axes: tuple[int, ...]                   # data axes of size > 1
+    zero3_chunks: dict[str, int] = field(default_factory=dict)
+    checkpoint_regions: list[str] = field(default_factory=list)   # block instances run as checkpoint regions
+    batch_dims: list = field(default_factory=list)   # per user input: its batch dim (or None)
+    count_gm: fx.GraphModule | None = None           # this rank's share of the mean losses' denominators
+    mean_losses: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)   # (loss node, target split axes)
+
+    @property
+    def code(self) -> str:
+        """The program, then the body of each checkpoint region."""
+        return program_code(self.gm)
+
+
+def normalize(layout: Layout, mesh_shape) -> Layout:
+    """Drop mesh axes of size 1: splitting over them (or being partial over them) is nothing."""
+    keep = lambda a: mesh_shape[a] > 1  # noqa: E731
+    return Layout(tuple(tuple(a for a in axes if keep(a)) for axes in layout.dims),
+                  tuple(sorted(a for a in layout.partial if keep(a))))
+
+
+def block_slices(layout: Layout, shape, mesh_shape, coords) -> tuple[slice, ...]:
+    """This rank's contiguous block of a tensor of global ``shape`` (first split axis outer)."""
+    out = []
+    for d, size in enumerate(shape):
+        idx, n = 0, 1
+        for a in layout.dims[d]:
+            idx = idx * mesh_shape[a] + coords[a]
+            n *= mesh_shape[a]
+        step = size // n
+        out.append(slice(idx * step, (idx + 1) * step))
+    return tuple(out)
+
+
+def input_layout(ndim: int, mesh, batch_dim: int | None = 0) -> Layout:
+    """User inputs: the batch dim split over the data axes (mesh order), everything else
+    replicated (an input without a batch dim: replicated whole)."""
+    data = tuple(a for a in mesh.data_axes() if mesh.shape[a] > 1)
+    return Layout(tuple(data if d == batch_dim else () for d in range(ndim))) if ndim else Layout(())
+
+
+def strategy_of(op: dict) -> Strategy:
+    lay = lambda j: None if j is None else Layout.from_json(j)  # noqa: E731
+    return Strategy(op["strategy"], tuple(lay(j) for j in op["inputs"]), tuple(lay(j) for j in op["outputs"]),
+                    tuple(op["splits"]), 1.0, (), tuple(op.get("special", ())))
