@@ -22,6 +22,10 @@ Ulysses' three all-to-alls on ``sp_u`` (on a sequence of S/r), the ring's K/V an
 ``sp_r`` (the kv heads a rank holds after the all-to-all). Compute: the ring's busiest rank on
 the h/u local heads.
 
+The free search (autopar/search/sequence_search.py) tries the hybrid next to each sequence-axis
+size it searches, only where it can pay (``free_search_pins``): the axis spans nodes, or the
+heads do not divide by sp.
+
 Bad input is a ConstraintError naming the op: heads not divisible by u, a sequence not dividing
 into 2·r·u chunks (zig-zag) or r·u (not causal), an explicit mask not proven causal, dropout,
 cross-attention; sp != u·r and a malformed ``sp_shape`` name the constraint.
@@ -91,6 +95,30 @@ def default_shape(sp: int, room: int, heads: list[int] | None = None) -> tuple[i
     return (inside or ok or [None])[0]
 
 
+def _sdpa_heads(graph) -> dict[str, int]:
+    """Query heads of each SDPA node of the traced graph (the ops the hybrid runs)."""
+    return {n.name: n.args[0].meta["val"].shape[1] for n in graph.gm.graph.nodes
+            if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target)}
+
+
+def free_search_pins(graph, cluster, sp: int) -> dict | None:
+    """The hybrid's pins the free search adds for sequence-axis size ``sp``
+    (autopar/search/sequence_search.py), or None. Only where it can pay: the sequence axis spans
+    more than one node (a cluster of several nodes: with dp=1 the sequence and tensor axes fill
+    them all, so Ulysses' all-to-alls would cross the slow link where the ring's p2p overlaps
+    with compute), or some attention's heads do not divide by sp (Ulysses alone cannot run it).
+    The split: Ulysses over the sequence ranks of one node at dp=1 (sp / nodes), the ring across
+    nodes (``default_shape``); the model must run SDPA."""
+    heads = _sdpa_heads(graph)
+    if not heads or not splits(sp):
+        return None
+    nodes = max(1, cluster.num_devices // cluster.devices_per_node)
+    if nodes == 1 and all(h % sp == 0 for h in heads.values()):
+        return None
+    shape = default_shape(sp, max(1, sp // nodes), list(heads.values()))
+    return None if shape is None else {"sp_mode": "hybrid", "sp_shape": list(shape)}
+
+
 def resolve(graph, cluster, constraints: dict | None) -> dict | None:
     """``constraints`` with ``sp_shape`` filled in for an unpinned hybrid split (autopar.api.plan,
     once the model is traced): ``default_shape`` with the attention ops' head counts. A model
@@ -100,13 +128,10 @@ def resolve(graph, cluster, constraints: dict | None) -> dict | None:
     sp = constraints.get("sp")
     if not isinstance(sp, int) or isinstance(sp, bool) or not splits(sp):
         return constraints     # check_constraints reports it
-    heads = {}
-    for n in graph.gm.graph.nodes:
-        if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target):
-            heads[n.name] = n.args[0].meta["val"].shape[1]
+    heads = _sdpa_heads(graph)
     room = max(1, cluster.devices_per_node // constraints.get("tp", 1))
     shape = default_shape(sp, room, list(heads.values()))
-    if shape is None:
+    if shape is None and heads:
         name, h = next(iter(heads.items()))
         raise ConstraintError(f"{name} (scaled_dot_product_attention): sp_mode='hybrid' with sp={sp} splits its "
                               f"{h} heads over the Ulysses size u of some u x r = {sp} with u, r >= 2 "

@@ -35,6 +35,10 @@ Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
   heads move: Ulysses' repeat when sp > kv_heads); "auto" offers both and the ILP chooses by
   cost; ring modes need SDPA.
 
+- ``"hybrid"``: Ulysses x ring on two sequence axes ``sp_r`` (ring, outer) and ``sp_u`` (Ulysses,
+  inner), pinned with ``sp`` = u·r and optionally ``sp_shape`` = [u, r]; its meshes, attention
+  strategies and errors are autopar/rules/hybrid_sequence.py's, called from here.
+
 In the free search (issue 7: no ``sp`` / ``sp_mode`` pin; ``sp=1`` rules sequence axes out),
 sequence axes are searched in two cases (autopar/search/sequence_search.py, called by
 autopar/search/pipeline_search.py step 4), each time as
