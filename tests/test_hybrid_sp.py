@@ -94,6 +94,29 @@ def test_hybrid_saved_activations_match_prediction(name):
         assert pred <= meas <= 1.02 * pred, (meas, pred)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name, cons, policy", [
+    ("llama", {"tp": 2, "sp": 4, "sp_mode": "hybrid"}, "megatron"),   # Megatron column/row on the tensor axis
+    ("gpt2", {"dp": 2, "sp": 4, "sp_mode": "hybrid"}, None),
+])
+def test_hybrid_with_a_tensor_or_data_axis_on_8_processes(name, cons, policy):
+    plan, res = run_case(name, 8, cons, policy=policy)
+    d = plan.degrees
+    assert (d["sp"], d["sp_mode"], d["sp_shape"]) == (4, "hybrid", [2, 2]) and _attention_ops(plan), d
+    assert all(op["special"] == [HYBRID] for op in _attention_ops(plan))
+    assert all(out[3].get("sp_u:all_to_all", 0) > 0 and out[3].get("sp_r:ring_kv", 0) > 0 for out in res)
+
+
+@pytest.mark.slow
+def test_hybrid_in_pipeline_stages_on_8_processes():
+    """pp=2 x hybrid (u=2, r=2): each stage's sub-mesh carries both sequence axes; numerics, bytes
+    per axis and point-to-point per stage = plan (tests/test_sp_pipeline.py ``_run``)."""
+    from test_sp_pipeline import _run
+    plan, res = _run("llama", {"pp": 2, "sp": 4, "sp_mode": "hybrid", "num_micro_batches": 2}, world=8)
+    assert plan.degrees["sp_shape"] == [2, 2] and plan.mesh.names[1:3] == ("sp_r", "sp_u"), plan.mesh.names
+    assert all(r["kinds"].get("sp_u:all_to_all", 0) > 0 and r["kinds"].get("sp_r:ring_kv", 0) > 0 for r in res)
+
+
 # ------------------------------------------------------------------ plans (fast)
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
