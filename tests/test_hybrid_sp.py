@@ -16,7 +16,7 @@ from test_sequence_parallel_exec import (ZOO, _attention_ops, _attention_shape, 
                                          _reference, run_case)
 
 import autopar
-from autopar.rules.hybrid_sequence import HYBRID, default_shape, splits
+from autopar.rules.hybrid_sequence import HYBRID, HYBRID_CONTIGUOUS, default_shape, splits
 from runtime.hybrid_sp import hybrid_bytes
 
 HYBRID_4 = {"sp": 4, "sp_mode": "hybrid", "sp_shape": [2, 2]}
@@ -28,14 +28,14 @@ def _plan(name, n, constraints, **kw):
                         constraints={"num_micro_batches": 1, **constraints})
 
 
-def _check_hybrid_plan(plan, name):
+def _check_hybrid_plan(plan, name, algo=HYBRID):
     d = plan.degrees
     assert (d["sp"], d["sp_mode"], d["sp_shape"], d["dp"], d["tp"]) == (4, "hybrid", [2, 2], 1, 1), d
     seq_axes = [n for n in plan.mesh.names if n.startswith("sp")]
     assert seq_axes == ["sp_r", "sp_u"], plan.mesh.names       # two sequence axes, ring outer
     assert [plan.mesh.shape[plan.mesh.axis(a)] for a in seq_axes] == [2, 2]
     attn = _attention_ops(plan)
-    assert attn and all(op["special"] == [HYBRID] for op in attn), [op["strategy"] for op in attn]
+    assert attn and all(op["special"] == [algo] for op in attn), [op["strategy"] for op in attn]
     assert all(op["splits"][plan.mesh.axis("sp_r")] == op["splits"][plan.mesh.axis("sp_u")] == "s" for op in attn)
     b, h, s, hd, layers = _attention_shape(name)
     return layers, hybrid_bytes(b, h, h, s, hd, 2, 2, 4)
@@ -49,10 +49,11 @@ def _max_rel(got, want, floor: float = 0.0) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_hybrid_u2_r2_on_4_processes_equals_one_process(name):
+@pytest.mark.parametrize("name, algo", [("llama", HYBRID), ("gpt2", HYBRID), ("bert", HYBRID_CONTIGUOUS)])
+def test_hybrid_u2_r2_on_4_processes_equals_one_process(name, algo):
+    """Causal Llama and GPT-2: zig-zag ring pieces; BERT (no mask): contiguous ones."""
     plan, res = run_case(name, 4, {"sp": 4, "sp_mode": "hybrid"})   # sp_shape from the heads: [2, 2]
-    layers, (uly, ring) = _check_hybrid_plan(plan, name)
+    layers, (uly, ring) = _check_hybrid_plan(plan, name, algo)
     for out in res:
         kinds = out[3]
         # the hybrid's own traffic: Ulysses' all-to-alls on the inner axis, the ring's K/V and
@@ -226,3 +227,10 @@ def test_hybrid_priced_faster_than_one_sequence_axis_across_nodes():
     both = autopar.plan(model, inputs, cluster, constraints={"sp": 4, "tp": 4, "sp_mode": "hybrid"})
     assert both.degrees["sp_shape"] == [2, 2] and both.mesh.describe() == "dp=1 × sp_r=2 × sp_u=2 × tp=4"
     assert both.step_time < 0.9 * one.step_time, (both.step_time, one.step_time)
+
+
+def test_hybrid_sp_shape_alone_fills_sp():
+    from autopar.rules.hybrid_sequence import resolve
+    graph = None   # a pinned sp_shape needs no graph
+    assert resolve(graph, None, {"sp_mode": "hybrid", "sp_shape": [2, 4]}) == \
+        {"sp_mode": "hybrid", "sp_shape": [2, 4], "sp": 8}

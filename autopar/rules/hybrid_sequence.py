@@ -121,10 +121,14 @@ def free_search_pins(graph, cluster, sp: int) -> dict | None:
 
 def resolve(graph, cluster, constraints: dict | None) -> dict | None:
     """``constraints`` with ``sp_shape`` filled in for an unpinned hybrid split (autopar.api.plan,
-    once the model is traced): ``default_shape`` with the attention ops' head counts. A model
+    once the model is traced): ``default_shape`` with the attention ops' head counts (and ``sp``
+    for a pinned ``sp_shape`` alone). A model
     whose heads no u divides is a ConstraintError naming its attention op."""
-    if not constraints or constraints.get("sp_mode") != "hybrid" or "sp_shape" in constraints:
+    if not constraints or constraints.get("sp_mode") != "hybrid":
         return constraints
+    if "sp_shape" in constraints:   # sp = u*r for what reads only sp (pipeline.check_stage_axes)
+        u, r = _shape_pin(constraints)
+        return constraints if "sp" in constraints else {**constraints, "sp": u * r}
     sp = constraints.get("sp")
     if not isinstance(sp, int) or isinstance(sp, bool) or not splits(sp):
         return constraints     # check_constraints reports it
