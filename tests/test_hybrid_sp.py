@@ -234,3 +234,10 @@ def test_hybrid_sp_shape_alone_fills_sp():
     graph = None   # a pinned sp_shape needs no graph
     assert resolve(graph, None, {"sp_mode": "hybrid", "sp_shape": [2, 4]}) == \
         {"sp_mode": "hybrid", "sp_shape": [2, 4], "sp": 8}
+
+
+def test_show_names_the_hybrid_split():
+    from autopar.plans.report import show_text
+    plan = _plan("llama", 4, HYBRID_4)
+    text = show_text(plan, limit=None)
+    assert "sp=4 (hybrid) u×r=2×2" in text and "sp_r=2 × sp_u=2" in text and "[hybrid_attention]" in text, text
