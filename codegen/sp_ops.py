@@ -12,7 +12,7 @@ values, gradients and bytes right); ``None`` for steps the caller emits as usual
 from __future__ import annotations
 
 from autopar.errors import ExecutionError
-from autopar.rules.hybrid_sequence import HYBRID, HYBRID_CONTIGUOUS
+from autopar.rules import hybrid_sequence as HS
 from autopar.rules.sequence import ALGORITHMS, CAUSAL_MASK, RING, RING_CONTIGUOUS, ULYSSES
 from runtime import sp_exec as SX
 
@@ -28,8 +28,10 @@ def _arg(args, kwargs, i, name, default=None):
 def attention(builder, node, strategy, args, kwargs):
     algo = next(a for a in strategy.special if a in ALGORITHMS)
     axes = [a for a, s in enumerate(strategy.splits) if s == "s" and builder.mesh_shape[a] > 1]
-    if len(axes) != (2 if algo in (HYBRID, HYBRID_CONTIGUOUS) else 1):
-        raise ExecutionError(f"{node.name}: {algo} needs {'two sequence axes' if algo in (HYBRID, HYBRID_CONTIGUOUS) else 'exactly one sequence axis'}, the plan gives {axes}")
+    hybrid = algo in HS.ALGORITHMS
+    if len(axes) != (2 if hybrid else 1) or (hybrid and HS.axes(builder.mesh) != tuple(axes)):
+        raise ExecutionError(f"{node.name}: {algo} needs " + ("its two sequence axes (sp_r, sp_u)" if hybrid else
+                                                             "exactly one sequence axis") + f", the plan gives {axes}")
     q, k, v = args[:3]
     # a mask the planner proved causal (autopar/rules/causal_mask.py) is dropped: is_causal=True
     causal_mask = CAUSAL_MASK in strategy.special
@@ -43,9 +45,9 @@ def attention(builder, node, strategy, args, kwargs):
           "scale": kwargs.get("scale")}
     if algo == ULYSSES:
         return builder.call(SX.ulysses, (q, k, v), kw, name=node.name)
-    if algo in (HYBRID, HYBRID_CONTIGUOUS):   # ring axis outer, Ulysses axis inner (hybrid_sequence.py)
-        kw["ring_axis"], kw["axis"] = axes
-        kw["layout"] = "zigzag" if algo == HYBRID else "contiguous"
+    if hybrid:   # ring axis outer, Ulysses axis inner (autopar/rules/hybrid_sequence.py)
+        kw["ring_axis"], kw["axis"] = HS.axes(builder.mesh)
+        kw["layout"] = "zigzag" if algo == HS.HYBRID else "contiguous"
         return builder.call(SX.hybrid, (q, k, v), kw, name=node.name)
     kw["layout"] = "zigzag" if algo == RING else "contiguous"
     assert algo in (RING, RING_CONTIGUOUS)
