@@ -122,8 +122,8 @@ def free_search_pins(graph, cluster, sp: int) -> dict | None:
 def resolve(graph, cluster, constraints: dict | None) -> dict | None:
     """``constraints`` with ``sp_shape`` filled in for an unpinned hybrid split (autopar.api.plan,
     once the model is traced): ``default_shape`` with the attention ops' head counts (and ``sp``
-    for a pinned ``sp_shape`` alone). A model
-    whose heads no u divides is a ConstraintError naming its attention op."""
+    for a pinned ``sp_shape`` alone). A model whose heads no u divides is a ConstraintError
+    naming its attention op."""
     if not constraints or constraints.get("sp_mode") != "hybrid":
         return constraints
     if "sp_shape" in constraints:   # sp = u*r for what reads only sp (pipeline.check_stage_axes)
@@ -133,10 +133,12 @@ def resolve(graph, cluster, constraints: dict | None) -> dict | None:
     if not isinstance(sp, int) or isinstance(sp, bool) or not splits(sp):
         return constraints     # check_constraints reports it
     heads = _sdpa_heads(graph)
-    room = max(1, cluster.devices_per_node // constraints.get("tp", 1))
+    tp = constraints.get("tp")
+    room = max(1, cluster.devices_per_node // (tp if isinstance(tp, int) and tp > 0 else 1))
     shape = default_shape(sp, room, list(heads.values()))
     if shape is None and heads:
-        name, h = next(iter(heads.items()))
+        name, h = next(((n, h) for n, h in heads.items() if not any(h % u == 0 for u, _ in splits(sp))),
+                       next(iter(heads.items())))
         raise ConstraintError(f"{name} (scaled_dot_product_attention): sp_mode='hybrid' with sp={sp} splits its "
                               f"{h} heads over the Ulysses size u of some u x r = {sp} with u, r >= 2 "
                               f"({', '.join(f'{u}x{r}' for u, r in splits(sp))}), and none of these u divides "
