@@ -59,6 +59,8 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     graph = traced if traced is not None else trace(model, example_inputs, loss_fn=loss_fn)
     t_trace = time.perf_counter() - t0
     graph.batch_dims = infer_batch_dims(input_shapes(graph), batch_dims)
+    from autopar.rules.hybrid_sequence import resolve
+    constraints = resolve(graph, cluster, constraints)   # sp_mode="hybrid": its (u, r) split from the heads
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
     base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm)
     log = print if verbose else None

@@ -1,7 +1,8 @@
 """Emission of sequence-parallel ops into a per-rank program (autopar/rules/sequence.py plans them).
 
 ``attention(builder, node, strategy, args, kwargs)``: an SDPA node whose strategy carries a
-sequence-parallel algorithm becomes one call of runtime/sp_exec.py (``ulysses`` or ``ring``) on
+sequence-parallel algorithm becomes one call of runtime/sp_exec.py (``ulysses``, ``ring`` or, on the
+two sequence axes of sp_mode="hybrid", ``hybrid`` with the ring axis outer) on
 the local q, k, v blocks, with the traced is_causal and scale (an attn_mask the planner proved causal,
 ``CAUSAL_MASK`` in the strategy's special, is dropped and is_causal set). ``reshard_step(builder, x, step,
 kwargs)``: a reshard step on an axis where the plan's splits are zig-zag (load-balanced ring
@@ -11,6 +12,7 @@ values, gradients and bytes right); ``None`` for steps the caller emits as usual
 from __future__ import annotations
 
 from autopar.errors import ExecutionError
+from autopar.rules import hybrid_sequence as HS
 from autopar.rules.sequence import ALGORITHMS, CAUSAL_MASK, RING, RING_CONTIGUOUS, ULYSSES
 from runtime import sp_exec as SX
 
@@ -26,8 +28,10 @@ def _arg(args, kwargs, i, name, default=None):
 def attention(builder, node, strategy, args, kwargs):
     algo = next(a for a in strategy.special if a in ALGORITHMS)
     axes = [a for a, s in enumerate(strategy.splits) if s == "s" and builder.mesh_shape[a] > 1]
-    if len(axes) != 1:
-        raise ExecutionError(f"{node.name}: {algo} needs exactly one sequence axis, the plan gives {axes}")
+    hybrid = algo in HS.ALGORITHMS
+    if len(axes) != (2 if hybrid else 1) or (hybrid and HS.axes(builder.mesh) != tuple(axes)):
+        raise ExecutionError(f"{node.name}: {algo} needs " + ("its two sequence axes (sp_r, sp_u)" if hybrid else
+                                                             "exactly one sequence axis") + f", the plan gives {axes}")
     q, k, v = args[:3]
     # a mask the planner proved causal (autopar/rules/causal_mask.py) is dropped: is_causal=True
     causal_mask = CAUSAL_MASK in strategy.special
@@ -41,6 +45,10 @@ def attention(builder, node, strategy, args, kwargs):
           "scale": kwargs.get("scale")}
     if algo == ULYSSES:
         return builder.call(SX.ulysses, (q, k, v), kw, name=node.name)
+    if hybrid:   # ring axis outer, Ulysses axis inner (autopar/rules/hybrid_sequence.py)
+        kw["ring_axis"], kw["axis"] = HS.axes(builder.mesh)
+        kw["layout"] = "zigzag" if algo == HS.HYBRID else "contiguous"
+        return builder.call(SX.hybrid, (q, k, v), kw, name=node.name)
     kw["layout"] = "zigzag" if algo == RING else "contiguous"
     assert algo in (RING, RING_CONTIGUOUS)
     return builder.call(SX.ring, (q, k, v), kw, name=node.name)

@@ -4,7 +4,9 @@ Attention on a sequence-split mesh axis, looked up from the execution context by
 like the reshard steps of runtime/context.py (bytes counted in ``COMM_STATS`` under the axis name):
 
 - ``ulysses(q, k, v, axis=, is_causal=, scale=)``: runtime/ulysses.py (all-to-all to heads and back);
-- ``ring(q, k, v, axis=, is_causal=, layout=, scale=)``: runtime/ring_attention.py.
+- ``ring(q, k, v, axis=, is_causal=, layout=, scale=)``: runtime/ring_attention.py;
+- ``hybrid(q, k, v, axis=, ring_axis=, is_causal=, layout=, scale=)``: runtime/hybrid_sp.py, Ulysses
+  on ``axis`` and ring attention on ``ring_axis`` (bytes under each axis' name).
 
 Zig-zag splits. When load-balanced causal ring attention runs on an axis, EVERY split over that
 axis is the zig-zag split (rank r holds chunks r and 2·sp-1-r of 2·sp): equivalently, the
@@ -24,6 +26,7 @@ import torch
 from runtime import collectives as C
 from runtime import context
 from runtime import seq_layout as L
+from runtime.hybrid_sp import hybrid_attention
 from runtime.ring_attention import ring_attention
 from runtime.ulysses import ulysses_attention
 
@@ -41,6 +44,14 @@ def ulysses(q, k, v, *, axis: int, is_causal: bool = False, scale=None) -> torch
 def ring(q, k, v, *, axis: int, is_causal: bool = False, layout: str = "zigzag", scale=None) -> torch.Tensor:
     g, lab, _ = _group(axis)
     return ring_attention(q, k, v, g, is_causal=is_causal, layout=layout, scale=scale, label=lab)
+
+
+def hybrid(q, k, v, *, axis: int, ring_axis: int, is_causal: bool = False, layout: str = "zigzag",
+           scale=None) -> torch.Tensor:
+    gu, lu, _ = _group(axis)
+    gr, lr, _ = _group(ring_axis)
+    return hybrid_attention(q, k, v, gu, gr, is_causal=is_causal, layout=layout, scale=scale,
+                            ulysses_label=lu, ring_label=lr)
 
 
 def _perm(x: torch.Tensor, dim: int, sp: int, inverse: bool) -> torch.Tensor:

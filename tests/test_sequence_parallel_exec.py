@@ -64,8 +64,10 @@ def run_case(name, nprocs, constraints, policy=None, **kw):
     for k, v in constraints.items():   # the pinned axes exist and carry traffic
         if k in ("dp", "tp", "sp") and v > 1:
             assert plan.degrees[k] == v, plan.degrees
-            axis = "tp" if k == "sp" and constraints.get("sp_mode") == "megatron" else k
-            assert all(out[2].get(axis, 0) > 0 for out in res), (axis, [out[2] for out in res])
+            axes = ({"megatron": ("tp",), "hybrid": ("sp_r", "sp_u")}.get(constraints.get("sp_mode"), ("sp",))
+                    if k == "sp" else (k,))
+            for axis in axes:
+                assert all(out[2].get(axis, 0) > 0 for out in res), (axis, [out[2] for out in res])
     return plan, res
 
 
@@ -255,7 +257,7 @@ def test_ulysses_refuses_attention_dropout():
 
 @pytest.mark.parametrize("cons, msg", [
     ({"sp_mode": "diagonal"}, "must be one of"),
-    ({"sp_mode": "hybrid"}, "not planned yet"),
+    ({"sp_mode": "hybrid"}, "needs the size of the sequence axes"),
     ({"sp": 1, "sp_mode": "ring"}, "contradict"),
     ({"sp": 2, "tp": 4, "sp_mode": "megatron"}, "sp must equal tp"),
     ({"sp": 0}, "positive integer"),

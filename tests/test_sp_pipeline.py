@@ -61,21 +61,21 @@ def _attention_shape(name, kw):
     return batch[0].shape[0], c.n_head, batch[0].shape[1], c.d_model // c.n_head
 
 
-def _run(name, constraints, **kw):
-    """``constraints`` (pp=2 and a sequence mode) on 4 gloo ranks against one process: numerics,
+def _run(name, constraints, world=4, **kw):
+    """``constraints`` (pp=2 and a sequence mode) on ``world`` gloo ranks against one process: numerics,
     every rank holding only its stage's blocks, bytes per mesh axis and point-to-point = the plan's
     per-stage prediction. Returns (plan, per-rank results)."""
     m = constraints["num_micro_batches"]
-    plan = _plan(name, constraints, **kw)
+    plan = _plan(name, constraints, cluster=CPU4 if world == 4 else autopar.Cluster.preset("cpu", devices=world), **kw)
     deg = plan.degrees
     for k, v in constraints.items():
         if k in deg:
             assert deg[k] == v, (k, deg)
-    assert plan.world_size == 4, plan.world_size
+    assert plan.world_size == world, plan.world_size
     model, batch = ZOO[name](**kw)
     ref_losses, ref_sd = train_eagerly(model, batch, torch.optim.SGD(model.parameters(), lr=OPT["lr"],
                                                                      momentum=OPT["momentum"]), STEPS)
-    res = run_local(_train, 4, args=(name, plan.to_json(), kw), timeout=400)
+    res = run_local(_train, world, args=(name, plan.to_json(), kw), timeout=400)
     assert_matches_eager([r["losses"] for r in res], res[0]["sd"], ref_losses, ref_sd)
     pp = deg["pp"]
     traced = trace(*ZOO[name](**kw))

@@ -41,7 +41,8 @@ def summary_table(plan) -> Table:
     t.add_row("cluster", f"{c['name']}: {c['nodes']} node(s) × {c['devices_per_node']} {c['device']['name']}")
     t.add_row("mesh", plan.mesh.describe())
     t.add_row("degrees", f"dp={d['dp']} tp={d['tp']} ({d['tp_mode']}) pp={d['pp']} sp={d['sp']}"
-                         + (f" ({d['sp_mode']})" if d.get("sp_mode") else "") + f" zero={d['zero']} "
+                         + (f" ({d['sp_mode']})" if d.get("sp_mode") else "")
+                         + (" u×r={}×{}".format(*d["sp_shape"]) if d.get("sp_shape") else "") + f" zero={d['zero']} "
                          f"checkpoint={d['checkpoint']}")
     ck = checkpoint_text(plan)
     if ck:

@@ -35,6 +35,10 @@ Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
   heads move: Ulysses' repeat when sp > kv_heads); "auto" offers both and the ILP chooses by
   cost; ring modes need SDPA.
 
+- ``"hybrid"``: Ulysses x ring on two sequence axes ``sp_r`` (ring, outer) and ``sp_u`` (Ulysses,
+  inner), pinned with ``sp`` = u·r and optionally ``sp_shape`` = [u, r]; its meshes, attention
+  strategies and errors are autopar/rules/hybrid_sequence.py's, called from here.
+
 In the free search (issue 7: no ``sp`` / ``sp_mode`` pin; ``sp=1`` rules sequence axes out),
 sequence axes are searched in two cases (autopar/search/sequence_search.py, called by
 autopar/search/pipeline_search.py step 4), each time as
@@ -62,6 +66,7 @@ import math
 import operator
 
 from autopar.errors import ConstraintError, PlanError
+from autopar.rules import hybrid_sequence as hybrid
 from autopar.rules.layout import Layout
 from autopar.mesh import Mesh, enumerate_meshes
 from autopar.rules.strategy import Strategy
@@ -69,7 +74,7 @@ from autopar.rules.strategy import Strategy
 SP_AXIS = "sp"
 MODES = (None, "megatron", "ulysses", "ring", "ring-contiguous", "hybrid")
 RING, RING_CONTIGUOUS, ULYSSES = "ring_attention", "ring_attention_contiguous", "ulysses_attention"
-ALGORITHMS = (RING, RING_CONTIGUOUS, ULYSSES)
+ALGORITHMS = (RING, RING_CONTIGUOUS, ULYSSES) + hybrid.ALGORITHMS
 # In an SDPA strategy's special beside the algorithm: its attn_mask is the causal mask
 # (autopar/rules/causal_mask.py), so the algorithm runs is_causal=True without it.
 CAUSAL_MASK = "causal_attn_mask"
@@ -83,12 +88,10 @@ def check_constraints(constraints: dict) -> None:
     mode = constraints.get("sp_mode")
     if mode not in MODES:
         raise ConstraintError(f"constraint sp_mode={mode!r}: must be one of {', '.join(map(repr, MODES))}")
-    if mode == "hybrid":
-        raise ConstraintError("constraint sp_mode='hybrid' cannot be met: the Ulysses x ring hybrid exists as a "
-                              "runtime op (runtime/hybrid_sp.py) but is not planned yet; pin 'ulysses' or 'ring'")
     sp = constraints.get("sp")
     if "sp" in constraints and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
         raise ConstraintError(f"constraint sp={sp!r}: must be a positive integer")
+    hybrid.check_constraints(constraints)   # sp_shape, and sp = u*r (autopar/rules/hybrid_sequence.py)
     if mode in ("ulysses", "ring", "ring-contiguous") and sp == 1:
         raise ConstraintError(f"constraints sp=1 and sp_mode={mode!r} contradict each other: {mode} attention needs "
                               f"a sequence axis of at least 2 ranks")
@@ -139,6 +142,8 @@ def meshes(cluster, constraints: dict):
     mode = mode_of(constraints)
     if mode in (None, "megatron"):
         return []
+    if mode == "hybrid":   # two sequence axes (dp, sp_r, sp_u[, tp])
+        return hybrid.meshes(cluster, constraints)
     n = cluster.num_devices
     sps = [constraints["sp"]] if "sp" in constraints else [k for k in range(2, n + 1) if n % k == 0]
     out = []
@@ -182,7 +187,7 @@ def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | Non
     seq = seq_letters(graph, nodes, order)
     heads = head_letters(graph, nodes, order, seq) if sps else {}
     has_sdpa = any(nodes[n].kind == "op" and nodes[n].spec.rule == "sdpa" for n in order)
-    if (mode in ("ring", "ring-contiguous") and not has_sdpa) or (mode == "ulysses" and not has_sdpa and not heads):
+    if (mode in ("ring", "ring-contiguous", "hybrid") and not has_sdpa) or (mode == "ulysses" and not has_sdpa and not heads):
         raise PlanError(f"sp_mode={mode!r} runs scaled_dot_product_attention with {mode} attention, but the model "
                         f"has no such op" + (" nor an explicit matmul/softmax attention whose heads it can split"
                                              if mode == "ulysses" else " (explicit matmul/softmax attention?)")
@@ -262,6 +267,8 @@ def _on_seq_axes(node, spec, strategies, mesh: Mesh, sps, seq_letters, mode, hea
     an explicit attention core's op (``head``: its head letter) also the head split (Ulysses)."""
     if spec.rule == "sdpa":
         return attention_strategies(node, spec, strategies, mesh, sps, mode)
+    if hybrid.axes(mesh) is not None:   # the sequence split over both axes, ring outer
+        strategies = hybrid.keep_nested(strategies, mesh)
     keep = [st for st in strategies if all(st.splits[a] is None or st.splits[a] in seq_letters for a in sps)]
     splitting = [st for st in keep if all(st.splits[a] in seq_letters for a in sps)]
     # As data axes must split the batch: an op carrying the sequence splits it (when it can).
@@ -438,8 +445,10 @@ def attention_strategies(node, spec, strategies, mesh: Mesh, sps, mode) -> list[
     on top of every strategy of the other axes that keeps the sequence whole (``mode`` "ulysses",
     "ring", "ring-contiguous" keep that algorithm only; "auto"/None offer both and the
     replicated-on-sp ones)."""
+    if len(sps) == 2 and hybrid.axes(mesh) is not None:   # Ulysses x ring (autopar/rules/hybrid_sequence.py)
+        return hybrid.attention_strategies(node, spec, strategies, mesh, attention_facts(node))
     if len(sps) != 1:
-        raise PlanError(f"{node.name}: attention over {len(sps)} sequence axes (hybrid) is not planned yet")
+        raise PlanError(f"{node.name}: attention over {len(sps)} sequence axes is planned only as sp_mode='hybrid'")
     a = sps[0]
     sp = mesh.shape[a]
     f = attention_facts(node)
@@ -496,7 +505,7 @@ def _saves_as_run(node, spec, strategies):
         mask = spec.inputs[3] if len(spec.inputs) > 3 else None
         saved = tuple(sv for sv in saved if not ((sv.kind == "input" and sv.index == 3)
                                                  or (sv.kind == "extra" and mask is not None and sv.letters == mask)))
-    if all(ULYSSES in st.special for st in strategies):
+    if all(ULYSSES in st.special or any(a in st.special for a in hybrid.ALGORITHMS) for st in strategies):
         isz = node.meta["val"].element_size()
         saved = tuple(Saved("extra", letters=spec.outputs[0], itemsize=isz, act=True, on=sv.on)
                       if sv.kind == "output" and sv.index == 0 else sv for sv in saved)
@@ -599,6 +608,9 @@ def degrees(cands, pick, mesh: Mesh) -> dict:
             mode = "ring"
         elif algos == {RING_CONTIGUOUS}:
             mode = "ring-contiguous"
+        elif algos and algos <= set(hybrid.ALGORITHMS):
+            ra, ua = hybrid.axes(mesh)
+            return {"sp": sp, "sp_mode": "hybrid", "sp_shape": [mesh.shape[ua], mesh.shape[ra]]}
         elif not algos:
             mode = "sequence"      # sequence axis, attention kept whole on it
         else:
@@ -615,6 +627,8 @@ def zigzag_axes(plan_ops: list[dict]) -> tuple[int, ...]:
     for op in plan_ops:
         if RING in op.get("special", ()):
             axes |= {a for a, s in enumerate(op["splits"]) if s == "s"}
+        if hybrid.zigzag_axis(op) is not None:   # the hybrid's ring axis (its Ulysses axis is contiguous)
+            axes.add(hybrid.zigzag_axis(op))
     return tuple(sorted(axes))
 
 
@@ -630,4 +644,6 @@ def mesh_allowed(mesh: Mesh, constraints: dict) -> bool:
             tp = tp_degree(mesh)
             return tp > 1 and len(param_axes(mesh)) == 1 and constraints.get("sp", tp) == tp
         return True
-    return bool(sps) and math.prod(mesh.shape[a] for a in sps) == constraints.get("sp", mesh.shape[sps[0]])
+    if mode == "hybrid":
+        return hybrid.mesh_allowed(mesh, constraints)
+    return len(sps) == 1 and math.prod(mesh.shape[a] for a in sps) == constraints.get("sp", mesh.shape[sps[0]])

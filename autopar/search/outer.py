@@ -38,7 +38,7 @@ LP_BOUND = True
 # first (about a second on such a mesh; on hf_llama's 1x2x2 mesh it prunes without pricing).
 FLOOR_LP_PAIRS = 20_000
 
-DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "pp", "pp_schedule", "micro_batch_size",
+DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "sp_shape", "pp", "pp_schedule", "micro_batch_size",
                "num_micro_batches", "zero", "checkpoint", "offload")
 
 

@@ -7,6 +7,10 @@ own, with neither ``sp`` nor ``sp_mode`` pinned (autopar/search/pipeline_search.
 (b) some attention's sequence is at least ``SP_UPFRONT_RATIO`` times its hidden size
     (``faster_with_sp``: the same reruns, kept when faster).
 
+Each size is also tried as the Ulysses x ring hybrid (two sequence axes, ``sp_mode="hybrid"``)
+where that can pay: the sequence axis spans more than one node, or some attention's heads do not
+divide by sp (``hybrid_sequence.free_search_pins``); otherwise the search stays as it was.
+
 In both cases pipelined candidates with a sequence axis in every stage follow
 (autopar/search/pipeline_search.py step 4, sizes from ``stage_sp_sizes``).
 ``constraints={"sp": 1}`` rules both out (tensor parallelism only). What a sequence axis does to
@@ -54,7 +58,7 @@ def search_with_sp(graph, cluster, constraints: dict, err, run):
     if not sp_free(constraints) or not has_sequence_attention(graph):
         raise err
     floors = [err.min_peak_bytes]
-    best = _fastest_over_sp(cluster, constraints, run, floors)
+    best = _fastest_over_sp(graph, cluster, constraints, run, floors)
     if best is not None:
         return best
     floors = [f for f in floors if f is not None]
@@ -128,7 +132,7 @@ def fastest_with_sp(graph, cluster, constraints: dict, run):
     search does not offer sequence axes up front: ``upfront``)."""
     if not upfront(graph, constraints):
         return None
-    return _fastest_over_sp(cluster, constraints, run)
+    return _fastest_over_sp(graph, cluster, constraints, run)
 
 
 def stage_sp_sizes(stage_cluster, preferred: int | None = None) -> list[int]:
@@ -149,14 +153,22 @@ def faster_with_sp(graph, cluster, constraints: dict, incumbent_time: float, run
     return best if best is not None and best[0].prediction["step_time"] < incumbent_time else None
 
 
-def _fastest_over_sp(cluster, constraints: dict, run, floors: list | None = None):
-    """The fastest ``run(constraints + sp)`` over ``sp_sizes``, or None; a size that does not fit
-    adds its smallest peak to ``floors``, one with no such mesh (batch / heads do not divide) or
-    cut off is skipped."""
+def _fastest_over_sp(graph, cluster, constraints: dict, run, floors: list | None = None):
+    """The fastest ``run(constraints + sp)`` over ``sp_sizes``, each size also as the Ulysses x
+    ring hybrid where that can pay (``hybrid_sequence.free_search_pins``: the axis spans nodes,
+    or the heads do not divide by sp), or None; a run that does not fit adds its smallest peak to
+    ``floors``, one with no such mesh (batch / heads do not divide) or cut off is skipped."""
+    from autopar.rules.hybrid_sequence import free_search_pins
     best = None
+    tries = []
     for sp in sp_sizes(cluster):
+        tries.append(dict(constraints, sp=sp))
+        hybrid = free_search_pins(graph, cluster, sp)
+        if hybrid is not None:
+            tries.append(dict(constraints, sp=sp, **hybrid))
+    for pins in tries:
         try:
-            out = run(dict(constraints, sp=sp))
+            out = run(pins)
         except MemoryBudgetError as e:
             if floors is not None:
                 floors.append(e.min_peak_bytes)
