@@ -47,10 +47,8 @@ class RankProgram:
 
 
 def normalize(layout: Layout, mesh_shape) -> Layout:
-    """Drop mesh axes of size 1: splitting over them (or being partial over them) is nothing."""
-    keep = lambda a: mesh_shape[a] > 1  # noqa: E731
-    return Layout(tuple(tuple(a for a in axes if keep(a)) for axes in layout.dims),
-                  tuple(sorted(a for a in layout.partial if keep(a))))
+    """Drop mesh axes of size 1 (``Layout.normalized``)."""
+    return layout.normalized(mesh_shape)
 
 
 def block_slices(layout: Layout, shape, mesh_shape, coords) -> tuple[slice, ...]:

@@ -8,9 +8,9 @@ step on a zig-zag axis takes its zig-zag form (codegen/sp_ops.py). An input whos
 back partial over an axis gets a conjugate: a reduce-scatter backward fused into the last
 all_gather on that axis, else a ``copy`` (all-reduce backward).
 
-Collectives return new tensors, contiguous in their dims' order; ``_memory_order`` keeps a value
-the trace lays out in another order (attention's q, k, v) in that order around them, so the
-memory the program uses is the memory the planner counted.
+Collectives return new tensors, contiguous in their dims' order; ``memory_order``
+(autopar/rules/layout.py) keeps a value the trace lays out in another order (attention's q, k, v)
+in that order around them, so the memory the program uses is the memory the planner counted.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from autopar.pricing.reshard import plan_reshard
-from autopar.rules.layout import Layout
+from autopar.rules.layout import Layout, memory_order
 from codegen import sp_ops as SPO
 from runtime import context as RC
 
@@ -29,35 +29,19 @@ from runtime import context as RC
 _NEW_TENSOR_STEPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "slice")
 
 
-def _memory_order(val) -> tuple[int, ...] | None:
-    """``val``'s dims from outermost to innermost in memory (by decreasing stride), when that is
-    not their order (a transposed or permuted view, e.g. attention's q of shape (b, h, s, d)
-    laid out (b, s, h, d)); None for a value already in order, a broadcast (stride 0) one, or a
-    non-tensor. Dims of size 1 do not count."""
-    if not isinstance(val, torch.Tensor) or val.ndim < 2 or val.layout != torch.strided:
-        return None
-    big = [d for d in range(val.ndim) if val.shape[d] > 1]
-    if any(val.stride(d) == 0 for d in big):
-        return None
-    order = tuple(sorted(range(val.ndim), key=lambda d: (-val.stride(d), d)))
-    if [d for d in order if d in big] == big:
-        return None
-    return order
-
-
 def reshard(builder, x: fx.Node, src: Layout, dst: Layout, val, partial_grad_axes) -> fx.Node:
     """Steps from src to dst on this rank's block of ``val``, plus the gradient conjugates.
 
     The collectives return new tensors, contiguous in the order of their dims; a value the
     trace lays out in another order (``val`` a transposed view: q, k, v of attention) is
-    viewed in its traced memory order around the steps (``_memory_order``: two permutes,
+    viewed in its traced memory order around the steps (``memory_order``: two permutes,
     no copy), so the result has the traced layout. What a consumer's kernel then does with
     it (flash attention lays its output out like q; a later ``reshape`` is a view or a copy)
     is what the trace did, which is what the memory model counts (pricing.py)."""
     steps = ()
     if src != dst:
         steps = plan_reshard(src, dst, tuple(val.shape), val.element_size(), builder.mesh_shape, builder.comm).steps
-    order = _memory_order(val) if any(s.kind in _NEW_TENSOR_STEPS for s in steps) else None
+    order = memory_order(val) if any(s.kind in _NEW_TENSOR_STEPS for s in steps) else None
     if order is not None:
         at = {d: i for i, d in enumerate(order)}   # traced dim -> its position in memory order
         steps = tuple(dataclasses.replace(s, dim=None if s.dim is None else at[s.dim],

@@ -26,7 +26,7 @@ from autopar.pricing.edge_price import _price_edges
 from autopar.pricing.local_bytes import block_fraction, runtime_itemsize
 from autopar.pricing.memory import state_bytes, zero_shard
 from autopar.mesh import Mesh
-from autopar.pricing.saved_roots import _saved_roots, device_storage_roots, runs_cuda
+from autopar.pricing.saved_roots import _saved_roots, device_order, device_storage_roots, runs_cuda
 from autopar.rules.table import shape as tensor_shape
 from autopar.rules.table import val as node_val
 from autopar.rules.strategy import Strategy
@@ -74,6 +74,9 @@ class Priced:
     # node -> (input index, storage root, charged by this node, bytes per micro-batch of all
     # repeats) of each activation input it saves: autopar/pricing/saved_copies.py
     saved_inputs: dict[str, list] = field(default_factory=dict)
+    # op -> the memory order (output letters) its kernel lays its output out in on this device,
+    # where it has one (``saved_roots.device_order``): autopar/pricing/saved_copies.py replays it
+    storage_order: dict[str, str] = field(default_factory=dict)
     # Forward halves, what recomputing a checkpointed block runs again: the node's in-op
     # collectives (seconds and bytes per mesh axis, all repeats) and each edge's reshard steps
     # (codegen emits an edge's steps with its consumer, so they belong to the consumer's block).
@@ -262,6 +265,10 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
             P.saved_by_root[name] = {root: arr / nm * k for root, arr in base.saved_by_root.items()}
             if base.saved_inputs:
                 P.saved_inputs[name] = [(i, root, here, nb / nm * k) for i, root, here, nb in base.saved_inputs]
+            if spec.storage_order:
+                order = device_order(info, cuda, s.precision)
+                if order is not None:
+                    P.storage_order[name] = order
         P.compute[name], P.fwd_compute[name], P.comm[name] = compute, fwd, comm_t + grad_t
         P.grad_comm[name], P.optimizer[name], P.saved[name] = grad_t, opt_t, saved
         P.transient[name], P.comm_bytes[name] = transient, axis_bytes

@@ -1,175 +1,214 @@
-"""Saved copies made by resharding: the activation bytes of a chosen plan that node pricing cannot
-see, because they depend on two ops' strategies.
+"""The storages a rank really saves, for a chosen plan: what node pricing cannot see, because it
+depends on two ops' strategies.
 
 Node pricing (autopar/pricing/saved_roots.py) charges each storage an op saves once, to its first
-saver, under that saver's layout. But an op that reads its input through a reshard (an
-all-gather, a slice, an all-to-all, an all-reduce: codegen/per_rank.py emits one per consumer
-input) saves the reshard's new tensor, not the producer's storage. Under Megatron-SP a norm saves
-its sequence-split input while the multiply after it saves the all-gathered copy; a row-parallel
-linear saves the column slice of a replicated attention output while the attention saves the
-whole. Whether an input is resharded depends on the producer's strategy as well as the
-consumer's, so the ILP's memory rows (node terms only) leave it out.
+saver, under that saver's layout, with the storages of the trace (global shapes, no reshards).
+On a rank two things differ:
 
-``copy_bytes(c, P, pick)`` evaluates it exactly for a chosen plan, per consumer node: every saved
-input read through a reshard that another op already charged is one more storage (its bytes under
-the consumer's layout); when the charging op itself read a copy, the producer's storage, still
-saved by a direct reader, is one more too. ``row_extra`` turns that into bytes per memory
-constraint of a solved Problem (nodes of a checkpointed group save nothing), which
-autopar/search/outer.py adds to the solution's memory and checks against the budget.
+- an op that reads its input through a reshard (codegen/reshard_calls.py, one per consumer
+  input) saves the reshard's result. An all-gather, all-to-all, reduce-scatter or all-reduce
+  makes a new tensor; a slice is a view when the block it keeps is contiguous in the value's
+  memory order and a copy otherwise (``runtime.collectives._blocks``); a zig-zag slice is always
+  a copy. Under Megatron-SP a norm saves its sequence-split input and the multiply after it the
+  all-gathered copy; two linears reading one tensor through an all-gather each save their own.
+- a view op can be a view on a rank where the trace copied (Hugging Face ``repeat_kv``'s reshape
+  of an expanded key with one local key/value head), or the reverse (a reshape of a sliced block).
+
+``copy_bytes(c, P, pick)`` replays, for every activation input an op saves, the chain from the
+nearest non-view node through the view ops and the reshards of the plan on meta tensors of the
+local shapes, and names the storage the rank ends up saving. Every distinct storage counts once,
+to its first saver; the result is the difference from node pricing, per node. ``row_extra`` turns
+it into bytes per memory constraint of a solved Problem (nodes of a checkpointed group save
+nothing), which autopar/search/outer.py adds to the solution's memory and checks against the
+budget; ``with_copy_terms`` gives the ILP the copies of a plan's neighbourhood for a re-solve.
 """
 from __future__ import annotations
 
+import math
+import operator
 from collections import defaultdict
+
+import torch
 
 from autopar.pricing.edge_price import _source_layout
 from autopar.pricing.local_bytes import block_fraction
+from autopar.pricing.saved_roots import _VIEWISH
 from autopar.rules.candidates import Candidates
-from autopar.rules.layout import Layout
+from autopar.rules.layout import Layout, memory_order
+
+# ops returning a tuple of views of their input (read through getitem)
+_TUPLE_VIEWS = {"split", "split_with_sizes", "chunk", "unbind", "tensor_split"}
 
 
-def _normal(lay: Layout, mesh_shape) -> tuple:
-    """The layout with size-1 mesh axes dropped (as codegen compares them): (dims, partial)."""
-    keep = [s > 1 for s in mesh_shape]
-    return (tuple(tuple(a for a in axes if keep[a]) for axes in lay.dims),
-            frozenset(a for a in lay.partial if keep[a]))
+def _op_name(node) -> str:
+    return getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
 
 
-def _read_as(c: Candidates, v: str, i: int, pick: dict[str, int]) -> tuple[bool, Layout] | None:
-    """(whether consumer ``v`` reads its input ``i`` through a reshard that makes a new tensor,
-    the layout it reads it in), or None when the producer is not part of the plan."""
+def zigzag_axes(c: Candidates, pick: dict[str, int]) -> set[int]:
+    """Mesh axes whose splits the plan makes zig-zag (load-balanced ring attention runs on them)."""
+    from autopar.rules.sequence import RING
+
+    axes = set()
+    for n, k in pick.items():
+        info = c.nodes.get(n)
+        st = info.strategies[k] if info is not None and k < len(info.strategies) else None
+        if st is not None and RING in (st.special or ()):
+            axes |= {a for a, s in enumerate(st.splits) if s == "s"}
+    return axes
+
+
+def _read_as(c: Candidates, v: str, i: int, pick: dict[str, int]) -> tuple[Layout, Layout] | None:
+    """(the producer's layout, the layout consumer ``v``'s strategy reads its input ``i`` in), or
+    None when the producer is not part of the plan."""
     info = c.nodes[v]
     ins = c.inputs(info.node)
     if i >= len(ins) or ins[i].name not in c.nodes:
         return None
     prod = c.nodes[ins[i].name]
-    if prod.rep not in pick or v not in pick:
+    if prod.rep not in pick or info.rep not in pick:
         return None
-    st = info.strategies[pick[v]]
+    st = info.strategies[pick[info.rep]]
     src = _source_layout(prod, info.node, prod.strategies[pick[prod.rep]])
     dst = st.inputs[i] if i < len(st.inputs) and st.inputs[i] is not None else src
-    (sd, sp), (dd, dp) = _normal(src, c.mesh.shape), _normal(dst, c.mesh.shape)
-    # moving data (gather, slice, all-to-all) or summing partials makes a new tensor; only
-    # turning a whole tensor partial (no data moves on the rank that keeps it) does not
-    return (sd != dd or bool(sp - dp)), dst
+    return src, dst
 
 
-def _copied_upstream(c: Candidates, name: str, pick: dict[str, int]) -> bool:
-    """Whether the chain of views from a storage root down to node ``name`` (nodes of the same
-    ``storage_root``, through a tuple-returning op such as ``split``) has a reshard that makes a
-    new tensor: then ``name`` is a view of that copy, not of the root (a row-parallel linear
-    reading a column slice, taken before the reshape, of a replicated attention output)."""
-    root = c.storage_root.get(name, name)
-    seen = set()
-    while name != root and name not in seen and name in c.nodes:
-        seen.add(name)
-        ins = c.inputs(c.nodes[name].node)
-        if not ins:
-            return False
-        got = _read_as(c, name, 0, pick)
-        if got is not None and got[0]:
-            return True
-        up = ins[0]
-        if c.storage_root.get(up.name, up.name) != root and not isinstance(up.meta.get("val"), (tuple, list)):
-            return False
-        name = up.name
-    return False
+def _slices_only(src: Layout, dst: Layout) -> bool:
+    """Whether going from ``src`` to ``dst`` only keeps blocks (more splits, nothing gathered,
+    moved or summed): each dim's axes in ``src`` lead its axes in ``dst``."""
+    return src.partial == dst.partial and all(d[:len(s)] == s for s, d in zip(src.dims, dst.dims))
 
 
-def _local_alias(c: Candidates, name: str, pick: dict[str, int]) -> str | None:
-    """The node whose storage node ``name``'s local block aliases, when ``name`` is a view-like op
-    (reshape, flatten, ...) that makes a new storage in the trace but only a view on a rank: the
-    chain of view ops back to a non-view base is replayed on meta tensors of the local shapes.
-    Hugging Face's ``repeat_kv`` (expand, then reshape) copies the key and value heads, but with
-    one local key/value head (tensor parallelism over them) the reshape is a view. None otherwise."""
-    import torch
+def _reshard(t: torch.Tensor, val, src: Layout, dst: Layout, mesh_shape, zz: set[int]) -> torch.Tensor:
+    """``t`` (a rank's block under ``src``) after the reshard to ``dst``, on meta: kept blocks
+    sliced as ``runtime.collectives._blocks`` slices them (in ``val``'s memory order, made
+    contiguous), anything else a new tensor laid out in that order."""
+    order = memory_order(val)
+    new_axes = [a for s, d in zip(src.dims, dst.dims) for a in d[len(s):]]
+    if _slices_only(src, dst) and not zz.intersection(new_axes):
+        p = t.permute(order) if order else t
+        for dim, (s, d) in enumerate(zip(src.dims, dst.dims)):
+            f = math.prod(mesh_shape[a] for a in d[len(s):])
+            if f > 1:
+                pd = order.index(dim) if order else dim
+                p = torch.chunk(p, f, dim=pd)[0].contiguous()
+        return p.permute([order.index(d) for d in range(len(order))]) if order else p
+    shape = dst.local_shape(tuple(val.shape), mesh_shape)
+    if order:
+        return torch.empty([shape[d] for d in order], dtype=t.dtype, device="meta").permute(
+            [order.index(d) for d in range(len(order))])
+    return torch.empty(shape, dtype=t.dtype, device="meta")
 
-    from autopar.pricing.saved_roots import _VIEWISH
-    from autopar.rules.localize import local_call, local_out_shape
 
-    chain = []
-    n = name
-    while True:
-        info = c.nodes.get(n)
-        op = getattr(getattr(info, "node", None), "target", None)
-        if info is None or info.kind != "op" or getattr(getattr(op, "overloadpacket", None), "__name__", "") not in _VIEWISH:
+def _local_value(c: Candidates, name: str, pick: dict[str, int], order: str | None = None) -> torch.Tensor | None:
+    """A meta tensor of node ``name``'s local output, contiguous or laid out in ``order`` (its
+    output letters, outermost first), or None."""
+    info = c.nodes.get(name)
+    val = info.node.meta.get("val") if info is not None else None
+    if info is None or info.rep not in pick or not isinstance(val, torch.Tensor) or not info.strategies:
+        return None
+    lay = info.strategies[pick[info.rep]].outputs[0]
+    if lay is None or lay.ndim != val.ndim:
+        return None
+    shape = lay.normalized(c.mesh.shape).local_shape(tuple(val.shape), c.mesh.shape)
+    letters = info.spec.outputs[0] if info.spec is not None and info.spec.outputs else ""
+    if order and len(letters) == len(shape) and sorted(order) == sorted(letters):
+        size = dict(zip(letters, shape))
+        return torch.empty([size[ch] for ch in order], dtype=val.dtype, device="meta").permute(
+            [order.index(ch) for ch in letters])
+    return torch.empty(shape, dtype=val.dtype, device="meta")
+
+
+def saved_storage(c: Candidates, v: str, i: int, pick: dict[str, int], zz: set[int], orders: dict | None = None):
+    """(storage key, its local bytes in the traced dtype) of what consumer ``v`` saves as its input
+    ``i`` on a rank, or None when the chain cannot be replayed. Keys: a node name for a storage
+    that node's kernel (or view op) made, ("copy", m, j) for the result of the reshard into node
+    m's input j. ``orders``: op -> the memory order its kernel lays its output out in on the
+    device (``Priced.storage_order``: flash attention's output is laid out like q)."""
+    mesh = c.mesh.shape
+    chain, n = [], c.inputs(c.nodes[v].node)[i].name
+    while n in c.nodes and len(chain) < 64:
+        node = c.nodes[n].node
+        ins = c.inputs(node)
+        view = _op_name(node) in _VIEWISH or _op_name(node) in _TUPLE_VIEWS or (
+            node.target is operator.getitem and ins and _op_name(ins[0]) in _TUPLE_VIEWS)
+        if not view or len(ins) != 1 or ins[0].name not in c.nodes:
             break
-        ins = c.inputs(info.node)
-        if len(ins) != 1 or len(info.node.all_input_nodes) != 1 or ins[0].name not in c.nodes:
-            return None
         chain.append(n)
         n = ins[0].name
-    base = c.nodes.get(n)
-    if not chain or base is None or base.kind != "op" or base.rep not in pick or base.spec is None:
+    t = _local_value(c, n, pick, (orders or {}).get(n))
+    if t is None:
         return None
+    key, st = c.storage_root.get(n, n), t.untyped_storage()
     try:
-        val = base.node.meta["val"]
-        x = torch.empty(local_out_shape(base.node, base.spec, base.strategies[pick[base.rep]], c.mesh.shape),
-                        dtype=val.dtype, device="meta")
-        st = x.untyped_storage()
-        for m in reversed(chain):
-            info = c.nodes[m]
-            if info.rep not in pick:
+        for m, j in [(m, 0) for m in reversed(chain)] + [(v, i)]:
+            node = c.nodes[m].node
+            if node.target is operator.getitem:
+                t = t[node.args[1]]
+            lays = _read_as(c, m, j, pick)
+            if lays is None:
                 return None
-            call = local_call(info.node, info.spec, info.strategies[pick[info.rep]], c.mesh.shape)
-            args = [x if getattr(a, "name", None) == info.node.all_input_nodes[0].name else a for a in call.args]
-            x = call.target(*args, **call.kwargs)
-    except Exception:   # a shape the replay cannot reproduce: keep the traced storage
+            src, dst = (x.normalized(mesh) for x in lays)
+            if src != dst:
+                val = node.meta["val"] if node.target is operator.getitem else c.inputs(node)[j].meta["val"]
+                t = _reshard(t, val, src, dst, mesh, zz)
+                if t.untyped_storage() is not st:
+                    key, st = ("copy", m, j), t.untyped_storage()
+            if m == v or node.target is operator.getitem:
+                continue
+            info = c.nodes[m]
+            from autopar.rules.localize import local_call
+            call = local_call(node, info.spec, info.strategies[pick[info.rep]], mesh)
+            arg = node.all_input_nodes[0].name
+            t = call.target(*[t if getattr(a, "name", None) == arg else a for a in call.args], **call.kwargs)
+            if isinstance(t, torch.Tensor) and t.untyped_storage() is not st:
+                key, st = m, t.untyped_storage()
+    except Exception:      # a shape the replay cannot reproduce: keep node pricing's storage
         return None
-    return n if x.untyped_storage() is st else None
+    return key, st.nbytes()
 
 
 def copy_bytes(c: Candidates, P, pick: dict[str, int]) -> dict[str, float]:
     """Node -> saved bytes (per micro-batch, all repeats, as ``P.saved``) that the chosen plan
     ``pick`` (node -> strategy index) saves beyond ``P.saved``, negative where it saves less.
 
-    Each distinct storage a rank saves counts once, to the first node that saves it: a root
-    charged by node pricing (``P.saved_by_root``) under its charger's bytes; a saved input read
-    through a reshard, as a copy of its own under the reader's layout; a saved input whose root
-    is, on a rank, a view of another node's output (``_local_alias``), as that node's storage. A
-    root whose charger read a copy is still saved by its direct readers. The result is those
-    bytes minus what node pricing charged, node by node."""
-    charge: dict = {}                 # storage key -> (first saver, bytes)
+    A root node pricing charged for an op's own output is saved as charged. Each saved input is
+    replayed (``saved_storage``): when it ends in a storage node pricing charged, it shares it;
+    else it is one more storage, of its replayed bytes. A root charged to an input saver that no
+    saver ends in is not saved at all."""
+    input_charge = {(v, root) for v, entries in P.saved_inputs.items() for _, root, here, _ in entries if here}
+    saved: dict = {}                  # storage key -> (first saver, bytes)
     charged_by: dict[str, float] = defaultdict(float)
+    by_input: dict[str, float] = {}   # input-charged root -> its charged bytes
     for n, roots in P.saved_by_root.items():
         if n in pick:
             for root, arr in roots.items():
                 b = float(arr[pick[n]])
                 charged_by[n] += b
-                charge.setdefault(root, (n, b))
-    alias: dict[str, str | None] = {}
-    moved: set[str] = set()           # charged roots that are not what the rank saves
-    direct, exact = [], defaultdict(float)
+                if (n, root) in input_charge:
+                    by_input.setdefault(root, b)
+                else:
+                    saved.setdefault(root, (n, b))
+    zz = zigzag_axes(c, pick)
     for v, entries in P.saved_inputs.items():
         if v not in pick:
             continue
         x = c.inputs(c.nodes[v].node)
-        for i, root, here, nbytes in entries:
-            got = _read_as(c, v, i, pick)
-            if got is None:
+        for i, root, _here, nbytes in entries:
+            got = saved_storage(c, v, i, pick, zz, P.storage_order)
+            key, local = (root, None) if got is None else got
+            if key in saved:
                 continue
-            copied, lay = got
-            if copied or _copied_upstream(c, x[i].name, pick):
-                exact[v] += nbytes * block_fraction(lay, c.mesh)     # the reshard's own tensor
-                if here:
-                    moved.add(root)
-                continue
-            if root not in alias:
-                alias[root] = _local_alias(c, root, pick)
-            base = alias[root]
-            if base is None:
-                direct.append((v, root, nbytes * block_fraction(lay, c.mesh)))
-                continue
-            moved.add(root)
-            b = c.nodes[base]
-            numel = b.node.meta["val"].numel() / max(1, x[i].meta["val"].numel())
-            charge.setdefault(c.storage_root.get(base, base),
-                              (v, nbytes * numel * block_fraction(b.strategies[pick[b.rep]].outputs[0], c.mesh)))
-    for v, root, size in direct:
-        if root in moved:             # its charger read a copy (or a view of another): saved here
-            charge.setdefault(("direct", root), (v, size))
-    for key, (n, b) in charge.items():
-        if key not in moved:
-            exact[n] += b
+            if key == root and root in by_input:
+                saved[key] = (v, by_input[root])
+            elif local is not None:
+                # replayed bytes in the traced dtype of one rank, at nbytes' scale (working
+                # dtype, micro-batch, repeats)
+                numel = x[i].meta["val"].numel() * x[i].meta["val"].element_size()
+                saved[key] = (v, local * nbytes / max(1, numel))
+    exact: dict[str, float] = defaultdict(float)
+    for n, b in saved.values():
+        exact[n] += b
     return {n: exact[n] - charged_by[n] for n in set(exact) | set(charged_by) if exact[n] != charged_by[n]}
 
 
@@ -188,48 +227,51 @@ def row_extra(problem, sol, extra: dict[str, float]) -> dict[str, float]:
 
 
 def with_copy_terms(problem, c: Candidates, P, pick: dict[str, int], seen: set):
-    """``problem`` with memory terms for the copies the plan ``pick`` made, assuming each
-    producer keeps its strategy: a consumer whose input reaches it through a reshard is charged,
-    per strategy of its own, the bytes of the copy that strategy would save. The ILP then sees
-    the copies of the neighbourhood of a plan and can trade them against the rest (the exact
-    bytes of what it picks are still ``copy_bytes``'). Terms go to the consumer's checkpoint group
-    when it has one (a recomputed block saves nothing), else to every memory constraint. ``seen``
-    holds the (consumer, input, producer strategy) already added across calls."""
+    """``problem`` with memory terms for the copies the plan ``pick`` made on its edges, assuming
+    each producer keeps its strategy: a consumer that reads a saved input through a reshard that
+    moves data is charged, per strategy of its own, the bytes of the copy that strategy would
+    save. The ILP then sees the copies of the neighbourhood of a plan and can trade them against
+    the rest (the exact bytes of what it picks are still ``copy_bytes``'). Terms go to the
+    consumer's checkpoint group when it has one (a recomputed block saves nothing), else to every
+    memory constraint. ``seen`` holds the (consumer, input, producer strategy) added so far."""
     import dataclasses
 
     import numpy as np
 
     index = {n: i for i, n in enumerate(problem.node_names)}
     kept = getattr(problem, "kept", None)
-    group_of = {}
+    group_of: dict[int, int] = {}
     for gi, g in enumerate(problem.checkpoint_groups):
         for ni, _ in g.saved:
             group_of.setdefault(ni, gi)
-    plain, grouped = [], {}
+    mesh = c.mesh.shape
+    plain, grouped = [], defaultdict(list)
     for v, entries in P.saved_inputs.items():
         if v not in pick or v not in index:
             continue
         info = c.nodes[v]
         ins = c.inputs(info.node)
         for i, _root, here, nbytes in entries:
-            got = _read_as(c, v, i, pick)
-            if here or got is None or not got[0] or i >= len(ins):
+            lays = _read_as(c, v, i, pick)
+            if here or lays is None or i >= len(ins):
                 continue    # (a charger's copy is what node pricing charged it for)
+            src = lays[0].normalized(mesh)
+            if src == lays[1].normalized(mesh) or _slices_only(src, lays[1].normalized(mesh)):
+                continue
             prod = c.nodes[ins[i].name]
             key = (v, i, pick[prod.rep])
             if key in seen:
                 continue
             seen.add(key)
-            src = _normal(_source_layout(prod, info.node, prod.strategies[pick[prod.rep]]), c.mesh.shape)
             arr = np.zeros(len(info.strategies))
             for t, st in enumerate(info.strategies):
                 dst = st.inputs[i] if i < len(st.inputs) and st.inputs[i] is not None else None
-                if dst is not None and _normal(dst, c.mesh.shape) != src:
+                if dst is not None and not _slices_only(src, dst.normalized(mesh)):
                     arr[t] = nbytes * block_fraction(dst, c.mesh)
             ni = index[v]
             term = (ni, arr[kept[ni]] if kept is not None else arr)
             if ni in group_of:
-                grouped.setdefault(group_of[ni], []).append(term)
+                grouped[group_of[ni]].append(term)
             else:
                 plain.append(term)
     if not plain and not grouped:
@@ -237,6 +279,4 @@ def with_copy_terms(problem, c: Candidates, P, pick: dict[str, int], seen: set):
     memory = [dataclasses.replace(m, terms=list(m.terms) + plain) for m in problem.memory]
     groups = [dataclasses.replace(g, saved=list(g.saved) + grouped.get(gi, []))
               for gi, g in enumerate(problem.checkpoint_groups)]
-    out = dataclasses.replace(problem, memory=memory, checkpoint_groups=groups)
-    out.kept = kept
-    return out
+    return dataclasses.replace(problem, memory=memory, checkpoint_groups=groups)

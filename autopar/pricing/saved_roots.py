@@ -41,6 +41,22 @@ _VIEWISH = {"transpose", "permute", "view", "reshape", "_unsafe_view", "contiguo
             "squeeze", "unsqueeze", "t", "alias", "expand", "select", "slice", "clone", "_reshape_alias"}
 
 
+def device_order(info: NodeInfo, cuda: bool, precision: str) -> str | None:
+    """The memory order (output letters, outermost first) the device's kernel lays op ``info``'s
+    output out in (``OpSpec.storage_order``), or None where it is the trace's (contiguous)."""
+    spec = info.spec
+    val = node_val(info.node)
+    if spec is None or not spec.storage_order or not isinstance(val, torch.Tensor) or val.is_sparse:
+        return None
+    work16 = runtime_itemsize(val.dtype, precision) == 2
+    order = next((o for on, o in spec.storage_order if on_device(on, cuda, work16)), None)
+    if order is not None and order.startswith("="):   # like an input: its dims by decreasing stride (torch.empty_like)
+        ref = node_val(tensor_inputs(info.node)[int(order[1:])])
+        dims = sorted(range(ref.ndim), key=lambda d: (-ref.stride(d), d))
+        order = "".join(spec.outputs[0][d] for d in dims)
+    return order
+
+
 def device_storage_roots(c: Candidates, cuda: bool, precision: str = "bf16") -> dict[str, str]:
     """Storage roots where the device's kernels lay an output out differently from the trace
     (``OpSpec.storage_order``; e.g. flash attention's output, traced on meta through the math
@@ -57,16 +73,11 @@ def device_storage_roots(c: Candidates, cuda: bool, precision: str = "bf16") -> 
         spec = info.spec
         if info.kind != "op" or spec is None or not spec.storage_order:
             continue
-        work16 = runtime_itemsize(node_val(info.node).dtype, precision) == 2 if isinstance(node_val(info.node), torch.Tensor) else False
-        order = next((o for on, o in spec.storage_order if on_device(on, cuda, work16)), None)
+        order = device_order(info, cuda, precision)
         out = node_val(info.node)
         if order is None or not isinstance(out, torch.Tensor) or out.is_sparse:
             continue
         letters = spec.outputs[0]
-        if order.startswith("="):   # like an input: its dims by decreasing stride (torch.empty_like)
-            ref = node_val(tensor_inputs(info.node)[int(order[1:])])
-            dims = sorted(range(ref.ndim), key=lambda d: (-ref.stride(d), d))
-            order = "".join(letters[d] for d in dims)
         shape = dict(zip(letters, out.shape))
         base = torch.empty([shape[ch] for ch in order], dtype=out.dtype, device="meta")
         base = base.permute([order.index(ch) for ch in letters])

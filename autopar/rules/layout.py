@@ -45,6 +45,13 @@ class Layout:
             f *= mesh_shape[a]
         return f
 
+    def normalized(self, mesh_shape) -> "Layout":
+        """The layout with mesh axes of size 1 dropped: splitting over them (or being partial
+        over them) is nothing, so two layouts that differ only there are the same on a rank."""
+        keep = lambda a: mesh_shape[a] > 1  # noqa: E731
+        return Layout(tuple(tuple(a for a in axes if keep(a)) for axes in self.dims),
+                      tuple(sorted(a for a in self.partial if keep(a))))
+
     def local_shape(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
         """Shape of one rank's block (shapes must divide evenly; planners only pick such layouts)."""
         return tuple(s // self.split_factor(d, mesh_shape) for d, s in enumerate(shape))
@@ -69,3 +76,22 @@ class Layout:
     @staticmethod
     def from_json(d: dict) -> "Layout":
         return Layout(tuple(tuple(a) for a in d["dims"]), tuple(d.get("partial", ())))
+
+
+def memory_order(val) -> tuple[int, ...] | None:
+    """``val``'s dims from outermost to innermost in memory (by decreasing stride), when that is
+    not their order (a transposed or permuted view, e.g. attention's q of shape (b, h, s, d)
+    laid out (b, s, h, d)); None for a value already in order, a broadcast (stride 0) one, or a
+    non-tensor. Dims of size 1 do not count. Reshards keep such a value in this order
+    (codegen/reshard_calls.py), and the memory model replays them so (pricing/saved_copies.py)."""
+    import torch
+
+    if not isinstance(val, torch.Tensor) or val.ndim < 2 or val.layout != torch.strided:
+        return None
+    big = [d for d in range(val.ndim) if val.shape[d] > 1]
+    if any(val.stride(d) == 0 for d in big):
+        return None
+    order = tuple(sorted(range(val.ndim), key=lambda d: (-val.stride(d), d)))
+    if [d for d in order if d in big] == big:
+        return None
+    return order

@@ -121,7 +121,7 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
             for a, arr in enumerate(per_axis):
                 comm_bytes[mesh.names[a]] += float(arr[pick[u], pick[v]])
 
-    # the count program (codegen/per_rank.py ``_count_program``) reruns the forward reshards of the
+    # the count program (codegen/loss_counts.py ``count_program``) reruns the forward reshards of the
     # mean losses' targets before the step (a Hugging Face shifted-labels path gathers them again)
     for u, v in _count_program_edges(c, pick, s.num_micro_batches):
         for a, arr in enumerate(P.edge_fwd_bytes.get((u, v), [])):
