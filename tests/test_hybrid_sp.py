@@ -85,12 +85,11 @@ def test_hybrid_saved_activations_match_prediction(name):
     and each multiply saves its copy, 16 x 512 B, which the plan does not count)."""
     from runtime.launch import run_local
 
-    from autopar.rules.sequence import policy_for
     model, batch = ZOO[name]()
     cluster = autopar.Cluster.preset("cpu", devices=4)
     plan = autopar.plan(model, batch, cluster, precision="fp32", optimizer="sgd",
                         constraints={"num_micro_batches": 1, **HYBRID_4})
-    pred = _predicted_saved(name, plan, cluster, policy_for(None, HYBRID_4))
+    pred = _predicted_saved(plan)
     for meas in run_local(_measure_saved, 4, args=(name, plan.to_json()), timeout=300):
         assert pred <= meas <= 1.02 * pred, (meas, pred)
 
