@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
 from autopar.rules import sequence
-from autopar.search.build import bound_problem, build_problem, chosen
+from autopar.search.build import bound_problem, build_problem, chosen, work_problem
 from autopar.rules.candidates import Candidates, candidates
 from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
 from autopar.pricing.price import Settings, price, price_edges
@@ -442,17 +442,18 @@ def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None) -> b
             return True
     if not LP_BOUND:
         return False
+    # The spanning-tree bound over the floors (memory ignored, like the per-node bounds above): a
+    # few ms on hf_llama's meshes, where pricing the edges takes 40-120 ms (it prunes its 1x4 and
+    # 1x2x2 meshes and two of its pipelined inner configurations before their edges are priced);
+    # the LP below only where pricing would cost seconds.
+    if tree_lower_bound(work_problem(cands, F)) >= target:
+        return True
+    if edge_pairs(cands, cluster) < FLOOR_LP_PAIRS:
+        return False
     problem = build_problem(cands, F, cfg.settings)
     if memory_floor_exceeds_budget(problem):
         return False   # the exact path reports it (and keeps the problem for the error message)
     relaxed = bound_problem(problem, F)
-    # The spanning-tree bound over the floors: ~15 ms on hf_llama's meshes, where pricing the
-    # edges takes 40-120 ms (it prunes its 1x4 mesh and two of its pipelined inner configurations
-    # that used to be priced); the LP below only where pricing would cost seconds.
-    if tree_lower_bound(relaxed) >= target:
-        return True
-    if edge_pairs(cands, cluster) < FLOOR_LP_PAIRS:
-        return False
     try:
         lp = relaxation_bound(relaxed, time_limit=remaining, cutoff=target)
     except PlanError:
