@@ -160,7 +160,7 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
             order.append(node.name)
     sequence.restrict(graph, mesh, nodes, order, policy)   # sequence-parallel modes (autopar/rules/sequence.py)
     roots, root_bytes = _storage_roots(gm, nodes)
-    cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=_needs_grad(gm, nodes, graph.buffers))
+    cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=_graph_needs_grad(graph, nodes))
     _assign_representatives(cands)
     return cands
 
@@ -179,6 +179,16 @@ def _enumeration_key(spec, letters: frozenset):
     return (spec.inputs, spec.outputs, tuple(sorted(spec.sizes.items())), spec.unsplittable, spec.reduce,
             tuple(sorted(spec.special.items())), spec.partial_inputs, spec.addend_inputs, spec.replicate_only,
             letters)
+
+
+def _graph_needs_grad(graph: TracedGraph, nodes) -> set[str]:
+    """``_needs_grad``, kept on the graph per (parameters, buffers): it does not depend on the mesh."""
+    params = frozenset(n for n, info in nodes.items() if info.kind == "param")
+    key = (params, frozenset(graph.buffers))
+    cache = graph.__dict__.setdefault("_needs_grad", {})
+    if key not in cache:
+        cache[key] = frozenset(_needs_grad(graph.gm, nodes, graph.buffers))
+    return set(cache[key])
 
 
 def _needs_grad(gm, nodes, buffers) -> set[str]:
