@@ -33,7 +33,8 @@ MIP_GAP = 1e-3
 LP_BOUND = True
 # Above this many (producer, consumer) strategy pairs to price (a mesh with two model axes: tens
 # of thousands of shortest-path searches, seconds), an LP over the resharding floors is tried
-# first (about a second on such a mesh; on hf_llama's 1x2x2 mesh it prunes without pricing).
+# when the spanning-tree bound over them did not prune (the LP: about a second on such a mesh;
+# on hf_llama's 1x2x2 mesh the tree bound, milliseconds, prunes it now).
 FLOOR_LP_PAIRS = 20_000
 
 DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "pp", "pp_schedule", "micro_batch_size",
