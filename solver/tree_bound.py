@@ -9,16 +9,19 @@ A traced model's graph is not one (residual adds, q/k/v sharing one input), so:
   self edges (a repeated block feeding its next repeat) add their diagonal to the node;
 - a maximum spanning forest keeps the edges whose matrices vary most (max - min), where dropping
   them would lose the most;
-- every other edge is relaxed to its cheapest entry per strategy of one of its nodes
-  (``M.min(axis=0)`` added to the second node's costs): M[s, t] >= min_s M[s, t] for any s, so
-  the sum stays below the true cost of every choice;
+- every other edge is relaxed onto both of its nodes (``_split``): a[s] = min_t M[s, t] added to
+  the first node's costs and b[t] = min_s (M[s, t] - a[s]) >= 0 to the second's. For every pair
+  a[s] + b[t] <= a[s] + (M[s, t] - a[s]) = M[s, t], so the sum stays below the true cost of every
+  choice; and it is at least the one-sided relaxation ``a`` alone (b >= 0). (Relaxing onto the
+  second node only, min_s M[s, t], was 1.4% short of pruning hf_llama's 1x2x2 mesh on its
+  resharding floors, where this prunes it: 40x cheaper than the LP that did.)
 - the forest is solved exactly, leaves first: a child's message to its parent is, per parent
   strategy, the least of (child's costs + its own children's messages + the edge).
 
 Every choice of strategies costs at least the result, so it is a valid bound for pruning
 (autopar/search/outer.py uses it before the LP relaxation, which takes about 100x longer on
-thousands of strategies). It is at least the per-node bound with edges relaxed (the forest only
-tightens it) and neither above nor below the LP relaxation in general: the LP keeps every edge and
+thousands of strategies). It is at least the per-node bound with every edge relaxed onto its first
+node (the row minima; the forest and the column minima of the rest only tighten it) and neither above nor below the LP relaxation in general: the LP keeps every edge and
 the memory rows, the forest solves its edges integrally.
 """
 from __future__ import annotations
@@ -43,6 +46,13 @@ def _folded(problem: Problem):
     return costs, pairs
 
 
+def _split(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(a, b) with a[s] + b[t] <= m[s, t] for every pair (module doc): a the row minima, b the
+    column minima of what is left."""
+    a = m.min(axis=1)
+    return a, (m - a[:, None]).min(axis=0)
+
+
 def tree_lower_bound(problem: Problem) -> float:
     """A lower bound (seconds) of ``problem``'s optimum over every choice (module doc)."""
     costs, pairs = _folded(problem)
@@ -57,7 +67,9 @@ def tree_lower_bound(problem: Problem) -> float:
     tree = nx.maximum_spanning_tree(g)
     for (u, v), m in pairs.items():
         if g.has_edge(u, v) and not tree.has_edge(u, v):
-            costs[v] = costs[v] + m.min(axis=0)   # relaxed onto one node (module doc)
+            a, b = _split(m)   # relaxed onto both nodes (module doc)
+            costs[u] = costs[u] + a
+            costs[v] = costs[v] + b
     total = 0.0
     for comp in nx.connected_components(tree):
         root = min(comp)

@@ -13,10 +13,11 @@ from autopar.models import ZOO
 from autopar.search.predict import predict, step_time_lower_bound
 from autopar.pricing.price import Settings, price, price_edges
 from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
-from autopar.search.build import bound_problem, build_problem
+from autopar.search.build import bound_problem, build_problem, work_problem
 from autopar.search.outer import FLOOR_LP_PAIRS, MIP_GAP, configurations, search
 from autopar.frontend.trace import trace
 from solver.ilp import relaxation_bound, solve
+from solver.tree_bound import tree_lower_bound
 
 CASES = [
     ("gpt2", {}, ("cpu", dict(devices=4)), None),
@@ -72,6 +73,13 @@ def test_bounds_are_below_every_configurations_plan(case):
             assert np.all(floor <= P.edges[k] * (1 + 1e-9) + 1e-15), (cfg.mesh.describe(), k)
         assert node_bound <= step_time_lower_bound(F, edges=True) * (1 + 1e-12) + 1e-15
         assert step_time_lower_bound(F, edges=True) <= edge_bound * (1 + 1e-12) + 1e-15
+        # the spanning-tree bound over the floors, on the light problem the search builds for it
+        # (outer._pruned_by_floors): the costs and edges of bound_problem(build_problem(...))
+        light, full = work_problem(c, F), bound_problem(build_problem(c, F, cfg.settings), F)
+        assert all(np.array_equal(a, b) for a, b in zip(light.costs, full.costs, strict=True))
+        assert [(e.src, e.dst) for e in light.edges] == [(e.src, e.dst) for e in full.edges]
+        assert all(np.array_equal(e.cost, f.cost) for e, f in zip(light.edges, full.edges))
+        assert tree_lower_bound(light) <= step * (1 + 1e-9) + 1e-15, (cfg.mesh.describe(), cfg.settings)
         if len(cfg.mesh.model_axes()) > 1:   # the LP over the floors, as the search runs it there
             lp = relaxation_bound(bound_problem(build_problem(c, F, cfg.settings), F))
             assert lp <= step * (1 + 1e-6), (cfg.mesh.describe(), cfg.settings)
@@ -94,6 +102,27 @@ def test_floors_prune_the_two_axis_mesh_unpriced():
     s = Settings(budget=float(cluster.device.memory_bytes))
     P = price(c, cluster, s, edges=False)
     assert step_time_lower_bound(with_edge_floors(P, c, cluster, 1), edges=True) > 1.05 * step_time_lower_bound(P)
+
+
+def test_candidates_shared_across_nodes_and_meshes_equal_a_fresh_enumeration(case):
+    """candidates() keeps op specs on the graph and enumerates ops with equal specs once per mesh:
+    every node still gets exactly the strategies of its own spec (spec_for + enumerate_strategies)."""
+    from autopar.rules import spec_for
+    from autopar.rules.strategy import enumerate_strategies, propagate_batch
+    from autopar.rules.table import input_dim_sets
+    g, cluster, _ = case
+    for mesh in cluster.meshes():
+        c = candidates(g, mesh)
+        c = candidates(g, mesh)   # a second time: the graph's caches warm
+        batch_of = {n: info.batch_dims for n, info in c.nodes.items()}
+        for name in c.order:
+            info = c.nodes[name]
+            if info.kind != "op" or info.rep != name:
+                continue
+            spec = spec_for(info.node)
+            assert spec == info.spec, name
+            letters, _ = propagate_batch(spec, input_dim_sets(info.node, batch_of))
+            assert info.strategies == enumerate_strategies(spec, mesh, letters), (mesh.describe(), name)
 
 
 def test_ops_priced_once_per_mesh_match_a_fresh_pricing():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -200,10 +201,28 @@ def _strip_module_stacks(gm: GraphModule, prefix: str) -> None:
 # Front ends
 
 
+@contextmanager
+def _no_stack_traces():
+    """torch.export without a Python stack trace captured per created node (``node.meta
+    ["stack_trace"]``, which nothing in autopar reads): a third of a small model's export time
+    (hf_llama: 0.15 of 0.5 s). The graph, its other metadata and the fingerprint are unchanged."""
+    cfg = torch.fx.config
+    old = getattr(cfg, "do_not_emit_stack_traces", None)
+    if old is None:   # a torch without the switch: nothing to skip
+        yield
+        return
+    cfg.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        cfg.do_not_emit_stack_traces = old
+
+
 def _via_export(root: nn.Module, inputs: tuple):
     from torch.export.graph_signature import InputKind, OutputKind
 
-    ep = torch.export.export(root, inputs, strict=False)
+    with _no_stack_traces():
+        ep = torch.export.export(root, inputs, strict=False)
     sig = ep.graph_signature
     param_fqn, buffers, input_names, constants = {}, set(), [], {}
     for spec in sig.input_specs:

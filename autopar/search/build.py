@@ -146,6 +146,26 @@ def bound_problem(problem: Problem, P: Priced) -> Problem:
     return out
 
 
+def work_problem(c: Candidates, P: Priced) -> Problem:
+    """``bound_problem(build_problem(c, P, s), P)`` without its memory rows and checkpoint groups:
+    the same nodes, strategies (those valid for the micro-batch count), costs and edges, built
+    without the liveness terms. What solver/tree_bound.py reads (it drops memory and checkpoint
+    decisions: recompute time is >= 0), at a fraction of build_problem's cost; the outer search
+    bounds configurations with it before pricing their edges (autopar/search/outer.py)."""
+    reps = c.reps
+    index = {n: i for i, n in enumerate(reps)}
+    keep, costs = [], []
+    for n in reps:
+        S = len(c.nodes[n].strategies)
+        k = np.flatnonzero(P.valid[n]) if n in P.valid and P.valid[n].size else np.arange(S)
+        keep.append(k)
+        costs.append((P.compute[n] + P.comm[n] - P.grad_comm[n] + P.optimizer[n])[k] if n in P.compute
+                     else np.zeros(len(k)))
+    edges = [Edge(index[u], index[v], m[np.ix_(keep[index[u]], keep[index[v]])])
+             for (u, v), m in sorted(P.edges.items()) if u in index and v in index]
+    return Problem(node_names=list(reps), costs=costs, edges=edges)
+
+
 def chosen(problem: Problem, solution) -> dict[str, int]:
     """Node name -> index of the chosen candidate strategy (undoing ``restrict``)."""
     kept = getattr(problem, "kept", None)

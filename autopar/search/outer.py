@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
 from autopar.rules import sequence
-from autopar.search.build import bound_problem, build_problem, chosen
+from autopar.search.build import bound_problem, build_problem, chosen, work_problem
 from autopar.rules.candidates import Candidates, candidates
 from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
 from autopar.pricing.price import Settings, price, price_edges
@@ -35,7 +35,8 @@ MIP_GAP = 1e-3
 LP_BOUND = True
 # Above this many (producer, consumer) strategy pairs to price (a mesh with two model axes: tens
 # of thousands of shortest-path searches, seconds), an LP over the resharding floors is tried
-# first (about a second on such a mesh; on hf_llama's 1x2x2 mesh it prunes without pricing).
+# when the spanning-tree bound over them did not prune (the LP: about a second on such a mesh;
+# on hf_llama's 1x2x2 mesh the tree bound, milliseconds, prunes it now).
 FLOOR_LP_PAIRS = 20_000
 
 DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "sp_shape", "pp", "pp_schedule", "micro_batch_size",
@@ -487,8 +488,9 @@ def _with_saved_copies(problem, sol, cands, P, remaining, stats):
 def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None) -> bool:
     """Whether the resharding floors (autopar/pricing/edge_floor.py: each matrix entry's fewest
     collectives at their latency, no shortest-path search) already bound this configuration
-    above the best plan: first the per-node bound, then, where pricing the edges would be costly
-    (``FLOOR_LP_PAIRS``), the LP relaxation over the floors. Either way no edge is priced."""
+    above the best plan: first the per-node bound, then the spanning-tree bound over the floors
+    (solver/tree_bound.py), then, where pricing the edges would be costly (``FLOOR_LP_PAIRS``),
+    the LP relaxation over the floors. Either way no edge is priced."""
     nm = cfg.settings.num_micro_batches
     F = with_edge_floors(P, cands, cluster, nm)
     target = math.inf if best is None else best.prediction["step_time"]
@@ -498,14 +500,20 @@ def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None) -> b
         target = min(target, cutoff)
         if step_time_lower_bound(F, edges=True, work_only=True) >= target:
             return True
-    if not LP_BOUND or edge_pairs(cands, cluster) < FLOOR_LP_PAIRS:
+    if not LP_BOUND:
+        return False
+    # The spanning-tree bound over the floors (memory ignored, like the per-node bounds above): a
+    # few ms on hf_llama's meshes, where pricing the edges takes 40-120 ms (it prunes its 1x4 and
+    # 1x2x2 meshes and two of its pipelined inner configurations before their edges are priced);
+    # the LP below only where pricing would cost seconds.
+    if tree_lower_bound(work_problem(cands, F)) >= target:
+        return True
+    if edge_pairs(cands, cluster) < FLOOR_LP_PAIRS:
         return False
     problem = build_problem(cands, F, cfg.settings)
     if memory_floor_exceeds_budget(problem):
         return False   # the exact path reports it (and keeps the problem for the error message)
     relaxed = bound_problem(problem, F)
-    if tree_lower_bound(relaxed) >= target:   # milliseconds; the LP below tenths of a second
-        return True
     try:
         lp = relaxation_bound(relaxed, time_limit=remaining, cutoff=target)
     except PlanError:
