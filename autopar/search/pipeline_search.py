@@ -233,9 +233,13 @@ class _Pipelined:
 
 
 def _sp_of(result) -> int:
+    """The sequence-parallel degree of a result: the product of its sequence axes (the Ulysses x
+    ring hybrid has two)."""
+    import math
+
     from autopar.rules.sequence import seq_axes
     mesh = result.config.mesh
-    return max([mesh.shape[a] for a in seq_axes(mesh)], default=1)
+    return math.prod(mesh.shape[a] for a in seq_axes(mesh))
 
 
 def _with_sp(graph, cluster, base, flat, search_fn, err, kw, pipe):
