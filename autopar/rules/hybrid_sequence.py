@@ -36,7 +36,6 @@ import math
 
 from autopar.errors import ConstraintError
 from autopar.mesh import Mesh, enumerate_meshes
-from autopar.rules.layout import Layout
 from autopar.rules.strategy import Strategy
 
 HYBRID = "hybrid_attention"                         # ring pieces zig-zag (causal, load-balanced)
@@ -232,17 +231,9 @@ def _with_hybrid(st: Strategy, spec, f: dict, mesh: Mesh, ra: int, ua: int, algo
     from runtime.hybrid_sp import hybrid_bytes
     from runtime.ring_attention import ring_attention_flops
     from runtime.seq_layout import kv_repeat_factor
+    from autopar.rules.sequence import sequence_split
     r, u = mesh.shape[ra], mesh.shape[ua]
-
-    def seq_split(lay: Layout) -> Layout:
-        dims = list(lay.dims)
-        dims[2] = dims[2] + (ra, ua)
-        return Layout(tuple(dims), lay.partial)
-
-    ins = tuple(seq_split(l) if (l is not None and i < 3) else l for i, l in enumerate(st.inputs))
-    outs = (seq_split(st.outputs[0]),)
-    local = {ch: spec.sizes[ch] // math.prod(mesh.shape[x] for x, s in enumerate(st.splits) if s == ch)
-             for ch in spec.sizes}
+    ins, outs, local = sequence_split(st, spec, mesh, (ra, ua))
     b, h, hk, d = local["b"], local["h"], local.get("g", local["h"]), local["d"]
     if h % u or (hk * kv_repeat_factor(h, hk, u)) % u:
         return None
@@ -262,14 +253,9 @@ def _with_hybrid(st: Strategy, spec, f: dict, mesh: Mesh, ra: int, ua: int, algo
     work = fwd_flops / spec.flops if spec.flops else 1.0 / (r * u)
     splits_ = list(st.splits)
     splits_[ra] = splits_[ua] = "s"
-    name = "" if st.name == "R" else st.name
-    name = (name + " " if name else "") + f"S(s)@{mesh.names[ra]},{mesh.names[ua]} [{algo}]"
-    special = (algo,)
-    if f["causal_mask"]:
-        from autopar.rules.sequence import CAUSAL_MASK
-        name += " (attn_mask causal)"
-        special += (CAUSAL_MASK,)
-    return Strategy(name, ins, outs, tuple(splits_), work, comms, special)
+    from autopar.rules.sequence import sequence_strategy
+    return sequence_strategy(st, f"{mesh.names[ra]},{mesh.names[ua]}", algo, f["causal_mask"], ins, outs, splits_,
+                             work, comms)
 
 
 # ------------------------------------------------------------------ the plan

@@ -530,20 +530,27 @@ def _refuse(node, f, sp, algo) -> str | None:
     return None
 
 
-def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Strategy | None:
-    from runtime.ring_attention import ring_attention_bytes, ring_attention_flops
-    from runtime.ulysses import ulysses_bytes
-    sp = mesh.shape[a]
-
+def sequence_split(st: Strategy, spec, mesh: Mesh, axes: tuple[int, ...]):
+    """(input layouts, output layouts, local letter sizes) of SDPA strategy ``st`` with q, k, v
+    and the output split on the sequence (dim 2) over mesh ``axes`` too; the sizes are ``st``'s
+    (the sequence split is the algorithm's own)."""
     def seq_split(lay: Layout) -> Layout:
         dims = list(lay.dims)
-        dims[2] = dims[2] + (a,)
+        dims[2] = dims[2] + tuple(axes)
         return Layout(tuple(dims), lay.partial)
 
     ins = tuple(seq_split(l) if (l is not None and i < 3) else l for i, l in enumerate(st.inputs))
     outs = (seq_split(st.outputs[0]),)
     local = {ch: spec.sizes[ch] // math.prod(mesh.shape[x] for x, s in enumerate(st.splits) if s == ch)
              for ch in spec.sizes}
+    return ins, outs, local
+
+
+def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Strategy | None:
+    from runtime.ring_attention import ring_attention_bytes, ring_attention_flops
+    from runtime.ulysses import ulysses_bytes
+    sp = mesh.shape[a]
+    ins, outs, local = sequence_split(st, spec, mesh, (a,))
     b, h, hk, d = local["b"], local["h"], local.get("g", local["h"]), local["d"]
     s, isz = f["s"], f["itemsize"]
     splits = list(st.splits)
@@ -570,10 +577,18 @@ def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Str
         fwd_flops, _ = ring_attention_flops(b, h, s, d, sp, is_causal=f["causal"], layout=layout)
         # executed matmul FLOPs of the busiest rank (causal contiguous: the last rank does sp blocks)
         work = fwd_flops / spec.flops if spec.flops else 1.0 / sp
+    return sequence_strategy(st, mesh.names[a], algo, f["causal_mask"], ins, outs, splits, work, comms)
+
+
+def sequence_strategy(st: Strategy, axes: str, algo: str, causal_mask: bool, ins, outs, splits, work,
+                      comms) -> Strategy:
+    """The attention strategy running ``algo`` with the sequence split over ``axes`` (mesh axis
+    names) on top of ``st``: named after both, its special the algorithm (and CAUSAL_MASK when
+    the explicit mask it drops is the proven causal one)."""
     name = "" if st.name == "R" else st.name
-    name = (name + " " if name else "") + f"S(s)@{mesh.names[a]} [{algo}]"
+    name = (name + " " if name else "") + f"S(s)@{axes} [{algo}]"
     special = (algo,)
-    if f["causal_mask"]:
+    if causal_mask:
         name += " (attn_mask causal)"
         special += (CAUSAL_MASK,)
     return Strategy(name, ins, outs, tuple(splits), work, comms, special)
