@@ -68,3 +68,17 @@ def test_long_sequence_offers_sp_up_front_when_faster():
     free = autopar.plan(model, inputs, cluster)
     assert free.degrees["sp_mode"] in ("ulysses", "ring") and free.degrees["sp"] > 1, free.degrees
     assert free.step_time < no_sp.step_time and free.peak_memory <= cluster.device.memory_bytes
+
+
+def test_a_batch_smaller_than_the_nodes_is_placed_by_a_sequence_axis():
+    """One long sequence on 2 nodes: without a sequence axis no configuration exists (the data
+    axis spans the nodes and the batch of 1 does not divide), so the free search places it with a
+    sequence axis across them; "tensor parallelism only" still says why it cannot."""
+    from autopar.errors import ConstraintError
+    model, inputs = llama(n_head=4, n_kv_heads=4, seq=4096, batch=1)
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=2, devices=2)
+    with pytest.raises(ConstraintError, match="global batch 1"):
+        autopar.plan(model, inputs, cluster, constraints={"sp": 1})
+    plan = autopar.plan(model, inputs, cluster)
+    assert plan.degrees["sp"] * plan.degrees["tp"] * plan.degrees["pp"] == 4, plan.degrees
+    assert plan.degrees["sp"] > 1 and plan.degrees["dp"] == 1, plan.degrees

@@ -125,6 +125,13 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
         best, best_stats = search_fn(graph, cluster, base, flat, **kw)
     except MemoryBudgetError as e:
         err = e
+    except ConstraintError as e:
+        # no configuration without a sequence axis (a global batch smaller than the nodes: long
+        # contexts): a sequence axis across the nodes may place it (step 4 below), else ``e``
+        from autopar.search.sequence_search import has_sequence_attention, sp_free
+        if not (sp_free(flat) and has_sequence_attention(graph)):
+            raise
+        err = e
     pipe = _Pipelined(graph, cluster, base, flat, search_fn, kw, t0)
     best, best_stats, best_pipe = pipe.run(best, best_stats)
     if best is None:   # nothing fits: retried with sequence axes (step 4 of the module doc)

@@ -53,18 +53,21 @@ def search_with_sp(graph, cluster, constraints: dict, err, run):
     with each sequence-axis size ``sp_sizes`` pinned and the attention mode left to the ILP
     (``"auto"``: Ulysses, ring or the K/V all-gather per attention op). The fastest result, or,
     when none fits either, a MemoryBudgetError with the smallest peak over ``err`` and every
-    retry. ``err`` (the free search's MemoryBudgetError) is raised as it is when the retry does
-    not apply (sp pinned, or no attention over a sequence)."""
+    retry. ``err`` (the free search's MemoryBudgetError, or its ConstraintError when no
+    configuration without a sequence axis exists: a batch smaller than the nodes) is raised as it
+    is when the retry does not apply (sp pinned, or no attention over a sequence) or finds nothing."""
     if not sp_free(constraints) or not has_sequence_attention(graph):
         raise err
-    floors = [err.min_peak_bytes]
-    best = _fastest_over_sp(graph, cluster, constraints, run, floors)
+    floors = [getattr(err, "min_peak_bytes", None)]
+    budgets: list = []
+    best = _fastest_over_sp(graph, cluster, constraints, run, floors, budgets)
     if best is not None:
         return best
     floors = [f for f in floors if f is not None]
-    if not floors:
+    budget = getattr(err, "budget_bytes", None) or (budgets[0] if budgets else None)
+    if not floors or budget is None:
         raise err
-    raise no_fit_error(err.budget_bytes, min(floors))
+    raise no_fit_error(budget, min(floors))
 
 
 def no_fit_error(budget: int, floor: float) -> MemoryBudgetError:
@@ -153,11 +156,12 @@ def faster_with_sp(graph, cluster, constraints: dict, incumbent_time: float, run
     return best if best is not None and best[0].prediction["step_time"] < incumbent_time else None
 
 
-def _fastest_over_sp(graph, cluster, constraints: dict, run, floors: list | None = None):
+def _fastest_over_sp(graph, cluster, constraints: dict, run, floors: list | None = None, budgets: list | None = None):
     """The fastest ``run(constraints + sp)`` over ``sp_sizes``, each size also as the Ulysses x
     ring hybrid where that can pay (``hybrid_sequence.free_search_pins``: the axis spans nodes,
     or the heads do not divide by sp), or None; a run that does not fit adds its smallest peak to
-    ``floors``, one with no such mesh (batch / heads do not divide) or cut off is skipped."""
+    ``floors`` (and its budget to ``budgets``), one with no such mesh (batch / heads do not
+    divide) or cut off is skipped."""
     from autopar.rules.hybrid_sequence import free_search_pins
     best = None
     tries = []
@@ -172,6 +176,8 @@ def _fastest_over_sp(graph, cluster, constraints: dict, run, floors: list | None
         except MemoryBudgetError as e:
             if floors is not None:
                 floors.append(e.min_peak_bytes)
+            if budgets is not None:
+                budgets.append(e.budget_bytes)
             continue
         except PlanError:   # ConstraintError, CutOff and the rest
             continue
