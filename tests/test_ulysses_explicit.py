@@ -215,18 +215,17 @@ def test_saved_activations_match_prediction_explicit_ulysses(cons):
     from test_sequence_parallel_exec import _measure_saved, _predicted_saved
 
     from autopar.pricing.saved_probe import saved_bytes
-    from autopar.rules.sequence import policy_for
     from runtime.launch import run_local
     b, h, _, s, _, layers = _heads("gpt2", EXPLICIT)
     one = _plan("gpt2", 1, {}, **EXPLICIT)
     model, batch = ZOO["gpt2"](**EXPLICIT)
     eager = saved_bytes(model, *batch, exclude=list(model.parameters()) + list(model.buffers()))
-    pred_one = _predicted_saved("gpt2", one, autopar.Cluster.preset("cpu", devices=1), None, **EXPLICIT)
+    pred_one = _predicted_saved(one)
     assert abs(pred_one - eager) <= 0.02 * eager, (pred_one, eager)
     n = cons["sp"]
     plan = _plan("gpt2", n, cons, **EXPLICIT)
     assert plan.degrees["sp_mode"] == "ulysses"
-    pred = _predicted_saved("gpt2", plan, autopar.Cluster.preset("cpu", devices=n), policy_for(None, cons), **EXPLICIT)
+    pred = _predicted_saved(plan)
     # what the head split removes per rank: at least 1 - 1/sp of softmax's output, the one
     # (b, h, s, s) tensor explicit attention saves without dropout
     assert pred_one - pred >= layers * b * h * s * s * 4 * (1 - 1 / n), (pred_one, pred)
