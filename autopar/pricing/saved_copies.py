@@ -24,10 +24,12 @@ budget; ``with_copy_terms`` gives the ILP the copies of a plan's neighbourhood f
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from autopar.pricing.edge_price import _source_layout
@@ -35,6 +37,7 @@ from autopar.pricing.local_bytes import block_fraction
 from autopar.pricing.saved_roots import _VIEWISH
 from autopar.rules.candidates import Candidates
 from autopar.rules.layout import Layout, memory_order
+from autopar.rules.localize import local_call
 
 # ops returning a tuple of views of their input (read through getitem)
 _TUPLE_VIEWS = {"split", "split_with_sizes", "chunk", "unbind", "tensor_split"}
@@ -157,7 +160,6 @@ def saved_storage(c: Candidates, v: str, i: int, pick: dict[str, int], zz: set[i
             if m == v or node.target is operator.getitem:
                 continue
             info = c.nodes[m]
-            from autopar.rules.localize import local_call
             call = local_call(node, info.spec, info.strategies[pick[info.rep]], mesh)
             arg = node.all_input_nodes[0].name
             t = call.target(*[t if getattr(a, "name", None) == arg else a for a in call.args], **call.kwargs)
@@ -234,10 +236,6 @@ def with_copy_terms(problem, c: Candidates, P, pick: dict[str, int], seen: set):
     the rest (the exact bytes of what it picks are still ``copy_bytes``'). Terms go to the
     consumer's checkpoint group when it has one (a recomputed block saves nothing), else to every
     memory constraint. ``seen`` holds the (consumer, input, producer strategy) added so far."""
-    import dataclasses
-
-    import numpy as np
-
     index = {n: i for i, n in enumerate(problem.node_names)}
     kept = getattr(problem, "kept", None)
     group_of: dict[int, int] = {}
