@@ -77,6 +77,22 @@ def test_hybrid_u2_r2_on_4_processes_equals_one_process(name, algo):
 
 
 @pytest.mark.slow
+def test_hybrid_with_activation_checkpointing_bytes_as_priced():
+    """Full checkpointing reruns the attention's forward in backward: both axes send their forward
+    bytes again (the ring's backward, with fp32 dK/dV, is larger than its forward), and the plan's
+    per-axis bytes equal what runs (run_case)."""
+    plan, res = run_case("llama", 4, {"sp": 4, "sp_mode": "hybrid", "checkpoint": "full"})
+    assert plan.degrees["checkpoint"] == "full", plan.degrees
+    layers, (uly, ring) = _check_hybrid_plan(plan, "llama", HYBRID)
+    assert ring.backward_bytes > ring.forward_bytes
+    for out in res:
+        kinds = out[3]
+        assert kinds.get("sp_u:all_to_all", 0) == layers * (uly.total_bytes + uly.forward_bytes), (kinds, uly)
+        assert kinds.get("sp_r:ring_kv", 0) + kinds.get("sp_r:ring_dkv", 0) == \
+            layers * (ring.total_bytes + ring.forward_bytes), (kinds, ring)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_hybrid_saved_activations_match_prediction(name):
     """saved_tensors_hooks on every rank against the plan, within 2%, as for zig-zag ring (same
@@ -126,14 +142,14 @@ def test_hybrid_plan_degrees_axes_and_priced_bytes(name):
     from autopar.rules.sequence import policy_for
     plan = _plan(name, 4, HYBRID_4)
     layers, (uly, ring) = _check_hybrid_plan(plan, name)
-    # the chosen attention strategy's priced bytes per axis (forward entries, doubled for
-    # backward) are hybrid_bytes': all-to-alls on sp_u, the ring on sp_r
+    # the chosen attention strategy's priced bytes per axis (forward and backward entries) are
+    # hybrid_bytes': all-to-alls on sp_u, the ring on sp_r
     model, batch = ZOO[name]()
     c = candidates(trace(model, batch), plan.mesh, policy_for(None, HYBRID_4))
     ra, ua = plan.mesh.axis("sp_r"), plan.mesh.axis("sp_u")
     for op in _attention_ops(plan):
         st = next(s for s in c.nodes[op["node"]].strategies if s.name == op["strategy"])
-        per_axis = {a: 2 * sum(b for _, ax, b in st.comms if ax == a) for a in (ra, ua)}
+        per_axis = {a: sum(b for _, ax, b in st.comms + st.backward_comms if ax == a) for a in (ra, ua)}
         assert per_axis == {ua: uly.total_bytes, ra: ring.total_bytes}, (per_axis, uly, ring)
     # the plan's bytes on each axis include the attention's (plus the reshards around it)
     assert plan.comm_bytes["sp_u"] >= layers * uly.total_bytes and plan.comm_bytes["sp_r"] >= layers * ring.total_bytes

@@ -242,13 +242,17 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                 f, b = fb
                 compute[j] = (f + b) * nm * k
                 fwd[j] = f * nm * k
+                mirrored = st.backward_comms is None
                 for (kind, a, nbytes) in st.comms:
                     nb = nbytes / nm
-                    # forward collective and its backward conjugate move the same bytes
-                    comm_t[j] += 2 * nm * comm(kind, nb, a) * k
-                    axis_bytes[a][j] += 2 * nbytes * k
+                    # forward collective and (mirrored) its backward conjugate moving the same bytes
+                    comm_t[j] += (2 if mirrored else 1) * nm * comm(kind, nb, a) * k
+                    axis_bytes[a][j] += (2 if mirrored else 1) * nbytes * k
                     fwd_comm[j] += nm * comm(kind, nb, a) * k
                     fwd_bytes[a][j] += nbytes * k
+                for (kind, a, nbytes) in () if mirrored else st.backward_comms:
+                    comm_t[j] += nm * comm(kind, nbytes / nm, a) * k
+                    axis_bytes[a][j] += nbytes * k
                 # backward all-reduces of replicated inputs (autopar/pricing/conjugates.py); a
                 # batch-carrying tensor is 1/nm of its size each of the nm times backward runs
                 if base.region[j]:

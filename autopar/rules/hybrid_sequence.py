@@ -246,8 +246,10 @@ def _with_hybrid(st: Strategy, spec, f: dict, mesh: Mesh, ra: int, ua: int, algo
     comms = (("all_to_all", ua, float(h * one)), ("all_to_all", ua, float(2 * kvh * one)),
              ("all_to_all", ua, float(h * one)))
     assert abs(sum(c[2] for c in comms) - uly.forward_bytes) < 1e-6 * max(uly.forward_bytes, 1)
-    # the ring on the outer axis: one entry of half its forward + backward bytes (as ring attention)
-    comms += (("all_to_all", ra, (ring.forward_bytes + ring.backward_bytes) / 2.0),)
+    # Ulysses' backward mirrors its forward; the ring on the outer axis sends more backward (fp32
+    # dK/dV), so forward and backward are priced apart (as ring attention)
+    backward = comms + (("all_to_all", ra, float(ring.backward_bytes)),)
+    comms += (("all_to_all", ra, float(ring.forward_bytes)),)
     layout = "zigzag" if algo == HYBRID else "contiguous"
     fwd_flops, _ = ring_attention_flops(b, h // u, s, d, r, is_causal=f["causal"], layout=layout)
     work = fwd_flops / spec.flops if spec.flops else 1.0 / (r * u)
@@ -255,7 +257,7 @@ def _with_hybrid(st: Strategy, spec, f: dict, mesh: Mesh, ra: int, ua: int, algo
     splits_[ra] = splits_[ua] = "s"
     from autopar.rules.sequence import sequence_strategy
     return sequence_strategy(st, f"{mesh.names[ra]},{mesh.names[ua]}", algo, f["causal_mask"], ins, outs, splits_,
-                             work, comms)
+                             work, comms, backward)
 
 
 # ------------------------------------------------------------------ the plan

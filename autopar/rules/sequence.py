@@ -387,7 +387,8 @@ def head_split_strategies(spec, strategies, mesh: Mesh, a: int, head: str) -> li
         splits[a] = head
         name = "" if st.name == "R" else st.name
         name = (name + " " if name else "") + f"S({head})@{mesh.names[a]} {HEAD_TAG}"
-        out.append(Strategy(name, ins, outs, tuple(splits), st.work_fraction / sp, st.comms, st.special))
+        out.append(Strategy(name, ins, outs, tuple(splits), st.work_fraction / sp, st.comms, st.special,
+                            st.backward_comms))
     return out
 
 
@@ -570,28 +571,32 @@ def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Str
     else:
         layout = "zigzag" if algo == RING else "contiguous"
         tr = ring_attention_bytes(b, hk, s, d, sp, isz)
-        # Pricing doubles each forward entry for its backward: one entry carrying half of the
-        # forward + backward bytes keeps the byte count exact (fp32 dK/dV make backward larger).
+        # Forward and backward priced apart: backward also sends the fp32 dK/dV accumulators, and
+        # a recomputed (checkpointed) forward repeats the forward's bytes only.
         # Time: an all-to-all of that size on the axis ~ the ring's (sp-1) hops per direction.
-        comms = (("all_to_all", a, (tr.forward_bytes + tr.backward_bytes) / 2.0),)
+        comms = (("all_to_all", a, float(tr.forward_bytes)),)
+        backward = (("all_to_all", a, float(tr.backward_bytes)),)
         fwd_flops, _ = ring_attention_flops(b, h, s, d, sp, is_causal=f["causal"], layout=layout)
         # executed matmul FLOPs of the busiest rank (causal contiguous: the last rank does sp blocks)
         work = fwd_flops / spec.flops if spec.flops else 1.0 / sp
+        return sequence_strategy(st, mesh.names[a], algo, f["causal_mask"], ins, outs, splits, work, comms,
+                                 backward)
     return sequence_strategy(st, mesh.names[a], algo, f["causal_mask"], ins, outs, splits, work, comms)
 
 
 def sequence_strategy(st: Strategy, axes: str, algo: str, causal_mask: bool, ins, outs, splits, work,
-                      comms) -> Strategy:
+                      comms, backward_comms=None) -> Strategy:
     """The attention strategy running ``algo`` with the sequence split over ``axes`` (mesh axis
     names) on top of ``st``: named after both, its special the algorithm (and CAUSAL_MASK when
-    the explicit mask it drops is the proven causal one)."""
+    the explicit mask it drops is the proven causal one). ``backward_comms``: the backward's
+    collectives when they are not ``comms`` mirrored (``Strategy.backward_comms``)."""
     name = "" if st.name == "R" else st.name
     name = (name + " " if name else "") + f"S(s)@{axes} [{algo}]"
     special = (algo,)
     if causal_mask:
         name += " (attn_mask causal)"
         special += (CAUSAL_MASK,)
-    return Strategy(name, ins, outs, tuple(splits), work, comms, special)
+    return Strategy(name, ins, outs, tuple(splits), work, comms, special, backward_comms)
 
 
 # ------------------------------------------------------------------ what the plan did

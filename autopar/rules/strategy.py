@@ -31,6 +31,10 @@ class Strategy:
     work_fraction: float
     comms: tuple[tuple[str, int, float], ...]   # (kind, axis, nbytes per rank), forward
     special: tuple[str, ...] = ()
+    # The backward's collectives when they are not the forward's mirrored (None: backward moves
+    # what ``comms`` moves). Ring attention sends more backward (fp32 dK/dV travel too), and a
+    # recomputed forward repeats only the forward's bytes, so the two must be priced apart.
+    backward_comms: tuple[tuple[str, int, float], ...] | None = None
 
 
 def _letters_in_order(spec: OpSpec) -> list[str]:
