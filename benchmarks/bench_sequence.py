@@ -70,7 +70,7 @@ def longest(nodes: int, max_seq: int, constraints, start: int = 4096, log=print)
 def attention_modes(plan) -> dict[str, int]:
     """How many attention ops run each way: the special op of an SDPA strategy (ring, Ulysses), a
     head-split explicit core, or an attention kept whole / K/V all-gathered on the sequence."""
-    from autopar.rules.sequence import HEAD_TAG
+    from autopar.rules.sequence_heads import HEAD_TAG
     out: dict[str, int] = {}
     for op in plan.data["ops"]:
         if op["rule"] == "sdpa" or op.get("special") or HEAD_TAG in op["strategy"]:

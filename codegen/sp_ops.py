@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from autopar.errors import ExecutionError
 from autopar.rules import hybrid_sequence as HS
-from autopar.rules.sequence import ALGORITHMS, CAUSAL_MASK, RING, RING_CONTIGUOUS, ULYSSES
+from autopar.rules.sequence_attention import ALGORITHMS, CAUSAL_MASK, RING, RING_CONTIGUOUS, ULYSSES
 from runtime import sp_exec as SX
 
 

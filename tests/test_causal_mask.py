@@ -14,7 +14,7 @@ import autopar
 from autopar.frontend.trace import trace
 from autopar.models import HF_ZOO
 from autopar.rules.causal_mask import is_causal_value, mask_is_causal
-from autopar.rules.sequence import CAUSAL_MASK, RING, ULYSSES
+from autopar.rules.sequence_attention import CAUSAL_MASK, RING, ULYSSES
 
 torch.set_num_threads(1)
 

@@ -18,7 +18,7 @@ from exactness import assert_matches_eager, train_eagerly
 import autopar
 from autopar.models import HF_ZOO
 from autopar.models import ZOO as _ZOO
-from autopar.rules.sequence import CAUSAL_MASK
+from autopar.rules.sequence_attention import CAUSAL_MASK
 from runtime.launch import run_local
 
 torch.set_num_threads(1)
@@ -326,7 +326,7 @@ def test_saved_activations_match_prediction(name, cons):
     """saved_tensors_hooks on every rank against the plan, within 2%: exact for Ulysses, contiguous
     ring and Megatron-SP on the zoo Llama and GPT-2 (whose attention output the trace lays out like
     its (b, s, h, d) q: ring attention returns it so, and Ulysses' saved output is its own buffer,
-    autopar/rules/sequence.py ``_saves_as_run``); zig-zag ring also saves the int64 permutation
+    autopar/rules/sequence_attention.py ``saves_as_run``); zig-zag ring also saves the int64 permutation
     indices of its reshards (< 1%). Hugging Face Llama computes its RoPE cos/sin tables (from positions,
     whole on every rank): the sequence-split rows the RoPE multiplies save are views of them, so
     the whole (1, s, head_dim) tables stay alive where the plan prices their 1/sp rows.

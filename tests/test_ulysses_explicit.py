@@ -1,6 +1,6 @@
 """Ulysses for EXPLICIT matmul/softmax attention (issue 7): the attention core's ops split the
 head letter on the sequence axis, so the q/k/v edges into the core and the output edge out of
-it become reshard all-to-alls (autopar/rules/sequence.py ``head_letters``,
+it become reshard all-to-alls (autopar/rules/sequence_heads.py ``head_letters``,
 ``head_split_strategies``) -- no special runtime op.
 
 Execution cases train 3 SGD-with-momentum steps in fp32 on forked gloo ranks and must match one
@@ -21,7 +21,7 @@ import torch
 from test_sequence_parallel_exec import ZOO, run_case
 
 import autopar
-from autopar.rules.sequence import HEAD_TAG
+from autopar.rules.sequence_heads import HEAD_TAG
 
 torch.set_num_threads(1)
 
@@ -169,7 +169,7 @@ def test_head_split_nests_inside_tensor_parallel_heads():
     from autopar.mesh import Mesh
     from autopar.pricing.reshard import plan_reshard
     from autopar.rules.layout import Layout
-    from autopar.rules.sequence import head_split_strategies
+    from autopar.rules.sequence_heads import head_split_strategies
     from autopar.rules.spec import OpSpec
     from autopar.rules.strategy import enumerate_strategies
     mesh = Mesh((1, 2, 2), ("dp", "sp", "tp"), 8)

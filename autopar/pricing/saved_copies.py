@@ -49,7 +49,7 @@ def _op_name(node) -> str:
 
 def zigzag_axes(c: Candidates, pick: dict[str, int]) -> set[int]:
     """Mesh axes whose splits the plan makes zig-zag (load-balanced ring attention runs on them)."""
-    from autopar.rules.sequence import RING
+    from autopar.rules.sequence_attention import RING
 
     axes = set()
     for n, k in pick.items():

@@ -231,7 +231,7 @@ def _with_hybrid(st: Strategy, spec, f: dict, mesh: Mesh, ra: int, ua: int, algo
     from runtime.hybrid_sp import hybrid_bytes
     from runtime.ring_attention import ring_attention_flops
     from runtime.seq_layout import kv_repeat_factor
-    from autopar.rules.sequence import sequence_split
+    from autopar.rules.sequence_attention import sequence_split
     r, u = mesh.shape[ra], mesh.shape[ua]
     ins, outs, local = sequence_split(st, spec, mesh, (ra, ua))
     b, h, hk, d = local["b"], local["h"], local.get("g", local["h"]), local["d"]
@@ -255,7 +255,7 @@ def _with_hybrid(st: Strategy, spec, f: dict, mesh: Mesh, ra: int, ua: int, algo
     work = fwd_flops / spec.flops if spec.flops else 1.0 / (r * u)
     splits_ = list(st.splits)
     splits_[ra] = splits_[ua] = "s"
-    from autopar.rules.sequence import sequence_strategy
+    from autopar.rules.sequence_attention import sequence_strategy
     return sequence_strategy(st, f"{mesh.names[ra]},{mesh.names[ua]}", algo, f["causal_mask"], ins, outs, splits_,
                              work, comms, backward)
 

@@ -1,0 +1,201 @@
+"""Scaled-dot-product attention on sequence axes (issue 7): the algorithms' names, what an SDPA
+node is (``attention_facts``: shapes, mask proven causal or not, dropout), its strategies with
+q, k, v and the output split on the sequence (Ulysses all-to-all, load-balanced or contiguous
+ring attention, or the ordinary query split with K/V all-gathered by resharding), why an
+algorithm is refused for an op, and each strategy's price from the runtime's closed forms
+(``ulysses_bytes``, ``ring_attention_bytes``, ``ring_attention_flops``). The Ulysses x ring hybrid
+on two axes is autopar/rules/hybrid_sequence.py's; called from here."""
+from __future__ import annotations
+
+import math
+
+from autopar.errors import PlanError
+from autopar.mesh import Mesh
+from autopar.rules import hybrid_sequence as hybrid
+from autopar.rules.layout import Layout
+from autopar.rules.strategy import Strategy
+
+RING, RING_CONTIGUOUS, ULYSSES = "ring_attention", "ring_attention_contiguous", "ulysses_attention"
+ALGORITHMS = (RING, RING_CONTIGUOUS, ULYSSES) + hybrid.ALGORITHMS
+# In an SDPA strategy's special beside the algorithm: its attn_mask is the causal mask
+# (autopar/rules/causal_mask.py), so the algorithm runs is_causal=True without it.
+CAUSAL_MASK = "causal_attn_mask"
+
+
+def _arg(node, i, name, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def attention_facts(node) -> dict:
+    from autopar.rules.causal_mask import mask_is_causal
+    from autopar.rules.table import is_tensor
+    from autopar.rules.table import shape as tensor_shape
+    q, k, v = node.args[:3]
+    (b, h, s, d), (_, hk, t, _) = tensor_shape(q), tensor_shape(k)
+    mask = _arg(node, 3, "attn_mask")
+    # An explicit mask proven causal from the graph (Hugging Face models build one instead of
+    # passing is_causal=True: autopar/rules/causal_mask.py) is run as is_causal=True by the
+    # sequence-parallel algorithms, which drop it (CAUSAL_MASK in the strategy's special).
+    causal_mask, why = mask_is_causal(node) if is_tensor(mask) else (False, "")
+    return dict(b=b, h=h, hk=hk, s=s, t=t, d=d, e=tensor_shape(v)[-1], mask=is_tensor(mask) and not causal_mask,
+                dropout=float(_arg(node, 4, "dropout_p", 0.0) or 0.0),
+                causal=bool(_arg(node, 5, "is_causal", False)) or causal_mask, causal_mask=causal_mask,
+                mask_why=why, itemsize=q.meta["val"].element_size())
+
+
+def attention_strategies(node, spec, strategies, mesh: Mesh, sps, mode) -> list[Strategy]:
+    """SDPA strategies with the sequence split over the sp axis: Ulysses and/or ring attention
+    on top of every strategy of the other axes that keeps the sequence whole (``mode`` "ulysses",
+    "ring", "ring-contiguous" keep that algorithm only; "auto"/None offer both and the
+    replicated-on-sp ones)."""
+    if len(sps) == 2 and hybrid.axes(mesh) is not None:   # Ulysses x ring (autopar/rules/hybrid_sequence.py)
+        return hybrid.attention_strategies(node, spec, strategies, mesh, attention_facts(node))
+    if len(sps) != 1:
+        raise PlanError(f"{node.name}: attention over {len(sps)} sequence axes is planned only as sp_mode='hybrid'")
+    a = sps[0]
+    sp = mesh.shape[a]
+    f = attention_facts(node)
+    base = [st for st in strategies if st.splits[a] is None
+            and not any(st.inputs[i] is not None and st.inputs[i].dims[2] for i in range(3))]
+    algos = {"ulysses": [ULYSSES], "ring": [RING], "ring-contiguous": [RING_CONTIGUOUS]}.get(mode, [ULYSSES, RING])
+    why = []
+    out = []
+    for algo in algos:
+        reason = _refuse(node, f, sp, algo)
+        if reason:
+            why.append(reason)
+            continue
+        for st in base:
+            made = _with_algorithm(st, spec, f, mesh, a, algo)
+            if made is None:
+                why.append(f"{algo}: the local heads of {st.name} do not divide by sp={sp}")
+            else:
+                out.append(made)
+    # The ordinary strategies splitting the query rows on the axis: K/V (and a mask's key dim) are
+    # all-gathered by resharding, any mask's rows sliced like the queries (the all-gathered-K/V
+    # algorithm, priced as the reshards it runs). SDPA's rule allows them without is_causal.
+    gathered = [st for st in strategies if st.splits[a] == "s"]
+    if mode in ("ulysses", "ring", "ring-contiguous"):
+        if not out and gathered and f["mask"]:
+            import warnings
+            warnings.warn(f"autopar: {node.name} has an explicit attn_mask, which {mode} attention cannot split "
+                          f"(it is not provably causal: {f['mask_why']}); it runs sequence-split with K/V "
+                          f"all-gathered instead (priced)", stacklevel=2)
+            return gathered
+        if not out:
+            raise PlanError(f"{node.name} (scaled_dot_product_attention): sp_mode={mode!r} cannot run it on "
+                            f"sp={sp}: " + "; ".join(dict.fromkeys(why)))
+        return out
+    return out + gathered + base
+
+
+def saves_as_run(node, spec, strategies):
+    """The SDPA spec's saved tensors as its sequence-parallel algorithm keeps them, when every
+    strategy left runs one (a pinned mode; the spec is shared by all strategies of the node):
+
+    - an attn_mask proven causal is dropped (CAUSAL_MASK): nothing of it is saved, neither the
+      mask nor a fused kernel's copy of it in q's dtype;
+    - Ulysses saves the output of its local attention (head-split, between the two all-to-alls),
+      a buffer of its own: the op's output is the second all-to-all's result, which later ops
+      may save too (``y.transpose(1, 2)`` viewed by the output projection when the trace lays
+      the attention output out like a (b, s, h, d) q, as Hugging Face Llama's and GPT-2's are).
+      Priced as the op's output, those two were counted once.
+    Ring attention saves the output it returns (laid out like q, runtime/ring_attention.py)."""
+    import dataclasses
+    from autopar.rules.spec import Saved
+    saved = spec.saved
+    if all(CAUSAL_MASK in st.special for st in strategies):
+        mask = spec.inputs[3] if len(spec.inputs) > 3 else None
+        saved = tuple(sv for sv in saved if not ((sv.kind == "input" and sv.index == 3)
+                                                 or (sv.kind == "extra" and mask is not None and sv.letters == mask)))
+    if all(ULYSSES in st.special or any(a in st.special for a in hybrid.ALGORITHMS) for st in strategies):
+        isz = node.meta["val"].element_size()
+        saved = tuple(Saved("extra", letters=spec.outputs[0], itemsize=isz, act=True, on=sv.on)
+                      if sv.kind == "output" and sv.index == 0 else sv for sv in saved)
+    return spec if saved is spec.saved else dataclasses.replace(spec, saved=saved)
+
+
+def _refuse(node, f, sp, algo) -> str | None:
+    if f["s"] != f["t"]:
+        return f"cross-attention (query length {f['s']}, key length {f['t']}) is not sequence-parallel"
+    if f["dropout"]:
+        return f"attention dropout (dropout_p={f['dropout']}) is not supported by {algo}"
+    if f["mask"]:
+        return (f"an explicit attn_mask: {algo} supports no mask or is_causal=True only (ring attention would "
+                f"have to split a general mask over its blocks); write the attention as matmul/softmax to get "
+                f"the all-gathered-K/V form, or use is_causal")
+    chunks = 2 * sp if (algo == RING and f["causal"]) else sp
+    if f["s"] % chunks:
+        extra = " (load-balanced causal ring attention cuts it into 2·sp zig-zag chunks)" if chunks == 2 * sp else ""
+        return f"the sequence length {f['s']} does not divide into {chunks} chunks for sp={sp}{extra}"
+    if algo == ULYSSES and f["h"] % sp:
+        return f"Ulysses splits the {f['h']} heads over sp={sp} ranks: heads must divide by sp"
+    return None
+
+
+def sequence_split(st: Strategy, spec, mesh: Mesh, axes: tuple[int, ...]):
+    """(input layouts, output layouts, local letter sizes) of SDPA strategy ``st`` with q, k, v
+    and the output split on the sequence (dim 2) over mesh ``axes`` too; the sizes are ``st``'s
+    (the sequence split is the algorithm's own)."""
+    def seq_split(lay: Layout) -> Layout:
+        dims = list(lay.dims)
+        dims[2] = dims[2] + tuple(axes)
+        return Layout(tuple(dims), lay.partial)
+
+    ins = tuple(seq_split(l) if (l is not None and i < 3) else l for i, l in enumerate(st.inputs))
+    outs = (seq_split(st.outputs[0]),)
+    local = {ch: spec.sizes[ch] // math.prod(mesh.shape[x] for x, s in enumerate(st.splits) if s == ch)
+             for ch in spec.sizes}
+    return ins, outs, local
+
+
+def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Strategy | None:
+    from runtime.ring_attention import ring_attention_bytes, ring_attention_flops
+    from runtime.ulysses import ulysses_bytes
+    sp = mesh.shape[a]
+    ins, outs, local = sequence_split(st, spec, mesh, (a,))
+    b, h, hk, d = local["b"], local["h"], local.get("g", local["h"]), local["d"]
+    s, isz = f["s"], f["itemsize"]
+    splits = list(st.splits)
+    splits[a] = "s"
+    if algo == ULYSSES:
+        if h % sp or (hk * (math.lcm(hk, sp) // hk)) % sp:
+            return None
+        tr = ulysses_bytes(b, h, hk, s, d, sp, isz)
+        one = b * (s // sp) * d * isz
+        from runtime.seq_layout import kv_repeat_factor
+        kvh = hk * kv_repeat_factor(h, hk, sp)
+        # forward all-to-alls of q, stacked k/v and the output; backward moves the same (priced x2)
+        comms = (("all_to_all", a, float(h * one)), ("all_to_all", a, float(2 * kvh * one)),
+                 ("all_to_all", a, float(h * one)))
+        assert abs(sum(c[2] for c in comms) - tr.forward_bytes) < 1e-6 * max(tr.forward_bytes, 1)
+        work = 1.0 / sp
+    else:
+        layout = "zigzag" if algo == RING else "contiguous"
+        tr = ring_attention_bytes(b, hk, s, d, sp, isz)
+        # Forward and backward priced apart: backward also sends the fp32 dK/dV accumulators, and
+        # a recomputed (checkpointed) forward repeats the forward's bytes only.
+        # Time: an all-to-all of that size on the axis ~ the ring's (sp-1) hops per direction.
+        comms = (("all_to_all", a, float(tr.forward_bytes)),)
+        backward = (("all_to_all", a, float(tr.backward_bytes)),)
+        fwd_flops, _ = ring_attention_flops(b, h, s, d, sp, is_causal=f["causal"], layout=layout)
+        # executed matmul FLOPs of the busiest rank (causal contiguous: the last rank does sp blocks)
+        work = fwd_flops / spec.flops if spec.flops else 1.0 / sp
+        return sequence_strategy(st, mesh.names[a], algo, f["causal_mask"], ins, outs, splits, work, comms,
+                                 backward)
+    return sequence_strategy(st, mesh.names[a], algo, f["causal_mask"], ins, outs, splits, work, comms)
+
+
+def sequence_strategy(st: Strategy, axes: str, algo: str, causal_mask: bool, ins, outs, splits, work,
+                      comms, backward_comms=None) -> Strategy:
+    """The attention strategy running ``algo`` with the sequence split over ``axes`` (mesh axis
+    names) on top of ``st``: named after both, its special the algorithm (and CAUSAL_MASK when
+    the explicit mask it drops is the proven causal one). ``backward_comms``: the backward's
+    collectives when they are not ``comms`` mirrored (``Strategy.backward_comms``)."""
+    name = "" if st.name == "R" else st.name
+    name = (name + " " if name else "") + f"S(s)@{axes} [{algo}]"
+    special = (algo,)
+    if causal_mask:
+        name += " (attn_mask causal)"
+        special += (CAUSAL_MASK,)
+    return Strategy(name, ins, outs, tuple(splits), work, comms, special, backward_comms)
