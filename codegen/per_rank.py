@@ -62,6 +62,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.pricing.conjugates import region_inputs
 from autopar.pricing.cost import Collectives
+from autopar.pricing.regather import keeps_shard
 from autopar.rules.layout import Layout
 from autopar.rules import spec_for, tensor_inputs
 from autopar.rules.localize import local_call
@@ -75,6 +76,8 @@ from codegen.retarget import retarget, retarget_module
 from codegen.selective import selective_regions
 from codegen.random_ops import is_random, random_block
 from runtime import context as RC
+from runtime import regather as RG
+from runtime import sp_exec as SX
 from runtime import rng as RNG
 from runtime import special as SP
 from autopar.rules.sequence import zigzag_axes
@@ -109,6 +112,7 @@ class _Builder:
         self.data_axes = tuple(a for a in self.mesh.data_axes() if self.mesh_shape[a] > 1)
         self.attrs: dict[str, object] = {}      # get_attr targets of the new program (submodules, constants)
         self.region: str | None = None           # checkpointed block instance being emitted (module FQN)
+        self.full_region = False                 # ... and whether it is recomputed whole
         self.source: str | None = None           # traced node being emitted (pipeline stages split by it)
         self.region_nodes: dict[str, list[fx.Node]] = {}
         self.nm = int(plan.data.get("degrees", {}).get("num_micro_batches", 1) or 1)
@@ -268,6 +272,7 @@ class _Builder:
                 continue
             g, i, _ = traced.block_of.get(n.name, (None, None, None))
             self.region = traced.blocks[g].module_fqns[i] if g in ckpt else selective.get(n.name)
+            self.full_region = g in ckpt
             self.source = n.name
             for c in starts.get(k, ()):
                 self.call(RC.zero3_gather, (c,))
@@ -288,6 +293,7 @@ class _Builder:
                     self.env[m.name] = self.call(RC.zero3_exit, (self.env[m.name], (c,)))
                 self.call(RC.zero3_free, (c,))
         self.region = self.source = None
+        self.full_region = False
 
         # The loss: returned as this rank's local value (partial over loss_layout.partial); with
         # micro-batches, a loss that does not depend on the batch at all counts 1/nm per micro-batch.
@@ -330,6 +336,15 @@ class _Builder:
         self.attrs[name] = obj
         self.env[n.name] = self.g.get_attr(name)
         self.layout[n.name] = Layout.replicated(obj.dim()) if isinstance(obj, torch.Tensor) else None
+
+    def _keeps_shard(self, n: fx.Node, spec, call, new_inputs, producers, needs_grad) -> bool:
+        """A linear reading its input through one all-gather, outside a recomputed block: it runs
+        as ``runtime.regather.linear_keeping_shard``, as priced (autopar/pricing/regather.py)."""
+        if self.full_region or call.target is not torch.ops.aten.linear.default or len(producers) < 2:
+            return False
+        if not keeps_shard(spec.rule, 0, producers[1].name in needs_grad):
+            return False
+        return _gathered_once(new_inputs[0], self.env[producers[0].name])
 
     def _emit_op(self, n: fx.Node, spec, st: Strategy, needs_grad, partial_params):
         op = self.ops[n.name]
@@ -381,6 +396,11 @@ class _Builder:
                 out = self.call(fn, args, dict(kwargs, axes=axes), name=n.name)
             else:
                 out = self.call(call.target, args, kwargs, name=n.name)
+        elif self._keeps_shard(n, spec, call, new_inputs, producers, needs_grad):
+            full = new_inputs[0]   # the one all-gather of the shard (runtime/regather.py)
+            out = self.call(RG.linear_keeping_shard, (args[0], full.args[0], *args[1:]),
+                            dict(kwargs, dim=full.args[1], axis=full.kwargs["axis"],
+                                 zigzag=full.target is SX.zz_all_gather), name=n.name)
         elif is_random(n):
             # Replicas of the output block draw the same mask, other blocks their own (runtime/rng.py).
             block = random_block(self.norm(Layout.from_json(op["outputs"][0])), self.coords)
@@ -396,6 +416,11 @@ class _Builder:
         outs = [self.norm(Layout.from_json(j)) for j in op["outputs"]]
         v = _val(n)
         self.layout[n.name] = outs if isinstance(v, (tuple, list)) else outs[0]
+
+
+def _gathered_once(x, shard) -> bool:
+    """Whether ``x`` is the emitted all-gather of ``shard`` (one reshard step, no conjugate)."""
+    return isinstance(x, fx.Node) and x.target in (RC.all_gather, SX.zz_all_gather) and x.args[0] is shard
 
 
 def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None,

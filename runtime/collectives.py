@@ -111,6 +111,30 @@ def _raw_all_gather(x, dim, group, label):
     return torch.cat(parts, dim=dim)
 
 
+class PendingGather:
+    """An all-gather started with ``start_all_gather``: ``wait()`` returns what ``_raw_all_gather``
+    would have, once the transfer is done (compute issued in between overlaps it)."""
+
+    def __init__(self, work, parts: list[torch.Tensor], dim: int):
+        self.work, self.parts, self.dim = work, parts, dim
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return torch.cat(self.parts, dim=self.dim) if len(self.parts) > 1 else self.parts[0]
+
+
+def start_all_gather(x: torch.Tensor, dim: int, group, label: str) -> PendingGather:
+    """``_raw_all_gather`` issued asynchronously (no autograd), counted as one all_gather."""
+    n = _size(group)
+    x = x.contiguous()
+    COMM_STATS.add(label, "all_gather", _nbytes(x) * n)
+    if n == 1:
+        return PendingGather(None, [x.clone()], dim)
+    parts = [torch.empty_like(x) for _ in range(n)]
+    return PendingGather(dist.all_gather(parts, x, group=group, async_op=True), parts, dim)
+
+
 def _raw_reduce_scatter(x, dim, group, label):
     n = _size(group)
     me = dist.get_rank(group)

@@ -97,6 +97,11 @@ def setup(mesh, device: str = "cpu", pp: int = 1) -> Context:
     return ctx
 
 
+def group_of(axis: int):
+    """(process group, label) of mesh ``axis`` on this rank."""
+    return _g(axis)
+
+
 def _g(axis: int):
     ctx = current()
     return ctx.groups[axis], ctx.labels[axis]

@@ -59,6 +59,12 @@ def _perm(x: torch.Tensor, dim: int, sp: int, inverse: bool) -> torch.Tensor:
     return x.index_select(dim, fn(x.shape[dim], sp, "zigzag").to(x.device))
 
 
+def unzigzag(x: torch.Tensor, dim: int, *, axis: int) -> torch.Tensor:
+    """The blocks of ``dim`` as a plain all-gather over zig-zag axis ``axis`` concatenates them,
+    put back in sequence order (what ``zz_all_gather`` does after its gather)."""
+    return _perm(x, dim, _group(axis)[2], True)
+
+
 def zz_slice(x: torch.Tensor, dim: int, *, axis: int) -> torch.Tensor:
     g, lab, sp = _group(axis)
     return C.slice_block(_perm(x, dim, sp, False), dim, g, lab)

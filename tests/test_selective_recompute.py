@@ -305,6 +305,42 @@ def test_korthikanti_closed_forms_per_layer(tp):
     assert none + saved_n == round(sbh * (10 + 24 / tp + 5 * A * S / (H * tp))) + 16 * S + S * S
 
 
+def _per_layer_sp(tp, checkpoint):
+    """The plan's activation bytes of one layer (3-layer stack minus 2-layer) under Megatron-SP."""
+    acts = []
+    for n in (2, 3):
+        model, inputs = _stack(n)
+        cons = {"dp": 1, "tp": tp, "zero": 0, "checkpoint": checkpoint, "num_micro_batches": 1,
+                "tp_mode": "1d", "sp_mode": "megatron"}
+        plan = autopar.plan(model, inputs, autopar.Cluster.preset("dgx-a100", devices=tp), precision="bf16",
+                            constraints=cons, policy="megatron")
+        assert plan.degrees["sp_mode"] == "megatron" and plan.degrees["sp"] == tp, plan.degrees
+        assert plan.degrees["checkpoint"] == checkpoint
+        # the premise: the QKV and FC1 linears are column-parallel and read the norms' sequence
+        # shards through one all-gather, which they keep instead of the gathered input
+        col = [op for op in plan.data["ops"] if op["rule"] == "linear" and "S(n)" in op["strategy"]]
+        assert len(col) == 2 * n, [op["strategy"] for op in plan.data["ops"] if op["rule"] == "linear"]
+        acts.append(plan.memory_breakdown["activations"])
+    return acts[1] - acts[0]
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_korthikanti_closed_forms_with_sequence_parallelism(tp):
+    """Korthikanti et al.'s TP+SP forms, per layer: sbh/t(34 + 5as/h) without recompute and 34sbh/t
+    with selective recompute (16-bit activations, 1-byte dropout masks), within 5%. They hold
+    because the column-parallel linears keep the norms' sequence shards and all-gather them
+    again in backward (runtime/regather.py), as Megatron-LM does; saving the gathered inputs
+    instead is 4sbh(1 - 1/t) more per layer (+22% / +82% at t=8). What the 5% hides, to the
+    byte: the layer norms' fp32 mean/rstd on 1/t of the rows (16S/t), and without recompute
+    the causal mask (s^2 bool, whole on every rank)."""
+    sbh = S * 1 * H
+    none, selective = _per_layer_sp(tp, "none"), _per_layer_sp(tp, "selective")
+    assert none == pytest.approx(sbh / tp * (34 + 5 * A * S / H), rel=0.05)
+    assert selective == pytest.approx(34 * sbh / tp, rel=0.05)
+    assert selective == round(34 * sbh / tp) + 16 * S // tp
+    assert none == round(sbh / tp * (34 + 5 * A * S / H)) + 16 * S // tp + S * S
+
+
 # ------------------------------------------------------------------ several processes
 
 def _train(rank, world, plan_json, steps, kw, measure):

@@ -15,7 +15,9 @@ import torch
 from autopar.cluster import Cluster
 from autopar.mesh import Mesh
 from autopar.pricing.conjugates import step_traffic
+from autopar.pricing.cost import exposed_comm, profile_of
 from autopar.pricing.local_bytes import runtime_itemsize
+from autopar.pricing.regather import keeps_shard
 from autopar.pricing.reshard import plan_reshard
 from autopar.rules.candidates import Candidates, NodeInfo
 from autopar.rules.layout import Layout
@@ -80,6 +82,8 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
     graph's edges; edges of repeated block instances are priced once and multiplied."""
     mesh = c.mesh
     nm = s.num_micro_batches
+    cal = profile_of(cluster)
+    slowdown = cal.overlap_slowdown if cal else 0.0
     cache: dict = {}
     for n, prod, info, i, pname, shape, dtype, bdim in edge_groups(c):
         itemsize = runtime_itemsize(dtype, s.precision)
@@ -89,16 +93,25 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
         fmat = np.zeros((S, T))
         fbytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
         srcs, dsts = edge_layouts(prod, info, i, len(shape))
+        ins = c.inputs(info.node)
+        regather = keeps_shard(info.spec.rule if info.spec is not None else "", i,
+                               len(ins) > 1 and ins[1].name in c.needs_grad)
+        if regather:   # the consumer's forward seconds per instance and micro-batch, per strategy
+            dgrad = P.fwd_compute[info.rep] / (nm * max(1, info.repeats))
         for b_i, dst in enumerate(dsts):
             for a_i, src in enumerate(srcs):
                 if src == dst:
                     continue
                 # a value no gradient flows back to (token ids, buffers) runs no backward conjugates
                 grad = pname in c.needs_grad
-                ck = (src, dst, shape, itemsize, bdim, grad)
+                ck = (src, dst, shape, itemsize, bdim, grad, regather)
                 if ck not in cache:
-                    cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm, grad)
-                t, per_axis, tf, per_axis_f = cache[ck]
+                    cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm, grad, regather)
+                t, per_axis, tf, per_axis_f, rg = cache[ck]
+                if rg:
+                    # runtime/regather.py gathers again while the input gradient's GEMM (the
+                    # forward's FLOPs) runs: only what that does not hide is exposed
+                    t += nm * exposed_comm(rg, dgrad[b_i] if grad else 0.0, True, slowdown)
                 mat[a_i, b_i] = t
                 fmat[a_i, b_i] = tf
                 for a in range(len(mesh.shape)):
@@ -119,10 +132,16 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
             P.edge_fwd_bytes[key] = [n * y for y in fbytes_axes]
 
 
-def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm, grad: bool = True):
+def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm, grad: bool = True, regather: bool = False):
     """(seconds, bytes per mesh axis) of resharding one tensor, forward and backward, over all
-    ``nm`` micro-batches, then the same for the forward steps alone; a batch-carrying tensor
-    (batch dim ``bdim``) is 1/nm of its size each time."""
+    ``nm`` micro-batches, then the same for the forward steps alone (what a recomputed block
+    runs again); a batch-carrying tensor (batch dim ``bdim``) is 1/nm of its size each time.
+
+    ``regather``: the consumer is a linear keeping the shard (autopar/pricing/regather.py). When
+    the reshard is one all-gather, backward gathers again: its bytes are in the edge's, and its
+    seconds per micro-batch come back as the fifth value (the caller overlaps them with the
+    consumer's input-gradient GEMM); nothing more when its block is recomputed (the recomputed
+    forward's gather then stands in for the regather, and the linear runs plain there)."""
     local_shape = tuple(shape)
     if bdim is not None and shape[bdim] % nm == 0:
         local_shape = tuple(x // nm if d == bdim else x for d, x in enumerate(shape))
@@ -144,7 +163,7 @@ def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm, grad: bool
     if traffic is None:
         # A layout that does not divide one micro-batch: the strategy is unusable with this many
         # micro-batches. Forbid it through a prohibitive cost rather than a constraint.
-        return FORBIDDEN, per_axis, 0.0, fwd_axis
+        return FORBIDDEN, per_axis, 0.0, fwd_axis, 0.0
     t = tf = 0.0
     for tr in traffic:
         for kind in (tr.forward, tr.backward if grad else None):
@@ -154,4 +173,10 @@ def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm, grad: bool
         if tr.forward:
             tf += comm(tr.forward, tr.nbytes, tr.axis) * nm
             fwd_axis[tr.axis] += tr.nbytes * nm
-    return t, per_axis, tf, fwd_axis
+    rg = 0.0
+    if regather and len(traffic) == 1 and traffic[0].forward == "all_gather":
+        tr = traffic[0]
+        rg = comm("all_gather", tr.nbytes, tr.axis)
+        per_axis[tr.axis] += tr.nbytes * nm
+        tf, fwd_axis = 0.0, [0.0] * len(mesh.shape)
+    return t, per_axis, tf, fwd_axis, rg

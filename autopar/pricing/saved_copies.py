@@ -34,6 +34,7 @@ import torch
 
 from autopar.pricing.edge_price import _source_layout
 from autopar.pricing.local_bytes import block_fraction
+from autopar.pricing.regather import keeps_shard, single_gather
 from autopar.pricing.saved_roots import _VIEWISH
 from autopar.rules.candidates import Candidates
 from autopar.rules.layout import Layout, memory_order
@@ -123,8 +124,9 @@ def _local_value(c: Candidates, name: str, pick: dict[str, int], order: str | No
 
 
 def saved_storage(c: Candidates, v: str, i: int, pick: dict[str, int], zz: set[int], orders: dict | None = None):
-    """(storage key, its local bytes in the traced dtype) of what consumer ``v`` saves as its input
-    ``i`` on a rank, or None when the chain cannot be replayed. Keys: a node name for a storage
+    """(storage key, its local bytes in the traced dtype, kept) of what consumer ``v`` saves as its
+    input ``i`` on a rank, or None when the chain cannot be replayed; ``kept``: a linear keeping
+    the shard of its all-gathered input (autopar/pricing/regather.py), which is what it saves. Keys: a node name for a storage
     that node's kernel (or view op) made, ("copy", m, j) for the result of the reshard into node
     m's input j. ``orders``: op -> the memory order its kernel lays its output out in on the
     device (``Priced.storage_order``: flash attention's output is laid out like q)."""
@@ -143,6 +145,7 @@ def saved_storage(c: Candidates, v: str, i: int, pick: dict[str, int], zz: set[i
     if t is None:
         return None
     key, st = c.storage_root.get(n, n), t.untyped_storage()
+    kept = False
     try:
         for m, j in [(m, 0) for m in reversed(chain)] + [(v, i)]:
             node = c.nodes[m].node
@@ -152,6 +155,9 @@ def saved_storage(c: Candidates, v: str, i: int, pick: dict[str, int], zz: set[i
             if lays is None:
                 return None
             src, dst = (x.normalized(mesh) for x in lays)
+            if m == v and src != dst and _keeps_shard(c, v, i) and single_gather(src, dst):
+                kept = True    # the linear saves the shard it gathers again in backward (regather.py)
+                break
             if src != dst:
                 val = node.meta["val"] if node.target is operator.getitem else c.inputs(node)[j].meta["val"]
                 t = _reshard(t, val, src, dst, mesh, zz)
@@ -167,7 +173,14 @@ def saved_storage(c: Candidates, v: str, i: int, pick: dict[str, int], zz: set[i
                 key, st = m, t.untyped_storage()
     except Exception:      # a shape the replay cannot reproduce: keep node pricing's storage
         return None
-    return key, st.nbytes()
+    return key, st.nbytes(), kept
+
+
+def _keeps_shard(c: Candidates, v: str, i: int) -> bool:
+    info = c.nodes[v]
+    ins = c.inputs(info.node)
+    return keeps_shard(info.spec.rule if info.spec is not None else "", i,
+                       len(ins) > 1 and ins[1].name in c.needs_grad)
 
 
 def copy_bytes(c: Candidates, P, pick: dict[str, int]) -> dict[str, float]:
@@ -198,10 +211,10 @@ def copy_bytes(c: Candidates, P, pick: dict[str, int]) -> dict[str, float]:
         x = c.inputs(c.nodes[v].node)
         for i, root, _here, nbytes in entries:
             got = saved_storage(c, v, i, pick, zz, P.storage_order)
-            key, local = (root, None) if got is None else got
+            key, local, kept = (root, None, False) if got is None else got
             if key in saved:
                 continue
-            if key == root and root in by_input:
+            if key == root and root in by_input and not kept:
                 saved[key] = (v, by_input[root])
             elif local is not None:
                 # replayed bytes in the traced dtype of one rank, at nbytes' scale (working
@@ -262,10 +275,14 @@ def with_copy_terms(problem, c: Candidates, P, pick: dict[str, int], seen: set):
                 continue
             seen.add(key)
             arr = np.zeros(len(info.strategies))
+            ks = _keeps_shard(c, v, i)
             for t, st in enumerate(info.strategies):
                 dst = st.inputs[i] if i < len(st.inputs) and st.inputs[i] is not None else None
-                if dst is not None and not _slices_only(src, dst.normalized(mesh)):
-                    arr[t] = nbytes * block_fraction(dst, c.mesh)
+                if dst is None or _slices_only(src, dst.normalized(mesh)):
+                    continue
+                if ks and single_gather(src, dst.normalized(mesh)):
+                    continue    # a linear keeping the shard: no copy saved
+                arr[t] = nbytes * block_fraction(dst, c.mesh)
             ni = index[v]
             term = (ni, arr[kept[ni]] if kept is not None else arr)
             if ni in group_of:
