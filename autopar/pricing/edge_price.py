@@ -110,8 +110,12 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
                 t, per_axis, tf, per_axis_f, rg = cache[ck]
                 if rg:
                     # runtime/regather.py gathers again while the input gradient's GEMM (the
-                    # forward's FLOPs) runs: only what that does not hide is exposed
-                    t += nm * exposed_comm(rg, dgrad[b_i] if grad else 0.0, True, slowdown)
+                    # forward's FLOPs) runs: only what that does not hide is exposed. A recomputed
+                    # block runs the plain gather again instead, unhidden: the rest of it is the
+                    # recompute's.
+                    shown = exposed_comm(rg, dgrad[b_i] if grad else 0.0, True, slowdown)
+                    t += nm * shown
+                    tf += nm * max(0.0, rg - shown)
                 mat[a_i, b_i] = t
                 fmat[a_i, b_i] = tf
                 for a in range(len(mesh.shape)):
