@@ -356,7 +356,10 @@ def _run(plan, measure=True, **kw):
     return run_local(_train, plan.mesh.size, args=(plan.to_json(), STEPS, kw, measure), timeout=400)
 
 
-CASES = {"dp2": ({"dp": 2, "tp": 1, "zero": 0}, None), "tp2": ({"dp": 1, "tp": 2, "zero": 0}, "megatron")}
+CASES = {"dp2": ({"dp": 2, "tp": 1, "zero": 0}, None), "tp2": ({"dp": 1, "tp": 2, "zero": 0}, "megatron"),
+         # Megatron-SP: norms and dropouts on the sequence halves, the column-parallel linears
+         # keeping the halves they all-gather (runtime/regather.py), the cores recomputed
+         "tp2-sp": ({"dp": 1, "tp": 2, "zero": 0, "sp_mode": "megatron"}, "megatron")}
 _RESULTS: dict = {}
 
 
@@ -400,7 +403,7 @@ def test_selective_training_matches_eager(key):
     for k, v in ref_sd.items():
         torch.testing.assert_close(torch.from_numpy(res[0]["sd"][k]), v, rtol=1e-4, atol=1e-6,
                                    msg=lambda m: f"{k}: {m}")
-    if key == "tp2":   # the tensor-parallel axis really splits the blocks' weights
+    if key.startswith("tp2"):   # the tensor-parallel axis really splits the blocks' weights
         assert any(a == 1 for v in plan.data["params"].values() for d in v["layout"]["dims"] for a in d)
 
 
@@ -429,7 +432,12 @@ def test_saved_activation_bytes_match_plan(key):
             assert m["regions"] == (2 if ck == "selective" else 0) and (m["kept"] > 0) == (ck == "selective")
             assert m["total"] == pytest.approx(predicted, rel=0.02), (key, ck, r, m, predicted)
     sel, none = runs["selective"][1][0]["measured"], runs["none"][1][0]["measured"]
-    assert sel["total"] < none["total"]
+    pred = {ck: runs[ck][0].data["predictions"]["memory_breakdown"]["activations"] for ck in ("none", "selective")}
+    # the order holds as predicted: selective keeps less on dp2 / tp2; under Megatron-SP on this
+    # 2-layer toy the plan predicts it keeps more (measured: 906,120 against 808,072 B), and it does
+    assert (sel["total"] < none["total"]) == (pred["selective"] < pred["none"]), (sel, none, pred)
+    if key in ("dp2", "tp2"):
+        assert sel["total"] < none["total"]
 
 
 @pytest.mark.slow
