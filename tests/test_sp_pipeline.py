@@ -236,3 +236,14 @@ def test_free_search_finds_pp_x_sp_when_memory_needs_both():
     assert free.mesh.shape[free.mesh.axis("sp")] == 2 and free.world_size == 4
     assert len(free.data["stages"]) == 2 and free.peak_memory <= budget
     assert free.stats["pipeline_candidates"] >= 1
+
+
+@pytest.mark.slow
+def test_llama_zero_bubble_x_megatron_sp_tp2():
+    """Zero-bubble (PyTorch's InterleavedZeroBubble: input and weight gradients in separate passes)
+    with Megatron-SP in each stage: the column-parallel linears keep their all-gathered inputs'
+    sequence shards and gather them again in backward (runtime/regather.py, an autograd function
+    computing both gradients in one backward); equal to one process, bytes per axis = plan."""
+    plan, res = _run("llama", {"pp": 2, "tp": 2, "sp_mode": "megatron", "num_micro_batches": 4,
+                               "pp_schedule": "zero-bubble"}, n_layer=4)
+    assert plan.degrees["sp_mode"] == "megatron" and plan.degrees["pp_schedule"] == "zero-bubble"
