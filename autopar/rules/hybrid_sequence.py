@@ -210,10 +210,10 @@ def attention_strategies(node, spec, strategies, mesh: Mesh, f: dict) -> list[St
 
 
 def _refuse(f: dict, u: int, r: int) -> str | None:
-    if f["s"] != f["t"]:
-        return f"cross-attention (query length {f['s']}, key length {f['t']}) is not sequence-parallel"
-    if f["dropout"]:
-        return f"attention dropout (dropout_p={f['dropout']}) is not supported"
+    from autopar.rules.sequence_attention import refuse_shape
+    why = refuse_shape(f, "the Ulysses x ring hybrid")
+    if why:
+        return why
     if f["mask"]:
         return (f"an explicit attn_mask that is not provably causal ({f['mask_why']}): the hybrid supports no mask "
                 f"or the causal mask only")

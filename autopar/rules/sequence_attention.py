@@ -115,11 +115,20 @@ def saves_as_run(node, spec, strategies):
     return spec if saved is spec.saved else dataclasses.replace(spec, saved=saved)
 
 
-def _refuse(node, f, sp, algo) -> str | None:
+def refuse_shape(f: dict, algo: str) -> str | None:
+    """Why no sequence-parallel algorithm runs this attention whatever its mask and sizes (cross-
+    attention, attention dropout), or None; ``algo`` names the algorithm in the reason."""
     if f["s"] != f["t"]:
         return f"cross-attention (query length {f['s']}, key length {f['t']}) is not sequence-parallel"
     if f["dropout"]:
         return f"attention dropout (dropout_p={f['dropout']}) is not supported by {algo}"
+    return None
+
+
+def _refuse(node, f, sp, algo) -> str | None:
+    why = refuse_shape(f, algo)
+    if why:
+        return why
     if f["mask"]:
         return (f"an explicit attn_mask: {algo} supports no mask or is_causal=True only (ring attention would "
                 f"have to split a general mask over its blocks); write the attention as matmul/softmax to get "
