@@ -4,7 +4,7 @@ recomputed in backward — autopar/rules/attention_core.py finds it, autopar/sea
 third per-group choice of the ILP, codegen/selective.py outlines it.
 
 - numerics: one process (identical gradients to the plain program, dropout 0.3), and 2 gloo
-  processes (dp2, Megatron tp2) against eager one-process training (fp32, SGD + momentum, 3
+  processes (dp2, Megatron tp2, Megatron-SP tp2, Ulysses sp2) against eager one-process training (fp32, SGD + momentum, 3
   steps, losses rel 1e-5, parameters rel 1e-4); with dropout 0.1, selective and none plans of
   the same mesh train identically (the recomputed dropout redraws the forward's masks);
 - the premise: every core region runs once in forward and once in backward per step, and only
@@ -359,7 +359,9 @@ def _run(plan, measure=True, **kw):
 CASES = {"dp2": ({"dp": 2, "tp": 1, "zero": 0}, None), "tp2": ({"dp": 1, "tp": 2, "zero": 0}, "megatron"),
          # Megatron-SP: norms and dropouts on the sequence halves, the column-parallel linears
          # keeping the halves they all-gather (runtime/regather.py), the cores recomputed
-         "tp2-sp": ({"dp": 1, "tp": 2, "zero": 0, "sp_mode": "megatron"}, "megatron")}
+         "tp2-sp": ({"dp": 1, "tp": 2, "zero": 0, "sp_mode": "megatron"}, "megatron"),
+         # Ulysses on a sequence axis: the cores run head-split between two all-to-alls
+         "sp2-ulysses": ({"dp": 1, "tp": 1, "sp": 2, "zero": 0, "sp_mode": "ulysses"}, None)}
 _RESULTS: dict = {}
 
 
