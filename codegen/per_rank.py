@@ -342,9 +342,9 @@ class _Builder:
         as ``runtime.regather.linear_keeping_shard``, as priced (autopar/pricing/regather.py)."""
         if self.full_region or call.target is not torch.ops.aten.linear.default or len(producers) < 2:
             return False
-        if not keeps_shard(spec.rule, 0, producers[1].name in needs_grad):
+        if not keeps_shard(spec.rule, 0, producers[1].name in needs_grad, _val(producers[0])):
             return False
-        return _gathered_once(new_inputs[0], self.env[producers[0].name])
+        return _the_gather(new_inputs[0], self.env[producers[0].name]) is not None
 
     def _emit_op(self, n: fx.Node, spec, st: Strategy, needs_grad, partial_params):
         op = self.ops[n.name]
@@ -397,10 +397,10 @@ class _Builder:
             else:
                 out = self.call(call.target, args, kwargs, name=n.name)
         elif self._keeps_shard(n, spec, call, new_inputs, producers, needs_grad):
-            full = new_inputs[0]   # the one all-gather of the shard (runtime/regather.py)
-            out = self.call(RG.linear_keeping_shard, (args[0], full.args[0], *args[1:]),
-                            dict(kwargs, dim=full.args[1], axis=full.kwargs["axis"],
-                                 zigzag=full.target is SX.zz_all_gather), name=n.name)
+            gather = _the_gather(new_inputs[0], self.env[producers[0].name])   # runtime/regather.py
+            out = self.call(RG.linear_keeping_shard, (args[0], gather.args[0], *args[1:]),
+                            dict(kwargs, dim=gather.args[1], axis=gather.kwargs["axis"],
+                                 zigzag=gather.target is SX.zz_all_gather), name=n.name)
         elif is_random(n):
             # Replicas of the output block draw the same mask, other blocks their own (runtime/rng.py).
             block = random_block(self.norm(Layout.from_json(op["outputs"][0])), self.coords)
@@ -418,9 +418,14 @@ class _Builder:
         self.layout[n.name] = outs if isinstance(v, (tuple, list)) else outs[0]
 
 
-def _gathered_once(x, shard) -> bool:
-    """Whether ``x`` is the emitted all-gather of ``shard`` (one reshard step, no conjugate)."""
-    return isinstance(x, fx.Node) and x.target in (RC.all_gather, SX.zz_all_gather) and x.args[0] is shard
+def _the_gather(x, shard):
+    """The emitted all-gather of ``shard`` that ``x`` is (one reshard step, maybe followed by
+    ``copy`` conjugates: identities forward), or None."""
+    while isinstance(x, fx.Node) and x.target is RC.copy:
+        x = x.args[0]
+    if isinstance(x, fx.Node) and x.target in (RC.all_gather, SX.zz_all_gather) and x.args[0] is shard:
+        return x
+    return None
 
 
 def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None,

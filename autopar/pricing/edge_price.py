@@ -95,7 +95,7 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
         srcs, dsts = edge_layouts(prod, info, i, len(shape))
         ins = c.inputs(info.node)
         regather = keeps_shard(info.spec.rule if info.spec is not None else "", i,
-                               len(ins) > 1 and ins[1].name in c.needs_grad)
+                               len(ins) > 1 and ins[1].name in c.needs_grad, node_val(ins[i]) if i < len(ins) else None)
         if regather:   # the consumer's forward seconds per instance and micro-batch, per strategy
             dgrad = P.fwd_compute[info.rep] / (nm * max(1, info.repeats))
         for b_i, dst in enumerate(dsts):

@@ -7,14 +7,15 @@ none when a checkpointed block recomputes its forward), the saved storages
 (codegen/per_rank.py)."""
 from __future__ import annotations
 
-from autopar.rules.layout import Layout
+from autopar.rules.layout import Layout, memory_order
 
 
-def keeps_shard(rule: str, i: int, weight_trained: bool) -> bool:
-    """Whether a consumer op of spec ``rule`` reading its input ``i`` through a single all-gather
-    runs as a linear keeping the shard: input 0 of a linear whose weight gets a gradient (only
-    then does the linear save its input)."""
-    return rule == "linear" and i == 0 and weight_trained
+def keeps_shard(rule: str, i: int, weight_trained: bool, val) -> bool:
+    """Whether a consumer op of spec ``rule`` reading its input ``i`` (traced value ``val``) through
+    a single all-gather runs as a linear keeping the shard: input 0 of a linear whose weight gets
+    a gradient (only then does the linear save its input), laid out in its dims' order (a
+    permuted value is resharded between two permutes, codegen/reshard_calls.py, and left plain)."""
+    return rule == "linear" and i == 0 and weight_trained and memory_order(val) is None
 
 
 def single_gather(src: Layout, dst: Layout) -> bool:

@@ -180,7 +180,7 @@ def _keeps_shard(c: Candidates, v: str, i: int) -> bool:
     info = c.nodes[v]
     ins = c.inputs(info.node)
     return keeps_shard(info.spec.rule if info.spec is not None else "", i,
-                       len(ins) > 1 and ins[1].name in c.needs_grad)
+                       len(ins) > 1 and ins[1].name in c.needs_grad, ins[i].meta.get("val") if i < len(ins) else None)
 
 
 def copy_bytes(c: Candidates, P, pick: dict[str, int]) -> dict[str, float]:
