@@ -1,4 +1,4 @@
-"""Pipeline planning with pinned pp / pp_schedule / num_micro_batches (autopar/search/pipeline.py): the
+"""Pipeline planning with pinned pp / pp_schedule / num_micro_batches (autopar/search/pipeline.py, stage_plan.py): the
 plan's stages, the micro-batches each schedule keeps alive in every stage's memory, the bubble in
 the step time, and clear ConstraintErrors for impossible pins. Execution: test_pipeline_exec.py."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import autopar
 from autopar.errors import ConstraintError, MemoryBudgetError
 from autopar.models import ZOO
-from autopar.search.pipeline import alive_micro_batches, simulate_plan, simulate_stages
+from autopar.search.stage_plan import alive_micro_batches, simulate_plan, simulate_stages
 
 
 def _plan(name="gpt2", devices=2, precision="fp32", memory_budget=None, **constraints):

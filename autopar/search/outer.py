@@ -68,7 +68,7 @@ def check_constraints(constraints: dict | None) -> dict:
             hint = difflib.get_close_matches(k, DEGREE_KEYS, n=1)
             raise ConstraintError(f"unknown constraint {k!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                                   + f"; valid keys: {', '.join(DEGREE_KEYS)}")
-    from autopar.search.pipeline import pipeline_pins
+    from autopar.search.pipeline_pins import pipeline_pins
     pipeline_pins(constraints)   # pp / pp_schedule pins: autopar/search/pipeline.py plans them
     unsupported = {"offload": False}
     for k, ok in unsupported.items():
@@ -236,7 +236,7 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     (no bound pruning, no time limit: the reference the pruned search must match, used by
     tests); ``progress`` forces the live progress line on or off (default: when stderr is a
     terminal); ``max_zero`` caps the unpinned ZeRO stages (pipelined stages execute all of them but
-    ZeRO-3 under zero-bubble, autopar/search/pipeline.py ``max_zero``); ``shared_candidates`` keeps each mesh's candidates and their
+    ZeRO-3 under zero-bubble, autopar/search/pipeline_pins.py ``max_zero``); ``shared_candidates`` keeps each mesh's candidates and their
     pricing caches across the searches of one ``autopar.plan`` call (pp=1 and every pipelined
     candidate's inner search on a stage's sub-mesh: autopar/search/pipeline_search.py); ``cutoff``
     (seconds): a configuration whose work bound (``step_time_lower_bound(work_only=True)``: the

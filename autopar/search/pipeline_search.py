@@ -69,7 +69,7 @@ INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it cha
 
 def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
     from codegen.stages import pipeline_units
-    from autopar.search.pipeline import stage_cluster
+    from autopar.search.pipeline_pins import stage_cluster
 
     units = len(pipeline_units(graph))
     out, pp = [], 2
@@ -91,7 +91,7 @@ def micro_batch_counts(pp: int, batch: int, cluster=None) -> list[int]:
     tensor parallelism takes a whole node (dp = stage nodes). Only counts >= pp dividing the batch."""
     ms = {pp * f for f in MICRO_FACTORS}
     if cluster is not None:
-        from autopar.search.pipeline import stage_cluster
+        from autopar.search.pipeline_pins import stage_cluster
         try:
             sub = stage_cluster(cluster, pp)
         except ConstraintError:
@@ -104,7 +104,8 @@ def micro_batch_counts(pp: int, batch: int, cluster=None) -> list[int]:
 
 def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw):
     """(Result, stats, pipeline figures or None): the best plan over pp=1 and pipelined candidates."""
-    from autopar.search.pipeline import canonical_schedules, pipeline_pins, search_pipelined, unpipelined_pin
+    from autopar.search.pipeline import search_pipelined
+    from autopar.search.pipeline_pins import canonical_schedules, pipeline_pins, unpipelined_pin
 
     constraints = canonical_schedules(dict(constraints or {}))
     kw = dict(kw, shared_candidates={})   # candidates and pricing caches per mesh, across the searches below
@@ -187,7 +188,7 @@ class _Pipelined:
         """(bound, pp, schedule index, m, schedule, sp) of every candidate; ``sp_for(stage cluster)``:
         the sequence-axis sizes to pin with that stage sub-mesh (None: no sequence axis)."""
         from autopar.search.outer import global_batch
-        from autopar.search.pipeline import stage_cluster, virtual_stages
+        from autopar.search.pipeline_pins import stage_cluster, virtual_stages
 
         batch = global_batch(self.graph)
         out = []
