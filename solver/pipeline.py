@@ -53,11 +53,13 @@ def _table(num_blocks, device_options, cost, memory_budget):
     return table
 
 
-def _min_sum(table, num_blocks, num_stages, total_devices, cap):
-    """Min sum of stage times with every stage <= cap; returns (sum, stages) or None."""
+def _min_sum(table, num_blocks, num_stages, total_devices, cap, items=None):
+    """Min sum of stage times with every stage <= cap; returns (sum, stages) or None. ``items``:
+    ``sorted(table.items())`` when the caller has it (``partition`` calls this once per candidate
+    bottleneck, up to thousands of times on 96 blocks: sorting the table each time was most of it)."""
     # best[(i, k, used)] = (sum, stages) for the first i blocks in k stages using `used` devices.
     by_start: dict[int, list] = {}
-    for (i, j, d), t in sorted(table.items()):
+    for (i, j, d), t in (sorted(table.items()) if items is None else items):
         if t <= cap:
             by_start.setdefault(i, []).append((j, d, t))
     best = {(0, 0, 0): (0.0, [])}
@@ -93,10 +95,11 @@ def partition(num_blocks: int, num_stages: int, micro_batches: int, cost: StageC
         total_devices = num_stages * device_options[-1]
     table = _table(num_blocks, device_options, cost, memory_budget)
     best = None
+    items = sorted(table.items())
     for cap in sorted(set(table.values())):
         if best is not None and micro_batches * cap >= best[0]:
             break
-        found = _min_sum(table, num_blocks, num_stages, total_devices, cap)
+        found = _min_sum(table, num_blocks, num_stages, total_devices, cap, items)
         if found is not None:
             score = found[0] + (micro_batches - 1) * cap
             if best is None or score < best[0]:

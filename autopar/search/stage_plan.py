@@ -81,8 +81,15 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
     def first_rank(k: int) -> int:   # first global rank of virtual stage k
         return (k % pp) * S
 
+    p2p_memo: dict = {}
+
     def p2p_secs(bytes_: float, k: int) -> float:   # boundary between virtual stages k and k + 1
-        return boundary_p2p_time(cluster, bytes_, first_rank(k), first_rank(k + 1))
+        # memoised: the DP's cost callback asks for the same few (bytes, boundary) pairs on every
+        # range it prices (thousands on 96 blocks), each a collective-model evaluation
+        key = (bytes_, first_rank(k), first_rank(k + 1))
+        if key not in p2p_memo:
+            p2p_memo[key] = boundary_p2p_time(cluster, bytes_, key[1], key[2])
+        return p2p_memo[key]
 
     def memory_parts(i: int, j: int) -> tuple[float, float]:
         """(static bytes, saved activation bytes per micro-batch) of blocks [i, j)."""
