@@ -48,6 +48,35 @@ def _linears(graph):
 
 def grid_step_lower_bound(graph, cluster, base, geo, cands) -> float:
     """Seconds ``price_grid(graph, cluster, base, geo, cands)`` charges at least (module doc)."""
+    return sum(_parts(graph, cluster, base, geo, cands))
+
+
+def grid_compute_floor(graph, cluster, base, constraints: dict) -> float:
+    """Compute seconds no grid plan the pins allow goes below (inf: no grid geometry): the compute
+    part of the bound, least over the geometries (more micro-batches only add compute: the
+    grid pass's premise). autopar/search/outer.py's ``before_large`` needs it."""
+    from autopar.mesh import Mesh
+    from autopar.rules.candidates import candidates
+    from autopar.search.grid_search import _batch, grid_geometries
+
+    geos = grid_geometries(cluster.num_devices, constraints, _batch(graph))
+    if not geos:
+        return math.inf
+    cands = candidates(graph, Mesh((1,), ("dp",), cluster.devices_per_node))
+    return min(_parts(graph, cluster, base, geo, cands)[0] for geo in geos)
+
+
+def _parts(graph, cluster, base, geo, cands) -> tuple[float, float]:
+    """(compute, collectives) of the bound, memoised per graph (the grid pass and
+    ``grid_compute_floor`` ask for the same geometries)."""
+    memo = graph.__dict__.setdefault("_grid_bound_memo", {})
+    key = (cluster, base.precision, geo)
+    if key not in memo:
+        memo[key] = _bound_parts(graph, cluster, base, geo, cands)
+    return memo[key]
+
+
+def _bound_parts(graph, cluster, base, geo, cands) -> tuple[float, float]:
     from autopar.mesh import Mesh
     from autopar.pricing.cost import Collectives
     from autopar.pricing.price import has_contraction
@@ -59,7 +88,7 @@ def grid_step_lower_bound(graph, cluster, base, geo, cands) -> float:
     try:
         for n, m, k, nf, bias in _linears(graph):
             if k % q or nf % (q * q if geo.mode == "3d" else q) or m % geo.tok_parts:
-                return 0.0
+                return 0.0, 0.0
             if geo.mode == "3d":
                 gemms[n.name] = (1, m // (geo.batch_parts * q), k // q, nf // q)
                 colls.append([tc.linear_3d(m // geo.batch_parts, k, nf, q, bias=bias, axes=axes)
@@ -71,7 +100,7 @@ def grid_step_lower_bound(graph, cluster, base, geo, cands) -> float:
                 gemms[n.name] = (q, m // geo.tok_parts, k // q, nf // q)
                 colls.append([tc.linear_2p5d(m // geo.batch_parts, k, nf, q, geo.d, bias=bias)])
     except ValueError:   # a size that does not divide (tp_grid_cost._div): the lowering says which
-        return 0.0
+        return 0.0, 0.0
     # compute: the linears at the kernel shapes the lowering records; ops without a contraction
     # (priced from their FLOPs and bytes alone); other contractions left out (their local shapes
     # come from the lowering)
@@ -86,7 +115,7 @@ def grid_step_lower_bound(graph, cluster, base, geo, cands) -> float:
         return sum(c.count * comm("broadcast" if c.kind == "reduce" else c.kind, c.nbytes * scale,
                                   geo.mesh_names.index(c.group)) for c in cs)
     op_comm = geo.nm * sum(min(cost(cs) for cs in options) for options in colls)
-    return compute + op_comm
+    return compute, op_comm
 
 
-__all__ = ["grid_step_lower_bound"]
+__all__ = ["grid_step_lower_bound", "grid_compute_floor"]

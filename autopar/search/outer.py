@@ -25,7 +25,7 @@ from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.search.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound
 from autopar.frontend.trace import TracedGraph
-from solver.ilp import memory_floor_exceeds_budget, min_peak_solution, relaxation_bound, solve
+from solver.ilp import memory_floor_exceeds_budget, min_peak_solution, mip_reaches, relaxation_bound, solve
 from solver.tree_bound import tree_lower_bound
 
 # Relative optimality gap at which each configuration's ILP stops: plans within 0.1% of the
@@ -38,6 +38,12 @@ LP_BOUND = True
 # when the spanning-tree bound over them did not prune (the LP: about a second on such a mesh;
 # on hf_llama's 1x2x2 mesh the tree bound, milliseconds, prunes it now).
 FLOOR_LP_PAIRS = 20_000
+# Before solving a configuration whose LP bound is within this fraction of the plan to beat, the
+# branch and bound over the same bound problem is asked whether its optimum reaches that plan
+# (``solver.ilp.mip_reaches``): on GPT-3 175B's 2-axis meshes the LP sits 15-19% below that
+# optimum, and proving a cutoff takes 1.2-1.6 s of CPU where solving takes 6-10 s. Further
+# below, the proof is unlikely and would cost a solve.
+MIP_CUT_WINDOW = 0.8
 
 DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "sp_shape", "pp", "pp_schedule", "micro_batch_size",
                "num_micro_batches", "zero", "checkpoint", "offload")
@@ -47,6 +53,18 @@ DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "sp_shape", "
 class Config:
     mesh: object
     settings: Settings
+
+
+@dataclass
+class Incumbent:
+    """A plan found outside this search (a pipelined one: autopar/search/pipeline_search.py),
+    standing in for the best plan so far: every bound prunes against its step time, and a search
+    that ends with it found nothing faster (``CutOff``)."""
+    step_time: float
+
+    @property
+    def prediction(self) -> dict:
+        return {"step_time": self.step_time}
 
 
 @dataclass
@@ -231,7 +249,8 @@ class _Progress:
 def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict | None = None,
            time_limit: float | None = None, log=None, policy: str | None = None,
            exhaustive: bool = False, progress: bool | None = None, max_zero: int = 3,
-           shared_candidates: dict | None = None, cutoff: float | None = None) -> tuple[Result, dict]:
+           shared_candidates: dict | None = None, cutoff: float | None = None,
+           before_large=None) -> tuple[Result, dict]:
     """The best configuration and search statistics. ``exhaustive`` solves every configuration
     (no bound pruning, no time limit: the reference the pruned search must match, used by
     tests); ``progress`` forces the live progress line on or off (default: when stderr is a
@@ -242,7 +261,13 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     (seconds): a configuration whose work bound (``step_time_lower_bound(work_only=True)``: the
     compute, communication and optimizer time its plans spend, gradient communication aside)
     reaches it is not solved, and ``CutOff`` is raised if that leaves no plan (a pipelined
-    candidate cannot beat the incumbent with such an inner plan: pipeline_search.py)."""
+    candidate cannot beat the incumbent with such an inner plan: pipeline_search.py);
+    ``before_large(best, lp, compute_floor)``: called once, before the first ILP on a mesh with two
+    model axes that its bounds did not prune (seconds each on large models), with the best plan
+    so far, that configuration's LP bound and a lower bound of the compute time of any plan this
+    search can still return; it may return the step time of a plan found elsewhere (the pipelined
+    candidates, visited then when their bounds are lower: pipeline_search.py), which every bound
+    prunes against from then on (``Incumbent``), and ``CutOff`` is raised if nothing beats it."""
     constraints = check_constraints(constraints)
     if constraints.get("pp", 1) > 1:
         raise ConstraintError("pipelined plans (pp > 1) are made by autopar.plan (autopar/search/pipeline.py), not search()")
@@ -276,20 +301,33 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     # incumbent in a fraction of a second, and it prunes the large ones by their bounds. Only
     # the order changes: every configuration is still pruned by a bound or solved.
     queue.sort(key=lambda q: (min(len(q[2].mesh.model_axes()), 2), q[0], q[1]))
+    pos, asked = 0, []
+
+    def ask(best, lp):
+        """``before_large`` (once) with the compute floor of what is left: the configurations not
+        visited yet (each node at its cheapest compute) and the grid modes."""
+        from autopar.search.grid_bound import grid_compute_floor
+        asked.append(lp)
+        floor = min([compute_floor(cand_cache[c.mesh], P) for _, _, c, P in queue[pos:]]
+                    + [grid_compute_floor(graph, cluster, base, constraints)])
+        return before_large(best, lp, min(floor, best.prediction["time_breakdown"]["compute"]))
     bar = _Progress(len(queue), log, progress)
     try:
-        for lower, _, cfg, P in queue:
+        for pos, (lower, _, cfg, P) in enumerate(queue):
             stats["configs"] += 1
+            hook = ask if before_large is not None and not exhaustive and not asked else None
             best = _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit, exhaustive,
-                          infeasible, memory_floors, log, None if exhaustive else cutoff)
+                          infeasible, memory_floors, log, None if exhaustive else cutoff, hook)
             bar.update(stats, best)
     finally:
         bar.close()
     # 2D / 2.5D / 3D grid modes against the best ILP plan (autopar/search/grid_search.py)
     grid = best_grid(graph, cluster, base, constraints, None if best is None else best.prediction["step_time"],
-                     stats, log)
+                     stats, log, exhaustive)
     best = grid if grid is not None else best
     stats["seconds"] = time.perf_counter() - t0
+    if isinstance(best, Incumbent):
+        raise CutOff(f"no configuration beats the plan found elsewhere ({best.step_time:.4g} s)")
     if best is None and stats.get("cut_off"):
         raise CutOff(f"{stats['cut_off']} of {stats['configs']} configurations cut off at {cutoff:.4g} s, "
                      f"the rest found no plan")
@@ -315,8 +353,13 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     return best, stats
 
 
+def compute_floor(cands, P) -> float:
+    """Compute seconds no plan of a priced configuration goes below: each node at its cheapest."""
+    return float(sum(float(P.compute[n].min()) for n in cands.reps if n in P.compute and len(P.compute[n])))
+
+
 def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit, exhaustive, infeasible,
-           memory_floors, log, cutoff=None):
+           memory_floors, log, cutoff=None, hook=None):
     """Prune or solve one configuration; returns the best result so far. (Warm-starting HiGHS
     from the last solved configuration on the same mesh was measured: no faster.)"""
     elapsed = time.perf_counter() - t0
@@ -400,6 +443,26 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
             stats["pruned"] += 1
             return best
         if cut(lp):
+            return best
+        if hook is not None and best is not None and not isinstance(best, Incumbent) \
+                and len(cfg.mesh.model_axes()) >= 2:
+            # best-bound-first across pipeline degrees (search's ``before_large``): a faster plan
+            # found there prunes this configuration and the rest
+            found = hook(best, lp)
+            if found is not None and found < best.prediction["step_time"]:
+                best = Incumbent(found)
+                if lp >= found:
+                    stats["pruned"] += 1
+                    return best
+        work_target = min(math.inf if best is None else best.prediction["step_time"],
+                          math.inf if cutoff is None else cutoff)
+        if work_target < math.inf and lp >= MIP_CUT_WINDOW * work_target and mip_reaches(
+                relaxed, work_target, time_limit=remaining):
+            # no plan of this configuration beats the target (the branch and bound proved it)
+            stats["pruned"] += 1
+            stats["mip_pruned"] = stats.get("mip_pruned", 0) + 1
+            if best is None or work_target < best.prediction["step_time"]:
+                stats["cut_off"] = stats.get("cut_off", 0) + 1   # it was the cutoff that settled it
             return best
     try:
         sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)

@@ -119,11 +119,31 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
         except MemoryBudgetError as e:   # retried with sequence axes (step 4 of the module doc), pp=1
             return _with_sp(graph, cluster, base, flat, search_fn, e, kw, None)
         return _faster_with_sp(graph, cluster, base, flat, search_fn, kw, (*res, None), None) or (*res, None)
+    from autopar.search.outer import CutOff
+
     t0 = time.perf_counter()
     best = best_stats = None
     err = None
+    pipe = _Pipelined(graph, cluster, base, flat, search_fn, kw, t0)
+    early: dict = {}
+
+    def before_large(best1, lp, compute_floor):
+        """Best bound first across pipeline degrees (module doc, pruning): called by the pp=1
+        search before its first ILP on a mesh with two model axes (GPT-3 175B: 5-9 s each). When
+        some pipelined candidate's bound is below that configuration's LP bound, the pipelined
+        candidates are visited now, against the pp=1 plan so far, their bounds from
+        ``compute_floor`` (no plan the pp=1 search can still return computes faster); the best
+        pipelined plan's step then prunes the rest of the pp=1 search."""
+        if min((c[0] for c in pipe.candidates(compute_floor)), default=float("inf")) >= lp:
+            return None   # that ILP first, as without pipelining
+        early["run"] = pipe.run(best1, {}, base_compute=compute_floor)
+        return early["run"][2]["step_time"] if early["run"][2] is not None else None
+    # with a time limit pp=1 runs first and whole (a plan early; the pipelined candidates get what is left)
+    kw1 = kw if kw.get("time_limit") is not None else dict(kw, before_large=before_large)
     try:
-        best, best_stats = search_fn(graph, cluster, base, flat, **kw)
+        best, best_stats = search_fn(graph, cluster, base, flat, **kw1)
+    except CutOff:
+        pass   # nothing at pp=1 beats the pipelined plan found in before_large
     except MemoryBudgetError as e:
         err = e
     except ConstraintError as e:
@@ -133,8 +153,14 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
         if not (sp_free(flat) and has_sequence_attention(graph)):
             raise
         err = e
-    pipe = _Pipelined(graph, cluster, base, flat, search_fn, kw, t0)
-    best, best_stats, best_pipe = pipe.run(best, best_stats)
+    if "run" in early:   # the pipelined candidates were visited (before_large)
+        found = early["run"]
+        if found[2] is not None and (best is None or found[2]["step_time"] < best.prediction["step_time"]):
+            best, best_stats, best_pipe = found
+        else:
+            best_pipe = None
+    else:
+        best, best_stats, best_pipe = pipe.run(best, best_stats)
     if best is None:   # nothing fits: retried with sequence axes (step 4 of the module doc)
         return pipe.with_stats(_with_sp(graph, cluster, base, flat, search_fn, err, kw, pipe))
     incumbent = (best, best_stats, best_pipe)
