@@ -29,21 +29,25 @@ import torch
 aten = torch.ops.aten
 
 
-def _linears(graph):
-    """(node, m tokens, in features, out features, has bias) of every linear not tied to an
-    embedding table (a tied classifier lowers differently: left out of the bound)."""
-    out = []
-    for n in graph.gm.graph.nodes:
-        if n.op != "call_function" or n.target is not aten.linear.default:
-            continue
-        w = n.args[1]
-        if any(u.target is aten.embedding.default and u.args[0] is w for u in w.users):
-            continue
-        out_f, in_f = tuple(w.meta["val"].shape)
-        m = math.prod(tuple(n.args[0].meta["val"].shape)[:-1])
-        bias = len(n.args) > 2 and n.args[2] is not None
-        out.append((n, m, in_f, out_f, bias))
-    return out
+def _linears(graph) -> dict:
+    """(m tokens, in features, out features, has bias) -> names of the linears of that shape, for
+    every linear not tied to an embedding table (a tied classifier lowers differently: left out
+    of the bound). A repeated block's linears share a few shapes: each is priced once."""
+    memo = graph.__dict__.setdefault("_grid_bound_memo", {})
+    if "linears" not in memo:
+        out: dict = {}
+        for n in graph.gm.graph.nodes:
+            if n.op != "call_function" or n.target is not aten.linear.default:
+                continue
+            w = n.args[1]
+            if any(u.target is aten.embedding.default and u.args[0] is w for u in w.users):
+                continue
+            out_f, in_f = tuple(w.meta["val"].shape)
+            m = math.prod(tuple(n.args[0].meta["val"].shape)[:-1])
+            bias = len(n.args) > 2 and n.args[2] is not None
+            out.setdefault((m, in_f, out_f, bias), []).append(n.name)
+        memo["linears"] = out
+    return memo["linears"]
 
 
 def grid_step_lower_bound(graph, cluster, base, geo, cands) -> float:
@@ -86,19 +90,21 @@ def _bound_parts(graph, cluster, base, geo, cands) -> tuple[float, float]:
     q = geo.q
     gemms, colls = {}, []
     try:
-        for n, m, k, nf, bias in _linears(graph):
+        for (m, k, nf, bias), names in _linears(graph).items():
             if k % q or nf % (q * q if geo.mode == "3d" else q) or m % geo.tok_parts:
                 return 0.0, 0.0
             if geo.mode == "3d":
-                gemms[n.name] = (1, m // (geo.batch_parts * q), k // q, nf // q)
-                colls.append([tc.linear_3d(m // geo.batch_parts, k, nf, q, bias=bias, axes=axes)
-                              for axes in itertools.permutations(geo.names)])
+                kernel = (1, m // (geo.batch_parts * q), k // q, nf // q)
+                options = [tc.linear_3d(m // geo.batch_parts, k, nf, q, bias=bias, axes=axes)
+                           for axes in itertools.permutations(geo.names)]
             elif geo.mode == "2d":
-                gemms[n.name] = (q, m // geo.tok_parts, k // q, nf // q)
-                colls.append([tc.linear_2d(m // geo.batch_parts, k, nf, q, bias=bias)])
+                kernel = (q, m // geo.tok_parts, k // q, nf // q)
+                options = [tc.linear_2d(m // geo.batch_parts, k, nf, q, bias=bias)]
             else:
-                gemms[n.name] = (q, m // geo.tok_parts, k // q, nf // q)
-                colls.append([tc.linear_2p5d(m // geo.batch_parts, k, nf, q, geo.d, bias=bias)])
+                kernel = (q, m // geo.tok_parts, k // q, nf // q)
+                options = [tc.linear_2p5d(m // geo.batch_parts, k, nf, q, geo.d, bias=bias)]
+            gemms.update(dict.fromkeys(names, kernel))
+            colls.append((len(names), options))
     except ValueError:   # a size that does not divide (tp_grid_cost._div): the lowering says which
         return 0.0, 0.0
     # compute: the linears at the kernel shapes the lowering records; ops without a contraction
@@ -114,7 +120,7 @@ def _bound_parts(graph, cluster, base, geo, cands) -> tuple[float, float]:
     def cost(cs) -> float:
         return sum(c.count * comm("broadcast" if c.kind == "reduce" else c.kind, c.nbytes * scale,
                                   geo.mesh_names.index(c.group)) for c in cs)
-    op_comm = geo.nm * sum(min(cost(cs) for cs in options) for options in colls)
+    op_comm = geo.nm * sum(count * min(cost(cs) for cs in options) for count, options in colls)
     return compute, op_comm
 
 

@@ -6,6 +6,12 @@ once (``candidates.candidates``); then each (ZeRO stage, number of micro-batches
 node at its cheapest strategy, resharding free) cannot beat the best plan so far is pruned
 without calling the solver. ``constraints`` pin any of the degrees and the search completes
 the rest.
+
+A plan found elsewhere (``Incumbent``: the pipelined candidates, visited before a large ILP at
+autopar/search/pipeline_search.py's request, ``before_large``) stands in for the best plan: every
+bound prunes against it, and before each ILP whose LP bound comes within ``MIP_CUT_WINDOW`` of it
+the branch and bound over the bound problem is asked to prove no plan beats it
+(``solver.ilp.mip_reaches``).
 """
 from __future__ import annotations
 
@@ -44,6 +50,9 @@ FLOOR_LP_PAIRS = 20_000
 # optimum, and proving a cutoff takes 1.2-1.6 s of CPU where solving takes 6-10 s. Further
 # below, the proof is unlikely and would cost a solve.
 MIP_CUT_WINDOW = 0.8
+# An ILP on a mesh with two model axes that does not solve within this many seconds is "large":
+# search's ``before_large`` is asked first (best bound first across pipeline degrees).
+LARGE_ILP_SECONDS = 2.0
 
 DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "sp_shape", "pp", "pp_schedule", "micro_batch_size",
                "num_micro_batches", "zero", "checkpoint", "offload")
@@ -262,12 +271,13 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     compute, communication and optimizer time its plans spend, gradient communication aside)
     reaches it is not solved, and ``CutOff`` is raised if that leaves no plan (a pipelined
     candidate cannot beat the incumbent with such an inner plan: pipeline_search.py);
-    ``before_large(best, lp, compute_floor)``: called once, before the first ILP on a mesh with two
-    model axes that its bounds did not prune (seconds each on large models), with the best plan
-    so far, that configuration's LP bound and a lower bound of the compute time of any plan this
-    search can still return; it may return the step time of a plan found elsewhere (the pipelined
-    candidates, visited then when their bounds are lower: pipeline_search.py), which every bound
-    prunes against from then on (``Incumbent``), and ``CutOff`` is raised if nothing beats it."""
+    ``before_large(best, lp)``: asked before an ILP on a mesh with two model axes that its bounds
+    did not prune, with the best plan so far and that configuration's LP bound; it answers None
+    (solve it) or a function ``go(compute_floor)``, called (once) when that ILP does not solve
+    within ``LARGE_ILP_SECONDS`` (seconds each on large models), with a lower bound of the compute
+    time of any plan this search can still return. ``go`` may return the step time of a plan found
+    elsewhere (the pipelined candidates, visited then: pipeline_search.py), which every bound
+    prunes against from then on (``Incumbent``); ``CutOff`` is raised if nothing beats it."""
     constraints = check_constraints(constraints)
     if constraints.get("pp", 1) > 1:
         raise ConstraintError("pipelined plans (pp > 1) are made by autopar.plan (autopar/search/pipeline.py), not search()")
@@ -304,13 +314,19 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     pos, asked = 0, []
 
     def ask(best, lp):
-        """``before_large`` (once) with the compute floor of what is left: the configurations not
-        visited yet (each node at its cheapest compute) and the grid modes."""
-        from autopar.search.grid_bound import grid_compute_floor
-        asked.append(lp)
-        floor = min([compute_floor(cand_cache[c.mesh], P) for _, _, c, P in queue[pos:]]
-                    + [grid_compute_floor(graph, cluster, base, constraints)])
-        return before_large(best, lp, min(floor, best.prediction["time_breakdown"]["compute"]))
+        """``before_large``'s answer, its run given the compute floor of what is left: the
+        configurations not visited yet (each node at its cheapest compute) and the grid modes."""
+        go = before_large(best, lp)
+        if go is None:
+            return None
+
+        def run():
+            from autopar.search.grid_bound import grid_compute_floor
+            asked.append(lp)   # once
+            floor = min([compute_floor(cand_cache[c.mesh], P) for _, _, c, P in queue[pos:]]
+                        + [grid_compute_floor(graph, cluster, base, constraints)])
+            return go(min(floor, best.prediction["time_breakdown"]["compute"]))
+        return run
     bar = _Progress(len(queue), log, progress)
     try:
         for pos, (lower, _, cfg, P) in enumerate(queue):
@@ -409,6 +425,7 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         stats["infeasible"] += 1
         infeasible.append((problem, cands, P))
         return best
+    sol = None   # a solve's answer already (the large-ILP probe below)
     if not exhaustive and LP_BOUND:
         # The LP relaxation of the same problem with gradient communication free: about a
         # quarter of the ILP's time, often within a few % of the plan, and an infeasible LP
@@ -445,27 +462,44 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         if cut(lp):
             return best
         if hook is not None and best is not None and not isinstance(best, Incumbent) \
-                and len(cfg.mesh.model_axes()) >= 2:
-            # best-bound-first across pipeline degrees (search's ``before_large``): a faster plan
-            # found there prunes this configuration and the rest
-            found = hook(best, lp)
-            if found is not None and found < best.prediction["step_time"]:
-                best = Incumbent(found)
-                if lp >= found:
-                    stats["pruned"] += 1
-                    return best
+                and len(cfg.mesh.model_axes()) >= 2 and remaining is None:
+            # best-bound-first across pipeline degrees (search's ``before_large``), for an ILP
+            # that is large: one that does not solve within LARGE_ILP_SECONDS (GPT-3 175B's
+            # 2-axis meshes: 5-9 s each; small models' 2-axis ILPs solve in tenths of a second to
+            # two seconds, and their pipelined candidates are pruned by the pp=1 plan they would
+            # wait for). A probe
+            # that finishes is the solve (HiGHS is deterministic); one that does not is dropped.
+            go = hook(best, lp)   # None: this ILP first whatever its size
+            if go is not None:
+                try:
+                    sol = solve(problem, time_limit=LARGE_ILP_SECONDS, mip_gap=MIP_GAP)
+                    if sol.status == "feasible":
+                        sol = None   # stopped at the limit: not the solve's answer
+                except PlanError:   # no solution within the limit
+                    sol = None
+            if go is not None and sol is None:
+                stats["large_ilps"] = stats.get("large_ilps", 0) + 1
+                found = go()
+                if found is not None and found < best.prediction["step_time"]:
+                    best = Incumbent(found)
+                    if lp >= found:
+                        stats["pruned"] += 1
+                        return best
         work_target = min(math.inf if best is None else best.prediction["step_time"],
                           math.inf if cutoff is None else cutoff)
-        if work_target < math.inf and lp >= MIP_CUT_WINDOW * work_target and mip_reaches(
+        # Only against a plan found elsewhere (``Incumbent``), i.e. after a large ILP: a small ILP
+        # solves about as fast as the proof, and inside a pipelined candidate's inner search the
+        # memory budget is lifted, its ILPs solve in tenths of a second (GPT-3 175B: 65 proofs
+        # there took 12 s of CPU, none pruning)
+        if sol is None and isinstance(best, Incumbent) and lp >= MIP_CUT_WINDOW * work_target and mip_reaches(
                 relaxed, work_target, time_limit=remaining):
             # no plan of this configuration beats the target (the branch and bound proved it)
             stats["pruned"] += 1
             stats["mip_pruned"] = stats.get("mip_pruned", 0) + 1
-            if best is None or work_target < best.prediction["step_time"]:
-                stats["cut_off"] = stats.get("cut_off", 0) + 1   # it was the cutoff that settled it
             return best
     try:
-        sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
+        if sol is None:
+            sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
     except PlanError:
         if remaining is None:
             raise
