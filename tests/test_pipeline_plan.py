@@ -263,6 +263,7 @@ def _best_bound_first_changes_no_plan(monkeypatch, model, batch, cluster):
     return first
 
 
+@pytest.mark.slow
 def test_best_bound_first_changes_no_plan_pp1_wins(monkeypatch):
     model, batch = ZOO["gpt2"]()   # on 16 A100s its pp=1 plan (2-axis ILPs solved) beats every pipelined one
     first = _best_bound_first_changes_no_plan(monkeypatch, model, batch, autopar.Cluster.preset("dgx-a100", nodes=2))
