@@ -149,7 +149,7 @@ def cmd_show(args) -> int:
         if p.degrees.get("pp", 1) <= 1:
             raise PlanError(f"--timeline draws a pipeline schedule, but {args.plan} has pp=1: plan with "
                             f"--constraint pp=N (and num_micro_batches) or let the search choose pp")
-        from autopar.search.pipeline import simulate_plan
+        from autopar.search.stage_plan import simulate_plan
         from autopar.plans.timeline import draw_timeline
         d = p.degrees
         out = draw_timeline(simulate_plan(p.data), args.timeline,

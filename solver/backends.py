@@ -44,7 +44,8 @@ class _HighsFigures:
     objective_function_value: float
 
 
-def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True, cutoff: float | None = None) -> str:
+def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True, cutoff: float | None = None,
+               first_solution: bool = False) -> str:
     import highspy
 
     lp = model.lp
@@ -61,8 +62,10 @@ def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True, cu
         # on them (hf_llama's largest: 0.87 s with, 0.36 s without), and the dual simplex's
         # objective bound (``cutoff``) is honoured only without it.
         h.setOptionValue("presolve", "off")
-    if cutoff is not None:   # scaled units; see relaxation_bound
+    if cutoff is not None:   # scaled units; see relaxation_bound (an LP) and mip_reaches (a MIP)
         h.setOptionValue("objective_bound", float(cutoff))
+    if first_solution:   # stop at the first integer solution found (below the cutoff: mip_reaches)
+        h.setOptionValue("mip_max_improving_sols", 1)
     n = lp.num_cols
     start, index, value, row_lo, row_up = lp.matrix()
     hl = highspy.HighsLp()

@@ -528,6 +528,33 @@ def relaxation_bound(problem: Problem, time_limit: float | None = None, threads:
     return model.offset + h.objective_function_value / model.scale
 
 
+def mip_reaches(problem: Problem, cutoff: float, time_limit: float | None = None, threads: int = 2) -> bool:
+    """Whether the ILP's optimum is at least ``cutoff`` (seconds), proved by HiGHS's branch and
+    bound with ``cutoff`` as its objective bound: every node whose bound reaches it is pruned, so
+    the search ends "infeasible" when no integer solution lies below it (True), and stops at the
+    first one it finds below it (False). Far cheaper than solving when the optimum is well above
+    the cutoff (GPT-3 175B's 2-axis meshes: 1.2-1.6 s of CPU where solving takes 6-10 s), and a
+    stronger bound than the LP relaxation (their LPs are 15-19% below their optima). False when
+    HiGHS is unavailable or runs out of time: only a proof prunes."""
+    validate(problem)
+    problem = fix_needless_checkpointing(problem)
+    if _is_trivial(problem):
+        return evaluate(problem, [0] * problem.num_nodes, [])[0] >= cutoff
+    if not _use_highs("auto"):
+        return False
+    model = build(problem)
+    if model.infeasible:
+        return True
+    scaled = (cutoff - model.offset) * model.scale
+    try:
+        status = _run_highs(model, time_limit, threads, 1e-7, mip=True, cutoff=scaled, first_solution=True)
+    except PlanError:   # out of time before any answer
+        return False
+    if status == "optimal":   # HiGHS may solve it outright (e.g. in presolve) without the bound
+        return model.lp.solver_model.objective_function_value >= scaled
+    return status == "infeasible"
+
+
 def min_peak_memory(problem: Problem, time_limit: float | None = None, backend: str = "auto",
                     threads: int = 2, mip_gap: float = 1e-7) -> float:
     """Smallest achievable max over memory constraints (bytes), budgets ignored; 0 with none."""

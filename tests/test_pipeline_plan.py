@@ -1,4 +1,4 @@
-"""Pipeline planning with pinned pp / pp_schedule / num_micro_batches (autopar/search/pipeline.py): the
+"""Pipeline planning with pinned pp / pp_schedule / num_micro_batches (autopar/search/pipeline.py, stage_plan.py): the
 plan's stages, the micro-batches each schedule keeps alive in every stage's memory, the bubble in
 the step time, and clear ConstraintErrors for impossible pins. Execution: test_pipeline_exec.py."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import autopar
 from autopar.errors import ConstraintError, MemoryBudgetError
 from autopar.models import ZOO
-from autopar.search.pipeline import alive_micro_batches, simulate_plan, simulate_stages
+from autopar.search.stage_plan import alive_micro_batches, simulate_plan, simulate_stages
 
 
 def _plan(name="gpt2", devices=2, precision="fp32", memory_budget=None, **constraints):
@@ -242,3 +242,37 @@ def test_inner_cutoff_changes_no_plan(monkeypatch):
     assert without.stats["inner_cut_off"] == 0
     assert with_cut.degrees == without.degrees
     assert with_cut.predictions["step_time"] == without.predictions["step_time"]
+
+
+def _best_bound_first_changes_no_plan(monkeypatch, model, batch, cluster):
+    """Forced through (every 2-axis ILP "large", any bound gap enough), the pipelined candidates
+    visited before the pp=1 search's 2-axis ILPs and the proofs against their plan
+    (autopar/search/pipeline_search.py before_large, outer.py Incumbent and mip_reaches) give the
+    plan the search gives without them."""
+    import autopar.search.outer as O
+    import autopar.search.pipeline_search as PS
+    monkeypatch.setattr(O, "LARGE_ILP_SECONDS", 0.0)
+    monkeypatch.setattr(PS, "PIPELINED_FIRST_GAP", 1e9)
+    first = autopar.plan(model, batch, cluster)
+    assert first.stats["pipelined_first"], first.stats
+    monkeypatch.setattr(PS, "BEST_BOUND_FIRST", False)
+    plain = autopar.plan(model, batch, cluster)
+    assert not plain.stats["pipelined_first"]
+    assert first.degrees == plain.degrees
+    assert first.predictions["step_time"] == pytest.approx(plain.predictions["step_time"], rel=1e-9)
+    return first
+
+
+@pytest.mark.slow
+def test_best_bound_first_changes_no_plan_pp1_wins(monkeypatch):
+    model, batch = ZOO["gpt2"]()   # on 16 A100s its pp=1 plan (2-axis ILPs solved) beats every pipelined one
+    first = _best_bound_first_changes_no_plan(monkeypatch, model, batch, autopar.Cluster.preset("dgx-a100", nodes=2))
+    assert first.degrees["pp"] == 1
+
+
+@pytest.mark.slow
+def test_best_bound_first_changes_no_plan_pipelined_wins(monkeypatch):
+    from autopar.models import ZOO
+    model, batch = ZOO["gpt2_xl"]()
+    first = _best_bound_first_changes_no_plan(monkeypatch, model, batch, autopar.Cluster.preset("dgx-a100", nodes=2))
+    assert first.degrees["pp"] > 1

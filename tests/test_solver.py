@@ -409,3 +409,24 @@ def test_relaxation_bound_cutoff_only_answers_whether_it_is_reached(seed):
         got = relaxation_bound(problem, cutoff=full * frac)
         assert got <= full * (1 + 1e-9)
         assert (got >= full * frac) == (frac <= 1.0), (frac, got, full)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mip_reaches_answers_whether_the_optimum_reaches_the_cutoff(seed):
+    """solver.ilp.mip_reaches (the branch and bound with an objective bound that outer.py prunes
+    with before solving): True exactly when the ILP's optimum is at least the cutoff, on random
+    problems with and without binding memory budgets; cutoffs around the optimum, between the LP
+    bound and the optimum, and above it."""
+    from solver.ilp import mip_reaches
+
+    problem = random_problem(16, 4, 30, seed, budget_frac=0.4 if seed % 2 else 10.0)
+    sol = solve(problem)
+    if sol.status == "infeasible":
+        assert mip_reaches(problem, 0.0)
+        return
+    opt, lp = sol.objective, relaxation_bound(problem)
+    assert lp <= opt * (1 + 1e-9)
+    for cut in (lp * 0.9, (lp + opt) / 2, opt * 0.999, opt * 1.001, opt * 1.5):
+        if abs(cut - opt) <= 1e-9 * opt:
+            continue   # an integral LP: (lp + opt) / 2 is the optimum up to rounding
+        assert mip_reaches(problem, cut) == (opt >= cut), (cut, lp, opt)

@@ -167,7 +167,7 @@ def test_gpt2_interleaved_pp2_x_ring_sp2():
 @pytest.mark.slow
 def test_gpt2_pp2_x_ulysses_sp2_with_activation_checkpointing():
     """Checkpointed blocks rerun their forward all-to-alls in backward: the plan's per-stage bytes
-    include them (autopar/search/pipeline.py ``_costs``) and equal what runs."""
+    include them (autopar/search/stage_costs.py ``stage_costs``) and equal what runs."""
     plan, res = _run_pp_sp("gpt2", "ulysses", extra={"checkpoint": "full"})
     assert plan.degrees["checkpoint"] == "full" and all(s["recompute_time"] > 0 for s in plan.data["stages"])
 

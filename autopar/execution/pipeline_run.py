@@ -48,7 +48,7 @@ def check_options(cm) -> None:
                "the zero-bubble schedule" if sched == "zero-bubble" else None)
         if why:
             raise ExecutionError(f"activation checkpointing under pipeline parallelism with {why} is not implemented: "
-                                 f"re-plan (autopar/search/pipeline.py refuses these pins)", collective=True)
+                                 f"re-plan (autopar/search/pipeline_pins.py refuses these pins)", collective=True)
     if int(cm.plan.degrees.get("zero", 0) or 0) == 3 and cm.plan.degrees.get("pp_schedule") == "zero-bubble":
         raise ExecutionError("ZeRO-3 under the zero-bubble schedule is not implemented: a micro-batch's weight "
                              "pass runs after later forwards freed its chunks; plan with zero <= 2 or another "

@@ -295,13 +295,16 @@ def _local_numel(graph, name, geo, use) -> int:
     return n // geo.q
 
 
-def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, stats: dict, log=None):
+def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, stats: dict, log=None,
+              exhaustive: bool = False):
     """The cheapest grid configuration that fits the budget and beats ``best_step`` (None: any),
-    or None. A pinned grid mode the model cannot run is a ConstraintError naming the op."""
+    or None. A pinned grid mode the model cannot run is a ConstraintError naming the op.
+    ``exhaustive`` (outer.search's): every geometry is priced, none pruned by its bound."""
     from dataclasses import replace
 
     from autopar.rules.candidates import candidates
     from autopar.mesh import Mesh
+    from autopar.search.grid_bound import grid_step_lower_bound
     from codegen.grid_ops import GridLoweringError
 
     batch = _batch(graph)
@@ -322,6 +325,12 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
         if best_step is not None and not pinned and _static_floor(graph, base, geo, free_zero) > base.budget:
             # its parameters and optimizer state alone exceed the budget: not lowered (a second
             # each for a 96-layer model), and with a plan found no error message needs its peak
+            stats["pruned"] = stats.get("pruned", 0) + 1
+            continue
+        if best_step is not None and not pinned and not exhaustive and grid_step_lower_bound(graph, cluster, base, geo, cands) >= best_step:
+            # its linears alone (compute + collectives, autopar/search/grid_bound.py) cannot beat the
+            # best plan: not lowered. Its ZeRO-1 and micro-batch variants are made only from a
+            # priced geometry, and cost at least as much (below), so they go with it.
             stats["pruned"] = stats.get("pruned", 0) + 1
             continue
         try:

@@ -6,6 +6,12 @@ once (``candidates.candidates``); then each (ZeRO stage, number of micro-batches
 node at its cheapest strategy, resharding free) cannot beat the best plan so far is pruned
 without calling the solver. ``constraints`` pin any of the degrees and the search completes
 the rest.
+
+A plan found elsewhere (``Incumbent``: the pipelined candidates, visited before a large ILP at
+autopar/search/pipeline_search.py's request, ``before_large``) stands in for the best plan: every
+bound prunes against it, and before each ILP whose LP bound comes within ``MIP_CUT_WINDOW`` of it
+the branch and bound over the bound problem is asked to prove no plan beats it
+(``solver.ilp.mip_reaches``).
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.search.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound
 from autopar.frontend.trace import TracedGraph
-from solver.ilp import memory_floor_exceeds_budget, min_peak_solution, relaxation_bound, solve
+from solver.ilp import memory_floor_exceeds_budget, min_peak_solution, mip_reaches, relaxation_bound, solve
 from solver.tree_bound import tree_lower_bound
 
 # Relative optimality gap at which each configuration's ILP stops: plans within 0.1% of the
@@ -38,6 +44,15 @@ LP_BOUND = True
 # when the spanning-tree bound over them did not prune (the LP: about a second on such a mesh;
 # on hf_llama's 1x2x2 mesh the tree bound, milliseconds, prunes it now).
 FLOOR_LP_PAIRS = 20_000
+# Before solving a configuration whose LP bound is within this fraction of the plan to beat, the
+# branch and bound over the same bound problem is asked whether its optimum reaches that plan
+# (``solver.ilp.mip_reaches``): on GPT-3 175B's 2-axis meshes the LP sits 15-19% below that
+# optimum, and proving a cutoff takes 1.2-1.6 s of CPU where solving takes 6-10 s. Further
+# below, the proof is unlikely and would cost a solve.
+MIP_CUT_WINDOW = 0.8
+# An ILP on a mesh with two model axes that does not solve within this many seconds is "large":
+# search's ``before_large`` is asked first (best bound first across pipeline degrees).
+LARGE_ILP_SECONDS = 2.0
 
 DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "sp_shape", "pp", "pp_schedule", "micro_batch_size",
                "num_micro_batches", "zero", "checkpoint", "offload")
@@ -47,6 +62,18 @@ DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "sp_shape", "
 class Config:
     mesh: object
     settings: Settings
+
+
+@dataclass
+class Incumbent:
+    """A plan found outside this search (a pipelined one: autopar/search/pipeline_search.py),
+    standing in for the best plan so far: every bound prunes against its step time, and a search
+    that ends with it found nothing faster (``CutOff``)."""
+    step_time: float
+
+    @property
+    def prediction(self) -> dict:
+        return {"step_time": self.step_time}
 
 
 @dataclass
@@ -68,7 +95,7 @@ def check_constraints(constraints: dict | None) -> dict:
             hint = difflib.get_close_matches(k, DEGREE_KEYS, n=1)
             raise ConstraintError(f"unknown constraint {k!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                                   + f"; valid keys: {', '.join(DEGREE_KEYS)}")
-    from autopar.search.pipeline import pipeline_pins
+    from autopar.search.pipeline_pins import pipeline_pins
     pipeline_pins(constraints)   # pp / pp_schedule pins: autopar/search/pipeline.py plans them
     unsupported = {"offload": False}
     for k, ok in unsupported.items():
@@ -231,18 +258,26 @@ class _Progress:
 def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict | None = None,
            time_limit: float | None = None, log=None, policy: str | None = None,
            exhaustive: bool = False, progress: bool | None = None, max_zero: int = 3,
-           shared_candidates: dict | None = None, cutoff: float | None = None) -> tuple[Result, dict]:
+           shared_candidates: dict | None = None, cutoff: float | None = None,
+           before_large=None) -> tuple[Result, dict]:
     """The best configuration and search statistics. ``exhaustive`` solves every configuration
     (no bound pruning, no time limit: the reference the pruned search must match, used by
     tests); ``progress`` forces the live progress line on or off (default: when stderr is a
     terminal); ``max_zero`` caps the unpinned ZeRO stages (pipelined stages execute all of them but
-    ZeRO-3 under zero-bubble, autopar/search/pipeline.py ``max_zero``); ``shared_candidates`` keeps each mesh's candidates and their
+    ZeRO-3 under zero-bubble, autopar/search/pipeline_pins.py ``max_zero``); ``shared_candidates`` keeps each mesh's candidates and their
     pricing caches across the searches of one ``autopar.plan`` call (pp=1 and every pipelined
     candidate's inner search on a stage's sub-mesh: autopar/search/pipeline_search.py); ``cutoff``
     (seconds): a configuration whose work bound (``step_time_lower_bound(work_only=True)``: the
     compute, communication and optimizer time its plans spend, gradient communication aside)
     reaches it is not solved, and ``CutOff`` is raised if that leaves no plan (a pipelined
-    candidate cannot beat the incumbent with such an inner plan: pipeline_search.py)."""
+    candidate cannot beat the incumbent with such an inner plan: pipeline_search.py);
+    ``before_large(best, lp)``: asked before an ILP on a mesh with two model axes that its bounds
+    did not prune, with the best plan so far and that configuration's LP bound; it answers None
+    (solve it) or a function ``go(compute_floor)``, called (once) when that ILP does not solve
+    within ``LARGE_ILP_SECONDS`` (seconds each on large models), with a lower bound of the compute
+    time of any plan this search can still return. ``go`` may return the step time of a plan found
+    elsewhere (the pipelined candidates, visited then: pipeline_search.py), which every bound
+    prunes against from then on (``Incumbent``); ``CutOff`` is raised if nothing beats it."""
     constraints = check_constraints(constraints)
     if constraints.get("pp", 1) > 1:
         raise ConstraintError("pipelined plans (pp > 1) are made by autopar.plan (autopar/search/pipeline.py), not search()")
@@ -276,20 +311,39 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     # incumbent in a fraction of a second, and it prunes the large ones by their bounds. Only
     # the order changes: every configuration is still pruned by a bound or solved.
     queue.sort(key=lambda q: (min(len(q[2].mesh.model_axes()), 2), q[0], q[1]))
+    pos, asked = 0, []
+
+    def ask(best, lp):
+        """``before_large``'s answer, its run given the compute floor of what is left: the
+        configurations not visited yet (each node at its cheapest compute) and the grid modes."""
+        go = before_large(best, lp)
+        if go is None:
+            return None
+
+        def run():
+            from autopar.search.grid_bound import grid_compute_floor
+            asked.append(lp)   # once
+            floor = min([compute_floor(cand_cache[c.mesh], P) for _, _, c, P in queue[pos:]]
+                        + [grid_compute_floor(graph, cluster, base, constraints)])
+            return go(min(floor, best.prediction["time_breakdown"]["compute"]))
+        return run
     bar = _Progress(len(queue), log, progress)
     try:
-        for lower, _, cfg, P in queue:
+        for pos, (lower, _, cfg, P) in enumerate(queue):
             stats["configs"] += 1
+            hook = ask if before_large is not None and not exhaustive and not asked else None
             best = _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit, exhaustive,
-                          infeasible, memory_floors, log, None if exhaustive else cutoff)
+                          infeasible, memory_floors, log, None if exhaustive else cutoff, hook)
             bar.update(stats, best)
     finally:
         bar.close()
     # 2D / 2.5D / 3D grid modes against the best ILP plan (autopar/search/grid_search.py)
     grid = best_grid(graph, cluster, base, constraints, None if best is None else best.prediction["step_time"],
-                     stats, log)
+                     stats, log, exhaustive)
     best = grid if grid is not None else best
     stats["seconds"] = time.perf_counter() - t0
+    if isinstance(best, Incumbent):
+        raise CutOff(f"no configuration beats the plan found elsewhere ({best.step_time:.4g} s)")
     if best is None and stats.get("cut_off"):
         raise CutOff(f"{stats['cut_off']} of {stats['configs']} configurations cut off at {cutoff:.4g} s, "
                      f"the rest found no plan")
@@ -315,8 +369,13 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     return best, stats
 
 
+def compute_floor(cands, P) -> float:
+    """Compute seconds no plan of a priced configuration goes below: each node at its cheapest."""
+    return float(sum(float(P.compute[n].min()) for n in cands.reps if n in P.compute and len(P.compute[n])))
+
+
 def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit, exhaustive, infeasible,
-           memory_floors, log, cutoff=None):
+           memory_floors, log, cutoff=None, hook=None):
     """Prune or solve one configuration; returns the best result so far. (Warm-starting HiGHS
     from the last solved configuration on the same mesh was measured: no faster.)"""
     elapsed = time.perf_counter() - t0
@@ -366,6 +425,7 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         stats["infeasible"] += 1
         infeasible.append((problem, cands, P))
         return best
+    sol = None   # a solve's answer already (the large-ILP probe below)
     if not exhaustive and LP_BOUND:
         # The LP relaxation of the same problem with gradient communication free: about a
         # quarter of the ILP's time, often within a few % of the plan, and an infeasible LP
@@ -401,8 +461,45 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
             return best
         if cut(lp):
             return best
+        if hook is not None and best is not None and not isinstance(best, Incumbent) \
+                and len(cfg.mesh.model_axes()) >= 2 and remaining is None:
+            # best-bound-first across pipeline degrees (search's ``before_large``), for an ILP
+            # that is large: one that does not solve within LARGE_ILP_SECONDS (GPT-3 175B's
+            # 2-axis meshes: 5-9 s each; small models' 2-axis ILPs solve in tenths of a second to
+            # two seconds, and their pipelined candidates are pruned by the pp=1 plan they would
+            # wait for). A probe
+            # that finishes is the solve (HiGHS is deterministic); one that does not is dropped.
+            go = hook(best, lp)   # None: this ILP first whatever its size
+            if go is not None:
+                try:
+                    sol = solve(problem, time_limit=LARGE_ILP_SECONDS, mip_gap=MIP_GAP)
+                    if sol.status == "feasible":
+                        sol = None   # stopped at the limit: not the solve's answer
+                except PlanError:   # no solution within the limit
+                    sol = None
+            if go is not None and sol is None:
+                stats["large_ilps"] = stats.get("large_ilps", 0) + 1
+                found = go()
+                if found is not None and found < best.prediction["step_time"]:
+                    best = Incumbent(found)
+                    if lp >= found:
+                        stats["pruned"] += 1
+                        return best
+        work_target = min(math.inf if best is None else best.prediction["step_time"],
+                          math.inf if cutoff is None else cutoff)
+        # Only against a plan found elsewhere (``Incumbent``), i.e. after a large ILP: a small ILP
+        # solves about as fast as the proof, and inside a pipelined candidate's inner search the
+        # memory budget is lifted, its ILPs solve in tenths of a second (GPT-3 175B: 65 proofs
+        # there took 12 s of CPU, none pruning)
+        if sol is None and isinstance(best, Incumbent) and lp >= MIP_CUT_WINDOW * work_target and mip_reaches(
+                relaxed, work_target, time_limit=remaining):
+            # no plan of this configuration beats the target (the branch and bound proved it)
+            stats["pruned"] += 1
+            stats["mip_pruned"] = stats.get("mip_pruned", 0) + 1
+            return best
     try:
-        sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
+        if sol is None:
+            sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
     except PlanError:
         if remaining is None:
             raise

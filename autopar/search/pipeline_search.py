@@ -50,6 +50,18 @@ of the whole model, gradient communication aside) reaches p times the incumbent:
 split that work (each stage's time is its nodes' share of it), so the busiest rank's pipeline time
 plus its share (>= 1/p) of the optimizer step is at least W / p (``outer.search``'s ``cutoff``). A ``time_limit`` covers the whole search: pipelined candidates get what pp=1 left.
 
+Best bound first across pipeline degrees (no ``time_limit``): the pp=1 search asks before an ILP
+on a mesh with two model axes (``before_large`` in ``plan_search``). When the pipelined
+candidates' best bound (from the pp=1 plan so far) is clearly below that configuration's LP
+bound and the ILP does not solve within ``outer.LARGE_ILP_SECONDS``, the pipelined candidates are
+visited first, their pruning bounds from a compute floor of every plan the pp=1 search can still
+return (each remaining configuration's nodes at their cheapest, the grid modes' linears:
+autopar/search/grid_bound.py); the best pipelined plan then prunes the rest of the pp=1 search
+(``outer.Incumbent``: its bounds, and ``solver.ilp.mip_reaches`` before each ILP). GPT-3 175B on
+128 DGX nodes: its four 2-axis ILPs (5-9 s each, LP bounds 15.8-16.2 s against the pp=1 plan's
+19.58 s) are proved unable to beat the pipelined 16.16 s plan in 1.2-1.6 s each, and the grid pass
+lowers no geometry. The order changes no plan (tests/test_pipeline_plan.py).
+
 Only executable plans are searched: a pipelined stage runs ZeRO 0-3 (tied parameters too), but
 ZeRO <= 2 under zero-bubble, which is only pinned, never searched (``pipeline.max_zero``;
 autopar/execution/pipeline_run.py refuses the rest).
@@ -65,11 +77,13 @@ SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory
 MICRO_FACTORS = (1, 2, 4, 8, 16)   # module doc, step 2
 MEGATRON_MBS = (1, 2)
 INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it changes no plan)
+BEST_BOUND_FIRST = True   # module doc, pruning: pipelined candidates before pp=1's large ILPs (idem)
+PIPELINED_FIRST_GAP = 0.9   # ... when their best bound is below this fraction of that ILP's LP bound
 
 
 def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
     from codegen.stages import pipeline_units
-    from autopar.search.pipeline import stage_cluster
+    from autopar.search.pipeline_pins import stage_cluster
 
     units = len(pipeline_units(graph))
     out, pp = [], 2
@@ -91,7 +105,7 @@ def micro_batch_counts(pp: int, batch: int, cluster=None) -> list[int]:
     tensor parallelism takes a whole node (dp = stage nodes). Only counts >= pp dividing the batch."""
     ms = {pp * f for f in MICRO_FACTORS}
     if cluster is not None:
-        from autopar.search.pipeline import stage_cluster
+        from autopar.search.pipeline_pins import stage_cluster
         try:
             sub = stage_cluster(cluster, pp)
         except ConstraintError:
@@ -104,7 +118,8 @@ def micro_batch_counts(pp: int, batch: int, cluster=None) -> list[int]:
 
 def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw):
     """(Result, stats, pipeline figures or None): the best plan over pp=1 and pipelined candidates."""
-    from autopar.search.pipeline import canonical_schedules, pipeline_pins, search_pipelined, unpipelined_pin
+    from autopar.search.pipeline import search_pipelined
+    from autopar.search.pipeline_pins import canonical_schedules, pipeline_pins, unpipelined_pin
 
     constraints = canonical_schedules(dict(constraints or {}))
     kw = dict(kw, shared_candidates={})   # candidates and pricing caches per mesh, across the searches below
@@ -118,11 +133,42 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
         except MemoryBudgetError as e:   # retried with sequence axes (step 4 of the module doc), pp=1
             return _with_sp(graph, cluster, base, flat, search_fn, e, kw, None)
         return _faster_with_sp(graph, cluster, base, flat, search_fn, kw, (*res, None), None) or (*res, None)
+    from autopar.search.outer import CutOff
+
     t0 = time.perf_counter()
     best = best_stats = None
     err = None
+    pipe = _Pipelined(graph, cluster, base, flat, search_fn, kw, t0)
+    early: dict = {}
+
+    def before_large(best1, lp):
+        """Best bound first across pipeline degrees (module doc, pruning): asked by the pp=1 search
+        before an ILP on a mesh with two model axes. When some pipelined candidate's bound, from
+        the pp=1 plan so far, is clearly below that configuration's LP bound
+        (``PIPELINED_FIRST_GAP``), the answer is a function the search calls if that ILP turns
+        out slow (GPT-3 175B: 5-9 s each): it visits the pipelined candidates then, against the
+        plan so far, pruned with bounds from ``compute_floor`` (no plan the pp=1 search can still
+        return computes faster; the plan so far may compute slower than the one it ends with);
+        the best pipelined plan's step then prunes the rest of the pp=1 search. The order only
+        decides the speed, and visiting pipelined candidates that the pp=1 plan would have pruned
+        costs their inner searches, hence the clear gap (GPT-3 175B: bounds of 13 s against an LP
+        bound of 15.8 s; zoo Llama on 4 DGX nodes: 1.77 ms against 1.80 ms, and its pp=1 plan
+        prunes them all)."""
+        so_far = best1.prediction["time_breakdown"]["compute"]
+        if min((c[0] for c in pipe.candidates(so_far)), default=float("inf")) >= PIPELINED_FIRST_GAP * lp:
+            return None   # that ILP first, as without pipelining
+
+        def go(compute_floor):
+            pipe.first = True
+            early["run"] = pipe.run(best1, {}, base_compute=compute_floor)
+            return early["run"][2]["step_time"] if early["run"][2] is not None else None
+        return go
+    # with a time limit pp=1 runs first and whole (a plan early; the pipelined candidates get what is left)
+    kw1 = kw if kw.get("time_limit") is not None or not BEST_BOUND_FIRST else dict(kw, before_large=before_large)
     try:
-        best, best_stats = search_fn(graph, cluster, base, flat, **kw)
+        best, best_stats = search_fn(graph, cluster, base, flat, **kw1)
+    except CutOff:
+        pass   # nothing at pp=1 beats the pipelined plan found in before_large
     except MemoryBudgetError as e:
         err = e
     except ConstraintError as e:
@@ -132,8 +178,14 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
         if not (sp_free(flat) and has_sequence_attention(graph)):
             raise
         err = e
-    pipe = _Pipelined(graph, cluster, base, flat, search_fn, kw, t0)
-    best, best_stats, best_pipe = pipe.run(best, best_stats)
+    if "run" in early:   # the pipelined candidates were visited (before_large)
+        found = early["run"]
+        if found[2] is not None and (best is None or found[2]["step_time"] < best.prediction["step_time"]):
+            best, best_stats, best_pipe = found
+        else:
+            best_pipe = None
+    else:
+        best, best_stats, best_pipe = pipe.run(best, best_stats)
     if best is None:   # nothing fits: retried with sequence axes (step 4 of the module doc)
         return pipe.with_stats(_with_sp(graph, cluster, base, flat, search_fn, err, kw, pipe))
     incumbent = (best, best_stats, best_pipe)
@@ -161,6 +213,7 @@ class _Pipelined:
         self.kw, self.t0 = kw, t0
         self.inner_cache: dict = {}   # (pp, m[, sp]) inner plans, shared by every schedule (module doc)
         self.tried = self.pruned = 0
+        self.first = False   # visited before the pp=1 search ended (plan_search's before_large)
         self.floors: list = []   # smallest peaks of pipelined plans that did not fit (step 4's error)
 
     def with_stats(self, out: tuple) -> tuple:
@@ -168,7 +221,7 @@ class _Pipelined:
         from autopar.search.outer import CutOff
         cut = sum(isinstance(r, CutOff) for r in self.inner_cache.values())
         stats = dict(out[1], pipeline_candidates=self.tried, pipeline_pruned=self.pruned,
-                     inner_searches=len(self.inner_cache), inner_cut_off=cut,
+                     inner_searches=len(self.inner_cache), inner_cut_off=cut, pipelined_first=self.first,
                      pipeline_seconds=time.perf_counter() - self.t0)
         return out[0], stats, out[2]
 
@@ -187,7 +240,7 @@ class _Pipelined:
         """(bound, pp, schedule index, m, schedule, sp) of every candidate; ``sp_for(stage cluster)``:
         the sequence-axis sizes to pin with that stage sub-mesh (None: no sequence axis)."""
         from autopar.search.outer import global_batch
-        from autopar.search.pipeline import stage_cluster, virtual_stages
+        from autopar.search.pipeline_pins import stage_cluster, virtual_stages
 
         batch = global_batch(self.graph)
         out = []
