@@ -177,7 +177,7 @@ def _micro_batch_error(batch: int, dps: list[int], constraints: dict) -> str | N
         what = "micro-batch counts" if key == "num_micro_batches" else "micro-batch sizes"
         parts.append(f"{share} splits into equal micro-batches only for {what} {', '.join(map(str, _divisors(per_dp)))}")
     return (f"constraint {key}={constraints[key]} cannot be met: " + "; ".join(parts)
-            + f". Pin one of those, or change the batch size or dp")
+            + ". Pin one of those, or change the batch size or dp")
 
 
 def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict, max_zero: int = 3):
