@@ -17,7 +17,7 @@ import autopar
 from autopar.models import HF_ZOO, ZOO
 from autopar.frontend.trace import trace
 from autopar.search.build import build_problem
-from autopar.search.outer import check_constraints, configurations
+from autopar.search.configurations import check_constraints, configurations
 from autopar.pricing.price import Settings, price
 from autopar.rules.candidates import candidates
 from solver import ilp

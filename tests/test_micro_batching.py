@@ -97,7 +97,7 @@ def test_invalid_micro_batch_counts_are_constraint_errors(constraints, says):
 
 
 def test_search_only_tries_counts_that_divide():
-    from autopar.search.outer import _micro_choices
+    from autopar.search.configurations import _micro_choices
 
     for per_dp in (1, 6, 8, 12, 16):
         for nm in _micro_choices(per_dp, {}):

@@ -14,7 +14,8 @@ from autopar.search.predict import predict, step_time_lower_bound
 from autopar.pricing.price import Settings, price, price_edges
 from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
 from autopar.search.build import bound_problem, build_problem, work_problem
-from autopar.search.outer import FLOOR_LP_PAIRS, MIP_GAP, configurations, search
+from autopar.search.configurations import configurations
+from autopar.search.outer import FLOOR_LP_PAIRS, MIP_GAP, search
 from autopar.frontend.trace import trace
 from solver.ilp import relaxation_bound, solve
 from solver.tree_bound import tree_lower_bound
@@ -51,7 +52,7 @@ def test_pruned_search_equals_exhaustive(case):
 
 def test_bounds_are_below_every_configurations_plan(case):
     g, cluster, cons = case
-    from autopar.search.outer import check_constraints
+    from autopar.search.configurations import check_constraints
     cache = {}
     for cfg in configurations(g, cluster, _base(cluster), check_constraints(cons)):
         c = cache.setdefault(cfg.mesh, candidates(g, cfg.mesh))

@@ -90,7 +90,7 @@ def stage_cluster(cluster, pp: int):
 def check_pins(graph, cluster, constraints: dict, pp: int) -> int:
     """Validate the pins against the model and cluster; returns the number of micro-batches."""
     from codegen.stages import pipeline_units
-    from autopar.search.outer import global_batch
+    from autopar.search.configurations import global_batch
 
     units = len(pipeline_units(graph))
     sched = constraints.get("pp_schedule") or "1f1b"

@@ -239,7 +239,7 @@ class _Pipelined:
     def candidates(self, base_compute: float, sp_for=None) -> list[tuple]:
         """(bound, pp, schedule index, m, schedule, sp) of every candidate; ``sp_for(stage cluster)``:
         the sequence-axis sizes to pin with that stage sub-mesh (None: no sequence axis)."""
-        from autopar.search.outer import global_batch
+        from autopar.search.configurations import global_batch
         from autopar.search.pipeline_pins import stage_cluster, virtual_stages
 
         batch = global_batch(self.graph)

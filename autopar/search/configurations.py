@@ -1,0 +1,160 @@
+"""The configurations the outer search visits, and the pins that shape them: ``constraints=``
+checked (``check_constraints``: known keys, sane values, each dimension's own checks), the meshes
+the dp / tp / tp_mode / tp_shape / sequence pins allow (``allowed_meshes``), the micro-batch counts
+that cut a data-parallel share evenly (``_micro_choices``, and why a pinned one cannot:
+``_micro_batch_error``), and every (mesh, ZeRO stage, micro-batch count) as a ``Config``
+(``configurations``). autopar/search/outer.py prices and solves them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+from autopar.errors import ConstraintError
+from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
+from autopar.frontend.trace import TracedGraph
+from autopar.pricing.price import Settings
+from autopar.rules import sequence
+
+DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "sp_shape", "pp", "pp_schedule", "micro_batch_size",
+               "num_micro_batches", "zero", "checkpoint", "offload")
+
+
+@dataclass
+class Config:
+    mesh: object
+    settings: Settings
+
+def check_constraints(constraints: dict | None) -> dict:
+    """Validate ``constraints=``: known keys, sane values; dimensions not built yet are clear errors."""
+    constraints = dict(constraints or {})
+    for k in constraints:
+        if k not in DEGREE_KEYS:
+            import difflib
+            hint = difflib.get_close_matches(k, DEGREE_KEYS, n=1)
+            raise ConstraintError(f"unknown constraint {k!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                                  + f"; valid keys: {', '.join(DEGREE_KEYS)}")
+    from autopar.search.pipeline_pins import pipeline_pins
+    pipeline_pins(constraints)   # pp / pp_schedule pins: autopar/search/pipeline.py plans them
+    unsupported = {"offload": False}
+    for k, ok in unsupported.items():
+        if k in constraints and constraints[k] != ok:
+            raise ConstraintError(f"constraint {k}={constraints[k]!r} cannot be met: this version of autopar "
+                                  f"plans {k}={ok!r} only (offload is not implemented yet)")
+    from autopar.search.grid_search import check_grid_constraints
+    check_grid_constraints(constraints)   # tp_mode / tp_shape (1d, 2d-reshard, 2d, 2.5d, 3d)
+    sequence.check_constraints(constraints)   # sp / sp_mode (autopar/rules/sequence.py)
+    if "zero" in constraints and constraints["zero"] not in (0, 1, 2, 3):
+        raise ConstraintError(f"constraint zero={constraints['zero']!r}: must be 0, 1, 2 or 3")
+    ck = constraints.get("checkpoint")
+    if "checkpoint" in constraints and not (ck in ("none", "selective", "full") or (
+            isinstance(ck, dict) and ck and all(isinstance(k, str) and (isinstance(v, bool) or v in (
+                "none", "selective", "full")) for k, v in ck.items()))):
+        raise ConstraintError(f"constraint checkpoint={ck!r}: must be 'none', 'selective', 'full' or a dict block "
+                              f"group name -> bool or one of those (e.g. {{'blocks': 'selective'}})")
+    for k in ("dp", "tp", "micro_batch_size", "num_micro_batches"):
+        if k in constraints and (isinstance(constraints[k], bool) or not isinstance(constraints[k], int)
+                                 or constraints[k] < 1):
+            raise ConstraintError(f"constraint {k}={constraints[k]!r}: must be a positive integer")
+    if constraints.get("zero", 0) and constraints.get("dp") == 1:
+        raise ConstraintError(f"constraints zero={constraints['zero']} and dp=1 contradict each other: ZeRO shards "
+                              f"optimizer state, gradients and parameters over the data-parallel ranks, and dp=1 "
+                              f"leaves one. Drop the zero pin, or let dp be larger than 1")
+    return constraints
+
+
+def _checkpoint_setting(ck):
+    """Settings.checkpoint: "none" | "selective" | "full" | None, or per block group a sorted tuple of
+    (name, bool | "none" | "selective" | "full")."""
+    return tuple(sorted(ck.items())) if isinstance(ck, dict) else ck
+
+
+def global_batch(graph: TracedGraph) -> int:
+    """The global batch size: the size of the first batch-carrying input's batch dim
+    (autopar/frontend/batching.py; not blindly dim 0)."""
+    return batch_size(input_shapes(graph), graph_batch_dims(graph))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _micro_choices(per_dp: int, constraints: dict) -> list[int]:
+    """Numbers of micro-batches for a data-parallel share of ``per_dp`` rows: only counts that
+    cut it into equal micro-batches of at least one row (a pinned count that does not is
+    dropped here and reported by ``_micro_batch_error``); unpinned, micro-batch sizes that are
+    powers of two (plus the whole share)."""
+    if "num_micro_batches" in constraints:
+        nm = constraints["num_micro_batches"]
+        return [nm] if per_dp % nm == 0 else []
+    if "micro_batch_size" in constraints:
+        mbs = constraints["micro_batch_size"]
+        return [per_dp // mbs] if per_dp % mbs == 0 else []
+    sizes = {per_dp}
+    m = 1
+    while m < per_dp:
+        if per_dp % m == 0:
+            sizes.add(m)
+        m *= 2
+    return sorted({per_dp // s for s in sizes})
+
+
+def _micro_batch_error(batch: int, dps: list[int], constraints: dict) -> str | None:
+    """Why a pinned num_micro_batches / micro_batch_size cannot be met on any mesh that the other
+    pins allow (None when it can on some): says which counts divide."""
+    key = "num_micro_batches" if "num_micro_batches" in constraints else \
+        "micro_batch_size" if "micro_batch_size" in constraints else None
+    if key is None or not dps:
+        return None
+    if any(_micro_choices(batch // dp, constraints) for dp in dps):
+        return None
+    parts = []
+    for dp in sorted(set(dps)):
+        per_dp = batch // dp
+        share = f"the global batch of {batch} rows" if dp == 1 else f"{per_dp} rows per data-parallel rank " \
+            f"(global batch {batch} / dp={dp})"
+        what = "micro-batch counts" if key == "num_micro_batches" else "micro-batch sizes"
+        parts.append(f"{share} splits into equal micro-batches only for {what} {', '.join(map(str, _divisors(per_dp)))}")
+    return (f"constraint {key}={constraints[key]} cannot be met: " + "; ".join(parts)
+            + ". Pin one of those, or change the batch size or dp")
+
+
+def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict, max_zero: int = 3):
+    """Every (mesh, ZeRO stage, micro-batch count) the pins allow. Unpinned, ZeRO-1 is left out
+    with one micro-batch where ZeRO-2 is allowed: there the two run the same collectives (one
+    reduce-scatter of the gradients, one all-gather of the parameters: pricing.price_nodes), so
+    they cost the same time, and ZeRO-2 holds a shard of the gradients instead of all of them: no
+    ZeRO-1 plan is faster or fits where the ZeRO-2 one does not."""
+    batch = global_batch(graph)
+    for mesh in allowed_meshes(cluster, constraints):
+        dp = mesh.degree("dp")
+        if batch % dp:
+            continue
+        zeros = [constraints["zero"]] if "zero" in constraints else \
+            ([z for z in (0, 1, 2, 3) if z <= max_zero] if dp > 1 else [0])
+        for nm in _micro_choices(batch // dp, constraints):
+            for z in zeros:
+                if z == 1 and nm == 1 and 2 in zeros and "zero" not in constraints:
+                    continue   # dominated by ZeRO-2 (docstring)
+                yield Config(mesh, Settings(optimizer=base.optimizer, precision=base.precision, zero=z,
+                                            num_micro_batches=nm, budget=base.budget,
+                                            overlap_grad_comm=base.overlap_grad_comm,
+                                            checkpoint=_checkpoint_setting(constraints.get("checkpoint"))))
+
+
+def allowed_meshes(cluster: Cluster, constraints: dict):
+    """The cluster's logical meshes that the dp/tp/tp_mode/tp_shape pins allow."""
+    if constraints.get("tp_mode") in ("2d", "2.5d", "3d"):
+        return   # grid modes are not ILP meshes (autopar/search/grid_search.py)
+    for mesh in list(cluster.meshes()) + sequence.meshes(cluster, constraints):
+        dp, tp = mesh.degree("dp"), sequence.tp_degree(mesh)   # sequence axes are not tensor axes
+        if constraints.get("dp", dp) != dp or constraints.get("tp", tp) != tp:
+            continue
+        if not sequence.mesh_allowed(mesh, constraints):
+            continue
+        model_axes = sequence.param_axes(mesh)
+        axes = len(model_axes)
+        if constraints.get("tp_mode") == "1d" and axes > 1 or constraints.get("tp_mode") == "2d-reshard" and axes != 2:
+            continue   # 1d: at most one model axis (Megatron; tp=1 is plain DP); 2d-reshard: exactly two
+        if "tp_shape" in constraints and list(constraints["tp_shape"]) != [mesh.shape[a] for a in model_axes]:
+            continue
+        yield mesh
