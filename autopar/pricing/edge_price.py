@@ -17,7 +17,7 @@ from autopar.mesh import Mesh
 from autopar.pricing.conjugates import step_traffic
 from autopar.pricing.cost import exposed_comm, profile_of
 from autopar.pricing.local_bytes import runtime_itemsize
-from autopar.pricing.regather import keeps_shard
+from autopar.pricing.regather import consumer_keeps_shard
 from autopar.pricing.reshard import plan_reshard
 from autopar.rules.candidates import Candidates, NodeInfo
 from autopar.rules.layout import Layout
@@ -93,9 +93,7 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
         fmat = np.zeros((S, T))
         fbytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
         srcs, dsts = edge_layouts(prod, info, i, len(shape))
-        ins = c.inputs(info.node)
-        regather = keeps_shard(info.spec.rule if info.spec is not None else "", i,
-                               len(ins) > 1 and ins[1].name in c.needs_grad, node_val(ins[i]) if i < len(ins) else None)
+        regather = consumer_keeps_shard(c, info, i)
         if regather:   # the consumer's forward seconds per instance and micro-batch, per strategy
             dgrad = P.fwd_compute[info.rep] / (nm * max(1, info.repeats))
         for b_i, dst in enumerate(dsts):

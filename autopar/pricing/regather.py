@@ -25,3 +25,12 @@ def single_gather(src: Layout, dst: Layout) -> bool:
         return False
     diff = [(s, d) for s, d in zip(src.dims, dst.dims) if s != d]
     return len(diff) == 1 and len(diff[0][0]) >= 1 and diff[0][1] == diff[0][0][:-1]
+
+
+def consumer_keeps_shard(c, info, i: int) -> bool:
+    """``keeps_shard`` for consumer ``info`` (a Candidates node) reading its input ``i``: its spec's
+    rule, whether its weight (input 1) is trained, the input's traced value."""
+    ins = c.inputs(info.node)
+    return keeps_shard(info.spec.rule if info.spec is not None else "", i,
+                       len(ins) > 1 and ins[1].name in c.needs_grad, ins[i].meta.get("val") if i < len(ins) else None)
+

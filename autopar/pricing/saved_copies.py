@@ -34,7 +34,7 @@ import torch
 
 from autopar.pricing.edge_price import _source_layout
 from autopar.pricing.local_bytes import block_fraction
-from autopar.pricing.regather import keeps_shard, single_gather
+from autopar.pricing.regather import consumer_keeps_shard, single_gather
 from autopar.pricing.saved_roots import _VIEWISH
 from autopar.rules.candidates import Candidates
 from autopar.rules.layout import Layout, memory_order
@@ -177,10 +177,7 @@ def saved_storage(c: Candidates, v: str, i: int, pick: dict[str, int], zz: set[i
 
 
 def _keeps_shard(c: Candidates, v: str, i: int) -> bool:
-    info = c.nodes[v]
-    ins = c.inputs(info.node)
-    return keeps_shard(info.spec.rule if info.spec is not None else "", i,
-                       len(ins) > 1 and ins[1].name in c.needs_grad, ins[i].meta.get("val") if i < len(ins) else None)
+    return consumer_keeps_shard(c, c.nodes[v], i)
 
 
 def copy_bytes(c: Candidates, P, pick: dict[str, int]) -> dict[str, float]:
