@@ -19,6 +19,9 @@ Variables and constraint families (each added by the function named; the model i
   strategies where it changes a coefficient. Group activation bytes
   ``= sum_saved z*a + sum_kept (x - z)*b``; recompute working set
   ``rec_g = sum_recompute_memory (x - z)*r``; extra time ``= sum_recompute_time (x - z)*t``.
+  Only with more than ``solver.decisions.MAX_SPLIT_GROUPS`` free groups: with fewer, ``solve``,
+  ``relaxation_bound`` and ``mip_reaches`` run once per allowed decision with every group pinned
+  (solver/decisions.py: the z relaxation is weak where memory binds, the pinned LPs are tight).
 - **Checkpoint links** -- ``_add_checkpoint_links`` (solver/checkpoint_links.py): ``c[implied_by] <= c[g]`` for a group
   with ``implied_by`` (a block group's selective-recompute companion is on whenever the whole
   block is recomputed; a pinned side becomes a bound).
@@ -47,12 +50,14 @@ optimum as the bound (``inf`` gap if that LP does not finish). Either way
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from solver import decisions
 from solver.backends import _bound, _extract, _run, _run_highs, _use_highs, release_threads  # noqa: F401 (re-exported)
 from solver.checkpoint_links import add_checkpoint_links as _add_checkpoint_links
 from solver.checkpoint_links import validate_links as _validate_links
@@ -460,6 +465,8 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
         if not fits(problem, mem):
             return Solution([], [], math.inf, "infeasible", solve_seconds=time.perf_counter() - t0)
         return Solution(choice, [], obj, "optimal", solve_seconds=time.perf_counter() - t0, peak_memory=mem)
+    if decisions.splits(problem):   # one ILP per checkpoint decision (solver/decisions.py)
+        return _solve_each_decision(problem, time_limit, backend, threads, mip_gap, start, t0)
     model = build(problem)
     if start is not None and len(start) == problem.num_nodes:
         model.start = [s if s is None or 0 <= s < len(problem.costs[n]) else None for n, s in enumerate(start)]
@@ -475,6 +482,44 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
         bound = model.offset + _bound(model, backend, time_limit, threads) / model.scale
         gap = max(0.0, obj - bound) / max(abs(obj), 1e-300) if math.isfinite(bound) else _MAX_TIME_LIMIT_GAP
     return Solution(choice, ckpt, obj, status, gap=gap, solve_seconds=time.perf_counter() - t0, peak_memory=mem)
+
+
+def _solve_each_decision(problem: Problem, time_limit, backend, threads, mip_gap, start, t0) -> Solution:
+    """``solve`` over each checkpoint decision with the groups pinned (solver/decisions.py): the
+    cheapest pinned solution (the first on ties, all groups off first). Its gap covers every
+    decision: a decision stopped by ``time_limit`` contributes its own bound, one stopped without
+    a solution an unknown one. With no solution at all: infeasible, or the time-limit error when
+    some decision ran out of time."""
+    best, bounds, timed_out, all_optimal = None, [], None, True
+    for sub in decisions.pinned_problems(problem):
+        if memory_floor_exceeds_budget(sub):
+            continue   # no choice fits with this decision: proved without the solver
+        left = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - t0))
+        try:
+            sol = solve(sub, left, backend, threads, mip_gap, start)
+        except PlanError as e:
+            if time_limit is None:
+                raise
+            timed_out, all_optimal = e, False
+            bounds.append(-math.inf)
+            continue
+        if sol.status == "infeasible":
+            continue
+        all_optimal = all_optimal and sol.status == "optimal"
+        bounds.append(sol.objective - sol.gap * abs(sol.objective))
+        if best is None or sol.objective < best.objective:
+            best = sol
+    seconds = time.perf_counter() - t0
+    if best is None:
+        if timed_out is not None:
+            raise timed_out
+        return Solution([], [], math.inf, "infeasible", solve_seconds=seconds)
+    if all_optimal:   # each decision within its gap, so the least of them too
+        return dataclasses.replace(best, solve_seconds=seconds)
+    low = min(bounds)
+    gap = max(0.0, best.objective - low) / max(abs(best.objective), 1e-300) if math.isfinite(low) \
+        else _MAX_TIME_LIMIT_GAP
+    return dataclasses.replace(best, status="feasible", gap=gap, solve_seconds=seconds)
 
 
 def memory_floor_exceeds_budget(problem: Problem) -> bool:
@@ -513,6 +558,17 @@ def relaxation_bound(problem: Problem, time_limit: float | None = None, threads:
         return evaluate(problem, [0] * problem.num_nodes, [])[0]
     if not _use_highs("auto"):
         return -math.inf
+    if decisions.splits(problem):
+        # the least of the pinned decisions' LPs (solver/decisions.py): far tighter than the LP
+        # with the decisions free, and each stops at ``cutoff`` on its own
+        t0 = time.perf_counter()
+        low = math.inf
+        for sub in decisions.pinned_problems(problem):
+            if memory_floor_exceeds_budget(sub):
+                continue
+            left = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - t0))
+            low = min(low, relaxation_bound(sub, left, threads, cutoff))
+        return low
     model = build(problem)
     if model.infeasible:
         return math.inf
@@ -542,6 +598,15 @@ def mip_reaches(problem: Problem, cutoff: float, time_limit: float | None = None
         return evaluate(problem, [0] * problem.num_nodes, [])[0] >= cutoff
     if not _use_highs("auto"):
         return False
+    if decisions.splits(problem):   # every pinned decision must reach it (solver/decisions.py)
+        t0 = time.perf_counter()
+        for sub in decisions.pinned_problems(problem):
+            if memory_floor_exceeds_budget(sub):
+                continue
+            left = None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - t0))
+            if not mip_reaches(sub, cutoff, left, threads):
+                return False
+        return True
     model = build(problem)
     if model.infeasible:
         return True

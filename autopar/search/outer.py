@@ -377,7 +377,7 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
     if log:
         log(f"{cfg.mesh.describe():>18}  zero={cfg.settings.zero} micro={cfg.settings.num_micro_batches:<4} "
             f"step={pred['step_time']:.4g}s (bounds {lower:.4g}, {edge_lower:.4g}) "
-            f"peak={pred['peak_memory'] / 2**30:.2f}GiB")
+            f"peak={pred['peak_memory'] / 2**30:.2f}GiB solved in {sol.solve_seconds:.2f}s")
     if best is None or pred["step_time"] < best.prediction["step_time"] - 1e-12:
         best = Result(cfg, cands, P, problem, sol, pred)
         stats["gap"] = sol.gap
