@@ -15,7 +15,7 @@ import torch
 from autopar.cluster import Cluster
 from autopar.mesh import Mesh
 from autopar.pricing.conjugates import step_traffic
-from autopar.pricing.cost import exposed_comm, profile_of
+from autopar.pricing.cost import profile_of
 from autopar.pricing.local_bytes import runtime_itemsize
 from autopar.pricing.regather import consumer_keeps_shard
 from autopar.pricing.reshard import plan_reshard
@@ -85,40 +85,47 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
     cal = profile_of(cluster)
     slowdown = cal.overlap_slowdown if cal else 0.0
     cache: dict = {}
+    axes = len(mesh.shape)
     for n, prod, info, i, pname, shape, dtype, bdim in edge_groups(c):
         itemsize = runtime_itemsize(dtype, s.precision)
-        S, T = len(prod.strategies), len(info.strategies)
-        mat = np.zeros((S, T))
-        bytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
-        fmat = np.zeros((S, T))
-        fbytes_axes = [np.zeros((S, T)) for _ in mesh.shape]
         srcs, dsts = edge_layouts(prod, info, i, len(shape))
         regather = consumer_keeps_shard(c, info, i)
-        if regather:   # the consumer's forward seconds per instance and micro-batch, per strategy
-            dgrad = P.fwd_compute[info.rep] / (nm * max(1, info.repeats))
-        for b_i, dst in enumerate(dsts):
-            for a_i, src in enumerate(srcs):
+        # a value no gradient flows back to (token ids, buffers) runs no backward conjugates
+        grad = pname in c.needs_grad
+        # Strategies share layouts (a 2-axis mesh: 49 consumer strategies, a dozen input
+        # layouts): priced once per distinct (source, destination) pair, then spread to the
+        # strategy pairs by index, instead of a Python step per strategy pair.
+        src_u, src_at = _distinct(srcs)
+        dst_u, dst_at = _distinct(dsts)
+        U, V = len(src_u), len(dst_u)
+        t_u, tf_u, rg_u = np.zeros((U, V)), np.zeros((U, V)), np.zeros((U, V))
+        ax_u = np.zeros((2, axes, U, V))   # bytes per axis: all steps, forward steps
+        for a_i, src in enumerate(src_u):
+            for b_i, dst in enumerate(dst_u):
                 if src == dst:
                     continue
-                # a value no gradient flows back to (token ids, buffers) runs no backward conjugates
-                grad = pname in c.needs_grad
                 ck = (src, dst, shape, itemsize, bdim, grad, regather)
                 if ck not in cache:
                     cache[ck] = _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh, comm, grad, regather)
                 t, per_axis, tf, per_axis_f, rg = cache[ck]
-                if rg:
-                    # runtime/regather.py gathers again while the input gradient's GEMM (the
-                    # forward's FLOPs) runs: only what that does not hide is exposed. A recomputed
-                    # block runs the plain gather again instead, unhidden: the rest of it is the
-                    # recompute's.
-                    shown = exposed_comm(rg, dgrad[b_i] if grad else 0.0, True, slowdown)
-                    t += nm * shown
-                    tf += nm * max(0.0, rg - shown)
-                mat[a_i, b_i] = t
-                fmat[a_i, b_i] = tf
-                for a in range(len(mesh.shape)):
-                    bytes_axes[a][a_i, b_i] = per_axis[a]
-                    fbytes_axes[a][a_i, b_i] = per_axis_f[a]
+                t_u[a_i, b_i], tf_u[a_i, b_i], rg_u[a_i, b_i] = t, tf, rg
+                ax_u[0, :, a_i, b_i] = per_axis
+                ax_u[1, :, a_i, b_i] = per_axis_f
+        pick = np.ix_(src_at, dst_at)
+        mat, fmat = t_u[pick], tf_u[pick]
+        if regather and rg_u.any():
+            # runtime/regather.py gathers again while the input gradient's GEMM (the forward's
+            # FLOPs) runs: only what that does not hide is exposed (``exposed_comm``, per
+            # consumer strategy). A recomputed block runs the plain gather again instead,
+            # unhidden: the rest of it is the recompute's.
+            rg = rg_u[pick]
+            dgrad = P.fwd_compute[info.rep] / (nm * max(1, info.repeats)) if grad else np.zeros(len(dsts))
+            hide = np.broadcast_to(dgrad[None, :], rg.shape)
+            shown = np.maximum(0.0, rg - hide) + slowdown * np.minimum(rg, hide)
+            mat = mat + nm * shown
+            fmat = fmat + nm * np.maximum(0.0, rg - shown)
+        bytes_axes = [ax_u[0, a][pick] for a in range(axes)]
+        fbytes_axes = [ax_u[1, a][pick] for a in range(axes)]
         if not mat.any():
             continue
         key = (prod.rep, info.rep)
@@ -132,6 +139,13 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
             P.edge_bytes[key] = [n * y for y in bytes_axes]
             P.edge_fwd[key] = n * fmat
             P.edge_fwd_bytes[key] = [n * y for y in fbytes_axes]
+
+
+def _distinct(layouts: list) -> tuple[list, np.ndarray]:
+    """(the distinct layouts in first-seen order, each input's index among them)."""
+    index: dict = {}
+    at = np.array([index.setdefault(lay, len(index)) for lay in layouts], dtype=np.intp)
+    return list(index), at
 
 
 def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm, grad: bool = True, regather: bool = False):

@@ -124,11 +124,17 @@ def _key(cost: float) -> float:
     return float(f"{cost:.9g}")
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _checked(layout: Layout, shape: tuple[int, ...], mesh_shape: tuple[int, ...], what: str) -> None:
+    # a layout recurs with many partners: checked once per (layout, shape, mesh)
+    _validate(layout, shape, mesh_shape, what)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _plan_cached(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
                  mesh_shape: tuple[int, ...], comm) -> ReshardPlan:
-    _validate(src, shape, mesh_shape, "source")
-    _validate(dst, shape, mesh_shape, "destination")
+    _checked(src, shape, mesh_shape, "source")
+    _checked(dst, shape, mesh_shape, "destination")
     goal = (dst.dims, tuple(sorted(dst.partial)))
     start = (src.dims, tuple(sorted(src.partial)))
     if start == goal:

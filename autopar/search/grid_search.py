@@ -386,7 +386,8 @@ def _static_floor(graph, base, geo: Geometry, free_zero: bool) -> float:
     from autopar.pricing.memory import state_bytes, zero_shard
 
     trained = [n for n in graph.param_fqn if n not in graph.buffers and n not in getattr(graph, "frozen", set())]
-    total = sum(graph.gm.graph.find_nodes(op="placeholder", target=n)[0].meta["val"].numel() for n in trained)
+    placeholders = {n.target: n for n in graph.gm.graph.nodes if n.op == "placeholder"}   # one pass, not one per parameter
+    total = sum(placeholders[n].meta["val"].numel() for n in trained)
     local = total / geo.world
     zero = 1 if geo.dp > 1 and (free_zero or geo.zero) else geo.zero
     return float(sum(zero_shard(state_bytes(local, base.optimizer, base.precision), zero, geo.dp).values()))
