@@ -52,8 +52,11 @@ FLOOR_LP_PAIRS = 20_000
 # below, the proof is unlikely and would cost a solve.
 MIP_CUT_WINDOW = 0.8
 # An ILP on a mesh with two model axes that does not solve within this many seconds is "large":
-# search's ``before_large`` is asked first (best bound first across pipeline degrees).
-LARGE_ILP_SECONDS = 2.0
+# search's ``before_large`` is asked first (best bound first across pipeline degrees). 5 s since
+# the ILPs split by checkpoint decision (solver/decisions.py) solve in about a second: at 2 s a
+# busy machine sent GPT 18.4B (tp=8 pinned) to its 21 pipelined candidates first, which its pp=1
+# plan prunes as well (153 s against 130-141 s).
+LARGE_ILP_SECONDS = 5.0
 
 
 @dataclass

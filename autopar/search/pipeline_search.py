@@ -59,8 +59,10 @@ return (each remaining configuration's nodes at their cheapest, the grid modes' 
 autopar/search/grid_bound.py); the best pipelined plan then prunes the rest of the pp=1 search
 (``outer.Incumbent``: its bounds, and ``solver.ilp.mip_reaches`` before each ILP). GPT-3 175B on
 128 DGX nodes: its four 2-axis ILPs (5-9 s each, LP bounds 15.8-16.2 s against the pp=1 plan's
-19.58 s) are proved unable to beat the pipelined 16.16 s plan in 1.2-1.6 s each, and the grid pass
-lowers no geometry. The order changes no plan (tests/test_pipeline_plan.py).
+19.58 s) were proved unable to beat the pipelined 16.16 s plan in 1.2-1.6 s each, and the grid pass
+lowered no geometry. Since the ILPs are solved per checkpoint decision (solver/decisions.py) those
+ILPs take about a second and the pp=1 search ends first (2.5 s); the rule stays for ILPs that are
+still slow. The order changes no plan (tests/test_pipeline_plan.py).
 
 Only executable plans are searched: a pipelined stage runs ZeRO 0-3 (tied parameters too), but
 ZeRO <= 2 under zero-bubble, which is only pinned, never searched (``pipeline.max_zero``;
