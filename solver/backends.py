@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,12 +17,18 @@ from solver.errors import PlanError
 if TYPE_CHECKING:   # annotations only
     from solver.lp_arrays import _LP, _Model
 
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()   # Highs instances not yet freed (release_threads)
 _GAP_ABS = 1e-9        # in scaled objective units (largest coefficient = solver/ilp.py's _OBJ_TARGET)
-# HiGHS's MIP presolve on the sharding ILPs costs more than it saves: a GPT 18.4B configuration
+# HiGHS's MIP presolve on large sharding ILPs costs more than it saves: a GPT 18.4B configuration
 # on a (32, 4, 2) mesh (61 nodes, 1087 strategies, 31k edge columns) solves in 10.8 s with it and
 # 6.1 s without (0.96 s against 2.7 s with the memory rows dropped); the edge columns' coupling
 # rows leave presolve little to remove, and its probing on the one-hot rows is what takes long.
-MIP_PRESOLVE = False
+# Off above this many columns only: on tiny problems it costs nothing, and without it HiGHS picks
+# other tied optima (a frozen backbone's tp=2 plan, 102 columns, replicated the weight at the same
+# step time and 37% more memory, where presolve's tie split it). Not higher: GPT-3 175B's inner
+# pipelined ILPs (a few thousand columns) took 64 s of planning with it off, 69.5 s at 5,000 and
+# 83 s at 20,000.
+MIP_PRESOLVE_MAX_COLUMNS = 1_000
 
 
 def _input_error(message: str) -> Exception:
@@ -55,6 +62,7 @@ def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True, cu
 
     lp = model.lp
     h = highspy.Highs()
+    _LIVE.add(h)
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", int(threads))
     h.setOptionValue("random_seed", 0)
@@ -62,10 +70,11 @@ def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True, cu
     h.setOptionValue("mip_abs_gap", _GAP_ABS)
     if time_limit is not None:
         h.setOptionValue("time_limit", float(time_limit))
-    if MIP_PRESOLVE is False or not mip:
+    if not mip or model.lp.num_cols > MIP_PRESOLVE_MAX_COLUMNS:
         # The relaxations are bounds for pruning: HiGHS's LP presolve took longer than it saved
         # on them (hf_llama's largest: 0.87 s with, 0.36 s without), and the dual simplex's
-        # objective bound (``cutoff``) is honoured only without it. The MIPs too (MIP_PRESOLVE).
+        # objective bound (``cutoff``) is honoured only without it. Large MIPs too
+        # (MIP_PRESOLVE_MAX_COLUMNS).
         h.setOptionValue("presolve", "off")
     if cutoff is not None:   # scaled units; see relaxation_bound (an LP) and mip_reaches (a MIP)
         h.setOptionValue("objective_bound", float(cutoff))
@@ -116,10 +125,12 @@ def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True, cu
         return "feasible"
     if status == MS.kUnboundedOrInfeasible:
         return "infeasible"
+    described = h.modelStatusToString(status)
+    del h   # the traceback of the error keeps this frame: not the solver with it (release_threads)
     if time_limit is not None:
         raise _input_error(f"the HiGHS solver found no feasible plan within time_limit={time_limit} s; "
                            "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
-    raise _input_error(f"the HiGHS solver returned status {h.modelStatusToString(status)!r}")
+    raise _input_error(f"the HiGHS solver returned status {described!r}")
 
 
 def _to_pulp(lp: _LP, mip: bool = True):
@@ -205,7 +216,11 @@ def release_threads() -> None:
         return
     import gc
 
-    gc.collect()   # Highs instances still referenced from cycles would outlive the reset below
+    if _LIVE:
+        # Highs instances still referenced from cycles would outlive the reset below. Only then
+        # a full collection: after a large search it walks millions of cached objects (GPT-3
+        # 175B: 1.3-3 s), and normally every instance died with its _run_highs frame.
+        gc.collect()
     reset = getattr(highspy.Highs, "resetGlobalScheduler", None)
     if reset is not None:
         reset(True)

@@ -121,8 +121,12 @@ def partition(num_blocks: int, num_stages: int, micro_batches: int, cost: StageC
             lo = mid + 1
         else:
             hi = mid
+    # No cap's sum of stage times is below the unconstrained least sum (the largest cap's), so a
+    # cap whose score cannot go under the best one even with that sum ends the walk.
+    least = _min_sum(table, num_blocks, num_stages, total_devices, caps[-1], items) if caps else None
+    floor = least[0] if least is not None else 0.0
     for cap in caps[lo:]:
-        if best is not None and micro_batches * cap >= best[0]:
+        if best is not None and max(micro_batches * cap, floor + (micro_batches - 1) * cap) >= best[0]:
             break
         found = _min_sum(table, num_blocks, num_stages, total_devices, cap, items)
         if found is not None:
