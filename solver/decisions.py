@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 from solver.problem import Problem
+from solver.problem_checks import memory_floor_exceeds_budget
 
 MAX_SPLIT_GROUPS = 4   # free checkpoint groups split into pinned decisions (module doc)
 
@@ -49,3 +51,12 @@ def pinned_problems(problem: Problem) -> list[Problem]:
         out.append(dataclasses.replace(problem, checkpoint_groups=[
             dataclasses.replace(g, forced=bool(on)) for g, on in zip(groups, combo)]))
     return out
+
+
+def each_pinned(problem: Problem, time_limit: float | None, t0: float):
+    """(pinned problem, seconds left of ``time_limit`` since ``t0`` or None) for each allowed
+    decision some choice can fit under (``memory_floor_exceeds_budget`` proves the others out
+    without a solver: GPT 18.4B's none and selective)."""
+    for sub in pinned_problems(problem):
+        if not memory_floor_exceeds_budget(sub):
+            yield sub, None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - t0))

@@ -296,8 +296,16 @@ def exposed_comm(comm_seconds: float, overlappable_compute_seconds: float, overl
     _non_negative(comm_seconds=comm_seconds, overlappable_compute_seconds=overlappable_compute_seconds)
     if not overlap:
         return float(comm_seconds)
-    hidden = min(comm_seconds, overlappable_compute_seconds)
-    return max(0.0, comm_seconds - overlappable_compute_seconds) + slowdown * hidden
+    return float(exposed_comm_arrays(comm_seconds, overlappable_compute_seconds, slowdown))
+
+
+def exposed_comm_arrays(comm_seconds, overlappable_compute_seconds, slowdown: float = 0.0):
+    """``exposed_comm`` with overlap, elementwise over arrays (numbers >= 0, unchecked): what
+    autopar/pricing/edge_price.py charges per strategy pair for a regathering linear."""
+    import numpy as np
+
+    hidden = np.minimum(comm_seconds, overlappable_compute_seconds)
+    return np.maximum(0.0, np.subtract(comm_seconds, overlappable_compute_seconds)) + slowdown * hidden
 
 
 def _non_negative(**values: float) -> None:

@@ -15,7 +15,7 @@ import torch
 from autopar.cluster import Cluster
 from autopar.mesh import Mesh
 from autopar.pricing.conjugates import step_traffic
-from autopar.pricing.cost import profile_of
+from autopar.pricing.cost import exposed_comm_arrays, profile_of
 from autopar.pricing.local_bytes import runtime_itemsize
 from autopar.pricing.regather import consumer_keeps_shard
 from autopar.pricing.reshard import plan_reshard
@@ -120,8 +120,7 @@ def _price_edges(c: Candidates, cluster: Cluster, s: Settings, comm, P: Priced) 
             # unhidden: the rest of it is the recompute's.
             rg = rg_u[pick]
             dgrad = P.fwd_compute[info.rep] / (nm * max(1, info.repeats)) if grad else np.zeros(len(dsts))
-            hide = np.broadcast_to(dgrad[None, :], rg.shape)
-            shown = np.maximum(0.0, rg - hide) + slowdown * np.minimum(rg, hide)
+            shown = exposed_comm_arrays(rg, dgrad[None, :], slowdown)
             mat = mat + nm * shown
             fmat = fmat + nm * np.maximum(0.0, rg - shown)
         bytes_axes = [ax_u[0, a][pick] for a in range(axes)]
