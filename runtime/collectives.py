@@ -101,19 +101,12 @@ def _raw_all_reduce(x, group, label):
 
 
 def _raw_all_gather(x, dim, group, label):
-    n = _size(group)
-    x = x.contiguous()
-    COMM_STATS.add(label, "all_gather", _nbytes(x) * n)
-    if n == 1:
-        return x.clone()
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
+    return start_all_gather(x, dim, group, label).wait()
 
 
 class PendingGather:
-    """An all-gather started with ``start_all_gather``: ``wait()`` returns what ``_raw_all_gather``
-    would have, once the transfer is done (compute issued in between overlaps it)."""
+    """An all-gather started with ``start_all_gather``: ``wait()`` returns the gathered tensor once
+    the transfer is done (compute issued in between overlaps it; ``_raw_all_gather`` waits at once)."""
 
     def __init__(self, work, parts: list[torch.Tensor], dim: int):
         self.work, self.parts, self.dim = work, parts, dim
@@ -125,7 +118,7 @@ class PendingGather:
 
 
 def start_all_gather(x: torch.Tensor, dim: int, group, label: str) -> PendingGather:
-    """``_raw_all_gather`` issued asynchronously (no autograd), counted as one all_gather."""
+    """An all-gather along ``dim`` issued asynchronously (no autograd), counted as one all_gather."""
     n = _size(group)
     x = x.contiguous()
     COMM_STATS.add(label, "all_gather", _nbytes(x) * n)
