@@ -64,12 +64,24 @@ lowered no geometry. Since the ILPs are solved per checkpoint decision (solver/d
 ILPs take about a second and the pp=1 search ends first (2.5 s); the rule stays for ILPs that are
 still slow. The order changes no plan (tests/test_pipeline_plan.py).
 
+Workers: with more than one core and no ``time_limit``, once the pp=1 search took
+``FORK_MIN_SECONDS``, the pipelined candidates are evaluated in forked worker processes
+(autopar/search/candidate_workers.py), a lane per pipeline degree so that a stage sub-mesh's
+caches and inner plans are built once (``_run_forked``). A candidate is handed out unless its
+bound reaches the best step time known at that moment, and its inner cutoff is that time times p
+(any plan found bounds it); the plan is the least step time, the earlier candidate on a tie, as
+in order. Workers send back step times only; the winner is evaluated again in the planning
+process with the incumbent its worker had, so it gets the same inner plan. GPT-3 175B on 128 DGX
+nodes on these 2-core machines: RESULTS.md section 1h. ``AUTOPAR_PLAN_WORKERS=1`` plans in one
+process; tests compare both ways (tests/test_candidate_workers.py).
+
 Only executable plans are searched: a pipelined stage runs ZeRO 0-3 (tied parameters too), but
 ZeRO <= 2 under zero-bubble, which is only pinned, never searched (``pipeline.max_zero``;
 autopar/execution/pipeline_run.py refuses the rest).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
@@ -81,6 +93,8 @@ MEGATRON_MBS = (1, 2)
 INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it changes no plan)
 BEST_BOUND_FIRST = True   # module doc, pruning: pipelined candidates before pp=1's large ILPs (idem)
 PIPELINED_FIRST_GAP = 0.9   # ... when their best bound is below this fraction of that ILP's LP bound
+FORK_WORKERS = True   # module doc, workers: candidates in forked processes (tests compare it switched off)
+FORK_MIN_SECONDS = 1.0   # ... once the search so far took this long (small models: forking costs more)
 
 
 def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
@@ -217,13 +231,16 @@ class _Pipelined:
         self.tried = self.pruned = 0
         self.first = False   # visited before the pp=1 search ended (plan_search's before_large)
         self.floors: list = []   # smallest peaks of pipelined plans that did not fit (step 4's error)
+        self.remote_inner: dict = {}   # inner searches run in worker processes: {key: cut off?}
+        self.kept: dict = {}   # in a worker: its candidates' (Result, stats, pipe) until fetched
+        self.workers = 0   # the most worker processes a visit forked (stats: pipeline_workers)
 
     def with_stats(self, out: tuple) -> tuple:
         """``out`` (Result, stats, pipe) with the pipelined candidates' counters in its stats."""
         from autopar.search.outer import CutOff
-        cut = sum(isinstance(r, CutOff) for r in self.inner_cache.values())
+        cut = {**self.remote_inner, **{k: isinstance(r, CutOff) for k, r in self.inner_cache.items()}}
         stats = dict(out[1], pipeline_candidates=self.tried, pipeline_pruned=self.pruned,
-                     inner_searches=len(self.inner_cache), inner_cut_off=cut, pipelined_first=self.first,
+                     inner_searches=len(cut), inner_cut_off=sum(cut.values()), pipeline_workers=self.workers, pipelined_first=self.first,
                      pipeline_seconds=time.perf_counter() - self.t0)
         return out[0], stats, out[2]
 
@@ -261,37 +278,220 @@ class _Pipelined:
     def run(self, best, best_stats, best_pipe=None, sp_for=None, base_compute=None):
         """The best of (``best``, ``best_pipe``) and the pipelined candidates: (Result, stats, pipe).
         The bound of a candidate is ``base_compute`` (the pp=1 plan's compute; default ``best``'s)
-        times the least fill and drain (module doc, pruning)."""
-        from autopar.search.pipeline import search_pipelined
-
+        times the least fill and drain (module doc, pruning). In forked workers when that pays
+        (``_workers``), else here, in order."""
         best_time = _time(best, best_pipe) if best is not None else float("inf")
         if base_compute is None:
             base_compute = best.prediction["time_breakdown"]["compute"] if best is not None else 0.0
-        kw = self.kw
-        for bound, p, _, m, sched, sp in sorted(self.candidates(base_compute, sp_for)):
+        order = sorted(self.candidates(base_compute, sp_for))
+        workers = self._workers(order, best_time)
+        if workers > 1:
+            return self._run_forked(order, workers, best, best_stats, best_pipe, best_time)
+        for bound, p, _, m, sched, sp in order:
             if bound >= best_time:
                 self.pruned += 1
                 continue
-            limit = kw.get("time_limit")
+            limit = self.kw.get("time_limit")
             if limit is not None and time.perf_counter() - self.t0 >= limit:
                 break   # the time limit covers the whole search, pipelined candidates included
-            pins = dict(self.flat, pp=p, pp_schedule=sched, num_micro_batches=m, **({"sp": sp} if sp else {}))
-            kw_left = kw if limit is None else dict(kw, time_limit=max(1.0, limit - (time.perf_counter() - self.t0)))
-            if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it
-                kw_left = dict(kw_left, cutoff=best_time * p)
-            try:
-                result, stats, pipe = search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search,
-                                                       **kw_left)
-            except MemoryBudgetError as e:
-                if e.budget_bytes == int(self.base.budget) and e.min_peak_bytes is not None:
-                    self.floors.append(e.min_peak_bytes)   # a stage partition that did not fit (plan_stages)
-                continue
-            except (ConstraintError, PlanError):
+            out = self._evaluate(p, m, sched, sp, best_time)
+            if out[0] != "ok":
                 continue
             self.tried += 1
+            result, stats, pipe = out[1:]
             if pipe["step_time"] < best_time:
                 best, best_stats, best_pipe, best_time = result, stats, pipe, pipe["step_time"]
         return best, best_stats, best_pipe
+
+    def _evaluate(self, p, m, sched, sp, best_time):
+        """One candidate against an incumbent of ``best_time`` seconds: ("ok", Result, stats, pipe),
+        ("skip",) when it cannot be met or its inner search was cut off, ("memory",) when no
+        stage partition fits (its smallest peak kept for step 4's error)."""
+        from autopar.search.pipeline import search_pipelined
+
+        kw, limit = self.kw, self.kw.get("time_limit")
+        pins = dict(self.flat, pp=p, pp_schedule=sched, num_micro_batches=m, **({"sp": sp} if sp else {}))
+        kw_left = kw if limit is None else dict(kw, time_limit=max(1.0, limit - (time.perf_counter() - self.t0)))
+        if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it
+            kw_left = dict(kw_left, cutoff=best_time * p)
+        try:
+            return ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search, **kw_left))
+        except MemoryBudgetError as e:
+            if e.budget_bytes == int(self.base.budget) and e.min_peak_bytes is not None:
+                self.floors.append(e.min_peak_bytes)   # a stage partition that did not fit (plan_stages)
+            return ("memory",)
+        except (ConstraintError, PlanError):
+            return ("skip",)
+
+    def _workers(self, order, best_time) -> int:
+        """Worker processes for ``order`` (autopar/search/candidate_workers.py): only without a time
+        limit, with two or more pipeline degrees left to search (a lane per degree), and when the
+        pp=1 search took ``FORK_MIN_SECONDS`` (inner searches as cheap as a small model's cost
+        less than forking)."""
+        from autopar.search.candidate_workers import can_fork, worker_count
+
+        if not FORK_WORKERS or self.kw.get("time_limit") is not None or not can_fork():
+            return 0
+        if time.perf_counter() - self.t0 < FORK_MIN_SECONDS:
+            return 0
+        degrees = {c[1] for c in order if c[0] < best_time}
+        return min(worker_count(), len(degrees)) if len(degrees) > 1 else 0
+
+    def _in_worker(self, task):
+        """A worker's answer to ("evaluate", candidate) or ("fetch", candidate) (``_run_forked``)."""
+        kind, args = task
+        return self._remote(*args) if kind == "evaluate" else self._detached(args)
+
+    def _remote(self, p, m, sched, sp, best_time):
+        """What a worker sends back for one candidate: ("ok", step time) or ``_evaluate``'s other
+        answers, the inner searches it ran ({key: cut off?}) and the floors it found. A plan is
+        kept until the parent fetches the winner."""
+        from autopar.search.outer import CutOff
+
+        before = set(self.inner_cache)
+        self.floors = []
+        self.kw = dict(self.kw, progress=False)   # one live progress line: the parent's
+        out = self._evaluate(p, m, sched, sp, best_time)
+        new = {k: isinstance(v, CutOff) for k, v in self.inner_cache.items() if k not in before}
+        if out[0] != "ok":
+            return out[0], None, new, self.floors
+        self.kept[(p, m, sched, sp)] = out[1:]
+        return "ok", out[3]["step_time"], new, self.floors
+
+    def _detached(self, key):
+        """A kept (Result, stats, pipe) that can cross a pipe: its candidates (fx nodes) replaced by
+        where the parent finds or rebuilds them, (policy, mesh); None if they are not in the
+        shared cache (the parent then evaluates the candidate again)."""
+        result, stats, pipe = self.kept[key]
+        for policy, by_mesh in self.kw["shared_candidates"].items():
+            for mesh, cands in by_mesh.items():
+                if cands is result.cands:
+                    return dataclasses.replace(result, cands=None), stats, pipe, (policy, mesh)
+        return None
+
+    def _attached(self, got):
+        """``_detached``'s answer with its candidates found in, or rebuilt into, the shared cache."""
+        from autopar.rules.candidates import candidates
+
+        result, stats, pipe, (policy, mesh) = got
+        by_mesh = self.kw["shared_candidates"].setdefault(policy, {})
+        if mesh not in by_mesh:
+            by_mesh[mesh] = candidates(self.graph, mesh, policy)
+        return dataclasses.replace(result, cands=by_mesh[mesh]), stats, pipe
+
+    def _run_forked(self, order, workers, best, best_stats, best_pipe, best_time):
+        """``run`` with the candidates evaluated in ``workers`` forked processes (module doc,
+        workers). Each pipeline degree belongs to one lane (its sub-mesh's caches built once): a
+        free lane takes its degrees' next candidate, else adopts the degree whose next candidate
+        comes first. A candidate is handed out unless its bound reaches the best step time known
+        then, with the inner cutoff of that time; the plan is the least step time, the earlier
+        candidate (``order``) on a tie, as in order. The winner's plan is fetched from its worker;
+        evaluated again here if that fails, with the incumbent its worker had when it first
+        searched that (pp, m), so the same inner plan."""
+        from collections import deque
+
+        from autopar.search.candidate_workers import Lanes
+
+        self.workers = max(self.workers, workers)
+        queues: dict = {}   # pp -> candidate indices, in order
+        for i, c in enumerate(order):
+            queues.setdefault(c[1], deque()).append(i)
+        owner: dict = {}   # pp -> lane
+        first_best: dict = {}   # (pp, m, sp) -> the incumbent its inner search was cut off against
+        done: dict = {}
+        ran_on: dict = {}   # candidate index -> lane
+        busy = [None] * workers
+        with Lanes(workers, self._in_worker) as lanes:
+            def next_for(lane):
+                mine = [pp for pp, ln in owner.items() if ln == lane and queues[pp]]
+                if not mine:
+                    free = [pp for pp in queues if pp not in owner and queues[pp]]
+                    if not free:
+                        return None
+                    pp = min(free, key=lambda x: queues[x][0])
+                    owner[pp] = lane
+                    mine = [pp]
+                return queues[min(mine, key=lambda x: queues[x][0])].popleft()
+
+            def top_up():
+                for lane in range(workers):
+                    while busy[lane] is None and lanes.alive[lane]:
+                        i = next_for(lane)
+                        if i is None:
+                            break
+                        bound, p, _, m, sched, sp = order[i]
+                        if bound >= best_time:
+                            self.pruned += 1
+                            continue
+                        first_best.setdefault((p, m, sp), best_time)
+                        lanes.send(lane, i, ("evaluate", (p, m, sched, sp, best_time)))
+                        busy[lane], ran_on[i] = i, lane
+            top_up()
+            while any(b is not None for b in busy):
+                lane, i, out = lanes.receive()
+                if i is None:   # the worker died with its task: that one and its degrees' rest here
+                    i, busy[lane] = busy[lane], None
+                    out = self._local_answer(i, order, best_time, first_best)
+                    ran_on.pop(i)
+                    for pp in [pp for pp, ln in owner.items() if ln == lane]:
+                        while queues[pp]:
+                            j = queues[pp].popleft()
+                            if order[j][0] >= best_time:
+                                self.pruned += 1
+                            else:
+                                done[j] = self._local_answer(j, order, best_time, first_best)
+                                self._count(done[j])
+                                best_time = min(best_time, done[j][1]) if done[j][0] == "ok" else best_time
+                busy[lane] = None
+                done[i] = out
+                if out[0] == "error":
+                    raise PlanError(f"a planning worker failed on pipelined candidate {order[i][1:]}: "
+                                    f"{out[1]}\n{out[2]}")
+                self._count(out)
+                if out[0] == "ok":
+                    best_time = min(best_time, out[1])
+                top_up()
+            for pp, queue in queues.items():   # every worker died: the rest here
+                while queue:
+                    j = queue.popleft()
+                    if order[j][0] >= best_time:
+                        self.pruned += 1
+                        continue
+                    done[j] = self._local_answer(j, order, best_time, first_best)
+                    self._count(done[j])
+                    best_time = min(best_time, done[j][1]) if done[j][0] == "ok" else best_time
+            won = [i for i, out in done.items() if out[0] == "ok" and out[1] == best_time]
+            if not won or (best is not None and _time(best, best_pipe) <= best_time):
+                return best, best_stats, best_pipe
+            i = min(won)
+            _, p, _, m, sched, sp = order[i]
+            got = None
+            if i in ran_on and lanes.alive[ran_on[i]]:
+                lanes.send(ran_on[i], i, ("fetch", (p, m, sched, sp)))
+                _, j, got = lanes.receive()
+                got = got if j == i and isinstance(got, tuple) and len(got) == 4 else None
+        if got is not None:
+            return self._attached(got)
+        out = self._evaluate(p, m, sched, sp, first_best[(p, m, sp)])
+        if out[0] != "ok":
+            raise PlanError(f"pipelined candidate pp={p}, m={m}, {sched} planned in a worker but not again "
+                            f"here ({out[0]}): planning is not deterministic")
+        return out[1:]
+
+    def _count(self, out) -> None:
+        """A worker's answer in this search's counters."""
+        self.remote_inner.update(out[2])
+        self.floors.extend(out[3])
+        if out[0] == "ok":
+            self.tried += 1
+
+    def _local_answer(self, i, order, best_time, first_best):
+        """A candidate whose worker died, evaluated here: an answer shaped as a worker's."""
+        _, p, _, m, sched, sp = order[i]
+        first_best.setdefault((p, m, sp), best_time)
+        out = self._evaluate(p, m, sched, sp, first_best[(p, m, sp)])
+        step = out[3]["step_time"] if out[0] == "ok" else None
+        return out[0], step, {}, []
 
 
 def _sp_of(result) -> int:

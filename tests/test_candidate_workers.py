@@ -1,0 +1,133 @@
+"""Pipelined candidates in forked worker processes (autopar/search/candidate_workers.py,
+autopar/search/pipeline_search.py ``_run_forked``): the same plan as in one process, workers that
+die or fail, the worker count."""
+import json
+import os
+
+import pytest
+
+import autopar
+from autopar.errors import PlanError
+from autopar.models import HF_ZOO, ZOO
+from autopar.search.candidate_workers import Lanes, worker_count
+
+
+def _plan_json(plan) -> str:
+    return json.dumps(plan.data, sort_keys=True, default=str)
+
+
+def _forced(monkeypatch, workers=2):
+    """Workers for every visit of the pipelined candidates, however cheap the model."""
+    import autopar.search.pipeline_search as PS
+    monkeypatch.setattr(PS, "FORK_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(PS._Pipelined, "_workers", lambda self, order, best_time: workers)
+
+
+def _small():
+    model, batch = HF_ZOO["hf_llama"]()   # its pp=1 plan reshards, so pipelined candidates get searched
+    return model, batch, autopar.Cluster.preset("cpu", devices=4)
+
+
+def test_forked_candidates_give_the_plan_of_one_process(monkeypatch):
+    import autopar.search.pipeline_search as PS
+    model, batch, cluster = _small()
+    monkeypatch.setattr(PS, "FORK_WORKERS", False)
+    alone = autopar.plan(model, batch, cluster)
+    assert alone.stats["pipeline_workers"] == 0
+    monkeypatch.setattr(PS, "FORK_WORKERS", True)
+    _forced(monkeypatch)
+    forked = autopar.plan(model, batch, cluster)
+    assert forked.stats["pipeline_workers"] == 2   # the premise: the candidates ran in workers
+    assert forked.stats["inner_searches"] == alone.stats["inner_searches"] >= 2
+    assert _plan_json(forked) == _plan_json(alone)
+
+
+@pytest.mark.slow
+def test_forked_candidates_pipelined_winner_fetched_from_its_worker(monkeypatch):
+    """GPT-2 XL on 4 DGX nodes: pipelined candidates over two pipeline degrees (a lane each) and a
+    pipelined winner, whose plan crosses back from its worker (its candidates rebuilt here): the
+    plan of one process to the last field."""
+    import autopar.search.pipeline_search as PS
+    model, batch = ZOO["gpt2_xl"]()
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=4)
+    monkeypatch.setattr(PS, "FORK_MIN_SECONDS", 0.0)
+    calls = []
+    evaluate = PS._Pipelined._evaluate
+    monkeypatch.setattr(PS._Pipelined, "_evaluate", lambda self, *a: calls.append(os.getpid()) or evaluate(self, *a))
+    forked = autopar.plan(model, batch, cluster)
+    assert forked.stats["pipeline_workers"] == 2 and forked.degrees["pp"] > 1
+    assert os.getpid() not in calls   # the winner was fetched, not evaluated again here
+    monkeypatch.setattr(PS, "FORK_WORKERS", False)
+    alone = autopar.plan(model, batch, cluster)
+    assert _plan_json(forked) == _plan_json(alone)
+
+
+def test_a_worker_that_dies_leaves_its_candidates_to_the_planner(monkeypatch):
+    import autopar.search.pipeline_search as PS
+    model, batch, cluster = _small()
+    monkeypatch.setattr(PS, "FORK_WORKERS", False)
+    alone = autopar.plan(model, batch, cluster)
+    monkeypatch.setattr(PS, "FORK_WORKERS", True)
+    _forced(monkeypatch)
+    planner = os.getpid()
+    remote = PS._Pipelined._remote
+
+    def dies(self, *a):
+        if os.getpid() != planner:
+            os._exit(3)   # killed mid-task, as by the OOM killer
+        return remote(self, *a)
+    monkeypatch.setattr(PS._Pipelined, "_remote", dies)
+    forked = autopar.plan(model, batch, cluster)
+    assert forked.stats["pipeline_workers"] == 2
+    assert _plan_json(forked) == _plan_json(alone)
+
+
+def test_a_worker_that_fails_names_the_candidate(monkeypatch):
+    import autopar.search.pipeline_search as PS
+    model, batch, cluster = _small()
+    _forced(monkeypatch)
+    planner = os.getpid()
+    evaluate = PS._Pipelined._evaluate
+
+    def fails(self, *a):
+        if os.getpid() != planner:
+            raise RuntimeError("boom in a worker")
+        return evaluate(self, *a)
+    monkeypatch.setattr(PS._Pipelined, "_evaluate", fails)
+    with pytest.raises(PlanError, match=r"planning worker failed on pipelined candidate .*boom in a worker"):
+        autopar.plan(model, batch, cluster)
+
+
+def test_lanes_answer_in_order_and_report_a_dead_worker():
+    def evaluate(task):
+        if task == "die":
+            os._exit(1)
+        if task == "fail":
+            raise ValueError("bad task")
+        return task * 2
+    with Lanes(2, evaluate) as lanes:
+        lanes.send(0, 0, 1)
+        lanes.send(0, 1, 2)
+        lanes.send(1, 2, "fail")
+        got = {}
+        while len(got) < 3:
+            lane, i, out = lanes.receive()
+            got[i] = (lane, out)
+        assert got[0] == (0, 2) and got[1] == (0, 4)
+        assert got[2][0] == 1 and got[2][1][0] == "error" and "ValueError: bad task" in got[2][1][1]
+        lanes.send(1, 3, "die")
+        assert lanes.receive() == (1, None, None) and lanes.alive == [True, False]
+        lanes.send(0, 4, 5)
+        assert lanes.receive() == (0, 4, 10)
+
+
+def test_worker_count_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "3")
+    assert worker_count() == 3
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "0")
+    assert worker_count() == 0
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "two")
+    with pytest.raises(ValueError, match="AUTOPAR_PLAN_WORKERS='two'"):
+        worker_count()
+    monkeypatch.delenv("AUTOPAR_PLAN_WORKERS")
+    assert 1 <= worker_count() <= 4
