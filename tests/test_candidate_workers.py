@@ -28,7 +28,7 @@ def _small():
     return model, batch, autopar.Cluster.preset("cpu", devices=4)
 
 
-def test_forked_candidates_give_the_plan_of_one_process(monkeypatch):
+def test_forked_candidates_give_the_plan_of_one_process(monkeypatch, capsys):
     import autopar.search.pipeline_search as PS
     model, batch, cluster = _small()
     monkeypatch.setattr(PS, "FORK_WORKERS", False)
@@ -36,10 +36,13 @@ def test_forked_candidates_give_the_plan_of_one_process(monkeypatch):
     assert alone.stats["pipeline_workers"] == 0
     monkeypatch.setattr(PS, "FORK_WORKERS", True)
     _forced(monkeypatch)
-    forked = autopar.plan(model, batch, cluster)
+    capsys.readouterr()
+    forked = autopar.plan(model, batch, cluster, verbose=True)
     assert forked.stats["pipeline_workers"] == 2   # the premise: the candidates ran in workers
     assert forked.stats["inner_searches"] == alone.stats["inner_searches"] >= 2
     assert _plan_json(forked) == _plan_json(alone)
+    # the planner's own progress line while the workers run (theirs go to their own stdout)
+    assert "[pipeline] pipelined candidates" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -129,5 +132,7 @@ def test_worker_count_from_the_environment(monkeypatch):
     monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "two")
     with pytest.raises(ValueError, match="AUTOPAR_PLAN_WORKERS='two'"):
         worker_count()
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "")   # as `AUTOPAR_PLAN_WORKERS= cmd` sets it: unset
+    assert 1 <= worker_count() <= 4
     monkeypatch.delenv("AUTOPAR_PLAN_WORKERS")
     assert 1 <= worker_count() <= 4

@@ -30,10 +30,10 @@ MAX_WORKERS = 4
 
 
 def worker_count() -> int:
-    """Worker processes for the pipelined candidates: ``AUTOPAR_PLAN_WORKERS`` when set (0 or 1:
-    none), else the cores this process may run on, at most ``MAX_WORKERS``."""
-    raw = os.environ.get(WORKERS_ENV)
-    if raw is not None:
+    """Worker processes for the pipelined candidates: ``AUTOPAR_PLAN_WORKERS`` when set and not
+    empty (0 or 1: none), else the cores this process may run on, at most ``MAX_WORKERS``."""
+    raw = os.environ.get(WORKERS_ENV, "").strip()
+    if raw:
         try:
             return max(0, int(raw))
         except ValueError:

@@ -86,7 +86,7 @@ class _Progress:
     live line on stderr when it is a terminal; with ``log`` (verbose) also one logged line per
     configuration."""
 
-    def __init__(self, total: int, log=None, live: bool | None = None):
+    def __init__(self, total: int, log=None, live: bool | None = None, label: str = "planning"):
         import sys
         self.total, self.log, self.live = total, log, None
         if live is None:
@@ -94,7 +94,7 @@ class _Progress:
         if live:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            self.live = Progress(TextColumn("planning"), BarColumn(), MofNCompleteColumn(),
+            self.live = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                                  console=Console(stderr=True), transient=True)
             self.task = self.live.add_task("configurations", total=total, info="")
@@ -104,10 +104,14 @@ class _Progress:
         done = stats["configs"]
         info = (f"configurations visited {done}/{self.total}, pruned {stats['pruned']}, solved {stats['solved']}, "
                 f"best {best.prediction['step_time']:.4g} s" if best is not None else "best none yet")
+        self.show(done, info, info.split(", ", 1)[-1])
+
+    def show(self, done: int, info: str, short: str | None = None, tag: str = "search") -> None:
+        """``done`` of the total, ``info`` in the log line, ``short`` (default ``info``) on the live line."""
         if self.live is not None:
-            self.live.update(self.task, completed=done, info=info.split(", ", 1)[1])
+            self.live.update(self.task, completed=done, info=info if short is None else short)
         if self.log:
-            self.log(f"[search] {info}")
+            self.log(f"[{tag}] {info}")
 
     def close(self) -> None:
         if self.live is not None:

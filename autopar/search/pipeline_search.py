@@ -81,6 +81,7 @@ autopar/execution/pipeline_run.py refuses the rest).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -393,6 +394,7 @@ class _Pipelined:
         from autopar.search.candidate_workers import Lanes
 
         self.workers = max(self.workers, workers)
+        pruned0 = self.pruned
         queues: dict = {}   # pp -> candidate indices, in order
         for i, c in enumerate(order):
             queues.setdefault(c[1], deque()).append(i)
@@ -401,7 +403,7 @@ class _Pipelined:
         done: dict = {}
         ran_on: dict = {}   # candidate index -> lane
         busy = [None] * workers
-        with Lanes(workers, self._in_worker) as lanes:
+        with Lanes(workers, self._in_worker) as lanes, _progress(self, len(order), workers) as bar:
             def next_for(lane):
                 mine = [pp for pp, ln in owner.items() if ln == lane and queues[pp]]
                 if not mine:
@@ -451,6 +453,9 @@ class _Pipelined:
                 if out[0] == "ok":
                     best_time = min(best_time, out[1])
                 top_up()
+                bar.show(len(done) + self.pruned - pruned0,
+                         f"pipelined candidates {len(done)} evaluated, {self.pruned - pruned0} pruned of {len(order)} "
+                         f"in {workers} workers, best {best_time:.4g} s", tag="pipeline")
             for pp, queue in queues.items():   # every worker died: the rest here
                 while queue:
                     j = queue.popleft()
@@ -492,6 +497,18 @@ class _Pipelined:
         out = self._evaluate(p, m, sched, sp, first_best[(p, m, sp)])
         step = out[3]["step_time"] if out[0] == "ok" else None
         return out[0], step, {}, []
+
+
+@contextlib.contextmanager
+def _progress(pipe, total: int, workers: int):
+    """The pipelined candidates' progress line (``outer._Progress``): entered after the workers
+    were forked (a live line runs a thread), stopped on exit."""
+    from autopar.search.outer import _Progress
+    bar = _Progress(total, pipe.kw.get("log"), pipe.kw.get("progress"), f"pipelined candidates ({workers} workers)")
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def _sp_of(result) -> int:
