@@ -428,6 +428,20 @@ class _Pipelined:
                         first_best.setdefault((p, m, sp), best_time)
                         lanes.send(lane, i, ("evaluate", (p, m, sched, sp, best_time)))
                         busy[lane], ran_on[i] = i, lane
+
+            def here(degrees):
+                """The candidates left of ``degrees`` evaluated in this process (their worker died)."""
+                nonlocal best_time
+                for pp in degrees:
+                    while queues[pp]:
+                        j = queues[pp].popleft()
+                        if order[j][0] >= best_time:
+                            self.pruned += 1
+                            continue
+                        done[j] = self._local_answer(j, order, best_time, first_best)
+                        self._count(done[j])
+                        if done[j][0] == "ok":
+                            best_time = min(best_time, done[j][1])
             top_up()
             while any(b is not None for b in busy):
                 lane, i, out = lanes.receive()
@@ -435,15 +449,7 @@ class _Pipelined:
                     i, busy[lane] = busy[lane], None
                     out = self._local_answer(i, order, best_time, first_best)
                     ran_on.pop(i)
-                    for pp in [pp for pp, ln in owner.items() if ln == lane]:
-                        while queues[pp]:
-                            j = queues[pp].popleft()
-                            if order[j][0] >= best_time:
-                                self.pruned += 1
-                            else:
-                                done[j] = self._local_answer(j, order, best_time, first_best)
-                                self._count(done[j])
-                                best_time = min(best_time, done[j][1]) if done[j][0] == "ok" else best_time
+                    here([pp for pp, ln in owner.items() if ln == lane])
                 busy[lane] = None
                 done[i] = out
                 if out[0] == "error":
@@ -456,15 +462,7 @@ class _Pipelined:
                 bar.show(len(done) + self.pruned - pruned0,
                          f"pipelined candidates {len(done)} evaluated, {self.pruned - pruned0} pruned of {len(order)} "
                          f"in {workers} workers, best {best_time:.4g} s", tag="pipeline")
-            for pp, queue in queues.items():   # every worker died: the rest here
-                while queue:
-                    j = queue.popleft()
-                    if order[j][0] >= best_time:
-                        self.pruned += 1
-                        continue
-                    done[j] = self._local_answer(j, order, best_time, first_best)
-                    self._count(done[j])
-                    best_time = min(best_time, done[j][1]) if done[j][0] == "ok" else best_time
+            here(list(queues))   # left only when every worker died
             won = [i for i, out in done.items() if out[0] == "ok" and out[1] == best_time]
             if not won or (best is not None and _time(best, best_pipe) <= best_time):
                 return best, best_stats, best_pipe
