@@ -51,9 +51,13 @@ def test_forked_candidates_pipelined_winner_fetched_from_its_worker(monkeypatch)
     pipelined winner, whose plan crosses back from its worker (its candidates rebuilt here): the
     plan of one process to the last field."""
     import autopar.search.pipeline_search as PS
+    import autopar.search.candidate_workers as CW
     model, batch = ZOO["gpt2_xl"]()
     cluster = autopar.Cluster.preset("dgx-a100", nodes=4)
     monkeypatch.setattr(PS, "FORK_MIN_SECONDS", 0.0)
+    # two workers whatever the machine (and whatever threads earlier tests in this process left)
+    monkeypatch.setattr(CW, "worker_count", lambda: 2)
+    monkeypatch.setattr(CW, "can_fork", lambda: True)
     calls = []
     evaluate = PS._Pipelined._evaluate
     monkeypatch.setattr(PS._Pipelined, "_evaluate", lambda self, *a: calls.append(os.getpid()) or evaluate(self, *a))
@@ -136,3 +140,53 @@ def test_worker_count_from_the_environment(monkeypatch):
     assert 1 <= worker_count() <= 4
     monkeypatch.delenv("AUTOPAR_PLAN_WORKERS")
     assert 1 <= worker_count() <= 4
+
+
+def test_workers_exit_when_the_planner_dies():
+    """A worker's pipe closes when the planner is killed (the worker holds no copy of the
+    planner's end): it exits instead of waiting forever."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+    script = textwrap.dedent("""
+        import os, sys, time
+        from autopar.search.candidate_workers import Lanes
+        lanes = Lanes(2, lambda task: task)
+        print(*[p.pid for p in lanes.procs], flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pids = [int(x) for x in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 20
+    alive = pids
+    while alive and time.time() < deadline:
+        alive = [p for p in alive if _running(p)]
+        time.sleep(0.1)
+    assert not alive, f"workers {alive} outlived the planner"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"   # a zombie has exited (its parent, init, reaps it)
+    except FileNotFoundError:
+        return False
+
+
+def test_no_fork_while_another_thread_runs():
+    import threading
+    from autopar.search.candidate_workers import can_fork
+    assert can_fork()
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        assert not can_fork()
+    finally:
+        stop.set()
+        t.join()

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+import threading
 import traceback
 from multiprocessing.connection import wait
 
@@ -47,11 +49,19 @@ def worker_count() -> int:
 
 
 def can_fork() -> bool:
-    return "fork" in multiprocessing.get_all_start_methods()
+    """Whether forking workers is safe here: Linux (macOS's system libraries do not survive a
+    fork), and no other Python thread running (a thread holding a lock, such as a live progress
+    line's hold on stderr, would leave it held forever in the child)."""
+    return (sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+            and threading.active_count() == 1)
 
 
-def _serve(conn, evaluate) -> None:
-    """A worker's loop: (index, task) in, (index, answer) out, until None or the pipe closes."""
+def _serve(conn, evaluate, inherited) -> None:
+    """A worker's loop: (index, task) in, (index, answer) out, until None or the pipe closes.
+    ``inherited``: the planner's ends of the pipes, copied by the fork; closed, so that the
+    planner's death closes this worker's pipe (else it would wait on it forever)."""
+    for end in inherited:
+        end.close()
     while True:
         try:
             msg = conn.recv()
@@ -82,7 +92,7 @@ class Lanes:
         self.conns, self.procs = [], []
         for _ in range(n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, evaluate), daemon=True)
+            proc = ctx.Process(target=_serve, args=(child, evaluate, [*self.conns, parent]), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
