@@ -70,9 +70,10 @@ Workers: with more than one core and no ``time_limit``, once the pp=1 search too
 caches and inner plans are built once (``_run_forked``). A candidate is handed out unless its
 bound reaches the best step time known at that moment, and its inner cutoff is that time times p
 (any plan found bounds it); the plan is the least step time, the earlier candidate on a tie, as
-in order. Workers send back step times only; the winner is evaluated again in the planning
-process with the incumbent its worker had, so it gets the same inner plan. GPT-3 175B on 128 DGX
-nodes on these 2-core machines: RESULTS.md section 1h. ``AUTOPAR_PLAN_WORKERS=1`` plans in one
+in order. Workers send back step times; the winner's plan is then fetched from its worker, its
+candidates rebuilt here (evaluated again here, with the incumbent its worker had, if that fails).
+Forking needs Linux and no other Python thread running (``candidate_workers.can_fork``). GPT-3
+175B on 128 DGX nodes on these 2-core machines: 67.7 -> 42-47 s (RESULTS.md section 1i). ``AUTOPAR_PLAN_WORKERS=1`` plans in one
 process; tests compare both ways (tests/test_candidate_workers.py).
 
 Only executable plans are searched: a pipelined stage runs ZeRO 0-3 (tied parameters too), but
