@@ -118,30 +118,6 @@ def _moves(dims, partial, local, nbytes, mesh_shape, want, dst_partial):
             yield ("partial", a, None, None), dims, tuple(sorted(partial + (a,))), None, 0.0
 
 
-_EXPANSIONS: dict = {}   # (state, goal, shape, itemsize, mesh shape) -> _moves' list
-MAX_EXPANSIONS = 1 << 17
-
-
-def _expansion(state, goal, shape, itemsize, mesh_shape, want, dst_partial) -> list:
-    """``_moves`` of a state toward a goal, as a list, memoised: searches from other sources to the
-    same destination pass the same states (GPT-3 175B's pricing: 24k expansions, 9k distinct)."""
-    key = (state, goal, shape, itemsize, mesh_shape)
-    got = _EXPANSIONS.get(key)
-    if got is None:
-        dims, partial = state
-        local = []
-        for d, axes in enumerate(dims):
-            f = 1
-            for a in axes:
-                f *= mesh_shape[a]
-            local.append(shape[d] // f)
-        nbytes = float(math.prod(local) * itemsize)
-        if len(_EXPANSIONS) >= MAX_EXPANSIONS:
-            _EXPANSIONS.clear()   # a bound on memory; the next searches refill what they use
-        got = _EXPANSIONS[key] = list(_moves(dims, partial, local, nbytes, mesh_shape, want, dst_partial))
-    return got
-
-
 def _key(cost: float) -> float:
     # Equal-cost paths (all_reduce vs reduce_scatter + all_gather under a ring model) differ in
     # the last bits of a float sum; round so the step count decides ties, not rounding noise.
@@ -176,7 +152,15 @@ def _plan_cached(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int
         if state == goal:
             return ReshardPlan(tuple(Step(*st) for st in steps), cost)
         done.add(state)
-        for step, ndims, npartial, kind, nb in _expansion(state, goal, shape, itemsize, mesh_shape, want, dst_partial):
+        dims, partial = state
+        local = []
+        for d, axes in enumerate(dims):
+            f = 1
+            for a in axes:
+                f *= mesh_shape[a]
+            local.append(shape[d] // f)
+        nbytes = float(math.prod(local) * itemsize)
+        for step, ndims, npartial, kind, nb in _moves(dims, partial, local, nbytes, mesh_shape, want, dst_partial):
             nxt = (ndims, npartial)
             if nxt in done:
                 continue
