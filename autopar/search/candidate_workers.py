@@ -5,7 +5,8 @@ single-threaded Python on large models (GPT-3 175B on 1024 A100s: 20 inner searc
 95% of its planning), and the candidates are independent but for the incumbent that prunes them.
 With more than one core they run in worker processes forked from the planning process after the
 pp=1 search: the traced graph, the candidates and pricing caches are inherited, not pickled;
-what crosses a pipe is a candidate's index one way and a step time (or why it has none) back.
+what crosses a pipe is a candidate's index one way and a step time (or why it has none) back,
+and once the search is over the winner's plan (its candidates rebuilt by the planner).
 
 - ``worker_count``: how many (``AUTOPAR_PLAN_WORKERS``, else the cores this process may use, at
   most ``MAX_WORKERS``; 1 or 0 means no workers).
@@ -15,7 +16,8 @@ what crosses a pipe is a candidate's index one way and a step time (or why it ha
 
 The workers are forked before any of them starts a thread, and the solver's threads are
 stopped first (``solver.ilp.release_threads``): a fork copies no running thread, so a pool or
-lock held by one would be dead in the child. A worker that dies (killed, out of memory) closes
+lock held by one would be dead in the child; for the same reason the planner forks only with no
+other Python thread running (``can_fork``). A worker that dies (killed, out of memory) closes
 its pipe; ``receive`` reports it and the caller evaluates that lane's tasks itself.
 """
 from __future__ import annotations
