@@ -176,8 +176,9 @@ def _edge_cost(src, dst, shape, itemsize, nm, bdim, mesh: Mesh, comm, grad: bool
         traffic = memo[rk]
     else:
         try:
-            # plan_reshard without its argument conversion: these are int tuples already
-            rp = _plan_cached(src, dst, local_shape, int(itemsize), tuple(mesh.shape), comm)
+            # plan_reshard without its argument conversion: these are an int tuple, an int
+            # (runtime_itemsize) and a Mesh's shape tuple already
+            rp = _plan_cached(src, dst, local_shape, itemsize, mesh.shape, comm)
             traffic = step_traffic(rp.steps, src, local_shape, itemsize, mesh.shape)
         except ValueError:
             traffic = None

@@ -350,15 +350,14 @@ class _Pipelined:
         kept until the parent fetches the winner."""
         from autopar.search.outer import CutOff
 
-        before = set(self.inner_cache)
-        self.floors = []
+        before, floors = set(self.inner_cache), len(self.floors)
         self.kw = dict(self.kw, progress=False)   # one live progress line: the parent's
         out = self._evaluate(p, m, sched, sp, best_time)
         new = {k: isinstance(v, CutOff) for k, v in self.inner_cache.items() if k not in before}
         if out[0] != "ok":
-            return out[0], None, new, self.floors
+            return out[0], None, new, self.floors[floors:]
         self.kept[(p, m, sched, sp)] = out[1:]
-        return "ok", out[3]["step_time"], new, self.floors
+        return "ok", out[3]["step_time"], new, self.floors[floors:]
 
     def _detached(self, key):
         """A kept (Result, stats, pipe) that can cross a pipe: its candidates (fx nodes) replaced by
