@@ -36,9 +36,31 @@ def local_count(target: torch.Tensor, weight: torch.Tensor | None = None, ignore
     return (w.to(torch.float64) * valid).sum()
 
 
-def set_denominators(values: dict[str, torch.Tensor]) -> None:
-    """Install this step's global denominators (name of the loss node -> 0-d tensor)."""
+class Pending:
+    """A denominator whose all-reduce is still running (issued asynchronously before the forward,
+    so it overlaps the forward instead of blocking it): the first reader waits for it."""
+
+    def __init__(self, value: torch.Tensor, work):
+        self.value, self.work = value, work
+
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.value
+
+
+def set_denominators(values: dict) -> None:
+    """Install this step's global denominators (name of the loss node -> 0-d tensor, or a
+    ``Pending`` one)."""
     context.current().extra[_KEY] = dict(values)
+
+
+def settle() -> None:
+    """Wait for every denominator still in flight (the step's end: none is left running)."""
+    for v in context.current().extra.get(_KEY, {}).values():
+        if isinstance(v, Pending):
+            v.result()
 
 
 def denominator(name: str) -> torch.Tensor:
@@ -46,7 +68,8 @@ def denominator(name: str) -> torch.Tensor:
     if name not in d:
         raise RuntimeError(f"autopar: no global denominator for the mean loss {name!r} was computed before "
                            f"running the program (autopar.execution.compiled computes them in step / __call__)")
-    return d[name]
+    v = d[name]
+    return v.result() if isinstance(v, Pending) else v
 
 
 def divide(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -58,4 +81,4 @@ def divide(x: torch.Tensor, name: str) -> torch.Tensor:
     return (x.float() / d.float()).to(x.dtype)
 
 
-__all__ = ["local_count", "set_denominators", "denominator", "divide"]
+__all__ = ["Pending", "local_count", "set_denominators", "settle", "denominator", "divide"]

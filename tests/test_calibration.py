@@ -140,3 +140,36 @@ def test_korthikanti_layer_within_15_percent():
                        overlap=False).predictions["time_breakdown"]
         per[l] = tb["compute"] + tb["recompute"] + tb["op_comm"] + tb["reshard_comm"]
     assert abs((per[3] - per[2]) / 19.6e-3 - 1) <= 0.15
+
+
+def test_op_floors_round_trip_and_bound_tiny_ops(tmp_path):
+    """``op_floors``: a rule's least forward / backward time (what a tiny op costs the host on a
+    CPU) bounds its price from below; large ops keep their roofline price; views stay views."""
+    from autopar.pricing.cost import fwd_bwd_compute
+    cal = Calibration.from_dict(dict(PROFILE, op_floors={"gelu": ["30us", "70us"], "linear": [16e-6, 6e-5]}))
+    assert cal.floor_for("gelu") == (pytest.approx(30e-6), pytest.approx(70e-6))
+    assert cal.floor_for("softmax") == (0.0, 0.0)
+    cal.to_yaml(tmp_path / "p.yaml")
+    assert Calibration.from_yaml(tmp_path / "p.yaml") == cal
+    dev = Cluster.preset("cpu").device
+    base = Calibration.from_dict(PROFILE)
+    f, b = fwd_bwd_compute(1024.0, 8192.0, "fp32", dev, False, calibration=cal, op="gelu")
+    f0, b0 = fwd_bwd_compute(1024.0, 8192.0, "fp32", dev, False, calibration=base, op="gelu")
+    assert f0 < 30e-6 and (f, b) == (pytest.approx(30e-6), pytest.approx(70e-6))
+    big = fwd_bwd_compute(1e12, 1e10, "fp32", dev, False, calibration=cal, op="gelu")
+    assert big == fwd_bwd_compute(1e12, 1e10, "fp32", dev, False, calibration=base, op="gelu")
+    assert fwd_bwd_compute(0.0, 0.0, "fp32", dev, False, calibration=cal, op="gelu")[0] == cal.view_overhead
+    with pytest.raises(ClusterError, match="op_floors"):
+        Calibration.from_dict(dict(PROFILE, op_floors={"gelu": [1e-6]}))
+
+
+def test_calibrate_measures_op_floors_on_cpu():
+    """``autopar calibrate`` on a CPU writes a floor per chained rule, forward and backward, each
+    a positive time of tens of microseconds at most a few milliseconds."""
+    import torch
+    from autopar.pricing.calibrate import _op_floors, _timed
+    floors = _op_floors(lambda f: _timed(f, 3, lambda: None), torch.float32, torch.device("cpu"))
+    assert set(floors) >= {"linear", "gelu", "add", "layer_norm", "softmax"}
+    for rule, (f, b) in floors.items():
+        assert 0 < f < 5e-3 and 0 <= b < 5e-3, (rule, f, b)
+    assert floors["linear"][1] > floors["linear"][0]   # two GEMMs and a bias sum in backward

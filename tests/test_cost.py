@@ -352,3 +352,52 @@ def test_gradient_collectives_priced_as_bucket_shares():
     # a parameter larger than a bucket gets a collective of its own
     assert bucket_share(comm, "all_reduce", 2 * bucket, 0, bucket) == comm("all_reduce", 2 * bucket, 0)
     assert bucket_share(comm, "all_reduce", 0, 0, bucket) == 0.0
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_collectives_priced_per_chunk(zero):
+    """ZeRO 1-3 reduce-scatter and all-gather one repeated-block instance's parameters together
+    (runtime/zero.py, chunks from frontend/blocks.param_chunks as execution builds them): the
+    plan's gradient and gather times are one collective per chunk at the chunk's size, not shares
+    of a whole-model bucket (the zoo mlp: its two repeated 64x64 layers a chunk each, the first
+    layer and the output layer the rest: 3 chunks)."""
+    import autopar
+    from autopar.frontend.blocks import param_chunks
+    from autopar.frontend.trace import trace
+    from autopar.models import ZOO
+    model, batch = ZOO["mlp"](device="meta")
+    cluster = Cluster.preset("cpu", devices=2)
+    plan = autopar.plan(model, batch, cluster, precision="fp32",
+                        constraints={"dp": 2, "tp": 1, "zero": zero, "num_micro_batches": 1})
+    assert plan.degrees["zero"] == zero and plan.degrees["dp"] == 2
+    g = trace(model, batch)
+    trainable = [n for n in g.param_fqn if n not in g.buffers]
+    key = param_chunks(g.blocks, g.param_fqn, trainable)
+    assert len(set(key.values())) == 3
+    numel = {}
+    for n in g.gm.graph.nodes:
+        if n.op == "placeholder" and n.name in key:
+            numel[key[n.name]] = numel.get(key[n.name], 0) + n.meta["val"].numel()
+    comm = Collectives(cluster, Mesh((2,), ("dp",), cluster.devices_per_node))
+    rs = sum(comm("reduce_scatter", 4 * v, 0) for v in numel.values())
+    ag = sum(comm("all_gather", 4 * v, 0) for v in numel.values())
+    tb = plan.predictions["time_breakdown"]
+    assert tb["grad_comm"] == pytest.approx(rs + (ag if zero == 1 else 0.0), rel=1e-6)
+    if zero == 3:   # gathered for forward and again for backward
+        assert tb["op_comm"] == pytest.approx(2 * ag, rel=1e-6)
+
+
+def test_inactive_dropout_is_priced_as_a_view():
+    """``F.dropout(x, 0.0, training=True)`` returns x itself (no kernel runs): it costs what a view
+    costs, while an active dropout is a memory-bound kernel."""
+    import autopar
+    from autopar.models import ZOO
+    cluster = Cluster.preset("cpu", devices=1)
+    by_p = {}
+    for p in (0.0, 0.1):
+        model, batch = ZOO["mlp"](device="meta", dropout=p)
+        plan = autopar.plan(model, batch, cluster, precision="fp32", constraints={"num_micro_batches": 1})
+        by_p[p] = plan.predictions["compute_by_rule"].get("dropout", 0.0)
+    view = profile_of(cluster)
+    assert by_p[0.0] <= 6 * (view.view_overhead if view is not None else 0.0) + 1e-12
+    assert by_p[0.1] > 10 * max(by_p[0.0], 1e-9)

@@ -105,10 +105,13 @@ class CompiledModel:
         return float(t)
 
     @torch.no_grad()
-    def _set_denominators(self, micro) -> None:
+    def _set_denominators(self, micro, overlap: bool = False) -> None:
         """The global denominators of the program's mean losses for this step (runtime/loss.py):
         this rank's counts summed over its micro-batches, then over the axes the targets are split
-        over. Must run before the micro-batches (each divides by the step's global count)."""
+        over. Must run before the micro-batches (each divides by the step's global count).
+        ``overlap``: a sum over one axis runs asynchronously and the loss waits for it, so it
+        overlaps the forward (on gloo a blocking scalar all-reduce cost 0.4-0.7 ms of a 3.5 ms
+        step); the caller settles it (``RL.settle``) before the step ends."""
         prog = self.program
         if prog.count_gm is None:
             return
@@ -121,6 +124,9 @@ class CompiledModel:
         values = {}
         for (name, axes), c in zip(prog.mean_losses, counts):
             c = c.clone()
+            if overlap and len(axes) == 1:
+                values[name] = RL.Pending(c, dist.all_reduce(c, group=self.ctx.groups[axes[0]], async_op=True))
+                continue
             for a in axes:
                 dist.all_reduce(c, group=self.ctx.groups[a])
             values[name] = c
@@ -147,8 +153,10 @@ class CompiledModel:
         return self.guard.run(lambda: self._step(batch), "training step")
 
     def _step(self, batch) -> float:
+        from runtime import loss as RL
+
         micro = self._local_micro_batches(batch)
-        self._set_denominators(micro)
+        self._set_denominators(micro, overlap=True)
         total = torch.zeros((), device=self.device)
         reducer = self.opt.reducer
         pending = None
@@ -162,6 +170,7 @@ class CompiledModel:
                 if last:   # the global loss is summed while backward runs
                     pending = self._start_loss(total)
                 loss.backward()
+        RL.settle()
         self.opt.step()
         self.opt.zero_grad()
         return self._finish_loss(pending)

@@ -74,6 +74,7 @@ def _broadcast_plan(model, example_inputs, cluster, plan_options, traced) -> Pla
 def setup(cm, example_inputs):
     """``CompiledModel._setup``: steps 1-3 of the module doc; ``cm`` is ready after it (or, for a grid
     plan, becomes a GridCompiledModel set up by ``setup_grid``)."""
+    from autopar.frontend.blocks import param_chunks
     from autopar.frontend.trace import trace
     from codegen import generate
     from runtime import context, rng
@@ -149,22 +150,13 @@ def setup(cm, example_inputs):
     zero = int(plan.degrees.get("zero", 0) or 0)
     cm.zero = zero
 
-    # Chunks: one per repeated-block instance (reduced / gathered together), the rest in one.
-    chunk_of_module = {}
-    for grp in traced.blocks:
-        for fqn in grp.module_fqns:
-            chunk_of_module.setdefault(fqn, len(chunk_of_module))
+    # Chunks: one per repeated-block instance (reduced / gathered together), the rest in one
+    # (frontend/blocks.param_chunks: pricing charges each chunk's collectives at its size).
     trainable = [n for n in traced.param_fqn if n not in traced.buffers]
-
-    def chunk_key(fqn):
-        for m, k in chunk_of_module.items():
-            if fqn.startswith(m + "."):
-                return k
-        return len(chunk_of_module)
-
-    keys = sorted({chunk_key(traced.param_fqn[n]) for n in trainable})
+    chunk_key_of = param_chunks(traced.blocks, traced.param_fqn, trainable)
+    keys = sorted(set(chunk_key_of.values()))
     chunk_index = {k: i for i, k in enumerate(keys)}
-    cm.chunk_of = {traced.param_fqn[n]: chunk_index[chunk_key(traced.param_fqn[n])] for n in trainable}
+    cm.chunk_of = {traced.param_fqn[n]: chunk_index[chunk_key_of[n]] for n in trainable}
     # ZeRO-3 under pipelining: each stage program gets its own gather/free calls (pipeline_run.setup)
     zero3_chunks = cm.chunk_of if zero == 3 and cm.pp == 1 else None
     cm.program = generate(traced, plan.stage_plan(), cm.rank % mesh_size(plan), zero3_chunks,
@@ -188,11 +180,11 @@ def setup(cm, example_inputs):
             ranks = tuple(sorted({sp.index % cm.pp for sp in cm.stage_programs if n in sp.param_names}))
             if len(ranks) > 1:
                 cm.tied_stages[traced.param_fqn[n]] = ranks
-        tied_key = {fqn: len(chunk_of_module) + 1 + i for i, fqn in enumerate(sorted(cm.tied_stages))}
-        keys = sorted({tied_key.get(traced.param_fqn[n], chunk_key(traced.param_fqn[n])) for n in trainable})
+        top = max(chunk_key_of.values(), default=0)
+        tied_key = {fqn: top + 1 + i for i, fqn in enumerate(sorted(cm.tied_stages))}
+        keys = sorted({tied_key.get(traced.param_fqn[n], chunk_key_of[n]) for n in trainable})
         chunk_index = {k: i for i, k in enumerate(keys)}
-        cm.chunk_of = {traced.param_fqn[n]: chunk_index[tied_key.get(traced.param_fqn[n],
-                                                                       chunk_key(traced.param_fqn[n]))]
+        cm.chunk_of = {traced.param_fqn[n]: chunk_index[tied_key.get(traced.param_fqn[n], chunk_key_of[n])]
                          for n in trainable}
 
     # Parameters: only this rank's blocks, from the weight source (autopar/execution/weights.py).

@@ -203,3 +203,22 @@ def find_blocks(gm: GraphModule, model: nn.Module, param_fqn: dict[str, str], bu
     block_of = {name: (g, i, p) for g, grp in enumerate(groups)
                 for i, inst in enumerate(grp.instances) for p, name in enumerate(inst)}
     return groups, block_of
+
+
+def param_chunks(blocks, param_fqn: dict[str, str], trainable) -> dict[str, int]:
+    """The ZeRO chunk of each trainable parameter (placeholder name -> chunk key): one chunk per
+    repeated-block instance (its parameters are reduced, gathered and freed together,
+    runtime/zero.py), every other parameter in one last chunk. Execution builds its chunks from
+    this and pricing charges each collective at its chunk's size, so both agree."""
+    chunk_of_module: dict[str, int] = {}
+    for grp in blocks:
+        for fqn in grp.module_fqns:
+            chunk_of_module.setdefault(fqn, len(chunk_of_module))
+    rest = len(chunk_of_module)
+
+    def key(fqn: str) -> int:
+        for m, k in chunk_of_module.items():
+            if fqn.startswith(m + "."):
+                return k
+        return rest
+    return {n: key(param_fqn[n]) for n in trainable}

@@ -223,6 +223,8 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
             y = y * 1.0001
         y.sum().backward()
     kernel_overhead = timed(ops) / (2 * chain + 2)
+    # per-rule floors (CPU: the host is the device, nothing hides a tiny op's fixed cost)
+    op_floors = {} if gpu else _op_floors(timed, dtype, device)
     # collectives: world group and groups of 2 consecutive ranks, each timed as a training step
     # meets it (_in_loop): the runtime's own collective code, back to back with compute between,
     # no barrier, so each call includes waiting for the slowest rank of its group
@@ -285,7 +287,8 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
            "memory": [list(p) for p in _collapse(memory, 0)], "kernel_overhead": kernel_overhead,
            "overlap_slowdown": slowdown, "vector_rate": vector_rate,
            "optimizer_overhead": optimizer_overhead, "backward_ratio": backward_ratio,
-           "view_overhead": view_overhead, "backward_ratios": backward_ratios}
+           "view_overhead": view_overhead, "backward_ratios": backward_ratios,
+           **({"op_floors": op_floors} if op_floors else {})}
     if links:
         out["links"] = {"intra": links}
     else:   # one process: no links measured; a placeholder curve (never used by a 1-rank mesh)
@@ -415,6 +418,50 @@ def _backward_ratios(ratio, dtype, device) -> dict:
         def fb(f=f, g=g):
             f().backward(g)
         out[rule] = max(0.1, ratio(fw, fb))
+    return out
+
+
+# a tiny activation: every op on it is all fixed cost (dispatch, autograd bookkeeping, set-up)
+FLOOR_SHAPE = (16, 64)
+FLOOR_CHAIN = 16
+
+
+def _op_floors(timed, dtype, device) -> dict:
+    """Least (forward, backward) seconds of one op per rule on a tiny activation, as training runs
+    it: a chain of ``FLOOR_CHAIN`` such ops through autograd, each with its own parameters (one
+    AccumulateGrad each, as a model's layers), forward alone and forward + backward; the
+    backward engine's start is shared by the chain."""
+    import torch
+    import torch.nn.functional as F
+    n, h = FLOOR_SHAPE
+    kw = dict(dtype=dtype, device=device)
+
+    def leaves(*shape):
+        return [torch.randn(*shape, **kw, requires_grad=True) for _ in range(FLOOR_CHAIN)]
+    x0 = torch.randn(n, h, **kw, requires_grad=True)
+    ws, bs, zs = leaves(h, h), leaves(h), leaves(n, h)
+    ones = [torch.ones(h, **kw, requires_grad=True) for _ in range(FLOOR_CHAIN)]
+    steps = {
+        "linear": lambda y, i: F.linear(y, ws[i], bs[i]),
+        "gelu": lambda y, i: F.gelu(y),
+        "add": lambda y, i: y + zs[i],
+        "mul": lambda y, i: y * zs[i],
+        "layer_norm": lambda y, i: F.layer_norm(y, (h,), ones[i], bs[i]),
+        "softmax": lambda y, i: torch.softmax(y, -1),
+    }
+    out = {}
+    for rule, f in steps.items():
+        def fw(f=f):
+            y = x0
+            for i in range(FLOOR_CHAIN):
+                y = f(y, i)
+            return y
+
+        def fb(fw=fw):
+            fw().sum().backward()
+        t_f = timed(fw)
+        t_fb = timed(fb)
+        out[rule] = [t_f / FLOOR_CHAIN, max(0.0, t_fb - t_f) / FLOOR_CHAIN]
     return out
 
 

@@ -155,10 +155,12 @@ def fwd_bwd_compute(flops: float, nbytes: float, dtype: str, device: Device,
     fwd = compute_time(flops, nbytes, dtype, device, intensity if weight_grad else None, calibration)
     cal = calibration if calibration is not None else builtin_for(device)
     if cal is None:
-        ratio = 2.0 if weight_grad else 1.0
-    else:
-        ratio = cal.backward_ratio_for(op, weight_grad)
-    return fwd, ratio * fwd
+        return fwd, (2.0 if weight_grad else 1.0) * fwd
+    bwd = cal.backward_ratio_for(op, weight_grad) * fwd
+    if cal.op_floors and (flops or nbytes):   # the host's least time for one such op (tiny ops on a CPU)
+        f0, b0 = cal.floor_for(op)
+        fwd, bwd = max(fwd, f0), max(bwd, b0)
+    return fwd, bwd
 
 
 def _ring(kind: str, nbytes: float, n: int, link: Link) -> float:

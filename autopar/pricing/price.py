@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from autopar.rules.candidates import FLOAT_DTYPES, Candidates, NodeInfo
+from autopar.frontend.blocks import param_chunks
 from autopar.cluster import Cluster
 from autopar.pricing.conjugates import region_inputs
 from autopar.pricing.cost import (Collectives, bucket_share, fwd_bwd_compute, gemm_intensity, grad_bucket_bytes,
@@ -43,6 +44,22 @@ class Settings:
     # sorted tuple of (block group name, bool | mode): those groups pinned, the others by the ILP.
     checkpoint: str | tuple | None = None
 
+
+
+def _chunk_numel(c: Candidates) -> dict[str, int]:
+    """Trainable parameter (node name) -> elements of its ZeRO chunk (frontend/blocks.param_chunks,
+    the chunks execution builds), once per graph."""
+    g = c.graph
+    got = g.__dict__.get("_chunk_numel")
+    if got is None:
+        trainable = [n for n in g.param_fqn if n not in g.buffers]
+        key = param_chunks(g.blocks, g.param_fqn, trainable)
+        vals = {n.name: n for n in g.gm.graph.nodes if n.op == "placeholder"}
+        per: dict[int, int] = {}
+        for n in trainable:
+            per[key[n]] = per.get(key[n], 0) + (node_val(vals[n]).numel() if n in vals else 0)
+        got = g.__dict__["_chunk_numel"] = {n: per[key[n]] for n in trainable}
+    return got
 
 def op_bytes_scale(val, precision: str) -> float:
     """What an op's ``spec.bytes`` (counted in the traced dtypes, fp32 for a model traced in
@@ -159,6 +176,9 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
 
     def share(kind, nbytes, a):
         return bucket_share(comm, kind, nbytes, a, bucket)
+    # ZeRO 1-3 reduce-scatter and gather a repeated-block instance's parameters together (one
+    # collective per chunk, runtime/zero.py): a parameter pays its share of its chunk's collective
+    chunk_numel = _chunk_numel(c)
     # Ops' prices do not depend on the ZeRO stage (only parameters' do): price them once per
     # (cluster, micro-batches, precision) and re-use them for every stage.
     ops_key = ("ops", cluster, nm, s.precision)
@@ -220,11 +240,15 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                         # priced below, is that all-gather). ZeRO-3 total: 3x params (ZeRO paper).
                         n_rs = nm if s.zero >= 2 else 1
                         n_ag = 0 if s.zero == 3 else 1
-                        t = n_rs * share("reduce_scatter", gbytes, a) + n_ag * share("all_gather", pbytes, a)
+                        # the chunk's other parameters assumed split like this one
+                        chunk = chunk_numel.get(name, numel) * (local / numel if numel else 0.0)
+                        gchunk, pchunk = chunk * (gbytes / local if local else 0.0), chunk * (pbytes / local if local else 0.0)
+                        t = (n_rs * bucket_share(comm, "reduce_scatter", gbytes, a, gchunk)
+                             + n_ag * bucket_share(comm, "all_gather", pbytes, a, pchunk))
                         axis_bytes[a][j] += (n_rs * gbytes + n_ag * pbytes) * k
                         grad_t[j] += t * k
                         if s.zero == 3:   # parameters gathered for forward and again for backward, per micro-batch
-                            comm_t[j] += 2 * nm * share("all_gather", pbytes, a) * k
+                            comm_t[j] += 2 * nm * bucket_share(comm, "all_gather", pbytes, a, pchunk) * k
                             axis_bytes[a][j] += 2 * nm * pbytes * k
         elif info.kind == "op":
             spec = info.spec

@@ -20,6 +20,8 @@ YAML schema (all tables are ``[size, rate]`` pairs, interpolated log-log, clampe
     backward_ratios: {sdpa: 5.1, gelu: 2.6}   # optional: measured backward / forward time per op rule
                                       # (OpSpec.rule); overrides backward_ratio and the 2x of contractions
     view_overhead: 0us                # optional: host cost of an op that moves no data (CPU: not hidden)
+    op_floors: {gelu: [13us, 20us]}   # optional: least forward / backward seconds of one op per rule
+                                      # (a tiny call through autograd: the host's floor, CPU only)
     links:
       intra:
         hop_latency: 2us              # per extra ring step when the group differs from a measured one
@@ -117,6 +119,18 @@ class Calibration:
     # on a CPU SDPA's backward takes ~5x its forward and GELU's ~2.6x, not the 2x / 1x of the
     # generic model (autopar calibrate measures them; GPU built-ins carry none)
     backward_ratios: tuple[tuple[str, float], ...] = ()
+    # least (forward, backward) seconds of one op per rule, as sorted (rule, fwd, bwd): on a CPU a
+    # tiny GELU takes 13 us forward however few its elements (dispatch, autograd bookkeeping,
+    # the kernel's own set-up), more than kernel_overhead's elementwise chain says
+    op_floors: tuple[tuple[str, float, float], ...] = ()
+
+    def floor_for(self, rule: str | None) -> tuple[float, float]:
+        """(forward, backward) floor seconds of one op of ``rule``; (0, 0) when not measured."""
+        if rule is not None:
+            for r, f, b in self.op_floors:
+                if r == rule:
+                    return f, b
+        return 0.0, 0.0
 
     def backward_ratio_for(self, rule: str | None, weight_grad: bool) -> float:
         """Backward / forward time of an op: its measured ratio if the profile has one, else 2
@@ -141,6 +155,7 @@ class Calibration:
                 **({"backward_ratio": self.backward_ratio} if self.backward_ratio != 1.0 else {}),
                 **({"view_overhead": self.view_overhead} if self.view_overhead else {}),
                 **({"backward_ratios": dict(self.backward_ratios)} if self.backward_ratios else {}),
+                **({"op_floors": {r: [f, b] for r, f, b in self.op_floors}} if self.op_floors else {}),
                 "links": {"intra": link(self.intra), "inter": link(self.inter)}}
 
     @staticmethod
@@ -173,7 +188,7 @@ def _parse(d: Any, source: str) -> Calibration:
         raise ClusterError(f"{source}: calibration profile must be a mapping, got {type(d).__name__}")
     allowed = {"name", "source", "gemm_dtype", "gemm", "gemm_latency", "memory", "kernel_overhead",
                "overlap_slowdown", "links", "vector_rate", "optimizer_overhead", "backward_ratio",
-               "view_overhead", "backward_ratios"}
+               "view_overhead", "backward_ratios", "op_floors"}
     extra = set(d) - allowed
     if extra:
         raise fail(sorted(extra)[0], f"unknown field; expected one of {sorted(allowed)}")
@@ -229,6 +244,15 @@ def _parse(d: Any, source: str) -> Calibration:
             isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
             for v in ratios.values()):
         raise fail("backward_ratios", f"got {ratios!r}; expected a mapping op rule -> ratio > 0")
+    floors = d.get("op_floors") or {}
+    if not isinstance(floors, dict):
+        raise fail("op_floors", f"got {floors!r}; expected a mapping op rule -> [forward, backward] seconds")
+    floor_rows = []
+    for rule, fb in floors.items():
+        if not isinstance(fb, (list, tuple)) or len(fb) != 2:
+            raise fail(f"op_floors.{rule}", f"got {fb!r}; expected [forward, backward] seconds")
+        floor_rows.append((str(rule), seconds(fb[0], f"op_floors.{rule}[0]", 0.0),
+                           seconds(fb[1], f"op_floors.{rule}[1]", 0.0)))
     dt = d.get("gemm_dtype", "bf16")
     if dt not in ("bf16", "fp16", "fp32"):
         raise fail("gemm_dtype", f"got {dt!r}; expected bf16, fp16 or fp32")
@@ -241,7 +265,8 @@ def _parse(d: Any, source: str) -> Calibration:
                        optimizer_overhead=seconds(d.get("optimizer_overhead"), "optimizer_overhead", None),
                        backward_ratio=float(d.get("backward_ratio", 1.0)),
                        view_overhead=seconds(d.get("view_overhead"), "view_overhead", 0.0),
-                       backward_ratios=tuple(sorted((str(k), float(v)) for k, v in ratios.items())))
+                       backward_ratios=tuple(sorted((str(k), float(v)) for k, v in ratios.items())),
+                       op_floors=tuple(sorted(floor_rows)))
 
 
 # ---------------------------------------------------------------------------------------------

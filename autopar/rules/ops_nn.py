@@ -172,12 +172,13 @@ def dropout(node):
         outs = (ls,)
         saved = (Saved("extra", letters=ls, itemsize=1, on="cuda"),
                  Saved("extra", letters=ls, itemsize=_itemsize(node.args[0]), act=True, on="cpu")) if active else ()
-    return OpSpec("dropout", (ls,), outs, dict(zip(ls, xs)), flops=float(math.prod(xs)),
-                  bytes=io_bytes(node), saved=saved,
+    identity = not active and not native   # returns x itself: no kernel runs, priced as a view
+    return OpSpec("dropout", (ls,), outs, dict(zip(ls, xs)), flops=0.0 if identity else float(math.prod(xs)),
+                  bytes=0 if identity else io_bytes(node), saved=saved,
                   # an inactive dropout is the identity: linear, so partial sums pass through,
                   # and it returns x itself (no copy), so what is saved of its output is x's storage
                   partial_inputs=(0,) if not active else (),
-                  returns_input=0 if not active and not native else None)
+                  returns_input=0 if identity else None)
 
 
 def _loss_letters(node):
