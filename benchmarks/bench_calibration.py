@@ -25,7 +25,7 @@ from runtime.launch import run_local
 
 torch.set_num_threads(1)
 
-MODELS = {   # zoo factory, keyword arguments (sizes large enough that kernels, not Python, dominate)
+MODELS = {   # zoo factory, keyword arguments (gpt2: kernels dominate; the default mlp: host overheads do)
     "mlp": ("mlp", {}),
     "gpt2": ("gpt2", dict(n_layer=2, d_model=128, n_head=4, seq=64, batch=8)),
 }
