@@ -103,6 +103,10 @@ def test_autopar_calibrate_end_to_end(tmp_path):
     cal = Calibration.from_yaml(out)
     assert cal.gemm_dtype == "fp32" and all(r > 0 for _, r in cal.gemm)
     assert {"sdpa", "gelu", "layer_norm", "dropout"} <= {r for r, _ in cal.backward_ratios}
+    # on a CPU: tiny ops' floors and the runtime's host work per step (a minimal model run on the
+    # two processes, measured minus predicted): a positive time, well under a second
+    assert {"linear", "gelu"} <= {r for r, _, _ in cal.op_floors}
+    assert 0 < cal.step_overhead < 0.5, cal.step_overhead
     kinds = {k for k, _, _ in cal.intra.curves}
     assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"} <= kinds
     (tmp_path / "c.yaml").write_text(f"preset: cpu\ndevices: 2\ncalibration: {out.name}\n")
@@ -173,3 +177,27 @@ def test_calibrate_measures_op_floors_on_cpu():
     for rule, (f, b) in floors.items():
         assert 0 < f < 5e-3 and 0 <= b < 5e-3, (rule, f, b)
     assert floors["linear"][1] > floors["linear"][0]   # two GEMMs and a bias sum in backward
+
+
+def test_step_overhead_is_priced_once_per_step_with_the_loss():
+    """``step_overhead`` (the runtime's host work per step outside the program) adds to the
+    predicted step exactly once, shown apart in compute_by_rule, and hides no gradient
+    communication (it is not backward compute)."""
+    import autopar
+    from autopar.models import ZOO
+    base = Calibration.from_dict(PROFILE)
+    over = dataclasses.replace(base, step_overhead=3e-3)
+    model, batch = ZOO["mlp"](device="meta")
+    plans = {}
+    for cal in (base, over):
+        cluster = Cluster.preset("cpu", devices=2).with_calibration(cal)
+        plans[cal] = autopar.plan(model, batch, cluster, precision="fp32",
+                                  constraints={"dp": 2, "tp": 1, "zero": 0, "num_micro_batches": 1})
+    a, b = plans[base], plans[over]
+    assert a.degrees == b.degrees
+    assert b.step_time == pytest.approx(a.step_time + 3e-3, rel=1e-9)
+    assert b.predictions["compute_by_rule"]["step host work"] == pytest.approx(3e-3)
+    assert "step host work" not in a.predictions["compute_by_rule"]
+    assert (b.predictions["time_breakdown"]["grad_comm_exposed"]
+            == pytest.approx(a.predictions["time_breakdown"]["grad_comm_exposed"]))
+    assert Calibration.from_dict(over.to_dict()) == over

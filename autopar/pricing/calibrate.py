@@ -13,7 +13,10 @@ Measures, on every rank at once (so ranks that share cores or memory bandwidth s
   mesh uses), as nccl-tests bus bandwidth — run by the runtime's own collective code inside a
   compute + collective loop without barriers, so each call includes the wait for the slowest
   rank that a training step's blocking collectives see;
-* the slowdown of a GEMM loop while an all-reduce runs behind it (overlap_slowdown).
+* the slowdown of a GEMM loop while an all-reduce runs behind it (overlap_slowdown);
+* on a CPU, per-rule floors of tiny ops (``op_floors``) and the runtime's host work per training
+  step outside the program (``step_overhead``, autopar/execution/step_overhead.py: a minimal
+  model planned with the figures above and run, measured minus predicted).
 
 Runs under an initialised process group (torchrun / ``autopar run -n N``: NCCL on GPUs, gloo on
 CPUs) or, for the ``cpu`` preset, forks ``nprocs`` local gloo processes itself. CPU compute is
@@ -272,10 +275,8 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
         # t_both = max(alone, comm) + slowdown · hidden (cost.exposed_comm's model)
         slowdown = min(0.95, max(0.0, (t_both - max(t_alone, t_comm)) / hidden)) if hidden > 0 else 0.0
 
-    from runtime.collectives import COMM_STATS
-    COMM_STATS.reset()   # the runtime's collectives counted the calibration's bytes
-    if rank != 0:
-        return None
+    # every rank builds the profile (each figure above is rank 0's or agreed by all): the step
+    # overhead's plan and run below need it everywhere
     links = {"hop_latency": 0.0,
              "curves": {f"{k}@{n}": [list(p) for p in t] for k, n, t in curves}} if curves else None
     out = {"name": f"{'gpu' if gpu else 'cpu'}-measured", "source":
@@ -293,7 +294,13 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
         out["links"] = {"intra": links}
     else:   # one process: no links measured; a placeholder curve (never used by a 1-rank mesh)
         out["links"] = {"intra": {"curves": {"all_reduce@2": [[1.0, 1e9]]}}}
-    return out
+    if not gpu and dist_on:   # the runtime's host work per step, what the figures above leave unpriced
+        # (lazy: execution sits above pricing; only this measurement runs the runtime end to end)
+        from autopar.execution.step_overhead import measure as step_overhead
+        out["step_overhead"] = step_overhead(out)
+    from runtime.collectives import COMM_STATS
+    COMM_STATS.reset()   # the runtime's collectives counted the calibration's bytes
+    return out if rank == 0 else None
 
 
 def isotonic(points):

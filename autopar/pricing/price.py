@@ -256,6 +256,9 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
             if base is None:
                 base = op_bases[name] = _op_base(c, info, s.precision, cuda, roots, charged_roots)
             wgrad = base.wgrad
+            # the step's host work outside the program (cal.step_overhead, CPU only), once per
+            # step: carried by the loss, the same for each of its strategies
+            host_step = cal.step_overhead if (cal is not None and name == c.graph.output_name) else 0.0
             for j, st in enumerate(info.strategies):
                 ai = _local_intensity(c, spec, info, j, mesh, nm, 2 if dtype == "bf16" else 4) if wgrad else None
                 fkey = (base.flops[j] / nm, base.nbytes[j] / nm, ai, wgrad, spec.rule)
@@ -264,7 +267,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                     fb = compute_memo[fkey] = fwd_bwd_compute(fkey[0], fkey[1], dtype, device, wgrad, ai, cal,
                                                               op=spec.rule)
                 f, b = fb
-                compute[j] = (f + b) * nm * k
+                compute[j] = (f + b) * nm * k + host_step
                 fwd[j] = f * nm * k
                 mirrored = st.backward_comms is None
                 for (kind, a, nbytes) in st.comms:

@@ -22,6 +22,8 @@ YAML schema (all tables are ``[size, rate]`` pairs, interpolated log-log, clampe
     view_overhead: 0us                # optional: host cost of an op that moves no data (CPU: not hidden)
     op_floors: {gelu: [13us, 20us]}   # optional: least forward / backward seconds of one op per rule
                                       # (a tiny call through autograd: the host's floor, CPU only)
+    step_overhead: 300us              # optional: the runtime's host work per training step outside
+                                      # the program's ops (batch checks, loss count, CPU only)
     links:
       intra:
         hop_latency: 2us              # per extra ring step when the group differs from a measured one
@@ -123,6 +125,11 @@ class Calibration:
     # tiny GELU takes 13 us forward however few its elements (dispatch, autograd bookkeeping,
     # the kernel's own set-up), more than kernel_overhead's elementwise chain says
     op_floors: tuple[tuple[str, float, float], ...] = ()
+    # seconds of host work per training step outside the program's ops (batch checks and
+    # slicing, the mean loss's count and its all-reduce, the loss's all-reduce, zero_grad, the
+    # backward's start): measured by running the runtime on a minimal model (CPU only; on a GPU
+    # the host runs ahead of the device)
+    step_overhead: float = 0.0
 
     def floor_for(self, rule: str | None) -> tuple[float, float]:
         """(forward, backward) floor seconds of one op of ``rule``; (0, 0) when not measured."""
@@ -156,6 +163,7 @@ class Calibration:
                 **({"view_overhead": self.view_overhead} if self.view_overhead else {}),
                 **({"backward_ratios": dict(self.backward_ratios)} if self.backward_ratios else {}),
                 **({"op_floors": {r: [f, b] for r, f, b in self.op_floors}} if self.op_floors else {}),
+                **({"step_overhead": self.step_overhead} if self.step_overhead else {}),
                 "links": {"intra": link(self.intra), "inter": link(self.inter)}}
 
     @staticmethod
@@ -188,7 +196,7 @@ def _parse(d: Any, source: str) -> Calibration:
         raise ClusterError(f"{source}: calibration profile must be a mapping, got {type(d).__name__}")
     allowed = {"name", "source", "gemm_dtype", "gemm", "gemm_latency", "memory", "kernel_overhead",
                "overlap_slowdown", "links", "vector_rate", "optimizer_overhead", "backward_ratio",
-               "view_overhead", "backward_ratios", "op_floors"}
+               "view_overhead", "backward_ratios", "op_floors", "step_overhead"}
     extra = set(d) - allowed
     if extra:
         raise fail(sorted(extra)[0], f"unknown field; expected one of {sorted(allowed)}")
@@ -266,7 +274,8 @@ def _parse(d: Any, source: str) -> Calibration:
                        backward_ratio=float(d.get("backward_ratio", 1.0)),
                        view_overhead=seconds(d.get("view_overhead"), "view_overhead", 0.0),
                        backward_ratios=tuple(sorted((str(k), float(v)) for k, v in ratios.items())),
-                       op_floors=tuple(sorted(floor_rows)))
+                       op_floors=tuple(sorted(floor_rows)),
+                       step_overhead=seconds(d.get("step_overhead"), "step_overhead", 0.0))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -84,8 +84,13 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
     for (u, v), m in P.edge_fwd.items():
         if v in recomputed and u in pick and v in pick:
             recompute += float(m[pick[u], pick[v]])
-    backward = compute - fwd
     cal = profile_of(cluster)
+    # the step's host work, priced with the loss (pricing/price.py), is not backward compute that
+    # gradient communication could hide behind
+    loss = c.nodes.get(c.graph.output_name)
+    host = (cal.step_overhead if cal is not None and c.graph.output_name in pick and loss is not None
+            and loss.kind == "op" and loss.spec is not None else 0.0)
+    backward = compute - fwd - host
     exposed_grad = exposed_comm(grad_comm, backward, s.overlap_grad_comm, cal.overlap_slowdown if cal else 0.0)
     step = compute + op_comm + reshard + exposed_grad + optimizer + recompute
 
@@ -133,6 +138,10 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
         info = c.nodes.get(n)
         if n in pick and info is not None and info.kind == "op" and info.spec is not None:
             by_rule[info.spec.rule] = by_rule.get(info.spec.rule, 0.0) + float(arr[pick[n]])
+
+    if host:
+        by_rule[loss.spec.rule] -= host   # priced with the loss (pricing/price.py): shown apart
+        by_rule["step host work"] = host
 
     # communication in ops and resharding into ops (by the consumer's rule), gradients excluded
     comm_by_rule: dict[str, float] = {}
