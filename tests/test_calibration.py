@@ -107,6 +107,7 @@ def test_autopar_calibrate_end_to_end(tmp_path):
     # two processes, measured minus predicted): a positive time, well under a second
     assert {"linear", "gelu"} <= {r for r, _, _ in cal.op_floors}
     assert 0 < cal.step_overhead < 0.5, cal.step_overhead
+    assert {"layer_norm", "softmax", "cross_entropy"} <= {r for r, _ in cal.op_rates}
     kinds = {k for k, _, _ in cal.intra.curves}
     assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"} <= kinds
     (tmp_path / "c.yaml").write_text(f"preset: cpu\ndevices: 2\ncalibration: {out.name}\n")
@@ -201,3 +202,23 @@ def test_step_overhead_is_priced_once_per_step_with_the_loss():
     assert (b.predictions["time_breakdown"]["grad_comm_exposed"]
             == pytest.approx(a.predictions["time_breakdown"]["grad_comm_exposed"]))
     assert Calibration.from_dict(over.to_dict()) == over
+
+
+def test_op_rates_price_a_rules_flops_at_its_measured_rate():
+    """``op_rates``: a rule's forward FLOP/s as its OpSpec counts FLOPs (a layer norm counts 8 an
+    element and runs vectorized): its arithmetic is priced at that rate, other rules keep
+    ``vector_rate``; contractions keep the GEMM curve."""
+    from autopar.pricing.cost import compute_time
+    base = Calibration.from_dict(dict(PROFILE, vector_rate=1e9))
+    cal = dataclasses.replace(base, op_rates=(("layer_norm", 1e10),))
+    assert Calibration.from_dict(cal.to_dict()) == cal
+    dev = Cluster.preset("cpu").device
+    flops = 8e7   # arithmetic-bound at either rate (1 byte moved)
+    slow = compute_time(flops, 1.0, "fp32", dev, calibration=cal, op="softmax")
+    fast = compute_time(flops, 1.0, "fp32", dev, calibration=cal, op="layer_norm")
+    assert slow - cal.kernel_overhead == pytest.approx(flops / 1e9)
+    assert fast - cal.kernel_overhead == pytest.approx(flops / 1e10)
+    assert (compute_time(flops, 1.0, "fp32", dev, intensity=50.0, calibration=cal, op="layer_norm")
+            == compute_time(flops, 1.0, "fp32", dev, intensity=50.0, calibration=base, op="layer_norm"))
+    with pytest.raises(ClusterError, match="op_rates"):
+        Calibration.from_dict(dict(PROFILE, op_rates={"layer_norm": 0}))

@@ -9,9 +9,13 @@ all adds to the step (about 0.2-0.5 ms on these machines, a tenth of a tiny mode
 
 ``measure(profile)``: on every rank of the current process group, plan a minimal model (one
 linear layer and a cross-entropy loss, a few rows per rank) with the profile measured so far on
-the ``cpu`` preset, data parallel over every rank, run it with the runtime, and return the
-slowest rank's fastest step minus the plan's step time (at least 0): what the model does not
-price yet.
+the ``cpu`` preset, data parallel over every rank, compile it, and time each piece of that host
+work the way the step calls it (``PIECES``), fastest of ``CALLS`` single calls (as calibrate
+times kernels: other users' load only adds time), the slowest rank's; the sum. The count's and
+the loss's all-reduces are timed up to their launch: the step overlaps them with the forward and
+the backward. A first version took measured minus predicted steps of that model instead; under
+a load of 3-4 on these 2 cores it read 1.9 ms at 2 processes and 5 ms at 4, the machine's
+load more than the runtime's work.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-STEPS = 40          # timed steps after the warm-up, the fastest kept
+CALLS = 50          # single calls per piece, the fastest kept
 ROWS_PER_RANK = 4
 
 
@@ -36,10 +40,11 @@ class _Tiny(nn.Module):
 
 
 def measure(profile: dict) -> float:
-    """Seconds of host work per step the cost model does not price (module doc). Collective:
-    every rank of the current group calls it; each returns the same value."""
+    """Seconds of host work per step outside the program's ops (module doc). Collective: every
+    rank of the current group calls it; each returns the same value."""
     import autopar
     from autopar.pricing.profile import Calibration
+    from runtime import loss as RL
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(0)
@@ -57,21 +62,44 @@ def measure(profile: dict) -> float:
         box = [plan]
         dist.broadcast_object_list(box, src=0)
         plan = box[0]
-    plan = autopar.Plan.from_json(plan)
-    cm = autopar.compile(model, cluster, example_inputs=batch, plan=plan)
-    for _ in range(5):
+    cm = autopar.compile(model, cluster, example_inputs=batch, plan=autopar.Plan.from_json(plan))
+    for _ in range(3):
         cm.step(*batch)
-    best = float("inf")
-    for _ in range(STEPS):
-        if world > 1:
-            dist.barrier()
-        t0 = time.perf_counter()
-        cm.step(*batch)
-        best = min(best, time.perf_counter() - t0)
-    t = torch.tensor([best], dtype=torch.float64)
+    micro = cm._local_micro_batches(batch)
+    loss = torch.zeros(())
+
+    def denominators():
+        cm._set_denominators(micro, overlap=True)
+        return RL.settle      # waited for untimed: the step overlaps it with the forward
+
+    def loss_sum():
+        pending = cm._start_loss(loss)
+        return lambda: cm._finish_loss(pending)   # overlapped with the backward
+
+    PIECES = {
+        "batch checks": lambda: cm._check_batch(batch),
+        "micro-batches": lambda: cm._local_micro_batches(batch),
+        "loss count": denominators,
+        "loss sum": loss_sum,
+        "zero_grad": lambda: cm.opt.zero_grad(),
+        "step guard": lambda: cm.guard.run(lambda: None, "training step"),
+    }
+    total = 0.0
+    for fn in PIECES.values():
+        best = float("inf")
+        for _ in range(CALLS):
+            if world > 1:
+                dist.barrier()
+            t0 = time.perf_counter()
+            after = fn()
+            best = min(best, time.perf_counter() - t0)
+            if callable(after):
+                after()
+        total += best
+    t = torch.tensor([total], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)   # a synchronous step waits for its slowest rank
-    return max(0.0, float(t) - plan.step_time)
+    return float(t)
 
 
 __all__ = ["measure"]

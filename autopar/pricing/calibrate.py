@@ -14,9 +14,11 @@ Measures, on every rank at once (so ranks that share cores or memory bandwidth s
   compute + collective loop without barriers, so each call includes the wait for the slowest
   rank that a training step's blocking collectives see;
 * the slowdown of a GEMM loop while an all-reduce runs behind it (overlap_slowdown);
-* on a CPU, per-rule floors of tiny ops (``op_floors``) and the runtime's host work per training
+* on a CPU, each measured rule's forward rate in the FLOPs its rule counts (``op_rates``),
+  per-rule floors of tiny ops (``op_floors``) and the runtime's host work per training
   step outside the program (``step_overhead``, autopar/execution/step_overhead.py: a minimal
-  model planned with the figures above and run, measured minus predicted).
+  model planned with the figures above and compiled, each piece of the step's host work timed
+  the way the step calls it).
 
 Runs under an initialised process group (torchrun / ``autopar run -n N``: NCCL on GPUs, gloo on
 CPUs) or, for the ``cpu`` preset, forks ``nprocs`` local gloo processes itself. CPU compute is
@@ -196,6 +198,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
     vector_rate = 2**20 / statistics.median(fwd_t)
     backward_ratio = max(1.0, statistics.median(both_t))
     backward_ratios = _backward_ratios(ratio, dtype, device)
+    op_rates = {} if gpu else _op_rates(timed, dtype, device)
     # a view (no data moved) still costs a dispatch on the host; on a GPU that overlaps the
     # device's work, on a CPU it does not
     view_overhead = timed(lambda: x.view(-1).t()) / 2 if not gpu else 0.0
@@ -289,7 +292,8 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
            "overlap_slowdown": slowdown, "vector_rate": vector_rate,
            "optimizer_overhead": optimizer_overhead, "backward_ratio": backward_ratio,
            "view_overhead": view_overhead, "backward_ratios": backward_ratios,
-           **({"op_floors": op_floors} if op_floors else {})}
+           **({"op_floors": op_floors} if op_floors else {}),
+           **({"op_rates": op_rates} if op_rates else {})}
     if links:
         out["links"] = {"intra": links}
     else:   # one process: no links measured; a placeholder curve (never used by a 1-rank mesh)
@@ -387,9 +391,9 @@ def _collective(kind, numel, n, dtype, device, group):
     return lambda: rc._raw_all_to_all(x, 0, 0, group, "calibrate")
 
 
-# ops whose backward / forward ratio is measured (autopar rule name -> builder of (forward,
-# forward + backward) on representative activation shapes); the rest use the median ratio
-def _backward_ratios(ratio, dtype, device) -> dict:
+# ops whose backward / forward ratio and forward rate are measured (autopar rule name -> (forward
+# function, its arguments) on representative activation shapes); the rest use the median ratio
+def _rule_ops(dtype, device) -> dict:
     import torch
     import torch.nn.functional as F
     b, s, h, heads = 8, 128, 256, 4
@@ -404,27 +408,59 @@ def _backward_ratios(ratio, dtype, device) -> dict:
     target = torch.randint(0, 1024, (b * s,), device=device)
     table = leaf(1024, h)
     idx = torch.randint(0, 1024, (b, s), device=device)
-    ops = {
-        "gelu": lambda: F.gelu(x),
-        "layer_norm": lambda: F.layer_norm(x, (h,), w, bias),
-        "softmax": lambda: torch.softmax(x, -1),
-        "dropout": lambda: F.dropout(x, 0.1, training=True),
-        "add": lambda: x + y,
-        "mul": lambda: x * y,
-        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        "cross_entropy": lambda: F.cross_entropy(logits, target),
-        "embedding": lambda: F.embedding(idx, table),
+    return {
+        "gelu": (F.gelu, (x,)),
+        "layer_norm": (lambda x, w, b_: F.layer_norm(x, (h,), w, b_), (x, w, bias)),
+        "softmax": (lambda x: torch.softmax(x, -1), (x,)),
+        "dropout": (lambda x: F.dropout(x, 0.1, training=True), (x,)),
+        "add": (lambda x, y: x + y, (x, y)),
+        "mul": (lambda x, y: x * y, (x, y)),
+        "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v)),
+        "cross_entropy": (F.cross_entropy, (logits, target)),
+        "embedding": (lambda i, t: F.embedding(i, t), (idx, table)),
     }
+
+
+def _backward_ratios(ratio, dtype, device) -> dict:
+    import torch
     out = {}
-    for rule, f in ops.items():
-        g = torch.ones_like(f())
+    for rule, (f, args) in _rule_ops(dtype, device).items():
+        g = torch.ones_like(f(*args))
 
-        def fw(f=f):   # with autograd recording, as a training forward runs (SDPA on a CPU
-            f()        # takes another kernel under no_grad)
+        def fw(f=f, args=args):   # with autograd recording, as a training forward runs (SDPA on a
+            f(*args)              # CPU takes another kernel under no_grad)
 
-        def fb(f=f, g=g):
-            f().backward(g)
+        def fb(f=f, args=args, g=g):
+            f(*args).backward(g)
         out[rule] = max(0.1, ratio(fw, fb))
+    return out
+
+
+def _op_rates(timed, dtype, device) -> dict:
+    """FLOP/s of each rule's forward as the planner counts its FLOPs: the op traced as the planner
+    traces a model (torch.export), its rule's OpSpec FLOPs over the timed forward (with autograd
+    recording). Rules whose FLOPs are not what bounds them (memory-bound: add, mul, dropout,
+    embedding) still get one; pricing takes the larger of the FLOP and byte times."""
+    import torch
+    from autopar.rules.table import spec_for
+
+    class _Op(torch.nn.Module):
+        def __init__(self, f):
+            super().__init__()
+            self.f = f
+
+        def forward(self, *args):
+            return self.f(*args)
+    out = {}
+    for rule, (f, args) in _rule_ops(dtype, device).items():
+        try:
+            ep = torch.export.export(_Op(f), tuple(a.detach() for a in args))
+            specs = [spec_for(n) for n in ep.graph.nodes if n.op == "call_function"]
+        except Exception:   # an op the exporter or the rules cannot take here: no rate, the default
+            continue
+        flops = sum(sp.flops for sp in specs if sp is not None and sp.rule == rule)
+        if flops > 0:
+            out[rule] = flops / timed(lambda f=f, args=args: f(*args))
     return out
 
 

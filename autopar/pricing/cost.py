@@ -114,7 +114,8 @@ def gemm_intensity(sizes: dict, tensors, itemsize: float) -> float:
 
 
 def compute_time(flops: float, nbytes: float, dtype: str, device: Device,
-                 intensity: float | None = None, calibration: Calibration | None = None) -> float:
+                 intensity: float | None = None, calibration: Calibration | None = None,
+                 op: str | None = None) -> float:
     """Seconds for one kernel doing ``flops`` arithmetic and moving ``nbytes`` of device memory.
     ``intensity`` (FLOP/byte of the local GEMM shape, ``gemm_intensity``) marks a contraction:
     with a calibration profile its rate comes from the profile's GEMM-by-intensity curve;
@@ -133,8 +134,8 @@ def compute_time(flops: float, nbytes: float, dtype: str, device: Device,
         rate = interp(cal.gemm, max(intensity, 1e-3)) * _dtype_scale(device, dtype, cal.gemm_dtype)
         return max(flops / rate, t_mem) + max(cal.gemm_latency, cal.kernel_overhead)
     t_math = 0.0
-    if flops > 0:   # elementwise arithmetic: not what bounds these kernels; priced at the GEMM plateau
-        rate = cal.vector_rate if cal.vector_rate else cal.gemm[-1][1]
+    if flops > 0:   # a rule's measured rate (``op``: OpSpec.rule), else elementwise arithmetic's
+        rate = cal.rate_for(op) or cal.vector_rate or cal.gemm[-1][1]
         t_math = flops / (rate * _dtype_scale(device, dtype, cal.gemm_dtype))
     return max(t_math, t_mem) + cal.kernel_overhead
 
@@ -152,7 +153,7 @@ def fwd_bwd_compute(flops: float, nbytes: float, dtype: str, device: Device,
     kernels in backward (grad input, grad weight: the same three shapes, so the same intensity);
     other ops one. A calibration profile may carry measured per-op ratios (``op``: the rule
     name, ``OpSpec.rule``) and a measured ratio for ops without a weight gradient."""
-    fwd = compute_time(flops, nbytes, dtype, device, intensity if weight_grad else None, calibration)
+    fwd = compute_time(flops, nbytes, dtype, device, intensity if weight_grad else None, calibration, op=op)
     cal = calibration if calibration is not None else builtin_for(device)
     if cal is None:
         return fwd, (2.0 if weight_grad else 1.0) * fwd

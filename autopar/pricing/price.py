@@ -104,6 +104,12 @@ class Priced:
 
 
 def has_contraction(spec) -> bool:
+    # Every letter summed away counts, so reductions (a loss over the vocabulary, x.mean()) are
+    # priced as GEMMs of low intensity: cross-entropy on the bench_calibration gpt2 costs 2.9 ms
+    # priced against 0.25 ms measured. Counting only letters two inputs share, each with letters
+    # of its own, fixes that, but flips the tp=8 layout of tests/test_selective_recompute.py's
+    # stack (its x.mean() loss had kept the hidden dropouts split): left for a change that
+    # re-derives that test's premise (benchmarks/RESULTS.md section 7).
     out = set("".join(spec.outputs))
     return any(ch not in out for ins in spec.inputs if ins for ch in ins)
 

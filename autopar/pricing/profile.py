@@ -22,6 +22,8 @@ YAML schema (all tables are ``[size, rate]`` pairs, interpolated log-log, clampe
     view_overhead: 0us                # optional: host cost of an op that moves no data (CPU: not hidden)
     op_floors: {gelu: [13us, 20us]}   # optional: least forward / backward seconds of one op per rule
                                       # (a tiny call through autograd: the host's floor, CPU only)
+    op_rates: {layer_norm: 5e9}       # optional: FLOP/s (as the rule counts FLOPs) of a rule's
+                                      # forward, measured on representative activations
     step_overhead: 300us              # optional: the runtime's host work per training step outside
                                       # the program's ops (batch checks, loss count, CPU only)
     links:
@@ -126,10 +128,23 @@ class Calibration:
     # the kernel's own set-up), more than kernel_overhead's elementwise chain says
     op_floors: tuple[tuple[str, float, float], ...] = ()
     # seconds of host work per training step outside the program's ops (batch checks and
-    # slicing, the mean loss's count and its all-reduce, the loss's all-reduce, zero_grad, the
-    # backward's start): measured by running the runtime on a minimal model (CPU only; on a GPU
-    # the host runs ahead of the device)
+    # slicing, the mean loss's count and its all-reduce's launch, the loss's all-reduce's
+    # launch, zero_grad): measured on the runtime compiled for a minimal model (CPU only; on a
+    # GPU the host runs ahead of the device)
     step_overhead: float = 0.0
+    # FLOP/s of a rule's forward as its OpSpec counts FLOPs (sorted (rule, rate)): a layer norm
+    # counts 8 FLOPs an element and runs vectorized at several GFLOP/s, where vector_rate (the
+    # median of exp, tanh, gelu, sigmoid, x*x) is under 1 GFLOP/s on these CPUs: priced at
+    # vector_rate, a 65k-element layer norm took 0.6 ms against 77 us measured
+    op_rates: tuple[tuple[str, float], ...] = ()
+
+    def rate_for(self, rule: str | None) -> float | None:
+        """Measured FLOP/s of ``rule``'s forward, or None."""
+        if rule is not None:
+            for r, v in self.op_rates:
+                if r == rule:
+                    return v
+        return None
 
     def floor_for(self, rule: str | None) -> tuple[float, float]:
         """(forward, backward) floor seconds of one op of ``rule``; (0, 0) when not measured."""
@@ -164,6 +179,7 @@ class Calibration:
                 **({"backward_ratios": dict(self.backward_ratios)} if self.backward_ratios else {}),
                 **({"op_floors": {r: [f, b] for r, f, b in self.op_floors}} if self.op_floors else {}),
                 **({"step_overhead": self.step_overhead} if self.step_overhead else {}),
+                **({"op_rates": dict(self.op_rates)} if self.op_rates else {}),
                 "links": {"intra": link(self.intra), "inter": link(self.inter)}}
 
     @staticmethod
@@ -196,7 +212,7 @@ def _parse(d: Any, source: str) -> Calibration:
         raise ClusterError(f"{source}: calibration profile must be a mapping, got {type(d).__name__}")
     allowed = {"name", "source", "gemm_dtype", "gemm", "gemm_latency", "memory", "kernel_overhead",
                "overlap_slowdown", "links", "vector_rate", "optimizer_overhead", "backward_ratio",
-               "view_overhead", "backward_ratios", "op_floors", "step_overhead"}
+               "view_overhead", "backward_ratios", "op_floors", "step_overhead", "op_rates"}
     extra = set(d) - allowed
     if extra:
         raise fail(sorted(extra)[0], f"unknown field; expected one of {sorted(allowed)}")
@@ -261,6 +277,11 @@ def _parse(d: Any, source: str) -> Calibration:
             raise fail(f"op_floors.{rule}", f"got {fb!r}; expected [forward, backward] seconds")
         floor_rows.append((str(rule), seconds(fb[0], f"op_floors.{rule}[0]", 0.0),
                            seconds(fb[1], f"op_floors.{rule}[1]", 0.0)))
+    rates = d.get("op_rates") or {}
+    if not isinstance(rates, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            for v in rates.values()):
+        raise fail("op_rates", f"got {rates!r}; expected a mapping op rule -> FLOP/s > 0")
     dt = d.get("gemm_dtype", "bf16")
     if dt not in ("bf16", "fp16", "fp32"):
         raise fail("gemm_dtype", f"got {dt!r}; expected bf16, fp16 or fp32")
@@ -275,7 +296,8 @@ def _parse(d: Any, source: str) -> Calibration:
                        view_overhead=seconds(d.get("view_overhead"), "view_overhead", 0.0),
                        backward_ratios=tuple(sorted((str(k), float(v)) for k, v in ratios.items())),
                        op_floors=tuple(sorted(floor_rows)),
-                       step_overhead=seconds(d.get("step_overhead"), "step_overhead", 0.0))
+                       step_overhead=seconds(d.get("step_overhead"), "step_overhead", 0.0),
+                       op_rates=tuple(sorted((str(k), float(v)) for k, v in rates.items())))
 
 
 # ---------------------------------------------------------------------------------------------
