@@ -268,6 +268,12 @@ def _stack(n):
 
 
 def _per_layer(tp, checkpoint):
+    """(bytes of one layer, hidden-dropout split factors of the 3-layer plan's last layer), the
+    bytes as if every hidden-dropout mask were whole (sbh): the 2- and 3-layer plans may lay the
+    masks out differently (split 1/t or replicated is a near tie at tp=8: the 2-layer plan
+    splits, the 3-layer one replicates), and the masks are all that differs between those
+    layouts, so each plan's own masks are normalized before the difference."""
+    sbh = S * 1 * H
     acts, masks = [], []
     for n in (2, 3):
         model, inputs = _stack(n)
@@ -281,18 +287,20 @@ def _per_layer(tp, checkpoint):
         masks.append(hidden_dropout_splits(plan))
     one_layer = masks[1][len(masks[0]):] if len(masks[1]) > len(masks[0]) else []
     assert len(one_layer) == 2 and len(masks[1]) == 3 * 2, masks   # the two hidden dropouts of a layer
-    return acts[1] - acts[0], one_layer
+    whole = [a + sum(sbh - sbh // f for f in m) for a, m in zip(acts, masks)]
+    return whole[1] - whole[0] - sum(sbh - sbh // f for f in one_layer), one_layer
 
 
 @pytest.mark.parametrize("tp", [1, 8])
 def test_korthikanti_closed_forms_per_layer(tp):
     """Korthikanti et al.'s per-layer bytes, with the two hidden-state dropout masks (sbh each
     in the formula: Megatron runs them on the all-reduced, replicated output) counted as the
-    plan lays them out. At tp=8 the calibrated plan runs those dropouts and the residual adds
-    on 1/t of the hidden dim (a reduce-scatter for the row-parallel all-reduce, an all-gather
-    before the next layer norm: the same bytes, 1/t of the dropout work), so each mask is sbh/t,
-    as under Korthikanti et al.'s sequence parallelism (tests/test_activation_memory_full_scale.py
-    checks the same layout against saved_tensors_hooks)."""
+    plan lays them out. At tp=8 the plan may run those dropouts and the residual adds on 1/t of
+    the hidden dim (a reduce-scatter for the row-parallel all-reduce, an all-gather before the
+    next layer norm: the same bytes, 1/t of the dropout work), each mask then sbh/t as under
+    Korthikanti et al.'s sequence parallelism, or replicated (one all-reduce): a near tie
+    (tests/test_activation_memory_full_scale.py checks the split layout against
+    saved_tensors_hooks)."""
     sbh = S * 1 * H
     (none, splits_n), (selective, splits_s) = _per_layer(tp, "none"), _per_layer(tp, "selective")
     saved_n = sum(sbh - sbh // f for f in splits_n)     # what the split masks save against sbh each
