@@ -270,8 +270,8 @@ def _stack(n):
 def _per_layer(tp, checkpoint):
     """(bytes of one layer, hidden-dropout split factors of the 3-layer plan's last layer), the
     bytes as if every hidden-dropout mask were whole (sbh): the 2- and 3-layer plans may lay the
-    masks out differently (split 1/t or replicated is a near tie at tp=8: the 2-layer plan
-    splits, the 3-layer one replicates), and the masks are all that differs between those
+    masks out differently (split 1/t or replicated is a near tie at tp=8: priced without
+    reductions as GEMMs, the 2-layer plan split them and the 3-layer one did not), and the masks are all that differs between those
     layouts, so each plan's own masks are normalized before the difference."""
     sbh = S * 1 * H
     acts, masks = [], []
