@@ -3,9 +3,9 @@
 
 For each process count n in (1, 2, 4): calibrate with n forked gloo processes (the rates depend on
 how many processes share the cores), then for each case plan with the calibrated cluster
-(precision fp32, one micro-batch), run it on n forked ranks (warm-up, then the fastest of
-at least ``--steps`` steps spread over at least ``--seconds``, the slowest rank's) and compare with the plan's ``step_time``. Every
-multi-process case asserts that collectives moved bytes (the plan really splits).
+(precision fp32, one micro-batch), run it on n forked ranks (warm-up, then the fastest of at
+least ``--steps`` steps spread over at least ``--seconds``, the slowest rank's) and compare with
+the plan's ``step_time``. Every multi-process case asserts that collectives moved bytes (the plan really splits).
 
     .venv/bin/python -m benchmarks.bench_calibration [--steps 15] [--repeats 5] [--seconds 2]
 """

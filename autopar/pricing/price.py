@@ -45,7 +45,6 @@ class Settings:
     checkpoint: str | tuple | None = None
 
 
-
 def _chunk_numel(c: Candidates) -> dict[str, int]:
     """Trainable parameter (node name) -> elements of its ZeRO chunk (frontend/blocks.param_chunks,
     the chunks execution builds), once per graph."""
@@ -60,6 +59,16 @@ def _chunk_numel(c: Candidates) -> dict[str, int]:
             per[key[n]] = per.get(key[n], 0) + (node_val(vals[n]).numel() if n in vals else 0)
         got = g.__dict__["_chunk_numel"] = {n: per[key[n]] for n in trainable}
     return got
+
+
+def step_host_time(c: Candidates, cal) -> float:
+    """Seconds of the step's host work outside the program (``cal.step_overhead``, CPU profiles),
+    priced once per step with the loss op (the graph's output), the same for each of its
+    strategies; 0 when the profile has none or the output is not an op."""
+    loss = c.nodes.get(c.graph.output_name)
+    if cal is None or not cal.step_overhead or loss is None or loss.kind != "op" or loss.spec is None:
+        return 0.0
+    return cal.step_overhead
 
 def op_bytes_scale(val, precision: str) -> float:
     """What an op's ``spec.bytes`` (counted in the traced dtypes, fp32 for a model traced in
@@ -186,6 +195,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     # ZeRO 1-3 reduce-scatter and gather a repeated-block instance's parameters together (one
     # collective per chunk, runtime/zero.py): a parameter pays its share of its chunk's collective
     chunk_numel = _chunk_numel(c)
+    step_host = step_host_time(c, cal)
     # Ops' prices do not depend on the ZeRO stage (only parameters' do): price them once per
     # (cluster, micro-batches, precision) and re-use them for every stage.
     ops_key = ("ops", cluster, nm, s.precision)
@@ -248,8 +258,8 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                         n_rs = nm if s.zero >= 2 else 1
                         n_ag = 0 if s.zero == 3 else 1
                         # the chunk's other parameters assumed split like this one
-                        chunk = chunk_numel.get(name, numel) * (local / numel if numel else 0.0)
-                        gchunk, pchunk = chunk * (gbytes / local if local else 0.0), chunk * (pbytes / local if local else 0.0)
+                        in_chunk = chunk_numel.get(name, numel) / numel if numel else 1.0
+                        gchunk, pchunk = gbytes * in_chunk, pbytes * in_chunk
                         t = (n_rs * bucket_share(comm, "reduce_scatter", gbytes, a, gchunk)
                              + n_ag * bucket_share(comm, "all_gather", pbytes, a, pchunk))
                         axis_bytes[a][j] += (n_rs * gbytes + n_ag * pbytes) * k
@@ -265,7 +275,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
             wgrad = base.wgrad
             # the step's host work outside the program (cal.step_overhead, CPU only), once per
             # step: carried by the loss, the same for each of its strategies
-            host_step = cal.step_overhead if (cal is not None and name == c.graph.output_name) else 0.0
+            host_step = step_host if name == c.graph.output_name else 0.0
             for j, st in enumerate(info.strategies):
                 ai = _local_intensity(c, spec, info, j, mesh, nm, 2 if dtype == "bf16" else 4) if wgrad else None
                 fkey = (base.flops[j] / nm, base.nbytes[j] / nm, ai, wgrad, spec.rule)

@@ -10,7 +10,7 @@ import numpy as np
 
 from autopar.search.build import chosen
 from autopar.rules.candidates import Candidates
-from autopar.pricing.price import Priced, Settings, has_contraction
+from autopar.pricing.price import Priced, Settings, has_contraction, step_host_time
 from autopar.cluster import Cluster
 from autopar.pricing.cost import exposed_comm, profile_of
 from solver.problem import Problem, Solution
@@ -87,9 +87,7 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
     cal = profile_of(cluster)
     # the step's host work, priced with the loss (pricing/price.py), is not backward compute that
     # gradient communication could hide behind
-    loss = c.nodes.get(c.graph.output_name)
-    host = (cal.step_overhead if cal is not None and c.graph.output_name in pick and loss is not None
-            and loss.kind == "op" and loss.spec is not None else 0.0)
+    host = step_host_time(c, cal) if c.graph.output_name in pick else 0.0
     backward = compute - fwd - host
     exposed_grad = exposed_comm(grad_comm, backward, s.overlap_grad_comm, cal.overlap_slowdown if cal else 0.0)
     step = compute + op_comm + reshard + exposed_grad + optimizer + recompute
@@ -140,7 +138,7 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
             by_rule[info.spec.rule] = by_rule.get(info.spec.rule, 0.0) + float(arr[pick[n]])
 
     if host:
-        by_rule[loss.spec.rule] -= host   # priced with the loss (pricing/price.py): shown apart
+        by_rule[c.nodes[c.graph.output_name].spec.rule] -= host   # priced with the loss: shown apart
         by_rule["step host work"] = host
 
     # communication in ops and resharding into ops (by the consumer's rule), gradients excluded
