@@ -113,15 +113,21 @@ class Priced:
 
 
 def has_contraction(spec) -> bool:
-    # Every letter summed away counts, so reductions (a loss over the vocabulary, x.mean(), an
-    # embedding's table rows) are priced as GEMMs of low intensity: cross-entropy on the
-    # bench_calibration gpt2 costs 6.9 ms priced against 0.53 ms measured. Counting only a letter
-    # two inputs share, each with letters of its own, fixes that (tried 2026-11-26), but the
-    # cheaper embedding then stays replicated in tests/test_sp_pipeline.py's zero-bubble x
-    # Megatron-SP Llama, and stage 0 moves 48 KB a step more on tp than its stage's comm_bytes:
-    # that mismatch comes first (benchmarks/RESULTS.md section 7).
+    """Two inputs share a letter summed away and each has a letter the other lacks (x·W: b, s
+    and n around k; q·k: s and t around d): a GEMM, priced at the GEMM rate for its intensity
+    and with a weight-gradient kernel in backward. A letter summed within one input (a sum, a
+    mean, an embedding's table rows) or against an index tensor with no letter of its own (a
+    loss's targets) is a reduction, not a GEMM. (Every summed letter counted until 2026-11-26:
+    cross-entropy was priced as a GEMM of arithmetic intensity 0.5, 2.9 ms where it runs in
+    0.25 ms on these CPUs, and its FLOPs counted 3x in model FLOPs.)"""
     out = set("".join(spec.outputs))
-    return any(ch not in out for ins in spec.inputs if ins for ch in ins)
+    ins = [set(x) for x in spec.inputs if x]
+    for a in range(len(ins)):
+        for b in range(a + 1, len(ins)):
+            x, y = ins[a], ins[b]
+            if (x & y) - out and x - y and y - x:
+                return True
+    return False
 
 
 def price(c: Candidates, cluster: Cluster, s: Settings, edges: bool = True) -> Priced:

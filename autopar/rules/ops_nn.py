@@ -210,8 +210,12 @@ def cross_entropy(node):
         special["v"] = ("vocab_parallel_ce", (Comm("all_reduce", tgt, 4),) * 3)
     out = tgt if reduction == 0 else ""
     n = math.prod(sizes.values())
+    # traffic: the inputs and the loss, plus the log-softmax it writes (eager cross-entropy is
+    # log_softmax then nll_loss; the log-softmax is also what it saves for backward)
+    logits = val(node.args[0])
+    lsm = logits.numel() * logits.element_size() if isinstance(logits, torch.Tensor) else 0
     return OpSpec("cross_entropy", tuple(ins), (out,), sizes, unsplittable=frozenset(unsplit),
-                  special=special, flops=5.0 * n, bytes=io_bytes(node),
+                  special=special, flops=5.0 * n, bytes=io_bytes(node) + lsm,
                   saved=(Saved("extra", letters=x, itemsize=_itemsize(node.args[0]), act=True), Saved("input", 1),
                          Saved("extra", letters="", itemsize=4)))
 

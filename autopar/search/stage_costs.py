@@ -150,33 +150,73 @@ def stage_costs(result, graph) -> StageCosts:
             dst[0] += time
             dst[2] += saved
             fwd_pe[0 if order[name] < first_block else 1] += time * fshare
-    for (u, v), per_axis in P.edge_bytes.items():   # resharding goes with its consumer
+    # Resharding goes with its consumer's instance. An edge key (producer rep, consumer rep) sums
+    # every graph edge it stands for, and those need not be alike across instances: the embedding's
+    # output enters only the first block, the previous block's output the others. Each key's
+    # figures are split over the places its graph edges actually run (``_edge_shares``), not
+    # spread evenly over the consumer's repeats (which put a third of the embedding's reshard on
+    # the other pipeline rank, found 2026-11-27).
+    shares = _edge_shares(cands, graph, order, first_block)
+    eb = {u: {a: 0.0 for a in names} for u in units}   # per instance: edge bytes per axis
+    et = {u: 0.0 for u in units}                       # per instance: edge seconds per micro-batch
+    etf = {u: 0.0 for u in units}                      # ... their forward part
+    ert = {u: 0.0 for u in units}                      # ... what recomputation reruns
+    for (u, v), per_axis in P.edge_bytes.items():
         if u in pick and v in pick:
-            add_bytes(v, [arr[pick[u], pick[v]] for arr in per_axis], max(1, cands.nodes[v].repeats))
+            vals = [float(arr[pick[u], pick[v]]) for arr in per_axis]
+            for place, w in shares.get((u, v), ()):
+                dst = eb[place] if place in eb else (pro_b if place == "pro" else epi_b)
+                for a, x in enumerate(vals):
+                    dst[names[a]] += w * x
     for (u, v), per_axis in P.edge_fwd_bytes.items():   # recomputation reruns the reshards into a block
-        if u in pick and v in pick and v in graph.block_of and graph.block_of[v][0] in full:
-            for a, arr in enumerate(per_axis):
-                ub[graph.block_of[v][0]][names[a]] += float(arr[pick[u], pick[v]]) / max(1, cands.nodes[v].repeats)
+        if u in pick and v in pick:
+            vals = [float(arr[pick[u], pick[v]]) for arr in per_axis]
+            for place, w in shares.get((u, v), ()):
+                if place in eb and place[0] in full:
+                    for a, x in enumerate(vals):
+                        eb[place][names[a]] += w * x
     for (u, v), mat in P.edges.items():   # and so does its time
         if u in pick and v in pick:
             secs = float(mat[pick[u], pick[v]]) / nm
             fsecs = float(P.edge_fwd[(u, v)][pick[u], pick[v]]) / nm if (u, v) in P.edge_fwd else 0.0
-            if v in graph.block_of:
-                t[graph.block_of[v][0]] += secs / max(1, cands.nodes[v].repeats)
-                tf[graph.block_of[v][0]] += fsecs / max(1, cands.nodes[v].repeats)
-                if graph.block_of[v][0] in full:   # recomputation reruns the reshards into the block
-                    rec_t[graph.block_of[v][0]] += fsecs / max(1, cands.nodes[v].repeats)
-            elif v in order:
-                (pro if order[v] < first_block else epi)[0] += secs
-                fwd_pe[0 if order[v] < first_block else 1] += fsecs
+            for place, w in shares.get((u, v), ()):
+                if place in et:
+                    et[place] += w * secs
+                    etf[place] += w * fsecs
+                    if place[0] in full:   # recomputation reruns the reshards into the block
+                        ert[place] += w * fsecs
+                else:
+                    (pro if place == "pro" else epi)[0] += w * secs
+                    fwd_pe[0 if place == "pro" else 1] += w * fsecs
     for g in full:
         last = graph.blocks[g].instances[0][-1]
         sv[g] = float(P.transient[last][pick[last]]) if last in pick else out[g]   # what it keeps
         t[g] += rec_t[g]
-    return StageCosts([t[g] for g, _ in units], [st[g] for g, _ in units], [sv[g] for g, _ in units],
-                  [out[g] for g, _ in units], tuple(pro), tuple(epi), [dict(ub[g]) for g, _ in units], pro_b, epi_b,
-                  [tf[g] for g, _ in units], fwd_pe[0], fwd_pe[1], [rec_t[g] for g, _ in units],
-                  [rec_m[g] for g, _ in units])
+    return StageCosts([t[g] + et[u] + ert[u] for u in units for g in [u[0]]],
+                      [st[g] for g, _ in units], [sv[g] for g, _ in units],
+                      [out[g] for g, _ in units], tuple(pro), tuple(epi),
+                      [{a: ub[g][a] + eb[u][a] for a in names} for u in units for g in [u[0]]], pro_b, epi_b,
+                      [tf[g] + etf[u] for u in units for g in [u[0]]], fwd_pe[0], fwd_pe[1],
+                      [rec_t[g] + ert[u] for u in units for g in [u[0]]],
+                      [rec_m[g] for g, _ in units])
+
+
+def _edge_shares(cands, graph, order, first_block) -> dict:
+    """Edge key (producer rep, consumer rep) -> [(place, share)]: where the graph edges the key
+    stands for run (a block instance (group, instance), "pro" or "epi"), each with its fraction
+    of the key's edges."""
+    from collections import Counter
+    count: dict = {}
+    for name in cands.order:
+        info = cands.nodes[name]
+        if info.kind != "op":
+            continue
+        b = graph.block_of.get(name)
+        place = (b[0], b[1]) if b is not None else ("pro" if order.get(name, 0) < first_block else "epi")
+        for p in cands.inputs(info.node):
+            if p.name in cands.nodes:
+                count.setdefault((cands.nodes[p.name].rep, info.rep), Counter())[place] += 1
+    return {k: [(place, n / sum(c.values())) for place, n in c.items()] for k, c in count.items()}
 
 
 __all__ = ["StageCosts", "stage_costs"]
