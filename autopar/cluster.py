@@ -219,8 +219,16 @@ class Cluster:
         }
 
     def with_calibration(self, calibration) -> "Cluster":
-        """The same cluster priced with ``calibration`` (an autopar.pricing.profile.Calibration)."""
+        """The same cluster priced with ``calibration``: an autopar.pricing.profile.Calibration or
+        the path of a calibration profile (YAML, as ``autopar calibrate`` writes)."""
         import dataclasses
+        import os
+        from autopar.pricing.profile import Calibration
+        if isinstance(calibration, (str, os.PathLike)):
+            calibration = Calibration.from_yaml(calibration)
+        elif calibration is not None and not isinstance(calibration, Calibration):
+            raise TypeError(f"with_calibration: expected a Calibration or a profile's path, got "
+                            f"{type(calibration).__name__}")
         return dataclasses.replace(self, calibration=calibration)
 
     @staticmethod

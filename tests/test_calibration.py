@@ -52,6 +52,11 @@ def test_cluster_file_references_profile(tmp_path):
     bad = dict(PROFILE, memory=[[1, -2]])
     with pytest.raises(ClusterError, match="memory"):
         Calibration.from_dict(bad)
+    # with_calibration takes a profile's path too; anything else is a clear error, not a deep one
+    assert Cluster.preset("cpu").with_calibration(tmp_path / "prof.yaml").calibration == c.calibration
+    assert Cluster.preset("cpu").with_calibration(str(tmp_path / "prof.yaml")).calibration == c.calibration
+    with pytest.raises(TypeError, match="Calibration or a profile's path"):
+        Cluster.preset("cpu").with_calibration({"gemm": []})
 
 
 def test_cost_model_uses_the_profile():
