@@ -1,6 +1,6 @@
 """Where a pipelined plan's reshards run (autopar/search/stage_costs.py): an edge key stands for
 every graph edge between two representatives, and its bytes go to the block instances those edges
-actually enter. (Spread evenly over the consumer's repeats until 2026-11-27, the embedding's
+actually enter. (Spread evenly over the consumer's repeats until 2026-11-26, the embedding's
 reshard into the first block was a third on the other pipeline rank: the executed zero-bubble x
 Megatron-SP test then moved 48 KB a step more on tp than its stage's prediction.)"""
 from __future__ import annotations
