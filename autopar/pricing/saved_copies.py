@@ -21,6 +21,9 @@ to its first saver; the result is the difference from node pricing, per node. ``
 it into bytes per memory constraint of a solved Problem (nodes of a checkpointed group save
 nothing), which autopar/search/outer.py adds to the solution's memory and checks against the
 budget; ``with_copy_terms`` gives the ILP the copies of a plan's neighbourhood for a re-solve.
+A repeated block's instances are replayed per group whose producers are alike (the first block
+reads the prologue, the others the block before): ``copy_bytes_by_instance`` gives each graph
+node its share, which autopar/search/stage_costs.py puts on that instance's pipeline stage.
 """
 from __future__ import annotations
 
@@ -188,8 +191,29 @@ def copy_bytes(c: Candidates, P, pick: dict[str, int]) -> dict[str, float]:
     replayed (``saved_storage``): when it ends in a storage node pricing charged, it shares it;
     else it is one more storage, of its replayed bytes. A root charged to an input saver that no
     saver ends in is not saved at all."""
+    out: dict[str, float] = defaultdict(float)
+    for u, b in copy_bytes_by_instance(c, P, pick).items():
+        out[c.nodes[u].rep] += b
+    return {n: b for n, b in out.items() if abs(b) > 1e-6}   # below a micro-byte: summing noise
+
+
+ALL = "all"   # a storage key's instance mark: every instance of the saver's repeated block
+
+
+def copy_bytes_by_instance(c: Candidates, P, pick: dict[str, int]) -> dict[str, float]:
+    """``copy_bytes`` per graph node: a repeated block's representative stands for its
+    instances, and their inputs need not be alike. The first instance reads the prologue (an
+    embedding) where the others read the previous instance, so a reshard that copies into the
+    first instance only is one copy, not one per repeat (a Llama under Megatron-SP with a
+    replicated embedding: 4 KB a stage counted twice, found 2026-11-26). Each saved input is
+    replayed once per group of instances whose producer is alike (same representative) and
+    charged to those instances; storages are told apart by (representative name, the instances
+    that save them)."""
+    members: dict[str, list[str]] = defaultdict(list)
+    for n in c.order:
+        members[c.nodes[n].rep].append(n)
     input_charge = {(v, root) for v, entries in P.saved_inputs.items() for _, root, here, _ in entries if here}
-    saved: dict = {}                  # storage key -> (first saver, bytes)
+    saved: dict = {}                  # (storage key, instances) -> (first saver's nodes, bytes)
     charged_by: dict[str, float] = defaultdict(float)
     by_input: dict[str, float] = {}   # input-charged root -> its charged bytes
     for n, roots in P.saved_by_root.items():
@@ -200,28 +224,50 @@ def copy_bytes(c: Candidates, P, pick: dict[str, int]) -> dict[str, float]:
                 if (n, root) in input_charge:
                     by_input.setdefault(root, b)
                 else:
-                    saved.setdefault(root, (n, b))
+                    saved.setdefault((root, ALL), (members.get(n) or [n], b))
     zz = zigzag_axes(c, pick)
+
+    def canon(key):
+        if isinstance(key, tuple):   # ("copy", m, j): the reshard into node m's input j
+            return ("copy", c.nodes[key[1]].rep if key[1] in c.nodes else key[1], key[2])
+        return c.nodes[key].rep if key in c.nodes else key
+
     for v, entries in P.saved_inputs.items():
         if v not in pick:
             continue
-        x = c.inputs(c.nodes[v].node)
+        mine = members.get(v) or [v]
         for i, root, _here, nbytes in entries:
-            got = saved_storage(c, v, i, pick, zz, P.storage_order)
-            key, local, kept = (root, None, False) if got is None else got
-            if key in saved:
-                continue
-            if key == root and root in by_input and not kept:
-                saved[key] = (v, by_input[root])
-            elif local is not None:
-                # replayed bytes in the traced dtype of one rank, at nbytes' scale (working
-                # dtype, micro-batch, repeats)
-                numel = x[i].meta["val"].numel() * x[i].meta["val"].element_size()
-                saved[key] = (v, local * nbytes / max(1, numel))
-    exact: dict[str, float] = defaultdict(float)
-    for n, b in saved.values():
-        exact[n] += b
-    return {n: exact[n] - charged_by[n] for n in set(exact) | set(charged_by) if exact[n] != charged_by[n]}
+            groups: dict = defaultdict(list)   # the producer's representative -> instances
+            for k, u in enumerate(mine):
+                ins = c.inputs(c.nodes[u].node)
+                p = ins[i].name if i < len(ins) else None
+                groups[c.nodes[p].rep if p in c.nodes else p].append(k)
+            for ks in groups.values():
+                u = mine[ks[0]]
+                mark = ALL if len(ks) == len(mine) else frozenset(ks)
+                w = len(ks) / len(mine)
+                got = saved_storage(c, u, i, pick, zz, P.storage_order)
+                key, local, kept = (root, None, False) if got is None else (canon(got[0]), got[1], got[2])
+                if (key, mark) in saved or (key, ALL) in saved:
+                    continue
+                nodes = [mine[k] for k in ks]
+                if key == root and root in by_input and not kept:
+                    saved[(key, mark)] = (nodes, by_input[root] * w)
+                elif local is not None:
+                    # replayed bytes in the traced dtype of one rank, at nbytes' scale (working
+                    # dtype, micro-batch, repeats)
+                    x = c.inputs(c.nodes[u].node)[i]
+                    numel = x.meta["val"].numel() * x.meta["val"].element_size()
+                    saved[(key, mark)] = (nodes, local * nbytes * w / max(1, numel))
+    out: dict[str, float] = defaultdict(float)
+    for nodes, b in saved.values():
+        for u in nodes:
+            out[u] += b / len(nodes)
+    for n, b in charged_by.items():   # node pricing's charge, spread over the instances
+        mine = members.get(n) or [n]
+        for u in mine:
+            out[u] -= b / len(mine)
+    return {u: b for u, b in out.items() if abs(b) > 1e-9 * max(1.0, abs(b))}
 
 
 def row_extra(problem, sol, extra: dict[str, float]) -> dict[str, float]:

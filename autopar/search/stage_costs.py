@@ -33,13 +33,18 @@ class StageCosts:
 
 def stage_costs(result, graph) -> StageCosts:
     """Per-instance and prologue/epilogue figures from the inner plan's priced arrays."""
-    from autopar.pricing.saved_copies import copy_bytes
+    from autopar.pricing.saved_copies import copy_bytes_by_instance
     from autopar.search.build import _block_input_roots, chosen
     from codegen.stages import pipeline_units
 
     cands, P = result.cands, result.priced
     pick = chosen(result.problem, result.solution)
-    copies = copy_bytes(cands, P, pick)   # saved copies made by reshards (autopar/pricing/saved_copies.py)
+    # saved copies made by reshards (autopar/pricing/saved_copies.py), per graph node: a block
+    # instance's own go to its unit (esv below), the representative's row carries none of them
+    by_node = copy_bytes_by_instance(cands, P, pick)
+    copies: dict = {}
+    for u, b in by_node.items():
+        copies[cands.nodes[u].rep] = copies.get(cands.nodes[u].rep, 0.0) + b
     nm = result.config.settings.num_micro_batches
     units = pipeline_units(graph)
     order = {n.name: k for k, n in enumerate(graph.gm.graph.nodes)}
@@ -134,7 +139,7 @@ def stage_costs(result, graph) -> StageCosts:
             g = graph.block_of[name][0]
             t[g] += time / r
             tf[g] += time * fshare / r
-            sv[g] += saved / r
+            sv[g] += (saved - copies.get(name, 0.0)) / r
             if g in full:
                 again = saved - sum(float(arr[k]) for root, arr in P.saved_by_root.get(name, {}).items()
                                     if root in inputs_of[g])
@@ -188,12 +193,18 @@ def stage_costs(result, graph) -> StageCosts:
                 else:
                     (pro if place == "pro" else epi)[0] += w * secs
                     fwd_pe[0 if place == "pro" else 1] += w * fsecs
+    esv = {u: 0.0 for u in units}   # per instance: its saved copies
+    for name, b in by_node.items():
+        if name in graph.block_of:
+            g, inst = graph.block_of[name][:2]
+            if (g, inst) in esv and g not in full:
+                esv[(g, inst)] += b
     for g in full:
         last = graph.blocks[g].instances[0][-1]
         sv[g] = float(P.transient[last][pick[last]]) if last in pick else out[g]   # what it keeps
         t[g] += rec_t[g]
     return StageCosts([t[g] + et[u] + ert[u] for u in units for g in [u[0]]],
-                      [st[g] for g, _ in units], [sv[g] for g, _ in units],
+                      [st[g] for g, _ in units], [sv[g] + esv[u] for u in units for g in [u[0]]],
                       [out[g] for g, _ in units], tuple(pro), tuple(epi),
                       [{a: ub[g][a] + eb[u][a] for a in names} for u in units for g in [u[0]]], pro_b, epi_b,
                       [tf[g] + etf[u] for u in units for g in [u[0]]], fwd_pe[0], fwd_pe[1],
