@@ -184,6 +184,27 @@ def test_decomposition_roles():
     assert d.error is None and d.reduces_batch == {"cross_entropy_loss"}
 
 
+def test_value_free_creation_ops_are_the_same_in_every_micro_batch():
+    """Hugging Face Mistral builds its sliding-window mask with ``x.new_ones(...)`` of a
+    batch-carrying ``x``: the op reads x's dtype and device, not its values, so its output is the
+    same in every micro-batch (it was taken for a reduction over the batch, and compile refused
+    any plan with micro-batches, pipelines included)."""
+    from autopar.models import HF_ZOO
+    d, g = _decompose(HF_ZOO["hf_mistral"])
+    assert d.error is None and d.roles[g.output_name] == "share", d.error
+    assert [n for n in d.roles if n.startswith("new_ones") and d.roles[n] == "same"]
+
+
+@pytest.mark.slow
+def test_hf_mistral_with_micro_batches_equals_eager():
+    from autopar.models import HF_ZOO
+    model, batch = HF_ZOO["hf_mistral"]()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), optimizer="sgd",
+                        precision="fp32", constraints={"dp": 2, "num_micro_batches": 2})
+    assert plan.degrees["num_micro_batches"] == 2
+    E.check(HF_ZOO["hf_mistral"], plan)
+
+
 @pytest.mark.slow
 def test_batch_independent_loss_term_counts_once_with_micro_batches():
     model, batch = regularized()

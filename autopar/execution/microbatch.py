@@ -48,6 +48,11 @@ TARGET_MEAN_LOSSES = {aten.cross_entropy_loss.default: 3, aten.nll_loss.default:
 _MEANS = {aten.mean.default, aten.mean.dim}
 _SUMS = {aten.sum.default, aten.sum.dim_IntList}
 _ADDITIVE = {aten.add.Tensor, aten.sub.Tensor}
+# Ops that read only their input's dtype and device, never its values: a fresh tensor of a given
+# size (Hugging Face Mistral's sliding-window mask is ``x.new_ones(...)`` of a batch-carrying x).
+# Their output is "same" in every micro-batch unless its shape carries the batch.
+_VALUE_FREE = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
+               aten.new_empty.default, aten.new_empty_strided.default}
 
 
 @dataclass
@@ -111,7 +116,7 @@ def decompose(micro_graph, carrying: set[str]) -> Decomposition:
                 roles[n.name] = "batch"
         elif n.target is operator.getitem:
             roles[n.name] = ins[0] if ins else "same"
-        elif all(r == "same" for r in ins):
+        elif all(r == "same" for r in ins) or n.target in _VALUE_FREE:
             roles[n.name] = "same"
         elif "batch" in ins:
             _reduces_batch(n, ins, d, fail)
