@@ -29,6 +29,9 @@ class StageCosts:
     # saves again in backward beyond its kept input (one block at a time: a stage counts its largest)
     unit_recompute: list[float] = dataclasses.field(default_factory=list)
     unit_recompute_memory: list[float] = dataclasses.field(default_factory=list)
+    # the count program's reshards (codegen/loss_counts.py: every rank counts the mean losses'
+    # valid targets once per step, before the schedule): mesh axis -> bytes, on every rank
+    count_bytes: dict = dataclasses.field(default_factory=dict)
 
 
 def stage_costs(result, graph) -> StageCosts:
@@ -209,7 +212,18 @@ def stage_costs(result, graph) -> StageCosts:
                       [{a: ub[g][a] + eb[u][a] for a in names} for u in units for g in [u[0]]], pro_b, epi_b,
                       [tf[g] + etf[u] for u in units for g in [u[0]]], fwd_pe[0], fwd_pe[1],
                       [rec_t[g] + ert[u] for u in units for g in [u[0]]],
-                      [rec_m[g] for g, _ in units])
+                      [rec_m[g] for g, _ in units], _count_bytes(cands, P, pick, nm, names))
+
+
+def _count_bytes(cands, P, pick, nm, names) -> dict:
+    """Mesh axis -> bytes the count program's forward reshards move on each rank per step (as
+    ``predict`` counts them for a plan without stages)."""
+    from autopar.search.predict import _count_program_edges
+    out = {a: 0.0 for a in names}
+    for u, v in _count_program_edges(cands, pick, nm):
+        for a, arr in enumerate(P.edge_fwd_bytes.get((u, v), [])):
+            out[names[a]] += float(arr[pick[u], pick[v]])
+    return out
 
 
 def _edge_shares(cands, graph, order, first_block) -> dict:

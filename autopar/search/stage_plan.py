@@ -141,8 +141,10 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
         static, saved = parts[k]
         r = k % pp
         p2p_bytes = (c.unit_out[i - 1] if i > 0 else 0.0) + (c.unit_out[j - 1] if j < n else 0.0)
+        # the count program runs once per step on every rank: with the rank's first stage
         comm = {a: sum(c.unit_bytes[u][a] for u in range(i, j)) + (c.pro_bytes[a] if i == 0 else 0.0)
-                + (c.epi_bytes[a] if j == n else 0.0) for a in mesh.names}
+                + (c.epi_bytes[a] if j == n else 0.0) + (c.count_bytes.get(a, 0.0) if k < pp else 0.0)
+                for a in mesh.names}
         nal = sim.peak_alive[k]
         rec_mem = recompute_memory(i, j)
         stages.append({"index": k, "ranks": [r * S, (r + 1) * S - 1], "virtual": k // pp, "blocks": [i, j],
