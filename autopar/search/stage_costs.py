@@ -5,6 +5,10 @@ micro-batch (with its forward part), static and saved bytes, the bytes a boundar
 the bytes per mesh axis, and under activation checkpointing the recomputation's seconds and
 working set. A repeated block's representative is divided by its repeats; ZeRO-3's gathers go
 with the stage(s) holding the parameter, gradient traffic stays with the whole-step ``rest``.
+Reshards and the copies they save go to the instances they actually enter, which need not be
+alike (the first block reads the prologue, the others the block before: ``_edge_shares``,
+``saved_copies.copy_bytes_by_instance``); the count program's reshards run once per step on
+every rank (``count_bytes``).
 """
 from __future__ import annotations
 
