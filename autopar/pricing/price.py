@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from autopar.rules.candidates import FLOAT_DTYPES, Candidates, NodeInfo
+from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
 from autopar.frontend.blocks import param_chunks
 from autopar.cluster import Cluster
 from autopar.pricing.conjugates import region_inputs
@@ -314,11 +315,15 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                     comm_t[j] += t * k
                     for a, nb in per_axis.items():
                         axis_bytes[a][j] += nb * k
-            saved = base.saved / nm * k
+            # saved bytes are per micro-batch: a batch-carrying tensor is 1/nm of the batch's, a
+            # batch-free one (``batch_free``) is whole in every micro-batch
+            saved = ((base.saved - base.saved_fixed) / nm + base.saved_fixed) * k
             transient = base.transient / nm
-            P.saved_by_root[name] = {root: arr / nm * k for root, arr in base.saved_by_root.items()}
+            P.saved_by_root[name] = {root: arr * k / (1 if root in base.fixed_roots else nm)
+                                     for root, arr in base.saved_by_root.items()}
             if base.saved_inputs:
-                P.saved_inputs[name] = [(i, root, here, nb / nm * k) for i, root, here, nb in base.saved_inputs]
+                P.saved_inputs[name] = [(i, root, here, nb * k / (1 if batch_free(c, root) else nm))
+                                        for i, root, here, nb in base.saved_inputs]
             if spec.storage_order:
                 order = device_order(info, cuda, s.precision)
                 if order is not None:
@@ -442,6 +447,8 @@ class _OpBase:
     region: list                     # per strategy, (axis, bytes, batch-carrying) of _region_terms
     saved: np.ndarray                # per strategy, saved bytes of the whole batch, one repeat
     saved_by_root: dict              # storage root -> per-strategy share of ``saved``
+    saved_fixed: np.ndarray          # per strategy, the part of ``saved`` no micro-batch count cuts
+    fixed_roots: frozenset           # the roots of that part
     transient: np.ndarray            # per strategy, output bytes of the whole batch
     saved_inputs: list               # (input index, root, charged here, bytes of the whole batch)
 
@@ -455,9 +462,11 @@ def _op_base(c: Candidates, info: NodeInfo, precision: str, cuda: bool, roots, c
     saved_roots = _saved_roots(c, info, precision, charged, cuda=cuda, roots=roots, saved_inputs=saved_inputs)
     outs = val if isinstance(val, (tuple, list)) else (val,)
     S = len(info.strategies)
-    saved, transient = np.zeros(S), np.zeros(S)
+    saved, transient, fixed = np.zeros(S), np.zeros(S), np.zeros(S)
+    fixed_roots = frozenset(r for r, _ in saved_roots if r is not None and batch_free(c, r))
     for j, st in enumerate(info.strategies):
         saved[j] = sum(fn(st) for _, fn in saved_roots)
+        fixed[j] = sum(fn(st) for r, fn in saved_roots if r in fixed_roots)
         tb = 0.0
         for o, lay in zip(outs, st.outputs):
             if isinstance(o, torch.Tensor):
@@ -471,7 +480,27 @@ def _op_base(c: Candidates, info: NodeInfo, precision: str, cuda: bool, roots, c
         saved=saved, transient=transient,
         saved_by_root={root: np.array([fn(st) for st in info.strategies]) for root, fn in saved_roots
                        if root is not None},
-        saved_inputs=saved_inputs)
+        saved_fixed=fixed, fixed_roots=fixed_roots, saved_inputs=saved_inputs)
+
+
+def batch_free(c: Candidates, root: str) -> bool:
+    """Does storage root ``root`` not carry the batch, so a micro-batch count does not cut it? A
+    value the op letters give no batch dim and with no dim of the global batch's size: a RoPE
+    table from positions ([1, s, d]), a causal mask ([1, 1, s, s]). (Until 2026-11-26 every saved
+    byte was divided by the micro-batch count: at two micro-batches Hugging Face Llama's cos and
+    sin tables were charged half of what every micro-batch keeps.) A value of the batch's size
+    the letters missed (a buffer expanded to the batch, BERT's token types) stays cut."""
+    memo = c.__dict__.setdefault("_batch_free", {})
+    got = memo.get(root)
+    if got is None:
+        info = c.nodes.get(root)
+        val = node_val(info.node) if info is not None else None
+        if "_global_batch" not in c.__dict__:
+            c.__dict__["_global_batch"] = batch_size(input_shapes(c.graph), graph_batch_dims(c.graph))
+        b = c.__dict__["_global_batch"]
+        got = memo[root] = (isinstance(val, torch.Tensor) and not (info.batch_dims and any(info.batch_dims))
+                            and b > 1 and b not in tuple(val.shape))
+    return got
 
 
 def _region_terms(c: Candidates, info: NodeInfo, st: Strategy, precision: str) -> list:

@@ -33,6 +33,10 @@ class StageCosts:
     # saves again in backward beyond its kept input (one block at a time: a stage counts its largest)
     unit_recompute: list[float] = dataclasses.field(default_factory=list)
     unit_recompute_memory: list[float] = dataclasses.field(default_factory=list)
+    # per instance: storages made before the blocks that all its group's instances save (RoPE
+    # tables, a mask): root -> bytes per micro-batch. Every stage recomputes them and holds each
+    # once, whatever share of the blocks it runs (``stage_plan.memory_parts`` counts each once)
+    unit_shared: list[dict] = dataclasses.field(default_factory=list)
     # the count program's reshards (codegen/loss_counts.py: every rank counts the mean losses'
     # valid targets once per step, before the schedule): mesh axis -> bytes, on every rank
     count_bytes: dict = dataclasses.field(default_factory=dict)
@@ -67,6 +71,7 @@ def stage_costs(result, graph) -> StageCosts:
     pro, epi = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
     names = result.config.mesh.names
     ub = {g: {a: 0.0 for a in names} for g in groups}
+    shared = {g: {} for g in groups}   # storages all instances save, made before the blocks
     pro_b, epi_b = {a: 0.0 for a in names}, {a: 0.0 for a in names}
     # Checkpointed block groups (full recompute, as build.py prices them): a checkpointed instance
     # keeps only its input (priced as the output of the group's last node, as in the ILP), and its
@@ -147,6 +152,10 @@ def stage_costs(result, graph) -> StageCosts:
             t[g] += time / r
             tf[g] += time * fshare / r
             sv[g] += (saved - copies.get(name, 0.0)) / r
+            for root in _shared_roots(cands, graph, name, P.saved_by_root.get(name, {})):
+                b = float(P.saved_by_root[name][root][k])
+                sv[g] -= b / r
+                shared[g][root] = max(shared[g].get(root, 0.0), b)
             if g in full:
                 again = saved - sum(float(arr[k]) for root, arr in P.saved_by_root.get(name, {}).items()
                                     if root in inputs_of[g])
@@ -216,7 +225,24 @@ def stage_costs(result, graph) -> StageCosts:
                       [{a: ub[g][a] + eb[u][a] for a in names} for u in units for g in [u[0]]], pro_b, epi_b,
                       [tf[g] + etf[u] for u in units for g in [u[0]]], fwd_pe[0], fwd_pe[1],
                       [rec_t[g] + ert[u] for u in units for g in [u[0]]],
-                      [rec_m[g] for g, _ in units], _count_bytes(cands, P, pick, nm, names))
+                      [rec_m[g] for g, _ in units],
+                      [dict(shared[g]) if g not in full else {} for g, _ in units],
+                      _count_bytes(cands, P, pick, nm, names))
+
+
+def _shared_roots(cands, graph, name: str, charged: dict) -> list:
+    """The storage roots representative ``name`` is charged for that every instance it stands
+    for saves as one storage made outside the blocks (a RoPE table; saved_roots charges such a
+    storage once, not once per instance)."""
+    if cands.nodes[name].repeats < 2 or not charged:
+        return []
+    members = cands.__dict__.setdefault("_members", {})
+    if not members:
+        for n in cands.order:
+            members.setdefault(cands.nodes[n].rep, []).append(n)
+    reads = [{cands.storage_root.get(p.name, p.name) for p in cands.inputs(cands.nodes[u].node)}
+             for u in members.get(name, [name])]
+    return [root for root in charged if root not in graph.block_of and all(root in rd for rd in reads)]
 
 
 def _count_bytes(cands, P, pick, nm, names) -> dict:

@@ -95,7 +95,11 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
         """(static bytes, saved activation bytes per micro-batch) of blocks [i, j)."""
         static = sum(c.unit_static[i:j]) + (c.pro[1] if i == 0 else 0.0) + (c.epi[1] if j == n else 0.0)
         saved = sum(c.unit_saved[i:j]) + (c.pro[2] if i == 0 else 0.0) + (c.epi[2] if j == n else 0.0)
-        return static, saved
+        shared: dict = {}   # storages made before the blocks that its blocks save: once per stage
+        for u in range(i, j):
+            if u < len(c.unit_shared):
+                shared.update(c.unit_shared[u])
+        return static, saved + sum(shared.values())
 
     def recompute_memory(i: int, j: int) -> float:
         """Bytes one checkpointed block of [i, j) saves again while backward recomputes it: blocks
