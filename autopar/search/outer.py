@@ -227,7 +227,7 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
                 f"no plan fits in the memory budget of {_bytes(base.budget)} per device: the smallest "
                 f"peak memory any plan reaches is {_bytes(floor)}. Raise memory_budget to at least "
                 f"that, add devices, use a smaller batch, or relax constraints.",
-                min_peak_bytes=int(floor), budget_bytes=int(base.budget))
+                min_peak_bytes=int(math.ceil(floor)), budget_bytes=int(base.budget))   # a budget that fits: up
         raise ConstraintError(_no_config_message(graph, cluster, constraints))
     return best, stats
 

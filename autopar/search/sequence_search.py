@@ -18,6 +18,8 @@ the strategies is autopar/rules/sequence.py's.
 """
 from __future__ import annotations
 
+import math
+
 from autopar.errors import MemoryBudgetError, PlanError
 from autopar.rules.sequence import input_seq_dims
 from autopar.search.outer import _bytes
@@ -77,7 +79,7 @@ def no_fit_error(budget: int, floor: float) -> MemoryBudgetError:
         f"sequence-parallel axis (Ulysses / ring attention): the smallest peak memory any plan reaches is "
         f"{_bytes(floor)}. Raise memory_budget to at least that, add devices, use a smaller batch or "
         f"a shorter sequence, or relax constraints.",
-        min_peak_bytes=int(floor), budget_bytes=budget)
+        min_peak_bytes=int(math.ceil(floor)), budget_bytes=budget)   # the least budget that fits: rounded up
 
 
 # Sequence axes up front (issue 7 (b)): when some attention's sequence is at least this many times
