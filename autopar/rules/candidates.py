@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.rules import sequence
-from autopar.frontend.batching import graph_batch_dims
+from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
 from autopar.rules.layout import Layout
 from autopar.mesh import Mesh
 from autopar.rules import spec_for, tensor_inputs
@@ -116,6 +116,7 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
     same_spec: dict = {}   # _enumeration_key -> strategies: ops with equal specs enumerate once per mesh
     specs = _graph_specs(graph)
     input_batch = dict(zip(graph.input_names, graph_batch_dims(graph)))
+    global_batch = batch_size(input_shapes(graph), graph_batch_dims(graph))
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = node_val(node)
@@ -148,6 +149,8 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
                 spec, letters, out_batch, strategies = memo[(first, tuple(in_batch))]
             else:
                 letters, out_batch = propagate_batch(spec, in_batch)
+                if global_batch > 1 and not any(in_batch):
+                    letters, out_batch = _expanded_to_batch(node, spec, letters, out_batch, global_batch)
                 key = _enumeration_key(spec, letters)
                 strategies = same_spec.get(key)
                 if strategies is None:
@@ -163,6 +166,23 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
     cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=_graph_needs_grad(graph, nodes))
     _assign_representatives(cands)
     return cands
+
+
+def _expanded_to_batch(node, spec, letters: frozenset, out_batch: list, batch: int):
+    """A batch-free value expanded to the batch's size along one dim carries the batch there
+    (Hugging Face BERT's token-type ids: a buffer ``expand``-ed to (batch, seq)): the letters,
+    which only follow inputs, miss it, and pricing then took that dim for whole in every
+    micro-batch (the reshard after its embedding priced 2x at two micro-batches). Execution
+    finds batch-carrying values from the traced shapes (autopar/execution/microbatch.py)."""
+    if node.target is not torch.ops.aten.expand.default or not spec.outputs or not spec.outputs[0]:
+        return letters, out_batch
+    xs, os_ = tensor_shape(node_val(node.args[0])), tensor_shape(node_val(node))
+    off = len(os_) - len(xs)
+    dims = [d for d, s in enumerate(os_) if s == batch and (d < off or xs[d - off] == 1)]
+    if len(dims) != 1 or dims[0] >= len(spec.outputs[0]):
+        return letters, out_batch
+    d = dims[0]
+    return letters | {spec.outputs[0][d]}, [out_batch[0] | {d}] + list(out_batch[1:])
 
 
 def _graph_specs(graph: TracedGraph) -> dict:
