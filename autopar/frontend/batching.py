@@ -119,4 +119,18 @@ def batch_size(shapes, dims) -> int:
     raise PlanError("no user input carries the batch")
 
 
-__all__ = ["infer_batch_dims", "graph_batch_dims", "input_shapes", "plan_batch_dims", "batch_size"]
+_RAISE = object()
+
+
+def global_batch(graph, default=_RAISE) -> int:
+    """A traced graph's global batch size (``batch_size`` of its inputs, not blindly dim 0);
+    ``default`` when no input carries the batch, else that is a PlanError."""
+    try:
+        return batch_size(input_shapes(graph), graph_batch_dims(graph))
+    except PlanError:
+        if default is _RAISE:
+            raise
+        return default
+
+
+__all__ = ["infer_batch_dims", "graph_batch_dims", "input_shapes", "plan_batch_dims", "batch_size", "global_batch"]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from autopar.rules.candidates import FLOAT_DTYPES, Candidates, NodeInfo
-from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
+from autopar.frontend.batching import global_batch
 from autopar.frontend.blocks import param_chunks
 from autopar.cluster import Cluster
 from autopar.pricing.conjugates import region_inputs
@@ -317,7 +317,8 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                         axis_bytes[a][j] += nb * k
             # saved bytes are per micro-batch: a batch-carrying tensor is 1/nm of the batch's, a
             # batch-free one (``batch_free``) is whole in every micro-batch
-            saved = ((base.saved - base.saved_fixed) / nm + base.saved_fixed) * k
+            fixed = sum((base.saved_by_root[r] for r in base.fixed_roots), np.zeros(len(info.strategies)))
+            saved = ((base.saved - fixed) / nm + fixed) * k
             transient = base.transient / nm
             P.saved_by_root[name] = {root: arr * k / (1 if root in base.fixed_roots else nm)
                                      for root, arr in base.saved_by_root.items()}
@@ -447,8 +448,7 @@ class _OpBase:
     region: list                     # per strategy, (axis, bytes, batch-carrying) of _region_terms
     saved: np.ndarray                # per strategy, saved bytes of the whole batch, one repeat
     saved_by_root: dict              # storage root -> per-strategy share of ``saved``
-    saved_fixed: np.ndarray          # per strategy, the part of ``saved`` no micro-batch count cuts
-    fixed_roots: frozenset           # the roots of that part
+    fixed_roots: frozenset           # roots of ``saved`` no micro-batch count cuts (``batch_free``)
     transient: np.ndarray            # per strategy, output bytes of the whole batch
     saved_inputs: list               # (input index, root, charged here, bytes of the whole batch)
 
@@ -462,11 +462,9 @@ def _op_base(c: Candidates, info: NodeInfo, precision: str, cuda: bool, roots, c
     saved_roots = _saved_roots(c, info, precision, charged, cuda=cuda, roots=roots, saved_inputs=saved_inputs)
     outs = val if isinstance(val, (tuple, list)) else (val,)
     S = len(info.strategies)
-    saved, transient, fixed = np.zeros(S), np.zeros(S), np.zeros(S)
-    fixed_roots = frozenset(r for r, _ in saved_roots if r is not None and batch_free(c, r))
+    saved, transient = np.zeros(S), np.zeros(S)
     for j, st in enumerate(info.strategies):
         saved[j] = sum(fn(st) for _, fn in saved_roots)
-        fixed[j] = sum(fn(st) for r, fn in saved_roots if r in fixed_roots)
         tb = 0.0
         for o, lay in zip(outs, st.outputs):
             if isinstance(o, torch.Tensor):
@@ -480,7 +478,8 @@ def _op_base(c: Candidates, info: NodeInfo, precision: str, cuda: bool, roots, c
         saved=saved, transient=transient,
         saved_by_root={root: np.array([fn(st) for st in info.strategies]) for root, fn in saved_roots
                        if root is not None},
-        saved_fixed=fixed, fixed_roots=fixed_roots, saved_inputs=saved_inputs)
+        fixed_roots=frozenset(r for r, _ in saved_roots if r is not None and batch_free(c, r)),
+        saved_inputs=saved_inputs)
 
 
 def batch_free(c: Candidates, root: str) -> bool:
@@ -496,7 +495,7 @@ def batch_free(c: Candidates, root: str) -> bool:
         info = c.nodes.get(root)
         val = node_val(info.node) if info is not None else None
         if "_global_batch" not in c.__dict__:
-            c.__dict__["_global_batch"] = batch_size(input_shapes(c.graph), graph_batch_dims(c.graph))
+            c.__dict__["_global_batch"] = global_batch(c.graph, default=1)
         b = c.__dict__["_global_batch"]
         got = memo[root] = (isinstance(val, torch.Tensor) and not (info.batch_dims and any(info.batch_dims))
                             and b > 1 and b not in tuple(val.shape))

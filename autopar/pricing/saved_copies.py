@@ -191,10 +191,18 @@ def copy_bytes(c: Candidates, P, pick: dict[str, int]) -> dict[str, float]:
     replayed (``saved_storage``): when it ends in a storage node pricing charged, it shares it;
     else it is one more storage, of its replayed bytes. A root charged to an input saver that no
     saver ends in is not saved at all."""
+    return per_representative(c, copy_bytes_by_instance(c, P, pick))
+
+
+def per_representative(c: Candidates, by_node: dict[str, float]) -> dict[str, float]:
+    """``copy_bytes_by_instance`` summed per representative (the ILP's and node pricing's rows)."""
     out: dict[str, float] = defaultdict(float)
-    for u, b in copy_bytes_by_instance(c, P, pick).items():
+    for u, b in by_node.items():
         out[c.nodes[u].rep] += b
-    return {n: b for n, b in out.items() if abs(b) > 1e-6}   # below a micro-byte: summing noise
+    return {n: b for n, b in out.items() if abs(b) > NOISE}
+
+
+NOISE = 1e-6   # bytes: below a micro-byte a difference is float summing noise
 
 
 ALL = "all"   # a storage key's instance mark: every instance of the saver's repeated block
@@ -209,9 +217,6 @@ def copy_bytes_by_instance(c: Candidates, P, pick: dict[str, int]) -> dict[str, 
     replayed once per group of instances whose producer is alike (same representative) and
     charged to those instances; storages are told apart by (representative name, the instances
     that save them)."""
-    members: dict[str, list[str]] = defaultdict(list)
-    for n in c.order:
-        members[c.nodes[n].rep].append(n)
     input_charge = {(v, root) for v, entries in P.saved_inputs.items() for _, root, here, _ in entries if here}
     saved: dict = {}                  # (storage key, instances) -> (first saver's nodes, bytes)
     charged_by: dict[str, float] = defaultdict(float)
@@ -224,7 +229,7 @@ def copy_bytes_by_instance(c: Candidates, P, pick: dict[str, int]) -> dict[str, 
                 if (n, root) in input_charge:
                     by_input.setdefault(root, b)
                 else:
-                    saved.setdefault((root, ALL), (members.get(n) or [n], b))
+                    saved.setdefault((root, ALL), (c.instances(n), b))
     zz = zigzag_axes(c, pick)
 
     def canon(key):
@@ -235,7 +240,7 @@ def copy_bytes_by_instance(c: Candidates, P, pick: dict[str, int]) -> dict[str, 
     for v, entries in P.saved_inputs.items():
         if v not in pick:
             continue
-        mine = members.get(v) or [v]
+        mine = c.instances(v)
         for i, root, _here, nbytes in entries:
             groups: dict = defaultdict(list)   # the producer's representative -> instances
             for k, u in enumerate(mine):
@@ -264,10 +269,10 @@ def copy_bytes_by_instance(c: Candidates, P, pick: dict[str, int]) -> dict[str, 
         for u in nodes:
             out[u] += b / len(nodes)
     for n, b in charged_by.items():   # node pricing's charge, spread over the instances
-        mine = members.get(n) or [n]
+        mine = c.instances(n)
         for u in mine:
             out[u] -= b / len(mine)
-    return {u: b for u, b in out.items() if abs(b) > 1e-9 * max(1.0, abs(b))}
+    return {u: b for u, b in out.items() if abs(b) > NOISE}
 
 
 def row_extra(problem, sol, extra: dict[str, float]) -> dict[str, float]:

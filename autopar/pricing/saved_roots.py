@@ -180,13 +180,8 @@ def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str
 
 def _instance_input_roots(c: Candidates, info: NodeInfo, index: int, roots: dict[str, str]) -> set[str]:
     """Storage roots of tensor input ``index`` over the block instances ``info`` stands for."""
-    inst = c.__dict__.get("_instances")
-    if inst is None:
-        inst = c.__dict__["_instances"] = defaultdict(list)
-        for n in c.order:
-            inst[c.nodes[n].rep].append(n)
     out = set()
-    for n in inst[info.name]:
+    for n in c.instances(info.name):
         ins = tensor_inputs(c.nodes[n].node)
         if index < len(ins):
             out.add(roots.get(ins[index].name, ins[index].name))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.rules import sequence
-from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
+from autopar.frontend.batching import global_batch as graph_global_batch, graph_batch_dims
 from autopar.rules.layout import Layout
 from autopar.mesh import Mesh
 from autopar.rules import spec_for, tensor_inputs
@@ -63,6 +63,16 @@ class Candidates:
         if got is None:
             got = self.inputs_cache[node.name] = tensor_inputs(node)
         return got
+
+    def instances(self, rep: str) -> list[str]:
+        """The graph nodes representative ``rep`` stands for (itself first, graph order): one per
+        repeated-block instance; ``[rep]`` for a node outside the repeated blocks."""
+        got = self.__dict__.get("_instances")
+        if got is None:
+            got = self.__dict__["_instances"] = {}
+            for n in self.order:
+                got.setdefault(self.nodes[n].rep, []).append(n)
+        return got.get(rep) or [rep]
 
 
 def _layout_choices(shape: tuple[int, ...], mesh: Mesh, axes: tuple[int, ...]) -> list[Layout]:
@@ -116,7 +126,7 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
     same_spec: dict = {}   # _enumeration_key -> strategies: ops with equal specs enumerate once per mesh
     specs = _graph_specs(graph)
     input_batch = dict(zip(graph.input_names, graph_batch_dims(graph)))
-    global_batch = batch_size(input_shapes(graph), graph_batch_dims(graph))
+    global_batch = graph_global_batch(graph, default=1)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             val = node_val(node)

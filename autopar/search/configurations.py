@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError
-from autopar.frontend.batching import batch_size, graph_batch_dims, input_shapes
+from autopar.frontend.batching import global_batch  # noqa: F401  (re-exported: search modules import it from here)
 from autopar.frontend.trace import TracedGraph
 from autopar.pricing.price import Settings
 from autopar.rules import sequence
@@ -67,11 +67,6 @@ def _checkpoint_setting(ck):
     (name, bool | "none" | "selective" | "full")."""
     return tuple(sorted(ck.items())) if isinstance(ck, dict) else ck
 
-
-def global_batch(graph: TracedGraph) -> int:
-    """The global batch size: the size of the first batch-carrying input's batch dim
-    (autopar/frontend/batching.py; not blindly dim 0)."""
-    return batch_size(input_shapes(graph), graph_batch_dims(graph))
 
 
 def _divisors(n: int) -> list[int]:

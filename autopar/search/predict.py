@@ -54,6 +54,17 @@ def _count_program_edges(c: Candidates, pick: dict, micro_batches: int) -> set[t
     return {(u, v) for u, v in edges if u in pick and v in pick}
 
 
+def count_program_bytes(c: Candidates, P: Priced, pick: dict, micro_batches: int) -> dict[str, float]:
+    """Mesh axis -> bytes per step of the count program (codegen/loss_counts.py ``count_program``):
+    it reruns the forward reshards of the mean losses' targets before the step, once on every rank
+    (a Hugging Face shifted-labels path gathers them again)."""
+    out = {a: 0.0 for a in c.mesh.names}
+    for u, v in _count_program_edges(c, pick, micro_batches):
+        for a, arr in enumerate(P.edge_fwd_bytes.get((u, v), [])):
+            out[c.mesh.names[a]] += float(arr[pick[u], pick[v]])
+    return out
+
+
 def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Solution, cluster: Cluster) -> dict:
     mesh = c.mesh
     pick = chosen(problem, sol)
@@ -124,11 +135,8 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
             for a, arr in enumerate(per_axis):
                 comm_bytes[mesh.names[a]] += float(arr[pick[u], pick[v]])
 
-    # the count program (codegen/loss_counts.py ``count_program``) reruns the forward reshards of the
-    # mean losses' targets before the step (a Hugging Face shifted-labels path gathers them again)
-    for u, v in _count_program_edges(c, pick, s.num_micro_batches):
-        for a, arr in enumerate(P.edge_fwd_bytes.get((u, v), [])):
-            comm_bytes[mesh.names[a]] += float(arr[pick[u], pick[v]])
+    for a, x in count_program_bytes(c, P, pick, s.num_micro_batches).items():
+        comm_bytes[a] += x
 
     # compute (forward + backward, all repeats) by op rule: where the step's compute goes
     by_rule: dict[str, float] = {}

@@ -44,8 +44,9 @@ class StageCosts:
 
 def stage_costs(result, graph) -> StageCosts:
     """Per-instance and prologue/epilogue figures from the inner plan's priced arrays."""
-    from autopar.pricing.saved_copies import copy_bytes_by_instance
+    from autopar.pricing.saved_copies import copy_bytes_by_instance, per_representative
     from autopar.search.build import _block_input_roots, chosen
+    from autopar.search.predict import count_program_bytes
     from codegen.stages import pipeline_units
 
     cands, P = result.cands, result.priced
@@ -53,9 +54,7 @@ def stage_costs(result, graph) -> StageCosts:
     # saved copies made by reshards (autopar/pricing/saved_copies.py), per graph node: a block
     # instance's own go to its unit (esv below), the representative's row carries none of them
     by_node = copy_bytes_by_instance(cands, P, pick)
-    copies: dict = {}
-    for u, b in by_node.items():
-        copies[cands.nodes[u].rep] = copies.get(cands.nodes[u].rep, 0.0) + b
+    copies = per_representative(cands, by_node)
     nm = result.config.settings.num_micro_batches
     units = pipeline_units(graph)
     order = {n.name: k for k, n in enumerate(graph.gm.graph.nodes)}
@@ -227,7 +226,7 @@ def stage_costs(result, graph) -> StageCosts:
                       [rec_t[g] + ert[u] for u in units for g in [u[0]]],
                       [rec_m[g] for g, _ in units],
                       [dict(shared[g]) if g not in full else {} for g, _ in units],
-                      _count_bytes(cands, P, pick, nm, names))
+                      count_program_bytes(cands, P, pick, nm))
 
 
 def _shared_roots(cands, graph, name: str, charged: dict) -> list:
@@ -236,24 +235,9 @@ def _shared_roots(cands, graph, name: str, charged: dict) -> list:
     storage once, not once per instance)."""
     if cands.nodes[name].repeats < 2 or not charged:
         return []
-    members = cands.__dict__.setdefault("_members", {})
-    if not members:
-        for n in cands.order:
-            members.setdefault(cands.nodes[n].rep, []).append(n)
     reads = [{cands.storage_root.get(p.name, p.name) for p in cands.inputs(cands.nodes[u].node)}
-             for u in members.get(name, [name])]
+             for u in cands.instances(name)]
     return [root for root in charged if root not in graph.block_of and all(root in rd for rd in reads)]
-
-
-def _count_bytes(cands, P, pick, nm, names) -> dict:
-    """Mesh axis -> bytes the count program's forward reshards move on each rank per step (as
-    ``predict`` counts them for a plan without stages)."""
-    from autopar.search.predict import _count_program_edges
-    out = {a: 0.0 for a in names}
-    for u, v in _count_program_edges(cands, pick, nm):
-        for a, arr in enumerate(P.edge_fwd_bytes.get((u, v), [])):
-            out[names[a]] += float(arr[pick[u], pick[v]])
-    return out
 
 
 def _edge_shares(cands, graph, order, first_block) -> dict:
