@@ -212,7 +212,8 @@ def test_step_overhead_is_priced_once_per_step_with_the_loss():
 def test_op_rates_price_a_rules_flops_at_its_measured_rate():
     """``op_rates``: a rule's forward FLOP/s as its OpSpec counts FLOPs (a layer norm counts 8 an
     element and runs vectorized): its arithmetic is priced at that rate, other rules keep
-    ``vector_rate``; contractions keep the GEMM curve."""
+    ``vector_rate``. A contraction is priced at the GEMM curve unless its rule was measured (SDPA
+    is a contraction but its kernel is no GEMM of its intensity: its own rate wins)."""
     from autopar.pricing.cost import compute_time
     base = Calibration.from_dict(dict(PROFILE, vector_rate=1e9))
     cal = dataclasses.replace(base, op_rates=(("layer_norm", 1e10),))
@@ -223,7 +224,9 @@ def test_op_rates_price_a_rules_flops_at_its_measured_rate():
     fast = compute_time(flops, 1.0, "fp32", dev, calibration=cal, op="layer_norm")
     assert slow - cal.kernel_overhead == pytest.approx(flops / 1e9)
     assert fast - cal.kernel_overhead == pytest.approx(flops / 1e10)
-    assert (compute_time(flops, 1.0, "fp32", dev, intensity=50.0, calibration=cal, op="layer_norm")
-            == compute_time(flops, 1.0, "fp32", dev, intensity=50.0, calibration=base, op="layer_norm"))
+    gemm = compute_time(flops, 1.0, "fp32", dev, intensity=50.0, calibration=cal, op="linear")
+    assert gemm == compute_time(flops, 1.0, "fp32", dev, intensity=50.0, calibration=base, op="linear")
+    measured = compute_time(flops, 1.0, "fp32", dev, intensity=50.0, calibration=cal, op="layer_norm")
+    assert measured == fast != gemm
     with pytest.raises(ClusterError, match="op_rates"):
         Calibration.from_dict(dict(PROFILE, op_rates={"layer_norm": 0}))

@@ -52,15 +52,15 @@ broadcast; all_to_all = flat over all n ranks at the inter-node link (most of it
 the node). A size-1 axis or an empty buffer costs 0.
 
 Optimizer (``optimizer_step_time``): elementwise and memory-bound, so bytes touched per local
-element / HBM bandwidth + one kernel overhead. Bytes per element (read + write):
-
-    adam/adamw: grad (2 bf16 | 4 fp32) + master/param r/w 8 + m, v r/w 16 [+ bf16 copy write 2]  = 28
-    sgd:        grad + param r/w 8 + momentum r/w 8 [+ bf16 copy write 2]                           = 20
-    lamb:       adam + update write 4, read back twice for its norm and the apply 8                 = 40
-    lars:       sgd + one extra read of params (4) and grads (2 | 4) for the trust-ratio norms     = 26 | 28
-
-(bf16 precision reads a 2-byte grad and writes the 2-byte working copy; fp32 reads a 4-byte
-grad; both come to the totals above.)
+element / memory bandwidth + a fixed cost per parameter tensor. The bytes are what
+runtime/optim.py's op sequence moves (it runs torch.optim's single-tensor formulas op by op, one
+kernel each, on GPUs too), not what one fused kernel would: AdamW (fp32, weight decay on) reads
+and writes per element: param.mul_ 8, exp_avg.lerp_ 12, exp_avg_sq.mul_ 8, addcmul_ 12, sqrt 8,
+div_ 8, add_ 8, param.addcdiv_ 16 = 80 (Adam without decay 72; SGD with momentum 32; LAMB 136;
+LARS 80). Mixed precision adds the gradient's upcast (read 2, write 4) and the master's cast back
+(read 4, write 2): +12. tests/test_cost.py counts them from the optimizers' dispatched ops. (Until
+2026-11-27 the table held a fused kernel's 28 B for AdamW: the bench GPT's step priced 0.62 ms
+against 0.89 ms measured.)
 
 ``exposed_comm``: communication that overlaps with independent compute only shows what is
 left over: ``max(0, comm - compute)``; without overlap all of it.
@@ -118,8 +118,9 @@ def compute_time(flops: float, nbytes: float, dtype: str, device: Device,
                  op: str | None = None) -> float:
     """Seconds for one kernel doing ``flops`` arithmetic and moving ``nbytes`` of device memory.
     ``intensity`` (FLOP/byte of the local GEMM shape, ``gemm_intensity``) marks a contraction:
-    with a calibration profile its rate comes from the profile's GEMM-by-intensity curve;
-    other kernels are memory-bound at the profile's bandwidth for their transfer size."""
+    with a calibration profile its rate comes from the profile's GEMM-by-intensity curve, unless
+    the profile measured the rule ``op`` itself (``op_rates``: SDPA on a CPU); other kernels are
+    memory-bound at the profile's bandwidth for their transfer size."""
     _non_negative(flops=flops, nbytes=nbytes)
     cal = calibration if calibration is not None else builtin_for(device)
     if flops == 0 and nbytes == 0:
@@ -130,12 +131,17 @@ def compute_time(flops: float, nbytes: float, dtype: str, device: Device,
         t_mem = nbytes / device.hbm_bandwidth
         return max(t_math, t_mem) + device.kernel_overhead
     t_mem = nbytes / interp(cal.memory, nbytes) if nbytes > 0 else 0.0
-    if intensity is not None and flops > 0:
+    measured = cal.rate_for(op)
+    if intensity is not None and flops > 0 and measured is None:
         rate = interp(cal.gemm, max(intensity, 1e-3)) * _dtype_scale(device, dtype, cal.gemm_dtype)
         return max(flops / rate, t_mem) + max(cal.gemm_latency, cal.kernel_overhead)
     t_math = 0.0
     if flops > 0:   # a rule's measured rate (``op``: OpSpec.rule), else elementwise arithmetic's
-        rate = cal.rate_for(op) or cal.vector_rate or cal.gemm[-1][1]
+        # A measured rate wins over the GEMM curve for a contraction too: SDPA (q·k, then ·v) is
+        # a contraction, but its kernel (blocked online softmax around small GEMMs) is not a GEMM
+        # of its intensity. On these CPUs the GEMM curve priced the bench GPT's attention at 0.55
+        # ms a call where it runs in 0.86 ms and its own measured rate says 0.80 (2026-11-27).
+        rate = measured or cal.vector_rate or cal.gemm[-1][1]
         t_math = flops / (rate * _dtype_scale(device, dtype, cal.gemm_dtype))
     return max(t_math, t_mem) + cal.kernel_overhead
 
@@ -261,20 +267,16 @@ def bucket_share(comm, kind: str, nbytes: float, axis: int, bucket: float) -> fl
     return nbytes / bucket * comm(kind, bucket, axis)
 
 
-# bytes touched per element by one optimizer step, by precision (see module docstring)
-_OPT_BYTES = {
-    "adamw": {"bf16": 2 + 8 + 16 + 2, "fp32": 4 + 8 + 16},
-    "adam": {"bf16": 2 + 8 + 16 + 2, "fp32": 4 + 8 + 16},
-    "sgd": {"bf16": 2 + 8 + 8 + 2, "fp32": 4 + 8 + 8},
-    "lamb": {"bf16": 2 + 8 + 16 + 2 + 12, "fp32": 4 + 8 + 16 + 12},
-    "lars": {"bf16": 2 + 8 + 8 + 2 + 4 + 2, "fp32": 4 + 8 + 8 + 4 + 4},
-}
+# bytes moved per element by one optimizer step as runtime/optim.py runs it, fp32 (module doc;
+# counted from the dispatched ops by tests/test_cost.py); mixed precision adds MIXED_CAST_BYTES
+_OPT_BYTES = {"adamw": 80, "adam": 72, "sgd": 32, "lamb": 136, "lars": 80}
+MIXED_CAST_BYTES = 2 + 4 + 4 + 2   # the gradient upcast to fp32, the master cast back (runtime/zero.py)
 
 
 def optimizer_bytes_per_element(optimizer: str, precision: str) -> int:
     check_optimizer(optimizer)
     check_precision(precision)
-    return _OPT_BYTES[optimizer][precision]
+    return _OPT_BYTES[optimizer] + (0 if precision == "fp32" else MIXED_CAST_BYTES)
 
 
 def optimizer_step_time(numel_local: float, optimizer: str, precision: str, device: Device,
