@@ -230,3 +230,20 @@ def test_op_rates_price_a_rules_flops_at_its_measured_rate():
     assert measured == fast != gemm
     with pytest.raises(ClusterError, match="op_rates"):
         Calibration.from_dict(dict(PROFILE, op_rates={"layer_norm": 0}))
+
+
+def test_collective_curves_never_price_a_smaller_message_slower():
+    """A 1 KB all-reduce read 1.4 ms where 8 KB read 0.6 ms (another rank's skew in its loops):
+    the fitted curve takes each size's time as the least of its own and every larger size's, so a
+    smaller message never costs more; a curve already monotone in time is kept as measured."""
+    from autopar.pricing.calibrate import monotone_times
+    f = 1.0   # all_reduce over 2 ranks: bus bytes = bytes
+    measured = [(1024.0, 1024 / 1.4e-3), (8192.0, 8192 / 0.6e-3), (65536.0, 65536 / 1.4e-3),
+                (524288.0, 524288 / 1.8e-3)]
+    fitted = monotone_times(measured, f)
+    times = [x * f / y for x, y in fitted]
+    assert times == sorted(times)
+    assert times[0] == pytest.approx(0.6e-3) and times[1] == pytest.approx(0.6e-3)
+    assert times[2:] == pytest.approx([1.4e-3, 1.8e-3])
+    clean = [(1024.0, 1e6), (8192.0, 4e6), (65536.0, 2e7)]
+    assert [y for _, y in monotone_times(clean, f)] == pytest.approx([y for _, y in clean])
