@@ -118,6 +118,16 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
         return float(x)
 
+    def fastest_agreed(ts: list) -> float:
+        """The fastest of loops that every rank ran together, each loop at its slowest rank's time
+        (what that loop took for the group), not the slowest rank's own fastest loop: ranks'
+        fastest loops are different loops, and the slowest of those is faster than any loop was."""
+        if not dist_on:
+            return min(ts)
+        x = torch.tensor(ts, dtype=torch.float64)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return float(x.min())
+
     # The fraction of a core each process gets when all of this machine's processes compute at
     # once: 4 processes on 2 cores get half a core each (1 for GPUs: one device per process).
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -250,7 +260,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
                 nbytes = numel * itemsize
                 fn = _collective(kind, numel, n, dtype, device, group)
                 barrier()
-                t = agreed(_in_loop(fn, lambda: torch.mm(work_a, work_a), repeats, sync))
+                t = fastest_agreed(_in_loop(fn, lambda: torch.mm(work_a, work_a), repeats, sync))
                 pts.append((float(nbytes), FACTOR[kind](n) * nbytes / t))
             curves.append((kind, n, monotone_times(pts, FACTOR[kind](n))))
 
@@ -348,14 +358,14 @@ COLL_WORK = {False: (160, 160), True: (2048, 2048)}
 COLL_CALLS = 8   # collectives per timing loop
 
 
-def _in_loop(fn, work, repeats: int, sync) -> float:
-    """Seconds per collective as a training step meets it: ``COLL_CALLS`` × (``work``; ``fn``)
-    back to back with no barrier, each collective call timed on its own (so the wait for the
-    slowest rank of the group, which compute skew and time-shared cores cause, is included and
-    the compute is not), summed; fastest of ``repeats`` loops."""
+def _in_loop(fn, work, repeats: int, sync) -> list[float]:
+    """Seconds per collective as a training step meets it, one figure per loop (``repeats``
+    loops): ``COLL_CALLS`` × (``work``; ``fn``) back to back with no barrier, each collective call
+    timed on its own (so the wait for the slowest rank of the group, which compute skew and
+    time-shared cores cause, is included and the compute is not), averaged."""
     fn()
     sync()
-    best = math.inf
+    out = []
     for _ in range(repeats):
         total = 0.0
         for _ in range(COLL_CALLS):
@@ -365,8 +375,8 @@ def _in_loop(fn, work, repeats: int, sync) -> float:
             fn()
             sync()
             total += time.perf_counter() - t0
-        best = min(best, total / COLL_CALLS)
-    return best
+        out.append(total / COLL_CALLS)
+    return out
 
 
 def monotone_times(points, factor: float = 1.0):
