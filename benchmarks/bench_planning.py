@@ -38,7 +38,7 @@ CASES = [
     ("gpt2_2.6b", "GPT 2.6B (32L h2560 s1024 B128, explicit attention), 2 DGX-A100 nodes", "gpt2", GPT_2_6B,
      ("dgx-a100", dict(nodes=2)), None, 10.0, "search", True),
     ("gpt_18.4b_tp8", "GPT 18.4B (40L h6144 s2048 B1024), tp=8 pinned, 256 A100", "gpt2", GPT_18_4B,
-     ("dgx-a100", dict(nodes=32)), {"tp": 8}, 10.0, "search", False),
+     ("dgx-a100", dict(nodes=32)), {"tp": 8}, 10.0, "search", True),
     ("gpt3_175b", "GPT-3 175B (96L h12288 s2048 B1536), 1024 A100", "gpt3", {},
      ("dgx-a100", dict(nodes=128)), None, 60.0, "total", False),   # 30 s search before pp was in it; 60 s
     # with pp (issue 10), trace included (issue 6: "plans in under 60 s")
