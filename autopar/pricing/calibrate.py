@@ -114,7 +114,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
     def agreed(t: float) -> float:   # the slowest rank's median: what a synchronous step sees
         if not dist_on:
             return t
-        x = torch.tensor([t], dtype=torch.float64)
+        x = torch.tensor([t], dtype=torch.float64, device=device if gpu else "cpu")   # NCCL: device tensors
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
         return float(x)
 
@@ -124,7 +124,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
         fastest loops are different loops, and the slowest of those is faster than any loop was."""
         if not dist_on:
             return min(ts)
-        x = torch.tensor(ts, dtype=torch.float64)
+        x = torch.tensor(ts, dtype=torch.float64, device=device if gpu else "cpu")
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
         return float(x.min())
 
@@ -175,7 +175,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
             t_f, t_fb = min(t_f, t1 - t0), min(t_fb, time.perf_counter() - t1)
         r = (t_fb - t_f) / t_f
         if dist_on:
-            x = torch.tensor([r], dtype=torch.float64)
+            x = torch.tensor([r], dtype=torch.float64, device=device if gpu else "cpu")
             dist.all_reduce(x)
             r = float(x) / world
         return r
