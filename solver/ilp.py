@@ -25,6 +25,7 @@ from solver.presolve import fix_needless_checkpointing
 from solver.problem import Problem, Solution
 from solver.problem_checks import (_input_error, evaluate, fits, memory_floor_exceeds_budget,  # noqa: F401
                                    validate)
+from solver.tie_break import prefer_less_memory
 
 _MAX_TIME_LIMIT_GAP = math.inf
 
@@ -64,6 +65,7 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
     if status == "infeasible":
         return Solution([], [], math.inf, "infeasible", solve_seconds=time.perf_counter() - t0)
     choice, ckpt = _extract(model)
+    choice = prefer_less_memory(problem, choice)   # equal time, less memory (solver/tie_break.py)
     obj, mem = evaluate(problem, choice, ckpt)
     gap = 0.0
     if status == "feasible":
@@ -196,5 +198,6 @@ def min_peak_solution(problem: Problem, time_limit: float | None = None, backend
         if _run(model, backend, time_limit, threads, mip_gap) == "infeasible":
             raise _input_error("min_peak_memory: the peak model is infeasible, which should not happen")
         choice, ckpt = _extract(model)
+    choice = prefer_less_memory(problem, choice)   # equal time, less memory (solver/tie_break.py)
     obj, mem = evaluate(problem, choice, ckpt)
     return Solution(choice, ckpt, obj, "optimal", solve_seconds=time.perf_counter() - t0, peak_memory=mem)

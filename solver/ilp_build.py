@@ -39,6 +39,8 @@ Variables and constraint families (each added by the function named; the model i
   tolerances. The reported objective is recomputed exactly in seconds by ``evaluate``.
   Accuracy: plans whose costs differ by less than about 1e-9 of the largest cost coefficient
   are ties to the solver (its tolerances are ~1e-7 of the scaled coefficients).
+- **Ties** -- solver/tie_break.py, after each solve: between strategies of equal time a node
+  takes the one with fewer bytes (the objective has no memory term).
 - **Peak rows** (``min_peak_memory`` only) -- ``_add_peak_rows``: ``total_k <= P`` for every
   memory constraint, objective ``min P``; budgets are ignored.
 """

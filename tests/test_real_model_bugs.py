@@ -47,10 +47,10 @@ def _train(rank, world, factory, plan_json, steps):
     return losses, sd, trained, n_state, cm.comm_stats()
 
 
-def run(factory, world, constraints, steps=STEPS, memory_budget=None):
+def run(factory, world, constraints, steps=STEPS):
     model, batch = factory()
     plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=world), optimizer="sgd",
-                        precision="fp32", constraints={**NM1, **constraints}, memory_budget=memory_budget)
+                        precision="fp32", constraints={**NM1, **constraints})
     return plan, run_local(_train, world, args=(factory, plan.to_json(), steps), timeout=300)
 
 
@@ -120,18 +120,7 @@ def test_frozen_parameters_keep_their_values(mode):
     model, batch = frozen_model()
     before = model.backbone.weight.detach().clone()
     want = eager(model, batch)
-    pins = {"dp": 2, "tp": 1} if mode == "dp" else {"dp": 1, "tp": 2}
-    budget = None
-    if mode == "tp":
-        # A frozen weight costs the same time kept whole (each rank slices what its GEMM needs,
-        # for free) or split: which one the solver returns is a tie. A budget that the whole
-        # weight does not fit (the peak with it, less a quarter of its bytes: splitting it over
-        # 2 ranks saves half) makes the split the only plan, as on a device too small for it.
-        whole = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), optimizer="sgd",
-                             precision="fp32", constraints={**NM1, **pins})
-        if whole.data["params"]["backbone.weight"]["layout"]["dims"] == [[], []]:
-            budget = whole.peak_memory - model.backbone.weight.numel() * 4 // 4
-    plan, res = run(frozen_model, 2, pins, memory_budget=budget)
+    plan, res = run(frozen_model, 2, {"dp": 2, "tp": 1} if mode == "dp" else {"dp": 1, "tp": 2})
     assert plan.degrees[mode] == 2
     losses, sd, trained, n_state, stats = res[0]
     assert stats.get(mode, 0) > 0
@@ -159,6 +148,22 @@ def test_frozen_parameters_are_priced_as_buffers():
     assert frozen.memory_breakdown["grads"] == pytest.approx(4 * head)
     assert frozen.memory_breakdown["grads"] < full.memory_breakdown["grads"]
     assert frozen.memory_breakdown["optimizer"] < full.memory_breakdown["optimizer"]
+
+
+def test_a_frozen_weight_is_stored_split_when_that_costs_nothing(monkeypatch):
+    """Kept whole (each rank slicing what its GEMM needs) or split, a frozen weight costs the same
+    time under tp; of the two the plan stores the split one (solver/tie_break.py), so the
+    replicated copy's memory is not spent for nothing."""
+    import solver.ilp
+    model, batch = frozen_model()
+    cluster = autopar.Cluster.preset("cpu", devices=2)
+    pins = {"dp": 1, "tp": 2, **NM1}
+    plan = autopar.plan(model, batch, cluster, optimizer="sgd", precision="fp32", constraints=pins)
+    assert plan.data["params"]["backbone.weight"]["layout"]["dims"] != [[], []]
+    monkeypatch.setattr(solver.ilp, "prefer_less_memory", lambda problem, choice: choice)
+    tie = autopar.plan(model, batch, cluster, optimizer="sgd", precision="fp32", constraints=pins)
+    assert plan.step_time == pytest.approx(tie.step_time, rel=1e-12)
+    assert plan.memory_breakdown["params"] <= tie.memory_breakdown["params"]
 
 
 # ------------------------------------------------------------------ 2., 6. checkpoints
