@@ -13,6 +13,8 @@ optimal. Nodes in checkpoint groups are left alone: their bytes depend on the gr
 """
 from __future__ import annotations
 
+import numpy as np
+
 from solver.problem import Problem
 
 
@@ -34,15 +36,13 @@ def prefer_less_memory(problem: Problem, choice: list[int]) -> list[int]:
     for i in range(n):
         if i in grouped or not rows[i] or len(problem.costs[i]) < 2:
             continue
-        for k in range(len(problem.costs[i])):
-            j = out[i]
-            if k == j:
-                continue
-            dm = [sum(float(a[k]) - float(a[j]) for a in arrs) for arrs in rows[i].values()]
-            if not (all(d <= 0 for d in dm) and any(d < 0 for d in dm)):
-                continue
-            if _time_delta(problem, touching[i], out, i, j, k) <= 0:
-                out[i] = k
+        # bytes per memory row (rows x strategies), summed over the node's terms in each row
+        per_row = np.stack([np.sum(arrs, axis=0, dtype=np.float64) for arrs in rows[i].values()])
+        for k in np.flatnonzero((per_row <= per_row[:, [out[i]]]).all(axis=0)):
+            j = out[i]   # the node's strategy now (an earlier k may have been taken)
+            d = per_row[:, k] - per_row[:, j]
+            if (d <= 0).all() and (d < 0).any() and _time_delta(problem, touching[i], out, i, j, int(k)) <= 0:
+                out[i] = int(k)
     return out
 
 
