@@ -198,6 +198,5 @@ def min_peak_solution(problem: Problem, time_limit: float | None = None, backend
         if _run(model, backend, time_limit, threads, mip_gap) == "infeasible":
             raise _input_error("min_peak_memory: the peak model is infeasible, which should not happen")
         choice, ckpt = _extract(model)
-    choice = prefer_less_memory(problem, choice)   # equal time, less memory (solver/tie_break.py)
     obj, mem = evaluate(problem, choice, ckpt)
     return Solution(choice, ckpt, obj, "optimal", solve_seconds=time.perf_counter() - t0, peak_memory=mem)

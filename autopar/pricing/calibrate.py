@@ -110,23 +110,19 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
     barrier = (lambda: (sync(), dist.barrier())) if dist_on else sync
     itemsize = torch.tensor([], dtype=dtype).element_size()
     shapes, mem_sizes, coll_sizes = SWEEPS[sweep]
+    agree_on = device if gpu else torch.device("cpu")   # where figures ranks agree on travel (NCCL: the device)
 
-    def agreed(t: float) -> float:   # the slowest rank's median: what a synchronous step sees
+    def slowest(ts: list) -> list:
+        """Each figure at its slowest rank's (every rank measured the same things in the same
+        order): what a synchronous step, or loop, took for the group."""
         if not dist_on:
-            return t
-        x = torch.tensor([t], dtype=torch.float64, device=device if gpu else "cpu")   # NCCL: device tensors
+            return list(ts)
+        x = torch.tensor(ts, dtype=torch.float64, device=agree_on)
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
-        return float(x)
+        return x.tolist()
 
-    def fastest_agreed(ts: list) -> float:
-        """The fastest of loops that every rank ran together, each loop at its slowest rank's time
-        (what that loop took for the group), not the slowest rank's own fastest loop: ranks'
-        fastest loops are different loops, and the slowest of those is faster than any loop was."""
-        if not dist_on:
-            return min(ts)
-        x = torch.tensor(ts, dtype=torch.float64, device=device if gpu else "cpu")
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-        return float(x.min())
+    def agreed(t: float) -> float:   # the slowest rank's figure
+        return slowest([t])[0]
 
     # The fraction of a core each process gets when all of this machine's processes compute at
     # once: 4 processes on 2 cores get half a core each (1 for GPUs: one device per process).
@@ -175,7 +171,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
             t_f, t_fb = min(t_f, t1 - t0), min(t_fb, time.perf_counter() - t1)
         r = (t_fb - t_f) / t_f
         if dist_on:
-            x = torch.tensor([r], dtype=torch.float64, device=device if gpu else "cpu")
+            x = torch.tensor([r], dtype=torch.float64, device=agree_on)
             dist.all_reduce(x)
             r = float(x) / world
         return r
@@ -260,7 +256,9 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
                 nbytes = numel * itemsize
                 fn = _collective(kind, numel, n, dtype, device, group)
                 barrier()
-                t = fastest_agreed(_in_loop(fn, lambda: torch.mm(work_a, work_a), repeats, sync))
+                # the fastest loop at its slowest rank's time (each rank's own fastest are
+                # different loops, and the slowest of those is faster than any loop was)
+                t = min(slowest(_in_loop(fn, lambda: torch.mm(work_a, work_a), repeats, sync)))
                 pts.append((float(nbytes), FACTOR[kind](n) * nbytes / t))
             curves.append((kind, n, monotone_times(pts, FACTOR[kind](n))))
 
