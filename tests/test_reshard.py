@@ -178,6 +178,50 @@ def test_plan_executes_to_destination(case, seed):
     assert plan.time <= _fallback_time(src, dst, shape, mesh_shape, comm) * (1 + 1e-9)
 
 
+@dataclass(frozen=True)
+class AxisComm(ToyComm):
+    """ToyComm with a bandwidth of its own per axis (inside a node, across nodes)."""
+    bws: tuple = (1e9, 2.5e10, 3e8)
+
+    def __call__(self, kind: str, nbytes: float, axis: int) -> float:
+        n = self.mesh_shape[axis]
+        if n == 1:
+            return 0.0
+        factor = {"all_reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)
+        return self.alpha * (1 + axis) + factor * nbytes / self.bws[axis]
+
+
+@settings(max_examples=300, deadline=None)
+@given(_case(), st.booleans())
+def test_axes_placed_alike_are_left_out_of_the_search(case, per_axis):
+    """plan_reshard searches without the axes source and destination place alike (unused by
+    both, partial in both, the leading splits of a dim both share: reshard.reduce_problem); the
+    full search over every axis finds no cheaper path, and the steps touch none of those axes."""
+    from autopar.pricing.reshard import _plan_cached, reduce_problem
+
+    mesh_shape, shape, src, dst = case
+    comm = (AxisComm if per_axis else ToyComm)(mesh_shape)
+    plan = plan_reshard(src, dst, shape, 4, mesh_shape, comm)
+    full = _plan_cached(src, dst, shape, 4, mesh_shape, comm)
+    assert plan.time == pytest.approx(full.time, rel=1e-9, abs=1e-15)
+    kept = reduce_problem(src, dst, shape, mesh_shape).kept
+    assert {s.axis for s in plan.steps} <= set(kept)
+
+
+def test_reduced_problem_drops_the_shared_data_axis():
+    """An activation split over the data axis on both sides: the search runs on the model axes
+    with the per-rank batch, the same problem whatever the data-parallel degree."""
+    from autopar.pricing.reshard import reduce_problem
+
+    src = Layout(((0,), (1,), ()))          # batch over dp (axis 0), sequence over tp (axis 1)
+    dst = Layout(((0,), (), (2,)), (1,))    # hidden over tp2, partial over tp
+    a = reduce_problem(src, dst, (64, 16, 8), (8, 2, 4))
+    b = reduce_problem(src, dst, (32, 16, 8), (4, 2, 4))
+    assert a.kept == b.kept == (1, 2)
+    assert (a.src, a.dst, a.shape, a.mesh_shape) == (b.src, b.dst, b.shape, b.mesh_shape)
+    assert a.shape == (8, 16, 8) and a.src == Layout(((), (0,), ())) and a.dst == Layout(((), (), (1,)), (0,))
+
+
 def _fallback_time(src, dst, shape, mesh_shape, comm):
     steps = [Step("all_reduce", a) for a in src.partial]
     for d, axes in enumerate(src.dims):

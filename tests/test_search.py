@@ -211,3 +211,39 @@ def test_a_time_limit_with_no_plan_found_is_a_clear_error(monkeypatch):
         search(g, cluster, _base(cluster), pins, time_limit=60)
     n = len(list(configurations(g, cluster, _base(cluster), pins)))
     assert n > 1 and f"on {n} of {n} configurations" in str(ei.value), str(ei.value)
+
+
+def test_stage_sub_mesh_reuses_the_whole_mesh_reshard_searches(monkeypatch):
+    """A pipeline stage's sub-mesh (dp / pp x the same model axes) at m micro-batches asks the
+    reshard problems the whole mesh asked at m / pp (the same per-rank blocks once the shared data
+    axis is left out: autopar/pricing/reshard.py ``reduce_problem``). They are answered from the
+    shared memo without a search (all but tensors the data axis does not split on both sides,
+    whose per-rank blocks differ), and the matrices equal a pricing from scratch."""
+    import autopar.pricing.edge_price as E
+    import autopar.pricing.price as PR
+    from autopar.mesh import Mesh
+    from autopar.search.pipeline_pins import stage_cluster
+
+    model, inputs = ZOO["gpt2"]()
+    g = trace(model, inputs)
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=4)
+    whole, sub_cluster = Mesh((4, 2, 4), ("dp", "tp", "tp2"), 8), stage_cluster(cluster, 2)
+    sub = Mesh((2, 2, 4), ("dp", "tp", "tp2"), 8)
+    searched = []
+    real = E._plan_cached
+    monkeypatch.setattr(E, "_plan_cached", lambda *a: searched.append(a) or real(*a))
+    monkeypatch.setattr(PR, "_SHARED", {})
+    price(candidates(g, whole), cluster, Settings(num_micro_batches=1), edges=True)
+    n_whole = len(searched)
+    searched.clear()
+    reused = price(candidates(g, sub), sub_cluster, Settings(num_micro_batches=2), edges=True)
+    n_reused = len(searched)
+    searched.clear()
+    monkeypatch.setattr(PR, "_SHARED", {})
+    fresh = price(candidates(g, sub), sub_cluster, Settings(num_micro_batches=2), edges=True)
+    assert n_whole and n_reused * 10 < len(searched), (n_whole, n_reused, len(searched))
+    assert reused.edges.keys() == fresh.edges.keys() and reused.edges
+    for k in fresh.edges:
+        assert (reused.edges[k] == fresh.edges[k]).all(), k
+        for a, b in zip(reused.edge_bytes[k], fresh.edge_bytes[k]):
+            assert (a == b).all(), k

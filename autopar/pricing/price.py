@@ -157,6 +157,13 @@ class MemoComm:
         self.comm = comm
         self.memo: dict = {}
         self.reshard: dict = {}   # (src, dst, local shape, itemsize) -> traffic list or None
+        # how each mesh axis sits on the nodes (all a collective's price depends on besides the
+        # cluster's links), and the reshard traffic shared by every mesh of clusters with these
+        # links (autopar/pricing/edge_price.py ``reshard_traffic``)
+        mesh = comm.mesh
+        self.axes = tuple((p.size, p.intra, p.inter) for p in map(mesh.placement, range(mesh.ndim)))
+        self.shared = shared_reshards(comm.cluster)
+        self.kept_axes: dict = {}   # kept axes -> (them, their placements): part of a shared key
 
     def __call__(self, kind: str, nbytes: float, axis: int) -> float:
         k = (kind, nbytes, axis)
@@ -166,6 +173,20 @@ class MemoComm:
         return t
 
     __hash__ = object.__hash__
+
+
+_SHARED: dict = {}   # link family -> reshard traffic (``shared_reshards``)
+SHARED_MAX = 1 << 20   # entries per family before it starts over (a long-lived process planning many models)
+
+
+def shared_reshards(cluster: Cluster) -> dict:
+    """The reshard traffic memo of every cluster with ``cluster``'s device, links and calibration
+    (the node count aside: a pipeline stage's cluster shares the whole cluster's)."""
+    family = dataclasses.replace(cluster, nodes=1)
+    memo = _SHARED.setdefault(family, {})
+    if len(memo) > SHARED_MAX:
+        memo.clear()
+    return memo
 
 
 def mesh_comm(c: Candidates, cluster: Cluster) -> MemoComm:

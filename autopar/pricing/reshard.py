@@ -18,9 +18,21 @@ pricing each collective with the shared ``comm(kind, nbytes, axis) -> seconds`` 
 (nbytes: per rank, the larger buffer involved). Times are forward only; the backward of each
 step is its conjugate and moves the same bytes, the caller adds it. Results are memoised, the
 ILP builder asks for thousands of (src, dst) pairs.
+
+The search runs on the axes the reshard can need (``reduce_problem``): an axis that source and
+destination place alike is left where it is. That is an axis neither uses, one both are partial
+over, or one in the common leading splits of a dim (the data axis of every activation: the
+batch split over it on both sides). Moving such an axis only to put it back costs a collective
+and enlarges what the other steps move (comm grows with bytes), so no cheapest path does it.
+Without them the problem is the same on every mesh whose remaining axes sit alike on the nodes,
+whatever the data-parallel degree: autopar/pricing/edge_price.py shares the answers across the
+meshes and micro-batch counts of one planning (a pipeline stage's sub-mesh at m micro-batches
+asks what the whole mesh asked at m / pp), and codegen, calling ``plan_reshard``, runs the same
+reduced search, so the path executed is the path priced.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -130,6 +142,84 @@ def _checked(layout: Layout, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
     _validate(layout, shape, mesh_shape, what)
 
 
+@dataclass(frozen=True)
+class Reduced:
+    """A reshard problem on the axes it can need (module doc): ``kept`` are the original indices
+    of the remaining mesh axes, renumbered 0.. in ``src``, ``dst`` and ``mesh_shape``; ``shape``
+    is the tensor divided by the leading splits both sides share."""
+    kept: tuple[int, ...]
+    src: Layout
+    dst: Layout
+    shape: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+
+
+def reduce_problem(src: Layout, dst: Layout, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Reduced:
+    """``src`` -> ``dst`` without the axes both place alike (module doc). Layouts must be valid."""
+    kept, rsrc, rdst, divisors, rmesh = reduction(src, dst, mesh_shape)
+    if divisors is not None:
+        shape = tuple([x // q for x, q in zip(shape, divisors)])
+    return Reduced(kept, rsrc, rdst, tuple(shape), rmesh)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def reduction(src: Layout, dst: Layout, mesh_shape: tuple[int, ...]):
+    """What ``reduce_problem`` does to a (src, dst) pair whatever the tensor's shape: (kept axes,
+    reduced src, reduced dst, per-dim divisors of the shape or None, reduced mesh shape)."""
+    used = [False] * len(mesh_shape)
+    for lay in (src, dst):
+        for axes in lay.dims:
+            for a in axes:
+                used[a] = True
+        for a in lay.partial:
+            used[a] = True
+    for a in src.partial:
+        if a in dst.partial:
+            used[a] = False
+    divisors = None
+    for d, s in enumerate(src.dims):
+        t = dst.dims[d]
+        if s and t and s[0] == t[0]:
+            if divisors is None:
+                divisors = [1] * len(src.dims)
+            k, n = 0, min(len(s), len(t))
+            while k < n and s[k] == t[k]:
+                used[s[k]] = False
+                divisors[d] *= mesh_shape[s[k]]
+                k += 1
+    kept = tuple(a for a, u in enumerate(used) if u)
+    if len(kept) == len(mesh_shape):
+        return kept, src, dst, None, tuple(mesh_shape)
+    at = {a: i for i, a in enumerate(kept)}
+
+    def renumber(lay: Layout) -> Layout:
+        return Layout(tuple(tuple([at[a] for a in axes if a in at]) for axes in lay.dims),
+                      tuple(sorted([at[a] for a in lay.partial if a in at])))
+    return (kept, renumber(src), renumber(dst), None if divisors is None else tuple(divisors),
+            tuple(mesh_shape[a] for a in kept))
+
+
+@dataclass(frozen=True)
+class KeptAxes:
+    """``comm`` seen from a reduced problem: its axis i is the original axis ``kept[i]``."""
+    comm: Callable[[str, float, int], float]
+    kept: tuple[int, ...]
+
+    def __call__(self, kind: str, nbytes: float, axis: int) -> float:
+        return self.comm(kind, nbytes, self.kept[axis])
+
+
+def plan_reduced(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
+                 mesh_shape: tuple[int, ...], comm) -> tuple[Reduced, ReshardPlan]:
+    """The reduced problem and its cheapest plan (steps on the reduced axes). Raises ValueError
+    for layouts that do not fit the tensor or the mesh."""
+    _checked(src, shape, mesh_shape, "source")
+    _checked(dst, shape, mesh_shape, "destination")
+    r = reduce_problem(src, dst, shape, mesh_shape)
+    same = len(r.kept) == len(mesh_shape)
+    return r, _plan_cached(r.src, r.dst, r.shape, itemsize, r.mesh_shape, comm if same else KeptAxes(comm, r.kept))
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _plan_cached(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
                  mesh_shape: tuple[int, ...], comm) -> ReshardPlan:
@@ -174,8 +264,11 @@ def plan_reshard(src: Layout, dst: Layout, shape, itemsize: int, mesh_shape,
                  comm: Callable[[str, float, int], float]) -> ReshardPlan:
     """Cheapest step sequence turning ``src`` into ``dst`` (forward seconds). ``comm`` must be
     hashable (a frozen dataclass); results are memoised per argument tuple."""
-    return _plan_cached(src, dst, tuple(int(s) for s in shape), int(itemsize),
-                        tuple(int(m) for m in mesh_shape), comm)
+    r, rp = plan_reduced(src, dst, tuple(int(s) for s in shape), int(itemsize),
+                         tuple(int(m) for m in mesh_shape), comm)
+    if len(r.kept) == len(mesh_shape):
+        return rp
+    return ReshardPlan(tuple(dataclasses.replace(st, axis=r.kept[st.axis]) for st in rp.steps), rp.time)
 
 
 def reshard_cost_matrix(srcs: list[Layout], dsts: list[Layout], shape, itemsize: int, mesh_shape,

@@ -19,6 +19,14 @@ class Layout:
     dims: tuple[tuple[int, ...], ...]
     partial: tuple[int, ...] = ()
 
+    # Layouts key the pricing's caches (reshard plans and traffic per layout pair: hundreds of
+    # thousands of lookups per planning); the generated hash is a Python call per lookup
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.dims, self.partial)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @staticmethod
     def replicated(ndim: int) -> "Layout":
         return Layout(tuple(() for _ in range(ndim)))
