@@ -122,7 +122,7 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
            time_limit: float | None = None, log=None, policy: str | None = None,
            exhaustive: bool = False, progress: bool | None = None, max_zero: int = 3,
            shared_candidates: dict | None = None, cutoff: float | None = None,
-           before_large=None) -> tuple[Result, dict]:
+           before_large=None, cutoff_bubble: float = 0.0) -> tuple[Result, dict]:
     """The best configuration and search statistics. ``exhaustive`` solves every configuration
     (no bound pruning, no time limit: the reference the pruned search must match, used by
     tests); ``progress`` forces the live progress line on or off (default: when stderr is a
@@ -134,6 +134,10 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
     compute, communication and optimizer time its plans spend, gradient communication aside)
     reaches it is not solved, and ``CutOff`` is raised if that leaves no plan (a pipelined
     candidate cannot beat the incumbent with such an inner plan: pipeline_search.py);
+    ``cutoff_bubble`` (b >= 0): the work bound W of a configuration counts (1 + b) times except its
+    optimizer step, bounded by U (each parameter's largest, ``optimizer_ceiling``), i.e. the
+    configuration is cut off when W (1 + b) - b U reaches ``cutoff`` (a pipeline's fill and drain:
+    pipeline_search.py);
     ``before_large(best, lp)``: asked before an ILP on a mesh with two model axes that its bounds
     did not prune, with the best plan so far and that configuration's LP bound; it answers None
     (solve it) or a function ``go(compute_floor)``, called (once) when that ILP does not solve
@@ -195,8 +199,10 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
         for pos, (lower, _, cfg, P) in enumerate(queue):
             stats["configs"] += 1
             hook = ask if before_large is not None and not exhaustive and not asked else None
+            cut_at = None if exhaustive or cutoff is None else \
+                (cutoff + cutoff_bubble * optimizer_ceiling(P)) / (1 + cutoff_bubble)
             best = _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit, exhaustive,
-                          infeasible, memory_floors, log, None if exhaustive else cutoff, hook)
+                          infeasible, memory_floors, log, cut_at, hook)
             bar.update(stats, best)
     finally:
         bar.close()
@@ -230,6 +236,11 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
                 min_peak_bytes=int(math.ceil(floor)), budget_bytes=int(base.budget))   # a budget that fits: up
         raise ConstraintError(_no_config_message(graph, cluster, constraints))
     return best, stats
+
+
+def optimizer_ceiling(P) -> float:
+    """Optimizer seconds no plan of a priced configuration exceeds: each parameter at its largest."""
+    return float(sum(float(a.max()) for a in P.optimizer.values() if len(a)))
 
 
 def compute_floor(cands, P) -> float:
