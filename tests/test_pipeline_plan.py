@@ -244,6 +244,52 @@ def test_inner_cutoff_changes_no_plan(monkeypatch):
     assert with_cut.predictions["step_time"] == without.predictions["step_time"]
 
 
+def test_inner_cutoff_fill_and_drain_changes_no_plan(monkeypatch):
+    """The inner cutoff with the least fill and drain (pipeline_search.py module doc, pruning)
+    gives the plan found with the work bound alone and with no cutoff."""
+    import autopar.search.outer as O
+    import autopar.search.pipeline_search as PS
+    from autopar.models import HF_ZOO
+    model, batch = HF_ZOO["hf_gpt2"]()
+    cluster = autopar.Cluster.preset("cpu", devices=4)
+    seen = []
+    real = O.optimizer_ceiling
+    monkeypatch.setattr(O, "optimizer_ceiling", lambda P: seen.append(real(P)) or seen[-1])
+    with_fd = autopar.plan(model, batch, cluster)
+    assert with_fd.stats["inner_cut_off"] >= 1 and seen and all(u >= 0 for u in seen)
+    monkeypatch.setattr(PS, "INNER_FILL_DRAIN", False)
+    work_only = autopar.plan(model, batch, cluster)
+    monkeypatch.setattr(PS, "INNER_CUTOFF", False)
+    without = autopar.plan(model, batch, cluster)
+    for other in (work_only, without):
+        assert with_fd.degrees == other.degrees
+        assert with_fd.predictions["step_time"] == other.predictions["step_time"]
+
+
+def test_cutoff_bubble_enters_the_cut():
+    """outer.search's ``cutoff_bubble`` b: a configuration is cut off when its work bound W gives
+    W (1 + b) - b U >= cutoff (U: its optimizer ceiling). One pinned configuration whose plan does
+    work W*: a cutoff of 1.5 W* cuts nothing without a bubble (no bound exceeds W*), and with
+    b = 1 it cuts the configuration (its bounds reach 0.75 W* + U / 2)."""
+    from autopar.pricing.price import Settings
+    from autopar.frontend.trace import trace
+    from autopar.search.outer import CutOff, search
+
+    model, batch = ZOO["gpt2"]()
+    g = trace(model, batch)
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=1)
+    pins = {"dp": 8, "tp": 1, "zero": 1, "num_micro_batches": 1}
+    base = Settings(budget=float(cluster.device.memory_bytes))
+    best, _ = search(g, cluster, base, pins)
+    tb = best.prediction["time_breakdown"]
+    work = tb["compute"] + tb["op_comm"] + tb["reshard_comm"] + tb["optimizer"]
+    assert work > 4 * tb["optimizer"]   # U (at most every parameter unsharded) cannot undo the bubble
+    again, _ = search(g, cluster, base, pins, cutoff=1.5 * work)
+    assert again.prediction["step_time"] == best.prediction["step_time"]
+    with pytest.raises(CutOff):
+        search(g, cluster, base, pins, cutoff=1.5 * work, cutoff_bubble=1.0)
+
+
 def _best_bound_first_changes_no_plan(monkeypatch, model, batch, cluster):
     """Forced through (every 2-axis ILP "large", any bound gap enough), the pipelined candidates
     visited before the pp=1 search's 2-axis ILPs and the proofs against their plan

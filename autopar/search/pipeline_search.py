@@ -100,6 +100,7 @@ SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory
 MICRO_FACTORS = (1, 2, 4, 8, 16)   # module doc, step 2
 MEGATRON_MBS = (1, 2)
 INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it changes no plan)
+INNER_FILL_DRAIN = True   # ... with the least fill and drain in it (idem)
 BEST_BOUND_FIRST = True   # module doc, pruning: pipelined candidates before pp=1's large ILPs (idem)
 PIPELINED_FIRST_GAP = 0.9   # ... when their best bound is below this fraction of that ILP's LP bound
 FORK_WORKERS = True   # module doc, workers: candidates in forked processes (tests compare it switched off)
@@ -325,7 +326,7 @@ class _Pipelined:
         if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it
             # with the least fill and drain of any schedule sharing this inner search (module doc)
             v = max(virtual_stages(s) for s in SCHEDULES)
-            kw_left = dict(kw_left, cutoff=best_time * p, cutoff_bubble=(p - 1) / (m * v))
+            kw_left = dict(kw_left, cutoff=best_time * p, cutoff_bubble=(p - 1) / (m * v) if INNER_FILL_DRAIN else 0.0)
         try:
             return ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search, **kw_left))
         except MemoryBudgetError as e:
