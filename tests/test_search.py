@@ -247,3 +247,60 @@ def test_stage_sub_mesh_reuses_the_whole_mesh_reshard_searches(monkeypatch):
         assert (reused.edges[k] == fresh.edges[k]).all(), k
         for a, b in zip(reused.edge_bytes[k], fresh.edge_bytes[k]):
             assert (a == b).all(), k
+
+
+def test_zero2_relaxation_is_at_most_zero1s(case):
+    """outer._visit does not solve ZeRO-2's LP bound when ZeRO-1's on the same mesh and micro-batch
+    count is below the target: the two bound problems have the same costs (gradient communication
+    free: all that differs between the stages' prices) and ZeRO-2's memory rows are looser."""
+    g, cluster, cons = case
+    from autopar.search.configurations import check_constraints
+    cache, lps = {}, {}
+    for cfg in configurations(g, cluster, _base(cluster), check_constraints(cons)):
+        if cfg.settings.zero not in (1, 2):
+            continue
+        c = cache.setdefault(cfg.mesh, candidates(g, cfg.mesh))
+        P = price(c, cluster, cfg.settings, edges=True)
+        relaxed = bound_problem(build_problem(c, P, cfg.settings), P)
+        lps[cfg.mesh, cfg.settings.num_micro_batches, cfg.settings.zero] = relaxation_bound(relaxed)
+    pairs = [(v, lps[k[:2] + (1,)]) for k, v in lps.items() if k[2] == 2 and k[:2] + (1,) in lps]
+    assert pairs or (cons or {}).get("zero") == 1
+    for lp2, lp1 in pairs:
+        assert lp2 <= lp1 * (1 + 1e-9) + 1e-15
+
+
+def test_search_skips_floors_where_the_matrices_are_priced(monkeypatch):
+    """Where another ZeRO stage priced a configuration's resharding matrices, the search skips the
+    floors (its exact bounds use the matrices); the plan is the exhaustive search's."""
+    import autopar.search.outer as O
+    model, inputs = ZOO["gpt2"](n_layer=3, batch=8)
+    g = trace(model, inputs)
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=1)
+    floors_on_priced = []
+    real = O._pruned_by_floors
+    monkeypatch.setattr(O, "_pruned_by_floors", lambda cfg, P, cands, cl, *a: floors_on_priced.append(
+        O.edges_priced(cands, cl, cfg.settings)) or real(cfg, P, cands, cl, *a))
+    best, stats = search(g, cluster, _base(cluster), {})
+    assert not any(floors_on_priced) and floors_on_priced
+    ref, _ = search(g, cluster, _base(cluster), {}, exhaustive=True)
+    assert best.prediction["step_time"] <= ref.prediction["step_time"] * (1 + MIP_GAP)
+
+
+@pytest.mark.slow
+def test_zero2_reuses_zero1s_lp_and_plans_the_same(monkeypatch):
+    """Under memory pressure (a GPT 18.4B shape cut to two layers, a tenth of the memory, tp=8 on
+    32 DGX nodes) ZeRO-2 configurations reuse ZeRO-1's LP bound (outer.REUSE_ZERO1_LP) and the
+    plan is the one found solving every LP."""
+    import autopar.search.outer as O
+    from benchmarks.bench_planning import GPT_18_4B, _factory
+    model, inputs = _factory("gpt2")(**dict(GPT_18_4B, n_layer=2))
+    g = trace(model, inputs)
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=32)
+    base = Settings(budget=0.1 * cluster.device.memory_bytes)
+    best, stats = search(g, cluster, base, {"tp": 8})
+    assert stats.get("lp_reused", 0) >= 1, stats
+    monkeypatch.setattr(O, "REUSE_ZERO1_LP", False)
+    ref, ref_stats = search(g, cluster, base, {"tp": 8})
+    assert "lp_reused" not in ref_stats and ref_stats["lp_bounds"] > stats["lp_bounds"]
+    assert best.config == ref.config
+    assert best.prediction["step_time"] == ref.prediction["step_time"]

@@ -148,6 +148,11 @@ def price_edges(c: Candidates, cluster: Cluster, s: Settings, P: Priced) -> None
     P.edges, P.edge_bytes, P.edge_fwd, P.edge_fwd_bytes = c.edge_cache[key]
 
 
+def edges_priced(c: Candidates, cluster: Cluster, s: Settings) -> bool:
+    """Whether ``price_edges`` for ``s`` is a cache lookup (another ZeRO stage priced them)."""
+    return (cluster, s.num_micro_batches, s.precision) in c.edge_cache
+
+
 class MemoComm:
     """``Collectives`` with its answers memoised: the same (kind, bytes, axis) is asked
     thousands of times while pricing one mesh (resharding searches, every micro-batch count).

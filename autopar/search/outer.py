@@ -26,7 +26,7 @@ from autopar.search.configurations import (Config, _micro_batch_error, allowed_m
 from autopar.search.build import bound_problem, build_problem, chosen, work_problem
 from autopar.rules.candidates import Candidates, candidates
 from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
-from autopar.pricing.price import Settings, price, price_edges
+from autopar.pricing.price import Settings, edges_priced, price, price_edges
 from autopar.pricing.saved_copies import copy_bytes, row_extra, with_copy_terms
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
@@ -35,6 +35,9 @@ from autopar.frontend.trace import TracedGraph
 from solver.ilp import memory_floor_exceeds_budget, min_peak_solution, mip_reaches, relaxation_bound, solve
 from solver.tree_bound import tree_lower_bound
 
+# ZeRO-2's LP bound not solved where ZeRO-1's (at least as high) is below the target (_visit;
+# tests switch it off to check it changes no plan)
+REUSE_ZERO1_LP = True
 # Relative optimality gap at which each configuration's ILP stops: plans within 0.1% of the
 # optimum of one configuration; the reported gap says what was reached.
 MIP_GAP = 1e-3
@@ -279,8 +282,10 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
         stats["infeasible"] += 1
         memory_floors.append((cfg, P))
         return best
-    if not exhaustive and (best is not None or cutoff is not None) and _pruned_by_floors(
-            cfg, P, cands, cluster, best, remaining, cutoff):
+    # (the floors only where the matrices are not priced yet: where they are, the bounds below
+    # use them, and a floor prunes nothing they do not)
+    if not exhaustive and (best is not None or cutoff is not None) and not edges_priced(
+            cands, cluster, cfg.settings) and _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff):
         stats["pruned"] += 1
         stats["pruned_unpriced"] = stats.get("pruned_unpriced", 0) + 1
         if best is None:   # no plan to beat: it was the cutoff that settled it
@@ -312,10 +317,21 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
             return best
         if cut(tree):
             return best
+        # ZeRO-2's bound problem is ZeRO-1's (the same costs with gradient communication free:
+        # they differ only there, autopar/pricing/price.py) with less memory, so its LP is at
+        # most ZeRO-1's: when that is below the target, so is this one, and it is not solved
+        lp_key = (cluster, cfg.settings.num_micro_batches, cfg.settings.precision, base.budget)
+        zero1_lp = cands.__dict__.setdefault("_zero1_lp", {})
         try:   # only whether it reaches the target matters
-            lp = relaxation_bound(relaxed, time_limit=remaining,
-                                  cutoff=None if work_target == math.inf else work_target)
-            stats["lp_bounds"] = stats.get("lp_bounds", 0) + 1
+            if REUSE_ZERO1_LP and cfg.settings.zero == 2 and zero1_lp.get(lp_key, math.inf) < work_target:
+                lp = zero1_lp[lp_key]   # an upper bound of this LP: used below as an estimate only
+                stats["lp_reused"] = stats.get("lp_reused", 0) + 1
+            else:
+                lp = relaxation_bound(relaxed, time_limit=remaining,
+                                      cutoff=None if work_target == math.inf else work_target)
+                stats["lp_bounds"] = stats.get("lp_bounds", 0) + 1
+                if cfg.settings.zero == 1 and lp < work_target:   # solved to the end: exact
+                    zero1_lp[lp_key] = lp
         except PlanError:
             if remaining is None:
                 raise
