@@ -69,7 +69,7 @@ def test_bounds_are_below_every_configurations_plan(case):
         assert edge_bound <= step * (1 + 1e-9), (cfg.mesh.describe(), cfg.settings)
         # the resharding floors (autopar/pricing/edge_floor.py) bound the priced matrices entry by
         # entry, so the bounds built on them are below the priced ones and below the plan
-        F = with_edge_floors(P, c, cluster, cfg.settings.num_micro_batches)
+        F = with_edge_floors(P, c, cluster, cfg.settings)
         for k, floor in F.edges.items():
             assert np.all(floor <= P.edges[k] * (1 + 1e-9) + 1e-15), (cfg.mesh.describe(), k)
         assert node_bound <= step_time_lower_bound(F, edges=True) * (1 + 1e-12) + 1e-15
@@ -102,7 +102,7 @@ def test_floors_prune_the_two_axis_mesh_unpriced():
     assert edge_pairs(c, cluster) >= FLOOR_LP_PAIRS
     s = Settings(budget=float(cluster.device.memory_bytes))
     P = price(c, cluster, s, edges=False)
-    assert step_time_lower_bound(with_edge_floors(P, c, cluster, 1), edges=True) > 1.05 * step_time_lower_bound(P)
+    assert step_time_lower_bound(with_edge_floors(P, c, cluster, s), edges=True) > 1.05 * step_time_lower_bound(P)
 
 
 def test_candidates_shared_across_nodes_and_meshes_equal_a_fresh_enumeration(case):
@@ -304,3 +304,29 @@ def test_zero2_reuses_zero1s_lp_and_plans_the_same(monkeypatch):
     assert "lp_reused" not in ref_stats and ref_stats["lp_bounds"] > stats["lp_bounds"]
     assert best.config == ref.config
     assert best.prediction["step_time"] == ref.prediction["step_time"]
+
+
+@pytest.mark.parametrize("preset,kw", [("cpu", dict(devices=4)), ("dgx-a100", dict(nodes=2)), ("dgx-h100", dict(nodes=2))])
+def test_least_collective_price_on_at_least_some_bytes(preset, kw):
+    """edge_floor._least_from(nbytes, axis) is no more than any collective on that axis costs on
+    nbytes or more (checked on a dense grid of sizes: the published and calibrated curves are not
+    monotone everywhere), and 0 on an axis spanning nodes."""
+    from autopar.pricing.edge_floor import COLLECTIVES, _least_from
+    from autopar.pricing.price import mesh_comm
+
+    cluster = autopar.Cluster.preset(preset, **kw)
+    mesh = next(m for m in cluster.meshes() if len(m.model_axes()) == 2)
+    comm = mesh_comm(candidates(trace(*ZOO["mlp"]()), mesh), cluster)
+    least = _least_from(comm, cluster, mesh)
+    grid = np.geomspace(1.0, 2.0**36, 900)
+    for axis in range(mesh.ndim):
+        p = mesh.placement(axis)
+        prices = np.array([min(comm(k, float(x), axis) for k in COLLECTIVES) for x in grid])
+        after = np.minimum.accumulate(prices[::-1])[::-1]   # the least at each size or above
+        for x, floor in zip(grid[::7], after[::7]):
+            got = least(float(x), axis)
+            assert got <= floor * (1 + 1e-12), (axis, x, got, floor)
+            if p.inter > 1:
+                assert got == 0.0
+        if p.inter <= 1 and p.size > 1:
+            assert least(2.0**20, axis) > 0.0

@@ -7,15 +7,17 @@ those matrices only for configurations its bounds cannot prune, so it first asks
 floor: per (producer strategy, consumer strategy) pair,
 
     sum over the mesh axes a of the fewest collectives any path runs on a (``collectives_needed``)
-    times the cheapest collective's latency floor on a,
+    times the least any collective on a costs on the smallest block a path can move,
 
-times the number of micro-batches and of edge instances. It is a lower bound of the priced
-entry: an axis that is used changes place only through a collective on that axis (all-reduce,
-reduce-scatter, all-gather, all-to-all; the free moves, slice and partial, only take unused
-axes, autopar/pricing/reshard.py; autopar/pricing/conjugates.py gives each step's backward),
-every micro-batch reshards again, and a collective on any number of bytes costs at least its
-latency terms (``latency_floor``). The floors depend on the mesh only, so they are computed once
-per (candidates, cluster) and scaled by the micro-batch count.
+times the number of micro-batches and of edge instances (``bandwidth_floors``). It is a lower
+bound of the priced entry: an axis that is used changes place only through a collective on that
+axis (all-reduce, reduce-scatter, all-gather, all-to-all; the free moves, slice and partial, only
+take unused axes, autopar/pricing/reshard.py; autopar/pricing/conjugates.py gives each step's
+backward), every micro-batch reshards again, a block is never split over more axes than the
+source or the destination splits it over, and a collective costs at least its latency terms
+(``latency_floor``) and at least what the least-cost message of that many bytes or more costs
+(``_least_from``). With the bandwidth term (2026-11-27; the latency terms alone before) the
+floors prune GPT 18.4B's (tp=8, 256 A100s) pp=1 configurations that used to be priced first.
 """
 from __future__ import annotations
 
@@ -62,43 +64,97 @@ def collectives_needed(src: np.ndarray, dst: np.ndarray, grad: bool) -> np.ndarr
     return leaves.astype(np.float64) + (lands.astype(np.float64) if grad else 0.0)
 
 
-def edge_floors(c, cluster) -> dict:
-    """(producer rep, consumer rep) -> [S, T] floor seconds for ONE micro-batch, all edge
-    instances (module doc). Cached on ``c`` per cluster."""
-    return _floors_and_pairs(c, cluster)[0]
-
-
-def _floors_and_pairs(c, cluster) -> tuple[dict, int]:
-    """(``edge_floors``, how many strategy pairs its edges have), one cache entry per cluster."""
-    key = ("floors", cluster)
-    if key in c.edge_cache:
-        return c.edge_cache[key][1]
-    comm = mesh_comm(c, cluster)
-    naxes = len(c.mesh.shape)
-    floor = np.array([latency_floor(comm, a) for a in range(naxes)])
-    out: dict = {}
-    pairs = 0
-    for n, prod, info, i, pname, shape, _, _ in edge_groups(c):
-        srcs, dsts = edge_layouts(prod, info, i, len(shape))
-        pairs += len(srcs) * len(dsts)
-        mat = n * (collectives_needed(_places(srcs, naxes), _places(dsts, naxes), pname in c.needs_grad) @ floor)
-        if not mat.any():
-            continue
-        k = (prod.rep, info.rep)
-        out[k] = out[k] + mat if k in out else mat
-    c.edge_cache[key] = (cluster, (out, pairs))
-    return out, pairs
-
-
 def edge_pairs(c, cluster) -> int:
     """How many (producer strategy, consumer strategy) pairs pricing ``c``'s edges visits: what
-    ``price_edges`` costs, roughly (tens of microseconds a distinct pair)."""
-    return _floors_and_pairs(c, cluster)[1]
+    ``price_edges`` costs, roughly (tens of microseconds a distinct pair). Cached on ``c``."""
+    key = ("edge pairs", cluster)
+    if key not in c.edge_cache:
+        pairs = 0
+        for _, prod, info, i, _, shape, _, _ in edge_groups(c):
+            srcs, dsts = edge_layouts(prod, info, i, len(shape))
+            pairs += len(srcs) * len(dsts)
+        c.edge_cache[key] = (cluster, pairs)
+    return c.edge_cache[key][1]
 
 
-def with_edge_floors(P: Priced, c, cluster, num_micro_batches: int) -> Priced:
-    """A shallow copy of ``P`` whose resharding matrices are the floors (for
-    ``predict.step_time_lower_bound(..., edges=True)``): a bound no priced plan beats."""
+def with_edge_floors(P: Priced, c, cluster, settings) -> Priced:
+    """A shallow copy of ``P`` whose resharding matrices are the floors under ``settings`` (their
+    micro-batch count and precision; for ``predict.step_time_lower_bound(..., edges=True)``): a
+    bound no priced plan beats."""
     import dataclasses
-    floors = edge_floors(c, cluster)
-    return dataclasses.replace(P, edges={k: num_micro_batches * m for k, m in floors.items()})
+    return dataclasses.replace(P, edges=bandwidth_floors(c, cluster, settings.num_micro_batches, settings.precision))
+
+
+def _least_from(comm, cluster, mesh):
+    """``least(nbytes, axis)``: the least seconds any collective on ``axis`` takes on ``nbytes`` or
+    more. Alpha-beta rings grow with the bytes: their price at ``nbytes``. A measured curve
+    (autopar/pricing/cost.py ``_curve``) is log-log interpolated, so between two of its sizes a
+    collective's time is a power of the bytes, monotone: the least is at ``nbytes`` or at one of
+    the curves' sizes above it (all of the link's sizes are tried, a superset). An axis whose
+    groups span nodes adds terms of other sizes: only its latency floor (0 here)."""
+    import bisect
+
+    from autopar.pricing.cost import profile_of
+
+    cal = profile_of(cluster)
+    sizes = [] if cal is None else sorted({x for _, _, table in cal.intra.curves for x, _ in table})
+    suffix: dict = {}
+
+    def least(nbytes: float, axis: int) -> float:
+        p = mesh.placement(axis)
+        if p.size <= 1:
+            return 0.0
+        if cal is not None and p.inter > 1:
+            return 0.0
+        here = min(float(comm(k, nbytes, axis)) for k in COLLECTIVES)
+        if not sizes:
+            return here
+        if axis not in suffix:   # the least over each curve size and all larger ones
+            at = [min(float(comm(k, x, axis)) for k in COLLECTIVES) for x in sizes]
+            suffix[axis] = list(np.minimum.accumulate(at[::-1]))[::-1]
+        i = bisect.bisect_left(sizes, nbytes)
+        return here if i == len(sizes) else min(here, suffix[axis][i])
+    return least
+
+
+def _split_masks(layouts: list[Layout]) -> np.ndarray:
+    """Each layout's split axes (not partial) as a bit mask."""
+    return np.array([sum(1 << a for axes in lay.dims for a in axes) for lay in layouts], dtype=np.int64)
+
+
+def bandwidth_floors(c, cluster, nm: int, precision: str) -> dict:
+    """(producer rep, consumer rep) -> [S, T] floor seconds for ``nm`` micro-batches, all edge
+    instances: ``edge_floors``' collectives, each at least what the smallest message it can move
+    costs. Any block a path holds is the tensor (one micro-batch) split at most by the axes source
+    or destination split it over (moves only put axes where the destination wants them), so a
+    collective moves at least that block's bytes; ``_least_from`` gives the least a collective on
+    that many bytes or more costs."""
+    key = ("bandwidth floors", cluster, nm, precision)
+    if key in c.edge_cache:
+        return c.edge_cache[key][1]
+    from autopar.pricing.local_bytes import runtime_itemsize
+
+    comm = mesh_comm(c, cluster)
+    shape_m = c.mesh.shape
+    naxes = len(shape_m)
+    masks = np.arange(1 << naxes)
+    split = np.array([np.prod([shape_m[a] for a in range(naxes) if m >> a & 1]) for m in masks], dtype=np.float64)
+    lat = np.array([latency_floor(comm, a) for a in range(naxes)])
+    least = _least_from(comm, cluster, c.mesh)
+    out: dict = {}
+    for n, prod, info, i, pname, shape, dtype, bdim in edge_groups(c):
+        srcs, dsts = edge_layouts(prod, info, i, len(shape))
+        need = collectives_needed(_places(srcs, naxes), _places(dsts, naxes), pname in c.needs_grad)
+        if not need.any():
+            continue
+        numel = float(np.prod(shape))
+        if bdim is not None and shape[bdim] % nm == 0:
+            numel /= nm
+        nbytes = numel * runtime_itemsize(dtype, precision) / split   # per union mask
+        per = np.array([[max(lat[a], least(b, a)) for b in nbytes] for a in range(naxes)])   # [axes, masks]
+        union = _split_masks(srcs)[:, None] | _split_masks(dsts)[None, :]
+        mat = n * nm * np.einsum("sta,ast->st", need, per[:, union])
+        k = (prod.rep, info.rep)
+        out[k] = out[k] + mat if k in out else mat
+    c.edge_cache[key] = (cluster, out)
+    return out

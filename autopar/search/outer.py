@@ -470,8 +470,7 @@ def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None) -> b
     above the best plan: first the per-node bound, then the spanning-tree bound over the floors
     (solver/tree_bound.py), then, where pricing the edges would be costly (``FLOOR_LP_PAIRS``),
     the LP relaxation over the floors. Either way no edge is priced."""
-    nm = cfg.settings.num_micro_batches
-    F = with_edge_floors(P, cands, cluster, nm)
+    F = with_edge_floors(P, cands, cluster, cfg.settings)
     target = math.inf if best is None else best.prediction["step_time"]
     if best is not None and step_time_lower_bound(F, edges=True) >= target:
         return True
