@@ -124,37 +124,60 @@ def _split_masks(layouts: list[Layout]) -> np.ndarray:
 
 def bandwidth_floors(c, cluster, nm: int, precision: str) -> dict:
     """(producer rep, consumer rep) -> [S, T] floor seconds for ``nm`` micro-batches, all edge
-    instances: ``edge_floors``' collectives, each at least what the smallest message it can move
-    costs. Any block a path holds is the tensor (one micro-batch) split at most by the axes source
-    or destination split it over (moves only put axes where the destination wants them), so a
-    collective moves at least that block's bytes; ``_least_from`` gives the least a collective on
-    that many bytes or more costs."""
+    instances (module doc): each collective a pair needs at least what the least-cost collective
+    on the smallest block a path can hold costs. Any block a path holds is the tensor (one
+    micro-batch) split at most by the axes source or destination split it over (moves only put
+    axes where the destination wants them), so a collective moves at least that block's bytes;
+    ``_least_from`` gives the least a collective on that many bytes or more costs."""
     key = ("bandwidth floors", cluster, nm, precision)
     if key in c.edge_cache:
         return c.edge_cache[key][1]
     from autopar.pricing.local_bytes import runtime_itemsize
 
-    comm = mesh_comm(c, cluster)
-    shape_m = c.mesh.shape
-    naxes = len(shape_m)
-    masks = np.arange(1 << naxes)
-    split = np.array([np.prod([shape_m[a] for a in range(naxes) if m >> a & 1]) for m in masks], dtype=np.float64)
-    lat = np.array([latency_floor(comm, a) for a in range(naxes)])
-    least = _least_from(comm, cluster, c.mesh)
+    split, lat, least, groups = _floor_parts(c, cluster)
+    naxes = len(lat)
     out: dict = {}
-    for n, prod, info, i, pname, shape, dtype, bdim in edge_groups(c):
-        srcs, dsts = edge_layouts(prod, info, i, len(shape))
-        need = collectives_needed(_places(srcs, naxes), _places(dsts, naxes), pname in c.needs_grad)
-        if not need.any():
-            continue
+    for n, k, need, union, shape, dtype, bdim in groups:
         numel = float(np.prod(shape))
         if bdim is not None and shape[bdim] % nm == 0:
             numel /= nm
         nbytes = numel * runtime_itemsize(dtype, precision) / split   # per union mask
         per = np.array([[max(lat[a], least(b, a)) for b in nbytes] for a in range(naxes)])   # [axes, masks]
-        union = _split_masks(srcs)[:, None] | _split_masks(dsts)[None, :]
         mat = n * nm * np.einsum("sta,ast->st", need, per[:, union])
-        k = (prod.rep, info.rep)
         out[k] = out[k] + mat if k in out else mat
     c.edge_cache[key] = (cluster, out)
     return out
+
+
+def _floor_parts(c, cluster):
+    """What ``bandwidth_floors`` needs whatever the micro-batches and precision, once per
+    (candidates, cluster): each union mask's split factor, each axis' latency floor, the least
+    price on some bytes (memoised), and per edge group (instances, key, collectives needed, union
+    masks [S, T], shape, dtype, batch dim)."""
+    key = ("floor parts", cluster)
+    if key in c.edge_cache:
+        return c.edge_cache[key][1]
+    comm = mesh_comm(c, cluster)
+    shape_m = c.mesh.shape
+    naxes = len(shape_m)
+    split = np.array([np.prod([shape_m[a] for a in range(naxes) if m >> a & 1]) for m in range(1 << naxes)],
+                     dtype=np.float64)
+    lat = np.array([latency_floor(comm, a) for a in range(naxes)])
+    raw = _least_from(comm, cluster, c.mesh)
+    memo: dict = {}
+
+    def least(nbytes: float, axis: int) -> float:
+        got = memo.get((nbytes, axis))
+        if got is None:
+            got = memo[nbytes, axis] = raw(nbytes, axis)
+        return got
+    groups = []
+    for n, prod, info, i, pname, shape, dtype, bdim in edge_groups(c):
+        srcs, dsts = edge_layouts(prod, info, i, len(shape))
+        need = collectives_needed(_places(srcs, naxes), _places(dsts, naxes), pname in c.needs_grad)
+        if need.any():
+            union = _split_masks(srcs)[:, None] | _split_masks(dsts)[None, :]
+            groups.append((n, (prod.rep, info.rep), need, union, shape, dtype, bdim))
+    parts = (split, lat, least, groups)
+    c.edge_cache[key] = (cluster, parts)
+    return parts
