@@ -18,7 +18,7 @@ from autopar.pricing.conjugates import Traffic, step_traffic
 from autopar.pricing.cost import exposed_comm_arrays, profile_of
 from autopar.pricing.local_bytes import runtime_itemsize
 from autopar.pricing.regather import consumer_keeps_shard
-from autopar.pricing.reshard import KeptAxes, _checked, _plan_cached, reduction
+from autopar.pricing.reshard import _checked, plan_reduced, reduction
 from autopar.rules.candidates import Candidates, NodeInfo
 from autopar.rules.layout import Layout
 from autopar.rules.strategy import Strategy
@@ -162,8 +162,8 @@ def reshard_traffic(src, dst, shape, itemsize, mesh: Mesh, comm):
     sub-mesh at m micro-batches reuses what the whole mesh priced at m / pp (GPT 18.4B, tp=8 on
     256 A100s: two thirds of the pipelined candidates' pricing was these searches)."""
     try:
-        # reshard.plan_reduced without plan_reshard's argument conversion: these are an int
-        # tuple, an int (runtime_itemsize) and a Mesh's shape tuple already
+        # plan_reshard's checks without its argument conversion: these are an int tuple, an int
+        # (runtime_itemsize) and a Mesh's shape tuple already
         _checked(src, shape, mesh.shape, "source")
         _checked(dst, shape, mesh.shape, "destination")
     except ValueError:
@@ -183,10 +183,9 @@ def reshard_traffic(src, dst, shape, itemsize, mesh: Mesh, comm):
         got = shared.get(key)
         if got is not None:
             return got
-    same = len(kept) == len(mesh.shape)
-    rp = _plan_cached(rsrc, rdst, rshape, itemsize, rmesh, comm if same else KeptAxes(comm, kept))
+    _, rp = plan_reduced(src, dst, shape, itemsize, mesh.shape, comm)
     traffic = step_traffic(rp.steps, rsrc, rshape, itemsize, rmesh)
-    if not same:
+    if len(kept) < len(mesh.shape):   # back to the mesh's axes
         traffic = [Traffic(kept[t.axis], t.forward, t.backward, t.nbytes) for t in traffic]
     if key is not None:
         shared[key] = traffic
