@@ -316,3 +316,30 @@ def test_costs_obey_the_triangle_inequality():
     via = (m[:, :, None] + m[None, :, :]).min(axis=1)
     assert np.all(m <= via * (1 + 1e-9) + 1e-15)
     assert np.all(np.isfinite(m)) and np.all(np.diag(m) == 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_case(), st.booleans(), st.booleans())
+def test_pair_floor_is_below_the_reshard(case, per_axis, grad):
+    """autopar/pricing/edge_floor.py ``pair_floors``: for any layout pair, the floor (each needed
+    collective at the least a collective that can act on its axis costs on its least bytes) is
+    no more than the cheapest reshard's forward and backward seconds."""
+    from autopar.pricing.conjugates import step_traffic
+    from autopar.pricing.edge_floor import _places, _split_masks, collectives_needed, latency_floor, pair_floors
+
+    mesh_shape, shape, src, dst = case
+    comm = (AxisComm if per_axis else ToyComm)(mesh_shape)
+    plan = plan_reshard(src, dst, shape, 4, mesh_shape, comm)
+    exact = 0.0
+    for tr in step_traffic(plan.steps, src, shape, 4, mesh_shape):
+        for kind in (tr.forward, tr.backward if grad else None):
+            if kind:
+                exact += comm(kind, tr.nbytes, tr.axis)
+    n = len(mesh_shape)
+    need = collectives_needed(_places([src], n), _places([dst], n), grad)
+    union = _split_masks([src])[:, None] | _split_masks([dst])[None, :]
+    lands = ((_split_masks([dst])[:, None] >> np.arange(n)[None, :]) & 1).astype(bool)[None, :, :]
+    lat = [latency_floor(comm, a) for a in range(n)]
+    floor = pair_floors(need, union, lands, 4.0 * math.prod(shape), mesh_shape, lat,
+                        lambda b, a, kinds: min(comm(k, b, a) for k in kinds))
+    assert floor[0, 0] <= exact * (1 + 1e-9) + 1e-15, (src, dst, plan.describe(), floor[0, 0], exact)

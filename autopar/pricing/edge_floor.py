@@ -7,19 +7,25 @@ those matrices only for configurations its bounds cannot prune, so it first asks
 floor: per (producer strategy, consumer strategy) pair,
 
     sum over the mesh axes a of the fewest collectives any path runs on a (``collectives_needed``)
-    times the least any collective on a costs on the smallest block a path can move,
+    times the least a collective that can act on a costs on the fewest bytes it can move,
 
 times the number of micro-batches and of edge instances (``bandwidth_floors``). It is a lower
 bound of the priced entry: an axis that is used changes place only through a collective on that
 axis (all-reduce, reduce-scatter, all-gather, all-to-all; the free moves, slice and partial, only
 take unused axes, autopar/pricing/reshard.py; autopar/pricing/conjugates.py gives each step's
 backward), every micro-batch reshards again, a block is never split over more axes than the
-source or the destination splits it over, and a collective costs at least its latency terms
-(``latency_floor``) and at least what the least-cost message of that many bytes or more costs
-(``_least_from``). With the bandwidth term (2026-11-27; the latency terms alone before) the
-floors prune GPT 18.4B's (tp=8, 256 A100s) pp=1 configurations that used to be priced first.
+source or the destination splits it over (so an all-to-all moves at least that block, and an
+all-gather, reduce-scatter or all-reduce, whose buffer is not split by the axis, that block times
+the axis' size when a side splits over it: ``_NOT_A2A``), an axis the destination does not split over leaves by an
+all-gather or all-reduce, never an all-to-all, and a collective costs at least its latency terms
+(``latency_floor``) and at least the least it costs on that many bytes or more (``_least_from``).
+With the bandwidth term (2026-11-27; the latency terms alone before) the floors prune GPT 18.4B's
+(tp=8, 256 A100s) configurations that used to be priced first (``pair_floors``; checked against
+the cheapest reshard on random layout pairs, tests/test_reshard.py).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -86,12 +92,12 @@ def with_edge_floors(P: Priced, c, cluster, settings) -> Priced:
 
 
 def _least_from(comm, cluster, mesh):
-    """``least(nbytes, axis)``: the least seconds any collective on ``axis`` takes on ``nbytes`` or
-    more. Alpha-beta rings grow with the bytes: their price at ``nbytes``. A measured curve
-    (autopar/pricing/cost.py ``_curve``) is log-log interpolated, so between two of its sizes a
-    collective's time is a power of the bytes, monotone: the least is at ``nbytes`` or at one of
-    the curves' sizes above it (all of the link's sizes are tried, a superset). An axis whose
-    groups span nodes adds terms of other sizes: only its latency floor (0 here)."""
+    """``least(nbytes, axis, kinds)``: the least seconds a collective of ``kinds`` on ``axis`` takes
+    on ``nbytes`` or more. Alpha-beta rings grow with the bytes: their price at ``nbytes``. A
+    measured curve (autopar/pricing/cost.py ``_curve``) is log-log interpolated, so between two
+    of its sizes a collective's time is a power of the bytes, monotone: the least is at ``nbytes``
+    or at one of the curves' sizes above it (all of the link's sizes are tried, a superset). An
+    axis whose groups span nodes adds terms of other sizes: only its latency floor (0 here)."""
     import bisect
 
     from autopar.pricing.cost import profile_of
@@ -100,21 +106,32 @@ def _least_from(comm, cluster, mesh):
     sizes = [] if cal is None else sorted({x for _, _, table in cal.intra.curves for x, _ in table})
     suffix: dict = {}
 
-    def least(nbytes: float, axis: int) -> float:
+    def least(nbytes: float, axis: int, kinds=COLLECTIVES) -> float:
         p = mesh.placement(axis)
         if p.size <= 1:
             return 0.0
         if cal is not None and p.inter > 1:
             return 0.0
-        here = min(float(comm(k, nbytes, axis)) for k in COLLECTIVES)
+        here = min(float(comm(k, nbytes, axis)) for k in kinds)
         if not sizes:
             return here
-        if axis not in suffix:   # the least over each curve size and all larger ones
-            at = [min(float(comm(k, x, axis)) for k in COLLECTIVES) for x in sizes]
-            suffix[axis] = list(np.minimum.accumulate(at[::-1]))[::-1]
+        if (axis, kinds) not in suffix:   # the least over each curve size and all larger ones
+            at = [min(float(comm(k, x, axis)) for k in kinds) for x in sizes]
+            suffix[axis, kinds] = list(np.minimum.accumulate(at[::-1]))[::-1]
         i = bisect.bisect_left(sizes, nbytes)
-        return here if i == len(sizes) else min(here, suffix[axis][i])
+        return here if i == len(sizes) else min(here, suffix[axis, kinds][i])
     return least
+
+
+# Which collectives can act on an axis, and on how many bytes at least, given the smallest block
+# B a path can hold (the tensor split by the union of the axes source and destination split it
+# over) and the axis' size m (autopar/pricing/reshard.py's moves; conjugates.py's byte convention,
+# the larger buffer, shared by a step and its backward):
+# - all_to_all moves a block split by the axis: >= B; it only puts the axis on a dim the
+#   destination splits over it;
+# - all_gather's output, reduce_scatter's input and an all_reduce's block are not split by the
+#   axis: >= B m when the axis is among the union's (split on one side), else >= B.
+_NOT_A2A = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def _split_masks(layouts: list[Layout]) -> np.ndarray:
@@ -134,50 +151,67 @@ def bandwidth_floors(c, cluster, nm: int, precision: str) -> dict:
         return c.edge_cache[key][1]
     from autopar.pricing.local_bytes import runtime_itemsize
 
-    split, lat, least, groups = _floor_parts(c, cluster)
-    naxes = len(lat)
+    lat, least, groups = _floor_parts(c, cluster)
+    sizes = c.mesh.shape
     out: dict = {}
-    for n, k, need, union, shape, dtype, bdim in groups:
+    for n, k, need, union, lands, shape, dtype, bdim in groups:
         numel = float(np.prod(shape))
         if bdim is not None and shape[bdim] % nm == 0:
             numel /= nm
-        nbytes = numel * runtime_itemsize(dtype, precision) / split   # per union mask
-        per = np.array([[max(lat[a], least(b, a)) for b in nbytes] for a in range(naxes)])   # [axes, masks]
-        mat = n * nm * np.einsum("sta,ast->st", need, per[:, union])
+        mat = n * nm * pair_floors(need, union, lands, numel * runtime_itemsize(dtype, precision), sizes,
+                                   lat, least)
         out[k] = out[k] + mat if k in out else mat
     c.edge_cache[key] = (cluster, out)
     return out
 
 
+def pair_floors(need, union, lands, tensor_bytes: float, sizes, lat, least) -> np.ndarray:
+    """[S, T] floor seconds of one micro-batch's reshards of a ``tensor_bytes`` tensor between
+    sources and destinations given as ``collectives_needed`` [S, T, axes], the union of their
+    split axes as bit masks [S, T] and whether each destination splits over each axis
+    [1, T, axes]: each needed collective at its latency floor ``lat[axis]`` and at least the
+    least of the collectives that can act there on their least bytes (``_NOT_A2A``)."""
+    naxes = len(sizes)
+    masks = range(1 << naxes)
+    block = [tensor_bytes / math.prod(sizes[a] for a in range(naxes) if u >> a & 1) for u in masks]
+    # [axes, masks]: where the destination splits over the axis (all-to-all possible), and not
+    into = np.array([[max(lat[a], min(least(block[u], a, ("all_to_all",)), least(block[u] * sizes[a], a, _NOT_A2A)))
+                      for u in masks] for a in range(naxes)])
+    away = np.array([[max(lat[a], least(block[u] * (sizes[a] if u >> a & 1 else 1), a, _NOT_A2A))
+                      for u in masks] for a in range(naxes)])
+    per = np.where(lands, into[:, union].transpose(1, 2, 0), away[:, union].transpose(1, 2, 0))   # [S, T, axes]
+    return (need * per).sum(axis=2)
+
+
 def _floor_parts(c, cluster):
     """What ``bandwidth_floors`` needs whatever the micro-batches and precision, once per
-    (candidates, cluster): each union mask's split factor, each axis' latency floor, the least
+    (candidates, cluster): each axis' latency floor, the least
     price on some bytes (memoised), and per edge group (instances, key, collectives needed, union
-    masks [S, T], shape, dtype, batch dim)."""
+    masks [S, T], destination splits [1, T, axes], shape, dtype, batch dim)."""
     key = ("floor parts", cluster)
     if key in c.edge_cache:
         return c.edge_cache[key][1]
     comm = mesh_comm(c, cluster)
-    shape_m = c.mesh.shape
-    naxes = len(shape_m)
-    split = np.array([np.prod([shape_m[a] for a in range(naxes) if m >> a & 1]) for m in range(1 << naxes)],
-                     dtype=np.float64)
+    naxes = len(c.mesh.shape)
     lat = np.array([latency_floor(comm, a) for a in range(naxes)])
     raw = _least_from(comm, cluster, c.mesh)
     memo: dict = {}
 
-    def least(nbytes: float, axis: int) -> float:
-        got = memo.get((nbytes, axis))
+    def least(nbytes: float, axis: int, kinds) -> float:
+        got = memo.get((nbytes, axis, kinds))
         if got is None:
-            got = memo[nbytes, axis] = raw(nbytes, axis)
+            got = memo[nbytes, axis, kinds] = raw(nbytes, axis, kinds)
         return got
     groups = []
     for n, prod, info, i, pname, shape, dtype, bdim in edge_groups(c):
         srcs, dsts = edge_layouts(prod, info, i, len(shape))
         need = collectives_needed(_places(srcs, naxes), _places(dsts, naxes), pname in c.needs_grad)
         if need.any():
-            union = _split_masks(srcs)[:, None] | _split_masks(dsts)[None, :]
-            groups.append((n, (prod.rep, info.rep), need, union, shape, dtype, bdim))
-    parts = (split, lat, least, groups)
+            dst_masks = _split_masks(dsts)
+            union = _split_masks(srcs)[:, None] | dst_masks[None, :]
+            # [1, T, axes]: does the destination split over the axis
+            lands = ((dst_masks[:, None] >> np.arange(naxes)[None, :]) & 1).astype(bool)[None, :, :]
+            groups.append((n, (prod.rep, info.rep), need, union, lands, shape, dtype, bdim))
+    parts = (lat, least, groups)
     c.edge_cache[key] = (cluster, parts)
     return parts
