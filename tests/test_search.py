@@ -330,3 +330,21 @@ def test_least_collective_price_on_at_least_some_bytes(preset, kw):
                 assert got == 0.0
         if p.inter <= 1 and p.size > 1:
             assert least(2.0**20, axis) > 0.0
+
+
+def test_planning_collects_garbage_less_often_and_restores_the_collector(monkeypatch):
+    """autopar.plan raises the collector's thresholds while it searches (api.GC_THRESHOLDS: a fifth
+    of a large search was collections walking the memoised prices) and puts back the caller's."""
+    import gc
+
+    import autopar.api as A
+    import autopar.search.pipeline_search as PS
+    seen = []
+    real = PS.plan_search
+    monkeypatch.setattr(PS, "plan_search", lambda *a, **k: seen.append((gc.get_threshold(), gc.isenabled()))
+                        or real(*a, **k))
+    before = gc.get_threshold()
+    model, inputs = ZOO["mlp"]()
+    autopar.plan(model, inputs, autopar.Cluster.preset("cpu", devices=4))
+    assert seen and all(t >= g for t, g in zip(seen[0][0], A.GC_THRESHOLDS)) and seen[0][1]
+    assert gc.get_threshold() == before
