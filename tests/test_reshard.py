@@ -337,9 +337,7 @@ def test_pair_floor_is_below_the_reshard(case, per_axis, grad):
                 exact += comm(kind, tr.nbytes, tr.axis)
     n = len(mesh_shape)
     need = collectives_needed(_places([src], n), _places([dst], n), grad)
-    union = _split_masks([src])[:, None] | _split_masks([dst])[None, :]
-    lands = ((_split_masks([dst])[:, None] >> np.arange(n)[None, :]) & 1).astype(bool)[None, :, :]
     lat = [latency_floor(comm, a) for a in range(n)]
-    floor = pair_floors(need, union, lands, 4.0 * math.prod(shape), mesh_shape, lat,
+    floor = pair_floors(need, _split_masks([src]), _split_masks([dst]), 4.0 * math.prod(shape), mesh_shape, lat,
                         lambda b, a, kinds: min(comm(k, b, a) for k in kinds))
     assert floor[0, 0] <= exact * (1 + 1e-9) + 1e-15, (src, dst, plan.describe(), floor[0, 0], exact)

@@ -230,8 +230,8 @@ def test_stage_sub_mesh_reuses_the_whole_mesh_reshard_searches(monkeypatch):
     whole, sub_cluster = Mesh((4, 2, 4), ("dp", "tp", "tp2"), 8), stage_cluster(cluster, 2)
     sub = Mesh((2, 2, 4), ("dp", "tp", "tp2"), 8)
     searched = []
-    real = E.plan_reduced
-    monkeypatch.setattr(E, "plan_reduced", lambda *a: searched.append(a) or real(*a))
+    real = E.search_reduced
+    monkeypatch.setattr(E, "search_reduced", lambda *a: searched.append(a) or real(*a))
     monkeypatch.setattr(PR, "_SHARED", {})
     price(candidates(g, whole), cluster, Settings(num_micro_batches=1), edges=True)
     n_whole = len(searched)

@@ -70,17 +70,23 @@ def collectives_needed(src: np.ndarray, dst: np.ndarray, grad: bool) -> np.ndarr
     return leaves.astype(np.float64) + (lands.astype(np.float64) if grad else 0.0)
 
 
+def _kept(c, key: tuple, cluster, make):
+    """``make()``, once per ``key`` on ``c`` (its edge cache; the cluster kept with the value)."""
+    if key not in c.edge_cache:
+        c.edge_cache[key] = (cluster, make())
+    return c.edge_cache[key][1]
+
+
 def edge_pairs(c, cluster) -> int:
     """How many (producer strategy, consumer strategy) pairs pricing ``c``'s edges visits: what
     ``price_edges`` costs, roughly (tens of microseconds a distinct pair). Cached on ``c``."""
-    key = ("edge pairs", cluster)
-    if key not in c.edge_cache:
+    def count() -> int:
         pairs = 0
         for _, prod, info, i, _, shape, _, _ in edge_groups(c):
             srcs, dsts = edge_layouts(prod, info, i, len(shape))
             pairs += len(srcs) * len(dsts)
-        c.edge_cache[key] = (cluster, pairs)
-    return c.edge_cache[key][1]
+        return pairs
+    return _kept(c, ("edge pairs", cluster), cluster, count)
 
 
 def with_edge_floors(P: Priced, c, cluster, settings) -> Priced:
@@ -105,8 +111,15 @@ def _least_from(comm, cluster, mesh):
     cal = profile_of(cluster)
     sizes = [] if cal is None else sorted({x for _, _, table in cal.intra.curves for x, _ in table})
     suffix: dict = {}
+    memo: dict = {}   # the same sizes recur across edge groups and micro-batch counts
 
     def least(nbytes: float, axis: int, kinds=COLLECTIVES) -> float:
+        got = memo.get((nbytes, axis, kinds))
+        if got is None:
+            got = memo[nbytes, axis, kinds] = _least(nbytes, axis, kinds)
+        return got
+
+    def _least(nbytes: float, axis: int, kinds) -> float:
         p = mesh.placement(axis)
         if p.size <= 1:
             return 0.0
@@ -146,33 +159,31 @@ def bandwidth_floors(c, cluster, nm: int, precision: str) -> dict:
     micro-batch) split at most by the axes source or destination split it over (moves only put
     axes where the destination wants them), so a collective moves at least that block's bytes;
     ``_least_from`` gives the least a collective on that many bytes or more costs."""
-    key = ("bandwidth floors", cluster, nm, precision)
-    if key in c.edge_cache:
-        return c.edge_cache[key][1]
     from autopar.pricing.local_bytes import runtime_itemsize
 
-    lat, least, groups = _floor_parts(c, cluster)
-    sizes = c.mesh.shape
-    out: dict = {}
-    for n, k, need, union, lands, shape, dtype, bdim in groups:
-        numel = float(np.prod(shape))
-        if bdim is not None and shape[bdim] % nm == 0:
-            numel /= nm
-        mat = n * nm * pair_floors(need, union, lands, numel * runtime_itemsize(dtype, precision), sizes,
-                                   lat, least)
-        out[k] = out[k] + mat if k in out else mat
-    c.edge_cache[key] = (cluster, out)
-    return out
+    def make() -> dict:
+        lat, least, groups = _kept(c, ("floor parts", cluster), cluster, lambda: _floor_parts(c, cluster))
+        out: dict = {}
+        for n, k, need, src_masks, dst_masks, shape, dtype, bdim in groups:
+            numel = float(np.prod(shape))
+            if bdim is not None and shape[bdim] % nm == 0:
+                numel /= nm
+            mat = n * nm * pair_floors(need, src_masks, dst_masks, numel * runtime_itemsize(dtype, precision),
+                                       c.mesh.shape, lat, least)
+            out[k] = out[k] + mat if k in out else mat
+        return out
+    return _kept(c, ("bandwidth floors", cluster, nm, precision), cluster, make)
 
 
-def pair_floors(need, union, lands, tensor_bytes: float, sizes, lat, least) -> np.ndarray:
+def pair_floors(need, src_masks, dst_masks, tensor_bytes: float, sizes, lat, least) -> np.ndarray:
     """[S, T] floor seconds of one micro-batch's reshards of a ``tensor_bytes`` tensor between
-    sources and destinations given as ``collectives_needed`` [S, T, axes], the union of their
-    split axes as bit masks [S, T] and whether each destination splits over each axis
-    [1, T, axes]: each needed collective at its latency floor ``lat[axis]`` and at least the
-    least of the collectives that can act there on their least bytes (``_NOT_A2A``)."""
+    sources and destinations given as ``collectives_needed`` [S, T, axes] and their split axes as
+    bit masks (``_split_masks``): each needed collective at its latency floor ``lat[axis]`` and at
+    least the least of the collectives that can act there on their least bytes (``_NOT_A2A``)."""
     naxes = len(sizes)
     masks = range(1 << naxes)
+    union = src_masks[:, None] | dst_masks[None, :]
+    lands = ((dst_masks[None, :, None] >> np.arange(naxes)) & 1).astype(bool)   # [1, T, axes]
     block = [tensor_bytes / math.prod(sizes[a] for a in range(naxes) if u >> a & 1) for u in masks]
     # [axes, masks]: where the destination splits over the axis (all-to-all possible), and not
     into = np.array([[max(lat[a], min(least(block[u], a, ("all_to_all",)), least(block[u] * sizes[a], a, _NOT_A2A)))
@@ -184,34 +195,16 @@ def pair_floors(need, union, lands, tensor_bytes: float, sizes, lat, least) -> n
 
 
 def _floor_parts(c, cluster):
-    """What ``bandwidth_floors`` needs whatever the micro-batches and precision, once per
-    (candidates, cluster): each axis' latency floor, the least
-    price on some bytes (memoised), and per edge group (instances, key, collectives needed, union
-    masks [S, T], destination splits [1, T, axes], shape, dtype, batch dim)."""
-    key = ("floor parts", cluster)
-    if key in c.edge_cache:
-        return c.edge_cache[key][1]
+    """What ``bandwidth_floors`` needs whatever the micro-batches and precision: each axis'
+    latency floor, the least price on some bytes, and per edge group (instances, key, collectives
+    needed [S, T, axes], split masks of sources and destinations, shape, dtype, batch dim)."""
     comm = mesh_comm(c, cluster)
     naxes = len(c.mesh.shape)
     lat = np.array([latency_floor(comm, a) for a in range(naxes)])
-    raw = _least_from(comm, cluster, c.mesh)
-    memo: dict = {}
-
-    def least(nbytes: float, axis: int, kinds) -> float:
-        got = memo.get((nbytes, axis, kinds))
-        if got is None:
-            got = memo[nbytes, axis, kinds] = raw(nbytes, axis, kinds)
-        return got
     groups = []
     for n, prod, info, i, pname, shape, dtype, bdim in edge_groups(c):
         srcs, dsts = edge_layouts(prod, info, i, len(shape))
         need = collectives_needed(_places(srcs, naxes), _places(dsts, naxes), pname in c.needs_grad)
         if need.any():
-            dst_masks = _split_masks(dsts)
-            union = _split_masks(srcs)[:, None] | dst_masks[None, :]
-            # [1, T, axes]: does the destination split over the axis
-            lands = ((dst_masks[:, None] >> np.arange(naxes)[None, :]) & 1).astype(bool)[None, :, :]
-            groups.append((n, (prod.rep, info.rep), need, union, lands, shape, dtype, bdim))
-    parts = (lat, least, groups)
-    c.edge_cache[key] = (cluster, parts)
-    return parts
+            groups.append((n, (prod.rep, info.rep), need, _split_masks(srcs), _split_masks(dsts), shape, dtype, bdim))
+    return lat, _least_from(comm, cluster, c.mesh), groups

@@ -18,7 +18,7 @@ from autopar.pricing.conjugates import Traffic, step_traffic
 from autopar.pricing.cost import exposed_comm_arrays, profile_of
 from autopar.pricing.local_bytes import runtime_itemsize
 from autopar.pricing.regather import consumer_keeps_shard
-from autopar.pricing.reshard import _checked, plan_reduced, reduction
+from autopar.pricing.reshard import _checked, reduce_problem, search_reduced
 from autopar.rules.candidates import Candidates, NodeInfo
 from autopar.rules.layout import Layout
 from autopar.rules.strategy import Strategy
@@ -168,25 +168,22 @@ def reshard_traffic(src, dst, shape, itemsize, mesh: Mesh, comm):
         _checked(dst, shape, mesh.shape, "destination")
     except ValueError:
         return None
-    kept, rsrc, rdst, divisors, rmesh = reduction(src, dst, mesh.shape)
-    rshape = shape if divisors is None else tuple([x // q for x, q in zip(shape, divisors)])
+    r = reduce_problem(src, dst, shape, mesh.shape)
     shared = getattr(comm, "shared", None)
-    if shared is None:
-        key = None
-    else:
+    key = None
+    if shared is not None:
         # kept in the original axes' numbering: meshes alike on those axes (the whole mesh and
         # its stages' sub-meshes: the data axis first) take it as it is
-        sig = comm.kept_axes.get(kept)
+        sig = comm.kept_axes.get(r.kept)
         if sig is None:
-            sig = comm.kept_axes[kept] = (kept, tuple(comm.axes[a] for a in kept))
-        key = (rsrc, rdst, rshape, itemsize, sig)
+            sig = comm.kept_axes[r.kept] = (r.kept, tuple(comm.axes[a] for a in r.kept))
+        key = (r.src, r.dst, r.shape, itemsize, sig)
         got = shared.get(key)
         if got is not None:
             return got
-    _, rp = plan_reduced(src, dst, shape, itemsize, mesh.shape, comm)
-    traffic = step_traffic(rp.steps, rsrc, rshape, itemsize, rmesh)
-    if len(kept) < len(mesh.shape):   # back to the mesh's axes
-        traffic = [Traffic(kept[t.axis], t.forward, t.backward, t.nbytes) for t in traffic]
+    traffic = step_traffic(search_reduced(r, itemsize, comm).steps, r.src, r.shape, itemsize, r.mesh_shape)
+    if len(r.kept) < len(mesh.shape):   # back to the mesh's axes
+        traffic = [Traffic(r.kept[t.axis], t.forward, t.backward, t.nbytes) for t in traffic]
     if key is not None:
         shared[key] = traffic
     return traffic

@@ -140,9 +140,14 @@ def price(c: Candidates, cluster: Cluster, s: Settings, edges: bool = True) -> P
     return P
 
 
+def _edges_key(cluster: Cluster, s: Settings) -> tuple:
+    # edges depend on micro-batching and precision only, not on ZeRO
+    return (cluster, s.num_micro_batches, s.precision)
+
+
 def price_edges(c: Candidates, cluster: Cluster, s: Settings, P: Priced) -> None:
-    key = (cluster, s.num_micro_batches, s.precision)
-    if key not in c.edge_cache:   # edges depend on micro-batching and precision only, not on ZeRO
+    key = _edges_key(cluster, s)
+    if key not in c.edge_cache:
         _price_edges(c, cluster, s, mesh_comm(c, cluster), P)
         c.edge_cache[key] = (P.edges, P.edge_bytes, P.edge_fwd, P.edge_fwd_bytes)
     P.edges, P.edge_bytes, P.edge_fwd, P.edge_fwd_bytes = c.edge_cache[key]
@@ -150,7 +155,7 @@ def price_edges(c: Candidates, cluster: Cluster, s: Settings, P: Priced) -> None
 
 def edges_priced(c: Candidates, cluster: Cluster, s: Settings) -> bool:
     """Whether ``price_edges`` for ``s`` is a cache lookup (another ZeRO stage priced them)."""
-    return (cluster, s.num_micro_batches, s.precision) in c.edge_cache
+    return _edges_key(cluster, s) in c.edge_cache
 
 
 class MemoComm:

@@ -38,7 +38,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -142,8 +142,7 @@ def _checked(layout: Layout, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
     _validate(layout, shape, mesh_shape, what)
 
 
-@dataclass(frozen=True)
-class Reduced:
+class Reduced(NamedTuple):   # a tuple: made once per priced layout pair
     """A reshard problem on the axes it can need (module doc): ``kept`` are the original indices
     of the remaining mesh axes, renumbered 0.. in ``src``, ``dst`` and ``mesh_shape``; ``shape``
     is the tensor divided by the leading splits both sides share."""
@@ -209,6 +208,13 @@ class KeptAxes:
         return self.comm(kind, nbytes, self.kept[axis])
 
 
+def search_reduced(r: Reduced, itemsize: int, comm) -> ReshardPlan:
+    """The cheapest plan of a reduced problem, its steps on the reduced axes (``comm`` priced on
+    the original ones)."""
+    identity = r.kept == tuple(range(len(r.kept)))   # only trailing axes left out, if any
+    return _plan_cached(r.src, r.dst, r.shape, itemsize, r.mesh_shape, comm if identity else KeptAxes(comm, r.kept))
+
+
 def plan_reduced(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int,
                  mesh_shape: tuple[int, ...], comm) -> tuple[Reduced, ReshardPlan]:
     """The reduced problem and its cheapest plan (steps on the reduced axes). Raises ValueError
@@ -216,8 +222,7 @@ def plan_reduced(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int
     _checked(src, shape, mesh_shape, "source")
     _checked(dst, shape, mesh_shape, "destination")
     r = reduce_problem(src, dst, shape, mesh_shape)
-    same = len(r.kept) == len(mesh_shape)
-    return r, _plan_cached(r.src, r.dst, r.shape, itemsize, r.mesh_shape, comm if same else KeptAxes(comm, r.kept))
+    return r, search_reduced(r, itemsize, comm)
 
 
 @functools.lru_cache(maxsize=1 << 16)
