@@ -430,3 +430,38 @@ def test_mip_reaches_answers_whether_the_optimum_reaches_the_cutoff(seed):
         if abs(cut - opt) <= 1e-9 * opt:
             continue   # an integral LP: (lp + opt) / 2 is the optimum up to rounding
         assert mip_reaches(problem, cut) == (opt >= cut), (cut, lp, opt)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lp_first_returns_the_mip_optimum_and_skips_the_mip_when_integral(seed, monkeypatch):
+    """solver/backends.py ``LP_FIRST``: on a large model the LP relaxation runs first and, when its
+    optimum is integral, is the answer. The answer's objective equals the MIP's on problems whose
+    LP is integral (a tree of edges, no binding memory: the MIP is then not run) and on ones whose
+    LP is fractional (cycles, a binding budget: the MIP runs)."""
+    import solver.backends as SB
+
+    tree = seed % 2 == 0
+    problem = random_problem(40, 6, 39 if tree else 90, seed, budget_frac=10.0 if tree else 0.4)
+    if tree:   # a path: node i -> i + 1, so the LP's local polytope is exact
+        problem.edges = [Edge(i, i + 1, e.cost) for i, e in enumerate(problem.edges)]
+    assert build(problem).lp.num_cols > SB.MIP_PRESOLVE_MAX_COLUMNS
+    mips = []
+    real = SB._run_highs
+
+    def counting(model, *a, mip=True, **k):
+        mips.append(mip)
+        return real(model, *a, mip=mip, **k)
+    monkeypatch.setattr(SB, "_run_highs", counting)
+    got = solve(problem, mip_gap=1e-7)
+    ran_mip = any(mips)
+    monkeypatch.setattr(SB, "LP_FIRST", False)
+    ref = solve(problem, mip_gap=1e-7)
+    assert got.status == ref.status
+    if ref.status == "infeasible":
+        return
+    assert math.isclose(got.objective, ref.objective, rel_tol=1e-7, abs_tol=tie_tol(problem)), (got, ref)
+    obj, mem = evaluate(problem, got.choice, got.checkpoint)
+    assert fits(problem, mem) and obj == got.objective
+    # both paths taken: these seeds' cyclic problems have fractional LPs
+    assert ran_mip == (not tree), "the MIP runs exactly when the LP optimum is fractional"
+    assert mips[0] is False   # the LP went first either way
