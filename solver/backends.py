@@ -4,6 +4,7 @@ Torch-free, like the rest of solver/."""
 from __future__ import annotations
 
 import math
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -185,9 +186,12 @@ def _run(model: _Model, backend, time_limit, threads, mip_gap) -> str:
     """Solve the model; returns 'optimal' | 'feasible' | 'infeasible'."""
     if _use_highs(backend):
         if LP_FIRST and model.lp.num_cols > MIP_PRESOLVE_MAX_COLUMNS and model.start is None:
+            t0 = time.perf_counter()
             relaxed = _lp_first(model, time_limit, threads)
             if relaxed is not None:
                 return relaxed
+            if time_limit is not None:   # the MIP gets what the LP left
+                time_limit = max(0.1, time_limit - (time.perf_counter() - t0))
         return _run_highs(model, time_limit, threads, mip_gap)
     return _run_cbc(model, time_limit, threads, mip_gap)
 
