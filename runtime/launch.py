@@ -23,10 +23,43 @@ class LocalLaunchError(RuntimeError):
     pass
 
 
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (what bind(0) and outgoing connections get)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_port() -> int:
+    """A port free now, below the ephemeral range when one is: the store's port is picked here
+    and bound later by rank 0, and in between gloo's own connections (each rank pair opens some,
+    and parallel test workers run many groups) take ephemeral ports; one of them taking this
+    port made init fail with EADDRINUSE (twice in one CI run, 2026-11-27)."""
+    import random
+
+    top = _ephemeral_start()
+    rng = random.Random()
+    for _ in range(50):
+        port = rng.randrange(max(1024, top - 12000), top) if top > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_PORT_TAKEN = "port taken"   # a rank's report: the store's port was in use at init (run_local retries)
+PORT_ATTEMPTS = 3
+
+
+def _port_taken(text: str) -> bool:
+    return "EADDRINUSE" in text or "ddress already in use" in text
 
 
 def _child(rank, world_size, port, fn, args, queue, pg_timeout):
@@ -35,8 +68,13 @@ def _child(rank, world_size, port, fn, args, queue, pg_timeout):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout))
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout))
+        except Exception:
+            text = traceback.format_exc()
+            queue.put((rank, _PORT_TAKEN if _port_taken(text) else False, text))
+            return
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:  # report every failure, including KeyboardInterrupt in a child
@@ -49,10 +87,25 @@ def _child(rank, world_size, port, fn, args, queue, pg_timeout):
                 pass
 
 
+class _PortTaken(Exception):
+    pass
+
+
 def run_local(fn, nprocs: int, args: tuple = (), timeout: float = 300.0, pg_timeout: float = 60.0):
-    """Run ``fn(rank, world_size, *args)`` on ``nprocs`` forked gloo ranks; return results by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``nprocs`` forked gloo ranks; return results by rank.
+    When the store's port was taken before rank 0 bound it (``_free_port``), every rank is stopped
+    before ``fn`` ran and the group starts again on another port (``PORT_ATTEMPTS`` in all)."""
     # Import once in the parent: a forked rank's first backward otherwise spends 1-2 s importing it.
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _run_once(fn, nprocs, args, timeout, pg_timeout, last=attempt == PORT_ATTEMPTS - 1)
+        except _PortTaken:
+            continue
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _run_once(fn, nprocs: int, args: tuple, timeout: float, pg_timeout: float, last: bool):
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = _free_port()
@@ -65,6 +118,7 @@ def run_local(fn, nprocs: int, args: tuple = (), timeout: float = 300.0, pg_time
     import time
 
     deadline = time.monotonic() + timeout
+    taken = False   # the store's port was in use: stop everyone, the caller starts again
     grace_end = None   # once a rank failed: how long the others get to report their own error
     try:
         while len(results) + len(errors) < nprocs:
@@ -73,7 +127,10 @@ def run_local(fn, nprocs: int, args: tuple = (), timeout: float = 300.0, pg_time
                 break
             try:
                 rank, ok, payload = queue.get(timeout=0.2)
-                (results if ok else errors)[rank] = payload
+                if ok == _PORT_TAKEN and not last:
+                    taken = True
+                    break
+                (results if ok is True else errors)[rank] = payload   # (the last try: an error)
             except queue_mod.Empty:
                 # A rank that is gone without reporting (killed, os._exit, a crash in C code).
                 for r, p in enumerate(procs):
@@ -82,19 +139,26 @@ def run_local(fn, nprocs: int, args: tuple = (), timeout: float = 300.0, pg_time
                         try:
                             while True:
                                 rk, ok, payload = queue.get_nowait()
-                                (results if ok else errors)[rk] = payload
+                                taken = taken or (ok == _PORT_TAKEN and not last)
+                                (results if ok is True else errors)[rk] = payload
                         except queue_mod.Empty:
                             pass
+                        if taken:
+                            break
                         if r not in results and r not in errors:
                             errors[r] = f"rank {r} exited with code {p.exitcode} without reporting (killed or crashed)"
+            if taken:
+                break
             if errors and grace_end is None:
                 grace_end = time.monotonic() + min(pg_timeout + 5.0, max(0.0, deadline - time.monotonic()))
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+            p.join(timeout=5 if not (errors or taken) else 0.5)
             if p.is_alive():
                 p.kill()
                 p.join()
+    if taken:
+        raise _PortTaken()
     if errors:
         rank = min(errors, key=lambda r: (_is_secondary(errors[r]), r))
         others = [f"  rank {r}: {_last_line(errors[r])}" for r in sorted(errors) if r != rank]

@@ -191,7 +191,7 @@ def _run(model: _Model, backend, time_limit, threads, mip_gap) -> str:
             if relaxed is not None:
                 return relaxed
             if time_limit is not None:   # the MIP gets what the LP left
-                time_limit = max(0.1, time_limit - (time.perf_counter() - t0))
+                time_limit = max(1e-9, time_limit - (time.perf_counter() - t0))
         return _run_highs(model, time_limit, threads, mip_gap)
     return _run_cbc(model, time_limit, threads, mip_gap)
 

@@ -34,6 +34,34 @@ def test_run_local_reports_the_failing_rank_without_hanging():
         run_local(_fail_on_one, 2, pg_timeout=10, timeout=60)
 
 
+def test_run_local_starts_again_when_the_store_port_is_taken(monkeypatch):
+    """The store's port, picked free, taken by another process before rank 0 binds it (gloo's
+    own connections take ephemeral ports): the ranks are stopped and the group starts again on
+    another port, and the result is the same; the port is picked below the ephemeral range."""
+    import socket
+
+    import runtime.launch as L
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = L._free_port
+
+    def first_taken():
+        got = ports.pop() if ports else real()
+        picked.append(got)
+        return got
+    picked = []
+    monkeypatch.setattr(L, "_free_port", first_taken)
+    try:
+        assert run_local(_sum_ranks, 2, timeout=120) == [1.0, 1.0]
+    finally:
+        taken.close()
+    assert len(picked) == 2 and picked[0] != picked[1], picked   # the premise: the first port was taken
+    assert all(real() < L._ephemeral_start() for _ in range(5))
+
+
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     dist.init_process_group("gloo")
