@@ -41,6 +41,34 @@ class Context:
 
 _CTX: Context | None = None
 
+# Seconds the process, at exit, leaves the GIL free for gloo's worker threads (``_guard_exit``).
+EXIT_GRACE = 0.1
+_EXIT_GUARDED = False
+
+
+def _guard_exit() -> None:
+    """Once per process: at exit, while the interpreter is still whole, release the GIL for
+    ``EXIT_GRACE`` seconds. Gloo's worker threads destroy a collective's work object after its
+    ``wait()`` has returned; the work holds tensors, and dropping them takes the GIL. A thread
+    still doing so when the interpreter finalizes cannot take it: the thread is unwound through
+    C++ and the process aborts with "terminate called without an active exception" (gdb: a
+    ``pt_gloo_runloop`` thread in ``~AsyncAllgatherWork`` -> ``decref_pyobject`` ->
+    ``take_gil`` during ``Py_FinalizeEx``; examples/finetune.py under torchrun, about 1 run in 4,
+    on either rank; pytorch/pytorch#179291 describes the same race). Every collective has
+    completed by then, so the threads only need the GIL for an instant."""
+    global _EXIT_GUARDED
+    if not _EXIT_GUARDED:
+        import atexit
+
+        _EXIT_GUARDED = True
+        atexit.register(_let_collective_threads_finish)
+
+
+def _let_collective_threads_finish() -> None:
+    import time
+
+    time.sleep(EXIT_GRACE)
+
 
 def current() -> Context:
     if _CTX is None:
@@ -62,6 +90,7 @@ def setup(mesh, device: str = "cpu", pp: int = 1) -> Context:
     counterparts on every stage, the pipeline's point-to-point group)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    _guard_exit()
     rank = dist.get_rank()
     if pp > 1:
         dm = init_device_mesh(device, (pp, *mesh.shape), mesh_dim_names=("pp", *mesh.names))
