@@ -4,7 +4,8 @@
 sequence-parallel algorithm becomes one call of runtime/sp_exec.py (``ulysses``, ``ring`` or, on the
 two sequence axes of sp_mode="hybrid", ``hybrid`` with the ring axis outer) on
 the local q, k, v blocks, with the traced is_causal and scale (an attn_mask the planner proved causal,
-``CAUSAL_MASK`` in the strategy's special, is dropped and is_causal set). ``reshard_step(builder, x, step,
+``CAUSAL_MASK`` in the strategy's special, is dropped and is_causal set; another mask is passed whole
+to Ulysses, the one algorithm that runs it). ``reshard_step(builder, x, step,
 kwargs)``: a reshard step on an axis where the plan's splits are zig-zag (load-balanced ring
 attention) becomes the zig-zag form of the step (runtime/sp_exec.py explains why that keeps
 values, gradients and bytes right); ``None`` for steps the caller emits as usual.
@@ -38,13 +39,14 @@ def attention(builder, node, strategy, args, kwargs):
     if causal_mask and _arg(args, kwargs, 3, "attn_mask") is None:
         raise ExecutionError(f"{node.name}: the plan runs its attn_mask as causal, but the model passes none "
                              f"(plan/model mismatch)")
-    if (_arg(args, kwargs, 3, "attn_mask") is not None and not causal_mask) \
-            or float(_arg(args, kwargs, 4, "dropout_p", 0.0) or 0.0):
+    # a general mask runs under Ulysses only (whole, each rank taking its heads' rows)
+    mask = None if causal_mask else _arg(args, kwargs, 3, "attn_mask")
+    if (mask is not None and algo != ULYSSES) or float(_arg(args, kwargs, 4, "dropout_p", 0.0) or 0.0):
         raise ExecutionError(f"{node.name}: {algo} runs without attn_mask and dropout only (plan/model mismatch)")
     kw = {"axis": axes[0], "is_causal": causal_mask or bool(_arg(args, kwargs, 5, "is_causal", False)),
           "scale": kwargs.get("scale")}
     if algo == ULYSSES:
-        return builder.call(SX.ulysses, (q, k, v), kw, name=node.name)
+        return builder.call(SX.ulysses, (q, k, v) if mask is None else (q, k, v, mask), kw, name=node.name)
     if hybrid:   # ring axis outer, Ulysses axis inner (autopar/rules/hybrid_sequence.py)
         kw["ring_axis"], kw["axis"] = HS.axes(builder.mesh)
         kw["layout"] = "zigzag" if algo == HS.HYBRID else "contiguous"

@@ -36,9 +36,10 @@ def _group(axis: int):
     return ctx.groups[axis], ctx.labels[axis], ctx.mesh.shape[axis]
 
 
-def ulysses(q, k, v, *, axis: int, is_causal: bool = False, scale=None) -> torch.Tensor:
+def ulysses(q, k, v, attn_mask=None, *, axis: int, is_causal: bool = False, scale=None) -> torch.Tensor:
     g, lab, _ = _group(axis)
-    return ulysses_attention(q, k, v, g, is_causal=is_causal, layout="contiguous", scale=scale, label=lab)
+    return ulysses_attention(q, k, v, g, is_causal=is_causal, layout="contiguous", scale=scale, attn_mask=attn_mask,
+                             label=lab)
 
 
 def ring(q, k, v, *, axis: int, is_causal: bool = False, layout: str = "zigzag", scale=None) -> torch.Tensor:

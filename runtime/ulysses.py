@@ -46,11 +46,25 @@ def ulysses_bytes(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int
     return Traffic(fwd, fwd, 3, 3)
 
 
-def _sdpa(is_causal, scale):
+def _sdpa(is_causal, scale, mask=None):
     def attn(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
     return attn
+
+
+def _local_heads_mask(mask: torch.Tensor, heads: int, sp: int, rank: int, op: str) -> torch.Tensor:
+    """This rank's part of a general ``attn_mask`` (broadcastable to [B, H, S, S], whole on the
+    sequence): after the all-to-all a rank holds heads [rank·H/sp, (rank+1)·H/sp) over the whole
+    sequence, so a per-head mask (head dim H) gives those rows and a shared one (head dim 1 or
+    none) is used as it is."""
+    if mask.dim() >= 3 and mask.shape[-3] == heads and heads > 1:
+        per = heads // sp
+        return mask.narrow(mask.dim() - 3, rank * per, per)
+    if mask.dim() >= 3 and mask.shape[-3] != 1:
+        raise L.SequenceParallelError(f"{op}: attn_mask of shape {tuple(mask.shape)}: its head dim must be 1 or "
+                                      f"the {heads} local heads")
+    return mask
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = False,
@@ -59,7 +73,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     """Attention over the full sequence for sequence-split q/k/v, run head-split between two
     all-to-alls. ``attn_fn(q, k, v)`` (default SDPA with ``is_causal`` and ``scale``) sees
     [B, H/sp, S, D] queries and [B, Hkv'/sp, S, D] keys/values in natural sequence order and must
-    apply the causal mask itself when given. ``attn_mask``: None (or "none"/"causal") only."""
+    apply the causal mask itself when given. ``attn_mask``: None, "none"/"causal", or a tensor
+    broadcastable to [B, H, S, S] over the WHOLE sequence (a padding or sliding-window mask, not
+    split: every rank attends all positions of its heads), with ``attn_fn`` unset, not causal and
+    the contiguous layout; a per-head mask's rows are taken for this rank's heads."""
     op = "ulysses_attention"
     sp = dist.get_world_size(group) if dist.is_initialized() else 1
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -71,11 +88,21 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
             f"local sequence, and k.shape == v.shape)")
     H, Hkv = q.shape[1], k.shape[1]
     L.check_heads(H, Hkv, sp, op)
-    L.check_mask(attn_mask, is_causal, op)
+    mask = attn_mask if isinstance(attn_mask, torch.Tensor) else None
+    if mask is None:
+        L.check_mask(attn_mask, is_causal, op)
+    elif is_causal or attn_fn is not None or layout != "contiguous":
+        raise L.SequenceParallelError(f"{op}: a tensor attn_mask runs with is_causal=False, no attn_fn and the "
+                                      f"contiguous layout only")
+    elif mask.shape[-2:] != (q.shape[2] * sp, q.shape[2] * sp):
+        raise L.SequenceParallelError(f"{op}: attn_mask of shape {tuple(mask.shape)} must span the whole sequence "
+                                      f"({q.shape[2] * sp} x {q.shape[2] * sp}): Ulysses attends every position")
     L.check_layout(layout)
     if is_causal:
         L.check_seq(q.shape[2] * sp, sp, layout, "the sequence length (local length × sp)")
-    attn = attn_fn if attn_fn is not None else _sdpa(bool(is_causal), scale)
+    if mask is not None and sp > 1:
+        mask = _local_heads_mask(mask, H, sp, dist.get_rank(group), op)
+    attn = attn_fn if attn_fn is not None else _sdpa(bool(is_causal), scale, mask)
     if sp == 1:
         return attn(q, k, v)
     rep = L.kv_repeat_factor(H, Hkv, sp)

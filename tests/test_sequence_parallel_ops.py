@@ -72,6 +72,9 @@ CASES = [
     ("ulysses non-causal scale", "ulysses", 4, 4, False, "contiguous", torch.float32, {"scale": 0.3}),
     ("ulysses causal zigzag gqa", "ulysses", 4, 2, True, "zigzag", torch.float32, {}),
     ("ulysses causal gqa kv<sp explicit", "ulysses", 4, 1, True, "contiguous", torch.float32, {"explicit": True}),
+    # a general mask run whole by Ulysses (each rank its heads' rows): shared and per-head
+    ("ulysses general mask gqa", "ulysses", 4, 2, False, "contiguous", torch.float32, {"mask": True}),
+    ("ulysses per-head mask", "ulysses", 4, 4, False, "contiguous", torch.float32, {"mask": "heads"}),
     ("allgather causal zigzag gqa", "allgather", 4, 2, True, "zigzag", torch.float32, {}),
     ("allgather general mask", "allgather", 4, 2, False, "zigzag", torch.float32, {"mask": True}),
 ]
@@ -125,7 +128,8 @@ def _run_case(case, group):
     scale = extra.get("scale")
     mask = None
     if extra.get("mask"):   # a general mask (what ring attention refuses): random, the diagonal kept
-        mask = (torch.rand(S, S, generator=torch.Generator().manual_seed(5)) < 0.5) | torch.eye(S, dtype=torch.bool)
+        shape = (B, H, S, S) if extra["mask"] == "heads" else (S, S)
+        mask = (torch.rand(shape, generator=torch.Generator().manual_seed(5)) < 0.5) | torch.eye(S, dtype=torch.bool)
     ref = _reference(Q, K, V, DO, causal, scale, mask)
     piece = lambda t: L.shard(t, 2, sp, me, layout)   # noqa: E731
     q, k, v = (piece(t).to(dtype).requires_grad_() for t in (Q, K, V))
@@ -143,7 +147,8 @@ def _run_case(case, group):
         assert sum(saved.values()) == ring_attention_saved_bytes(B, H, Hkv, S, D, sp, eb), (name, saved)
     elif op == "ulysses":
         fn = _explicit_attention(causal) if extra.get("explicit") else None
-        out = ulysses_attention(q, k, v, group, is_causal=causal, layout=layout, scale=scale, attn_fn=fn, label=LABEL)
+        out = ulysses_attention(q, k, v, group, is_causal=causal, layout=layout, scale=scale, attn_fn=fn,
+                                attn_mask=mask, label=LABEL)
     else:
         local_mask = None if mask is None else mask[L.positions(S, sp, me, layout)]   # my query rows
         out = allgather_kv_attention(q, k, v, group, is_causal=causal, layout=layout, scale=scale,
@@ -190,6 +195,10 @@ def _worker(rank, world):
     if world == 4:
         with pytest.raises(L.SequenceParallelError, match="6 heads do not divide by 4"):
             ulysses_attention(q, q, q)
+    if world > 1:   # Ulysses attends every position: a mask must span the whole sequence
+        q4 = torch.zeros(B, 4, S // world, D)
+        with pytest.raises(L.SequenceParallelError, match="must span the whole sequence"):
+            ulysses_attention(q4, q4, q4, attn_mask=torch.ones(S // world, S, dtype=torch.bool))
     return report
 
 

@@ -26,7 +26,9 @@ Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
   codegen/sp_ops.py); ``"ring-contiguous"`` keeps contiguous blocks (unbalanced). An explicit
   attn_mask runs with them only when autopar/rules/causal_mask.py proves it causal from the graph
   (Hugging Face models build one from position ids): the algorithm then drops it and runs
-  is_causal=True; any other mask keeps the sequence split with K/V all-gathered (priced, warned).
+  is_causal=True; any other mask (padding, sliding window) runs whole under Ulysses, each rank
+  taking its heads' rows (unless gradients flow to it: a learned bias such as T5's), and under
+  ring attention keeps the sequence split with K/V all-gathered (priced, warned).
   Explicit matmul/softmax attention needs no special op. Its ops (the attention core of
   autopar/rules/attention_core.py: head split, scores, scale, mask, softmax, dropout, x V, head
   merge) may either split the query sequence (K/V all-gathered by ordinary resharding, the mask
@@ -192,13 +194,18 @@ def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | Non
                                              if mode == "ulysses" else " (explicit matmul/softmax attention?)")
                         + ": pin only sp, and its attention runs on the sequence split with K/V all-gathered by "
                           "resharding")
+    grad = frozenset()
+    if sps and has_sdpa:   # what gradients reach (a mask among them is a learned bias: sequence_attention)
+        from autopar.rules.candidates import _graph_needs_grad
+        grad = frozenset(_graph_needs_grad(graph, nodes))
     for name, letters in seq.items():
         info = nodes[name]
         node, spec = info.node, info.spec
         if mode == "megatron":
             info.strategies = _megatron(node, spec, info.strategies, mesh, letters) or info.strategies
         if sps:
-            info.strategies = _on_seq_axes(node, spec, info.strategies, mesh, sps, letters, mode, heads.get(name))
+            info.strategies = _on_seq_axes(node, spec, info.strategies, mesh, sps, letters, mode, heads.get(name),
+                                           grad)
             if spec.rule == "sdpa" and info.strategies:
                 info.spec = saves_as_run(node, spec, info.strategies)
     if mode == "ulysses" and heads:
@@ -261,11 +268,12 @@ def _megatron(node, spec, strategies, mesh: Mesh, seq_letters) -> list[Strategy]
     return strategies
 
 
-def _on_seq_axes(node, spec, strategies, mesh: Mesh, sps, seq_letters, mode, head=None) -> list[Strategy]:
+def _on_seq_axes(node, spec, strategies, mesh: Mesh, sps, seq_letters, mode, head=None,
+                 grad=frozenset()) -> list[Strategy]:
     """Strategies on the sequence axes: a sequence letter or nothing; attention its own algorithms;
     an explicit attention core's op (``head``: its head letter) also the head split (Ulysses)."""
     if spec.rule == "sdpa":
-        return attention_strategies(node, spec, strategies, mesh, sps, mode)
+        return attention_strategies(node, spec, strategies, mesh, sps, mode, grad)
     if hybrid.axes(mesh) is not None:   # the sequence split over both axes, ring outer
         strategies = hybrid.keep_nested(strategies, mesh)
     keep = [st for st in strategies if all(st.splits[a] is None or st.splits[a] in seq_letters for a in sps)]

@@ -38,16 +38,19 @@ def attention_facts(node) -> dict:
     # sequence-parallel algorithms, which drop it (CAUSAL_MASK in the strategy's special).
     causal_mask, why = mask_is_causal(node) if is_tensor(mask) else (False, "")
     return dict(b=b, h=h, hk=hk, s=s, t=t, d=d, e=tensor_shape(v)[-1], mask=is_tensor(mask) and not causal_mask,
+                mask_shape=tuple(tensor_shape(mask)) if is_tensor(mask) else None,
+                mask_name=mask.name if is_tensor(mask) else None, mask_grad=False,
                 dropout=float(_arg(node, 4, "dropout_p", 0.0) or 0.0),
                 causal=bool(_arg(node, 5, "is_causal", False)) or causal_mask, causal_mask=causal_mask,
                 mask_why=why, itemsize=q.meta["val"].element_size())
 
 
-def attention_strategies(node, spec, strategies, mesh: Mesh, sps, mode) -> list[Strategy]:
+def attention_strategies(node, spec, strategies, mesh: Mesh, sps, mode, grad=frozenset()) -> list[Strategy]:
     """SDPA strategies with the sequence split over the sp axis: Ulysses and/or ring attention
     on top of every strategy of the other axes that keeps the sequence whole (``mode`` "ulysses",
     "ring", "ring-contiguous" keep that algorithm only; "auto"/None offer both and the
-    replicated-on-sp ones)."""
+    replicated-on-sp ones). ``grad``: the values gradients flow to (a mask among them, a learned
+    position bias, is not run by Ulysses: see ``_refuse``)."""
     if len(sps) == 2 and hybrid.axes(mesh) is not None:   # Ulysses x ring (autopar/rules/hybrid_sequence.py)
         return hybrid.attention_strategies(node, spec, strategies, mesh, attention_facts(node))
     if len(sps) != 1:
@@ -55,6 +58,7 @@ def attention_strategies(node, spec, strategies, mesh: Mesh, sps, mode) -> list[
     a = sps[0]
     sp = mesh.shape[a]
     f = attention_facts(node)
+    f["mask_grad"] = f["mask_name"] in grad
     base = [st for st in strategies if st.splits[a] is None
             and not any(st.inputs[i] is not None and st.inputs[i].dims[2] for i in range(3))]
     algos = {"ulysses": [ULYSSES], "ring": [RING], "ring-contiguous": [RING_CONTIGUOUS]}.get(mode, [ULYSSES, RING])
@@ -78,9 +82,10 @@ def attention_strategies(node, spec, strategies, mesh: Mesh, sps, mode) -> list[
     if mode in ("ulysses", "ring", "ring-contiguous"):
         if not out and gathered and f["mask"]:
             import warnings
-            warnings.warn(f"autopar: {node.name} has an explicit attn_mask, which {mode} attention cannot split "
-                          f"(it is not provably causal: {f['mask_why']}); it runs sequence-split with K/V "
-                          f"all-gathered instead (priced)", stacklevel=2)
+            reason = "; ".join(dict.fromkeys(why)) if mode == "ulysses" else \
+                f"it is not provably causal: {f['mask_why']}"
+            warnings.warn(f"autopar: {node.name} has an explicit attn_mask, which {mode} attention cannot run "
+                          f"({reason}); it runs sequence-split with K/V all-gathered instead (priced)", stacklevel=2)
             return gathered
         if not out:
             raise PlanError(f"{node.name} (scaled_dot_product_attention): sp_mode={mode!r} cannot run it on "
@@ -125,11 +130,31 @@ def refuse_shape(f: dict, algo: str) -> str | None:
     return None
 
 
+def ulysses_mask_refusal(f: dict) -> str | None:
+    """Why Ulysses cannot run this attention's explicit (not causal) mask, or None. Ulysses runs
+    attention over the whole sequence for a share of the heads, so the mask is used whole, each
+    rank taking its heads' rows of a per-head mask (runtime/ulysses.py): it must span the whole
+    query and key lengths, and no gradient may flow to it (a learned position bias, T5's: each
+    rank would hold its heads' share of the gradient of a mask kept whole on the axis)."""
+    shape = f["mask_shape"]
+    if len(shape) < 2 or shape[-2:] != (f["s"], f["t"]) or len(shape) > 4:
+        return f"the attn_mask of shape {shape} does not span the whole query x key lengths ({f['s']} x {f['t']})"
+    if len(shape) >= 3 and shape[-3] not in (1, f["h"]):
+        return f"the attn_mask's head dim ({shape[-3]}) is neither 1 nor the {f['h']} heads"
+    if f["mask_grad"]:
+        return "gradients flow to the attn_mask (a learned bias): Ulysses keeps the mask whole on the axis"
+    return None
+
+
 def _refuse(node, f, sp, algo) -> str | None:
     why = refuse_shape(f, algo)
     if why:
         return why
-    if f["mask"]:
+    if f["mask"] and algo == ULYSSES:
+        why = ulysses_mask_refusal(f)
+        if why:
+            return f"ulysses_attention with an explicit attn_mask: {why}"
+    elif f["mask"]:
         return (f"an explicit attn_mask: {algo} supports no mask or is_causal=True only (ring attention would "
                 f"have to split a general mask over its blocks); write the attention as matmul/softmax to get "
                 f"the all-gathered-K/V form, or use is_causal")
