@@ -9,7 +9,10 @@ Architectures (autopar/models/hf.py, ``HF_ZOO``), each 2 layers, hidden 64, voca
                   hf_qwen2 (GQA, qkv biases, tied), hf_bloom (ALiBi, fused qkv), hf_mixtral (MoE: 4
                   experts, top-2, "batched_mm" experts), hf_gpt_neox (parallel attention + MLP
                   residual, partial rotary)
-  encoders        hf_bert, hf_roberta (masked LM, tied decoder, every position labelled)
+                  hf_gemma2 (sliding-window and global layers alternating, tanh soft-capping of
+                  attention and final logits, GeGLU, embedding scaled and tied; eager attention)
+  encoders        hf_bert, hf_roberta (masked LM, tied decoder, every position labelled), hf_albert
+                  (one layer's parameters shared by every layer, factorised embedding)
   encoder-decoder hf_t5 (relative position buckets), hf_bart
   vision          hf_vit (image classification)
 Not covered, on purpose: MPT (ALiBi is Bloom's), Falcon / GPT-J (parallel attention is GPT-NeoX's),
@@ -29,7 +32,7 @@ Plans (4 processes):
   * a checkpoint of BART (a constant torch.export lifts out of forward) saved on 4 processes, loaded on 2.
   * masked LM with -100 labels spread unevenly over the data ranks: the mean cross-entropy is
     divided by the global labelled count (runtime/loss.py), as the one-process loss is.
-Cost: 35 multi-process tests, 4 min 30 s on 2 cores (measured; half of it is the
+Cost: 39 multi-process tests, 4 min 45 s on 2 cores (measured; half of it is the
 automatic plans' search: T5 alone ~30 s).
 """
 from __future__ import annotations

@@ -54,7 +54,7 @@ HF_ZOO: dict[str, Factory] = {
     "hf_gpt2": hf.hf_gpt2, "hf_llama": hf.hf_llama, "hf_llama_eager": hf.hf_llama_eager, "hf_bert": hf.hf_bert,
     "hf_mistral": hf.hf_mistral, "hf_qwen2": hf.hf_qwen2, "hf_bloom": hf.hf_bloom, "hf_mixtral": hf.hf_mixtral,
     "hf_gpt_neox": hf.hf_gpt_neox, "hf_roberta": hf.hf_roberta, "hf_t5": hf.hf_t5, "hf_bart": hf.hf_bart,
-    "hf_vit": hf.hf_vit,
+    "hf_vit": hf.hf_vit, "hf_albert": hf.hf_albert, "hf_gemma2": hf.hf_gemma2,
 }
 
 

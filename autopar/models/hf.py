@@ -203,6 +203,29 @@ def hf_bart(*, n_layer=2, n_head=4, d_model=64, ffn_hidden=128, vocab=256, seq=1
     return _make("BartConfig", "BartForConditionalGeneration", cfg, batch, seq, vocab, device, seed, attn)
 
 
+def hf_albert(*, n_layer=2, n_head=4, d_model=64, d_embed=32, vocab=256, seq=16, batch=8, dropout=0.0,
+              device="cpu", seed=0, attn="sdpa"):
+    """transformers.AlbertForMaskedLM: one transformer layer's parameters shared by all ``n_layer``
+    layers (the same module run again), a factorised embedding (``d_embed`` < hidden, projected
+    up), the MLM decoder tied to the embedding."""
+    cfg = dict(num_hidden_layers=n_layer, num_attention_heads=n_head, hidden_size=d_model,
+               embedding_size=d_embed, intermediate_size=2 * d_model, vocab_size=vocab,
+               max_position_embeddings=seq, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return _make("AlbertConfig", "AlbertForMaskedLM", cfg, batch, seq, vocab, device, seed, attn)
+
+
+def hf_gemma2(*, n_layer=2, n_head=4, n_kv_heads=2, d_model=64, head_dim=16, ffn_hidden=128, vocab=256, seq=16,
+              window=8, batch=8, dropout=0.0, device="cpu", seed=0, attn="eager"):
+    """transformers.Gemma2ForCausalLM: layers alternating a sliding window (``window`` < ``seq``) and
+    global attention, attention-logit and final-logit soft-capping (tanh), GeGLU MLP, pre- and
+    post-norms, the embedding scaled by sqrt(hidden) and tied to the head. Eager attention (the
+    soft-capping is written out), as transformers recommends for Gemma 2."""
+    cfg = dict(num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_heads,
+               hidden_size=d_model, head_dim=head_dim, intermediate_size=ffn_hidden, vocab_size=vocab,
+               sliding_window=window, max_position_embeddings=seq, attention_dropout=dropout)
+    return _make("Gemma2Config", "Gemma2ForCausalLM", cfg, batch, seq, vocab, device, seed, attn)
+
+
 def hf_vit(*, n_layer=2, n_head=4, d_model=64, image=16, patch=4, channels=3, classes=10, batch=8,
            dropout=0.0, device="cpu", seed=0, attn="sdpa"):
     """transformers.ViTForImageClassification: conv patch embedding, CLS token, learned positions;
