@@ -42,7 +42,7 @@ Random ops (dropout, SDPA with dropout, bernoulli, ...; ``codegen/random_ops.py`
 replicas draw the same mask, split blocks and data-parallel rows independent ones.
 
 ZeRO-3 (``zero3_chunks``: parameter FQN -> chunk index): a chunk is gathered before the first op
-that reads one of its parameters, freed after the last one (unless the loss is computed inside
+that reads one of its parameters or a view of one, freed after the last one (unless the loss is computed inside
 that region), and values leaving the region are wrapped in ``zero3_exit`` so backward re-gathers it.
 
 Activation checkpointing (the plan's ``stages[0].checkpoint``, block group -> bool): every node
@@ -186,6 +186,26 @@ class _Builder:
         return node
 
     # ------------------------------------------------------------- main
+    def _zero3_aliases(self, traced, nodes) -> dict[str, int]:
+        """Node name -> ZeRO-3 chunk, for the chunks' parameters and every value sharing a
+        parameter's storage (its views: ``t``, ``numpy_T``, ``view``, ``expand`` ...), told by the
+        traced fake values' storages as autopar/rules/candidates.py groups storage roots."""
+        if not self.zero3:
+            return {}
+        out, by_storage = {}, {}
+        for n in nodes:
+            fqn = traced.param_fqn.get(n.name) if n.op == "placeholder" else None
+            if fqn in self.zero3:
+                out[n.name] = self.zero3[fqn]
+                sid = _storage_id(n)
+                if sid is not None:
+                    by_storage[sid] = self.zero3[fqn]
+            elif n.op == "call_function" and by_storage:
+                sid = _storage_id(n)
+                if sid in by_storage:
+                    out[n.name] = by_storage[sid]
+        return out
+
     def build(self) -> RankProgram:
         traced = self.traced
         graph = traced.gm.graph
@@ -208,16 +228,20 @@ class _Builder:
         needs_grad = self._needs_grad()
         partial_params = self._param_partial_axes(strategies, specs)
 
-        # ZeRO-3 regions: chunk -> (first op index, last op index) over ops that read its params.
+        # ZeRO-3 regions: chunk -> (first op index, last op index) over ops that read its params or
+        # a view of them: a view shares the parameter's storage, which the free releases, so its
+        # users must run inside the region too (Hugging Face Falcon's ``x @ self.weight.T``: the
+        # transpose was the last reader, the matmul ran after the free on a released storage).
         op_index = {n.name: k for k, n in enumerate(nodes)}
         chunk_span: dict[int, list[int]] = {}
+        chunk_of = self._zero3_aliases(traced, nodes)
         for n in nodes:
             if n.op != "call_function":
                 continue
             for p in tensor_inputs(n):
-                fqn = traced.param_fqn.get(p.name)
-                if fqn in self.zero3:
-                    span = chunk_span.setdefault(self.zero3[fqn], [op_index[n.name], op_index[n.name]])
+                c = chunk_of.get(p.name)
+                if c is not None:
+                    span = chunk_span.setdefault(c, [op_index[n.name], op_index[n.name]])
                     span[1] = op_index[n.name]
         for c, span in chunk_span.items():   # keep a multi-output op's getitems inside its region
             while span[1] + 1 < len(nodes) and nodes[span[1] + 1].target is operator.getitem \
@@ -426,6 +450,16 @@ def _the_gather(x, shard):
     if isinstance(x, fx.Node) and x.target in (RC.all_gather, SX.zz_all_gather) and x.args[0] is shard:
         return x
     return None
+
+
+def _storage_id(n):
+    v = _val(n)
+    if not isinstance(v, torch.Tensor):
+        return None
+    try:
+        return id(v.untyped_storage())
+    except Exception:   # a fake value without storage: no alias
+        return None
 
 
 def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None,

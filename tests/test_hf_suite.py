@@ -125,6 +125,17 @@ def test_representative_pinned_plans(name, plan_name):
         assert plan.degrees["tp"] == 4 and plan.degrees["tp_mode"] == "1d", plan.degrees
 
 
+def test_zero3_keeps_a_chunk_gathered_while_views_of_its_weights_are_used():
+    """Gemma 2 under dp=2 x tp=2 with ZeRO-3: a weight read through a view of it (a transpose the
+    trace keeps, as Hugging Face Falcon's ``x @ self.weight.T``) has its chunk's region end at the
+    last user of the view, not at the view itself. The region used to end at the view: the free
+    released the storage the view shares and the matmul after it read freed memory (a segfault on
+    every rank here; on Falcon "the tensor ... data is not allocated")."""
+    plan = make_plan("hf_gemma2", PINNED["dp2_tp2_zero3"], policy="megatron")
+    comm = check("hf_gemma2", plan)
+    assert plan.degrees["zero"] == 3 and comm.get("dp", 0) > 0 and comm.get("tp", 0) > 0, (plan.degrees, comm)
+
+
 def test_bert_vocab_parallel_embedding_with_padding_tokens():
     """dp=2 x tp=2 with BERT's word embedding split on the vocabulary over tp (vocab_parallel_embedding)
     and the padding token (0) in the batch. The padding row is zero at init but the tied decoder
