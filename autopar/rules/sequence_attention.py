@@ -100,6 +100,8 @@ def saves_as_run(node, spec, strategies):
 
     - an attn_mask proven causal is dropped (CAUSAL_MASK): nothing of it is saved, neither the
       mask nor a fused kernel's copy of it in q's dtype;
+    - a general mask under Ulysses runs whole: the copy SDPA saves of a bool mask is not split on
+      the query rows;
     - Ulysses saves the output of its local attention (head-split, between the two all-to-alls),
       a buffer of its own: the op's output is the second all-to-all's result, which later ops
       may save too (``y.transpose(1, 2)`` viewed by the output projection when the trace lays
@@ -117,6 +119,12 @@ def saves_as_run(node, spec, strategies):
         isz = node.meta["val"].element_size()
         saved = tuple(Saved("extra", letters=spec.outputs[0], itemsize=isz, act=True, on=sv.on)
                       if sv.kind == "output" and sv.index == 0 else sv for sv in saved)
+    if all(ULYSSES in st.special for st in strategies) and len(spec.inputs) > 3 and spec.inputs[3]:
+        # a general mask runs whole (its query rows too): the copy SDPA saves of a bool mask is
+        # priced over the key letter, which is never split (self-attention: as long as the query)
+        mask = spec.inputs[3]
+        saved = tuple(dataclasses.replace(sv, letters=mask.replace("s", "t"))
+                      if sv.kind == "extra" and sv.letters == mask else sv for sv in saved)
     return spec if saved is spec.saved else dataclasses.replace(spec, saved=saved)
 
 
