@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from exactness import assert_matches_eager, train_eagerly  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.models import build  # noqa: E402
+from autopar.models import HF_ZOO, build  # noqa: E402
 from autopar.models.hf import ImageLossWrapper, _config, _make, _transformers  # noqa: E402
 from runtime.launch import run_local  # noqa: E402
 
@@ -35,9 +35,7 @@ OPT = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9}
 # name -> (config class, model class, config, attention implementation); text models take
 # (input_ids, labels), image models (pixel_values, labels)
 TEXT = {
-    "albert": ("AlbertConfig", "AlbertForMaskedLM", dict(vocab_size=V, embedding_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "sdpa"),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=64), "sdpa"),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8), "eager"),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0), "sdpa"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2), "sdpa"),
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "eager"),
@@ -56,6 +54,8 @@ IMAGE = {
     "convnext": ("ConvNextConfig", "ConvNextForImageClassification", dict(num_stages=2, image_size=16, num_channels=3, hidden_sizes=[16, 32], depths=[1, 1], patch_size=2, num_labels=10, drop_path_rate=0.0), "eager"),
     "deit": ("DeiTConfig", "DeiTForImageClassification", dict(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "sdpa"),
 }
+# already factories of the zoo (autopar/models/hf.py), also trained in CI (tests/test_hf_suite.py)
+ZOO_ARCHS = ("hf_albert", "hf_gemma2")
 MOE = {"qwen2_moe"}   # transformers' static "batched_mm" experts (the default loops over nonzero())
 
 # plan name -> (constraints, policy)
@@ -70,6 +70,8 @@ PLANS = {
 
 
 def factory(name):
+    if name in ZOO_ARCHS:
+        return HF_ZOO[name]()
     if name in TEXT:
         cfg, cls, kw, attn = TEXT[name]
         return _make(cfg, cls, kw, 8, 16, V, "cpu", 0, attn, "batched_mm" if name in MOE else None)
@@ -111,7 +113,7 @@ def run_case(name: str, plan_name: str) -> tuple[bool, str]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--archs", default=",".join(list(TEXT) + list(IMAGE)))
+    ap.add_argument("--archs", default=",".join(list(ZOO_ARCHS) + list(TEXT) + list(IMAGE)))
     ap.add_argument("--plans", default="megatron,auto,zero3")
     args = ap.parse_args()
     warnings.simplefilter("ignore")

@@ -65,6 +65,7 @@ from autopar.pricing.cost import Collectives
 from autopar.pricing.regather import keeps_shard
 from autopar.rules.layout import Layout
 from autopar.rules import spec_for, tensor_inputs
+from autopar.rules.candidates import storage_roots
 from autopar.rules.localize import local_call
 from autopar.execution.microbatch import decompose, loss_scale
 from autopar.rules.strategy import Strategy
@@ -186,25 +187,15 @@ class _Builder:
         return node
 
     # ------------------------------------------------------------- main
-    def _zero3_aliases(self, traced, nodes) -> dict[str, int]:
+    def _zero3_aliases(self, traced, specs) -> dict[str, int]:
         """Node name -> ZeRO-3 chunk, for the chunks' parameters and every value sharing a
-        parameter's storage (its views: ``t``, ``numpy_T``, ``view``, ``expand`` ...), told by the
-        traced fake values' storages as autopar/rules/candidates.py groups storage roots."""
+        parameter's storage (its views: ``t``, ``numpy_T``, ``view``, ``expand`` ...): the traced
+        storage roots (autopar/rules/candidates.py ``storage_roots``) that are a chunk's parameter."""
         if not self.zero3:
             return {}
-        out, by_storage = {}, {}
-        for n in nodes:
-            fqn = traced.param_fqn.get(n.name) if n.op == "placeholder" else None
-            if fqn in self.zero3:
-                out[n.name] = self.zero3[fqn]
-                sid = _storage_id(n)
-                if sid is not None:
-                    by_storage[sid] = self.zero3[fqn]
-            elif n.op == "call_function" and by_storage:
-                sid = _storage_id(n)
-                if sid in by_storage:
-                    out[n.name] = by_storage[sid]
-        return out
+        chunk = {n: self.zero3[f] for n, f in traced.param_fqn.items() if f in self.zero3}
+        roots, _ = storage_roots(traced.gm, lambda n: specs[n.name].returns_input if n.name in specs else None)
+        return {**chunk, **{n: chunk[r] for n, r in roots.items() if r in chunk}}
 
     def build(self) -> RankProgram:
         traced = self.traced
@@ -234,7 +225,7 @@ class _Builder:
         # transpose was the last reader, the matmul ran after the free on a released storage).
         op_index = {n.name: k for k, n in enumerate(nodes)}
         chunk_span: dict[int, list[int]] = {}
-        chunk_of = self._zero3_aliases(traced, nodes)
+        chunk_of = self._zero3_aliases(traced, specs)
         for n in nodes:
             if n.op != "call_function":
                 continue
@@ -450,16 +441,6 @@ def _the_gather(x, shard):
     if isinstance(x, fx.Node) and x.target in (RC.all_gather, SX.zz_all_gather) and x.args[0] is shard:
         return x
     return None
-
-
-def _storage_id(n):
-    v = _val(n)
-    if not isinstance(v, torch.Tensor):
-        return None
-    try:
-        return id(v.untyped_storage())
-    except Exception:   # a fake value without storage: no alias
-        return None
 
 
 def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None,

@@ -97,12 +97,12 @@ def run_local(fn, nprocs: int, args: tuple = (), timeout: float = 300.0, pg_time
     before ``fn`` ran and the group starts again on another port (``PORT_ATTEMPTS`` in all)."""
     # Import once in the parent: a forked rank's first backward otherwise spends 1-2 s importing it.
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
-    for attempt in range(PORT_ATTEMPTS):
+    for _ in range(PORT_ATTEMPTS - 1):
         try:
-            return _run_once(fn, nprocs, args, timeout, pg_timeout, last=attempt == PORT_ATTEMPTS - 1)
+            return _run_once(fn, nprocs, args, timeout, pg_timeout, last=False)
         except _PortTaken:
             continue
-    raise AssertionError("unreachable")  # pragma: no cover
+    return _run_once(fn, nprocs, args, timeout, pg_timeout, last=True)   # a taken port is an error now
 
 
 def _run_once(fn, nprocs: int, args: tuple, timeout: float, pg_timeout: float, last: bool):
@@ -120,27 +120,30 @@ def _run_once(fn, nprocs: int, args: tuple, timeout: float, pg_timeout: float, l
     deadline = time.monotonic() + timeout
     taken = False   # the store's port was in use: stop everyone, the caller starts again
     grace_end = None   # once a rank failed: how long the others get to report their own error
+
+    def record(rank, ok, payload) -> bool:
+        """File a rank's report; True when it says the store's port was taken (and this is not
+        the last try: then it is an error like any other)."""
+        if ok == _PORT_TAKEN and not last:
+            return True
+        (results if ok is True else errors)[rank] = payload
+        return False
+
     try:
         while len(results) + len(errors) < nprocs:
             now = time.monotonic()
             if now > deadline or (grace_end is not None and now > grace_end):
                 break
             try:
-                rank, ok, payload = queue.get(timeout=0.2)
-                if ok == _PORT_TAKEN and not last:
-                    taken = True
-                    break
-                (results if ok is True else errors)[rank] = payload   # (the last try: an error)
+                taken = record(*queue.get(timeout=0.2))
             except queue_mod.Empty:
                 # A rank that is gone without reporting (killed, os._exit, a crash in C code).
                 for r, p in enumerate(procs):
                     if p.exitcode is not None and r not in results and r not in errors:
                         time.sleep(0.2)   # its report may still be in the pipe
                         try:
-                            while True:
-                                rk, ok, payload = queue.get_nowait()
-                                taken = taken or (ok == _PORT_TAKEN and not last)
-                                (results if ok is True else errors)[rk] = payload
+                            while not taken:
+                                taken = record(*queue.get_nowait())
                         except queue_mod.Empty:
                             pass
                         if taken:

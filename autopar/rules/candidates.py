@@ -171,9 +171,11 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
             batch_of[node.name] = tuple(out_batch)
             nodes[node.name] = NodeInfo(node.name, "op", node, strategies, spec=spec, batch_dims=tuple(out_batch))
             order.append(node.name)
-    sequence.restrict(graph, mesh, nodes, order, policy)   # sequence-parallel modes (autopar/rules/sequence.py)
-    roots, root_bytes = _storage_roots(gm, nodes)
-    cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=_graph_needs_grad(graph, nodes))
+    needs_grad = _graph_needs_grad(graph, nodes)
+    # sequence-parallel modes (autopar/rules/sequence.py)
+    sequence.restrict(graph, mesh, nodes, order, policy, needs_grad)
+    roots, root_bytes = storage_roots(gm, lambda n: _returns_input(nodes.get(n.name)))
+    cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=needs_grad)
     _assign_representatives(cands)
     return cands
 
@@ -232,10 +234,16 @@ def _needs_grad(gm, nodes, buffers) -> set[str]:
     return out
 
 
-def _storage_roots(gm, nodes) -> tuple[dict[str, str], dict[str, int]]:
-    """Group values by the storage their fake tensor uses (views share it), first producer wins.
-    An op that returns its input itself at run time (``OpSpec.returns_input``) shares the input's
-    root whatever storage its fake value has (and so do the views of it)."""
+def _returns_input(info) -> int | None:
+    return info.spec.returns_input if info is not None and info.spec is not None else None
+
+
+def storage_roots(gm, returns_input) -> tuple[dict[str, str], dict[str, int]]:
+    """Group values by the storage their fake tensor uses (views share it), first producer wins:
+    (node -> the node whose storage it aliases, root -> its bytes). An op that returns its input
+    itself at run time (``returns_input(node)``: ``OpSpec.returns_input``, the input's index or
+    None) shares the input's root whatever storage its fake value has (and so do the views of
+    it). Also what codegen/per_rank.py reads a ZeRO-3 chunk's weight views from."""
     first: dict[int, str] = {}
     roots, sizes = {}, {}
     for node in gm.graph.nodes:
@@ -247,8 +255,7 @@ def _storage_roots(gm, nodes) -> tuple[dict[str, str], dict[str, int]]:
             key, nbytes = id(storage), int(storage.nbytes())
         except Exception:   # some fake values carry no storage: treat as their own root
             key, nbytes = id(val), int(val.numel() * val.element_size())
-        info = nodes.get(node.name)
-        k = info.spec.returns_input if info is not None and info.spec is not None else None
+        k = returns_input(node)
         src = tensor_inputs(node)[k] if k is not None else None
         if src is not None and src.name in roots:
             first.setdefault(key, roots[src.name])

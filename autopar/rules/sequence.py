@@ -177,10 +177,12 @@ def input_seq_dims(graph, batch_dims) -> dict[str, frozenset]:
     return out
 
 
-def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | None) -> None:
+def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | None,
+             needs_grad=frozenset()) -> None:
     """Apply the sequence mode of ``policy`` to the candidates' strategies in place (called by
     candidates.candidates before block representatives are assigned: deterministic per spec,
-    so every block instance keeps the same list)."""
+    so every block instance keeps the same list). ``needs_grad``: the values gradients flow to
+    (``Candidates.needs_grad``; a mask among them is a learned bias: sequence_attention)."""
     _, mode = split_policy(policy)
     sps = [a for a in seq_axes(mesh) if mesh.shape[a] > 1]
     if mode is None and not sps:
@@ -194,10 +196,7 @@ def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | Non
                                              if mode == "ulysses" else " (explicit matmul/softmax attention?)")
                         + ": pin only sp, and its attention runs on the sequence split with K/V all-gathered by "
                           "resharding")
-    grad = frozenset()
-    if sps and has_sdpa:   # what gradients reach (a mask among them is a learned bias: sequence_attention)
-        from autopar.rules.candidates import _graph_needs_grad
-        grad = frozenset(_graph_needs_grad(graph, nodes))
+    grad = frozenset(needs_grad)
     for name, letters in seq.items():
         info = nodes[name]
         node, spec = info.node, info.spec

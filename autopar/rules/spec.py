@@ -86,5 +86,5 @@ class OpSpec:
     # ``aten.dropout`` returns its input on every device), or None. The trace's fake value of
     # such an op is a fresh storage, so without this a tensor saved through it (attention probs
     # saved by softmax and, after a p = 0 dropout, by the probs @ V matmul) is charged twice
-    # (autopar/rules/candidates.py ``_storage_roots``).
+    # (autopar/rules/candidates.py ``storage_roots``).
     returns_input: int | None = None
