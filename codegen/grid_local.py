@@ -26,15 +26,16 @@ class GridLoweringError(ValueError):
 
 @dataclass(frozen=True)
 class Lay:
-    kind: str                 # act | hid | full | in | loss
+    kind: str                 # act | hid | full | in | rep | loss
     L: object = None          # layout (codegen/grid_layout.py)
-    tdim: int | None = None   # dim split into token blocks (act) / batch dim (in)
+    tdim: int | None = None   # dim split into token blocks (act) / batch dim (in, rep)
     hdim: int | None = None   # dim split into hidden blocks (act, hid)
+    share: bool = False       # rep: a share of a value reduced over the batch (codegen/grid_replicated.py)
 
 
 @dataclass
 class ParamUse:
-    kind: str                 # weight | bias | norm | table | conv | loose
+    kind: str                 # weight | bias | norm | table | conv | loose | whole
     L: object
     perm: tuple | None = None     # QKV column order of a weight / bias
     hdim: int | None = None       # loose: the hidden dim
@@ -42,6 +43,14 @@ class ParamUse:
 
 
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# elementwise ops torch does not tag pointwise
+_ELEMENTWISE = {aten._to_copy.default, aten.alias.default, aten.detach.default, aten.type_as.default,
+                aten.dropout.default}
+
+def is_pointwise(target) -> bool:
+    """An ATen op torch tags pointwise (elementwise with broadcasting)."""
+    return torch.Tag.pointwise in getattr(target, "tags", ())
+
 
 class LocalOps:
     """Mixin of GridProgram: the local ops."""
@@ -127,12 +136,32 @@ class LocalOps:
                 self.local_shapes[n.name] = ([tuple(qv.shape), tuple(kv.shape), tuple(vv.shape)], [tuple(out.shape)])
                 self._save(qv, kv, vv, out, self._fresh(qv.shape[:-1]))
                 return out, x0[1]
-        # pointwise / same-shape local op
+        # an elementwise op (torch's pointwise tag) on values of one split layout; anything else
+        # runs replicated (codegen/grid_replicated.py)
+        if t not in _ELEMENTWISE and t is not aten.scaled_dot_product_attention.default and not is_pointwise(t):
+            self._fail(n, "not an elementwise op")
+        if any(isinstance(v, torch.fx.Node) for v in n.kwargs.values()):
+            self._fail(n, "a tensor keyword argument")
+        if ref is None and any(isinstance(a, torch.fx.Node) and a.name in self.g.param_fqn for a in n.args):
+            self._fail(n, "a parameter met by no split activation")
         if ref is not None:
             for i, a in enumerate(args):
-                if isinstance(a, tuple) and a[1].kind == "in":
+                if not isinstance(a, tuple):
+                    continue
+                if a[1].kind == "in":
                     args[i] = (self._tokens(a, ref.L), None)
+                elif a[1].kind in ("act", "hid"):
+                    if _align(a[1], a[0].dim(), nd) != replace(ref, kind=a[1].kind) and \
+                            not (a[1].kind == "hid" and _align(a[1], a[0].dim(), nd).hdim == ref.hdim
+                                 and a[1].L == ref.L):
+                        self._fail(n, "values of different split layouts")
+                elif a[1].kind in ("rep", "full", "loss") or a[1].share:
+                    args[i] = (self._block_of_whole(n, a, ref, nd), None)
         out = t(*[a[0] if isinstance(a, tuple) else a for a in args], **n.kwargs)
+        if ref is not None and isinstance(out, torch.Tensor) and nd is not None \
+                and list(out.shape) != self._lshape(self._gshape(n), ref):
+            self._fail(n, f"its output {list(out.shape)} is not the block {self._lshape(self._gshape(n), ref)} "
+                          f"of its split inputs")
         if self.meta:   # the local shapes the kernel ran on (planning: its GEMM efficiency)
             self.local_shapes[n.name] = ([tuple(a[0].shape) for a in args if isinstance(a, tuple)
                                           and isinstance(a[0], torch.Tensor)],
@@ -144,6 +173,24 @@ class LocalOps:
         if ins and nd == tensors[0][0].dim():
             return out, ins[0]
         return out, Lay("full")
+
+    def _block_of_whole(self, n, val, ref: Lay, nd: int):
+        """My block of a whole value (rep / full, no gradient) that an elementwise op broadcasts
+        against values split as ``ref``: cut along the split dims where it has their size."""
+        t, lay = val
+        if lay.kind == "loss" or lay.share or t.requires_grad:
+            self._fail(n, "a whole value with a gradient met by split values")
+        off = nd - t.dim()
+        for key, chain in (("tdim", self._tok_chain(ref.L)), ("hdim", [(self.geo.hid_group(ref.L), self.geo.q)])):
+            d = getattr(ref, key)
+            if d is None or d - off < 0 or t.shape[d - off] == 1:
+                continue
+            for label, size in chain:
+                if t.shape[d - off] % size:
+                    self._fail(n, f"a whole value of size {t.shape[d - off]} on a dim split into {size}")
+                idx = 0 if self.meta else self.coords[label]
+                t = torch.chunk(t, size, dim=d - off)[idx]
+        return t
 
     def _cat(self, n, env):
         parts = [self._val(env, a) for a in n.args[0]]
@@ -169,6 +216,8 @@ class LocalOps:
         off = len(new) - t.dim()
         if lay.kind == "hid" and new[0] == self.batch and (off > 0 or t.shape[0] == 1):
             lay2 = Lay("act", lay.L, 0, lay.hdim + off)
+        elif lay.kind == "rep" and lay.tdim is None and new[0] == self.batch and (off > 0 or t.shape[0] == 1):
+            lay2 = Lay("rep", tdim=0)     # a batch-free value expanded over this rank's rows
         else:
             lay2 = _shift(lay, off)
         return t.expand(*self._lshape(new, lay2)), lay2
@@ -247,6 +296,8 @@ def _map_view(old, new, lay: Lay, geo, n, fail) -> Lay:
             continue
         if lay.kind == "in" and key == "tdim":
             parts = 1
+        if lay.kind == "rep" and key == "tdim":
+            parts = geo.batch_parts
         for oi, nj in _groups(list(old), list(new)):
             if d in oi:
                 first_o = next(o for o in oi if old[o] != 1)

@@ -40,12 +40,22 @@ import torch.nn.functional as F
 
 from codegen.grid_layout import Geometry
 from codegen.grid_local import VIEWS, GridLoweringError, Lay, LocalOps, ParamUse  # noqa: F401
+from codegen.grid_replicated import ReplicatedOps
 from solver import tp_grid_cost as tc
 
 aten = torch.ops.aten
 
 
-class GridProgram(LocalOps):
+class _ParamConflict(Exception):
+    """A parameter a replicated op reads whole was given a split use earlier: analyse again with
+    it whole from the start."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.name = name
+
+
+class GridProgram(LocalOps, ReplicatedOps):
     """``graph``: autopar.frontend.trace.TracedGraph; ``geo``: the grid; ``grid``: runtime/grid.py grid
     (None with ``meta``)."""
 
@@ -57,6 +67,9 @@ class GridProgram(LocalOps):
         self.grouped: set[str] = set()     # linear outputs whose columns are in QKV head-group order
         self.kinds: dict[str, str] = {}     # node -> what it runs as (the plan's per-op strategy)
         self.replicas = geo.q              # per-token losses are replicated over the class split
+        self.replicated: set[str] = set()  # nodes run whole on every rank (codegen/grid_replicated.py)
+        self.why: dict[str, str] = {}      # ... and why the grid could not run them
+        self.force_whole: set[str] = set()   # parameters held whole (a replicated op reads them)
         # what each rank's kernels compute (planning, for the GEMM efficiency curve): grid op ->
         # (forward GEMM kernels, rows, inner, cols) of one kernel; local op -> the local shapes
         # of its tensor arguments and of its output
@@ -74,8 +87,18 @@ class GridProgram(LocalOps):
                 f"blocks of whole sequences ({geo.nm} micro-batch(es) x dp={geo.dp} x {geo.grid_tok_parts} token "
                 f"blocks of the grid): choose a batch divisible by {geo.tok_parts}")
         self.meta, self.grid, self.coords = True, None, None
+        self.replicated, self.why, self.force_whole = set(), {}, set()
+        while True:
+            try:
+                return self._analyse_once()
+            except _ParamConflict as e:   # bounded: each round holds one more parameter whole
+                self.force_whole.add(e.name)
+                self.replicated, self.why = set(), {}
+
+    def _analyse_once(self) -> "GridProgram":
         self.uses, self.colls, self.saved = {}, [], 0
-        self.gemms, self.local_shapes = {}, {}
+        self.gemms, self.local_shapes, self.kinds, self.grouped = {}, {}, {}, set()
+        self._keep = []
         seen: dict[int, object] = {}
         self._seen = seen
 
@@ -127,22 +150,62 @@ class GridProgram(LocalOps):
                     bd = bdims.get(n.name)
                     env[n.name] = (t, Lay("in", tdim=bd) if bd is not None else Lay("full"))
             elif n.op == "call_function":
-                try:
-                    env[n.name] = self._op(n, env)
-                    self.kinds[n.name] = self._kind(n)
-                except GridLoweringError:
-                    raise
-                except Exception as e:   # a shape that does not divide, a runtime check
-                    raise GridLoweringError(f"{self.geo.mode} tensor parallelism cannot run node {n.name} "
-                                            f"({n.target}): {e}") from e
+                env[n.name] = self._lower(n, env)
             elif n.op == "output":
                 out = n.args[0]
                 out = out[0] if isinstance(out, (tuple, list)) else out
                 t, lay = env[out.name]
-                if lay.kind != "loss":
-                    raise GridLoweringError(f"the grid program's output {out.name} is not a cross-entropy loss")
+                if lay.kind == "loss":
+                    self.replicas = self.geo.q
+                elif lay.kind == "rep" and t.dim() == 0 and (lay.share or self.geo.batch_parts == 1):
+                    self.replicas = self.geo.world    # every rank of the grid holds the (share of the) loss
+                else:
+                    raise GridLoweringError(f"the grid program's output {out.name} is not a loss (a scalar reduced "
+                                            f"over the batch)")
                 return t
         raise GridLoweringError("graph has no output")
+
+    def _lower(self, n, env):
+        """Node ``n`` on the grid, or replicated when the grid cannot run it: decided while
+        analysing (on meta; whatever the attempt recorded is rolled back), followed on a rank."""
+        if n.name not in self.replicated:
+            mark = self._mark()
+            try:
+                out = self._op(n, env)
+                self.kinds[n.name] = self._kind(n)
+                return out
+            except _ParamConflict:
+                raise
+            except Exception as e:   # an op or layout no grid rule covers, a shape that does not divide
+                if not self.meta:
+                    raise GridLoweringError(f"{self.geo.mode} tensor parallelism cannot run node {n.name} "
+                                            f"({n.target}): {e}") from e
+                self._rollback(mark)
+                self.replicated.add(n.name)
+                self.why[n.name] = str(e)
+        try:
+            out = self._replicated(n, env)
+        except (GridLoweringError, _ParamConflict):
+            raise
+        except Exception as e:
+            raise GridLoweringError(f"{self.geo.mode} tensor parallelism cannot run node {n.name} ({n.target}), "
+                                    f"not even whole on every rank: {e}") from e
+        self.kinds[n.name] = "replicated"
+        return out
+
+    def _mark(self):
+        return (len(self.colls), len(self.uses), len(self._seen) if self.meta else 0, len(self._keep),
+                set(self.grouped))
+
+    def _rollback(self, mark):
+        colls, uses, seen, keep, grouped = mark
+        del self.colls[colls:]
+        for k in list(self.uses)[uses:]:
+            del self.uses[k]
+        for k in list(self._seen)[seen:]:
+            del self._seen[k]
+        del self._keep[keep:]
+        self.grouped = grouped
 
     # ---- helpers
     def _fail(self, n, why):
@@ -160,6 +223,8 @@ class GridProgram(LocalOps):
             s[lay.tdim] //= self.geo.tok_parts
         if lay.kind in ("act", "hid") and lay.hdim is not None:
             s[lay.hdim] //= self.geo.q
+        if lay.kind == "rep" and lay.tdim is not None:
+            s[lay.tdim] //= self.geo.batch_parts
         return s
 
     def _fresh(self, shape, dtype=torch.float32):
@@ -183,6 +248,10 @@ class GridProgram(LocalOps):
         """My block of parameter ``name`` for ``use`` (recorded; one use per parameter, except a
         table shared with a tied classifier)."""
         old = self.uses.get(name)
+        if use.kind == "whole" and self.meta and old is not None and old.kind != "whole":
+            raise _ParamConflict(name)
+        if use.kind != "whole" and name in self.force_whole:
+            raise GridLoweringError(f"parameter {self.g.param_fqn[name]} is held whole (an op runs replicated on it)")
         if old is not None and (old.kind, old.L, old.perm) != (use.kind, use.L, use.perm):
             raise GridLoweringError(f"parameter {self.g.param_fqn[name]} is used as {old.kind} and as {use.kind}")
         self.uses[name] = use
@@ -227,6 +296,8 @@ class GridProgram(LocalOps):
             return self._cross_entropy(n, env)
         if t is operator.getitem:
             (vals, lay), i = self._val(env, n.args[0]), n.args[1]
+            if lay.kind == "rep" and isinstance(vals[i], torch.Tensor):
+                return vals[i], self._rep_lay(n, vals[i], True, lay.share)
             return vals[i], lay
         if t is aten.arange.default or t is aten.arange.start:
             if self.meta:
@@ -271,6 +342,8 @@ class GridProgram(LocalOps):
                 return torch.empty(s, dtype=t.dtype, device="meta"), Lay("act", L, lay.tdim, t.dim() - 1)
             idx, q = self.geo.hid_block(L, self.coords)
             return torch.chunk(t, q, dim=-1)[idx].contiguous(), Lay("act", L, lay.tdim, t.dim() - 1)
+        if lay.kind == "rep":
+            return self._rep_to_act(n, val, L or self.geo.L0)
         if lay.kind != "act" or lay.tdim != 0 or lay.hdim != t.dim() - 1:
             self._fail(n, f"input must be an activation split on tokens (dim 0) and hidden (last dim), got {lay}")
         return t, lay
@@ -338,6 +411,14 @@ class GridProgram(LocalOps):
             self.colls += tc.linear_2p5d(m // geo.batch_parts, k, nf, q, geo.d, bias=bias)
         else:
             self.colls += tc.linear_3d(m // geo.batch_parts, k, nf, q, bias=bias, axes=L)
+        if geo.mode != "3d" and not x.requires_grad:
+            # an input without gradient (a model input, patches): SUMMA's backward skips dA (its
+            # column broadcasts of W and row reduces of the partial dA); the 3D matmul computes
+            # dX regardless
+            a_blk, w_blk = x.numel() * 4, w.numel() * 4
+            for drop in (tc.Collective("broadcast", "col", geo.q, w_blk, geo.q, "backward"),
+                         tc.Collective("reduce", "row", geo.q, a_blk, geo.q, "backward")):
+                self.colls.remove(drop)
         L2 = geo.swap(L)
         out_lay = Lay("act", L2, 0, x.dim() - 1)
         if self.meta:
@@ -416,13 +497,6 @@ class GridProgram(LocalOps):
         w = self._param(w_name, ParamUse("conv", L), (k // q, out_c // (q * q) if geo.mode == "3d" else out_c // q))
         b = None if b_node is None else self._param(self._pname(n, b_node), ParamUse("bias", L), (out_c // geo.table_parts(),))
         y, ylay = self._grid_linear(x, lay, w, b, B * ph * pw, k, out_c, n)
-        if geo.mode != "3d":
-            # the patches need no gradient: SUMMA's backward skips dA (its column broadcasts of W
-            # and row reduces of the partial dA); the 3D matmul computes dX regardless
-            a_blk, w_blk = x.numel() * 4, w.numel() * 4
-            for drop in (tc.Collective("broadcast", "col", geo.q, w_blk, geo.q, "backward"),
-                         tc.Collective("reduce", "row", geo.q, a_blk, geo.q, "backward")):
-                self.colls.remove(drop)
         y = y.reshape(y.shape[0], ph, pw, y.shape[-1]).permute(0, 3, 1, 2)
         return y, Lay("act", ylay.L, 0, 1)
 

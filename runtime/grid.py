@@ -203,3 +203,21 @@ def take(t: torch.Tensor, spec) -> torch.Tensor:
         check_divisible(f"dim {dim}", t.shape[dim], n, "grid block")
         t = torch.chunk(t, n, dim=dim)[idx]
     return t.contiguous()
+
+
+class _GradOnFirst(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, first):
+        ctx.first = first
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g if ctx.first else torch.zeros_like(g)), None
+
+
+def grad_on_first(x: torch.Tensor, first: bool) -> torch.Tensor:
+    """Identity; backward: the gradient on the ``first`` rank only, zeros elsewhere. Turns a value
+    whose gradient every rank holds whole into one whose gradient is partial over those ranks
+    (codegen/grid_replicated.py: a hidden-split value replicated over the token groups)."""
+    return _GradOnFirst.apply(x, first)

@@ -46,6 +46,8 @@ def _spec(geo, use, coords, shape):
     if use.kind == "table":
         return geo.table_spec(use.L, coords)
     spec = [None] * len(shape)
+    if use.kind == "whole":     # read by an op run whole on every rank (codegen/grid_replicated.py)
+        return tuple(spec)
     spec[use.hdim] = geo.hid_block(use.L, coords)
     return tuple(spec)
 

@@ -110,7 +110,9 @@ def _bound_parts(graph, cluster, base, geo, cands) -> tuple[float, float]:
     # compute: the linears at the kernel shapes the lowering records; ops without a contraction
     # (priced from their FLOPs and bytes alone); other contractions left out (their local shapes
     # come from the lowering)
-    per_op = grid_compute(cands, SimpleNamespace(gemms=gemms, local_shapes={}), cluster, base.precision, geo)
+    # every op split over the world (none replicated): a lower bound
+    per_op = grid_compute(cands, SimpleNamespace(gemms=gemms, local_shapes={}, replicated=set()), cluster,
+                          base.precision, geo)
     compute = sum(t for name, (_, t) in per_op.items()
                   if name in gemms or not has_contraction(cands.nodes[name].spec))
     mesh = Mesh(geo.mesh_shape, geo.mesh_names, cluster.devices_per_node)

@@ -246,6 +246,7 @@ def grid_compute(cands, prog, cluster, precision: str, geo: Geometry) -> dict[st
     itemsize = 2 if dtype == "bf16" else 4
     cal = profile_of(cluster)
     world = geo.devices * geo.nm    # the work of one op call, as a fraction of the step's
+    whole = geo.nm * geo.dp         # ... of an op run whole on every rank, on its rows of the batch
     out = {}
     for name in cands.order:
         info = cands.nodes[name]
@@ -262,7 +263,8 @@ def grid_compute(cands, prog, cluster, precision: str, geo: Geometry) -> dict[st
         elif wgrad:
             ai = _local_intensity(spec, prog.local_shapes.get(name), itemsize)
         bscale = op_bytes_scale(node_val(info.node), precision)
-        f, b = fwd_bwd_compute(spec.flops / world / kernels, spec.bytes * bscale / world / kernels, dtype,
+        share = whole if name in prog.replicated else world
+        f, b = fwd_bwd_compute(spec.flops / share / kernels, spec.bytes * bscale / share / kernels, dtype,
                                cluster.device, wgrad, ai, cal, op=spec.rule)
         out[name] = (f * kernels * geo.nm * info.repeats, (f + b) * kernels * geo.nm * info.repeats)
     return out
@@ -292,6 +294,8 @@ def _local_numel(graph, name, geo, use) -> int:
         return n // (geo.q ** 3 if geo.mode == "3d" else geo.q ** 2)
     if use.kind in ("bias", "norm", "table"):
         return n // geo.table_parts()
+    if use.kind == "whole":
+        return n
     return n // geo.q
 
 
