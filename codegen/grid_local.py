@@ -45,7 +45,10 @@ class ParamUse:
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 # elementwise ops torch does not tag pointwise
 _ELEMENTWISE = {aten._to_copy.default, aten.alias.default, aten.detach.default, aten.type_as.default,
-                aten.dropout.default}
+                aten.dropout.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.clone.default,
+                aten.contiguous.default, aten.lift_fresh_copy.default}
+# ops without an output that check metadata only (export inserts them around dtype casts)
+NO_OUTPUT = {aten._assert_tensor_metadata.default}
 
 def is_pointwise(target) -> bool:
     """An ATen op torch tags pointwise (elementwise with broadcasting)."""
@@ -119,14 +122,25 @@ class LocalOps:
             return x0[0].unsqueeze(dim), _insert(x0[1], dim)
         if t is aten.split.Tensor:
             return self._split(n, x0, args)
+        if t is aten.slice.Tensor:
+            dim = (args[1] if len(args) > 1 else 0) % x0[0].dim()
+            if dim in (x0[1].tdim, x0[1].hdim) and x0[1].kind in ("act", "hid", "rep"):
+                self._fail(n, "slice along a split dim")
+            return aten.slice.Tensor(x0[0], dim, *args[2:]), x0[1]
+        if ref is None and any(isinstance(a, tuple) and (a[1].kind in ("rep", "loss") or a[1].share) for a in args):
+            # values whole on every rank with a gradient (a replicated op's output): the op runs
+            # replicated too, which keeps their layout (batch rows, shares)
+            self._fail(n, "an op on values whole on every rank")
         if t is aten.dropout.default and args[1] and args[2]:
             self._fail(n, "dropout with p > 0 (its random mask would differ from one process)")
         if t is aten.scaled_dot_product_attention.default:
             lay = x0[1]
             if lay.kind != "act" or lay.tdim != 0 or lay.hdim != 1:
                 self._fail(n, "attention needs whole sequences and heads split on dim 1")
-            if (len(args) > 3 and args[3] is not None) or (len(args) > 4 and args[4]):
-                self._fail(n, "attention with a mask tensor or dropout")
+            if len(args) > 4 and args[4]:
+                self._fail(n, "attention with dropout")
+            if len(args) > 3 and isinstance(args[3], tuple):
+                args[3] = self._attn_mask(n, args[3], lay, x0[0])
             if self.meta:
                 # meta has no fused CPU kernel: what it saves (q, k, v, the output and the fp32
                 # logsumexp; docs/architecture.md "Memory") is recorded here
@@ -135,6 +149,8 @@ class LocalOps:
                 out = self._fresh((b_, s_, h_, d_), qv.dtype).transpose(1, 2)
                 self.local_shapes[n.name] = ([tuple(qv.shape), tuple(kv.shape), tuple(vv.shape)], [tuple(out.shape)])
                 self._save(qv, kv, vv, out, self._fresh(qv.shape[:-1]))
+                if len(args) > 3 and isinstance(args[3], torch.Tensor):
+                    self._save(args[3])
                 return out, x0[1]
         # an elementwise op (torch's pointwise tag) on values of one split layout; anything else
         # runs replicated (codegen/grid_replicated.py)
@@ -157,7 +173,7 @@ class LocalOps:
                         self._fail(n, "values of different split layouts")
                 elif a[1].kind in ("rep", "full", "loss") or a[1].share:
                     args[i] = (self._block_of_whole(n, a, ref, nd), None)
-        out = t(*[a[0] if isinstance(a, tuple) else a for a in args], **n.kwargs)
+        out = t(*self._on_meta([a[0] if isinstance(a, tuple) else a for a in args]), **self._on_meta(n.kwargs))
         if ref is not None and isinstance(out, torch.Tensor) and nd is not None \
                 and list(out.shape) != self._lshape(self._gshape(n), ref):
             self._fail(n, f"its output {list(out.shape)} is not the block {self._lshape(self._gshape(n), ref)} "
@@ -173,6 +189,33 @@ class LocalOps:
         if ins and nd == tensors[0][0].dim():
             return out, ins[0]
         return out, Lay("full")
+
+    def _attn_mask(self, n, val, ref: Lay, q):
+        """My block of an attention mask / bias: its batch rows and (if it has them) heads as the
+        query's; a mask split like the query (a position bias computed from split values) as it is."""
+        t, lay = val
+        if lay.kind == "in":
+            t = self._tokens(val, ref.L)
+        elif lay.kind in ("act", "hid"):
+            if _align(lay, t.dim(), 4) != replace(ref, kind=lay.kind):
+                self._fail(n, "an attention mask split unlike the query")
+        else:
+            t = self._block_of_whole(n, val, ref, 4)
+        off = 4 - t.dim()
+        for d in (0, 1):
+            if d - off >= 0 and t.shape[d - off] not in (1, q.shape[d]):
+                self._fail(n, f"an attention mask {tuple(t.shape)} that does not match the query's block "
+                              f"{tuple(q.shape)}")
+        return t
+
+    def _on_meta(self, args):
+        """Planning runs on meta tensors: a device argument (``to(device="cpu")``, a factory op's
+        ``device=``) names meta instead, so the op's output stays on meta."""
+        if not self.meta:
+            return args
+        if isinstance(args, dict):
+            return {k: self._on_meta([v])[0] for k, v in args.items()}
+        return [torch.device("meta") if isinstance(a, torch.device) else a for a in args]
 
     def _block_of_whole(self, n, val, ref: Lay, nd: int):
         """My block of a whole value (rep / full, no gradient) that an elementwise op broadcasts

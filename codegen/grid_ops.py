@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from codegen.grid_layout import Geometry
-from codegen.grid_local import VIEWS, GridLoweringError, Lay, LocalOps, ParamUse  # noqa: F401
+from codegen.grid_local import NO_OUTPUT, VIEWS, GridLoweringError, Lay, LocalOps, ParamUse  # noqa: F401
 from codegen.grid_replicated import ReplicatedOps
 from solver import tp_grid_cost as tc
 
@@ -66,7 +66,7 @@ class GridProgram(LocalOps, ReplicatedOps):
         self.saved = 0
         self.grouped: set[str] = set()     # linear outputs whose columns are in QKV head-group order
         self.kinds: dict[str, str] = {}     # node -> what it runs as (the plan's per-op strategy)
-        self.replicas = geo.q              # per-token losses are replicated over the class split
+        self.loss_lay = Lay("loss", geo.L0)   # the output's: a split cross-entropy's share, or a rep scalar
         self.replicated: set[str] = set()  # nodes run whole on every rank (codegen/grid_replicated.py)
         self.why: dict[str, str] = {}      # ... and why the grid could not run them
         self.force_whole: set[str] = set()   # parameters held whole (a replicated op reads them)
@@ -120,6 +120,14 @@ class GridProgram(LocalOps, ReplicatedOps):
         self.saved_detail = [(st.nbytes(),) for st in seen.values()]
         return self
 
+    def loss_partial_labels(self) -> list[str]:
+        """The groups (COMM_STATS labels) whose ranks hold different shares of the loss, whose sum
+        is the step's loss: the dp replicas, and the token groups of a split cross-entropy (its
+        share is replicated over the class split); a loss computed whole only the dp replicas."""
+        lay = self.loss_lay
+        toks = [label for label, _ in self._tok_chain(lay.L)] if lay.kind == "loss" else []
+        return ["dp"] + toks
+
     def bytes_per_group(self) -> dict[str, int]:
         """Per rank, one forward + backward: bytes per COMM_STATS label."""
         return tc.bytes_per_group(self.colls)
@@ -155,10 +163,9 @@ class GridProgram(LocalOps, ReplicatedOps):
                 out = n.args[0]
                 out = out[0] if isinstance(out, (tuple, list)) else out
                 t, lay = env[out.name]
-                if lay.kind == "loss":
-                    self.replicas = self.geo.q
-                elif lay.kind == "rep" and t.dim() == 0 and (lay.share or self.geo.batch_parts == 1):
-                    self.replicas = self.geo.world    # every rank of the grid holds the (share of the) loss
+                if lay.kind == "loss" or (lay.kind == "rep" and t.dim() == 0
+                                          and (lay.share or self.geo.batch_parts == 1)):
+                    self.loss_lay = lay
                 else:
                     raise GridLoweringError(f"the grid program's output {out.name} is not a loss (a scalar reduced "
                                             f"over the batch)")
@@ -256,7 +263,9 @@ class GridProgram(LocalOps, ReplicatedOps):
             raise GridLoweringError(f"parameter {self.g.param_fqn[name]} is used as {old.kind} and as {use.kind}")
         self.uses[name] = use
         if self.meta:
-            t = torch.empty(stored_shape, device="meta", requires_grad=name not in self.g.buffers)
+            dtype = self._meta_params[name].meta["val"].dtype   # an int64 buffer (position ids) stays int64
+            t = torch.empty(stored_shape, dtype=dtype, device="meta",
+                            requires_grad=name not in self.g.buffers and dtype.is_floating_point)
             self._param_storages.add(id(t.untyped_storage()))
             self._keep = getattr(self, "_keep", []) + [t]
             return t
@@ -294,6 +303,8 @@ class GridProgram(LocalOps, ReplicatedOps):
             return self._layer_norm(n, env)
         if t is aten.cross_entropy_loss.default:
             return self._cross_entropy(n, env)
+        if t in NO_OUTPUT:
+            return None, Lay("full")
         if t is operator.getitem:
             (vals, lay), i = self._val(env, n.args[0]), n.args[1]
             if lay.kind == "rep" and isinstance(vals[i], torch.Tensor):
@@ -548,12 +559,12 @@ class GridProgram(LocalOps, ReplicatedOps):
             rows, c = logits.shape
             self._save(self._fresh((rows, c)), torch.empty(rows, dtype=torch.int64, device="meta"),
                        torch.empty(rows, dtype=torch.bool, device="meta"))
-            return (self._fresh((rows,)) * (target != ignore).to(torch.float32)).sum() / denom, Lay("loss")
+            return (self._fresh((rows,)) * (target != ignore).to(torch.float32)).sum() / denom, Lay("loss", lay.L)
         from runtime.split_loss import split_cross_entropy
         hg = geo.hid_group(lay.L)
         blk, _ = geo.hid_block(lay.L, self.coords)
         tok = split_cross_entropy(logits, target, blk, self.grid.group(hg), hg)
         tok = tok * (target != ignore).to(tok.dtype)
-        return tok.sum() / denom, Lay("loss")
+        return tok.sum() / denom, Lay("loss", lay.L)
 
     # ------------------------------------------------------------------ local ops

@@ -47,6 +47,12 @@ _SHARE_OPS = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor
               aten.squeeze.default, aten.unsqueeze.default, aten.squeeze.dim}
 
 
+# random ops: each rank would draw its own values for what must be one whole value
+_RANDOM = {aten.dropout.default, aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p,
+           aten.rand_like.default, aten.randn_like.default, aten.randint_like.default, aten.rand.default,
+           aten.randn.default, aten.randperm.default, aten.multinomial.default}
+
+
 class ReplicatedOps:
     """Mixin of GridProgram: the replicated fallback and the conversions at its borders."""
 
@@ -168,6 +174,10 @@ class ReplicatedOps:
             raise GridLoweringError(
                 f"{geo.mode} tensor parallelism cannot run node {n.name} ({t}): it takes a loss reduced over a share "
                 f"of the batch (micro-batches x dp replicas) through a non-linear op; pin dp=1 and num_micro_batches=1")
+        if t in _RANDOM and not (t is aten.dropout.default and (not n.args[2] or n.args[1] == 0)):
+            raise GridLoweringError(
+                f"{geo.mode} tensor parallelism cannot run node {n.name} ({t}): a random op run whole on every rank "
+                f"would draw a different value on each; set its probability to 0 (dropout p=0) or use tp_mode '1d'")
         batched = False
 
         def conv(a):
@@ -189,6 +199,7 @@ class ReplicatedOps:
         kwargs = {k: conv(v) for k, v in n.kwargs.items()}
         if t in _CROSS_ENTROPY and self._share_rows(batched):
             return self._share_cross_entropy(n, env, args, kwargs)
+        args, kwargs = self._on_meta(args), self._on_meta(kwargs)
         out = t(*args, **kwargs)
         share = bool(shares)
         if self._share_rows(batched) and self._lost_batch(n, out):

@@ -9,6 +9,7 @@ is dropped. ``block_slices`` is this rank's contiguous block of a tensor (first 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -39,6 +40,43 @@ class RankProgram:
     batch_dims: list = field(default_factory=list)   # per user input: its batch dim (or None)
     count_gm: fx.GraphModule | None = None           # this rank's share of the mean losses' denominators
     mean_losses: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)   # (loss node, target split axes)
+
+    takes_whole_batch = False   # the program takes this rank's rows (codegen/grid_rank_program.py: the whole batch)
+
+    def block_of(self, fqn: str, full):
+        """This rank's block of parameter ``fqn`` from its whole tensor."""
+        return full[self.param_slices[fqn]]
+
+    def read_block(self, source, fqn: str):
+        """This rank's block from a weight source (autopar/execution/weights.py): only the block is read."""
+        return source(fqn, self.param_slices[fqn])
+
+    def assemble(self, fqn: str, parts: list, coords_of):
+        """The whole tensor from every rank's block (``parts[r]``: rank r's at mesh ``coords_of(r)``)."""
+        import torch
+
+        lay = self.param_layouts[fqn]
+        full_shape = [(s.stop - s.start) * math.prod(self.mesh_shape[a] for a in lay.dims[d])
+                      for d, s in enumerate(self.param_slices[fqn])]
+        full = torch.empty(full_shape, dtype=parts[0].dtype)
+        for r, blk in enumerate(parts):
+            full[block_slices(lay, full_shape, self.mesh_shape, coords_of(r))] = blk
+        return full
+
+    def replicas_of(self, fqn: str, model_axes) -> int:
+        """Ranks over ``model_axes`` holding the same block of ``fqn`` (1/r of its norm in clipping)."""
+        used = self.param_layouts[fqn].axes_used()
+        return math.prod(self.mesh_shape[a] for a in model_axes if a not in used)
+
+    def first_reads(self) -> list[str]:
+        """Parameter placeholder names in the order the program first reads them."""
+        first = {}
+        for k, n in enumerate(self.gm.graph.nodes):
+            for a in n.all_input_nodes:
+                if a.op == "placeholder":
+                    first.setdefault(a.name, k)
+        return [name for _, _, name in sorted((first.get(name, len(first) + i), i, name)
+                                               for i, name in enumerate(self.param_names))]
 
     @property
     def code(self) -> str:

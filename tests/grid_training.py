@@ -24,7 +24,6 @@ def train_rank(rank, world, name, plan_json, kw):
     cm.reset_comm_stats()
     losses = [cm.step(*batch) for _ in range(STEPS)]
     stats = cm.comm_stats()
-    inputs = dict(zip(cm.traced.input_names, batch))
-    saved = saved_bytes(cm.program.forward, inputs, exclude=list(cm.local_params.values()))
+    saved = saved_bytes(cm.program.gm, *cm.local, *batch, 0, exclude=list(cm.local))
     sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
     return losses, (sd if rank == 0 else None), stats, saved

@@ -1,4 +1,4 @@
-"""Checkpoints of 2D / 2.5D / 3D tensor-parallel plans (autopar/execution/grid_compiled.py):
+"""Checkpoints of 2D / 2.5D / 3D tensor-parallel plans (codegen/grid_rank_program.py through the one compiled-model runtime):
 ``compiled.save(dir)`` / ``compiled.load(dir)`` as for every other plan (whole tensors through
 torch.distributed.checkpoint, the format of autopar/execution/compiled_state.py).
 
@@ -55,7 +55,7 @@ def _save_after(rank, world, plan_json, directory):
     cm, batch = _compile(world, plan_json)
     losses = [cm.step(*batch) for _ in range(BEFORE)]
     cm.save(directory)
-    return losses, type(cm).__name__
+    return losses, type(cm.program).__name__
 
 
 def _load_and_continue(rank, world, plan_json, directory, other_dir):
@@ -76,7 +76,7 @@ def _load_and_continue(rank, world, plan_json, directory, other_dir):
     cm.load(directory)
     losses = [cm.step(*batch) for _ in range(AFTER)]
     sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
-    return losses, (sd if rank == 0 else None), type(cm).__name__, refused
+    return losses, (sd if rank == 0 else None), type(cm.program).__name__, refused
 
 
 def _reference():
@@ -103,9 +103,9 @@ def test_a_2d_checkpoint_resumes_on_any_plan(tmp_path, target):
         assert dst.degrees["tp"] == 2 and dst.degrees["dp"] == 1
     ck = str(tmp_path / "ck")
     first = run_local(_save_after, 4, args=(src.to_json(), ck), timeout=300)
-    assert first[0][1] == "GridCompiledModel"
+    assert first[0][1] == "GridRankProgram"
     rest = run_local(_load_and_continue, world, args=(dst.to_json(), ck, None), timeout=300)
-    assert rest[0][2] == ("GridCompiledModel" if target == "same 2d plan" else "CompiledModel")
+    assert rest[0][2] == ("GridRankProgram" if target == "same 2d plan" else "RankProgram")
     _check(first, rest, f"{target}: ")
 
 
@@ -116,9 +116,9 @@ def test_a_non_grid_checkpoint_loads_into_a_2d_plan_and_another_models_is_refuse
     dst = _plan(4, GRID)
     ck = str(tmp_path / "ck")
     first = run_local(_save_after, 2, args=(src.to_json(), ck), timeout=300)
-    assert first[0][1] == "CompiledModel"
+    assert first[0][1] == "RankProgram"
     rest = run_local(_load_and_continue, 4, args=(dst.to_json(), ck, str(tmp_path / "other")), timeout=300)
-    assert rest[0][2] == "GridCompiledModel"
+    assert rest[0][2] == "GridRankProgram"
     for r, out in enumerate(rest):
         msg = out[3]
         assert msg is not None, f"rank {r}: another model's checkpoint was loaded into the 2d plan"

@@ -1,4 +1,4 @@
-"""ZeRO-1 over the data-parallel axis of dp x grid plans (autopar/execution/grid_compiled.py):
+"""ZeRO-1 over the data-parallel axis of dp x grid plans (codegen/grid_rank_program.py through the one compiled-model runtime):
 the trainable blocks as one flat vector in dp shards, gradients reduce-scattered over dp, each
 replica's optimizer stepping its shard, the updated shards all-gathered.
 
@@ -45,8 +45,9 @@ def _train(rank, world, plan_json, directory):
         if s == STEPS - 2:
             cm.save(directory)
     stats = cm.comm_stats()
-    momentum = sum(st["momentum_buffer"].numel() for st in cm.opt.state.values())
-    blocks = sum(t.numel() for t in cm._trainable().values())
+    # the ShardedOptimizer's chunks (runtime/zero.py), each padded to dp shards
+    momentum = sum(t.numel() for c in cm.opt.chunks for name, t in c.state.items() if name == "momentum_buffer")
+    blocks = sum(c.padded for c in cm.opt.chunks)
     sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
     again, _ = _compile(world, plan_json)     # fresh ranks resume from the checkpoint
     again.load(directory)
@@ -73,7 +74,7 @@ def test_dp2_x_2d_with_zero1_trains_like_one_process_and_resumes(tmp_path):
     predicted = {k: STEPS * v for k, v in plan.comm_bytes.items()}
     for r, (losses, _, stats, momentum, blocks, resumed) in enumerate(res):
         assert stats == predicted, f"rank {r}: measured bytes per axis {stats} != plan's {predicted}"
-        assert momentum == -(-blocks // 2), (r, momentum, blocks)     # this replica's half, padded
+        assert momentum == blocks // 2, (r, momentum, blocks)     # this replica's half of the padded chunks
         torch.testing.assert_close(resumed, ref_losses[-1], rtol=1e-5, atol=1e-6)
     one = autopar.plan(*ZOO["gpt2"](), _cluster(1), precision="fp32", constraints={"dp": 1, "tp": 1})
     (single,) = run_local(_resume, 1, args=(one.to_json(), ck), timeout=300)

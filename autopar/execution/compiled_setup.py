@@ -8,11 +8,12 @@ rank's program, parameter blocks and optimizer. ``setup(cm, example_inputs)`` is
 2. every rank traces the model itself and checks the plan's fingerprint; with several
    micro-batches it re-traces one micro-batch (every input cut along its batch dim, the plan's
    ``batch_dims``, to global batch // num_micro_batches) and checks that the op sequence is the
-   same (the plan's ops are keyed by node name); a 2D / 2.5D / 3D plan goes to
-   autopar/execution/grid_compiled.py;
+   same (the plan's ops are keyed by node name; a 2D / 2.5D / 3D plan's program cuts its own
+   micro-batches);
 3. mesh process groups (runtime/context.py), the per-rank program (codegen/per_rank.py; the block
    instances the plan checkpoints run as activation-checkpoint regions, runtime/checkpoint.py; a
-   pipelined plan's cut into stage programs, codegen/stages.py), only this rank's parameter
+   pipelined plan's cut into stage programs, codegen/stages.py; a 2D / 2.5D / 3D plan's the grid
+   program behind the same interface, codegen/grid_rank_program.py), only this rank's parameter
    blocks from ``weights`` (autopar/execution/weights.py: the model's own copy checked by a
    checksum, the replayed initialization of a meta model, or a checkpoint read slice by slice; no
    full tensor crosses the network), and a ``ShardedOptimizer`` over the data axes with the
@@ -72,8 +73,7 @@ def _broadcast_plan(model, example_inputs, cluster, plan_options, traced) -> Pla
 
 
 def setup(cm, example_inputs):
-    """``CompiledModel._setup``: steps 1-3 of the module doc; ``cm`` is ready after it (or, for a grid
-    plan, becomes a GridCompiledModel set up by ``setup_grid``)."""
+    """``CompiledModel._setup``: steps 1-3 of the module doc; ``cm`` is ready after it."""
     from autopar.frontend.blocks import param_chunks
     from autopar.frontend.trace import trace
     from codegen import generate
@@ -101,10 +101,8 @@ def setup(cm, example_inputs):
     if traced.fingerprint != plan.fingerprint:
         raise ExecutionError(f"plan made for a different model: the plan's fingerprint is "
                              f"{plan.fingerprint[:16]}, this model traces to {traced.fingerprint[:16]}", collective=True)
-    from autopar.execution.grid_compiled import GridCompiledModel, is_grid_plan
-    if is_grid_plan(plan):   # 2D / 2.5D / 3D tensor parallelism: its own program (autopar/execution/grid_compiled.py)
-        cm.__class__ = GridCompiledModel
-        return cm.setup_grid(traced, example_inputs)
+    from codegen.grid_rank_program import is_grid_plan
+    grid = is_grid_plan(plan)   # 2D / 2.5D / 3D: the grid program (codegen/grid_rank_program.py)
     nm = int(plan.degrees.get("num_micro_batches", 1) or 1)
     cm.nm = nm
     from autopar.frontend.batching import batch_size, plan_batch_dims
@@ -115,7 +113,7 @@ def setup(cm, example_inputs):
     if cm.global_batch % nm:
         raise ExecutionError(f"the plan runs {nm} micro-batches but the global batch has {cm.global_batch} "
                              f"rows: re-plan (num_micro_batches must divide the batch)", collective=True)
-    if nm > 1:
+    if nm > 1 and not grid:   # (a grid program cuts each micro-batch's rows itself)
         micro = tuple(x if d is None else x.narrow(d, 0, x.shape[d] // nm)
                       for x, d in zip(example_inputs, cm.batch_dims))
         with all_on_meta(cm.model, meta):
@@ -159,11 +157,14 @@ def setup(cm, example_inputs):
     cm.chunk_of = {traced.param_fqn[n]: chunk_index[chunk_key_of[n]] for n in trainable}
     # ZeRO-3 under pipelining: each stage program gets its own gather/free calls (pipeline_run.setup)
     zero3_chunks = cm.chunk_of if zero == 3 and cm.pp == 1 else None
-    cm.program = generate(traced, plan.stage_plan(), cm.rank % mesh_size(plan), zero3_chunks,
-                            compute_dtype=cm.dtype,
-                            # a meta model traced on meta: its factory ops (arange) say device=meta
-                            device=cm.device if (cm.device.type != "cpu" or is_meta_model(cm.model)) else None,
-                            batch_carrying=carrying)
+    if grid:
+        cm.program = _grid_program(cm, traced)
+    else:
+        cm.program = generate(traced, plan.stage_plan(), cm.rank % mesh_size(plan), zero3_chunks,
+                              compute_dtype=cm.dtype,
+                              # a meta model traced on meta: its factory ops (arange) say device=meta
+                              device=cm.device if (cm.device.type != "cpu" or is_meta_model(cm.model)) else None,
+                              batch_carrying=carrying)
     prog = cm.program
     mine = set(prog.param_names)
     if cm.pp > 1:   # only this stage's part of the program and of the parameters
@@ -196,7 +197,7 @@ def setup(cm, example_inputs):
             fqn = prog.param_fqn[name]
             # fp32 on this rank's device; the optimizer makes the parameters views of its
             # working-dtype buffers, the fp32 values seed the master weights.
-            block = source(fqn, prog.param_slices[fqn])
+            block = prog.read_block(source, fqn)
             if name in prog.buffers:
                 if block.is_floating_point():
                     block = block.to(cm.dtype)
@@ -223,8 +224,7 @@ def setup(cm, example_inputs):
     # tied parameter, held whole by the ranks of k stages after its gradient is summed, 1/k more).
     norm_weights = {}
     for fqn, p in cm.params.items():
-        used = prog.param_layouts[fqn].axes_used()
-        r = math.prod(mesh.shape[a] for a in model_axes if a not in used)
+        r = prog.replicas_of(fqn, model_axes)
         if cm.pp > 1 and fqn in cm.tied_stages:   # a full copy on each of its stages' ranks
             r *= len(cm.tied_stages[fqn])
         if r > 1:
@@ -261,14 +261,24 @@ def _forward_order(cm) -> list:
     """Trainable parameters in the order the program first reads them: backward completes
     their gradients in about the reverse order, which the DP buckets follow (a parameter
     read first, like a tied embedding, gets its gradient last)."""
-    first = {}
-    for k, n in enumerate(cm.program.gm.graph.nodes):
-        for a in n.all_input_nodes:
-            if a.op == "placeholder":
-                first.setdefault(a.name, k)
     by_name = {name: cm.params.get(cm.program.param_fqn[name]) for name in cm.program.param_names}
-    ordered = sorted((first.get(name, len(first) + i), i, name) for i, name in enumerate(cm.program.param_names))
-    return [by_name[name] for _, _, name in ordered if by_name[name] is not None]
+    return [by_name[name] for name in cm.program.first_reads() if by_name[name] is not None]
+
+
+def _grid_program(cm, traced):
+    """A 2D / 2.5D / 3D plan's program (codegen/grid_rank_program.py) on this rank's grid."""
+    from codegen.grid_rank_program import build, plan_geometry
+    from runtime.grid import Grid2D, Grid3D, Grid25D
+
+    geo = plan_geometry(cm.plan)
+    if geo.zero == 3:
+        raise ExecutionError("a 2D / 2.5D / 3D plan runs ZeRO 0-2, not 3 (its program has no gather and free "
+                             "calls): re-plan without zero=3", collective=True)
+    dev = cm.device.type
+    grid = {"2d": lambda: Grid2D(geo.q, dev, dp=geo.dp), "2.5d": lambda: Grid25D(geo.q, geo.d, dev, dp=geo.dp),
+            "3d": lambda: Grid3D(geo.q, dev, dp=geo.dp)}[geo.mode]()
+    coords = dict(zip(grid.names, grid.coords), dp=grid.dp_rank)
+    return build(traced, cm.plan, grid, coords, cm.global_batch)
 
 
 def mesh_size(plan) -> int:

@@ -10,33 +10,17 @@ methods of the same names call them.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from autopar.errors import ExecutionError
 
 
-def _factor(lay, d, mesh_shape) -> int:
-    return math.prod(mesh_shape[a] for a in lay.dims[d])
-
-
 def gather_full(cm, local: torch.Tensor, fqn: str) -> torch.Tensor:
     """Assemble the full tensor from every rank's block (collective over the world)."""
-    prog = cm.program
-    lay = prog.param_layouts[fqn]
-    shape = [s.stop - s.start for s in prog.param_slices[fqn]]
-    full_shape = [n * _factor(lay, d, prog.mesh_shape) for d, n in enumerate(shape)]
-    world = dist.get_world_size()
-    parts = [torch.empty_like(local) for _ in range(world)]
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local.contiguous())
-    full = torch.empty(full_shape, dtype=local.dtype)
-    mesh = cm.plan.mesh
-    for r in range(world):
-        from codegen.rank_program import block_slices
-        full[block_slices(lay, full_shape, prog.mesh_shape, mesh.coords(r))] = parts[r]
-    return full
+    return cm.program.assemble(fqn, [p.cpu() for p in parts], cm.plan.mesh.coords)
 
 @torch.no_grad()
 def local_values(cm) -> dict[str, torch.Tensor]:
@@ -106,7 +90,7 @@ def load(cm, directory) -> None:
         flat = torch.zeros(c.padded, dtype=torch.float32)
         for p, off in zip(c.params, c.offsets):
             fqn = cm._fqn_of(p)
-            flat[off:off + p.numel()] = values[fqn + suffix][prog.param_slices[fqn]].reshape(-1)
+            flat[off:off + p.numel()] = prog.block_of(fqn, values[fqn + suffix]).reshape(-1)
         return flat.to(cm.device)
 
     for c in cm.opt.chunks:
@@ -118,14 +102,13 @@ def load(cm, directory) -> None:
         # Non-persistent buffers (RoPE tables) and lifted constants are not in the state dict:
         # they keep the model's values, as torch's load_state_dict does.
         if fqn in state["model"]:
-            b.copy_(state["model"][fqn][prog.param_slices[fqn]])
+            b.copy_(prog.block_of(fqn, state["model"][fqn]))
     cm.opt.step_count = int(state["step"])
 
 
 def read_checkpoint(rank: int, directory, state: dict) -> None:
     """Fill ``state`` ({"model": full tensors, "optim": "{fqn}.{state name}" -> full tensors,
-    "step": 0-d tensor}, shaped as this model's) from the checkpoint, after ``check_checkpoint``.
-    Also used by grid plans (autopar/execution/grid_compiled.py), which cut their own blocks."""
+    "step": 0-d tensor}, shaped as this model's) from the checkpoint, after ``check_checkpoint``."""
     import torch.distributed.checkpoint as dcp
 
     check_checkpoint(directory, state)

@@ -20,6 +20,8 @@ def batch_rows(cm) -> list[int]:
     reads, micro-batch by micro-batch."""
     cm._need_ready()
     prog = cm.program
+    if prog.takes_whole_batch:   # every rank reads the whole batch (codegen/grid_rank_program.py)
+        return list(range(cm.global_batch))
     bm = cm.global_batch // cm.nm
     lay, d = next(((l, d) for l, d in zip(prog.input_layouts, cm.batch_dims) if d is not None), (None, None))
     rows = []
@@ -31,8 +33,12 @@ def batch_rows(cm) -> list[int]:
 
 def local_micro_batches(cm, batch) -> list[tuple]:
     """Per micro-batch this rank's part of every input: cut along the input's batch dim (an
-    input without one goes whole to every micro-batch)."""
+    input without one goes whole to every micro-batch). A program that takes the whole batch
+    gets it with each micro-batch's index."""
     prog = cm.program
+    to = lambda x: x.to(cm.device, dtype=cm.dtype if x.is_floating_point() else x.dtype)  # noqa: E731
+    if prog.takes_whole_batch:
+        return [tuple(to(x) for x in batch) + (m,) for m in range(cm.nm)]
     bm = cm.global_batch // cm.nm
     n_local = len(batch_rows(cm)) // cm.nm
     out = [[] for _ in range(cm.nm)]

@@ -210,7 +210,7 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     step = compute + op_comm + grad_comm + optimizer
     peak = sum(static.values()) + acts
     flops = model_flops(cands)
-    comm_bytes = {g: 0 for g in geo.mesh_names}
+    comm_bytes = {g: 0 for g in ("dp",) + geo.mesh_names}   # "dp": the optimizer's traffic, as every plan reports
     comm_bytes.update({g: geo.nm * b for g, b in prog.bytes_per_group().items()})
     if geo.dp > 1:
         comm_bytes["dp"] = dp_bytes
