@@ -115,7 +115,7 @@ def test_dropout_with_a_grid_mode_is_a_constraint_error_naming_the_op():
     model, batch = ZOO["gpt2"](dropout=0.1)
     with pytest.raises(ConstraintError) as ei:
         autopar.plan(model, batch, _cluster(4), constraints={"tp_mode": "2d"})
-    assert "dropout with p > 0" in str(ei.value) and "node dropout" in str(ei.value), str(ei.value)
+    assert "a random op" in str(ei.value) and "node dropout" in str(ei.value), str(ei.value)
     # unpinned, the grid modes are not offered for it: the search still plans the model
     p = autopar.plan(model, batch, _cluster(4))
     assert p.degrees["tp_mode"] not in ("2d", "2.5d", "3d")
