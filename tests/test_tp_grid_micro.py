@@ -97,8 +97,9 @@ def test_an_unpinned_micro_batch_count_is_searched_only_when_one_does_not_fit(gp
 
 
 @pytest.mark.parametrize("pin, words", [
-    ({"zero": 2}, ["zero=0 or 1", "drop the other pins"]),
+    ({"zero": 3}, ["zero=0, 1 or 2", "drop the other pins"]),
     ({"zero": 1}, ["zero=1 need dp > 1"]),     # 4 devices: only the dp=1 grid
+    ({"zero": 2}, ["zero=2 need dp > 1"]),
     ({"checkpoint": "full"}, ["no activation checkpointing", "drop the other pins"]),
     ({"num_micro_batches": 8}, ["16 blocks", "batch of 8", "8 micro-batch"]),
     ({"micro_batch_size": 3}, ["micro_batch_size=3", "batch of 8"]),

@@ -1,10 +1,11 @@
-"""ZeRO-1 over the data-parallel axis of dp x grid plans (codegen/grid_rank_program.py through the one compiled-model runtime):
-the trainable blocks as one flat vector in dp shards, gradients reduce-scattered over dp, each
-replica's optimizer stepping its shard, the updated shards all-gathered.
+"""ZeRO-1/2 over the data-parallel axis of dp x grid plans, by the common ShardedOptimizer
+(runtime/zero.py; the grid program through codegen/grid_rank_program.py): the trainable blocks
+in chunks padded to dp shards, gradients reduce-scattered over dp, each replica's optimizer
+stepping its shard, the updated shards all-gathered.
 
-Executed (8 gloo processes): GPT-2 on dp=2 x 2D q=2 with zero=1 against one process (fp32, SGD
-momentum, 3 steps: losses rel 1e-5, parameters rel 1e-4); bytes per axis (dp included) equal the
-plan's exactly; each rank's momentum buffer holds half its blocks' elements (padded). A
+Executed (8 gloo processes): GPT-2 on dp=2 x 2D q=2 with zero=1 and zero=2 against one process
+(fp32, SGD momentum, 3 steps: losses rel 1e-5, parameters rel 1e-4); bytes per axis (dp
+included) equal the plan's exactly; each rank's momentum buffer holds half the padded chunks. A
 checkpoint saved after step 2 resumes exactly, both on the same plan (fresh ranks' state) and on
 one process. Planned (fast): zero=1 halves the optimizer state of the plan and moves the dp
 traffic from one all-reduce to a reduce-scatter plus an all-gather.
@@ -62,10 +63,13 @@ def _resume(rank, world, plan_json, directory):
 
 
 @pytest.mark.slow
-def test_dp2_x_2d_with_zero1_trains_like_one_process_and_resumes(tmp_path):
+@pytest.mark.parametrize("zero", [1, 2])
+def test_dp2_x_2d_with_zero_trains_like_one_process_and_resumes(tmp_path, zero):
+    """ZeRO-1 and ZeRO-2 (gradients reduce-scattered into shards too) over the grid's dp replicas,
+    by the common ShardedOptimizer."""
     model, batch = ZOO["gpt2"]()
-    plan = autopar.plan(model, batch, _cluster(8), precision="fp32", constraints={**PIN, "zero": 1})
-    assert (plan.degrees["zero"], plan.degrees["dp"], plan.degrees["tp_mode"]) == (1, 2, "2d")
+    plan = autopar.plan(model, batch, _cluster(8), precision="fp32", constraints={**PIN, "zero": zero})
+    assert (plan.degrees["zero"], plan.degrees["dp"], plan.degrees["tp_mode"]) == (zero, 2, "2d")
     ck = str(tmp_path / "ck")
     res = run_local(_train, 8, args=(plan.to_json(), ck), timeout=600)
     ref_losses, ref_sd = train_eagerly(model, batch, torch.optim.SGD(model.parameters(), lr=OPT["lr"],
@@ -83,8 +87,11 @@ def test_dp2_x_2d_with_zero1_trains_like_one_process_and_resumes(tmp_path):
 
 def test_zero1_is_priced():
     model, batch = ZOO["gpt2"]()
-    plans = {z: autopar.plan(model, batch, _cluster(8), constraints={**PIN, "zero": z}) for z in (0, 1)}
-    z0, z1 = plans[0], plans[1]
+    plans = {z: autopar.plan(model, batch, _cluster(8), constraints={**PIN, "zero": z}) for z in (0, 1, 2)}
+    z0, z1, z2 = plans[0], plans[1], plans[2]
+    # ZeRO-2: the same traffic as ZeRO-1, the gradients sharded too
+    assert z2.comm_bytes == z1.comm_bytes
+    assert z2.memory_breakdown["grads"] == pytest.approx(z1.memory_breakdown["grads"] / 2, rel=1e-9)
     mb0, mb1 = z0.memory_breakdown, z1.memory_breakdown
     assert mb1["optimizer"] == pytest.approx(mb0["optimizer"] / 2, rel=1e-9)
     assert (mb1["params"], mb1["grads"], mb1["activations"]) == (mb0["params"], mb0["grads"], mb0["activations"])

@@ -8,7 +8,8 @@ with the best ILP plan of the 1D and 2d-reshard meshes by predicted step time, u
 memory budget. Per-op mixing of grid layouts with the ILP's layouts is not modelled.
 
 Price of a grid configuration (dp replicas of the grid, ``nm`` micro-batches run in turn with
-gradients accumulated, ZeRO 0 or 1 over dp, no activation checkpointing):
+gradients accumulated, ZeRO 0-2 over dp, no activation checkpointing; ops the grid cannot run
+run replicated, codegen/grid_replicated.py: their work is not split over the grid):
   * compute: every op of the graph with its work split evenly over the world (each grid op
     computes 1/world of the GEMM; local ops run on 1/tok_parts of the tokens and 1/q of the
     hidden), priced by autopar.pricing.cost.fwd_bwd_compute as the ILP prices an op (``grid_compute``:
@@ -22,14 +23,15 @@ gradients accumulated, ZeRO 0 or 1 over dp, no activation checkpointing):
     activation blocks 1/nm as large, weight broadcasts as large) and every op computes nm
     times on 1/nm of the tokens;
   * with dp > 1: one all-reduce of the local gradient blocks over the dp axis per step, not
-    overlapped; ZeRO-1: a reduce-scatter and an all-gather of them (flat, padded to dp shards);
+    overlapped; ZeRO-1/2: a reduce-scatter and an all-gather of them (per optimizer chunk, padded
+    to dp shards);
   * optimizer step on the local blocks (ZeRO-1: on this replica's 1/dp shard);
   * memory: the local parameter blocks with their gradients and optimizer state (ZeRO-1: the
     state / dp), plus the saved activations of one micro-batch the lowering counts (1/q^2,
     1/(d q^2) or 1/q^3 of the activations).
 
 Unpinned, one micro-batch and ZeRO-0 are priced first; only a grid over the budget is retried
-with ZeRO-1 (dp > 1), then with more micro-batches (``best_grid``).
+with ZeRO-1, then ZeRO-2 (dp > 1), then with more micro-batches (``best_grid``).
 """
 from __future__ import annotations
 
@@ -103,7 +105,7 @@ def grid_geometries(num_devices: int, constraints: dict, batch: int | None = Non
     if mode is not None and mode not in GRID_MODES:
         return []
     zero = constraints.get("zero", 0)
-    pins_ok = (zero in (0, 1)
+    pins_ok = (zero in (0, 1, 2)
                and constraints.get("checkpoint", "none") in ("none", None)
                and constraints.get("sp", 1) == 1 and constraints.get("sp_mode") is None)
     if mode is None and constraints.get("num_micro_batches", 1) != 1:
@@ -113,8 +115,8 @@ def grid_geometries(num_devices: int, constraints: dict, batch: int | None = Non
         return []
     out = []
     for dp in range(1, num_devices + 1):
-        if num_devices % dp or constraints.get("dp", dp) != dp or (zero == 1 and dp == 1):
-            continue     # ZeRO-1 shards the optimizer state over the grid's dp replicas: dp > 1
+        if num_devices % dp or constraints.get("dp", dp) != dp or (zero >= 1 and dp == 1):
+            continue     # ZeRO-1/2 shard the optimizer state (and gradients) over the grid's dp replicas: dp > 1
         nm = constraints.get("num_micro_batches", 1)
         if "micro_batch_size" in constraints and batch is not None:
             rows = dp * constraints["micro_batch_size"]
@@ -135,15 +137,18 @@ def grid_geometries(num_devices: int, constraints: dict, batch: int | None = Non
            and constraints.get("tp", g.world) == g.world]
     if out and not pins_ok:
         if mode is not None:
-            raise ConstraintError(f"constraint tp_mode={mode!r} runs with zero=0 or 1 (ZeRO-1: optimizer state "
-                                  f"sharded over the grid's dp replicas), no activation checkpointing and no "
-                                  f"sequence parallelism in this version; drop the other pins")
+            raise ConstraintError(f"constraint tp_mode={mode!r} runs with zero=0, 1 or 2 (optimizer state, and "
+                                  f"with 2 gradients, sharded over the grid's dp replicas), no activation "
+                                  f"checkpointing and no sequence parallelism in this version; drop the other pins")
         return []
     if mode is not None and not out:
-        if zero == 1 and grid_geometries(num_devices, dict(constraints, zero=0), batch):
+        if zero not in (0, 1, 2):
+            raise ConstraintError(f"constraint tp_mode={mode!r} runs with zero=0, 1 or 2 (optimizer state, and with 2 "
+                                  f"gradients, sharded over the grid's dp replicas), not zero={zero}; drop the other pins")
+        if zero >= 1 and grid_geometries(num_devices, dict(constraints, zero=0), batch):
             # the grids the other pins allow all have dp = 1
-            raise ConstraintError(f"constraints tp_mode={mode!r} and zero=1 need dp > 1: ZeRO-1 shards the optimizer "
-                                  f"state over the data-parallel replicas of the grid; pin dp > 1 or drop zero")
+            raise ConstraintError(f"constraints tp_mode={mode!r} and zero={zero} need dp > 1: ZeRO shards the "
+                                  f"optimizer state over the data-parallel replicas of the grid; pin dp > 1 or drop zero")
         if "micro_batch_size" in constraints and batch is not None:
             raise ConstraintError(f"constraint micro_batch_size={constraints['micro_batch_size']} with tp_mode={mode!r}: "
                                   f"no data-parallel degree the pins allow on {num_devices} devices makes dp x "
@@ -188,16 +193,21 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     # autopar/pricing/cost.py has no separate reduce); every micro-batch issues them all
     op_comm = geo.nm * sum(c.count * comm("broadcast" if c.kind == "reduce" else c.kind, c.nbytes * scale,
                                           geo.mesh_names.index(c.group)) for c in prog.colls)
-    local = 0
-    for n, use in prog.uses.items():
-        if n not in graph.buffers:
-            local += _local_numel(graph, n, geo, use)
+    # the trainable blocks per optimizer chunk (one per repeated-block instance, as the
+    # ShardedOptimizer of runtime/zero.py groups them; ZeRO pads each to dp shards)
+    from autopar.frontend.blocks import param_chunks
+    trainable = [n for n in prog.uses if n not in graph.buffers]
+    chunk_of = param_chunks(graph.blocks, graph.param_fqn, trainable)
+    per_chunk: dict = {}
+    for n in trainable:
+        per_chunk[chunk_of[n]] = per_chunk.get(chunk_of[n], 0) + _local_numel(graph, n, geo, prog.uses[n])
+    local = sum(per_chunk.values())
     # data parallelism over the grid replicas: each local gradient block all-reduced over dp;
-    # ZeRO-1: the flat gradient (padded to dp shards) reduce-scattered, each replica updating
-    # its shard of the optimizer state, the updated shards all-gathered
+    # ZeRO-1/2: each chunk's gradient (padded to dp shards) reduce-scattered, each replica
+    # updating its shard of the optimizer state, the updated shards all-gathered
     grad_bytes = local * 4
     if geo.dp > 1 and geo.zero:
-        grad_bytes = -(-local // geo.dp) * geo.dp * 4
+        grad_bytes = sum(-(-c // geo.dp) * geo.dp for c in per_chunk.values()) * 4
         grad_comm = comm("reduce_scatter", grad_bytes * scale, 0) + comm("all_gather", grad_bytes * scale, 0)
         dp_bytes = 2 * grad_bytes
     else:
@@ -362,8 +372,8 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
             t = r.prediction["time_breakdown"]
             slower = lambda floor: not pinned and best_step is not None and floor >= best_step  # noqa: E731
             zero1_floor = r.prediction["step_time"] - t["grad_comm"] - t["optimizer"] * (1 - 1 / max(geo.dp, 1))
-            if free_zero and geo.dp > 1 and geo.zero == 0 and not slower(zero1_floor):
-                nxt = replace(geo, zero=1)
+            if free_zero and geo.dp > 1 and geo.zero < 2 and not slower(zero1_floor):
+                nxt = replace(geo, zero=geo.zero + 1)   # ZeRO-1, then ZeRO-2 (gradients sharded too)
             elif not free_nm or slower(r.prediction["step_time"]):
                 nxt = None
             else:
@@ -393,7 +403,7 @@ def _static_floor(graph, base, geo: Geometry, free_zero: bool) -> float:
     placeholders = {n.target: n for n in graph.gm.graph.nodes if n.op == "placeholder"}   # one pass, not one per parameter
     total = sum(placeholders[n].meta["val"].numel() for n in trained)
     local = total / geo.world
-    zero = 1 if geo.dp > 1 and (free_zero or geo.zero) else geo.zero
+    zero = 2 if geo.dp > 1 and free_zero else geo.zero
     return float(sum(zero_shard(state_bytes(local, base.optimizer, base.precision), zero, geo.dp).values()))
 
 
