@@ -209,13 +209,15 @@ class LocalOps:
         return t
 
     def _on_meta(self, args):
-        """Planning runs on meta tensors: a device argument (``to(device="cpu")``, a factory op's
-        ``device=``) names meta instead, so the op's output stays on meta."""
-        if not self.meta:
+        """A device argument (``to(device="cpu")``, a factory op's ``device=``) names the device
+        the program runs on: meta while planning, the rank's device on a rank (a meta model traced
+        on meta says meta)."""
+        dev = torch.device("meta") if self.meta else getattr(self, "device", None)
+        if dev is None:
             return args
         if isinstance(args, dict):
             return {k: self._on_meta([v])[0] for k, v in args.items()}
-        return [torch.device("meta") if isinstance(a, torch.device) else a for a in args]
+        return [dev if isinstance(a, torch.device) else a for a in args]
 
     def _block_of_whole(self, n, val, ref: Lay, nd: int):
         """My block of a whole value (rep / full, no gradient) that an elementwise op broadcasts
@@ -224,6 +226,11 @@ class LocalOps:
         if lay.kind == "loss" or lay.share or t.requires_grad:
             self._fail(n, "a whole value with a gradient met by split values")
         off = nd - t.dim()
+        geo = self.geo
+        d = ref.tdim
+        if geo.batch_parts > 1 and (lay.kind == "full" or lay.tdim is None) and d is not None and d - off >= 0 \
+                and t.shape[d - off] == self._gshape(n)[d]:
+            t = self._rows(t, d - off)    # a whole value holding every row of the batch: this rank's rows
         for key, chain in (("tdim", self._tok_chain(ref.L)), ("hdim", [(self.geo.hid_group(ref.L), self.geo.q)])):
             d = getattr(ref, key)
             if d is None or d - off < 0 or t.shape[d - off] == 1:

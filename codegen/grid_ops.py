@@ -46,6 +46,9 @@ from solver import tp_grid_cost as tc
 aten = torch.ops.aten
 
 
+_NEW_TENSOR = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
+
+
 class _ParamConflict(Exception):
     """A parameter a replicated op reads whole was given a split use earlier: analyse again with
     it whole from the start."""
@@ -133,9 +136,11 @@ class GridProgram(LocalOps, ReplicatedOps):
         return tc.bytes_per_group(self.colls)
 
     # ------------------------------------------------------------------ execution
-    def bind(self, grid, coords: dict, local_params: dict):
+    def bind(self, grid, coords: dict, local_params: dict, device=None):
+        """Run on a rank: ``grid`` (runtime/grid.py), this rank's coordinates, its parameter
+        blocks by name, its device (factory ops' device arguments are rewritten to it)."""
         self.meta, self.grid, self.coords = False, grid, coords
-        self.local = local_params
+        self.local, self.device = local_params, device
         return self
 
     def forward(self, inputs: dict) -> torch.Tensor:
@@ -310,10 +315,13 @@ class GridProgram(LocalOps, ReplicatedOps):
             if lay.kind == "rep" and isinstance(vals[i], torch.Tensor):
                 return vals[i], self._rep_lay(n, vals[i], True, lay.share)
             return vals[i], lay
+        if t in _NEW_TENSOR:    # a constant shaped by its arguments, not by its input's rows
+            x = self._val(env, n.args[0])[0]
+            return t(x, *n.args[1:], **self._on_meta(n.kwargs)), Lay("full")
         if t is aten.arange.default or t is aten.arange.start:
             if self.meta:
                 return torch.empty(self._gshape(n), dtype=n.meta["val"].dtype, device="meta"), Lay("full")
-            return t(*n.args, **n.kwargs), Lay("full")
+            return t(*n.args, **self._on_meta(n.kwargs)), Lay("full")
         return self._local(n, env)
 
     # ------------------------------------------------------------------ grid ops

@@ -170,14 +170,14 @@ class GridRankProgram:
         return self.geo.world // blocks
 
 
-def build(traced, plan, grid, coords: dict, batch: int) -> GridRankProgram:
+def build(traced, plan, grid, coords: dict, batch: int, device=None) -> GridRankProgram:
     """The grid program of ``plan`` for the rank at ``coords``, analysed (on meta, as the planner
     did) and bound to ``grid`` (runtime/grid.py)."""
     from codegen.grid_ops import GridProgram
 
     geo = plan_geometry(plan)
     prog = GridProgram(traced, geo, batch).analyse()
-    prog.bind(grid, coords, {})
+    prog.bind(grid, coords, {}, device)
     names = list(plan.mesh.names)
     partial = tuple(names.index(label) for label in prog.loss_partial_labels() if label in names)
     data_axes = tuple(names.index("dp") for _ in [0] if "dp" in names)

@@ -185,10 +185,13 @@ class ReplicatedOps:
             if isinstance(a, torch.fx.Node):
                 r, lay = self._to_rep(n, self._val(env, a))
                 batched |= lay.tdim is not None
+                rows.append((r, lay))
                 return r
             if isinstance(a, (list, tuple)):
                 return type(a)(conv(x) for x in a)
             return a
+
+        rows: list = []
 
         if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
             x = self._to_rep(n, self._val(env, n.args[0]))
@@ -197,6 +200,16 @@ class ReplicatedOps:
             return self._view(n, x)
         args = [conv(a) for a in n.args]
         kwargs = {k: conv(v) for k, v in n.kwargs.items()}
+        if self._share_rows(batched):
+            cut = self._whole_rows(rows)
+            if cut:
+                def sub(a):
+                    if isinstance(a, torch.Tensor) and id(a) in cut:
+                        return cut[id(a)]
+                    if isinstance(a, (list, tuple)):
+                        return type(a)(sub(x) for x in a)
+                    return a
+                args, kwargs = [sub(a) for a in args], {k: sub(v) for k, v in kwargs.items()}
         if t in _CROSS_ENTROPY and self._share_rows(batched):
             return self._share_cross_entropy(n, env, args, kwargs)
         args, kwargs = self._on_meta(args), self._on_meta(kwargs)
@@ -220,6 +233,26 @@ class ReplicatedOps:
         if isinstance(out, (tuple, list)):
             return out, Lay("rep", tdim=None, share=share)
         return out, self._rep_lay(n, out, batched, share)
+
+    def _whole_rows(self, vals) -> dict:
+        """With the batch split into shares (micro-batches x dp replicas), a whole value (a
+        constant built in the model: a position table expanded over the batch, a mask) that
+        holds every row of the batch, met by values holding this rank's rows: this rank's rows of
+        it. Its rows are the dim aligned (broadcasting, from the right) with a batch-carrying
+        argument's batch dim whose size is batch_parts times that argument's rows.
+        Returns id(tensor) -> its rows."""
+        parts = self.geo.batch_parts
+        batched = [(t, lay) for t, lay in vals if lay.tdim is not None and isinstance(t, torch.Tensor)]
+        out = {}
+        for t, lay in vals:
+            if lay.tdim is not None or lay.share or not isinstance(t, torch.Tensor) or id(t) in out:
+                continue
+            for b, blay in batched:
+                d = blay.tdim - (b.dim() - t.dim())
+                if 0 <= d < t.dim() and t.shape[d] == b.shape[blay.tdim] * parts:
+                    out[id(t)] = self._rows(t, d)
+                    break
+        return out
 
     def _share_rows(self, batched: bool) -> bool:
         return batched and self.geo.batch_parts > 1
@@ -258,14 +291,14 @@ class ReplicatedOps:
         names = ["input", "target", "weight", "reduction", "ignore_index"] + (
             ["label_smoothing"] if n.target is aten.cross_entropy_loss.default else [])
         full = dict(zip(names, args))
-        full.update(kwargs)
+        full.update({("input" if k == "self" else k): v for k, v in kwargs.items()})
         red = full.get("reduction", 1)
         if full.get("weight") is not None and red == 1:
             raise GridLoweringError(f"{geo.mode} tensor parallelism cannot run node {n.name} ({n.target}): a class-"
                                     f"weighted mean over a batch split into {geo.batch_parts} shares")
         target, ignore = full["target"], full.get("ignore_index", -100)
         full["reduction"] = 2 if red == 1 else red
-        out = n.target(*[full[k] for k in names if k in full])
+        out = n.target(full["input"], full["target"], **{k: full[k] for k in names[2:] if k in full})
         if red != 1:
             return out, Lay("rep", share=red == 2)
         tval = self._val(env, n.args[1])

@@ -37,7 +37,9 @@ def _meta_train(rank, world, name, plan_json, weights, steps):
                          plan=autopar.Plan.from_json(plan_json), weights=weights, **SGD)
     init = {k: v.numpy() for k, v in cm.full_state_dict().items()}
     # this rank's block of every parameter (under ZeRO-3 gathered over the data group: collective)
-    blocks = {k: (v.numpy(), cm.program.param_slices[k]) for k, v in cm._local_values().items() if k in cm.params}
+    # ... and the same block cut from the whole initial tensor (a slice; a grid plan's stored form)
+    blocks = {k: (v.numpy(), cm.program.block_of(k, torch.from_numpy(init[k])).numpy())
+              for k, v in cm._local_values().items() if k in cm.params}
     cm.reset_comm_stats()
     losses = [cm.step(*batch) for _ in range(steps)]
     sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}
@@ -58,15 +60,15 @@ def check_against_eager(res, ref_model, batch, plan):
     for rank, (init, blocks, losses, sd, stats) in enumerate(res):
         for k, v in want_init.items():   # exactly the one-process init
             assert torch.equal(torch.from_numpy(init[k]), v), (rank, k)
-        for k, (b, sl) in blocks.items():   # and each rank's shard is exactly its slice
-            assert torch.equal(torch.from_numpy(b), want_init[k][sl]), (rank, k)
+        for k, (b, cut) in blocks.items():   # and each rank's shard is exactly its block
+            assert np.array_equal(b, cut), (rank, k)
         np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
         for k, v in want_sd.items():
             torch.testing.assert_close(torch.from_numpy(sd[k]), v, rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
     tp = plan.degrees["tp"]
-    if tp > 1:   # a tp plan must really split: bytes on the tensor axis
+    if tp > 1:   # a tp plan must really split: bytes on the tensor axis (the grid's row group)
         stats = res[0][4]
-        assert stats.get("tp", 0) > 0, stats
+        assert stats.get("row" if plan.degrees["tp_mode"] == "2d" else "tp", 0) > 0, stats
     return want_init
 
 
@@ -77,6 +79,7 @@ CASES = [
     ("llama", 2, {"dp": 2, "zero": 3}),
     ("hf_llama", 4, {"dp": 2, "tp": 2}),
     ("hf_llama", 2, {"dp": 2, "zero": 3}),
+    ("llama", 4, {"tp": 4, "tp_mode": "2d"}),     # a grid plan's blocks of stored forms
 ]
 
 
@@ -106,6 +109,7 @@ HF_CASES = [
     ("hf_llama", {"tp": 4}, "40KB"),
     ("hf_gpt2", {"dp": 2, "tp": 2}, "40KB"),
     ("hf_gpt2", {"tp": 4}, None),
+    ("hf_llama", {"tp": 4, "tp_mode": "2d"}, "40KB"),
 ]
 
 

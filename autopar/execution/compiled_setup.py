@@ -278,7 +278,7 @@ def _grid_program(cm, traced):
     grid = {"2d": lambda: Grid2D(geo.q, dev, dp=geo.dp), "2.5d": lambda: Grid25D(geo.q, geo.d, dev, dp=geo.dp),
             "3d": lambda: Grid3D(geo.q, dev, dp=geo.dp)}[geo.mode]()
     coords = dict(zip(grid.names, grid.coords), dp=grid.dp_rank)
-    return build(traced, cm.plan, grid, coords, cm.global_batch)
+    return build(traced, cm.plan, grid, coords, cm.global_batch, cm.device)
 
 
 def mesh_size(plan) -> int:
