@@ -26,11 +26,14 @@ class GridLoweringError(ValueError):
 
 @dataclass(frozen=True)
 class Lay:
-    kind: str                 # act | hid | full | in | rep | loss
+    kind: str                 # act | hid | red | full | in | rep | loss
     L: object = None          # layout (codegen/grid_layout.py)
-    tdim: int | None = None   # dim split into token blocks (act) / batch dim (in, rep)
+    tdim: int | None = None   # dim split into token blocks (act, red) / batch dim (in, rep)
     hdim: int | None = None   # dim split into hidden blocks (act, hid)
     share: bool = False       # rep: a share of a value reduced over the batch (codegen/grid_replicated.py)
+    # red: an act reduced over its hidden dim (an RMSNorm's mean): tokens split as the act's, whole
+    # over the hidden group, its gradient partial over the hidden group (it broadcasts against
+    # hidden blocks); any other use converts it (replicated)
 
 
 @dataclass
@@ -87,13 +90,22 @@ class LocalOps:
         nd = len(self._gshape(n)) if hasattr(n.meta.get("val"), "shape") else None
         # the split layout the op's values share, aligned to the output's dims
         ref_t = next((v for v in tensors if v[1].kind == "act"), None) or \
-            next((v for v in tensors if v[1].kind == "hid"), None)
+            next((v for v in tensors if v[1].kind == "hid"), None) or \
+            next((v for v in tensors if v[1].kind == "red"), None)
         ref = None if ref_t is None else _align(ref_t[1], ref_t[0].dim(), nd)
         for i, a in enumerate(args):
             if isinstance(a, tuple) and isinstance(a[1], str):      # a parameter met here
                 if nd is None:
                     self._fail(n, f"parameter {a[1]} used by an op without a tensor output")
-                args[i] = self._loose(n, a[1], ref or Lay("hid", geo.L0, None, nd - 1), nd)
+                gshape = list(self.g.gm.graph.find_nodes(op="placeholder", target=a[1])[0].meta["val"].shape)
+                hd = None if ref is None or ref.hdim is None else ref.hdim - (nd - len(gshape))
+                if a[1] in self.g.buffers and (ref is None or hd is None or hd < 0 or gshape[hd] == 1):
+                    # a buffer (no gradient) met by no split value, or broadcasting over the hidden
+                    # blocks (rotary tables against heads): whole on every rank, cut where it
+                    # meets a split dim
+                    args[i] = (self._param(a[1], ParamUse("whole", None), gshape), Lay("rep"))
+                else:
+                    args[i] = self._loose(n, a[1], ref or Lay("hid", geo.L0, None, nd - 1), nd)
         if ref is None:
             ref_t = next((v for v in args if isinstance(v, tuple) and v[1].kind == "hid"), None)
             ref = None if ref_t is None else _align(ref_t[1], ref_t[0].dim(), nd)
@@ -122,9 +134,20 @@ class LocalOps:
             return x0[0].unsqueeze(dim), _insert(x0[1], dim)
         if t is aten.split.Tensor:
             return self._split(n, x0, args)
+        if t is aten.stack.default:
+            return self._stack(n, env)
+        if t is aten.repeat_interleave.self_int and x0 is not None and x0[1].kind in ("act", "hid") \
+                and len(args) > 2 and isinstance(args[2], int):
+            # each block repeats its own rows: the blocks of the repeated tensor, in order (a
+            # GQA key/value head block serves the query head block of the same index)
+            out = x0[0].repeat_interleave(args[1], dim=args[2])
+            lay = x0[1]
+            if list(out.shape) != self._lshape(self._gshape(n), lay):
+                self._fail(n, "a repeat whose blocks are not the repeated blocks")
+            return out, lay
         if t is aten.slice.Tensor:
             dim = (args[1] if len(args) > 1 else 0) % x0[0].dim()
-            if dim in (x0[1].tdim, x0[1].hdim) and x0[1].kind in ("act", "hid", "rep"):
+            if dim in (x0[1].tdim, x0[1].hdim) and x0[1].kind in ("act", "hid", "rep", "red"):
                 self._fail(n, "slice along a split dim")
             return aten.slice.Tensor(x0[0], dim, *args[2:]), x0[1]
         if ref is None and any(isinstance(a, tuple) and (a[1].kind in ("rep", "loss") or a[1].share) for a in args):
@@ -166,7 +189,15 @@ class LocalOps:
                     continue
                 if a[1].kind == "in":
                     args[i] = (self._tokens(a, ref.L), None)
-                elif a[1].kind in ("act", "hid"):
+                elif a[1].kind == "red" and ref.kind == "act":
+                    # a value reduced over the hidden dim meets the hidden blocks it was reduced
+                    # from: broadcast along them (its gradient is partial there, as its layout says)
+                    r = _align(a[1], a[0].dim(), nd)
+                    off = nd - a[0].dim()
+                    if r.L != ref.L or r.tdim != ref.tdim or (ref.hdim is not None and ref.hdim - off >= 0
+                                                              and a[0].shape[ref.hdim - off] != 1):
+                        self._fail(n, "a value reduced over the hidden dim met by another split")
+                elif a[1].kind in ("act", "hid", "red"):
                     if _align(a[1], a[0].dim(), nd) != replace(ref, kind=a[1].kind) and \
                             not (a[1].kind == "hid" and _align(a[1], a[0].dim(), nd).hdim == ref.hdim
                                  and a[1].L == ref.L):
@@ -253,6 +284,16 @@ class LocalOps:
         if dim in (lay.tdim, lay.hdim):
             self._fail(n, "cat along a split dim")
         return torch.cat([p for p, _ in parts], dim), lay
+
+    def _stack(self, n, env):
+        parts = [self._val(env, a) for a in n.args[0]]
+        dim = n.args[1] if len(n.args) > 1 else 0
+        lays = {l for _, l in parts}
+        if len(lays) != 1 or next(iter(lays)).kind not in ("act", "hid", "red"):
+            self._fail(n, f"stack of differently split values {lays}")
+        lay = lays.pop()
+        dim %= parts[0][0].dim() + 1
+        return torch.stack([p for p, _ in parts], dim), _insert(lay, dim)
 
     def _view(self, n, x):
         t, lay = x

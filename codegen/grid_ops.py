@@ -231,7 +231,7 @@ class GridProgram(LocalOps, ReplicatedOps):
 
     def _lshape(self, gshape, lay: Lay):
         s = list(gshape)
-        if lay.kind == "act" and lay.tdim is not None:
+        if lay.kind in ("act", "red") and lay.tdim is not None:
             s[lay.tdim] //= self.geo.tok_parts
         if lay.kind in ("act", "hid") and lay.hdim is not None:
             s[lay.hdim] //= self.geo.q
@@ -304,6 +304,8 @@ class GridProgram(LocalOps, ReplicatedOps):
             return self._linear(n, env)
         if t is aten.conv2d.default:
             return self._conv(n, env)
+        if t in (aten.mean.dim, aten.sum.dim_IntList):
+            return self._hidden_reduce(n, env)
         if t is aten.layer_norm.default:
             return self._layer_norm(n, env)
         if t is aten.cross_entropy_loss.default:
@@ -546,6 +548,35 @@ class GridProgram(LocalOps, ReplicatedOps):
         if geo.mode == "3d":
             return mod.layer_norm(x, g, b, self.grid, L, eps), lay
         return mod.layer_norm(x, g, b, self.grid, eps), lay
+
+    def _hidden_reduce(self, n, env):
+        """A sum / mean over the hidden dim of a split activation (an RMSNorm's mean square):
+        the local sum all-reduced over the hidden group. Its consumers broadcast it against hidden
+        blocks, so its gradient is partial there: the backward all-reduces it too (Lay "red")."""
+        geo = self.geo
+        x, lay = self._val(env, n.args[0])
+        dims = n.args[1] if len(n.args) > 1 else None
+        keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+        if lay.kind != "act" or lay.hdim is None or dims is None or n.kwargs.get("dtype") is not None:
+            self._fail(n, "a reduction that is not over the hidden dim of a split activation")
+        dims = sorted({d % x.dim() for d in dims})
+        if dims != [lay.hdim]:
+            self._fail(n, "a reduction over other dims than the hidden one")
+        h = self._gshape(n.args[0])[lay.hdim]
+        label = geo.hid_group(lay.L)
+        out = x.sum(dim=lay.hdim, keepdim=bool(keep))
+        if n.target is aten.mean.dim:
+            out = out / h
+        nbytes = out.numel() * 4
+        self.colls += [tc.Collective("all_reduce", label, geo.q, nbytes, 1, "forward"),
+                       tc.Collective("all_reduce", label, geo.q, nbytes, 1, "backward")]
+        tdim = lay.tdim if keep or lay.tdim is None or lay.tdim < lay.hdim else lay.tdim - 1
+        red = Lay("red", lay.L, tdim, None)
+        if self.meta:
+            return self._fresh(out.shape, out.dtype), red
+        from runtime import collectives as C
+        group = self.grid.group(label)
+        return C.copy(C.all_reduce(out, group, label), group, label), red
 
     def _cross_entropy(self, n, env):
         geo = self.geo

@@ -11,6 +11,8 @@ the exact gradient of its block of an ``act`` value), so the conversions are con
                   backward: this rank's block of the gradient (no communication)
     hid  -> rep   all-gather over the hidden group; backward: the block, kept on the first rank
                   of the token groups only (a hid value's gradient is partial over them)
+    red  -> rep   all-gather over the token groups; backward: this rank's rows, kept on the first
+                  rank of the hidden group only (a red value's gradient is partial there)
     in   -> rep   this rank's rows (no gradient)
     loss -> rep   the token groups' shares summed (all-reduce): a loss share replicated over
                   the grid; backward: identity
@@ -106,6 +108,11 @@ class ReplicatedOps:
             return t, Lay("rep", share=True)
         if lay.kind == "hid":
             return self._gather_hidden(t, lay, first_keeps_grad=True), Lay("rep")
+        if lay.kind == "red":    # whole over the hidden group, its gradient partial there
+            if not self.meta and t.requires_grad:
+                from runtime.grid import grad_on_first
+                t = grad_on_first(t, self.coords[geo.hid_group(lay.L)] == 0)
+            lay = Lay("act", lay.L, lay.tdim, None)
         if lay.kind == "act":
             t = self._gather_hidden(t, lay)
             for label, size in reversed(self._tok_chain(lay.L)):     # inner first
