@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pulp
 
-from solver.errors import PlanError
+from solver.errors import PlanError, SolverTimeout
 
 if TYPE_CHECKING:   # annotations only
     from solver.lp_arrays import _LP, _Model
@@ -128,9 +128,9 @@ def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True, cu
         return "infeasible"
     described = h.modelStatusToString(status)
     del h   # the traceback of the error keeps this frame: not the solver with it (release_threads)
-    if time_limit is not None:
-        raise _input_error(f"the HiGHS solver found no feasible plan within time_limit={time_limit} s; "
-                           "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
+    if time_limit is not None and status == MS.kTimeLimit:
+        raise SolverTimeout(f"the HiGHS solver found no feasible plan within time_limit={time_limit} s; "
+                            "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
     raise _input_error(f"the HiGHS solver returned status {described!r}")
 
 
@@ -176,9 +176,9 @@ def _run_cbc(model: _Model, time_limit, threads, mip_gap, mip: bool = True) -> s
         return "feasible"
     if prob.status == pulp.LpStatusInfeasible or prob.sol_status == pulp.LpSolutionInfeasible:
         return "infeasible"
-    if time_limit is not None:
-        raise _input_error(f"the {solver.name} solver found no feasible plan within time_limit={time_limit} s; "
-                           "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
+    if time_limit is not None:   # PuLP does not tell a stop at the time limit from other stops
+        raise SolverTimeout(f"the {solver.name} solver found no feasible plan within time_limit={time_limit} s; "
+                            "raise time_limit or shrink the problem (merge followers, solve repeated blocks once)")
     raise _input_error(f"the {solver.name} solver returned status {pulp.LpStatus[prob.status]!r}")
 
 
@@ -212,7 +212,7 @@ def _lp_first(model: _Model, time_limit, threads) -> str | None:
     the MIP); None when the MIP must run."""
     try:
         status = _run_highs(model, time_limit, threads, 1e-7, mip=False)
-    except PlanError:   # out of time: the MIP gets what is left
+    except PlanError:   # out of time, or no answer: the MIP gets what is left (and says what fails)
         return None
     if status == "infeasible":
         return status

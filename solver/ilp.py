@@ -19,7 +19,7 @@ import time
 
 from solver import decisions
 from solver.backends import _bound, _extract, _run, _run_highs, _use_highs, release_threads  # noqa: F401 (re-exported)
-from solver.errors import PlanError
+from solver.errors import PlanError, SolverTimeout
 from solver.ilp_build import build  # noqa: F401 (re-exported)
 from solver.presolve import fix_needless_checkpointing
 from solver.problem import Problem, Solution
@@ -84,9 +84,7 @@ def _solve_each_decision(problem: Problem, time_limit, backend, threads, mip_gap
     for sub, left in decisions.each_pinned(problem, time_limit, t0):
         try:
             sol = solve(sub, left, backend, threads, mip_gap, start)
-        except PlanError as e:
-            if time_limit is None:
-                raise
+        except SolverTimeout as e:
             timed_out, all_optimal = e, False
             bounds.append(-math.inf)
             continue
@@ -171,7 +169,7 @@ def mip_reaches(problem: Problem, cutoff: float, time_limit: float | None = None
     scaled = (cutoff - model.offset) * model.scale
     try:
         status = _run_highs(model, time_limit, threads, 1e-7, mip=True, cutoff=scaled, first_solution=True)
-    except PlanError:   # out of time before any answer
+    except PlanError:   # out of time (or no answer) before any solution: only a proof prunes
         return False
     if status == "optimal":   # HiGHS may solve it outright (e.g. in presolve) without the bound
         return model.lp.solver_model.objective_function_value >= scaled

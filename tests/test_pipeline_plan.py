@@ -85,7 +85,7 @@ def test_uneven_model_gets_the_partition_the_dynamic_program_prefers():
     ({"pp": 4, "num_micro_batches": 4}, ["pp=4", "2 blocks", "at most 2"]),
     ({"pp": 2, "num_micro_batches": 1}, ["num_micro_batches=1", "at least 2 micro-batches"]),
     ({"pp": 2, "num_micro_batches": 3}, ["num_micro_batches=3", "8 rows", "3 equal micro-batches"]),
-    ({"pp": 2}, ["pp=2", "num_micro_batches"]),
+    ({"pp": 4}, ["pp=4", "2 blocks", "at most 2"]),   # pp alone: the error every count it tries meets
     ({"pp": 2, "pp_schedule": "interleaved-1f1b", "num_micro_batches": 4}, ["2 blocks", "at most 1", "2 virtual"]),
     ({"pp": 2, "pp_schedule": "pipedream", "num_micro_batches": 4}, ["pipedream", "known schedules"]),
     ({"pp_schedule": "1f1b"}, ["needs pp > 1"]),

@@ -204,7 +204,7 @@ def test_pinning_the_automatic_choice_reproduces_it(gpt, cpu4, auto_plan):
 
 @pytest.mark.parametrize("pin, words", [
     ({"tp": 3}, ["tp", "3", "devices"]),
-    ({"pp": 2}, ["pp=2", "cannot be met"]),
+    ({"pp": 8}, ["pp=8", "cannot be met"]),
     ({"zero": 5}, ["zero=5", "0, 1, 2 or 3"]),
     ({"tpp": 2}, ["unknown constraint 'tpp'", "did you mean 'tp'"]),
     ({"tp_mode": "3d"}, ["tp_mode='3d'", "q**3"]),   # 4 devices: no q x q x q grid

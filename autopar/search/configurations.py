@@ -77,10 +77,12 @@ def _micro_choices(per_dp: int, constraints: dict) -> list[int]:
     """Numbers of micro-batches for a data-parallel share of ``per_dp`` rows: only counts that
     cut it into equal micro-batches of at least one row (a pinned count that does not is
     dropped here and reported by ``_micro_batch_error``); unpinned, micro-batch sizes that are
-    powers of two (plus the whole share)."""
+    powers of two (plus the whole share). Both pinned (a pipelined candidate's count with the
+    user's size): that count where it cuts micro-batches of that size."""
     if "num_micro_batches" in constraints:
         nm = constraints["num_micro_batches"]
-        return [nm] if per_dp % nm == 0 else []
+        size = constraints.get("micro_batch_size", per_dp // nm)
+        return [nm] if per_dp % nm == 0 and per_dp // nm == size else []
     if "micro_batch_size" in constraints:
         mbs = constraints["micro_batch_size"]
         return [per_dp // mbs] if per_dp % mbs == 0 else []

@@ -29,9 +29,10 @@ from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
 from autopar.pricing.price import Settings, edges_priced, price, price_edges
 from autopar.pricing.saved_copies import copy_bytes, row_extra, with_copy_terms
 from autopar.cluster import Cluster
-from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
+from autopar.errors import ConstraintError, MemoryBudgetError
 from autopar.search.predict import checkpoint_mode, predict, static_memory_lower_bound, step_time_lower_bound
 from autopar.frontend.trace import TracedGraph
+from solver.errors import SolverTimeout
 from solver.ilp import memory_floor_exceeds_budget, min_peak_solution, mip_reaches, relaxation_bound, solve
 from solver.tree_bound import tree_lower_bound
 
@@ -221,7 +222,7 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
                      f"the rest found no plan")
     if best is None:
         if stats.get("timed_out"):
-            raise PlanError(f"no plan found within time_limit={time_limit} s: the solver ran out of time on "
+            raise SolverTimeout(f"no plan found within time_limit={time_limit} s: the solver ran out of time on "
                             f"{stats['timed_out']} of {stats['configs']} configurations before finding any plan; "
                             f"raise time_limit or pin more of the degrees (constraints=)")
         grid_floor = stats.get("grid_min_peak")    # grid configurations that lowered but did not fit
@@ -332,9 +333,7 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
                 stats["lp_bounds"] = stats.get("lp_bounds", 0) + 1
                 if cfg.settings.zero == 1 and lp < work_target:   # solved to the end: exact
                     zero1_lp[lp_key] = lp
-        except PlanError:
-            if remaining is None:
-                raise
+        except SolverTimeout:
             # the LP ran out of the time left (HiGHS raises when it stops with no solution):
             # keep the best plan so far; with none yet, let the ILP try this configuration
             if best is not None:
@@ -365,7 +364,7 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
                     sol = solve(problem, time_limit=LARGE_ILP_SECONDS, mip_gap=MIP_GAP)
                     if sol.status == "feasible":
                         sol = None   # stopped at the limit: not the solve's answer
-                except PlanError:   # no solution within the limit
+                except SolverTimeout:   # no solution within the limit
                     sol = None
             if go is not None and sol is None:
                 stats["large_ilps"] = stats.get("large_ilps", 0) + 1
@@ -390,9 +389,7 @@ def _visit(cfg, P, lower, best, stats, cand_cache, cluster, base, t0, time_limit
     try:
         if sol is None:
             sol = solve(problem, time_limit=remaining, mip_gap=MIP_GAP)
-    except PlanError:
-        if remaining is None:
-            raise
+    except SolverTimeout:
         # out of time before the solver found any plan of this configuration: keep the best one
         # (the old search raised here, losing the plan it had); with none yet, the next
         # configurations still get their second each, and search() says so if all time out
@@ -453,9 +450,7 @@ def _with_saved_copies(problem, sol, cands, P, remaining, stats):
         probe = nxt
         try:
             sol = solve(probe, time_limit=remaining, mip_gap=MIP_GAP)
-        except PlanError:
-            if remaining is None:
-                raise
+        except SolverTimeout:
             break
         stats["solved"] += 1
         stats["saved_copy_resolves"] = stats.get("saved_copy_resolves", 0) + 1
@@ -494,14 +489,15 @@ def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None) -> b
     relaxed = bound_problem(problem, F)
     try:
         lp = relaxation_bound(relaxed, time_limit=remaining, cutoff=target)
-    except PlanError:
+    except SolverTimeout:
         return False
     return lp != math.inf and lp >= target
 
 
-class CutOff(PlanError):
-    """``search`` found no plan because its ``cutoff`` pruned the configurations (internal: the
-    pipelined search skips that candidate)."""
+class CutOff(Exception):
+    """``search`` found no plan because its ``cutoff`` pruned the configurations, or none beats
+    the plan found elsewhere (``Incumbent``). Internal control flow, not a PlanError: the
+    pipelined search skips that candidate."""
 
 
 def _bytes(x: float) -> str:

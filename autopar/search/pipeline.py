@@ -1,6 +1,8 @@
 """Pipeline-parallel planning (first slice): pinned ``pp`` stages over the traced graph's blocks.
 
-``constraints={"pp": p, "pp_schedule": "1f1b" | "gpipe", "num_micro_batches": m}`` plans as follows.
+``constraints={"pp": p, "pp_schedule": "1f1b" | "gpipe", "num_micro_batches": m}`` plans as follows
+(``pp`` pinned without ``num_micro_batches``: autopar/search/pipeline_search.py runs this for each
+micro-batch count and schedule the free search tries with p stages and keeps the fastest).
 
 1. Every stage runs on a sub-mesh of ``cluster.num_devices / p`` devices (whole nodes when ``p``
    divides the node count, else a slice of the one node): the global mesh is (pp, *sub-mesh) with

@@ -106,14 +106,17 @@ def check_pins(graph, cluster, constraints: dict, pp: int) -> int:
         raise ConstraintError(f"constraint pp={pp} cannot be met: {cluster.num_devices} devices do not split into "
                               f"{pp} equal stages")
     m = constraints.get("num_micro_batches")
-    if m is None:
-        raise ConstraintError(f"constraint pp={pp} cannot be met without num_micro_batches pinned too (at least "
-                              f"{pp}; the search does not choose it under pipelining yet)")
+    batch = global_batch(graph)
+    if m is None:   # autopar/search/pipeline_search.py chose none: no count it tries divides the batch
+        fits = [k for k in range(pp, batch + 1) if batch % k == 0]
+        raise ConstraintError(f"constraint pp={pp} cannot be met without num_micro_batches pinned: no micro-batch "
+                              f"count the search tries with {pp} stages divides the global batch of {batch} rows"
+                              + (f"; pin one of {', '.join(map(str, fits))}" if fits else
+                                 f", and {pp} stages need at least {pp} micro-batches"))
     if m < pp:
         raise ConstraintError(f"constraint num_micro_batches={m} cannot be met with pp={pp}: a pipeline of {pp} "
                               f"stages needs at least {pp} micro-batches to keep every stage busy "
                               f"(torch.distributed.pipelining's 1F1B refuses fewer)")
-    batch = global_batch(graph)
     if batch % m:
         raise ConstraintError(f"constraint num_micro_batches={m} cannot be met: the global batch of {batch} rows "
                               f"does not split into {m} equal micro-batches")

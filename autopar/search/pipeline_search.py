@@ -1,7 +1,9 @@
 """The outer search over pipeline degrees: pp, schedule and micro-batch count next to the rest.
 
-``autopar.plan`` calls ``plan_search`` once. With ``pp`` pinned it is autopar/search/pipeline.py's pinned
-planning; with ``pp=1`` pinned the ordinary search. Otherwise:
+``autopar.plan`` calls ``plan_search`` once. With ``pp`` and ``num_micro_batches`` pinned it is
+autopar/search/pipeline.py's pinned planning (schedule 1f1b unless pinned); with ``pp`` pinned
+alone, step 2's candidates of that degree (and of the pinned schedule, if any), the fastest that
+fits (``_pinned_degree``); with ``pp=1`` pinned the ordinary search. Otherwise:
 
 1. The ordinary search (pp=1: mesh shape, ZeRO, micro-batch size, strategies) runs first; it may
    find nothing that fits memory (a ``MemoryBudgetError`` is kept, not raised yet).
@@ -94,6 +96,7 @@ import dataclasses
 import time
 
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
+from autopar.search.outer import CutOff
 
 MAX_PP = 16
 SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
@@ -150,8 +153,10 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
     constraints = canonical_schedules(dict(constraints or {}))
     kw = dict(kw, shared_candidates={})   # candidates and pricing caches per mesh, across the searches below
     pp, _ = pipeline_pins(constraints)
-    if pp > 1:
+    if pp > 1 and "num_micro_batches" in constraints:
         return search_pipelined(graph, cluster, base, constraints, search_fn, **kw)
+    if pp > 1:
+        return _pinned_degree(graph, cluster, base, constraints, search_fn, kw, pp)
     flat = {k: v for k, v in constraints.items() if k != "pp"}
     if "pp" in constraints or constraints.get("checkpoint") not in (None, "none") or unpipelined_pin(flat):
         try:
@@ -159,8 +164,6 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
         except MemoryBudgetError as e:   # retried with sequence axes (step 4 of the module doc), pp=1
             return _with_sp(graph, cluster, base, flat, search_fn, e, kw, None)
         return _faster_with_sp(graph, cluster, base, flat, search_fn, kw, (*res, None), None) or (*res, None)
-    from autopar.search.outer import CutOff
-
     t0 = time.perf_counter()
     best = best_stats = None
     err = None
@@ -220,6 +223,29 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
     return pipe.with_stats(incumbent)
 
 
+def _pinned_degree(graph, cluster, base, constraints: dict, search_fn, kw, pp: int):
+    """``pp`` pinned without ``num_micro_batches``: the free search's candidates of that degree
+    (step 2: ``micro_batch_counts``, ``SCHEDULES`` or the pinned schedule), the fastest plan that
+    fits. With none, the MemoryBudgetError of the smallest peak, else the first candidate's error
+    (a pin no micro-batch count can meet says so for all)."""
+    from autopar.search.pipeline_pins import check_pins
+
+    flat = {k: v for k, v in constraints.items() if k not in ("pp", "pp_schedule")}
+    schedules = (constraints["pp_schedule"],) if "pp_schedule" in constraints else SCHEDULES
+    pipe = _Pipelined(graph, cluster, base, flat, search_fn, kw, time.perf_counter(), degrees=(pp,),
+                      schedules=schedules)
+    best, stats, info = pipe.run(None, None)
+    if best is not None:
+        return pipe.with_stats((best, stats, info))
+    memory = [e for e in pipe.errors if isinstance(e, MemoryBudgetError)]
+    if memory:   # a stage partition's budget first (the inner searches run with it lifted)
+        raise min(memory, key=lambda e: (e.budget_bytes != int(base.budget), e.min_peak_bytes or float("inf")))
+    if pipe.errors:
+        raise pipe.errors[0]
+    check_pins(graph, cluster, constraints, pp)   # no micro-batch count to try: it raises, saying why
+    raise AssertionError("check_pins raises without num_micro_batches")
+
+
 def _time(result, pipe) -> float:
     return pipe["step_time"] if pipe is not None else result.prediction["step_time"]
 
@@ -234,9 +260,12 @@ class _Pipelined:
     sequence axis pinned (step 4), visited best bound first against an incumbent. One object per
     ``plan_search``: its inner-search cache and counters are shared by every visit."""
 
-    def __init__(self, graph, cluster, base, flat, search_fn, kw, t0):
+    def __init__(self, graph, cluster, base, flat, search_fn, kw, t0, degrees=None, schedules=SCHEDULES):
         self.graph, self.cluster, self.base, self.flat, self.search_fn = graph, cluster, base, flat, search_fn
         self.kw, self.t0 = kw, t0
+        self.degrees = degrees   # the pipeline degrees to try (None: ``_pp_choices``)
+        self.schedules = schedules
+        self.errors: list = []   # why candidates could not be planned, in the order visited
         self.inner_cache: dict = {}   # (pp, m[, sp]) inner plans, shared by every schedule (module doc)
         self.tried = self.pruned = 0
         self.first = False   # visited before the pp=1 search ended (plan_search's before_large)
@@ -247,7 +276,6 @@ class _Pipelined:
 
     def with_stats(self, out: tuple) -> tuple:
         """``out`` (Result, stats, pipe) with the pipelined candidates' counters in its stats."""
-        from autopar.search.outer import CutOff
         cut = {**self.remote_inner, **{k: isinstance(r, CutOff) for k, r in self.inner_cache.items()}}
         stats = dict(out[1], pipeline_candidates=self.tried, pipeline_pruned=self.pruned,
                      inner_searches=len(cut), inner_cut_off=sum(cut.values()), pipeline_workers=self.workers, pipelined_first=self.first,
@@ -259,7 +287,7 @@ class _Pipelined:
         if key not in self.inner_cache:
             try:
                 self.inner_cache[key] = self.search_fn(g, sub, settings, inner, **kw2)
-            except (MemoryBudgetError, ConstraintError, PlanError) as e:
+            except (PlanError, CutOff) as e:
                 self.inner_cache[key] = e
         if isinstance(self.inner_cache[key], Exception):
             raise self.inner_cache[key]
@@ -273,15 +301,15 @@ class _Pipelined:
 
         batch = global_batch(self.graph)
         out = []
-        for p in _pp_choices(self.graph, self.cluster, self.flat):
+        for p in self.degrees or _pp_choices(self.graph, self.cluster, self.flat):
             sps = [None] if sp_for is None else sp_for(stage_cluster(self.cluster, p))
             for sp in sps:
-                for sched in SCHEDULES:
+                for sched in self.schedules:
                     v = virtual_stages(sched)
                     for m in micro_batch_counts(p, batch, self.cluster):
                         if "num_micro_batches" in self.flat and self.flat["num_micro_batches"] != m:
                             continue
-                        out.append((base_compute * (1 + (p - 1) / (m * v)), p, SCHEDULES.index(sched), m, sched,
+                        out.append((base_compute * (1 + (p - 1) / (m * v)), p, self.schedules.index(sched), m, sched,
                                     sp or 0))
         return out
 
@@ -325,15 +353,19 @@ class _Pipelined:
         kw_left = kw if limit is None else dict(kw, time_limit=max(1.0, limit - (time.perf_counter() - self.t0)))
         if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it
             # with the least fill and drain of any schedule sharing this inner search (module doc)
-            v = max(virtual_stages(s) for s in SCHEDULES)
+            v = max(virtual_stages(s) for s in self.schedules)
             kw_left = dict(kw_left, cutoff=best_time * p, cutoff_bubble=(p - 1) / (m * v) if INNER_FILL_DRAIN else 0.0)
         try:
             return ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search, **kw_left))
         except MemoryBudgetError as e:
+            self.errors.append(e)
             if e.budget_bytes == int(self.base.budget) and e.min_peak_bytes is not None:
                 self.floors.append(e.min_peak_bytes)   # a stage partition that did not fit (plan_stages)
             return ("memory",)
-        except (ConstraintError, PlanError):
+        except CutOff:
+            return ("skip",)
+        except PlanError as e:   # a pin this candidate cannot meet (ConstraintError, a sequence mode), a time-out
+            self.errors.append(e)
             return ("skip",)
 
     def _workers(self, order, best_time) -> int:
@@ -359,8 +391,6 @@ class _Pipelined:
         """What a worker sends back for one candidate: ("ok", step time) or ``_evaluate``'s other
         answers, the inner searches it ran ({key: cut off?}) and the floors it found. A plan is
         kept until the parent fetches the winner."""
-        from autopar.search.outer import CutOff
-
         before, floors = set(self.inner_cache), len(self.floors)
         self.kw = dict(self.kw, progress=False)   # one live progress line: the parent's
         out = self._evaluate(p, m, sched, sp, best_time)

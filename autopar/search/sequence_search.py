@@ -22,7 +22,7 @@ import math
 
 from autopar.errors import MemoryBudgetError, PlanError
 from autopar.rules.sequence import input_seq_dims
-from autopar.search.outer import _bytes
+from autopar.search.outer import CutOff, _bytes
 
 
 def sp_free(constraints: dict) -> bool:
@@ -181,7 +181,7 @@ def _fastest_over_sp(graph, cluster, constraints: dict, run, floors: list | None
             if budgets is not None:
                 budgets.append(e.budget_bytes)
             continue
-        except PlanError:   # ConstraintError, CutOff and the rest
+        except (PlanError, CutOff):   # ConstraintError, a sequence mode the model cannot run, cut off
             continue
         if best is None or out[0].prediction["step_time"] < best[0].prediction["step_time"]:
             best = out
