@@ -4,6 +4,7 @@ trace (torch.export) -> price every sharding of every op -> one ILP per configur
 outer search -> a Plan (JSON) -> per-rank programs run with torch.distributed.
 """
 from autopar.cluster import Cluster
+from autopar.constraints import Constraints
 from autopar.errors import ClusterError, ConstraintError, ExecutionError, MemoryBudgetError, PlanError, TraceError
 from autopar.plans.plan import Plan
 
@@ -20,5 +21,5 @@ def compile(*args, **kwargs):
     return _compile(*args, **kwargs)
 
 
-__all__ = ["Cluster", "Plan", "plan", "compile", "PlanError", "ClusterError", "ConstraintError",
+__all__ = ["Cluster", "Constraints", "Plan", "plan", "compile", "PlanError", "ClusterError", "ConstraintError",
            "MemoryBudgetError", "TraceError", "ExecutionError"]

@@ -1,4 +1,4 @@
-"""The public planning entry point: ``autopar.plan`` (see shared/api.md).
+"""The public planning entry point: ``autopar.plan`` (pins: autopar/constraints.py, docs/constraints.md).
 
 trace -> outer search (candidates, pricing, ILP per configuration) -> Plan JSON.
 """
@@ -13,7 +13,8 @@ from autopar.frontend.batching import graph_batch_dims, infer_batch_dims, input_
 from autopar.search.build import chosen
 from autopar.pricing.price import Settings
 from autopar.cluster import Cluster
-from autopar.errors import ConstraintError, PlanError
+from autopar.constraints import Constraints
+from autopar.errors import PlanError
 from autopar.pricing.memory import check_optimizer, check_precision
 from autopar.plans.plan import PLAN_VERSION, Plan
 from autopar.rules import tensor_inputs
@@ -31,18 +32,18 @@ GC_THRESHOLDS = (100_000, 50, 100)
 
 
 def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=None, optimizer: str = "adamw",
-         precision: str = "bf16", memory_budget: float | None = None, constraints: dict | None = None,
+         precision: str = "bf16", memory_budget: float | None = None, constraints: Constraints | dict | None = None,
          time_limit: float | None = None, overlap_grad_comm: bool = True, verbose: bool = False,
          traced=None, policy: str | None = None, batch_dims=None) -> Plan:
     """Find the fastest configuration of ``model`` on ``cluster`` that fits in memory.
 
-    Beyond api.md: ``traced`` reuses a TracedGraph (autopar.frontend.trace.trace) instead of tracing again;
+    Beyond README.md's options: ``traced`` reuses a TracedGraph (autopar.frontend.trace.trace) instead of tracing again;
     ``policy="megatron"`` restricts every linear to Megatron's column/row splits (to price a
     hand-written Megatron-LM configuration in the same cost model); ``verbose`` logs every
-    configuration the search solves. ``constraints["checkpoint"]`` is "none", "selective" (recompute
-    only each block's attention core, Korthikanti et al. 2022), "full" or a dict block group name
-    (``TracedGraph.blocks``, e.g. "blocks") -> bool or one of those, pinning some groups only;
-    ``batch_dims`` names each input's batch dim (an int or None
+    configuration the search solves. ``constraints`` pins part of the configuration, as an
+    ``autopar.Constraints`` or its dict form (``{"tp": 2, "zero": 1}``): every key, its values and
+    default in autopar/constraints.py and docs/constraints.md; a bad pin is a ConstraintError before
+    tracing. ``batch_dims`` names each input's batch dim (an int or None
     per input, or one int for all; default: inferred, autopar/frontend/batching.py) — the dim the data
     axes split and micro-batching cuts, recorded in the plan."""
     if not isinstance(model, torch.nn.Module):
@@ -59,15 +60,13 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
         memory_budget = parse_bytes(memory_budget, "memory_budget")
     if time_limit is not None:
         time_limit = parse_seconds(time_limit, "time_limit")
-    if constraints is not None and not isinstance(constraints, dict):
-        raise ConstraintError(f"constraints must be a dict of degree pins, e.g. {{'tp': 2, 'zero': 1}}, got "
-                              f"{type(constraints).__name__} {constraints!r}")
+    pins = Constraints.coerce(constraints)   # every key's type, values and contradictions (autopar/constraints.py)
     t0 = time.perf_counter()
     graph = traced if traced is not None else trace(model, example_inputs, loss_fn=loss_fn)
     t_trace = time.perf_counter() - t0
     graph.batch_dims = infer_batch_dims(input_shapes(graph), batch_dims)
     from autopar.rules.hybrid_sequence import resolve
-    constraints = resolve(graph, cluster, constraints)   # sp_mode="hybrid": its (u, r) split from the heads
+    constraints = resolve(graph, cluster, pins.to_dict())   # sp_mode="hybrid": its (u, r) split from the heads
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
     base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm)
     log = print if verbose else None

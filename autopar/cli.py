@@ -116,8 +116,8 @@ def _load_model(spec: str, pairs):
 def cmd_plan(args) -> int:
     import autopar
     cluster = _cluster(args)
+    constraints = autopar.Constraints.from_dict(_kwargs(args.constraint, "--constraint"))   # before the model loads
     model, inputs = _load_model(args.factory, args.arg)
-    constraints = _kwargs(args.constraint, "--constraint") if args.constraint else None
     p = autopar.plan(model, inputs, cluster, optimizer=args.optimizer, precision=args.precision,
                      memory_budget=args.memory_budget, constraints=constraints, time_limit=args.time_limit,
                      verbose=args.verbose)
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=_positive_int("--devices"), default=None, help="devices for the cpu preset")
     p.add_argument("-o", "--output")
     p.add_argument("--arg", action="append", help="factory keyword argument name=value")
-    p.add_argument("--constraint", action="append", help="pin a degree, e.g. tp=8")
+    p.add_argument("--constraint", action="append", help="pin a degree, e.g. tp=8 (keys: docs/constraints.md)")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--precision", default="bf16")
     p.add_argument("--memory-budget", type=_bytes, default=None, help="bytes per device, e.g. 40GB, 40GiB")

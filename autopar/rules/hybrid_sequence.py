@@ -28,7 +28,7 @@ heads do not divide by sp.
 
 Bad input is a ConstraintError naming the op: heads not divisible by u, a sequence not dividing
 into 2·r·u chunks (zig-zag) or r·u (not causal), an explicit mask not proven causal, dropout,
-cross-attention; sp != u·r and a malformed ``sp_shape`` name the constraint.
+cross-attention. The pins themselves (sp = u·r, the form of ``sp_shape``) are autopar/constraints.py's.
 """
 from __future__ import annotations
 
@@ -47,37 +47,9 @@ RING_AXIS, ULYSSES_AXIS = "sp_r", "sp_u"
 # ------------------------------------------------------------------ pins
 
 def _shape_pin(constraints: dict) -> tuple[int, int] | None:
-    if "sp_shape" not in constraints:
-        return None
-    shape = constraints["sp_shape"]
-    if (not isinstance(shape, (list, tuple)) or len(shape) != 2
-            or any(isinstance(x, bool) or not isinstance(x, int) or x < 2 for x in shape)):
-        raise ConstraintError(f"constraint sp_shape={shape!r}: must be [u, r], the Ulysses and ring sizes of "
-                              f"sp_mode='hybrid', two integers >= 2 (e.g. [2, 2] for sp=4)")
-    return int(shape[0]), int(shape[1])
-
-
-def check_constraints(constraints: dict) -> None:
-    """Validate ``sp_shape`` and the hybrid's ``sp`` (called by sequence.check_constraints)."""
-    mode = constraints.get("sp_mode")
-    if "sp_shape" in constraints and mode != "hybrid":
-        raise ConstraintError(f"constraint sp_shape={constraints['sp_shape']!r} is the (Ulysses, ring) split of "
-                              f"sp_mode='hybrid'; got sp_mode={mode!r}")
-    if mode != "hybrid":
-        return
-    shape = _shape_pin(constraints)
-    sp = constraints.get("sp")
-    if shape is not None and sp is not None and sp != shape[0] * shape[1]:
-        raise ConstraintError(f"constraints sp={sp} and sp_shape={list(shape)} contradict each other: "
-                              f"sp_mode='hybrid' splits the sequence over u x r = {shape[0]} x {shape[1]} = "
-                              f"{shape[0] * shape[1]} ranks, so sp must equal u*r")
-    if shape is None and sp is None:
-        raise ConstraintError("constraint sp_mode='hybrid' needs the size of the sequence axes: pin sp (= u*r) "
-                              "and optionally sp_shape=[u, r]")
-    if shape is None and not splits(sp):
-        raise ConstraintError(f"constraint sp={sp} with sp_mode='hybrid': the hybrid runs Ulysses over u and ring "
-                              f"attention over r ranks with u, r >= 2, and {sp} is not such a product u*r; "
-                              f"pin sp_mode 'ulysses' or 'ring' for it")
+    """The pinned [u, r] (checked by autopar/constraints.py), or None."""
+    shape = constraints.get("sp_shape")
+    return None if shape is None else (int(shape[0]), int(shape[1]))
 
 
 def splits(sp: int) -> list[tuple[int, int]]:
@@ -128,9 +100,7 @@ def resolve(graph, cluster, constraints: dict | None) -> dict | None:
     if "sp_shape" in constraints:   # sp = u*r for what reads only sp (pipeline.check_stage_axes)
         u, r = _shape_pin(constraints)
         return constraints if "sp" in constraints else {**constraints, "sp": u * r}
-    sp = constraints.get("sp")
-    if not isinstance(sp, int) or isinstance(sp, bool) or not splits(sp):
-        return constraints     # check_constraints reports it
+    sp = constraints["sp"]   # pinned, and a product u*r (autopar/constraints.py checks both)
     heads = _sdpa_heads(graph)
     tp = constraints.get("tp")
     room = max(1, cluster.devices_per_node // (tp if isinstance(tp, int) and tp > 0 else 1))

@@ -4,7 +4,7 @@ and what the plan reports (``degrees``). What attention does there is
 autopar/rules/sequence_attention.py's (SDPA) and autopar/rules/sequence_heads.py's (explicit
 matmul/softmax attention run head-split).
 
-Three modes (``constraints={"sp_mode": ...}``, shared/api.md):
+Three modes (``constraints={"sp_mode": ...}``, docs/constraints.md):
 
 - ``"megatron"``: no new axis. Around tensor-parallel linears the norms split the sequence over
   the tensor axis, the residual adds are not whole there (``_megatron``) and dropouts follow as
@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.errors import ConstraintError, PlanError
+from autopar.errors import PlanError
 from autopar.mesh import Mesh, enumerate_meshes
 from autopar.rules import hybrid_sequence as hybrid
 from autopar.rules.sequence_attention import (ALGORITHMS, RING, RING_CONTIGUOUS, ULYSSES, attention_strategies,
@@ -78,31 +78,11 @@ from autopar.rules.sequence_heads import check_heads_split, head_letters, head_s
 from autopar.rules.strategy import Strategy
 
 SP_AXIS = "sp"
-MODES = (None, "megatron", "ulysses", "ring", "ring-contiguous", "hybrid")
 _NORMS = ("layer_norm", "rms_norm")
 
 
-# ------------------------------------------------------------------ constraints, policy, meshes
-
-def check_constraints(constraints: dict) -> None:
-    """Validate the ``sp`` / ``sp_mode`` pins (called by search.check_constraints)."""
-    mode = constraints.get("sp_mode")
-    if mode not in MODES:
-        raise ConstraintError(f"constraint sp_mode={mode!r}: must be one of {', '.join(map(repr, MODES))}")
-    sp = constraints.get("sp")
-    if "sp" in constraints and (isinstance(sp, bool) or not isinstance(sp, int) or sp < 1):
-        raise ConstraintError(f"constraint sp={sp!r}: must be a positive integer")
-    hybrid.check_constraints(constraints)   # sp_shape, and sp = u*r (autopar/rules/hybrid_sequence.py)
-    if mode in ("ulysses", "ring", "ring-contiguous") and sp == 1:
-        raise ConstraintError(f"constraints sp=1 and sp_mode={mode!r} contradict each other: {mode} attention needs "
-                              f"a sequence axis of at least 2 ranks")
-    if mode == "megatron" and sp not in (None, 1) and "tp" in constraints and sp != constraints["tp"]:
-        raise ConstraintError(f"constraint sp_mode='megatron' splits the sequence over the tensor axis, so sp must "
-                              f"equal tp: got sp={sp}, tp={constraints['tp']}")
-    if mode == "megatron" and constraints.get("tp") == 1:
-        raise ConstraintError("constraint sp_mode='megatron' needs tensor parallelism (tp > 1): the sequence is "
-                              "split over the tensor axis around the tensor-parallel linears")
-
+# ------------------------------------------------------------------ pins, policy, meshes
+# (the sp / sp_mode / sp_shape pins are checked by autopar/constraints.py)
 
 def mode_of(constraints: dict) -> str | None:
     mode = constraints.get("sp_mode")

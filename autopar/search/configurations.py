@@ -1,5 +1,5 @@
 """The configurations the outer search visits, and the pins that shape them: ``constraints=``
-checked (``check_constraints``: known keys, sane values, each dimension's own checks), the meshes
+checked (``check_constraints``: autopar/constraints.py's checks and the grid modes'), the meshes
 the dp / tp / tp_mode / tp_shape / sequence pins allow (``allowed_meshes``), the micro-batch counts
 that cut a data-parallel share evenly (``_micro_choices``, and why a pinned one cannot:
 ``_micro_batch_error``), and every (mesh, ZeRO stage, micro-batch count) as a ``Config``
@@ -9,14 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
-from autopar.errors import ConstraintError
+from autopar.constraints import Constraints
 from autopar.frontend.batching import global_batch  # noqa: F401  (re-exported: search modules import it from here)
 from autopar.frontend.trace import TracedGraph
 from autopar.pricing.price import Settings
 from autopar.rules import sequence
-
-DEGREE_KEYS = ("dp", "tp", "tp_mode", "tp_shape", "sp", "sp_mode", "sp_shape", "pp", "pp_schedule", "micro_batch_size",
-               "num_micro_batches", "zero", "checkpoint", "offload")
 
 
 @dataclass
@@ -24,42 +21,15 @@ class Config:
     mesh: object
     settings: Settings
 
-def check_constraints(constraints: dict | None) -> dict:
-    """Validate ``constraints=``: known keys, sane values; dimensions not built yet are clear errors."""
-    constraints = dict(constraints or {})
-    for k in constraints:
-        if k not in DEGREE_KEYS:
-            import difflib
-            hint = difflib.get_close_matches(k, DEGREE_KEYS, n=1)
-            raise ConstraintError(f"unknown constraint {k!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                                  + f"; valid keys: {', '.join(DEGREE_KEYS)}")
-    from autopar.search.pipeline_pins import pipeline_pins
-    pipeline_pins(constraints)   # pp / pp_schedule pins: autopar/search/pipeline.py plans them
-    unsupported = {"offload": False}
-    for k, ok in unsupported.items():
-        if k in constraints and constraints[k] != ok:
-            raise ConstraintError(f"constraint {k}={constraints[k]!r} cannot be met: this version of autopar "
-                                  f"plans {k}={ok!r} only (offload is not implemented yet)")
+
+def check_constraints(constraints) -> dict:
+    """``constraints=`` (a dict or autopar.Constraints) as the dict of its pinned keys, validated:
+    each key and the contradictions between keys by autopar/constraints.py, a grid mode's shape by
+    autopar/search/grid_search.py (``check_grid_constraints``)."""
+    pins = Constraints.coerce(constraints).to_dict()
     from autopar.search.grid_search import check_grid_constraints
-    check_grid_constraints(constraints)   # tp_mode / tp_shape (1d, 2d-reshard, 2d, 2.5d, 3d)
-    sequence.check_constraints(constraints)   # sp / sp_mode (autopar/rules/sequence.py)
-    if "zero" in constraints and constraints["zero"] not in (0, 1, 2, 3):
-        raise ConstraintError(f"constraint zero={constraints['zero']!r}: must be 0, 1, 2 or 3")
-    ck = constraints.get("checkpoint")
-    if "checkpoint" in constraints and not (ck in ("none", "selective", "full") or (
-            isinstance(ck, dict) and ck and all(isinstance(k, str) and (isinstance(v, bool) or v in (
-                "none", "selective", "full")) for k, v in ck.items()))):
-        raise ConstraintError(f"constraint checkpoint={ck!r}: must be 'none', 'selective', 'full' or a dict block "
-                              f"group name -> bool or one of those (e.g. {{'blocks': 'selective'}})")
-    for k in ("dp", "tp", "micro_batch_size", "num_micro_batches"):
-        if k in constraints and (isinstance(constraints[k], bool) or not isinstance(constraints[k], int)
-                                 or constraints[k] < 1):
-            raise ConstraintError(f"constraint {k}={constraints[k]!r}: must be a positive integer")
-    if constraints.get("zero", 0) and constraints.get("dp") == 1:
-        raise ConstraintError(f"constraints zero={constraints['zero']} and dp=1 contradict each other: ZeRO shards "
-                              f"optimizer state, gradients and parameters over the data-parallel ranks, and dp=1 "
-                              f"leaves one. Drop the zero pin, or let dp be larger than 1")
-    return constraints
+    check_grid_constraints(pins)   # a 2d / 2.5d / 3d grid of the pinned tp / tp_shape
+    return pins
 
 
 def _checkpoint_setting(ck):

@@ -1,26 +1,24 @@
-"""Pipeline pins and their checks (autopar/search/pipeline.py plans with them): the schedule names
-and their spellings, ``pp`` / ``pp_schedule`` / ``num_micro_batches`` validated against the model and
-the cluster, the stage sub-mesh (``stage_cluster``), the per-stage axes that must fit it, the pins
-that rule pipelining out, the checkpoint pins pipelining accepts and the highest ZeRO stage a
-pipelined plan executes (``max_zero``). Every impossible pin is a ``ConstraintError`` naming it.
+"""Pipeline pins and their checks (autopar/search/pipeline.py plans with them): ``pp`` /
+``pp_schedule`` / ``num_micro_batches`` (each valid on its own: autopar/constraints.py) checked
+against the model and the cluster, the stage sub-mesh (``stage_cluster``), the per-stage axes
+that must fit it, the pins that rule pipelining out, the checkpoint pins pipelining accepts and
+the highest ZeRO stage a pipelined plan executes (``max_zero``). Every impossible pin is a
+``ConstraintError`` naming it.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
+from autopar.constraints import SCHEDULE_ALIASES
 from autopar.errors import ConstraintError
 
 MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")   # v stages per rank (PyTorch's Interleaved1F1B, InterleavedZeroBubble)
-RUNNABLE_SCHEDULES = ("gpipe", "1f1b", *MULTI_STAGE)
-KNOWN_SCHEDULES = RUNNABLE_SCHEDULES
-# Spellings accepted for the api.md names above (plans record the api.md name).
-SCHEDULE_ALIASES = {"interleaved_1f1b": "interleaved-1f1b", "interleaved": "interleaved-1f1b",
-                    "zero_bubble": "zero-bubble", "zb": "zero-bubble"}
 
 
 def canonical_schedules(constraints: dict) -> dict:
-    """``constraints`` (a copy) with ``pp_schedule`` spelled as api.md spells it."""
+    """``constraints`` (a copy) with ``pp_schedule`` spelled as plans record it (the pins
+    autopar.plan passes on already are: autopar/constraints.py)."""
     sched = constraints.get("pp_schedule")
     if isinstance(sched, str) and sched.lower() in SCHEDULE_ALIASES:
         constraints = dict(constraints, pp_schedule=SCHEDULE_ALIASES[sched.lower()])
@@ -28,21 +26,10 @@ def canonical_schedules(constraints: dict) -> dict:
 
 
 def pipeline_pins(constraints: dict | None) -> tuple[int, str | None]:
-    """(pp, pp_schedule) from constraints, validated; pp=1 means no pipeline."""
-    constraints = canonical_schedules(constraints or {})
+    """(pp, pp_schedule) of validated pins (autopar/constraints.py); pp=1 means no pipeline."""
+    constraints = constraints or {}
     pp = constraints.get("pp", 1)
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
-        raise ConstraintError(f"constraint pp={pp!r}: must be a positive integer (pipeline stages)")
-    sched = constraints.get("pp_schedule")
-    if sched is not None:
-        if sched not in KNOWN_SCHEDULES:
-            raise ConstraintError(f"constraint pp_schedule={sched!r}: known schedules are {', '.join(KNOWN_SCHEDULES)}")
-        if sched not in RUNNABLE_SCHEDULES:
-            raise ConstraintError(f"constraint pp_schedule={sched!r} cannot be met yet: the schedules planned and "
-                                  f"executed are {', '.join(RUNNABLE_SCHEDULES)}")
-        if pp == 1:
-            raise ConstraintError(f"constraint pp_schedule={sched!r} needs pp > 1 (pin pp as well)")
-    return pp, (sched or "1f1b") if pp > 1 else None
+    return pp, (constraints.get("pp_schedule") or "1f1b") if pp > 1 else None
 
 
 def unpipelined_pin(constraints: dict) -> str | None:
@@ -157,6 +144,5 @@ def max_zero(graph, schedule: str | None = None, checkpointing: bool = False) ->
     return 2 if schedule == "zero-bubble" or checkpointing else 3
 
 
-__all__ = ["MULTI_STAGE", "RUNNABLE_SCHEDULES", "KNOWN_SCHEDULES", "SCHEDULE_ALIASES", "canonical_schedules",
-           "pipeline_pins", "unpipelined_pin", "check_stage_axes", "stage_cluster", "check_pins", "virtual_stages",
-           "max_zero"]
+__all__ = ["MULTI_STAGE", "canonical_schedules", "pipeline_pins", "unpipelined_pin", "check_stage_axes",
+           "stage_cluster", "check_pins", "virtual_stages", "max_zero"]
