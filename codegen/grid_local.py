@@ -145,6 +145,11 @@ class LocalOps:
             if list(out.shape) != self._lshape(self._gshape(n), lay):
                 self._fail(n, "a repeat whose blocks are not the repeated blocks")
             return out, lay
+        if t is aten.chunk.default and x0 is not None:
+            dim = (args[2] if len(args) > 2 else 0) % x0[0].dim()
+            if dim in (x0[1].tdim, x0[1].hdim) and x0[1].kind in ("act", "hid", "rep", "red"):
+                self._fail(n, "chunk along a split dim")
+            return list(x0[0].chunk(args[1], dim)), x0[1]
         if t is aten.slice.Tensor:
             dim = (args[1] if len(args) > 1 else 0) % x0[0].dim()
             if dim in (x0[1].tdim, x0[1].hdim) and x0[1].kind in ("act", "hid", "rep", "red"):

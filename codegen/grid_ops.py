@@ -390,7 +390,13 @@ class GridProgram(LocalOps, ReplicatedOps):
 
     def _linear(self, n, env):
         geo = self.geo
-        x, lay = self._as_act(n, self._val(env, n.args[0]))
+        val = self._val(env, n.args[0])
+        L_in = None
+        if geo.mode == "3d" and isinstance(val, tuple) and val[1].kind == "rep" and \
+                isinstance(n.args[1], torch.fx.Node) and not self._tied(n.args[1].name):
+            met = self._met_layout(n, env)    # a whole value cut into blocks: in the layout whose
+            L_in = None if met is None else geo.swap(met)   # output meets the residual as it is
+        x, lay = self._as_act(n, val, L_in)
         L = lay.L
         w_name = self._pname(n, n.args[1])
         b_node = n.args[2] if len(n.args) > 2 else None
@@ -456,6 +462,24 @@ class GridProgram(LocalOps, ReplicatedOps):
         if geo.mode == "3d":
             return mod.linear(x, w, b, self.grid, L), out_lay
         return mod.linear(x, w, b, self.grid), out_lay
+
+    def _met_layout(self, n, env, depth: int = 4):
+        """3D: the layout of a split activation that node ``n``'s output meets downstream (within
+        ``depth`` ops: a residual add after a bias, a dropout), or None."""
+        frontier, seen = [n], {n}
+        for _ in range(depth):
+            nxt = []
+            for m in frontier:
+                for u in m.users:
+                    for a in u.all_input_nodes:
+                        v = env.get(a.name) if a not in seen else None
+                        if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], Lay) and v[1].kind == "act":
+                            return v[1].L
+                    if u not in seen:
+                        seen.add(u)
+                        nxt.append(u)
+            frontier = nxt
+        return None
 
     def _tied(self, name):
         return any(u.target is aten.embedding.default and u.args[0].name == name
@@ -587,10 +611,18 @@ class GridProgram(LocalOps, ReplicatedOps):
         if weight is not None or smooth or reduction != 1 or logits.dim() != 2:
             self._fail(n, "only a mean cross-entropy over [tokens, classes] logits without class weights or "
                           "label smoothing runs on the grid")
-        if tval[1].kind != "in":
-            self._fail(n, "targets must come from a model input")
-        full_t = tval[0]
-        target = self._tokens(tval, lay.L)
+        if tval[1].kind == "rep" and tval[1].tdim == 0 and not tval[1].share and geo.batch_parts == 1 \
+                and not tval[0].requires_grad:
+            # targets computed from an input by ops run whole on every rank (a causal LM's labels
+            # shifted by pad + slice): every rank holds them all; my token block of them
+            full_t = target = tval[0]
+            for label, size in self._tok_chain(lay.L):      # outer first, as tok_block numbers them
+                target = torch.chunk(target, size, dim=0)[0 if self.meta else self.coords[label]]
+        elif tval[1].kind != "in":
+            self._fail(n, "targets must come from a model input (or from one, computed whole on every rank)")
+        else:
+            full_t = tval[0]
+            target = self._tokens(tval, lay.L)
         m = self._gshape(n.args[0])[0]
         self.colls += tc.cross_entropy(geo.mode, m // geo.batch_parts, geo.q, geo.d, axes=geo.swap(lay.L) if geo.mode == "3d" else ("x", "y", "z"))
         denom = m if self.meta else int((full_t != ignore).sum())

@@ -239,7 +239,9 @@ class ReplicatedOps:
                                           if isinstance(o, torch.Tensor)])
         if isinstance(out, (tuple, list)):
             return out, Lay("rep", tdim=None, share=share)
-        return out, self._rep_lay(n, out, batched, share)
+        like = next((lay.tdim for r, lay in rows if lay.tdim is not None and isinstance(r, torch.Tensor)
+                     and isinstance(out, torch.Tensor) and tuple(r.shape) == tuple(out.shape)), None)
+        return out, self._rep_lay(n, out, batched, share, like)
 
     def _whole_rows(self, vals) -> dict:
         """With the batch split into shares (micro-batches x dp replicas), a whole value (a
@@ -274,8 +276,9 @@ class ReplicatedOps:
                 return False
         return True
 
-    def _rep_lay(self, n, out, batched, share=False) -> Lay:
-        """The batch dim of a replicated op's output, from its local and global shapes."""
+    def _rep_lay(self, n, out, batched, share=False, like=None) -> Lay:
+        """The batch dim of a replicated op's output, from its local and global shapes (``like``:
+        the batch dim of an argument shaped as the output, an elementwise op's)."""
         geo = self.geo
         v = n.meta.get("val")
         if not isinstance(out, torch.Tensor) or not hasattr(v, "shape"):
@@ -289,6 +292,8 @@ class ReplicatedOps:
                 raise GridLoweringError(f"{geo.mode} tensor parallelism cannot run node {n.name} ({n.target}) "
                                         f"replicated: its output {loc} on a share of the batch does not match {g}")
             return Lay("rep", tdim=diff[0], share=share)
+        if like is not None:
+            return Lay("rep", tdim=like, share=share)
         return Lay("rep", tdim=0 if batched and g and g[0] == self.batch else None, share=share)
 
     def _share_cross_entropy(self, n, env, args, kwargs):
