@@ -295,6 +295,9 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
     if grad_clip is not None and not grad_clip > 0:
         raise ExecutionError(f"grad_clip must be a positive number, got {grad_clip!r}", collective=True)
     options = dict(plan_options or {})
+    if "constraints" in options:   # a bad pin fails here, on every rank alike, not when rank 0 plans
+        from autopar.constraints import Constraints
+        options["constraints"] = Constraints.coerce(options["constraints"])
     if loss_fn is not None and options.get("loss_fn", loss_fn) is not loss_fn:
         raise ExecutionError("compile() got two different loss functions (loss_fn= and plan_options['loss_fn']): "
                              "pass one", collective=True)

@@ -45,30 +45,16 @@ TP_MODES = ("1d", "2d-reshard") + GRID_MODES
 
 
 def check_grid_constraints(constraints: dict) -> None:
+    """A grid mode's pinned tp / tp_shape is a grid that mode can build (q x q, q x q x d,
+    q x q x q). The per-key checks and the contradictions between keys are autopar/constraints.py's."""
     mode = constraints.get("tp_mode")
-    if mode is not None and mode not in TP_MODES:
-        hint = " ('2d' now means SUMMA; the former 2-axis resharding mode is '2d-reshard')" if mode == "2D" else ""
-        raise ConstraintError(f"constraint tp_mode={mode!r}: must be one of {', '.join(map(repr, TP_MODES))}{hint}")
-    if "tp_shape" not in constraints:
-        if mode in GRID_MODES and "tp" in constraints:
-            _check_world(mode, constraints["tp"], None)
+    if mode not in GRID_MODES:
         return
-    shape = constraints["tp_shape"]
-    if not isinstance(shape, (list, tuple)) or not shape or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x > 1 for x in shape) or len(shape) > 3:
-        raise ConstraintError(f"constraint tp_shape={shape!r}: must be a list of one to three model-axis sizes > 1, "
-                              f"e.g. [2, 2] for 2d q=2, [2, 2, 2] for 2.5d q=2 d=2 or 3d q=2")
-    if mode in (None, "1d", "2d-reshard") and len(shape) > 2:
-        raise ConstraintError(f"constraint tp_shape={list(shape)!r} has three axes: pin tp_mode='2.5d' (q, q, d) or "
-                              f"'3d' (q, q, q) with it")
-    if mode == "1d" and len(shape) != 1 or mode == "2d-reshard" and len(shape) != 2:
-        raise ConstraintError(f"constraints tp_mode={mode!r} and tp_shape={list(shape)!r} contradict each other: "
-                              f"'1d' has one model axis, '2d-reshard' two")
-    if mode in GRID_MODES:
+    shape = constraints.get("tp_shape")
+    if shape is not None:
         _check_world(mode, math.prod(shape), shape)
-    if "tp" in constraints and constraints["tp"] != math.prod(shape):
-        raise ConstraintError(f"constraints tp={constraints['tp']} and tp_shape={list(shape)!r} contradict each other: "
-                              f"tp is the product of tp_shape ({math.prod(shape)})")
+    elif "tp" in constraints:
+        _check_world(mode, constraints["tp"], None)
 
 
 def _check_world(mode: str, tp: int, shape) -> None:
