@@ -27,7 +27,8 @@ from __future__ import annotations
 _CONTRACTIONS = ("linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "einsum")
 
 
-def _op_name(n) -> str:
+def op_name(n) -> str:
+    """The ATen op's name without namespace and overload ("linear" for aten.linear.default)."""
     t = n.target
     name = getattr(t, "__name__", None) or str(t)
     # "linear.default" / "aten.linear.default" -> "linear"
@@ -38,7 +39,7 @@ def _op_name(n) -> str:
 def is_anchor(n) -> bool:
     if n.op != "call_function":
         return False
-    name = _op_name(n)
+    name = op_name(n)
     return name in ("softmax", "_softmax", "_safe_softmax") or "scaled_dot_product" in name
 
 
@@ -58,7 +59,7 @@ def _kinds(traced) -> dict[str, str]:
 
 
 def _is_projection(n, kinds) -> bool:
-    if n.op != "call_function" or _op_name(n) not in _CONTRACTIONS:
+    if n.op != "call_function" or op_name(n) not in _CONTRACTIONS:
         return False
     ins = [kinds.get(a.name) for a in n.all_input_nodes]
     return "act" in ins and "param" in ins

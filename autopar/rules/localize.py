@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.execution.microbatch import FIXED_MEAN_LOSSES
+from autopar.execution.microbatch import FIXED_MEAN_LOSSES, TARGET_MEAN_LOSSES
 from autopar.rules.spec import OpSpec
 from autopar.rules.strategy import Strategy, split_factor
 
@@ -28,7 +28,6 @@ aten = torch.ops.aten
 
 _SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 _MEAN_OPS = {aten.mean.dim, aten.mean.default}
-_MEAN_LOSSES = {aten.cross_entropy_loss.default: 3, aten.nll_loss.default: 3}   # op -> reduction arg index
 
 
 @dataclass
@@ -85,8 +84,8 @@ def local_call(node: fx.Node, spec: OpSpec, strategy: Strategy, mesh_shape, micr
         if _arg(args, kwargs, FIXED_MEAN_LOSSES[target], "reduction", 1) == 1:
             f = _contracted_factor(spec, strategy, mesh_shape) * micro_batches
             scale = 1.0 / f if f > 1 else None
-    elif target in _MEAN_LOSSES:
-        i = _MEAN_LOSSES[target]
+    elif target in TARGET_MEAN_LOSSES:   # op -> reduction arg index
+        i = TARGET_MEAN_LOSSES[target]
         reduction = _arg(args, kwargs, i, "reduction", 1)
         target_letters = spec.inputs[1] or ""
         if reduction == 1 and (micro_batches > 1 or _split_letters(spec, strategy, mesh_shape, target_letters)):

@@ -29,12 +29,13 @@ def _count_program_edges(c: Candidates, pick: dict, micro_batches: int) -> set[t
     """The (producer, consumer) edges whose forward reshards the count program runs: those into
     the ancestors of each target of a mean loss run as a local sum (``LocalCall.global_mean``),
     and into the loss's target input itself (the program counts the target as the loss reads it)."""
-    from autopar.rules.localize import _MEAN_LOSSES, local_call
+    from autopar.execution.microbatch import TARGET_MEAN_LOSSES
+    from autopar.rules.localize import local_call
 
     edges: set[tuple[str, str]] = set()
     for n, k in pick.items():
         info = c.nodes.get(n)
-        if info is None or info.kind != "op" or info.spec is None or info.node.target not in _MEAN_LOSSES:
+        if info is None or info.kind != "op" or info.spec is None or info.node.target not in TARGET_MEAN_LOSSES:
             continue
         if len(info.node.args) < 2 or not hasattr(info.node.args[1], "all_input_nodes"):
             continue

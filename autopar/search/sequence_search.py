@@ -91,10 +91,10 @@ SP_UPFRONT_RATIO = 2
 
 def _attention_shape(n) -> tuple[int, int] | None:
     """(key sequence length, hidden = heads x head dim) of an attention anchor, or None."""
-    from autopar.rules.attention_core import _op_name
+    from autopar.rules.attention_core import op_name
     from autopar.rules.table import shape
     try:
-        if "scaled_dot_product" in _op_name(n):
+        if "scaled_dot_product" in op_name(n):
             q, k = shape(n.args[0]), shape(n.args[1])
             return (k[-2], q[-3] * q[-1]) if len(q) >= 3 else None
         scores = shape(n.args[0])            # softmax over (b, heads, s_q, s_k)
@@ -106,7 +106,7 @@ def _attention_shape(n) -> tuple[int, int] | None:
             for m in frontier:
                 if getattr(m, "op", None) != "call_function":
                     continue
-                if _op_name(m) in ("matmul", "bmm", "einsum") and hasattr(m.args[0], "meta"):
+                if op_name(m) in ("matmul", "bmm", "einsum") and hasattr(m.args[0], "meta"):
                     qs = shape(m.args[0])
                     return scores[-1], scores[-3] * qs[-1]
                 nxt += [a for a in m.args if hasattr(a, "meta")]
