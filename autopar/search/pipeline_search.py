@@ -7,13 +7,9 @@ fits (``_pinned_degree``); with ``pp=1`` pinned the ordinary search. Otherwise:
 
 1. The ordinary search (pp=1: mesh shape, ZeRO, micro-batch size, strategies) runs first; it may
    find nothing that fits memory (a ``MemoryBudgetError`` is kept, not raised yet).
-2. Pipelined candidates: every pp a user could pin, 2 up to the model's blocks, that the cluster
-   allows (``pipeline.stage_cluster``: 35 stages on 315 nodes, 64 on 384, not only powers of two),
-   schedules ``SCHEDULES`` and micro-batch counts ``pp * MICRO_FACTORS`` dividing the batch (pp
-   not a power of two up to ``FACTOR_MAX_PP``: the Megatron-style counts below only). A candidate
-   that does not fit memory is tried again with every block checkpointed (``CHECKPOINTED``; the
-   same bound: recomputation only adds work), so a pin such as Megatron-LM's 1T run (pp=64,
-   checkpoint="full") is among the free search's candidates. Factors up to 16: Megatron-style runs use many
+2. Pipelined candidates: pp in the powers of two from 2 up to ``MAX_PP`` that the model's blocks
+   and the cluster allow (``pipeline.stage_cluster``), schedules ``SCHEDULES`` and micro-batch
+   counts ``pp * MICRO_FACTORS`` dividing the batch. Factors up to 16: Megatron-style runs use many
    more micro-batches than stages (micro-batch size 1, m = batch / dp), and at 4pp the 1F1B bubble
    is still (pp - 1) / 4pp of the step; with factors only up to 4 a 39B GPT on 64 A100s missed
    the grid's pp=4, m=64 plan by 0.3% (benchmarks/RESULTS.md section 10(c)). And the counts
@@ -102,37 +98,32 @@ import time
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.search.outer import CutOff
 
-MAX_PP = None   # no cap: every degree a user could pin (``_pp_choices``)
+MAX_PP = 16
 SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
 MICRO_FACTORS = (1, 2, 4, 8, 16)   # module doc, step 2
 MEGATRON_MBS = (1, 2)
-FACTOR_MAX_PP = 16   # degrees above, or not powers of two: Megatron-style counts only (micro_batch_counts)
 INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it changes no plan)
 INNER_FILL_DRAIN = True   # ... with the least fill and drain in it (idem)
 BEST_BOUND_FIRST = True   # module doc, pruning: pipelined candidates before pp=1's large ILPs (idem)
 PIPELINED_FIRST_GAP = 0.9   # ... when their best bound is below this fraction of that ILP's LP bound
 FORK_WORKERS = True   # module doc, workers: candidates in forked processes (tests compare it switched off)
 FORK_MIN_SECONDS = 1.0   # ... once the search so far took this long (small models: forking costs more)
-CHECKPOINTED = True   # module doc, step 2: a candidate that does not fit is tried again with every block checkpointed
 
 
 def _pp_choices(graph, cluster, constraints: dict) -> list[int]:
-    """Every pipeline degree a user could pin (module doc, step 2): 2 <= pp <= the model's blocks,
-    stages of equal whole nodes (pp divides the nodes) or equal parts of a single node; not only
-    powers of two (Megatron-LM's 529.6B run has 35 stages, its 1T run 64)."""
     from codegen.stages import pipeline_units
     from autopar.search.pipeline_pins import stage_cluster
 
     units = len(pipeline_units(graph))
-    top = units if MAX_PP is None else min(MAX_PP, units)
-    out = []
-    for pp in range(2, top + 1):
+    out, pp = [], 2
+    while pp <= min(MAX_PP, units):
         try:
             stage_cluster(cluster, pp)
+            if cluster.num_devices % pp == 0:
+                out.append(pp)
         except ConstraintError:
-            continue
-        if cluster.num_devices % pp == 0:
-            out.append(pp)
+            pass
+        pp *= 2
     return out
 
 
@@ -140,10 +131,7 @@ def micro_batch_counts(pp: int, batch: int, cluster=None) -> list[int]:
     """The micro-batch counts the free search tries with ``pp`` stages (module doc, step 2): pp x
     MICRO_FACTORS, and with ``cluster`` the Megatron-style counts batch / (dp x b) for micro-batch
     sizes b in MEGATRON_MBS, dp being what a stage's devices leave for data parallelism when
-    tensor parallelism takes a whole node (dp = stage nodes). Only counts >= pp dividing the batch.
-    Degrees that are not powers of two up to ``FACTOR_MAX_PP`` (35 or 64 stages, as Megatron-LM ran
-    its largest models) get the Megatron-style counts only, pp x MICRO_FACTORS where none divides:
-    each (pp, m) costs an inner search on a sub-mesh of its own, and a pinned pp tries the same."""
+    tensor parallelism takes a whole node (dp = stage nodes). Only counts >= pp dividing the batch."""
     ms = {pp * f for f in MICRO_FACTORS}
     if cluster is not None:
         from autopar.search.pipeline_pins import stage_cluster
@@ -153,12 +141,7 @@ def micro_batch_counts(pp: int, batch: int, cluster=None) -> list[int]:
             sub = None
         if sub is not None:
             dp = sub.num_devices // sub.devices_per_node
-            megatron = {batch // (dp * b) for b in MEGATRON_MBS if batch % (dp * b) == 0}
-            megatron = {m for m in megatron if m >= pp}
-            if megatron and (pp & (pp - 1) or pp > FACTOR_MAX_PP):
-                ms = megatron
-            else:
-                ms |= megatron
+            ms |= {batch // (dp * b) for b in MEGATRON_MBS if batch % (dp * b) == 0}
     return sorted(m for m in ms if m >= pp and batch % m == 0)
 
 
@@ -290,7 +273,6 @@ class _Pipelined:
         self.remote_inner: dict = {}   # inner searches run in worker processes: {key: cut off?}
         self.kept: dict = {}   # in a worker: its candidates' (Result, stats, pipe) until fetched
         self.workers = 0   # the most worker processes a visit forked (stats: pipeline_workers)
-        self.no_fit: set = set()   # (pp, m, schedule, sp) whose candidate without checkpointing did not fit
 
     def with_stats(self, out: tuple) -> tuple:
         """``out`` (Result, stats, pipe) with the pipelined candidates' counters in its stats."""
@@ -312,9 +294,8 @@ class _Pipelined:
         return self.inner_cache[key]
 
     def candidates(self, base_compute: float, sp_for=None) -> list[tuple]:
-        """(bound, pp, schedule index, m, schedule, sp, ck) of every candidate; ``sp_for(stage
-        cluster)``: the sequence-axis sizes to pin with that stage sub-mesh (None: no sequence axis);
-        ck 1: every block checkpointed (``CHECKPOINTED``), 0: as pinned (none unless pinned)."""
+        """(bound, pp, schedule index, m, schedule, sp) of every candidate; ``sp_for(stage cluster)``:
+        the sequence-axis sizes to pin with that stage sub-mesh (None: no sequence axis)."""
         from autopar.search.configurations import global_batch
         from autopar.search.pipeline_pins import stage_cluster, virtual_stages
 
@@ -325,13 +306,11 @@ class _Pipelined:
             for sp in sps:
                 for sched in self.schedules:
                     v = virtual_stages(sched)
-                    cks = (0, 1) if CHECKPOINTED and "checkpoint" not in self.flat and sched != "zero-bubble" else (0,)
                     for m in micro_batch_counts(p, batch, self.cluster):
                         if "num_micro_batches" in self.flat and self.flat["num_micro_batches"] != m:
                             continue
-                        # the same bound with checkpointing: recomputation only adds work (module doc)
-                        out += [(base_compute * (1 + (p - 1) / (m * v)), p, self.schedules.index(sched), m, sched,
-                                 sp or 0, ck) for ck in cks]
+                        out.append((base_compute * (1 + (p - 1) / (m * v)), p, self.schedules.index(sched), m, sched,
+                                    sp or 0))
         return out
 
     def run(self, best, best_stats, best_pipe=None, sp_for=None, base_compute=None):
@@ -346,18 +325,14 @@ class _Pipelined:
         workers = self._workers(order, best_time)
         if workers > 1:
             return self._run_forked(order, workers, best, best_stats, best_pipe, best_time)
-        for bound, p, _, m, sched, sp, ck in order:
+        for bound, p, _, m, sched, sp in order:
             if bound >= best_time:
                 self.pruned += 1
                 continue
             limit = self.kw.get("time_limit")
             if limit is not None and time.perf_counter() - self.t0 >= limit:
                 break   # the time limit covers the whole search, pipelined candidates included
-            if ck and (p, m, sched, sp) not in self.no_fit:
-                continue   # checkpointed only where the same candidate without did not fit (CHECKPOINTED)
-            out = self._evaluate(p, m, sched, sp, best_time, ck)
-            if out[0] == "memory":
-                self.no_fit.add((p, m, sched, sp))
+            out = self._evaluate(p, m, sched, sp, best_time)
             if out[0] != "ok":
                 continue
             self.tried += 1
@@ -366,7 +341,7 @@ class _Pipelined:
                 best, best_stats, best_pipe, best_time = result, stats, pipe, pipe["step_time"]
         return best, best_stats, best_pipe
 
-    def _evaluate(self, p, m, sched, sp, best_time, ck=0):
+    def _evaluate(self, p, m, sched, sp, best_time):
         """One candidate against an incumbent of ``best_time`` seconds: ("ok", Result, stats, pipe),
         ("skip",) when it cannot be met or its inner search was cut off, ("memory",) when no
         stage partition fits (its smallest peak kept for step 4's error)."""
@@ -374,8 +349,7 @@ class _Pipelined:
         from autopar.search.pipeline_pins import virtual_stages
 
         kw, limit = self.kw, self.kw.get("time_limit")
-        pins = dict(self.flat, pp=p, pp_schedule=sched, num_micro_batches=m, **({"sp": sp} if sp else {}),
-                    **({"checkpoint": "full"} if ck else {}))
+        pins = dict(self.flat, pp=p, pp_schedule=sched, num_micro_batches=m, **({"sp": sp} if sp else {}))
         kw_left = kw if limit is None else dict(kw, time_limit=max(1.0, limit - (time.perf_counter() - self.t0)))
         if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it
             # with the least fill and drain of any schedule sharing this inner search (module doc)
@@ -413,17 +387,17 @@ class _Pipelined:
         kind, args = task
         return self._remote(*args) if kind == "evaluate" else self._detached(args)
 
-    def _remote(self, p, m, sched, sp, best_time, ck=0):
+    def _remote(self, p, m, sched, sp, best_time):
         """What a worker sends back for one candidate: ("ok", step time) or ``_evaluate``'s other
         answers, the inner searches it ran ({key: cut off?}) and the floors it found. A plan is
         kept until the parent fetches the winner."""
         before, floors = set(self.inner_cache), len(self.floors)
         self.kw = dict(self.kw, progress=False)   # one live progress line: the parent's
-        out = self._evaluate(p, m, sched, sp, best_time, ck)
+        out = self._evaluate(p, m, sched, sp, best_time)
         new = {k: isinstance(v, CutOff) for k, v in self.inner_cache.items() if k not in before}
         if out[0] != "ok":
             return out[0], None, new, self.floors[floors:]
-        self.kept[(p, m, sched, sp, ck)] = out[1:]
+        self.kept[(p, m, sched, sp)] = out[1:]
         return "ok", out[3]["step_time"], new, self.floors[floors:]
 
     def _detached(self, key):
@@ -488,14 +462,12 @@ class _Pipelined:
                         i = next_for(lane)
                         if i is None:
                             break
-                        bound, p, _, m, sched, sp, ck = order[i]
+                        bound, p, _, m, sched, sp = order[i]
                         if bound >= best_time:
                             self.pruned += 1
                             continue
-                        if ck and (p, m, sched, sp) not in self.no_fit:
-                            continue   # (CHECKPOINTED)
-                        first_best.setdefault((p, m, sp, ck), best_time)
-                        lanes.send(lane, i, ("evaluate", (p, m, sched, sp, best_time, ck)))
+                        first_best.setdefault((p, m, sp), best_time)
+                        lanes.send(lane, i, ("evaluate", (p, m, sched, sp, best_time)))
                         busy[lane], ran_on[i] = i, lane
 
             def here(degrees):
@@ -507,12 +479,8 @@ class _Pipelined:
                         if order[j][0] >= best_time:
                             self.pruned += 1
                             continue
-                        if order[j][6] and _sibling(order[j]) not in self.no_fit:
-                            continue
                         done[j] = self._local_answer(j, order, best_time, first_best)
                         self._count(done[j])
-                        if done[j][0] == "memory":
-                            self.no_fit.add(_sibling(order[j]))
                         if done[j][0] == "ok":
                             best_time = min(best_time, done[j][1])
             top_up()
@@ -529,8 +497,6 @@ class _Pipelined:
                     raise PlanError(f"a planning worker failed on pipelined candidate {order[i][1:]}: "
                                     f"{out[1]}\n{out[2]}")
                 self._count(out)
-                if out[0] == "memory":
-                    self.no_fit.add(_sibling(order[i]))
                 if out[0] == "ok":
                     best_time = min(best_time, out[1])
                 top_up()
@@ -542,15 +508,15 @@ class _Pipelined:
             if not won or (best is not None and _time(best, best_pipe) <= best_time):
                 return best, best_stats, best_pipe
             i = min(won)
-            _, p, _, m, sched, sp, ck = order[i]
+            _, p, _, m, sched, sp = order[i]
             got = None
             if i in ran_on and lanes.alive[ran_on[i]]:
-                lanes.send(ran_on[i], i, ("fetch", (p, m, sched, sp, ck)))
+                lanes.send(ran_on[i], i, ("fetch", (p, m, sched, sp)))
                 _, j, got = lanes.receive()
                 got = got if j == i and isinstance(got, tuple) and len(got) == 4 else None
         if got is not None:
             return self._attached(got)
-        out = self._evaluate(p, m, sched, sp, first_best[(p, m, sp, ck)], ck)
+        out = self._evaluate(p, m, sched, sp, first_best[(p, m, sp)])
         if out[0] != "ok":
             raise PlanError(f"pipelined candidate pp={p}, m={m}, {sched} planned in a worker but not again "
                             f"here ({out[0]}): planning is not deterministic")
@@ -565,9 +531,9 @@ class _Pipelined:
 
     def _local_answer(self, i, order, best_time, first_best):
         """A candidate whose worker died, evaluated here: an answer shaped as a worker's."""
-        _, p, _, m, sched, sp, ck = order[i]
-        first_best.setdefault((p, m, sp, ck), best_time)
-        out = self._evaluate(p, m, sched, sp, first_best[(p, m, sp, ck)], ck)
+        _, p, _, m, sched, sp = order[i]
+        first_best.setdefault((p, m, sp), best_time)
+        out = self._evaluate(p, m, sched, sp, first_best[(p, m, sp)])
         step = out[3]["step_time"] if out[0] == "ok" else None
         return out[0], step, {}, []
 
@@ -582,12 +548,6 @@ def _progress(pipe, total: int, workers: int):
         yield bar
     finally:
         bar.close()
-
-
-def _sibling(candidate) -> tuple:
-    """(pp, m, schedule, sp) of a candidate tuple (``_Pipelined.candidates``): the key its
-    checkpointed twin is visited under (``CHECKPOINTED``)."""
-    return candidate[1], candidate[3], candidate[4], candidate[5]
 
 
 def _sp_of(result) -> int:
