@@ -117,6 +117,9 @@ class GridRankProgram:
     mean_losses: list = field(default_factory=list)
     takes_whole_batch: bool = True
 
+    def __post_init__(self):
+        self.name_of = {f: n for n, f in self.param_fqn.items()}    # FQN -> placeholder name
+
     # ---- running
     def gm(self, *args):
         """This rank's loss share for micro-batch ``args[-1]`` of the whole batch."""
@@ -136,11 +139,7 @@ class GridRankProgram:
         return {fqn: tuple(slice(0, s) for s in shape) for fqn, shape in self.param_shapes.items()}
 
     def _use(self, fqn):
-        return self.program.uses[self._name[fqn]]
-
-    @property
-    def _name(self) -> dict[str, str]:
-        return {f: n for n, f in self.param_fqn.items()}
+        return self.program.uses[self.name_of[fqn]]
 
     def block_of(self, fqn: str, full: torch.Tensor, coords: dict | None = None) -> torch.Tensor:
         use = self._use(fqn)
@@ -166,7 +165,7 @@ class GridRankProgram:
         """Ranks of the grid holding the same block of ``fqn`` (1/r of its norm in clipping)."""
         use = self._use(fqn)
         stored = to_stored(use, torch.empty(self.param_shapes[fqn], device="meta"))
-        blocks = math.prod(n for s in spec_of(self.geo, use, self.program.coords, stored.shape) if s for _, n in [s])
+        blocks = math.prod(s[1] for s in spec_of(self.geo, use, self.program.coords, stored.shape) if s is not None)
         return self.geo.world // blocks
 
 
