@@ -35,3 +35,28 @@ def test_nccl_cluster_under_torchrun_without_cuda_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ExecutionError, match="runs on NCCL"):
         require_process_group(autopar.Cluster.preset("dgx-a100", nodes=1))
+
+
+def test_gpu_group_is_created_with_a_host_backend_too(monkeypatch):
+    """Under torchrun on GPUs the group is cpu:gloo,cuda:nccl: set-up reduces host tensors."""
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: made.append(backend))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    require_process_group(autopar.Cluster.preset("dgx-h100", devices=1))
+    assert made == ["cpu:gloo,cuda:nccl"]
+
+
+@pytest.mark.parametrize("backend,ok", [("nccl", False), ("cpu:gloo,cuda:nccl", True), ("gloo", True)])
+def test_an_nccl_only_group_is_refused_with_advice(monkeypatch, backend, ok):
+    from autopar.execution.placement import check_host_collectives, uses_nccl
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert uses_nccl() == ("nccl" in backend)
+    if ok:
+        check_host_collectives()
+    else:
+        with pytest.raises(ExecutionError, match="cpu:gloo,cuda:nccl"):
+            check_host_collectives()

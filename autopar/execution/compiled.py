@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from autopar.execution import compiled_setup, compiled_state, local_batches
 from autopar.errors import ExecutionError
+from autopar.execution.placement import check_host_collectives
 from autopar.execution.placement import require_process_group as _require_pg
 from autopar.plans.plan import Plan
 
@@ -283,6 +284,7 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
     rank's shards only) or a directory (Hugging Face safetensors checkpoint or compiled.save());
     see autopar/execution/weights.py."""
     _require_pg(cluster)
+    check_host_collectives()
     if dist.get_world_size() > 1:   # an uncaught autopar error prints once, not once per rank
         from autopar.execution.error_report import install
         install()

@@ -1,6 +1,10 @@
 """Where and in what precision a rank runs: the process group (created from the torchrun
 environment with the cluster's backend when none exists), the rank's device (NCCL: its GPU; gloo:
-the CPU) and the working dtype (the plan's precision on a GPU, fp32 on the CPU unless asked)."""
+the CPU) and the working dtype (the plan's precision on a GPU, fp32 on the CPU unless asked).
+
+On GPUs the group is ``cpu:gloo,cuda:nccl``: training collectives run on NCCL, and set-up's
+collectives over small host tensors (shapes, value ranges, checks) on gloo. A group a user
+created with NCCL alone is refused with that advice, since NCCL cannot reduce host tensors."""
 from __future__ import annotations
 
 import torch
@@ -23,11 +27,28 @@ def require_process_group(cluster=None):
                                      f"has no CUDA device: use Cluster.preset('cpu', devices=N) to run on the CPU "
                                      f"(gloo), or initialise a gloo process group yourself")
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group(GPU_BACKENDS if backend == "nccl" else backend)
         return
     raise ExecutionError("autopar.compile needs an initialised torch.distributed process group: "
                          "run under torchrun or runtime.launch.run_local (for one process, "
                          "dist.init_process_group('gloo', rank=0, world_size=1))")
+
+
+GPU_BACKENDS = "cpu:gloo,cuda:nccl"
+
+
+def uses_nccl(group=None) -> bool:
+    """Whether ``group`` (default: the world) runs its CUDA collectives on NCCL."""
+    return "nccl" in str(dist.get_backend(group))
+
+
+def check_host_collectives() -> None:
+    """A GPU group must also reduce host tensors (set-up does): NCCL alone cannot."""
+    backend = str(dist.get_backend())
+    if "nccl" in backend and "gloo" not in backend:
+        raise ExecutionError(f"the process group runs NCCL only ({backend!r}); autopar's set-up also exchanges "
+                             f"small host tensors: create it with dist.init_process_group({GPU_BACKENDS!r}) "
+                             f"(or let autopar.compile create it from the torchrun environment)", collective=True)
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -35,7 +56,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def run_device() -> torch.device:
     """NCCL: this rank's GPU (the current CUDA device, set from LOCAL_RANK); otherwise the CPU."""
-    if dist.get_backend() == "nccl":
+    if uses_nccl():
         import os
 
         if "LOCAL_RANK" in os.environ:

@@ -1,0 +1,203 @@
+"""The GPU check: what autopar does on one real CUDA device, in one markdown table.
+
+Run by ``scripts/gpu-check.sh`` on a machine with one GPU (it brings the wheels it needs); each
+section runs on its own, so one failure leaves the others' rows. Sections:
+
+1. ``env``: the card, torch, triton.
+2. ``tests``: the tests marked ``gpu`` (pytest -m gpu).
+3. ``kernels``: each Triton kernel against eager torch and torch.compile (benchmarks/kernel_bench.py).
+4. ``train``: a Llama-style model (~1B parameters at full size) trained by ``autopar.compile`` on
+   one GPU (world size 1, NCCL), against a hand-written eager loop (autocast bf16 + fused AdamW):
+   step time, ``torch.cuda.max_memory_allocated``, and the plan's predicted step time and peak.
+5. ``calibrate``: ``autopar calibrate --sweep gpu`` on the GPU, then the same model re-planned
+   with that profile: predicted against measured again.
+
+On a machine without CUDA it says so and exits 0 after the sections that need no GPU.
+``--quick`` shrinks every size (a smoke run); ``--out FILE`` writes the table there too.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+ROWS: list[str] = []
+
+
+def row(section: str, what: str, value: str) -> None:
+    line = f"| {section} | {what} | {value} |"
+    ROWS.append(line)
+    print(line, flush=True)
+
+
+def section(name: str, fn, *args) -> None:
+    t0 = time.perf_counter()
+    print(f"\n== {name}", flush=True)
+    try:
+        fn(*args)
+    except Exception as e:   # one section's failure must not cost the others
+        traceback.print_exc()
+        row(name, "FAILED", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    print(f"== {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def env() -> None:
+    import torch
+    row("env", "torch", torch.__version__)
+    row("env", "cuda", f"{torch.cuda.is_available()} {torch.cuda.get_device_name(0) if torch.cuda.is_available() else ''}")
+    try:
+        import triton
+        row("env", "triton", triton.__version__)
+    except ImportError as e:
+        row("env", "triton", f"missing ({e})")
+
+
+def tests() -> None:
+    r = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
+                        "--timeout=300", "-x", "--tb=short", "tests"], capture_output=True, text=True, timeout=400)
+    print(r.stdout[-6000:], r.stderr[-2000:])
+    summary = [ln.strip("= ") for ln in r.stdout.splitlines() if " passed" in ln or " failed" in ln or " error" in ln]
+    row("tests", "pytest -m gpu", f"rc {r.returncode}: {summary[-1] if summary else r.stderr[-300:]}")
+
+
+def kernels() -> None:
+    try:
+        from benchmarks import kernel_bench
+    except ImportError as e:
+        row("kernels", "kernel_bench", f"not in this tree ({e})")
+        return
+    for r in kernel_bench.bench_kernels("cuda"):
+        row("kernels", r.get("kernel", "?"), ", ".join(f"{k}={v}" for k, v in r.items() if k != "kernel"))
+
+
+def _llama(quick: bool, device: str):
+    from autopar.models import llama
+    if quick:
+        return llama.llama(n_layer=2, n_head=8, n_kv_heads=4, d_model=512, ffn_hidden=1408, vocab=8000,
+                           seq=512, batch=4, device=device)
+    # ~0.9B parameters: 16 layers, d 2048, 16 query / 8 kv heads, SwiGLU 5632, vocab 32000; 4 x 2048 tokens
+    return llama.llama(n_layer=16, n_head=16, n_kv_heads=8, d_model=2048, ffn_hidden=5632, vocab=32000,
+                       seq=2048, batch=4, device=device)
+
+
+def _timed_steps(step, warm: int, n: int) -> tuple[float, list[float]]:
+    import torch
+    losses = [step() for _ in range(warm)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    losses += [step() for _ in range(n)]
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n, losses
+
+
+def _eager(quick: bool) -> None:
+    """The hand-written baseline: fp32 weights, autocast bf16, fused AdamW."""
+    import torch
+    model, batch = _llama(quick, "cpu")
+    model, batch = model.cuda(), tuple(t.cuda() for t in batch)
+    n = sum(p.numel() for p in model.parameters())
+    row("train", "model", f"Llama-style, {n / 1e9:.3f} B parameters, batch {tuple(batch[0].shape)}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    torch.cuda.reset_peak_memory_stats()
+    t, losses = _timed_steps(step, 3, 5 if not quick else 3)
+    row("train", "eager autocast bf16 + fused AdamW", f"{t * 1e3:.1f} ms/step, peak "
+        f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    del model, opt
+    torch.cuda.empty_cache()
+
+
+def _cluster(calibration=None):
+    import autopar
+    c = autopar.Cluster.preset("dgx-h100", devices=1)
+    return c.with_calibration(calibration) if calibration else c
+
+
+def _autopar(quick: bool, label: str, calibration=None) -> None:
+    import torch
+    import autopar
+    model, batch = _llama(quick, "cpu")
+    t0 = time.perf_counter()
+    compiled = autopar.compile(model, _cluster(calibration), batch, optimizer="adamw", lr=1e-4)
+    plan = compiled.plan
+    row("train", f"autopar {label}: plan", f"{plan.degrees}; set-up {time.perf_counter() - t0:.1f} s")
+    gb = [t.cuda() for t in batch]
+    torch.cuda.reset_peak_memory_stats()
+    t, losses = _timed_steps(lambda: compiled.step(*gb), 3, 5 if not quick else 3)
+    peak = torch.cuda.max_memory_allocated()
+    row("train", f"autopar {label}", f"{t * 1e3:.1f} ms/step (predicted {plan.step_time * 1e3:.1f}, "
+        f"measured/predicted {t / plan.step_time:.2f}), peak {peak / 2**30:.2f} GiB (predicted "
+        f"{plan.peak_memory / 2**30:.2f}, ratio {peak / plan.peak_memory:.2f}), loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    del compiled, model
+    torch.cuda.empty_cache()
+
+
+def _init_pg() -> None:
+    """One rank, created the way autopar.compile creates it under torchrun."""
+    from autopar.execution.placement import require_process_group
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", "29517")):
+        os.environ.setdefault(k, v)
+    require_process_group(_cluster())
+
+
+def train(quick: bool) -> None:
+    _init_pg()
+    section("train/eager", _eager, quick)
+    section("train/autopar", _autopar, quick, "dgx-h100 preset")
+
+
+def calibrate(quick: bool, out_dir: str) -> None:
+    _init_pg()
+    from autopar.pricing.calibrate import calibrate as run
+    path = os.path.join(out_dir, "calibration_gpu.yaml")
+    t0 = time.perf_counter()
+    cal = run(sweep="tiny" if quick else "gpu", repeats=3, output=path)
+    row("calibrate", "autopar calibrate --sweep gpu", f"{time.perf_counter() - t0:.1f} s; GEMM peak "
+        f"{max(r for _, r in cal.gemm) / 1e12:.0f} TFLOP/s, memory {max(r for _, r in cal.memory) / 1e9:.0f} GB/s, "
+        f"kernel {cal.kernel_overhead * 1e6:.1f} us -> {path}")
+    section("train/autopar-calibrated", _autopar, quick, "calibrated", path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the table to this markdown file")
+    ap.add_argument("--only", default="env,tests,kernels,train,calibrate")
+    args = ap.parse_args(argv)
+    import torch
+    only = set(args.only.split(","))
+    out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else "."
+    t0 = time.perf_counter()
+    if "env" in only:
+        section("env", env)
+    if not torch.cuda.is_available():
+        row("gpu-check", "stopped", "no CUDA device here: the remaining sections (tests -m gpu, kernels, "
+            "training, calibrate) need one; run scripts/gpu-check.sh on a GPU machine")
+    else:
+        for name, fn, a in (("tests", tests, ()), ("kernels", kernels, ()), ("train", train, (args.quick,)),
+                            ("calibrate", calibrate, (args.quick, out_dir))):
+            if name in only:
+                section(name, fn, *a)
+    row("gpu-check", "total", f"{time.perf_counter() - t0:.0f} s")
+    table = "| section | what | result |\n|---|---|---|\n" + "\n".join(ROWS) + "\n"
+    print("\n" + table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
