@@ -34,23 +34,39 @@ COMPILE_BUDGET_S = 60.0
 _start = time.monotonic()
 
 
-def _time_ms(fn) -> float:
+def _cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def _sync(device) -> None:
+    if _cuda(device):
+        torch.cuda.synchronize()
+
+
+def _time_ms(fn, device, reps: int = REPS) -> float:
     for _ in range(WARMUP):
         fn()
-    torch.cuda.synchronize()
+    _sync(device)
     times = []
-    for _ in range(REPS):
-        begin = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end))
+    for _ in range(reps):
+        if _cuda(device):
+            begin = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
-def _peak_bytes(fn) -> int:
+def _peak_bytes(fn, device) -> int | None:
+    if not _cuda(device):
+        return None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -76,7 +92,8 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def _run_case(kernel: str, shape: str, variants: dict, memory: bool = False) -> list[dict]:
+def _run_case(kernel: str, shape: str, variants: dict, device, memory: bool = False,
+              reps: int = REPS) -> list[dict]:
     """``variants``: name -> zero-argument callable doing forward + backward and returning the
     tensors compared (outputs, then gradients); "eager" first."""
     rows = []
@@ -90,16 +107,16 @@ def _run_case(kernel: str, shape: str, variants: dict, memory: bool = False) -> 
             continue
         try:
             out = fn()
-            torch.cuda.synchronize()
+            _sync(device)
             if name == "eager":
                 ref = out
                 row["max_abs_diff"] = 0.0
             elif ref is not None:
                 row["max_abs_diff"] = _max_diff(out, ref)
             del out
-            row["ms"] = _time_ms(fn)
-            if memory:
-                row["peak_mib"] = _peak_bytes(fn) / 2**20
+            row["ms"] = _time_ms(fn, device, reps)
+            peak = _peak_bytes(fn, device) if memory else None
+            row["peak_mib"] = None if peak is None else peak / 2**20
         except Exception as e:   # one variant's failure is its row's note
             row["note"] = "failed: " + _short(e)
             if name.startswith("torch.compile"):
@@ -115,14 +132,51 @@ def _run_case(kernel: str, shape: str, variants: dict, memory: bool = False) -> 
         if memory and r["peak_mib"] and eager_peak:
             r["peak_ratio"] = r["peak_mib"] / eager_peak
     del ref
-    torch.cuda.empty_cache()
+    _empty_cache(device)
     return rows
 
 
-def _rms_case(rows: int, hidden: int, dtype=torch.bfloat16) -> list[dict]:
-    x = torch.randn(rows, hidden, device="cuda", dtype=dtype, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype).requires_grad_()
-    dy = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+def _empty_cache(device) -> None:
+    if _cuda(device):
+        torch.cuda.empty_cache()
+
+
+LLAMA_SIZES = dict(rms_norm=[(8192, 2048), (8192, 4096)], swiglu=(8192, 5632),
+                   linear_cross_entropy=(8192, 2048, 128256), adamw=100_000_000)
+
+
+class _Bench:
+    """One run's settings: device, repeats, whether to try torch.compile."""
+
+    def __init__(self, device, reps: int, compile: bool):
+        self.device = device
+        self.reps = reps
+        self.compile = compile
+
+    def variants(self, eager, triton_fn, compiled_of):
+        out = {"eager": eager, "triton": triton_fn}
+        if self.compile:
+            out["torch.compile"] = compiled_of
+        return out
+
+    def case(self, kernel, shape, make, reference, kernel_fn, memory=False, extra=None):
+        """``make(f)``: the zero-argument forward + backward of f; torch.compile is applied lazily
+        (inside the try of its row)."""
+        compiled = {}
+
+        def compiled_run():
+            if "run" not in compiled:
+                compiled["run"] = make(_compiled(reference))
+            return compiled["run"]()
+        variants = self.variants(make(reference), make(kernel_fn), compiled_run)
+        variants.update(extra or {})
+        return _run_case(kernel, shape, variants, self.device, memory=memory, reps=self.reps)
+
+
+def _rms_case(b: _Bench, rows: int, hidden: int, dtype=torch.bfloat16) -> list[dict]:
+    x = torch.randn(rows, hidden, device=b.device, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(hidden, device=b.device)).to(dtype).requires_grad_()
+    dy = torch.randn(rows, hidden, device=b.device, dtype=dtype)
 
     def make(f):
         def run():
@@ -130,15 +184,13 @@ def _rms_case(rows: int, hidden: int, dtype=torch.bfloat16) -> list[dict]:
             gx, gw = torch.autograd.grad(y, [x, w], dy)
             return y.detach(), gx, gw
         return run
-    return _run_case("rms_norm", f"{rows}x{hidden} bf16",
-                     {"eager": make(rms_norm_reference), "triton": make(rms_norm),
-                      "torch.compile": make(_compiled(rms_norm_reference))})
+    return b.case("rms_norm", f"{rows}x{hidden} bf16", make, rms_norm_reference, rms_norm)
 
 
-def _swiglu_case(rows: int = 8192, inter: int = 5632, dtype=torch.bfloat16) -> list[dict]:
-    g = torch.randn(rows, inter, device="cuda", dtype=dtype, requires_grad=True)
-    u = torch.randn(rows, inter, device="cuda", dtype=dtype, requires_grad=True)
-    dy = torch.randn(rows, inter, device="cuda", dtype=dtype)
+def _swiglu_case(b: _Bench, rows: int, inter: int, dtype=torch.bfloat16) -> list[dict]:
+    g = torch.randn(rows, inter, device=b.device, dtype=dtype, requires_grad=True)
+    u = torch.randn(rows, inter, device=b.device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(rows, inter, device=b.device, dtype=dtype)
 
     def make(f):
         def run():
@@ -146,15 +198,13 @@ def _swiglu_case(rows: int = 8192, inter: int = 5632, dtype=torch.bfloat16) -> l
             gg, gu = torch.autograd.grad(y, [g, u], dy)
             return y.detach(), gg, gu
         return run
-    return _run_case("swiglu", f"{rows}x{inter} bf16",
-                     {"eager": make(swiglu_reference), "triton": make(swiglu),
-                      "torch.compile": make(_compiled(swiglu_reference))})
+    return b.case("swiglu", f"{rows}x{inter} bf16", make, swiglu_reference, swiglu)
 
 
-def _lce_case(n: int = 8192, d: int = 2048, v: int = 128256, dtype=torch.bfloat16) -> list[dict]:
-    h = torch.randn(n, d, device="cuda", dtype=dtype, requires_grad=True)
-    w = (0.02 * torch.randn(v, d, device="cuda")).to(dtype).requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda")
+def _lce_case(b: _Bench, n: int, d: int, v: int, dtype=torch.bfloat16) -> list[dict]:
+    h = torch.randn(n, d, device=b.device, dtype=dtype, requires_grad=True)
+    w = (0.02 * torch.randn(v, d, device=b.device)).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), device=b.device)
     t[::17] = -100
 
     def make(f):
@@ -163,9 +213,8 @@ def _lce_case(n: int = 8192, d: int = 2048, v: int = 128256, dtype=torch.bfloat1
             gh, gw = torch.autograd.grad(loss, [h, w])
             return loss.detach().reshape(1), gh, gw
         return run
-    return _run_case("linear_cross_entropy", f"N{n} D{d} V{v} bf16",
-                     {"eager": make(linear_cross_entropy_reference), "triton": make(linear_cross_entropy),
-                      "torch.compile": make(_compiled(linear_cross_entropy_reference))}, memory=True)
+    return b.case("linear_cross_entropy", f"N{n} D{d} V{v} bf16", make, linear_cross_entropy_reference,
+                  linear_cross_entropy, memory=True)
 
 
 def _adamw_torch(p, g, m, v, decay: float, beta1: float, beta2: float, eps: float, step_size: float,
@@ -177,22 +226,20 @@ def _adamw_torch(p, g, m, v, decay: float, beta1: float, beta2: float, eps: floa
     p.addcdiv_(m, denom, value=-step_size)
 
 
-def _adamw_case(n: int = 100_000_000) -> list[dict]:
+def _adamw_case(b: _Bench, n: int) -> list[dict]:
     lr, betas, eps, wd = 1e-4, (0.9, 0.95), 1e-8, 0.1
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    start = [torch.randn(n, device="cuda", generator=gen) for _ in range(2)]   # param, grad
-    compiled = _compiled(_adamw_torch)
-
-    def fresh():
-        return start[0].clone(), start[1], torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    dev = b.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    start = [torch.randn(n, device=dev, generator=gen) for _ in range(2)]   # param, grad
 
     def variant(kind):
-        p, g, m, v = fresh()
-        if kind == "eager" or kind == "torch fused":
+        p, g = start[0].clone(), start[1]
+        m, v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        if kind in ("eager", "torch fused"):
             param = torch.nn.Parameter(p)
             param.grad = g
             opt = torch.optim.AdamW([param], lr=lr, betas=betas, eps=eps, weight_decay=wd,
-                                    foreach=False, fused=(kind == "torch fused") or None)
+                                    foreach=False, fused=True if kind == "torch fused" else None)
 
             def run():
                 opt.step()
@@ -203,6 +250,7 @@ def _adamw_case(n: int = 100_000_000) -> list[dict]:
                 adamw_step(p, g, m, v, lr=lr, betas=betas, eps=eps, weight_decay=wd, step=1)
                 return (p,)
             return run
+        compiled = _compiled(_adamw_torch)
         step_size = lr / (1 - betas[0])
         bc2_sqrt = math.sqrt(1 - betas[1])
 
@@ -213,6 +261,7 @@ def _adamw_case(n: int = 100_000_000) -> list[dict]:
 
     class Variant:
         """Its first call is one step from the start state (compared); later calls time more steps."""
+
         def __init__(self, kind):
             self.kind = kind
             self.fn = None
@@ -223,29 +272,41 @@ def _adamw_case(n: int = 100_000_000) -> list[dict]:
                 return tuple(t.clone() for t in self.fn())
             return self.fn()
 
-    rows = _run_case("adamw", f"{n / 1e6:.0f}M fp32",
-                     {k: Variant(k) for k in ("eager", "triton", "torch.compile", "torch fused")})
+    kinds = ["eager", "triton"] + (["torch.compile"] if b.compile else []) + \
+        (["torch fused"] if _cuda(dev) else [])
+    rows = _run_case("adamw", f"{n / 1e6:.3g}M fp32", {k: Variant(k) for k in kinds}, dev, reps=b.reps)
     del start
-    torch.cuda.empty_cache()
+    _empty_cache(dev)
     return rows
 
 
-def bench_kernels(device: str = "cuda") -> list[dict]:
+def bench_kernels(device: str = "cuda", *, sizes: dict | None = None, reps: int = REPS,
+                  compile: bool = True) -> list[dict]:
     """Every case's rows (dicts: kernel, shape, variant, ms, speedup, max_abs_diff, peak_mib,
-    peak_ratio, note). Needs a CUDA device."""
+    peak_ratio, note) at ``sizes`` (default LLAMA_SIZES). Needs CUDA, or the Triton interpreter
+    with device "cpu" (a smoke run at small sizes: CPU times, no memory peaks)."""
     global _start
-    if device != "cuda" or not torch.cuda.is_available():
-        raise RuntimeError("kernel_bench: needs a CUDA device")
+    from runtime.kernels import interpreted
+    if _cuda(device):
+        if not torch.cuda.is_available():
+            raise RuntimeError("kernel_bench: needs a CUDA device")
+    elif not interpreted():
+        raise RuntimeError("kernel_bench: on CPU the kernels need TRITON_INTERPRET=1")
+    sizes = dict(LLAMA_SIZES, **(sizes or {}))
+    b = _Bench(device, reps, compile)
     _start = time.monotonic()
+    cases = [(f"rms_norm {r}x{h}", lambda r=r, h=h: _rms_case(b, r, h)) for r, h in sizes["rms_norm"]]
+    cases += [("swiglu", lambda: _swiglu_case(b, *sizes["swiglu"])),
+              ("linear_cross_entropy", lambda: _lce_case(b, *sizes["linear_cross_entropy"])),
+              ("adamw", lambda: _adamw_case(b, sizes["adamw"]))]
     rows = []
-    cases = [lambda: _rms_case(8192, 2048), lambda: _rms_case(8192, 4096), _swiglu_case, _lce_case, _adamw_case]
-    for case in cases:
+    for name, case in cases:
         try:
             rows += case()
         except Exception as e:   # a case that could not even set up
-            rows.append(dict(kernel=getattr(case, "__name__", "case"), shape="", variant="",
-                             ms=None, max_abs_diff=None, peak_mib=None, note="failed: " + _short(e)))
-        torch.cuda.empty_cache()
+            rows.append(dict(kernel=name, shape="", variant="", ms=None, max_abs_diff=None,
+                             peak_mib=None, note="failed: " + _short(e)))
+        _empty_cache(device)
     return rows
 
 

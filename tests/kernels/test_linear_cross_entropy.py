@@ -88,8 +88,6 @@ def test_linear_cross_entropy_rejects_reduction_none(device):
 
 
 def _vocab_parallel_rank(rank, world, hidden, weight, targets):
-    import os
-    os.environ["TRITON_INTERPRET"] = "1"
     torch.set_num_threads(1)
     import torch.distributed as dist
     v = weight.shape[0]
@@ -102,6 +100,8 @@ def _vocab_parallel_rank(rank, world, hidden, weight, targets):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="forked CPU ranks under the interpreter; with CUDA the "
+                    "kernels are compiled for CUDA tensors and a CUDA parent cannot fork")
 def test_linear_cross_entropy_vocabulary_parallel_two_ranks():
     from runtime.launch import run_local
     hidden, weight, targets = _data("cpu", torch.float32)
