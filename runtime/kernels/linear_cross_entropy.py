@@ -9,7 +9,8 @@ the gradient of the loss with respect to them, (softmax - onehot) * scale, where
 on ignored rows. The chunk's grad_hidden (grad_logits @ weight) and its share of grad_weight
 (grad_logits.T @ hidden_chunk, summed in fp32) are computed there and then, in the forward. The
 backward only scales the stored gradients by grad_output. Extra memory: one chunk of logits, the
-gradients, and an fp32 grad_weight accumulator when the weight is not fp32.
+gradients (kept from the forward to the backward), and during the forward an fp32 grad_weight
+accumulator (plus one chunk's [V, D] product) when the weight is not fp32.
 
 Vocabulary-parallel (``process_group`` given): ``weight`` is this rank's rows [vocab_start,
 vocab_start + V_local) of the full [V, D] weight; ``hidden`` and ``targets`` (global ids) are the
@@ -182,20 +183,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             del logits
         if need_dh and process_group is not None:
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=process_group)
+        if need_dw:
+            grad_weight = grad_weight.to(weight.dtype)   # frees the fp32 accumulator
         loss = losses.sum() * scale[0] if reduction == "mean" else losses.sum()
-        ctx.save_for_backward(grad_hidden if need_dh else None, grad_weight if need_dw else None)
-        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_hidden, grad_weight)
         return loss.to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
-        g = grad_output.to(torch.float32)
-        dh = dw = None
-        if grad_hidden is not None:
-            dh = grad_hidden * g.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            dw = (grad_weight * g).to(ctx.weight_dtype)
+        dh = None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype)
+        dw = None if grad_weight is None else grad_weight * grad_output.to(grad_weight.dtype)
         return dh, dw, None, None, None, None, None, None
 
 
