@@ -250,6 +250,18 @@ class CompiledModel:
                 out["pp_tied"] = self.tied_bytes
         return out
 
+    def kernel_stats(self) -> dict[str, int]:
+        """Triton kernel launches on this rank since the last reset, by kernel family
+        (runtime/kernels); all zero when the plan runs torch ops (``plan.kernels``)."""
+        from runtime.kernels import kernel_stats
+
+        return kernel_stats()
+
+    def reset_kernel_stats(self) -> None:
+        from runtime.kernels import reset_kernel_stats
+
+        reset_kernel_stats()
+
     def reset_comm_stats(self) -> None:
         from runtime.collectives import COMM_STATS
 
@@ -271,7 +283,8 @@ class _nullcontext:
 
 def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "adamw", lr: float = 1e-3,
             plan_options: dict | None = None, precision: str | None = None, grad_clip: float | None = None,
-            loss_fn=None, batch_dims=None, weights=None, **optimizer_kwargs) -> CompiledModel:
+            loss_fn=None, batch_dims=None, weights=None, kernels: str | None = None,
+            **optimizer_kwargs) -> CompiledModel:
     """Set up ``model`` to train under ``plan`` (planned now on rank 0 when None) on the current
     process group. ``plan_options`` are keyword arguments for autopar.plan (e.g. constraints).
     ``precision``: "fp32" | "bf16" | None (the plan's on a GPU, fp32 on the CPU; module doc).
@@ -282,7 +295,9 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
     must match the plan's). Without ``example_inputs`` the set-up happens at the first ``step``.
     ``weights``: None (the model's own tensors), "init" (a meta model's initialization, run for this
     rank's shards only) or a directory (Hugging Face safetensors checkpoint or compiled.save());
-    see autopar/execution/weights.py."""
+    see autopar/execution/weights.py. ``kernels``: "auto" (Triton kernels on CUDA, torch ops on the
+    CPU), "triton" (on the CPU through Triton's interpreter, ``TRITON_INTERPRET=1``) or "torch";
+    with a given plan, the plan's choice (a different one is an error). docs/kernels.md."""
     _require_pg(cluster)
     check_host_collectives()
     if dist.get_world_size() > 1:   # an uncaught autopar error prints once, not once per rank
@@ -317,6 +332,17 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
                                      f"{plan_batch_dims(plan.data, len(want))}: re-plan with batch_dims=...", collective=True)
         else:
             options["batch_dims"] = batch_dims
+    if kernels is not None:
+        from autopar.frontend.fuse import uses_kernels
+        try:
+            wanted = uses_kernels(kernels, cluster.backend)
+        except Exception as e:
+            raise ExecutionError(str(e), collective=True) from None
+        if plan is not None and wanted != (plan.kernels == "triton"):
+            raise ExecutionError(f"kernels={kernels!r} differs from the plan's kernels ({plan.kernels!r}): "
+                                 f"re-plan with kernels={kernels!r}", collective=True)
+        if plan is None:
+            options["kernels"] = kernels
     cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, options, precision, grad_clip,
                        loss_fn, weights)
     if example_inputs is not None:

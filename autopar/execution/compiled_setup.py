@@ -72,6 +72,26 @@ def _broadcast_plan(model, example_inputs, cluster, plan_options, traced) -> Pla
     return Plan.from_json(box[0])
 
 
+def _fuses_kernels(cm) -> bool:
+    """Whether this rank traces for the Triton kernels: the plan's choice, else compile's."""
+    if cm.plan is not None:
+        return cm.plan.kernels == "triton"
+    from autopar.frontend.fuse import uses_kernels
+    return uses_kernels((cm.plan_options or {}).get("kernels") or "auto", cm.cluster.backend)
+
+
+def check_kernels_run(device) -> None:
+    """A plan with Triton kernels needs triton, and on the CPU its interpreter."""
+    from runtime.kernels import available, interpreted
+    if device.type == "cpu" and not interpreted():
+        raise ExecutionError("the plan runs Triton kernels (plan.kernels == 'triton') and this rank runs on the "
+                             "CPU: set TRITON_INTERPRET=1 before starting Python to run them in Triton's "
+                             "interpreter, or re-plan with kernels='torch'", collective=True)
+    if not available():
+        raise ExecutionError("the plan runs Triton kernels (plan.kernels == 'triton') but triton is not "
+                             "installed here: pip install triton, or re-plan with kernels='torch'", collective=True)
+
+
 def setup(cm, example_inputs):
     """``CompiledModel._setup``: steps 1-3 of the module doc; ``cm`` is ready after it."""
     from autopar.frontend.blocks import param_chunks
@@ -88,8 +108,10 @@ def setup(cm, example_inputs):
         # A meta model traces (and plans) on meta copies of the batch, and of its real buffers
         # (accelerate.init_empty_weights() keeps them real): one device, nothing allocated.
         example_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    fused = _fuses_kernels(cm)
     with all_on_meta(cm.model, meta):
-        traced = trace(cm.model, example_inputs, cm.loss_fn)   # the same on every rank (an error too: no rank waits)
+        # the same on every rank (an error too: no rank waits)
+        traced = trace(cm.model, example_inputs, cm.loss_fn, kernels=fused)
         if cm.plan is None:
             cm.plan = _broadcast_plan(cm.model, example_inputs, cm.cluster, cm.plan_options, traced)
     plan = cm.plan
@@ -117,7 +139,7 @@ def setup(cm, example_inputs):
         micro = tuple(x if d is None else x.narrow(d, 0, x.shape[d] // nm)
                       for x, d in zip(example_inputs, cm.batch_dims))
         with all_on_meta(cm.model, meta):
-            mt = trace(cm.model, micro, cm.loss_fn)
+            mt = trace(cm.model, micro, cm.loss_fn, kernels=fused)
         seq = lambda t: [(n.name, str(n.target)) for n in t.gm.graph.nodes if n.op == "call_function"]  # noqa: E731
         if seq(mt) != seq(traced):
             raise ExecutionError("re-tracing one micro-batch gave a different op sequence than the global "
@@ -129,6 +151,8 @@ def setup(cm, example_inputs):
         carrying = None
     cm.traced = traced
     cm.device = _run_device()
+    if plan.kernels == "triton":
+        check_kernels_run(cm.device)
     cm.dtype = _working_dtype(plan.data.get("settings", {}).get("precision", "fp32"), cm.precision, cm.device)
     cm.pp = plan.pp
     if cm.pp > 1:

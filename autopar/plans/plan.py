@@ -62,6 +62,16 @@ class Plan:
         return self.data["predictions"]["step_time"]
 
     @property
+    def kernels(self) -> str:
+        """"triton": the plan runs the fused Triton kernels (ops in ``fused``); "torch": ATen ops."""
+        return self.data.get("settings", {}).get("kernels", "torch")
+
+    @property
+    def fused(self) -> dict[str, int]:
+        """Fused pattern -> how many the traced graph had (autopar/frontend/fuse.py)."""
+        return dict(self.data.get("fused", {}))
+
+    @property
     def peak_memory(self) -> int:
         return self.data["predictions"]["peak_memory"]
 

@@ -94,63 +94,76 @@ def _bwd_programs(n_rows: int, device: torch.device) -> int:
     return max(1, min(n_rows, 8))
 
 
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """The forward kernel alone: (y, h, rstd) with y, h (x + residual, or None) shaped like x and
+    rstd the fp32 statistic of each row (shape ``x.shape[:-1]``)."""
+    check_device(x, weight, residual)
+    shape = x.shape
+    n_cols = shape[-1]
+    if weight.shape != (n_cols,):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({n_cols},)")
+    x2 = x.contiguous().view(-1, n_cols)
+    n_rows = x2.shape[0]
+    has_res = residual is not None
+    if has_res:
+        if residual.shape != shape:
+            raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != {tuple(shape)}")
+        r2 = residual.to(x.dtype).contiguous().view(-1, n_cols)
+        h2 = torch.empty_like(x2)
+    else:
+        r2 = h2 = x2   # unused (HAS_RESIDUAL is off)
+    w = weight.contiguous()
+    y2 = torch.empty_like(x2)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block = _block(n_cols)
+    if n_rows:
+        _rms_norm_fwd[(n_rows,)](x2, r2, w, y2, h2, rstd, n_cols, eps,
+                                 HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps_for(block))
+        record_launch("rms_norm")
+    return y2.view(shape), (h2.view(shape) if has_res else None), rstd.view(shape[:-1])
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      dh: torch.Tensor | None = None):
+    """The backward kernel alone: (dx, dw) from the norm's input ``x`` (h with a residual), its
+    ``rstd`` and the output gradient ``dy`` (plus ``dh``, the gradient reaching h directly)."""
+    shape = x.shape
+    n_cols = shape[-1]
+    x2 = x.contiguous().view(-1, n_cols)
+    n_rows = x2.shape[0]
+    rstd = rstd.contiguous().view(-1)
+    if dy is None:
+        dy = torch.zeros_like(x2)
+    dy2 = dy.to(x2.dtype).contiguous().view(-1, n_cols)
+    dh2 = dh.to(x2.dtype).contiguous().view(-1, n_cols) if dh is not None else dy2
+    dx2 = torch.empty_like(x2)
+    block = _block(n_cols)
+    programs = _bwd_programs(n_rows, x2.device)
+    rows_per_program = -(-n_rows // programs) if n_rows else 0
+    dw_part = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)
+    if n_rows:
+        _rms_norm_bwd[(programs,)](dy2, x2, weight.contiguous(), rstd, dh2, dx2, dw_part, n_rows, n_cols,
+                                   rows_per_program, HAS_DH=dh is not None, BLOCK=block,
+                                   num_warps=num_warps_for(block))
+        record_launch("rms_norm")
+    return dx2.view(shape), dw_part.sum(0).to(weight.dtype)
+
+
 class RMSNormFunction(torch.autograd.Function):
     """Autograd over the kernels; saves the norm's input and the per-row rstd."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, residual):
-        check_device(x, weight, residual)
-        shape = x.shape
-        n_cols = shape[-1]
-        if weight.shape != (n_cols,):
-            raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({n_cols},)")
-        x2 = x.contiguous().view(-1, n_cols)
-        n_rows = x2.shape[0]
-        has_res = residual is not None
-        if has_res:
-            if residual.shape != shape:
-                raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != {tuple(shape)}")
-            r2 = residual.to(x.dtype).contiguous().view(-1, n_cols)
-            h2 = torch.empty_like(x2)
-        else:
-            r2 = h2 = x2   # unused (HAS_RESIDUAL is off)
-        w = weight.contiguous()
-        y2 = torch.empty_like(x2)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block = _block(n_cols)
-        if n_rows:
-            _rms_norm_fwd[(n_rows,)](x2, r2, w, y2, h2, rstd, n_cols, eps,
-                                     HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps_for(block))
-            record_launch("rms_norm")
-        ctx.save_for_backward(h2 if has_res else x2, w, rstd)
-        ctx.has_res = has_res
-        ctx.shape = shape
-        ctx.weight_dtype = weight.dtype
-        if has_res:
-            return y2.view(shape), h2.view(shape)
-        return y2.view(shape)
+        y, h, rstd = rms_norm_forward(x, weight, eps, residual)
+        ctx.save_for_backward(h if h is not None else x, weight, rstd)
+        ctx.has_res = h is not None
+        return (y, h) if ctx.has_res else y
 
     @staticmethod
     def backward(ctx, dy, *rest):
-        x2, w, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2.shape
+        x, w, rstd = ctx.saved_tensors
         dh = rest[0] if ctx.has_res else None
-        if dy is None:
-            dy = torch.zeros_like(x2)
-        dy2 = dy.to(x2.dtype).contiguous().view(-1, n_cols)
-        dh2 = dh.to(x2.dtype).contiguous().view(-1, n_cols) if dh is not None else dy2
-        dx2 = torch.empty_like(x2)
-        block = _block(n_cols)
-        programs = _bwd_programs(n_rows, x2.device)
-        rows_per_program = -(-n_rows // programs) if n_rows else 0
-        dw_part = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)
-        if n_rows:
-            _rms_norm_bwd[(programs,)](dy2, x2, w, rstd, dh2, dx2, dw_part, n_rows, n_cols,
-                                       rows_per_program, HAS_DH=dh is not None, BLOCK=block,
-                                       num_warps=num_warps_for(block))
-            record_launch("rms_norm")
-        dw = dw_part.sum(0).to(ctx.weight_dtype)
-        dx = dx2.view(ctx.shape)
+        dx, dw = rms_norm_backward(dy, x, w, rstd, dh)
         return dx, dw, None, (dx if ctx.has_res else None)
 
 

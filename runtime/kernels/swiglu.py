@@ -45,36 +45,48 @@ if triton is not None:
         tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=mask)
 
 
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The forward kernel alone: silu(gate) * up, contiguous, shaped like gate."""
+    check_device(gate, up)
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up "
+                         f"{tuple(up.shape)} {up.dtype} differ")
+    g = gate.contiguous()
+    u = up.contiguous()
+    y = torch.empty_like(g)
+    n = g.numel()
+    if n:
+        _swiglu_fwd[(triton.cdiv(n, BLOCK),)](g, u, y, n, BLOCK=BLOCK, num_warps=4)
+        record_launch("swiglu")
+    return y
+
+
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    """The backward kernel alone: (d gate, d up)."""
+    g, u = gate.contiguous(), up.contiguous()
+    dy = dy.to(g.dtype).contiguous()
+    dg = torch.empty_like(g)
+    du = torch.empty_like(u)
+    n = g.numel()
+    if n:
+        _swiglu_bwd[(triton.cdiv(n, BLOCK),)](dy, g, u, dg, du, n, BLOCK=BLOCK, num_warps=4)
+        record_launch("swiglu")
+    return dg.view(gate.shape), du.view(up.shape)
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """Autograd over the kernels; saves gate and up."""
 
     @staticmethod
     def forward(ctx, gate, up):
-        check_device(gate, up)
-        if gate.shape != up.shape or gate.dtype != up.dtype:
-            raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up "
-                             f"{tuple(up.shape)} {up.dtype} differ")
-        g = gate.contiguous()
-        u = up.contiguous()
-        y = torch.empty_like(g)
-        n = g.numel()
-        if n:
-            _swiglu_fwd[(triton.cdiv(n, BLOCK),)](g, u, y, n, BLOCK=BLOCK, num_warps=4)
-            record_launch("swiglu")
-        ctx.save_for_backward(g, u)
+        y = swiglu_forward(gate, up)
+        ctx.save_for_backward(gate.contiguous(), up.contiguous())
         return y
 
     @staticmethod
     def backward(ctx, dy):
         g, u = ctx.saved_tensors
-        dy = dy.to(g.dtype).contiguous()
-        dg = torch.empty_like(g)
-        du = torch.empty_like(u)
-        n = g.numel()
-        if n:
-            _swiglu_bwd[(triton.cdiv(n, BLOCK),)](dy, g, u, dg, du, n, BLOCK=BLOCK, num_warps=4)
-            record_launch("swiglu")
-        return dg, du
+        return swiglu_backward(dy, g, u)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
