@@ -79,7 +79,8 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     from autopar.rules.hybrid_sequence import resolve
     constraints = resolve(graph, cluster, pins.to_dict())   # sp_mode="hybrid": its (u, r) split from the heads
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
-    base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm)
+    base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm,
+                    kernels=fused)
     log = print if verbose else None
     from autopar.search.pipeline import apply_pipeline
     from autopar.search.pipeline_search import plan_search

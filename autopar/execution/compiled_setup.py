@@ -258,7 +258,8 @@ def setup(cm, example_inputs):
         from autopar.execution import pipeline_run
         shared = pipeline_run.make_tied_groups(cm)
     cm.opt = ShardedOptimizer(groups, cm.ctx.data_group, zero,
-                                make_optimizer(cm.optimizer_name, cm.lr, **cm.optimizer_kwargs),
+                                make_optimizer(cm.optimizer_name, cm.lr, fused=plan.kernels == "triton",
+                                               **cm.optimizer_kwargs),
                                 grad_clip=cm.grad_clip,
                                 # pipelined: the stages' norms are summed too (over the pp group)
                                 extra_norm_groups=[cm.ctx.groups[a] for a in model_axes]

@@ -273,17 +273,24 @@ _OPT_BYTES = {"adamw": 80, "adam": 72, "sgd": 32, "lamb": 136, "lars": 80}
 MIXED_CAST_BYTES = 2 + 4 + 4 + 2   # the gradient upcast to fp32, the master cast back (runtime/zero.py)
 
 
-def optimizer_bytes_per_element(optimizer: str, precision: str) -> int:
+# the fused Triton steps (runtime/kernels): each tensor read once, the updated ones written once
+# (AdamW: param, grad, exp_avg, exp_avg_sq in; param, exp_avg, exp_avg_sq out)
+_FUSED_OPT_BYTES = {"adamw": 28}
+
+
+def optimizer_bytes_per_element(optimizer: str, precision: str, fused: bool = False) -> int:
     check_optimizer(optimizer)
     check_precision(precision)
-    return _OPT_BYTES[optimizer] + (0 if precision == "fp32" else MIXED_CAST_BYTES)
+    step = _FUSED_OPT_BYTES.get(optimizer, _OPT_BYTES[optimizer]) if fused else _OPT_BYTES[optimizer]
+    return step + (0 if precision == "fp32" else MIXED_CAST_BYTES)
 
 
 def optimizer_step_time(numel_local: float, optimizer: str, precision: str, device: Device,
-                        calibration: Calibration | None = None) -> float:
-    """Seconds for one optimizer step over ``numel_local`` parameter elements on one device."""
+                        calibration: Calibration | None = None, fused: bool = False) -> float:
+    """Seconds for one optimizer step over ``numel_local`` parameter elements on one device
+    (``fused``: the plan runs the Triton kernels, which fuse AdamW's step)."""
     _non_negative(numel_local=numel_local)
-    per = optimizer_bytes_per_element(optimizer, precision)
+    per = optimizer_bytes_per_element(optimizer, precision, fused)
     if numel_local == 0:
         return 0.0
     cal = calibration if calibration is not None else builtin_for(device)

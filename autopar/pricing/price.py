@@ -44,6 +44,7 @@ class Settings:
     # None: the ILP decides per block group; "none" | "selective" | "full": pinned for every group; a
     # sorted tuple of (block group name, bool | mode): those groups pinned, the others by the ILP.
     checkpoint: str | tuple | None = None
+    kernels: bool = False   # the plan runs the Triton kernels (autopar/frontend/fuse.py): fused optimizer step
 
 
 def _chunk_numel(c: Candidates) -> dict[str, int]:
@@ -276,7 +277,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                 if name not in c.needs_grad:
                     continue
                 opt_local = local / (dp if s.zero >= 1 else 1)
-                opt_t[j] = optimizer_step_time(opt_local, s.optimizer, s.precision, device, cal) * k
+                opt_t[j] = optimizer_step_time(opt_local, s.optimizer, s.precision, device, cal, s.kernels) * k
                 gbytes = local * (2 if s.precision == "bf16" else 4)
                 pbytes = local * (2 if s.precision == "bf16" else 4)
                 for a in mesh.data_axes():

@@ -58,12 +58,13 @@ def test_bad_kernels_value_is_a_clear_error():
         autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), kernels="cuda")
 
 
-def _train(rank, world, constraints, kernels):
+def _train(rank, world, constraints, kernels, optimizer="sgd"):
     import runtime.kernels as K
     torch.manual_seed(0)
     model, batch = _llama()
     cluster = autopar.Cluster.preset("cpu", devices=world)
-    compiled = autopar.compile(model, cluster, batch, optimizer="sgd", lr=0.5, momentum=0.9,
+    hp = {"lr": 0.5, "momentum": 0.9} if optimizer == "sgd" else {"lr": 1e-2}
+    compiled = autopar.compile(model, cluster, batch, optimizer=optimizer, **hp,
                                plan_options={"constraints": constraints}, kernels=kernels)
     K.reset_kernel_stats()
     losses = [compiled.step(*batch) for _ in range(STEPS)]
@@ -89,6 +90,28 @@ def test_triton_kernels_train_equal_to_torch_ops(constraints):
         for k, v in ref[1].items():
             torch.testing.assert_close(torch.from_numpy(state[k]), torch.from_numpy(v), atol=1e-4, rtol=1e-4,
                                        msg=k)
+
+
+@pytest.mark.slow
+def test_fused_adamw_trains_like_torch_adamw():
+    """AdamW's step as one kernel on the flat shards (ZeRO-1 over 2 ranks): losses equal, parameters
+    within Adam's fp32 reordering noise."""
+    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+        pytest.skip("needs the Triton interpreter (tests/kernels/conftest.py sets it)")
+    ref = run_local(_train, 2, ({"dp": 2, "zero": 1}, "torch", "adamw"))[0]
+    got = run_local(_train, 2, ({"dp": 2, "zero": 1}, "triton", "adamw"))[0]
+    assert got[2]["adamw"] > 0 and ref[2]["adamw"] == 0
+    for a, b in zip(got[0], ref[0]):
+        assert abs(a - b) < 1e-3 * max(1.0, abs(b)), (got[0], ref[0])
+    for k, v in ref[1].items():
+        torch.testing.assert_close(torch.from_numpy(got[1][k]), torch.from_numpy(v), atol=1e-3, rtol=1e-3, msg=k)
+
+
+def test_fused_adamw_is_priced_as_one_pass():
+    from autopar.pricing.cost import optimizer_bytes_per_element
+    assert optimizer_bytes_per_element("adamw", "fp32", fused=True) == 28
+    assert optimizer_bytes_per_element("adamw", "fp32") == 80
+    assert optimizer_bytes_per_element("sgd", "fp32", fused=True) == optimizer_bytes_per_element("sgd", "fp32")
 
 
 def test_triton_plan_on_the_cpu_without_the_interpreter_is_refused(monkeypatch):
