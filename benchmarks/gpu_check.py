@@ -68,7 +68,9 @@ def env() -> None:
 
 def tests() -> None:
     r = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
-                        "--timeout=300", "-x", "--tb=short", "tests"], capture_output=True, text=True, timeout=150)
+                        "--timeout=300", "-x", "--tb=short", "tests"], capture_output=True, text=True, timeout=150,
+                       env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                            "MASTER_ADDR", "MASTER_PORT")})
     print(r.stdout[-6000:], r.stderr[-2000:])
     summary = [ln.strip("= ") for ln in r.stdout.splitlines() if " passed" in ln or " failed" in ln or " error" in ln]
     row("tests", "pytest -m gpu", f"rc {r.returncode}: {summary[-1] if summary else r.stderr[-300:]}")
@@ -184,7 +186,8 @@ def calibrate(quick: bool, out_dir: str) -> None:
     row("calibrate", "autopar calibrate --sweep gpu", f"{time.perf_counter() - t0:.1f} s; GEMM peak "
         f"{max(r for _, r in cal.gemm) / 1e12:.0f} TFLOP/s, memory {max(r for _, r in cal.memory) / 1e9:.0f} GB/s, "
         f"kernel {cal.kernel_overhead * 1e6:.1f} us -> {path}")
-    section("train/autopar-calibrated", _autopar, quick, "kernels=triton, calibrated", "triton", path)
+    section("train/autopar-calibrated-torch", _autopar, quick, "kernels=torch, calibrated", "torch", path)
+    section("train/autopar-calibrated-triton", _autopar, quick, "kernels=triton, calibrated", "triton", path)
 
 
 def main(argv=None) -> int:

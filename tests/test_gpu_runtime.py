@@ -15,9 +15,11 @@ def nccl_group():
     """One rank, created as autopar.compile creates it under torchrun (cpu:gloo,cuda:nccl)."""
     import autopar
     from autopar.execution.placement import require_process_group
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                 ("MASTER_PORT", "29531")):
-        os.environ.setdefault(k, v)
+    import socket
+    with socket.socket() as s:   # a free port: another process of the GPU check may hold one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     require_process_group(autopar.Cluster.preset("dgx-h100", devices=1))
     yield
 

@@ -187,11 +187,13 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
     tiny_a = torch.randn(1, 1, dtype=dtype, device=device)
     gemm_latency = timed(lambda: torch.mm(tiny_a, tiny_a))
     # elementwise arithmetic (pointwise rules count 1 FLOP per element): the median over a mix of
-    # cheap and transcendental ops, forward and backward, on 1 Mi elements
-    x = torch.randn(2**20, dtype=dtype, device=device, requires_grad=True)
+    # cheap and transcendental ops, forward and backward, on 1 Mi elements (a CPU) or 64 Mi (a GPU:
+    # at 1 Mi each kernel is its launch, and the rate came out 50x too slow on an H200)
+    n_vec = VECTOR_NUMEL_GPU if gpu else 2**20
+    x = torch.randn(n_vec, dtype=dtype, device=device, requires_grad=True)
     fwd_t, both_t = [], []
     for f in (torch.exp, torch.tanh, torch.nn.functional.gelu, torch.sigmoid, lambda t: t * t):
-        g = torch.ones(2**20, dtype=dtype, device=device)
+        g = torch.ones(n_vec, dtype=dtype, device=device)
 
         def fw(f=f):
             with torch.no_grad():
@@ -201,9 +203,9 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
             f(x).backward(g)
         fwd_t.append(timed(fw))
         both_t.append(ratio(fw, fb))
-    vector_rate = 2**20 / statistics.median(fwd_t)
+    vector_rate = n_vec / statistics.median(fwd_t)
     backward_ratio = max(1.0, statistics.median(both_t))
-    backward_ratios = _backward_ratios(ratio, dtype, device)
+    backward_ratios = _backward_ratios(ratio, dtype, device, large=gpu)
     op_rates = {} if gpu else _op_rates(timed, dtype, device)
     # a view (no data moved) still costs a dispatch on the host; on a GPU that overlaps the
     # device's work, on a CPU it does not
@@ -414,10 +416,14 @@ def _collective(kind, numel, n, dtype, device, group):
 
 # ops whose backward / forward ratio and forward rate are measured (autopar rule name -> (forward
 # function, its arguments) on representative activation shapes); the rest use the median ratio
-def _rule_ops(dtype, device) -> dict:
+VECTOR_NUMEL_GPU = 2**26
+
+
+def _rule_ops(dtype, device, large: bool = False) -> dict:
+    """One call of each measured rule; ``large``: a GPU's sizes (launch-bound otherwise)."""
     import torch
     import torch.nn.functional as F
-    b, s, h, heads = 8, 128, 256, 4
+    b, s, h, heads = (8, 1024, 2048, 16) if large else (8, 128, 256, 4)
     kw = dict(dtype=dtype, device=device)
 
     def leaf(*shape):
@@ -442,10 +448,10 @@ def _rule_ops(dtype, device) -> dict:
     }
 
 
-def _backward_ratios(ratio, dtype, device) -> dict:
+def _backward_ratios(ratio, dtype, device, large: bool = False) -> dict:
     import torch
     out = {}
-    for rule, (f, args) in _rule_ops(dtype, device).items():
+    for rule, (f, args) in _rule_ops(dtype, device, large).items():
         g = torch.ones_like(f(*args))
 
         def fw(f=f, args=args):   # with autograd recording, as a training forward runs (SDPA on a

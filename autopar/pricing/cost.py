@@ -294,7 +294,8 @@ def optimizer_step_time(numel_local: float, optimizer: str, precision: str, devi
     if numel_local == 0:
         return 0.0
     cal = calibration if calibration is not None else builtin_for(device)
-    if cal is not None and cal.optimizer_overhead:
+    if cal is not None and cal.optimizer_overhead and not (fused and optimizer in _FUSED_OPT_BYTES):
+        # (a fused step is one kernel per tensor: the memory time plus one launch, below)
         return compute_time(0.0, numel_local * per, "fp32", device, calibration=cal) \
             - cal.kernel_overhead + cal.optimizer_overhead
     return compute_time(0.0, numel_local * per, "fp32", device, calibration=calibration)
