@@ -83,7 +83,8 @@ def kernels() -> None:
         row("kernels", "kernel_bench", f"not in this tree ({e})")
         return
     for r in kernel_bench.bench_kernels("cuda"):
-        row("kernels", r.get("kernel", "?"), ", ".join(f"{k}={v}" for k, v in r.items() if k != "kernel"))
+        row("kernels", r.get("kernel", "?"), ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                    for k, v in r.items() if k != "kernel" and v not in (None, "")))
 
 
 def _llama(quick: bool, device: str):
