@@ -1,99 +1,21 @@
-"""Every kernel compiled ahead of time for CUDA sm_80 and sm_90 (to cubin, no GPU needed): catches
-what Triton's interpreter lets through (types, constexpr use, unsupported ops). The compiles run in
-one child process without TRITON_INTERPRET (under the interpreter triton.language's own helpers,
-tl.max say, are interpreted functions and cannot be compiled). Skipped where this triton lacks
+"""Every kernel compiled ahead of time for CUDA sm_80 and sm_90 (runtime/kernels/aot.py), through
+the command CI runs: ``autopar kernels --aot sm_80,sm_90``. Skipped where this triton lacks
 ASTSource / GPUTarget or ptxas."""
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-ARCHS = (80, 90)
+pytest.importorskip("triton")
 
-try:
-    import triton  # noqa: F401
-except ImportError as e:
-    pytest.skip(f"triton is not installed ({e})", allow_module_level=True)
-
-from runtime.kernels import adamw, linear_cross_entropy, rms_norm, swiglu
-
-CE = dict(n_cols="i32", vocab_start="i32", ignore_index="i32")
-CASES = {
-    "rms_norm_fwd_residual_bf16": (rms_norm._rms_norm_fwd,
-        dict(X="*bf16", R="*bf16", W="*fp32", Y="*bf16", H="*bf16", RSTD="*fp32", n_cols="i32", eps="fp32"),
-        dict(HAS_RESIDUAL=True, BLOCK=4096)),
-    "rms_norm_fwd_fp32": (rms_norm._rms_norm_fwd,
-        dict(X="*fp32", R="*fp32", W="*fp32", Y="*fp32", H="*fp32", RSTD="*fp32", n_cols="i32", eps="fp32"),
-        dict(HAS_RESIDUAL=False, BLOCK=128)),
-    "rms_norm_bwd_bf16": (rms_norm._rms_norm_bwd,
-        dict(DY="*bf16", X="*bf16", W="*bf16", RSTD="*fp32", DH="*bf16", DX="*bf16", DW_PART="*fp32",
-             n_rows="i32", n_cols="i32", rows_per_program="i32"),
-        dict(HAS_DH=True, BLOCK=2048)),
-    "swiglu_fwd_bf16": (swiglu._swiglu_fwd, dict(G="*bf16", U="*bf16", Y="*bf16", n="i32"), dict(BLOCK=1024)),
-    "swiglu_bwd_fp32": (swiglu._swiglu_bwd,
-        dict(DY="*fp32", G="*fp32", U="*fp32", DG="*fp32", DU="*fp32", n="i64"), dict(BLOCK=1024)),
-    "ce_row_stats_bf16": (linear_cross_entropy._ce_row_stats,
-        dict(LOGITS="*bf16", TARGETS="*i64", MAX="*fp32", SUMEXP="*fp32", TLOGIT="*fp32", **CE), dict(BLOCK=4096)),
-    "ce_grad_logits_bf16": (linear_cross_entropy._ce_grad_logits,
-        dict(LOGITS="*bf16", TARGETS="*i64", LSE="*fp32", SCALE="*fp32", **CE), dict(BLOCK=4096)),
-    "ce_grad_logits_fp32": (linear_cross_entropy._ce_grad_logits,
-        dict(LOGITS="*fp32", TARGETS="*i64", LSE="*fp32", SCALE="*fp32", **CE), dict(BLOCK=512)),
-    "adamw": (adamw._adamw_step,
-        dict(P="*fp32", G="*fp32", M="*fp32", V="*fp32", n="i32", lr="fp32", beta1="fp32", beta2="fp32",
-             eps="fp32", decay="fp32", step_size="fp32", bias_correction2_sqrt="fp32"), dict(BLOCK=1024)),
-}
-
-
-def _jit(kernel):
-    """The compilable function: the kernel itself, or under the interpreter a JITFunction of its source."""
-    from triton.runtime.jit import JITFunction
-    return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
-
-
-def compile_all() -> dict:
-    """case-arch -> "ok" or the error (run in the child); {"__skip__": reason} without the API."""
-    import triton
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as e:
-        return {"__skip__": f"triton {triton.__version__} has no ASTSource/GPUTarget API ({e})"}
-    results = {}
-    for case, (kernel, signature, constexprs) in sorted(CASES.items()):
-        fn = _jit(kernel)
-        signature = dict(signature, **{k: "constexpr" for k in constexprs})
-        for arch in ARCHS:
-            key = f"{case}-sm{arch}"
-            if list(signature) != fn.arg_names:
-                results[key] = f"signature names {list(signature)} != arguments {fn.arg_names}"
-                continue
-            try:
-                compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                          target=GPUTarget("cuda", arch, 32))
-                results[key] = "ok" if compiled.asm.get("cubin") else "no cubin"
-            except Exception as e:   # reported by the test of this case
-                text = f"{type(e).__name__}: {e}"
-                if "ptxas" in text and ("not found" in text or "No such file" in text):
-                    return {"__skip__": f"no ptxas for triton's CUDA backend: {text[:200]}"}
-                results[key] = text[-2000:]
-    return results
+from runtime.kernels.aot import ARCHS, CASES, build_in_child, parse_archs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=str(ROOT), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"the compiling child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = build_in_child(ARCHS)
     if "__skip__" in results:
         pytest.skip(results["__skip__"])
     return results
@@ -105,5 +27,17 @@ def test_kernel_compiles_for_cuda(compiled, case, arch):
     assert compiled[f"{case}-sm{arch}"] == "ok"
 
 
-if __name__ == "__main__":
-    print(json.dumps(compile_all()))
+def test_the_cli_builds_every_kernel_and_says_so(compiled):
+    proc = subprocess.run([sys.executable, "-m", "autopar.cli", "kernels", "--aot", "sm_90"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{len(CASES)} of {len(CASES)} kernel builds ok for sm_90" in proc.stdout
+
+
+def test_bad_architecture_is_a_clear_error():
+    assert parse_archs("sm_80, 90") == (80, 90)
+    with pytest.raises(ValueError, match="not a CUDA architecture"):
+        parse_archs("ampere")
+    proc = subprocess.run([sys.executable, "-m", "autopar.cli", "kernels", "--aot", "ampere"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not a CUDA architecture" in proc.stderr
