@@ -1,7 +1,8 @@
 """Rules for the fused kernel operators (``torch.ops.autopar.*``, runtime/kernels/ops.py) that
 autopar/frontend/fuse.py puts in a traced graph.
 
-* ``autopar.rms_norm(x, weight, eps) -> (y, rstd)``: ``"...h, h -> ...h, ..."``; the normalised
+* ``autopar.rms_norm(x, weight, eps) -> (y, rstd)`` (rule "rms_norm", a norm to Megatron-SP as
+  ATen's is): ``"...h, h -> ...h, ..."``; the normalised
   dim whole on the rank (the row's mean), the leading dims free. One pass reads x and the weight
   and writes y and one fp32 statistic per row; autograd keeps x, the weight and rstd.
 * ``autopar.swiglu(gate, up) -> silu(gate) * up``: elementwise, every dim free; reads two tensors,
@@ -23,7 +24,7 @@ def rms_norm(node):
     L = Letters()
     lead, norm = L.fresh(len(xs) - 1), L.fresh(1)
     sizes = dict(zip(lead + norm, xs))
-    return OpSpec("fused_rms_norm", (lead + norm, norm), (lead + norm, lead), sizes,
+    return OpSpec("rms_norm", (lead + norm, norm), (lead + norm, lead), sizes,
                   unsplittable=frozenset(norm), flops=4.0 * math.prod(xs), bytes=io_bytes(node),
                   saved=(Saved("input", 0), Saved("input", 1), Saved("output", 1)))
 
@@ -32,6 +33,6 @@ def rms_norm(node):
 def swiglu(node):
     xs = shape(node.args[0])
     letters = Letters().fresh(len(xs))
-    return OpSpec("fused_swiglu", (letters, letters), (letters,), dict(zip(letters, xs)),
+    return OpSpec("swiglu", (letters, letters), (letters,), dict(zip(letters, xs)),
                   flops=5.0 * math.prod(xs), bytes=io_bytes(node),
                   saved=(Saved("input", 0), Saved("input", 1)))
