@@ -325,7 +325,7 @@ def _fixed_node(name: str, device: Device, intra: Link, inter: Link, per_node_ma
     return make
 
 
-# TACC Longhorn (the V100 machine of the 2D/2.5D/3D tensor-parallelism papers' 64-GPU runs; issue 8).
+# TACC Longhorn (the V100 machine of the 2D/2.5D/3D tensor-parallelism papers' 64-GPU runs).
 # Every figure and its source: docs/cost-model.md, section "V100 (tacc-longhorn)". In short:
 #  - node: IBM POWER9 with 4 × Tesla V100 (Cornell Virtual Workshop, "GPUs on Frontera": Longhorn,
 #    Frontera's V100 subsystem until 2022, "100+ IBM nodes, each equipped with 4 NVIDIA Tesla V100s").

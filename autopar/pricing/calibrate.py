@@ -383,7 +383,7 @@ def monotone_times(points, factor: float = 1.0):
     """(bytes, bus bandwidth) points whose times (``factor`` · bytes / bandwidth) never fall as the
     message grows: each time becomes the least of its own and every larger message's (a smaller
     message never takes longer; a measured one does when another rank's skew falls into its
-    loops: 2 gloo processes, a 1 KB all-reduce read 1.4 ms where 8 KB read 0.6 ms, 2026-11-27).
+    loops: 2 gloo processes, a 1 KB all-reduce read 1.4 ms where 8 KB read 0.6 ms).
     Then ``isotonic`` on the bandwidths."""
     pts = sorted(points)
     times = [factor * x / y for x, y in pts]
@@ -500,7 +500,7 @@ def _op_rates(timed, dtype, device) -> dict:
 # A training step's working set is larger than the CPU's caches: an op meets inputs another op
 # wrote a while ago. Timed on one input again and again, a 1 MB GELU runs from cache 2.5x faster
 # than in the bench gpt2's step (0.05 ms against 0.13 ms cold, 0.2 ms in the step; measured
-# 2026-11-26), and every memory-bound rule was priced that much too fast. Cycling through copies
+# on these CPUs), and every memory-bound rule was priced that much too fast. Cycling through copies
 # whose bytes together exceed the last-level cache times each call cold.
 COLD_BYTES = 64 << 20
 

@@ -58,9 +58,9 @@ kernel each, on GPUs too), not what one fused kernel would: AdamW (fp32, weight 
 and writes per element: param.mul_ 8, exp_avg.lerp_ 12, exp_avg_sq.mul_ 8, addcmul_ 12, sqrt 8,
 div_ 8, add_ 8, param.addcdiv_ 16 = 80 (Adam without decay 72; SGD with momentum 32; LAMB 136;
 LARS 80). Mixed precision adds the gradient's upcast (read 2, write 4) and the master's cast back
-(read 4, write 2): +12. tests/test_cost.py counts them from the optimizers' dispatched ops. (Until
-2026-11-27 the table held a fused kernel's 28 B for AdamW: the bench GPT's step priced 0.62 ms
-against 0.89 ms measured.)
+(read 4, write 2): +12. tests/test_cost.py counts them from the optimizers' dispatched ops. A plan
+with the Triton kernels steps AdamW in one kernel (runtime/kernels/adamw.py): 28 B per element
+and one launch per tensor (``_FUSED_OPT_BYTES``).
 
 ``exposed_comm``: communication that overlaps with independent compute only shows what is
 left over: ``max(0, comm - compute)``; without overlap all of it.
@@ -140,7 +140,7 @@ def compute_time(flops: float, nbytes: float, dtype: str, device: Device,
         # A measured rate wins over the GEMM curve for a contraction too: SDPA (q·k, then ·v) is
         # a contraction, but its kernel (blocked online softmax around small GEMMs) is not a GEMM
         # of its intensity. On these CPUs the GEMM curve priced the bench GPT's attention at 0.55
-        # ms a call where it runs in 0.86 ms and its own measured rate says 0.80 (2026-11-27).
+        # ms a call where it runs in 0.86 ms and its own measured rate says 0.80.
         rate = measured or cal.vector_rate or cal.gemm[-1][1]
         t_math = flops / (rate * _dtype_scale(device, dtype, cal.gemm_dtype))
     return max(t_math, t_mem) + cal.kernel_overhead

@@ -19,7 +19,7 @@ all-gather, reduce-scatter or all-reduce, whose buffer is not split by the axis,
 the axis' size when a side splits over it: ``_NOT_A2A``), an axis the destination does not split over leaves by an
 all-gather or all-reduce, never an all-to-all, and a collective costs at least its latency terms
 (``latency_floor``) and at least the least it costs on that many bytes or more (``_least_from``).
-With the bandwidth term (2026-11-27; the latency terms alone before) the floors prune GPT 18.4B's
+With the bandwidth term the floors prune GPT 18.4B's
 (tp=8, 256 A100s) configurations that used to be priced first (``pair_floors``; checked against
 the cheapest reshard on random layout pairs, tests/test_reshard.py).
 """

@@ -213,7 +213,7 @@ def copy_bytes_by_instance(c: Candidates, P, pick: dict[str, int]) -> dict[str, 
     instances, and their inputs need not be alike. The first instance reads the prologue (an
     embedding) where the others read the previous instance, so a reshard that copies into the
     first instance only is one copy, not one per repeat (a Llama under Megatron-SP with a
-    replicated embedding: 4 KB a stage counted twice, found 2026-11-26). Each saved input is
+    replicated embedding: 4 KB a stage counted twice). Each saved input is
     replayed once per group of instances whose producer is alike (same representative) and
     charged to those instances; storages are told apart by (representative name, the instances
     that save them)."""

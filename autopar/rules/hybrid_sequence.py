@@ -1,4 +1,4 @@
-"""The Ulysses x ring hybrid in the planner (issue 7, ``sp_mode="hybrid"``): its pins, its meshes,
+"""The Ulysses x ring hybrid in the planner (``sp_mode="hybrid"``): its pins, its meshes,
 its attention strategies and what the plan reports. autopar/rules/sequence.py owns sequence
 parallelism in general and calls into this module for the hybrid; runtime/hybrid_sp.py runs it.
 

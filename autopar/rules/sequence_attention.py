@@ -1,4 +1,4 @@
-"""Scaled-dot-product attention on sequence axes (issue 7): the algorithms' names, what an SDPA
+"""Scaled-dot-product attention on sequence axes: the algorithms' names, what an SDPA
 node is (``attention_facts``: shapes, mask proven causal or not, dropout), its strategies with
 q, k, v and the output split on the sequence (Ulysses all-to-all, load-balanced or contiguous
 ring attention, or the ordinary query split with K/V all-gathered by resharding), why an

@@ -1,4 +1,4 @@
-"""Explicit (matmul/softmax) attention run as Ulysses on a sequence axis (issue 7): which letter
+"""Explicit (matmul/softmax) attention run as Ulysses on a sequence axis: which letter
 of each attention-core op carries the heads (``head_letters``), the head-split strategies the
 core's ops get on the axis (``head_split_strategies``: the edges into and out of the core become
 reshard all-to-alls, sequence dim <-> head dim), and the pinned mode's check that every core runs
