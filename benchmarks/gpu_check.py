@@ -128,7 +128,7 @@ def _eager(quick: bool) -> None:
     t, losses = _timed_steps(step, 3, 5 if not quick else 3)
     row("train", "eager autocast bf16 + fused AdamW", f"{t * 1e3:.1f} ms/step, peak "
         f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    del model, opt
+    model = opt = None   # freed before the next run
     torch.cuda.empty_cache()
 
 
@@ -158,7 +158,7 @@ def _autopar(quick: bool, label: str, kernels: str, calibration=None) -> None:
         f"measured/predicted {t / plan.step_time:.2f}), peak {peak / 2**30:.2f} GiB (predicted "
         f"{plan.peak_memory / 2**30:.2f}, ratio {peak / plan.peak_memory:.2f}), loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
         f"launches {dict((k, v) for k, v in K.kernel_stats().items() if v)}")
-    del compiled, model
+    compiled = model = None   # freed before the next run
     torch.cuda.empty_cache()
 
 

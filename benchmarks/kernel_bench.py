@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from runtime.kernels.adamw import adamw_reference, adamw_step
+from runtime.kernels.adamw import adamw_step
 from runtime.kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from runtime.kernels.rms_norm import rms_norm, rms_norm_reference
 from runtime.kernels.swiglu import swiglu, swiglu_reference
@@ -275,7 +275,7 @@ def _adamw_case(b: _Bench, n: int) -> list[dict]:
     kinds = ["eager", "triton"] + (["torch.compile"] if b.compile else []) + \
         (["torch fused"] if _cuda(dev) else [])
     rows = _run_case("adamw", f"{n / 1e6:.3g}M fp32", {k: Variant(k) for k in kinds}, dev, reps=b.reps)
-    del start
+    start.clear()
     _empty_cache(dev)
     return rows
 

@@ -275,10 +275,8 @@ class _Builder:
 
         ckpt = checkpointed_groups(traced, self.plan)
         selective = selective_regions(traced, self.plan)   # attention cores recomputed selectively
-        out_node = None
         for k, n in enumerate(nodes):
             if n.op == "output":
-                out_node = n
                 continue
             if n.op == "get_attr":
                 self._emit_attr(n)

@@ -34,7 +34,7 @@ import statistics
 import time
 
 from autopar.pricing.cost import gemm_intensity
-from autopar.pricing.profile import Calibration, LinkCurves
+from autopar.pricing.profile import Calibration
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,

@@ -3,7 +3,6 @@
 Triton interpreter equal to the same plan kind with torch ops, with each kernel family launched."""
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
