@@ -8,9 +8,9 @@ losses still agree closely.
 * one process: autopar's LAMB equals a reference written here from NVIDIA apex's FusedLAMB
   (adam_w_mode, bias correction, trust ratio ||w||/||u||, 1 where either norm is 0; no global
   gradient clipping, max_grad_norm=0), and LARS the paper's formula;
-* every plan kind (data parallel with ZeRO-1 and -3, 1D tensor parallel, dp x tp with ZeRO-1,
-  Megatron-SP, Ulysses sequence axis, pipeline, 2D grid on 2 and 4 gloo ranks; the 2.5D grid and
-  dp x tp x pp with ZeRO-1 on 8) trained 3 steps equals the one-process run: losses rel 1e-5; parameters rel
+* every plan kind (data parallel with ZeRO-1, -2 and -3, 1D tensor parallel, dp x tp with ZeRO-1,
+  Megatron-SP, Ulysses sequence axis, pipeline, 2D grid on 2 and 4 gloo ranks; the 2.5D and 3D grids
+  and dp x tp x pp with ZeRO-1 on 8) trained 3 steps equals the one-process run: losses rel 1e-5; parameters rel
   1e-3 for LAMB (its m/sqrt(v) amplifies fp32 noise like Adam's) and 1e-5 for LARS.
 
 The tiny Llama's weights are scaled by a ramp along each dimension before training, so every
@@ -165,6 +165,7 @@ def test_fused_lamb_reference_zero_norms():
 # (id, ranks, constraints, what the plan must have split: a mesh axis or ZeRO stage)
 PLANS = [
     ("dp2-zero1", 2, {"dp": 2, "zero": 1}),
+    ("dp2-zero2", 2, {"dp": 2, "zero": 2}),
     ("dp2-zero3", 2, {"dp": 2, "zero": 3}),
     ("tp2", 2, {"tp": 2}),
     ("dp2xtp2-zero1", 4, {"dp": 2, "tp": 2, "zero": 1}),
@@ -203,19 +204,20 @@ def test_plan_kind_equals_one_process(cid, world, constraints, opt):
 
 
 EIGHT = [("2.5d", {"tp_mode": "2.5d"}, "lamb"), ("2.5d", {"tp_mode": "2.5d"}, "lars"),
-         ("dp2xtp2xpp2-zero1", {"dp": 2, "tp": 2, "pp": 2, "zero": 1}, "lamb")]
+         ("3d", {"tp_mode": "3d"}, "lamb"), ("dp2xtp2xpp2-zero1", {"dp": 2, "tp": 2, "pp": 2, "zero": 1}, "lamb")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cid,constraints,opt", EIGHT, ids=[f"{c}-{o}" for c, _, o in EIGHT])
 def test_eight_ranks(cid, constraints, opt):
-    """8 ranks: the 2.5D grid (q 2, depth 2: every weight split over the grid), and dp 2 x tp 2 x
+    """8 ranks: the 2.5D grid (q 2, depth 2: every weight split over the grid), the 3D grid
+    (q 2), and dp 2 x tp 2 x
     pp 2 with ZeRO-1 (data shards, stages, and the tensor axis at once; the planner keeps this
     tiny model's stage weights whole on the tensor axis, so only the replica masking runs there)."""
     res, rel = _compare(opt, 8, constraints)
     _, _, degrees, split, zero = res[0]
-    if cid == "2.5d":
-        assert degrees["tp_mode"] == "2.5d" and split
+    if cid in ("2.5d", "3d"):
+        assert degrees["tp_mode"] == cid and split
     else:
         assert (degrees["dp"], degrees["tp"], degrees["pp"], zero) == (2, 2, 2, 1)
     worst = max(rel, key=rel.get)
