@@ -12,7 +12,9 @@ LAMB and LARS scale the update of each *tensor* by a trust ratio built from per-
 On a flat shard one tensor may be split across ranks, so ``step`` takes ``Segments`` (which
 element ranges of the buffer belong to which logical tensor) and an optional
 ``reduce_sq_norms`` callable that sums per-tensor squared norms in place across the shards
-holding parts of the same tensors (e.g. an all_reduce over the data-parallel group).
+holding parts of the same tensors: runtime/zero.py sums them over the data group when ZeRO shards
+the chunk and over the model axes that split the tensor, each replicated block counted once, so
+the ratios are the whole tensors' under every plan.
 """
 from __future__ import annotations
 

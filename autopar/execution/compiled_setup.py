@@ -253,6 +253,9 @@ def setup(cm, example_inputs):
             r *= len(cm.tied_stages[fqn])
         if r > 1:
             norm_weights[id(p)] = 1.0 / r
+    # LAMB / LARS: each tensor's norms summed over the model axes (disjoint blocks), a replicated
+    # block counted by one of the ranks holding it (runtime/zero.py module doc).
+    norm_skip = [p for fqn, p in cm.params.items() if not prog.counts_norm(fqn, model_axes)]
     shared = {}
     if cm.pp > 1:   # the groups that sum a tied parameter's gradient between its stages
         from autopar.execution import pipeline_run
@@ -265,7 +268,8 @@ def setup(cm, example_inputs):
                                 extra_norm_groups=[cm.ctx.groups[a] for a in model_axes]
                                 + ([cm.ctx.extra["pp_group"]] if cm.pp > 1 else []),
                                 grad_scale=grad_scale, norm_weights=norm_weights, working_dtype=cm.dtype,
-                                forward_order=_forward_order(cm), shared_groups=shared)
+                                forward_order=_forward_order(cm), shared_groups=shared,
+                                tensor_norm_groups=[cm.ctx.groups[a] for a in model_axes], tensor_norm_skip=norm_skip)
     if zero == 3:
         context.set_zero3(cm.opt)
     cm._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}
