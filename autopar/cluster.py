@@ -55,6 +55,7 @@ import yaml
 
 from autopar.errors import ClusterError
 from autopar.mesh import Mesh, enumerate_meshes
+from autopar.profile import Calibration
 from autopar.units import QUANTITY_EXAMPLES, parse_quantity, warn_if_implausible
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -158,7 +159,7 @@ class Cluster:
     intra_link: Link
     inter_link: Link
     backend: str = "nccl"
-    calibration: Any = None   # autopar.pricing.profile.Calibration (measured rates), or None: see cost.profile_of
+    calibration: Any = None   # autopar.profile.Calibration (measured rates), or None: see cost.profile_of
 
     def __post_init__(self):
         for what, v in [("nodes", self.nodes), ("devices_per_node", self.devices_per_node)]:
@@ -218,11 +219,10 @@ class Cluster:
         }
 
     def with_calibration(self, calibration) -> "Cluster":
-        """The same cluster priced with ``calibration``: an autopar.pricing.profile.Calibration or
+        """The same cluster priced with ``calibration``: an autopar.profile.Calibration or
         the path of a calibration profile (YAML, as ``autopar calibrate`` writes)."""
         import dataclasses
         import os
-        from autopar.pricing.profile import Calibration
         if isinstance(calibration, (str, os.PathLike)):
             calibration = Calibration.from_yaml(calibration)
         elif calibration is not None and not isinstance(calibration, Calibration):
@@ -506,7 +506,6 @@ def _parse(data, source: str) -> Cluster:
     name = r.text(data.get("name", "custom"), "name")
     calibration = None
     if "calibration" in data:   # a profile path (relative to the cluster file) or the profile inline
-        from autopar.pricing.profile import Calibration
         cv = data["calibration"]
         if isinstance(cv, str):
             p = Path(cv)

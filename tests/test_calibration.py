@@ -8,7 +8,7 @@ from autopar.cluster import Cluster
 from autopar.pricing.cost import Collectives, compute_time, profile_of
 from autopar.errors import ClusterError
 from autopar.mesh import Mesh
-from autopar.pricing.profile import Calibration, LinkCurves, interp
+from autopar.profile import Calibration, LinkCurves, interp
 
 PROFILE = {
     "name": "test", "source": "hand-written", "gemm_dtype": "fp32",

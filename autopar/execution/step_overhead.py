@@ -43,7 +43,7 @@ def measure(profile: dict) -> float:
     """Seconds of host work per step outside the program's ops (module doc). Collective: every
     rank of the current group calls it; each returns the same value."""
     import autopar
-    from autopar.pricing.profile import Calibration
+    from autopar.profile import Calibration
     from runtime import loss as RL
 
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -1,4 +1,4 @@
-"""``autopar calibrate``: measure this machine and write a calibration profile (autopar/pricing/profile.py).
+"""``autopar calibrate``: measure this machine and write a calibration profile (autopar/profile.py).
 
 Measures, on every rank at once (so ranks that share cores or memory bandwidth see each other):
 
@@ -34,7 +34,7 @@ import statistics
 import time
 
 from autopar.pricing.cost import gemm_intensity
-from autopar.pricing.profile import Calibration, LinkCurves
+from autopar.profile import Calibration, LinkCurves
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,

@@ -179,7 +179,7 @@ class Calibration:
         return _parse(d, source)
 
     def to_yaml(self, path) -> None:
-        text = "# autopar calibration profile (schema: autopar/pricing/profile.py)\n"
+        text = "# autopar calibration profile (schema: autopar/profile.py)\n"
         Path(path).write_text(text + yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     @staticmethod
