@@ -37,7 +37,7 @@ def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
     carrying = None
     if nm > 1:   # the program runs one micro-batch: cut every input along its batch dim
         from autopar.frontend.batching import plan_batch_dims
-        from autopar.execution.microbatch import batch_carrying
+        from autopar.rules.microbatch import batch_carrying
         dims = plan_batch_dims(plan.data, len(inputs))
         micro = trace(model, tuple(x if d is None else x.narrow(d, 0, x.shape[d] // nm) for x, d in zip(inputs, dims)))
         carrying, traced = batch_carrying(traced, micro), micro

@@ -122,8 +122,8 @@ def setup(cm, example_inputs):
         if seq(mt) != seq(traced):
             raise ExecutionError("re-tracing one micro-batch gave a different op sequence than the global "
                                  "batch; the model's graph depends on the batch size", collective=True)
-        from autopar.execution.microbatch import batch_carrying
-        carrying = batch_carrying(traced, mt)   # which values the micro-batches cut (autopar/execution/microbatch.py)
+        from autopar.rules.microbatch import batch_carrying
+        carrying = batch_carrying(traced, mt)   # which values the micro-batches cut (autopar/rules/microbatch.py)
         traced = mt
     else:
         carrying = None
