@@ -33,6 +33,7 @@ import os
 import statistics
 import time
 
+from autopar.execution.step_overhead import measure as step_overhead
 from autopar.pricing.cost import gemm_intensity
 from autopar.profile import Calibration, LinkCurves
 
@@ -307,8 +308,6 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
     else:   # one process: no links measured; a placeholder curve (never used by a 1-rank mesh)
         out["links"] = {"intra": {"curves": {"all_reduce@2": [[1.0, 1e9]]}}}
     if not gpu and dist_on:   # the runtime's host work per step, what the figures above leave unpriced
-        # (lazy: execution sits above pricing; only this measurement runs the runtime end to end)
-        from autopar.execution.step_overhead import measure as step_overhead
         out["step_overhead"] = step_overhead(out)
     from runtime.collectives import COMM_STATS
     COMM_STATS.reset()   # the runtime's collectives counted the calibration's bytes
