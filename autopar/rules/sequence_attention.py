@@ -4,7 +4,8 @@ q, k, v and the output split on the sequence (Ulysses all-to-all, load-balanced 
 ring attention, or the ordinary query split with K/V all-gathered by resharding), why an
 algorithm is refused for an op, and each strategy's price from the runtime's closed forms
 (``ulysses_bytes``, ``ring_attention_bytes``, ``ring_attention_flops``). The Ulysses x ring hybrid
-on two axes is autopar/rules/hybrid_sequence.py's; called from here."""
+on two axes is autopar/rules/hybrid_sequence.py's; called from here. The pieces both share (refusals, the
+sequence split, the strategy) are in autopar/rules/attention_split.py."""
 from __future__ import annotations
 
 import math
@@ -12,14 +13,11 @@ import math
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.rules import hybrid_sequence as hybrid
-from autopar.rules.layout import Layout
+from autopar.rules.attention_split import CAUSAL_MASK, refuse_shape, sequence_split, sequence_strategy  # noqa: F401  (CAUSAL_MASK: public here too)
 from autopar.rules.strategy import Strategy
 
 RING, RING_CONTIGUOUS, ULYSSES = "ring_attention", "ring_attention_contiguous", "ulysses_attention"
 ALGORITHMS = (RING, RING_CONTIGUOUS, ULYSSES) + hybrid.ALGORITHMS
-# In an SDPA strategy's special beside the algorithm: its attn_mask is the causal mask
-# (autopar/rules/causal_mask.py), so the algorithm runs is_causal=True without it.
-CAUSAL_MASK = "causal_attn_mask"
 
 
 def _arg(node, i, name, default=None):
@@ -128,16 +126,6 @@ def saves_as_run(node, spec, strategies):
     return spec if saved is spec.saved else dataclasses.replace(spec, saved=saved)
 
 
-def refuse_shape(f: dict, algo: str) -> str | None:
-    """Why no sequence-parallel algorithm runs this attention whatever its mask and sizes (cross-
-    attention, attention dropout), or None; ``algo`` names the algorithm in the reason."""
-    if f["s"] != f["t"]:
-        return f"cross-attention (query length {f['s']}, key length {f['t']}) is not sequence-parallel"
-    if f["dropout"]:
-        return f"attention dropout (dropout_p={f['dropout']}) is not supported by {algo}"
-    return None
-
-
 def ulysses_mask_refusal(f: dict) -> str | None:
     """Why Ulysses cannot run this attention's explicit (not causal) mask, or None. Ulysses runs
     attention over the whole sequence for a share of the heads, so the mask is used whole, each
@@ -175,22 +163,6 @@ def _refuse(node, f, sp, algo) -> str | None:
     return None
 
 
-def sequence_split(st: Strategy, spec, mesh: Mesh, axes: tuple[int, ...]):
-    """(input layouts, output layouts, local letter sizes) of SDPA strategy ``st`` with q, k, v
-    and the output split on the sequence (dim 2) over mesh ``axes`` too; the sizes are ``st``'s
-    (the sequence split is the algorithm's own)."""
-    def seq_split(lay: Layout) -> Layout:
-        dims = list(lay.dims)
-        dims[2] = dims[2] + tuple(axes)
-        return Layout(tuple(dims), lay.partial)
-
-    ins = tuple(seq_split(l) if (l is not None and i < 3) else l for i, l in enumerate(st.inputs))
-    outs = (seq_split(st.outputs[0]),)
-    local = {ch: spec.sizes[ch] // math.prod(mesh.shape[x] for x, s in enumerate(st.splits) if s == ch)
-             for ch in spec.sizes}
-    return ins, outs, local
-
-
 def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Strategy | None:
     from runtime.ring_attention import ring_attention_bytes, ring_attention_flops
     from runtime.ulysses import ulysses_bytes
@@ -226,18 +198,3 @@ def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Str
         return sequence_strategy(st, mesh.names[a], algo, f["causal_mask"], ins, outs, splits, work, comms,
                                  backward)
     return sequence_strategy(st, mesh.names[a], algo, f["causal_mask"], ins, outs, splits, work, comms)
-
-
-def sequence_strategy(st: Strategy, axes: str, algo: str, causal_mask: bool, ins, outs, splits, work,
-                      comms, backward_comms=None) -> Strategy:
-    """The attention strategy running ``algo`` with the sequence split over ``axes`` (mesh axis
-    names) on top of ``st``: named after both, its special the algorithm (and CAUSAL_MASK when
-    the explicit mask it drops is the proven causal one). ``backward_comms``: the backward's
-    collectives when they are not ``comms`` mirrored (``Strategy.backward_comms``)."""
-    name = "" if st.name == "R" else st.name
-    name = (name + " " if name else "") + f"S(s)@{axes} [{algo}]"
-    special = (algo,)
-    if causal_mask:
-        name += " (attn_mask causal)"
-        special += (CAUSAL_MASK,)
-    return Strategy(name, ins, outs, tuple(splits), work, comms, special, backward_comms)
