@@ -83,6 +83,8 @@ from runtime import rng as RNG
 from runtime import special as SP
 from autopar.rules.sequence import zigzag_axes
 from codegen import sp_ops as SPO
+from autopar.errors import ExecutionError
+from autopar.frontend.batching import plan_batch_dims
 
 
 def _val(node):
@@ -117,13 +119,11 @@ class _Builder:
         self.source: str | None = None           # traced node being emitted (pipeline stages split by it)
         self.region_nodes: dict[str, list[fx.Node]] = {}
         self.nm = int(plan.data.get("degrees", {}).get("num_micro_batches", 1) or 1)
-        from autopar.frontend.batching import plan_batch_dims
         self.batch_dims = plan_batch_dims(plan.data, len(traced.input_names))
         self.mean_losses: list[tuple[str, tuple[int, ...]]] = []
         self.count_args: list[tuple] = []        # per mean loss: (target node, weight node, ignore_index)
         self.decomp = None                       # how the loss splits over micro-batches (autopar/rules/microbatch.py)
         if self.nm > 1:
-            from autopar.errors import ExecutionError
             if batch_carrying is None:
                 raise ExecutionError("generate: a plan with several micro-batches needs batch_carrying= "
                                      "(autopar.rules.microbatch.batch_carrying of the global and micro-batch traces)")
@@ -204,7 +204,6 @@ class _Builder:
         missing = [n.name for n in nodes if n.op == "call_function" and n.target is not operator.getitem
                    and n.name not in self.ops]
         if missing:
-            from autopar.errors import ExecutionError
             raise ExecutionError(f"the plan has no strategy for nodes {missing[:5]} of the traced graph: "
                                  f"plan made for a different model or graph")
 

@@ -38,6 +38,9 @@ from autopar.errors import ConstraintError
 from autopar.mesh import Mesh, enumerate_meshes
 from autopar.rules.attention_split import refuse_shape, sequence_split, sequence_strategy
 from autopar.rules.strategy import Strategy
+from runtime.hybrid_sp import hybrid_bytes
+from runtime.ring_attention import ring_attention_flops
+from runtime.seq_layout import kv_repeat_factor
 
 HYBRID = "hybrid_attention"                         # ring pieces zig-zag (causal, load-balanced)
 HYBRID_CONTIGUOUS = "hybrid_attention_contiguous"   # ring pieces contiguous (no causal mask)
@@ -198,9 +201,6 @@ def _refuse(f: dict, u: int, r: int) -> str | None:
 
 
 def _with_hybrid(st: Strategy, spec, f: dict, mesh: Mesh, ra: int, ua: int, algo: str) -> Strategy | None:
-    from runtime.hybrid_sp import hybrid_bytes
-    from runtime.ring_attention import ring_attention_flops
-    from runtime.seq_layout import kv_repeat_factor
     r, u = mesh.shape[ra], mesh.shape[ua]
     ins, outs, local = sequence_split(st, spec, mesh, (ra, ua))
     b, h, hk, d = local["b"], local["h"], local.get("g", local["h"]), local["d"]

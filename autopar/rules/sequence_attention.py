@@ -15,6 +15,12 @@ from autopar.mesh import Mesh
 from autopar.rules import hybrid_sequence as hybrid
 from autopar.rules.attention_split import CAUSAL_MASK, refuse_shape, sequence_split, sequence_strategy  # noqa: F401  (CAUSAL_MASK: public here too)
 from autopar.rules.strategy import Strategy
+from autopar.rules.causal_mask import mask_is_causal
+from autopar.rules.spec import Saved
+from autopar.rules.table import is_tensor, shape as tensor_shape
+from runtime.ring_attention import ring_attention_bytes, ring_attention_flops
+from runtime.seq_layout import kv_repeat_factor
+from runtime.ulysses import ulysses_bytes
 
 RING, RING_CONTIGUOUS, ULYSSES = "ring_attention", "ring_attention_contiguous", "ulysses_attention"
 ALGORITHMS = (RING, RING_CONTIGUOUS, ULYSSES) + hybrid.ALGORITHMS
@@ -25,9 +31,6 @@ def _arg(node, i, name, default=None):
 
 
 def attention_facts(node) -> dict:
-    from autopar.rules.causal_mask import mask_is_causal
-    from autopar.rules.table import is_tensor
-    from autopar.rules.table import shape as tensor_shape
     q, k, v = node.args[:3]
     (b, h, s, d), (_, hk, t, _) = tensor_shape(q), tensor_shape(k)
     mask = _arg(node, 3, "attn_mask")
@@ -107,7 +110,6 @@ def saves_as_run(node, spec, strategies):
       Priced as the op's output, those two were counted once.
     Ring attention saves the output it returns (laid out like q, runtime/ring_attention.py)."""
     import dataclasses
-    from autopar.rules.spec import Saved
     saved = spec.saved
     if all(CAUSAL_MASK in st.special for st in strategies):
         mask = spec.inputs[3] if len(spec.inputs) > 3 else None
@@ -164,8 +166,6 @@ def _refuse(node, f, sp, algo) -> str | None:
 
 
 def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Strategy | None:
-    from runtime.ring_attention import ring_attention_bytes, ring_attention_flops
-    from runtime.ulysses import ulysses_bytes
     sp = mesh.shape[a]
     ins, outs, local = sequence_split(st, spec, mesh, (a,))
     b, h, hk, d = local["b"], local["h"], local.get("g", local["h"]), local["d"]
@@ -177,7 +177,6 @@ def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Str
             return None
         tr = ulysses_bytes(b, h, hk, s, d, sp, isz)
         one = b * (s // sp) * d * isz
-        from runtime.seq_layout import kv_repeat_factor
         kvh = hk * kv_repeat_factor(h, hk, sp)
         # forward all-to-alls of q, stacked k/v and the output; backward moves the same (priced x2)
         comms = (("all_to_all", a, float(h * one)), ("all_to_all", a, float(2 * kvh * one)),
