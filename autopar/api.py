@@ -25,7 +25,7 @@ from solver import release_threads
 from autopar.rules import hybrid_sequence
 from autopar.search.grid_search import grid_plan_data, GridResult
 from autopar.search.pipeline import apply_pipeline
-from autopar.search.pipeline_search import plan_search
+from autopar.search import pipeline_search
 
 
 # The collector's thresholds while planning (``plan``): the youngest generation collected every
@@ -84,8 +84,8 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     thresholds = gc.get_threshold()
     gc.set_threshold(*(max(a, b) for a, b in zip(thresholds, GC_THRESHOLDS)))
     try:   # pp=1 and pipelined candidates (stages over sub-meshes): autopar/search/pipeline_search.py
-        result, stats, pipe = plan_search(graph, cluster, base, constraints, search,
-                                          time_limit=time_limit, log=log, policy=policy)
+        result, stats, pipe = pipeline_search.plan_search(graph, cluster, base, constraints, search,
+                                                          time_limit=time_limit, log=log, policy=policy)
     finally:
         # release_threads() collects garbage first: while the model is still frozen, that walks
         # only what the search allocated (after unfreezing, 0.3 s of a small model's plan)
