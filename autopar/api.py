@@ -23,6 +23,10 @@ from autopar.frontend.fuse import uses_kernels
 from autopar.frontend.trace import trace
 from autopar.units import parse_bytes, parse_seconds
 from solver import release_threads
+from autopar.rules import hybrid_sequence
+from autopar.search.grid_search import grid_plan_data, GridResult
+from autopar.search.pipeline import apply_pipeline
+from autopar.search import pipeline_search
 
 
 # The collector's thresholds while planning (``plan``): the youngest generation collected every
@@ -76,14 +80,11 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
                         f"backend {cluster.backend}): trace with kernels={fused}")
     t_trace = time.perf_counter() - t0
     graph.batch_dims = infer_batch_dims(input_shapes(graph), batch_dims)
-    from autopar.rules.hybrid_sequence import resolve
-    constraints = resolve(graph, cluster, pins.to_dict())   # sp_mode="hybrid": its (u, r) split from the heads
+    constraints = hybrid_sequence.resolve(graph, cluster, pins.to_dict())   # sp_mode="hybrid": its (u, r) split from the heads
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
     base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm,
                     kernels=fused)
     log = print if verbose else None
-    from autopar.search.pipeline import apply_pipeline
-    from autopar.search.pipeline_search import plan_search
     # The search allocates millions of small objects; Python's full collections would scan the
     # traced model and graph with them each time (10-20% of a small model's planning time).
     # Freezing moves what exists now out of the collector's sight until planning ends. And the
@@ -95,15 +96,14 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     thresholds = gc.get_threshold()
     gc.set_threshold(*(max(a, b) for a, b in zip(thresholds, GC_THRESHOLDS)))
     try:   # pp=1 and pipelined candidates (stages over sub-meshes): autopar/search/pipeline_search.py
-        result, stats, pipe = plan_search(graph, cluster, base, constraints, search,
-                                          time_limit=time_limit, log=log, policy=policy)
+        result, stats, pipe = pipeline_search.plan_search(graph, cluster, base, constraints, search,
+                                                          time_limit=time_limit, log=log, policy=policy)
     finally:
         # release_threads() collects garbage first: while the model is still frozen, that walks
         # only what the search allocated (after unfreezing, 0.3 s of a small model's plan)
         release_threads()   # no solver thread outlives planning (solver/ilp.py: release_threads)
         gc.unfreeze()
         gc.set_threshold(*thresholds)
-    from autopar.search.grid_search import GridResult, grid_plan_data
     make = grid_plan_data if isinstance(result, GridResult) else plan_data
     data = make(result, cluster, graph, optimizer, precision, budget, overlap_grad_comm, stats)
     if pipe is not None:

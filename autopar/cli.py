@@ -200,7 +200,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from autopar.pricing.calibrate import calibrate
+    from autopar.execution.calibrate import calibrate
     cal = calibrate(nprocs=args.nprocs, sweep=args.sweep, repeats=args.repeats, output=args.output)
     if cal is not None:
         print(f"wrote {args.output}: {cal.source}")

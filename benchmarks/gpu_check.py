@@ -180,7 +180,7 @@ def train(quick: bool) -> None:
 
 def calibrate(quick: bool, out_dir: str) -> None:
     _init_pg()
-    from autopar.pricing.calibrate import calibrate as run
+    from autopar.execution.calibrate import calibrate as run
     path = os.path.join(out_dir, "calibration_gpu.yaml")
     t0 = time.perf_counter()
     cal = run(sweep="tiny" if quick else "gpu", repeats=3, output=path)

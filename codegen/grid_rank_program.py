@@ -32,6 +32,7 @@ import torch
 
 from codegen.grid_layout import GRID_MODES, Geometry, geometry_of
 from runtime.grid import take
+from codegen.grid_ops import GridProgram
 
 
 def is_grid_plan(plan) -> bool:
@@ -185,7 +186,6 @@ class GridRankProgram:
 def build(traced, plan, grid, coords: dict, batch: int, device=None) -> GridRankProgram:
     """The grid program of ``plan`` for the rank at ``coords``, analysed (on meta, as the planner
     did) and bound to ``grid`` (runtime/grid.py)."""
-    from codegen.grid_ops import GridProgram
 
     geo = plan_geometry(plan)
     prog = GridProgram(traced, geo, batch).analyse()

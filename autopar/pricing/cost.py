@@ -75,7 +75,7 @@ from autopar.cluster import Cluster, Device, Link
 from autopar.errors import PlanError
 from autopar.pricing.memory import check_optimizer, check_precision
 from autopar.mesh import Mesh
-from autopar.pricing.profile import Calibration, LinkCurves, builtin_for, interp
+from autopar.profile import Calibration, LinkCurves, builtin_for, interp
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -190,7 +190,7 @@ _STEPS = {"all_reduce": lambda n: 2 * (n - 1)}
 
 
 def _curve(kind: str, nbytes: float, n: int, lc: LinkCurves, nvls: bool = False) -> float:
-    """Measured bus bandwidth by message size (nccl-tests convention, see autopar/pricing/profile.py):
+    """Measured bus bandwidth by message size (nccl-tests convention, see autopar/profile.py):
     t = factor(n) · S / busbw(S), busbw from the curve measured at the group size nearest ``n``;
     when that size differs, each extra (or missing) ring step adds (removes) ``hop_latency``.
     NVLink SHARP (an ``all_reduce_nvls`` curve) is used for all-reduce on more than 4 GPUs only."""

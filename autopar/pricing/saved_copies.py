@@ -42,6 +42,7 @@ from autopar.pricing.saved_roots import _VIEWISH
 from autopar.rules.candidates import Candidates
 from autopar.rules.layout import Layout, memory_order
 from autopar.rules.localize import local_call
+from autopar.rules.sequence_attention import RING
 
 # ops returning a tuple of views of their input (read through getitem)
 _TUPLE_VIEWS = {"split", "split_with_sizes", "chunk", "unbind", "tensor_split"}
@@ -53,7 +54,6 @@ def _op_name(node) -> str:
 
 def zigzag_axes(c: Candidates, pick: dict[str, int]) -> set[int]:
     """Mesh axes whose splits the plan makes zig-zag (load-balanced ring attention runs on them)."""
-    from autopar.rules.sequence_attention import RING
 
     axes = set()
     for n, k in pick.items():

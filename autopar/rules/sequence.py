@@ -76,6 +76,9 @@ from autopar.rules.sequence_attention import (ALGORITHMS, RING, RING_CONTIGUOUS,
                                               saves_as_run)
 from autopar.rules.sequence_heads import check_heads_split, head_letters, head_split_strategies
 from autopar.rules.strategy import Strategy
+from autopar.frontend.batching import graph_batch_dims
+from autopar.rules.strategy import propagate_batch
+from autopar.rules.table import input_dim_sets, shape as tensor_shape, val as node_val
 
 SP_AXIS = "sp"
 _NORMS = ("layer_norm", "rms_norm")
@@ -145,8 +148,6 @@ def tp_degree(mesh: Mesh) -> int:
 
 def input_seq_dims(graph, batch_dims) -> dict[str, frozenset]:
     """Each user input's sequence dim: its first dim that is not the batch dim (2-D+ inputs)."""
-    from autopar.rules.table import shape as tensor_shape
-    from autopar.rules.table import val as node_val
     out = {}
     placeholders = {n.name: n for n in graph.gm.graph.nodes if n.op == "placeholder"}
     for name, bd in zip(graph.input_names, batch_dims):
@@ -194,9 +195,6 @@ def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | Non
 def seq_letters(graph, nodes: dict, order: list[str]) -> dict[str, frozenset]:
     """Per op node: its letters that carry the sequence (not the batch), propagated from the
     user inputs' sequence dims as batch letters are (``strategy.propagate_batch``)."""
-    from autopar.frontend.batching import graph_batch_dims
-    from autopar.rules.table import input_dim_sets
-    from autopar.rules.strategy import propagate_batch
     seq_of = {n: (d,) for n, d in input_seq_dims(graph, graph_batch_dims(graph)).items()}
     out = {}
     for name in order:

@@ -29,7 +29,7 @@ def _count_program_edges(c: Candidates, pick: dict, micro_batches: int) -> set[t
     """The (producer, consumer) edges whose forward reshards the count program runs: those into
     the ancestors of each target of a mean loss run as a local sum (``LocalCall.global_mean``),
     and into the loss's target input itself (the program counts the target as the loss reads it)."""
-    from autopar.execution.microbatch import TARGET_MEAN_LOSSES
+    from autopar.rules.microbatch import TARGET_MEAN_LOSSES
     from autopar.rules.localize import local_call
 
     edges: set[tuple[str, str]] = set()

@@ -1,4 +1,4 @@
-"""``autopar calibrate``: measure this machine and write a calibration profile (autopar/pricing/profile.py).
+"""``autopar calibrate``: measure this machine and write a calibration profile (autopar/profile.py).
 
 Measures, on every rank at once (so ranks that share cores or memory bandwidth see each other):
 
@@ -33,8 +33,13 @@ import os
 import statistics
 import time
 
+from autopar.execution.step_overhead import measure as step_overhead
 from autopar.pricing.cost import gemm_intensity
-from autopar.pricing.profile import Calibration
+from autopar.profile import Calibration
+from autopar.rules.table import spec_for
+from runtime import collectives as rc
+from runtime.collectives import COMM_STATS
+from runtime.launch import run_local
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -309,10 +314,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
     else:   # one process: no links measured; a placeholder curve (never used by a 1-rank mesh)
         out["links"] = {"intra": {"curves": {"all_reduce@2": [[1.0, 1e9]]}}}
     if not gpu and dist_on:   # the runtime's host work per step, what the figures above leave unpriced
-        # (lazy: execution sits above pricing; only this measurement runs the runtime end to end)
-        from autopar.execution.step_overhead import measure as step_overhead
         out["step_overhead"] = step_overhead(out)
-    from runtime.collectives import COMM_STATS
     COMM_STATS.reset()   # the runtime's collectives counted the calibration's bytes
     return out if rank == 0 else None
 
@@ -399,7 +401,6 @@ def _collective(kind, numel, n, dtype, device, group):
     import torch
     import torch.distributed as dist
 
-    from runtime import collectives as rc
     x = torch.randn(numel, dtype=dtype, device=device)
     if kind == "all_reduce":
         return lambda: rc._raw_all_reduce(x, group, "calibrate")
@@ -469,7 +470,6 @@ def _op_rates(timed, dtype, device) -> dict:
     recording). Rules whose FLOPs are not what bounds them (memory-bound: add, mul, dropout,
     embedding) still get one; pricing takes the larger of the FLOP and byte times."""
     import torch
-    from autopar.rules.table import spec_for
 
     class _Op(torch.nn.Module):
         def __init__(self, f):
@@ -573,7 +573,6 @@ def calibrate(nprocs: int = 2, sweep: str = "cpu", repeats: int = 5, output=None
     if dist.is_available() and dist.is_initialized():
         d = measure(sweep, repeats)
     else:
-        from runtime.launch import run_local
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             d = run_local(_local_main, nprocs, (sweep, repeats), timeout=1800)[0]
