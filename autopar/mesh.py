@@ -16,10 +16,6 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
 
 
 @dataclass(frozen=True)
