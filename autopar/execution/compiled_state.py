@@ -4,7 +4,11 @@
 ``model.state_dict()``; ``save`` writes them, with the optimizer state and step count, through
 torch.distributed.checkpoint as full (unsharded) tensors, so a checkpoint loads onto any plan;
 ``load`` first checks the checkpoint's tensors against this model's (``check_checkpoint``), then
-cuts this rank's blocks out of the full tensors. Pipelined plans assemble their state in
+cuts this rank's blocks out of the full tensors. With the optimizer state go its step count (the
+learning-rate schedule's whole state: a schedule is a function of it), the base learning rate
+(after ``lr_scaling``) as "lr" and each parameter's group settings as "optim_groups.{fqn}"
+(weight_decay, lr_scale, adapt), all restored by ``load`` (a checkpoint written before these
+existed loads without them: the compiled model keeps its own). Pipelined plans assemble their state in
 autopar/execution/pipeline_run.py. The functions take the CompiledModel (autopar/execution/compiled.py), whose
 methods of the same names call them.
 """
@@ -14,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ExecutionError
-from autopar.execution import pipeline_run
+from autopar.execution import optim_setup, pipeline_run
+
+OPTIONAL = ("lr", "optim_groups")   # checkpoint entries older checkpoints lack
 
 
 def gather_full(cm, local: torch.Tensor, fqn: str) -> torch.Tensor:
@@ -73,14 +79,21 @@ def save(cm, directory) -> None:
     state = {"model": cm.full_state_dict()}
     state["optim"] = {k: v.cpu() for k, v in cm._full_optimizer_state().items()}
     state["step"] = torch.tensor(cm.opt.step_count)
+    state.update(_optimizer_settings(cm))
     dcp.save(state, checkpoint_id=str(directory))
+
+
+def _optimizer_settings(cm) -> dict:
+    """The base learning rate and every parameter's group settings, as checkpoint entries."""
+    return {"lr": torch.tensor(cm.opt.opt.lr, dtype=torch.float64),
+            "optim_groups": {fqn: torch.tensor(e, dtype=torch.float64) for fqn, e in sorted(cm.group_settings.items())}}
 
 @torch.no_grad()
 def load(cm, directory) -> None:
     cm._need_ready()
     model_sd = {k: v.clone() for k, v in cm.full_state_dict().items()}
     opt_sd = {k: v.clone() for k, v in cm._full_optimizer_state().items()}
-    state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(0)}
+    state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(0), **_optimizer_settings(cm)}
     read_checkpoint(cm.rank, directory, state)
     prog = cm.program
 
@@ -103,6 +116,10 @@ def load(cm, directory) -> None:
         if fqn in state["model"]:
             b.copy_(prog.block_of(fqn, state["model"][fqn]))
     cm.opt.step_count = int(state["step"])
+    if "lr" in state:
+        cm.opt.opt.lr = float(state["lr"])
+    if "optim_groups" in state:
+        optim_setup.apply_groups(cm, {f: (float(t[0]), float(t[1]), bool(t[2])) for f, t in state["optim_groups"].items()})
 
 
 def read_checkpoint(rank: int, directory, state: dict) -> None:
@@ -139,9 +156,14 @@ def check_checkpoint(directory, state: dict) -> None:
     except Exception as e:
         raise ExecutionError(f"no readable checkpoint at {directory}: {type(e).__name__}: {e}", collective=True) from None
     saved = {k: getattr(v, "size", None) for k, v in meta.state_dict_metadata.items()}
+    for key in OPTIONAL:   # absent from an older checkpoint: not read
+        if key in state and not any(k == key or k.startswith(key + ".") for k in saved):
+            del state[key]
     want = {"step": torch.Size([])}
-    for group in ("model", "optim"):
-        want.update({f"{group}.{k}": v.shape for k, v in state[group].items()})
+    if "lr" in state:
+        want["lr"] = torch.Size([])
+    for group in ("model", "optim", "optim_groups"):
+        want.update({f"{group}.{k}": v.shape for k, v in state.get(group, {}).items()})
     missing = sorted(set(want) - set(saved))
     extra = sorted(set(saved) - set(want))
     shapes = sorted(f"{k} {tuple(saved[k])} (this model: {tuple(want[k])})" for k in set(want) & set(saved)

@@ -45,15 +45,25 @@ def check_options(optimizer: str, lr: float, opts: OptimOptions, optimizer_kwarg
 
 
 def full_shapes(cm) -> dict:
-    """FQN -> the whole parameter's shape, for this rank's parameters (from the traced graph's
-    placeholders: the model's tensors, whatever block this rank holds)."""
-    by_fqn = {}
-    for node in cm.traced.gm.graph.nodes:
-        fqn = cm.traced.param_fqn.get(node.name)
-        val = node.meta.get("val") if node.op == "placeholder" else None
-        if fqn is not None and val is not None:
-            by_fqn[fqn] = tuple(val.shape)
-    return {fqn: by_fqn[fqn] if fqn in by_fqn else tuple(cm.model.get_parameter(fqn).shape) for fqn in cm.params}
+    """FQN -> the whole parameter's shape for every trainable parameter of the model (every rank
+    alike, whatever blocks or stage it holds), from the traced graph's placeholders."""
+    traced = cm.traced
+    out = {}
+    for node in traced.gm.graph.nodes:
+        fqn = traced.param_fqn.get(node.name)
+        val = node.meta.get("val")
+        if node.op == "placeholder" and fqn is not None and node.name not in traced.buffers:
+            out[fqn] = tuple(val.shape) if val is not None else tuple(cm.model.get_parameter(fqn).shape)
+    return out
+
+
+def apply_groups(cm, settings: dict) -> None:
+    """Set the groups' per-tensor settings (FQN -> (weight_decay, lr_scale, adapt)) on ``cm``'s
+    optimizer (also what ``load`` restores)."""
+    cm.group_settings = dict(settings)
+    wd = getattr(cm.opt.opt, "weight_decay", 0.0)
+    uniform = is_uniform({f: settings[f] for f in cm.params if f in settings}, wd)
+    cm.opt.set_tensor_hparams(None if uniform else {id(p): settings[f] for f, p in cm.params.items() if f in settings})
 
 
 def build(cm) -> tuple[FlatOptimizer, Optional[dict]]:
@@ -67,9 +77,10 @@ def build(cm) -> tuple[FlatOptimizer, Optional[dict]]:
     spec = o.param_groups if o.param_groups is not None else default_spec(cm.optimizer_name)
     wd = getattr(opt, "weight_decay", 0.0)
     cm.group_settings = resolve_groups(full_shapes(cm), spec, wd)   # FQN -> (wd, lr_scale, adapt)
-    if is_uniform(cm.group_settings, wd):
+    mine = {fqn: cm.group_settings[fqn] for fqn in cm.params}
+    if is_uniform(mine, wd):
         return opt, None
-    return opt, {id(p): cm.group_settings[fqn] for fqn, p in cm.params.items()}
+    return opt, {id(p): mine[fqn] for fqn, p in cm.params.items()}
 
 
-__all__ = ["OptimOptions", "check_options", "build", "full_shapes"]
+__all__ = ["OptimOptions", "check_options", "build", "full_shapes", "apply_groups"]
