@@ -203,3 +203,39 @@ def test_resume_into_another_plan_equals_uninterrupted(tmp_path):
     rel = rel_errors(second[2], {k: torch.from_numpy(v) for k, v in straight[2].items()})
     worst = max(rel, key=rel.get)
     assert rel[worst] < 1e-3, f"{worst} differs by {rel[worst]:.2e} (relative)"
+
+
+# ----------------------------------------------------------------------------- pricing
+def test_trust_ratio_norm_all_reduces_are_priced(monkeypatch):
+    """A LAMB plan under tp 2 is predicted slower than the same plan priced without the norm
+    all-reduces by exactly one all-reduce of each chunk's [2, tensors + 1] fp32 norms over the
+    tensor axis (and slower than AdamW's); on one device the term is 0."""
+    import autopar.pricing.price as price
+    from autopar.frontend.blocks import param_chunks
+    from autopar.frontend.trace import trace
+    from autopar.pricing.cost import TRUST_NORM_BYTES_PER_TENSOR, Collectives
+
+    model, batch = ramped_llama()
+    g = trace(model, batch)
+    trainable = [n for n in g.param_fqn if n not in g.buffers]
+    chunks: dict[int, int] = {}
+    for k in param_chunks(g.blocks, g.param_fqn, trainable).values():
+        chunks[k] = chunks.get(k, 0) + 1
+    cluster = autopar.Cluster.preset("dgx-a100", devices=2)
+    pin = {"tp": 2, "zero": 0, "num_micro_batches": 1}
+    lamb = autopar.plan(model, batch, cluster, optimizer="lamb", constraints=pin)
+    adamw = autopar.plan(model, batch, cluster, optimizer="adamw", constraints=pin)
+    monkeypatch.setattr(price, "TRUST_RATIO_OPTIMIZERS", ())
+    unpriced = autopar.plan(model, batch, cluster, optimizer="lamb", constraints=pin)
+    assert lamb.data["ops"] == unpriced.data["ops"] == adamw.data["ops"]
+    comm = Collectives(cluster, lamb.mesh)
+    tp = lamb.mesh.names.index("tp")
+    want = sum(comm("all_reduce", TRUST_NORM_BYTES_PER_TENSOR * (n + 1), tp) for n in chunks.values())
+    assert want > 0
+    assert lamb.step_time - unpriced.step_time == pytest.approx(want, rel=1e-6)
+    assert lamb.step_time > adamw.step_time + want
+    monkeypatch.undo()
+    one = autopar.Cluster.preset("dgx-a100", devices=1)
+    solo = autopar.plan(model, batch, one, optimizer="lamb").step_time
+    monkeypatch.setattr(price, "TRUST_RATIO_OPTIMIZERS", ())
+    assert autopar.plan(model, batch, one, optimizer="lamb").step_time == pytest.approx(solo, rel=1e-12)
