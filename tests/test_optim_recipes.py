@@ -239,3 +239,17 @@ def test_trust_ratio_norm_all_reduces_are_priced(monkeypatch):
     solo = autopar.plan(model, batch, one, optimizer="lamb").step_time
     monkeypatch.setattr(price, "TRUST_RATIO_OPTIMIZERS", ())
     assert autopar.plan(model, batch, one, optimizer="lamb").step_time == pytest.approx(solo, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- the plan knows the batch
+def test_plan_reports_global_batch_and_tokens():
+    model, batch = ramped_llama()   # token ids [8, 16]
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2))
+    assert plan.global_batch == 8 and plan.tokens_per_step == 128
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again.global_batch == 8 and again.tokens_per_step == 128
+    from autopar.plans.report import batch_text
+    assert batch_text(plan) == "; global batch 8 (128 tokens) per step"
+    assert "global batch 8" in plan.summary()
+    old = autopar.Plan({k: v for k, v in plan.data.items() if k != "batch"})   # a plan from before the field
+    assert old.global_batch == 8 and old.tokens_per_step is None
