@@ -158,14 +158,28 @@ def first_hit(evals, secs, target):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="K=128, one lr per optimizer (a smoke run)")
+    ap.add_argument("--only", nargs=3, metavar=("OPT", "MULT", "BUDGET"),
+                    help="one extra sweep: optimizer, batch multiple of B0, step budget (needs --target)")
+    ap.add_argument("--lrs", type=float, nargs="+", help="lr factors of the sweep (default: LRS)")
+    ap.add_argument("--target", type=float, help="--only: the target loss (a main run's)")
     args = ap.parse_args()
     global K, LRS
     if args.quick:
         K, LRS = 128, (1.0,)
+    if args.lrs:
+        LRS = tuple(args.lrs)
     torch.set_num_threads(1)
     chain = Chain(0)
     evalx = chain.sample(256, torch.Generator().manual_seed(7))
     bayes = chain.bayes_loss(evalx)
+    if args.only:
+        name, mult, budget = args.only[0], int(args.only[1]), int(args.only[2])
+        for f in LRS:
+            ev, secs = train(chain, name, B0 * mult, f, budget, evalx, every_step=True)
+            hit, hs = first_hit(ev, secs, args.target)
+            print(f"B={B0 * mult} {name} budget {budget} lr x{f}: steps to {args.target} {hit} "
+                  f"({f'{hs:.1f} s' if hs else '-'}), best eval {min(ev):.4f}, final eval {ev[-1]:.4f}", flush=True)
+        return
     print(f"V={V} T={T} d={D} layers={LAYERS}; chain fan-out {FANOUT}: achievable (Bayes) eval loss {bayes:.4f}, "
           f"uniform {math.log(V):.4f}")
     base = {}
