@@ -3,9 +3,9 @@ schedules and scaling, and their checkpoints.
 
 * schedules and lr scaling: values of the named schedules at their corners, bad arguments;
 * groups: the BERT recipe decides on the FULL shape; a list's first match wins;
-* AdamW with groups (no decay on norms, a half lr on the head), a warm-up + cosine schedule and
-  sqrt lr scaling, in one process, equals torch.optim.AdamW with the same param_groups and a
-  LambdaLR (rel 1e-6); under ZeRO-2 on 2 ranks (per-segment steps of a flat shard) it equals
+* AdamW and SGD (nesterov) with groups (no decay on norms, a half lr on the head), a warm-up +
+  cosine schedule and sqrt lr scaling, in one process, equal torch.optim.AdamW / SGD with the
+  same param_groups and a LambdaLR (rel 1e-6); trust_clip and always_adapt on a two-tensor buffer; under ZeRO-2 on 2 ranks (per-segment steps of a flat shard) it equals
   the one-process run (slow);
 * LAMB with custom groups, trust_clip and a schedule under tp 2 and ZeRO-2 equals one process (slow);
 * save/load: LAMB with warm-up + poly decay and sqrt scaling trained 4 steps in one process equals
@@ -117,15 +117,23 @@ def one_process(name):
     return run_local(_train, 1, args=(CONFIGS[name], {}), timeout=240)[0]
 
 
-def test_adamw_groups_and_schedule_equal_torch():
+SGD = dict(ADAMW, optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True)   # torch.optim.SGD's (coupled) decay
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_groups_and_schedule_equal_torch(name):
+    """One process: autopar's AdamW / SGD with groups, schedule and sqrt scaling equal torch.optim
+    with the same param_groups and a LambdaLR."""
     model, batch = ramped_llama()
-    lr = ADAMW["lr"] * math.sqrt(8 / 2)   # global batch 8, base 2: sqrt scaling doubles it
+    kw = CONFIGS[name]
+    lr = kw["lr"] * math.sqrt(8 / 2)   # global batch 8, base 2: sqrt scaling doubles it
     named = dict(model.named_parameters())
     norms = [p for n, p in named.items() if "norm" in n]
     head = [p for n, p in named.items() if n.startswith("head.")]
     rest = [p for n, p in named.items() if "norm" not in n and not n.startswith("head.")]
-    opt = torch.optim.AdamW([{"params": norms, "weight_decay": 0.0}, {"params": head, "lr": lr * 0.5},
-                             {"params": rest}], lr=lr, weight_decay=0.1)
+    groups = [{"params": norms, "weight_decay": 0.0}, {"params": head, "lr": lr * 0.5}, {"params": rest}]
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.1) if name == "adamw" else \
+        torch.optim.SGD(groups, lr=lr, weight_decay=0.1, momentum=0.9, nesterov=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, make_schedule("warmup-cosine", 2, 6))
     want = []
     for _ in range(STEPS):
@@ -135,11 +143,44 @@ def test_adamw_groups_and_schedule_equal_torch():
         opt.step()
         sched.step()
         want.append(loss.item())
-    losses, sd, lrs = one_process("adamw")[:3]
+    losses, sd, lrs = one_process(name)[:3]
     assert lrs == pytest.approx([lr * make_schedule("warmup-cosine", 2, 6)(t) for t in range(STEPS)])
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-6, atol=1e-7)
     rel = rel_errors(sd, {k: v.detach() for k, v in model.state_dict().items()})
     assert max(rel.values()) < 1e-6, max(rel, key=rel.get)
+
+
+def test_trust_clip_and_always_adapt():
+    """LAMB: trust_clip caps the ratio at 1; always_adapt applies it to an excluded tensor too.
+    LARS: trust_clip is LARC's min(local_lr / lr, 1)."""
+    from runtime.optim import LAMB, LARS, Segments
+    from runtime.optim_groups import TensorHParams
+
+    torch.manual_seed(0)
+    w = torch.cat([torch.randn(6) * 10, torch.randn(4) * 10])   # big weights: ||w|| / ||u|| > 1
+    g = torch.randn(10)
+    segs = Segments.from_sizes([6, 4])
+    hp = TensorHParams.of([(0.0, 1.0, True), (0.0, 1.0, False)])    # the second tensor excluded
+
+    def lamb_step(**kw):
+        p = w.clone()
+        opt = LAMB(lr=0.1, **kw)
+        opt.step(p, g.clone(), opt.init_state(10), 1, segments=segs, hparams=hp)
+        return w - p   # lr * ratio * u, u = m_hat / (sqrt(v_hat) + eps) at step 1
+    u = g / (g.abs() + 1e-6)
+    ratio0 = w[:6].norm() / u[:6].norm()
+    assert ratio0 > 1
+    torch.testing.assert_close(lamb_step()[:6], 0.1 * ratio0 * u[:6])
+    torch.testing.assert_close(lamb_step()[6:], 0.1 * u[6:])                    # excluded: ratio 1
+    torch.testing.assert_close(lamb_step(trust_clip=True)[:6], 0.1 * u[:6])     # clipped to 1
+    ratio1 = w[6:].norm() / u[6:].norm()
+    torch.testing.assert_close(lamb_step(always_adapt=True)[6:], 0.1 * ratio1 * u[6:])
+
+    p = w.clone()
+    lars = LARS(lr=0.5, momentum=0.0, trust_coefficient=1.0, trust_clip=True)
+    lars.step(p, g.clone(), lars.init_state(10), 1, segments=segs, hparams=hp)
+    local = (w[:6].norm() / (g[:6].norm() + 1e-8) / 0.5).clamp(max=1.0)
+    torch.testing.assert_close(w - p, torch.cat([0.5 * local * g[:6], 0.5 * g[6:]]))
 
 
 # ----------------------------------------------------------------------------- sharded plans
@@ -148,7 +189,7 @@ LAMB = dict(optimizer="lamb", lr=2e-2, weight_decay=0.01, trust_clip=True, grad_
             param_groups=[{"params": r"\.w1\.", "lr_scale": 0.5, "weight_decay": 0.1},
                           {"params": lambda name, shape: len(shape) <= 1, "weight_decay": 0.0, "adapt": False},
                           {"params": r"^tok\.", "weight_decay": 0.0}])   # a matrix without decay: still adapts
-CONFIGS = {"adamw": ADAMW, "lamb": LAMB}
+CONFIGS = {"adamw": ADAMW, "sgd": SGD, "lamb": LAMB}
 SHARDED = [("adamw", 2, {"dp": 2, "zero": 2}), ("lamb", 2, {"tp": 2}), ("lamb", 2, {"dp": 2, "zero": 2})]
 
 
