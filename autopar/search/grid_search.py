@@ -160,7 +160,9 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     """The predicted step of ``graph`` in grid mode ``geo`` (module doc). ``cands``: candidates
     of the graph on a one-device mesh (per-op FLOPs and bytes)."""
     from autopar.frontend.batching import graph_batch_dims, input_shapes, batch_size
-    from autopar.pricing.cost import Collectives, optimizer_step_time, profile_of
+    from autopar.pricing.cost import (TRUST_NORM_BYTES_PER_TENSOR, TRUST_RATIO_OPTIMIZERS, Collectives,
+                                      optimizer_step_time, profile_of)
+    from autopar.pricing.price import trust_norm_axes
     from autopar.pricing.memory import state_bytes, zero_shard
     from autopar.mesh import Mesh
     from autopar.search.predict import model_flops
@@ -202,6 +204,12 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     static = zero_shard(state_bytes(local, base.optimizer, base.precision), geo.zero, geo.dp)
     stepped = grad_bytes // 4 // geo.dp if geo.zero else local
     optimizer = optimizer_step_time(stepped, base.optimizer, base.precision, cluster.device, cal, base.kernels)
+    if base.optimizer in TRUST_RATIO_OPTIMIZERS:   # LAMB/LARS: each chunk's norms summed (price.py)
+        tensors: dict = {}
+        for n in trainable:
+            tensors[chunk_of[n]] = tensors.get(chunk_of[n], 0) + 1
+        optimizer += sum(comm("all_reduce", TRUST_NORM_BYTES_PER_TENSOR * (k + 1), a)
+                         for k in tensors.values() for a in trust_norm_axes(mesh, geo.zero))
     acts = prog.saved * scale     # one micro-batch's: its backward runs before the next forward
     step = compute + op_comm + grad_comm + optimizer
     peak = sum(static.values()) + acts
