@@ -294,3 +294,30 @@ def test_plan_reports_global_batch_and_tokens():
     assert "global batch 8" in plan.summary()
     old = autopar.Plan({k: v for k, v in plan.data.items() if k != "batch"})   # a plan from before the field
     assert old.global_batch == 8 and old.tokens_per_step is None
+
+
+def test_trust_ratio_norms_priced_on_a_2d_grid(monkeypatch):
+    """The 2D grid's step (autopar/search/grid_search.py) carries the same term: per chunk one
+    all-reduce of its norms over each grid axis."""
+    import autopar.pricing.cost as cost
+    from autopar.frontend.blocks import param_chunks
+    from autopar.frontend.trace import trace
+    from autopar.pricing.price import trust_norm_axes
+
+    model, batch = ramped_llama()
+    g = trace(model, batch)
+    trainable = [n for n in g.param_fqn if n not in g.buffers]
+    chunks: dict[int, int] = {}
+    for k in param_chunks(g.blocks, g.param_fqn, trainable).values():
+        chunks[k] = chunks.get(k, 0) + 1
+    cluster = autopar.Cluster.preset("dgx-a100", devices=4)
+    pin = {"tp_mode": "2d", "num_micro_batches": 1}
+    lars = autopar.plan(model, batch, cluster, optimizer="lars", constraints=pin)
+    monkeypatch.setattr(cost, "TRUST_RATIO_OPTIMIZERS", ())
+    unpriced = autopar.plan(model, batch, cluster, optimizer="lars", constraints=pin)
+    assert lars.degrees["tp_mode"] == "2d"
+    comm = cost.Collectives(cluster, lars.mesh)
+    axes = trust_norm_axes(lars.mesh, lars.degrees["zero"])
+    want = sum(comm("all_reduce", cost.TRUST_NORM_BYTES_PER_TENSOR * (n + 1), a) for n in chunks.values() for a in axes)
+    assert len(axes) == 2 and want > 0
+    assert lars.step_time - unpriced.step_time == pytest.approx(want, rel=1e-6)
