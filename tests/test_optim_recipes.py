@@ -321,3 +321,33 @@ def test_trust_ratio_norms_priced_on_a_2d_grid(monkeypatch):
     want = sum(comm("all_reduce", cost.TRUST_NORM_BYTES_PER_TENSOR * (n + 1), a) for n in chunks.values() for a in axes)
     assert len(axes) == 2 and want > 0
     assert lars.step_time - unpriced.step_time == pytest.approx(want, rel=1e-6)
+
+
+def _restore(rank, world, directory):
+    import autopar.execution.compiled_state as cs
+
+    def make(**kw):
+        model, batch = ramped_llama()
+        return autopar.compile(model, autopar.Cluster.preset("cpu", devices=1), batch, optimizer="lamb",
+                               weight_decay=0.01, **kw), batch
+    cm, batch = make(lr=1e-2)                       # the BERT recipe
+    cm.step(*batch)
+    cm.save(directory + "/new")
+    saved_settings = cm.group_settings
+    other, _ = make(lr=5e-3, param_groups="all")
+    other.load(directory + "/new")                  # like torch's optimizer.load_state_dict: lr and groups
+    restored = (other.lr, other.step_count, other.group_settings == saved_settings,
+                other.opt.chunks[0].hparams is not None)
+    keep = cs._optimizer_settings
+    cs._optimizer_settings = lambda cm: {}          # a checkpoint from before these entries
+    cm.save(directory + "/old")
+    cs._optimizer_settings = keep
+    third, _ = make(lr=5e-3, param_groups="all")
+    third.load(directory + "/old")                  # loads; keeps its own lr and groups
+    return restored, (third.lr, third.step_count, set(third.group_settings.values()))
+
+
+def test_load_restores_lr_and_groups_and_reads_older_checkpoints(tmp_path):
+    restored, old = run_local(_restore, 1, args=(str(tmp_path),), timeout=120)[0]
+    assert restored == (pytest.approx(1e-2), 1, True, True)
+    assert old == (pytest.approx(5e-3), 1, {(0.01, 1.0, True)})
