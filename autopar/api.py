@@ -91,7 +91,8 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
         release_threads()   # no solver thread outlives planning (solver/ilp.py: release_threads)
         gc.unfreeze()
         gc.set_threshold(*thresholds)
-    from autopar.search.grid_search import GridResult, grid_plan_data
+    from autopar.search.grid_price import GridResult
+    from autopar.search.grid_search import grid_plan_data
     make = grid_plan_data if isinstance(result, GridResult) else plan_data
     data = make(result, cluster, graph, optimizer, precision, budget, overlap_grad_comm, stats)
     if pipe is not None:

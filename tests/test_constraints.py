@@ -143,7 +143,7 @@ def test_constraints_must_be_a_dict_or_constraints(value):
 def test_value_sets_agree_with_the_modules_using_them():
     from autopar.constraints import CHECKPOINT_MODES, PP_SCHEDULES, TP_MODES
     from autopar.plans.plan_schema import CHECKPOINT_MODES as PLAN_CHECKPOINT
-    from autopar.search.grid_search import TP_MODES as GRID_TP_MODES
+    from autopar.search.grid_geometry import TP_MODES as GRID_TP_MODES
     from runtime.pipeline import SCHEDULES as RUN_SCHEDULES
 
     assert TP_MODES == GRID_TP_MODES

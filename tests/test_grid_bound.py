@@ -16,7 +16,8 @@ from autopar.mesh import Mesh
 from autopar.models import ZOO
 from autopar.pricing.price import Settings
 from autopar.rules.candidates import candidates
-from autopar.search import grid_search
+from autopar.search import grid_geometry, grid_price, grid_search
+from autopar.search.context import SearchStats
 from autopar.search.grid_bound import grid_step_lower_bound
 from benchmarks.bench_tp_grid_where import slow_links
 from codegen.grid_ops import GridLoweringError
@@ -35,15 +36,15 @@ def test_bound_never_exceeds_the_priced_grid_step(model):
     for cluster in (autopar.Cluster.preset("dgx-a100", nodes=1), autopar.Cluster.preset("dgx-a100", nodes=2)):
         clusters = [cluster, slow_links(cluster)]
         one = candidates(g, Mesh((1,), ("dp",), cluster.devices_per_node))
-        batch = grid_search._batch(g)
-        geos = grid_search.grid_geometries(cluster.num_devices, {}, batch)
+        batch = grid_geometry.grid_batch(g)
+        geos = grid_geometry.grid_geometries(cluster.num_devices, {}, batch)
         geos += [dataclasses.replace(x, nm=2) for x in geos] + [dataclasses.replace(x, zero=1) for x in geos if x.dp > 1]
         for c in clusters:
             for precision in ("bf16", "fp32"):
                 base = Settings(precision=precision)
                 for geo in geos:
                     try:
-                        step = grid_search.price_grid(g, c, base, geo, one).prediction["step_time"]
+                        step = grid_price.price_grid(g, c, base, geo, one).prediction["step_time"]
                     except GridLoweringError:
                         continue
                     lb = grid_step_lower_bound(g, c, base, geo, one)
@@ -57,14 +58,14 @@ def test_pruned_grid_pass_returns_the_unpruned_plan(monkeypatch):
     cluster = autopar.Cluster.preset("dgx-a100", nodes=1)
     base = Settings()
     # incumbents around the grid plans' steps: the pass with the bound returns what it returns without
-    plain = grid_search.best_grid(g, cluster, base, {}, None, {})
+    plain = grid_search.best_grid(g, cluster, base, {}, None, SearchStats())
     assert plain is not None
     for f in (0.9, 1.0, 1.01, 1.5, 3.0):
         best_step = plain.prediction["step_time"] * f
-        stats: dict = {}
+        stats = SearchStats()
         got = grid_search.best_grid(g, cluster, base, {}, best_step, stats)
-        monkeypatch.setattr("autopar.search.grid_bound.grid_step_lower_bound", lambda *a, **k: 0.0)
-        ref = grid_search.best_grid(g, cluster, base, {}, best_step, {})
+        monkeypatch.setattr("autopar.search.grid_search.grid_step_lower_bound", lambda *a, **k: 0.0)
+        ref = grid_search.best_grid(g, cluster, base, {}, best_step, SearchStats())
         monkeypatch.undo()
         assert (got is None) == (ref is None), f
         if got is not None:

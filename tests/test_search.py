@@ -220,7 +220,6 @@ def test_stage_sub_mesh_reuses_the_whole_mesh_reshard_searches(monkeypatch):
     shared memo without a search (all but tensors the data axis does not split on both sides,
     whose per-rank blocks differ), and the matrices equal a pricing from scratch."""
     import autopar.pricing.edge_price as E
-    import autopar.pricing.price as PR
     from autopar.mesh import Mesh
     from autopar.search.pipeline_pins import stage_cluster
 
@@ -232,14 +231,13 @@ def test_stage_sub_mesh_reuses_the_whole_mesh_reshard_searches(monkeypatch):
     searched = []
     real = E.search_reduced
     monkeypatch.setattr(E, "search_reduced", lambda *a: searched.append(a) or real(*a))
-    monkeypatch.setattr(PR, "_SHARED", {})
-    price(candidates(g, whole), cluster, Settings(num_micro_batches=1), edges=True)
+    families: dict = {}   # one plan's reshard memos (Candidates.reshards)
+    price(candidates(g, whole, reshards=families), cluster, Settings(num_micro_batches=1), edges=True)
     n_whole = len(searched)
     searched.clear()
-    reused = price(candidates(g, sub), sub_cluster, Settings(num_micro_batches=2), edges=True)
+    reused = price(candidates(g, sub, reshards=families), sub_cluster, Settings(num_micro_batches=2), edges=True)
     n_reused = len(searched)
     searched.clear()
-    monkeypatch.setattr(PR, "_SHARED", {})
     fresh = price(candidates(g, sub), sub_cluster, Settings(num_micro_batches=2), edges=True)
     assert n_whole and n_reused * 10 < len(searched), (n_whole, n_reused, len(searched))
     assert reused.edges.keys() == fresh.edges.keys() and reused.edges

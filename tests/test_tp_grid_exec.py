@@ -129,7 +129,7 @@ def test_a_dimension_that_does_not_split_runs_replicated():
 def test_a_pinned_mode_tries_every_grid_the_pins_allow():
     """16 devices pinned to 2d allow q=4 (dp=1) and q=2 (dp=4); both lower (a classifier that does
     not split runs replicated) and the plan is the faster of the two."""
-    from autopar.search.grid_search import grid_geometries
+    from autopar.search.grid_geometry import grid_geometries
     from codegen.grid_layout import Geometry
 
     assert grid_geometries(16, {"tp_mode": "2d"}) == [Geometry("2d", 4, 1, 1), Geometry("2d", 2, 1, 4)]

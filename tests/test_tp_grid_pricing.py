@@ -1,4 +1,4 @@
-"""The grid modes' compute is priced like the ILP's (autopar/search/grid_search.py grid_compute): the same
+"""The grid modes' compute is priced like the ILP's (autopar/search/grid_price.py grid_compute): the same
 GEMM-by-intensity curve at the local shape a rank's kernel runs on, bf16 bytes and backward
 ratio, so the search compares grid and ILP plans like with like.
 
@@ -14,7 +14,7 @@ import autopar
 from autopar.frontend.batching import infer_batch_dims, input_shapes
 from autopar.rules.candidates import candidates
 from autopar.pricing.cost import gemm_intensity, profile_of
-from autopar.search.grid_search import grid_compute
+from autopar.search.grid_price import grid_compute
 from autopar.mesh import Mesh
 from autopar.models import ZOO
 from autopar.pricing.price import Settings, _local_intensity, price

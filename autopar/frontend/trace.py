@@ -57,6 +57,11 @@ class TracedGraph:
     # the model can be asked for ("...lifted_tensor_0"); their values live only here.
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     frozen: set[str] = field(default_factory=set)   # placeholder names of frozen parameters (also in buffers)
+    # Memos of what depends on the graph alone (autopar/rules/candidates.py): every mesh's
+    # candidates ask for them
+    op_specs: dict = field(default_factory=dict, repr=False, compare=False)   # node name -> OpSpec
+    needs_grad_memo: dict = field(default_factory=dict, repr=False, compare=False)   # (params, buffers) -> names
+    chunk_numel: dict | None = field(default=None, repr=False, compare=False)   # parameter -> its ZeRO chunk's elements
 
     def value_of(self, model: nn.Module, fqn: str) -> torch.Tensor:
         """The tensor behind a parameter/buffer/constant FQN: lifted constants from the export,

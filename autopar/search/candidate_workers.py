@@ -28,6 +28,7 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import wait
+from solver.ilp import release_threads
 
 WORKERS_ENV = "AUTOPAR_PLAN_WORKERS"
 MAX_WORKERS = 4
@@ -87,8 +88,6 @@ class Lanes:
     receives them. Use as a context manager: the workers are stopped on exit."""
 
     def __init__(self, n: int, evaluate):
-        from solver.ilp import release_threads
-
         release_threads()   # no solver thread pool is copied into a child half-alive (module doc)
         ctx = multiprocessing.get_context("fork")
         self.conns, self.procs = [], []

@@ -96,7 +96,8 @@ import dataclasses
 import time
 
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
-from autopar.search.outer import CutOff
+from autopar.search.context import PlanCaches
+from autopar.search.outer import CutOff, Progress
 
 MAX_PP = 16
 SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
@@ -151,7 +152,7 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
     from autopar.search.pipeline_pins import canonical_schedules, pipeline_pins, unpipelined_pin
 
     constraints = canonical_schedules(dict(constraints or {}))
-    kw = dict(kw, shared_candidates={})   # candidates and pricing caches per mesh, across the searches below
+    kw = dict(kw, caches=PlanCaches())   # candidates and pricing caches per mesh, across the searches below
     pp, _ = pipeline_pins(constraints)
     if pp > 1 and "num_micro_batches" in constraints:
         return search_pipelined(graph, cluster, base, constraints, search_fn, **kw)
@@ -405,7 +406,7 @@ class _Pipelined:
         where the parent finds or rebuilds them, (policy, mesh); None if they are not in the
         shared cache (the parent then evaluates the candidate again)."""
         result, stats, pipe = self.kept[key]
-        for policy, by_mesh in self.kw["shared_candidates"].items():
+        for policy, by_mesh in self.kw["caches"].candidates.items():
             for mesh, cands in by_mesh.items():
                 if cands is result.cands:
                     return dataclasses.replace(result, cands=None), stats, pipe, (policy, mesh)
@@ -413,13 +414,8 @@ class _Pipelined:
 
     def _attached(self, got):
         """``_detached``'s answer with its candidates found in, or rebuilt into, the shared cache."""
-        from autopar.rules.candidates import candidates
-
         result, stats, pipe, (policy, mesh) = got
-        by_mesh = self.kw["shared_candidates"].setdefault(policy, {})
-        if mesh not in by_mesh:
-            by_mesh[mesh] = candidates(self.graph, mesh, policy)
-        return dataclasses.replace(result, cands=by_mesh[mesh]), stats, pipe
+        return dataclasses.replace(result, cands=self.kw["caches"].candidates_of(self.graph, mesh, policy)), stats, pipe
 
     def _run_forked(self, order, workers, best, best_stats, best_pipe, best_time):
         """``run`` with the candidates evaluated in ``workers`` forked processes (module doc,
@@ -540,10 +536,9 @@ class _Pipelined:
 
 @contextlib.contextmanager
 def _progress(pipe, total: int, workers: int):
-    """The pipelined candidates' progress line (``outer._Progress``): entered after the workers
+    """The pipelined candidates' progress line (``outer.Progress``): entered after the workers
     were forked (a live line runs a thread), stopped on exit."""
-    from autopar.search.outer import _Progress
-    bar = _Progress(total, pipe.kw.get("log"), pipe.kw.get("progress"), f"pipelined candidates ({workers} workers)")
+    bar = Progress(total, pipe.kw.get("log"), pipe.kw.get("progress"), f"pipelined candidates ({workers} workers)")
     try:
         yield bar
     finally:

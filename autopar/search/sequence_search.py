@@ -22,13 +22,17 @@ import math
 
 from autopar.errors import MemoryBudgetError, PlanError
 from autopar.rules.sequence import input_seq_dims
-from autopar.search.outer import CutOff, _bytes
+from autopar.search.outer import CutOff, format_bytes
+from autopar.frontend.batching import graph_batch_dims
+from autopar.rules.attention_core import is_anchor, op_name
+from autopar.rules.hybrid_sequence import free_search_pins
+from autopar.rules.table import shape
+from codegen.grid_layout import GRID_MODES
 
 
 def sp_free(constraints: dict) -> bool:
     """Whether the search may add sequence axes on its own: neither ``sp`` nor ``sp_mode`` pinned
     (``sp=1`` is how a caller asks for no sequence axis), and no grid tensor mode."""
-    from codegen.grid_layout import GRID_MODES
     return ("sp" not in constraints and constraints.get("sp_mode") is None
             and constraints.get("tp_mode") not in GRID_MODES)
 
@@ -36,8 +40,6 @@ def sp_free(constraints: dict) -> bool:
 def has_sequence_attention(graph) -> bool:
     """An attention op (softmax or fused SDPA, attention_core.is_anchor) in a model whose user
     inputs carry a sequence dim (``input_seq_dims``): what a sequence axis can split."""
-    from autopar.frontend.batching import graph_batch_dims
-    from autopar.rules.attention_core import is_anchor
     if not any(input_seq_dims(graph, graph_batch_dims(graph)).values()):
         return False
     return any(is_anchor(n) for n in graph.gm.graph.nodes)
@@ -75,9 +77,9 @@ def search_with_sp(graph, cluster, constraints: dict, err, run):
 def no_fit_error(budget: int, floor: float) -> MemoryBudgetError:
     """The free search's error when no plan fits, with or without sequence axes (and pipelining)."""
     return MemoryBudgetError(
-        f"no plan fits in the memory budget of {_bytes(budget)} per device, with or without a "
+        f"no plan fits in the memory budget of {format_bytes(budget)} per device, with or without a "
         f"sequence-parallel axis (Ulysses / ring attention): the smallest peak memory any plan reaches is "
-        f"{_bytes(floor)}. Raise memory_budget to at least that, add devices, use a smaller batch or "
+        f"{format_bytes(floor)}. Raise memory_budget to at least that, add devices, use a smaller batch or "
         f"a shorter sequence, or relax constraints.",
         min_peak_bytes=int(math.ceil(floor)), budget_bytes=budget)   # the least budget that fits: rounded up
 
@@ -91,8 +93,6 @@ SP_UPFRONT_RATIO = 2
 
 def _attention_shape(n) -> tuple[int, int] | None:
     """(key sequence length, hidden = heads x head dim) of an attention anchor, or None."""
-    from autopar.rules.attention_core import op_name
-    from autopar.rules.table import shape
     try:
         if "scaled_dot_product" in op_name(n):
             q, k = shape(n.args[0]), shape(n.args[1])
@@ -118,7 +118,6 @@ def _attention_shape(n) -> tuple[int, int] | None:
 
 def long_sequence(graph) -> bool:
     """Some attention's sequence is at least ``SP_UPFRONT_RATIO`` times its hidden size."""
-    from autopar.rules.attention_core import is_anchor
     for n in graph.gm.graph.nodes:
         if is_anchor(n):
             sh = _attention_shape(n)
@@ -164,7 +163,6 @@ def _fastest_over_sp(graph, cluster, constraints: dict, run, floors: list | None
     or the heads do not divide by sp), or None; a run that does not fit adds its smallest peak to
     ``floors`` (and its budget to ``budgets``), one with no such mesh (batch / heads do not
     divide) or cut off is skipped."""
-    from autopar.rules.hybrid_sequence import free_search_pins
     best = None
     tries = []
     for sp in sp_sizes(cluster):

@@ -13,6 +13,11 @@ every rank (``count_bytes``).
 from __future__ import annotations
 
 import dataclasses
+from autopar.pricing.saved_copies import copy_bytes_by_instance, per_representative
+from autopar.search.build import _block_input_roots, chosen
+from autopar.search.predict import count_program_bytes
+from codegen.stages import pipeline_units
+from collections import Counter
 
 @dataclasses.dataclass
 class StageCosts:
@@ -44,11 +49,6 @@ class StageCosts:
 
 def stage_costs(result, graph) -> StageCosts:
     """Per-instance and prologue/epilogue figures from the inner plan's priced arrays."""
-    from autopar.pricing.saved_copies import copy_bytes_by_instance, per_representative
-    from autopar.search.build import _block_input_roots, chosen
-    from autopar.search.predict import count_program_bytes
-    from codegen.stages import pipeline_units
-
     cands, P = result.cands, result.priced
     pick = chosen(result.problem, result.solution)
     # saved copies made by reshards (autopar/pricing/saved_copies.py), per graph node: a block
@@ -244,7 +244,6 @@ def _edge_shares(cands, graph, order, first_block) -> dict:
     """Edge key (producer rep, consumer rep) -> [(place, share)]: where the graph edges the key
     stands for run (a block instance (group, instance), "pro" or "epi"), each with its fraction
     of the key's edges."""
-    from collections import Counter
     count: dict = {}
     for name in cands.order:
         info = cands.nodes[name]
