@@ -1,5 +1,5 @@
 """Pipelined candidates in forked worker processes (autopar/search/candidate_workers.py,
-autopar/search/pipeline_search.py ``_run_forked``): the same plan as in one process, workers that
+autopar/search/pipeline_forked.py ``run_forked``): the same plan as in one process, workers that
 die or fail, the worker count."""
 import json
 import os
@@ -18,9 +18,10 @@ def _plan_json(plan) -> str:
 
 def _forced(monkeypatch, workers=2):
     """Workers for every visit of the pipelined candidates, however cheap the model."""
-    import autopar.search.pipeline_search as PS
-    monkeypatch.setattr(PS, "FORK_MIN_SECONDS", 0.0)
-    monkeypatch.setattr(PS._Pipelined, "_workers", lambda self, order, best_time: workers)
+    import autopar.search.pipeline_candidates as PC
+    import autopar.search.pipeline_forked as PF
+    monkeypatch.setattr(PF, "FORK_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(PC, "fork_workers", lambda pipe, order, best_time: workers)
 
 
 def _small():
@@ -31,12 +32,12 @@ def _small():
 
 
 def test_forked_candidates_give_the_plan_of_one_process(monkeypatch, capsys):
-    import autopar.search.pipeline_search as PS
+    import autopar.search.pipeline_forked as PF
     model, batch, cluster = _small()
-    monkeypatch.setattr(PS, "FORK_WORKERS", False)
+    monkeypatch.setattr(PF, "FORK_WORKERS", False)
     alone = autopar.plan(model, batch, cluster)
     assert alone.stats["pipeline_workers"] == 0
-    monkeypatch.setattr(PS, "FORK_WORKERS", True)
+    monkeypatch.setattr(PF, "FORK_WORKERS", True)
     _forced(monkeypatch)
     capsys.readouterr()
     forked = autopar.plan(model, batch, cluster, verbose=True)
@@ -52,57 +53,58 @@ def test_forked_candidates_pipelined_winner_fetched_from_its_worker(monkeypatch)
     """GPT-2 XL on 4 DGX nodes: pipelined candidates over two pipeline degrees (a lane each) and a
     pipelined winner, whose plan crosses back from its worker (its candidates rebuilt here): the
     plan of one process to the last field."""
-    import autopar.search.pipeline_search as PS
+    import autopar.search.pipeline_candidates as PC
+    import autopar.search.pipeline_forked as PF
     import autopar.search.candidate_workers as CW
     model, batch = ZOO["gpt2_xl"]()
     cluster = autopar.Cluster.preset("dgx-a100", nodes=4)
-    monkeypatch.setattr(PS, "FORK_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(PF, "FORK_MIN_SECONDS", 0.0)
     # two workers whatever the machine (and whatever threads earlier tests in this process left)
     monkeypatch.setattr(CW, "worker_count", lambda: 2)
     monkeypatch.setattr(CW, "can_fork", lambda: True)
     calls = []
-    evaluate = PS._Pipelined._evaluate
-    monkeypatch.setattr(PS._Pipelined, "_evaluate", lambda self, *a: calls.append(os.getpid()) or evaluate(self, *a))
+    evaluate = PC.Pipelined._evaluate
+    monkeypatch.setattr(PC.Pipelined, "_evaluate", lambda self, *a: calls.append(os.getpid()) or evaluate(self, *a))
     forked = autopar.plan(model, batch, cluster)
     assert forked.stats["pipeline_workers"] == 2 and forked.degrees["pp"] > 1
     assert os.getpid() not in calls   # the winner was fetched, not evaluated again here
-    monkeypatch.setattr(PS, "FORK_WORKERS", False)
+    monkeypatch.setattr(PF, "FORK_WORKERS", False)
     alone = autopar.plan(model, batch, cluster)
     assert _plan_json(forked) == _plan_json(alone)
 
 
 def test_a_worker_that_dies_leaves_its_candidates_to_the_planner(monkeypatch):
-    import autopar.search.pipeline_search as PS
+    import autopar.search.pipeline_forked as PF
     model, batch, cluster = _small()
-    monkeypatch.setattr(PS, "FORK_WORKERS", False)
+    monkeypatch.setattr(PF, "FORK_WORKERS", False)
     alone = autopar.plan(model, batch, cluster)
-    monkeypatch.setattr(PS, "FORK_WORKERS", True)
+    monkeypatch.setattr(PF, "FORK_WORKERS", True)
     _forced(monkeypatch)
     planner = os.getpid()
-    remote = PS._Pipelined._remote
+    remote = PF.remote
 
     def dies(self, *a):
         if os.getpid() != planner:
             os._exit(3)   # killed mid-task, as by the OOM killer
         return remote(self, *a)
-    monkeypatch.setattr(PS._Pipelined, "_remote", dies)
+    monkeypatch.setattr(PF, "remote", dies)
     forked = autopar.plan(model, batch, cluster)
     assert forked.stats["pipeline_workers"] == 2
     assert _plan_json(forked) == _plan_json(alone)
 
 
 def test_a_worker_that_fails_names_the_candidate(monkeypatch):
-    import autopar.search.pipeline_search as PS
+    import autopar.search.pipeline_candidates as PC
     model, batch, cluster = _small()
     _forced(monkeypatch)
     planner = os.getpid()
-    evaluate = PS._Pipelined._evaluate
+    evaluate = PC.Pipelined._evaluate
 
     def fails(self, *a):
         if os.getpid() != planner:
             raise RuntimeError("boom in a worker")
         return evaluate(self, *a)
-    monkeypatch.setattr(PS._Pipelined, "_evaluate", fails)
+    monkeypatch.setattr(PC.Pipelined, "_evaluate", fails)
     with pytest.raises(PlanError, match=r"planning worker failed on pipelined candidate .*boom in a worker"):
         autopar.plan(model, batch, cluster)
 

@@ -17,7 +17,7 @@ from autopar.frontend.trace import trace
 from autopar.models import ZOO
 from autopar.pricing.price import Settings
 from autopar.search.outer import CutOff
-from autopar.search.pipeline_search import SCHEDULES, micro_batch_counts
+from autopar.search.pipeline_candidates import SCHEDULES, micro_batch_counts
 from runtime.launch import run_local
 from solver.errors import SolverTimeout
 

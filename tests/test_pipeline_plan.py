@@ -217,7 +217,7 @@ def test_free_search_micro_batch_counts_reach_16_per_stage():
     """The free search's micro-batch counts go to 16 x pp (dividing the batch): with only
     {pp, 2pp, 4pp} a 39B GPT on 64 A100s missed the Megatron-style grid's pp=4, m=64 plan
     (benchmarks/RESULTS.md section 10(c))."""
-    from autopar.search.pipeline_search import micro_batch_counts
+    from autopar.search.pipeline_candidates import micro_batch_counts
     assert micro_batch_counts(4, 512) == [4, 8, 16, 32, 64]
     assert micro_batch_counts(2, 24) == [2, 4, 8]   # only counts dividing the batch
     assert micro_batch_counts(8, 1536) == [8, 16, 32, 64, 128]
@@ -231,13 +231,13 @@ def test_inner_cutoff_changes_no_plan(monkeypatch):
     """pipeline_search.py cuts off a pipelined candidate's inner configurations whose work over p
     stages cannot beat the incumbent: the premise (some inner search is cut off) and the same plan
     as without it."""
-    import autopar.search.pipeline_search as PS
+    import autopar.search.pipeline_candidates as PC
     from autopar.models import HF_ZOO
     model, batch = HF_ZOO["hf_gpt2"]()   # its pp=1 plan leaves room: pipelined candidates get searched
     cluster = autopar.Cluster.preset("cpu", devices=4)
     with_cut = autopar.plan(model, batch, cluster)
     assert with_cut.stats["inner_searches"] >= 2 and with_cut.stats["inner_cut_off"] >= 1, with_cut.stats
-    monkeypatch.setattr(PS, "INNER_CUTOFF", False)
+    monkeypatch.setattr(PC, "INNER_CUTOFF", False)
     without = autopar.plan(model, batch, cluster)
     assert without.stats["inner_cut_off"] == 0
     assert with_cut.degrees == without.degrees
@@ -248,7 +248,7 @@ def test_inner_cutoff_fill_and_drain_changes_no_plan(monkeypatch):
     """The inner cutoff with the least fill and drain (pipeline_search.py module doc, pruning)
     gives the plan found with the work bound alone and with no cutoff."""
     import autopar.search.outer as O
-    import autopar.search.pipeline_search as PS
+    import autopar.search.pipeline_candidates as PC
     from autopar.models import HF_ZOO
     model, batch = HF_ZOO["hf_gpt2"]()
     cluster = autopar.Cluster.preset("cpu", devices=4)
@@ -257,9 +257,9 @@ def test_inner_cutoff_fill_and_drain_changes_no_plan(monkeypatch):
     monkeypatch.setattr(O, "optimizer_ceiling", lambda P: seen.append(real(P)) or seen[-1])
     with_fd = autopar.plan(model, batch, cluster)
     assert with_fd.stats["inner_cut_off"] >= 1 and seen and all(u >= 0 for u in seen)
-    monkeypatch.setattr(PS, "INNER_FILL_DRAIN", False)
+    monkeypatch.setattr(PC, "INNER_FILL_DRAIN", False)
     work_only = autopar.plan(model, batch, cluster)
-    monkeypatch.setattr(PS, "INNER_CUTOFF", False)
+    monkeypatch.setattr(PC, "INNER_CUTOFF", False)
     without = autopar.plan(model, batch, cluster)
     for other in (work_only, without):
         assert with_fd.degrees == other.degrees

@@ -125,8 +125,8 @@ def _micro_batches_needed(r: GridResult, geo: Geometry, budget: float) -> float:
     """The fewest micro-batches that could bring ``r``'s peak under ``budget``: only the saved
     activations shrink with more micro-batches, at best in proportion (parts that do not
     depend on the micro-batch size only make more needed), so no count below this fits; inf
-    when parameters, gradients and optimizer state alone exceed the budget. Without it a 175B
-    model walked every count up to the batch, each lowered and priced (100 s of planning)."""
+    when parameters, gradients and optimizer state alone exceed the budget. Without it a large model walked every
+    count up to the batch, each lowered and priced."""
     mem = r.prediction["memory_breakdown"]
     acts = mem["activations"]
     room = budget - (r.prediction["peak_memory"] - acts)

@@ -50,20 +50,17 @@ MIP_GAP = 1e-3
 LP_BOUND = True
 # Above this many (producer, consumer) strategy pairs to price (a mesh with two model axes: tens
 # of thousands of shortest-path searches, seconds), an LP over the resharding floors is tried
-# when the spanning-tree bound over them did not prune (the LP: about a second on such a mesh;
-# on hf_llama's 1x2x2 mesh the tree bound, milliseconds, prunes it now).
+# when the spanning-tree bound over them did not prune (the LP: about a second on such a mesh).
 FLOOR_LP_PAIRS = 20_000
 # Before solving a configuration whose LP bound is within this fraction of the plan to beat, the
 # branch and bound over the same bound problem is asked whether its optimum reaches that plan
-# (``solver.ilp.mip_reaches``): on GPT-3 175B's 2-axis meshes the LP sits 15-19% below that
-# optimum, and proving a cutoff takes 1.2-1.6 s of CPU where solving takes 6-10 s. Further
-# below, the proof is unlikely and would cost a solve.
+# (``solver.ilp.mip_reaches``): on large 2-axis meshes proving a cutoff costs a fraction of a
+# solve. Further below, the proof is unlikely and would cost a solve.
 MIP_CUT_WINDOW = 0.8
 # An ILP on a mesh with two model axes that does not solve within this many seconds is "large":
-# search's ``before_large`` is asked first (best bound first across pipeline degrees). 5 s since
-# the ILPs split by checkpoint decision (solver/decisions.py) solve in about a second: at 2 s a
-# busy machine sent GPT 18.4B (tp=8 pinned) to its 21 pipelined candidates first, which its pp=1
-# plan prunes as well (153 s against 130-141 s).
+# search's ``before_large`` is asked first (best bound first across pipeline degrees). Most ILPs
+# (split by checkpoint decision: solver/decisions.py) solve in about a second; a lower limit
+# sends a busy machine to pipelined candidates that the pp=1 plan would prune.
 LARGE_ILP_SECONDS = 5.0
 
 

@@ -1,5 +1,5 @@
-"""Sequence axes in the free search (issue 7): when the search adds Ulysses / ring meshes on its
-own, with neither ``sp`` nor ``sp_mode`` pinned (autopar/search/pipeline_search.py step 4):
+"""Sequence axes in the free search: when the search adds Ulysses / ring meshes on its
+own, with neither ``sp`` nor ``sp_mode`` pinned (autopar/search/pipeline_search.py step 3):
 
 (a) nothing fits memory without them (``search_with_sp``: one rerun per sequence-axis size, the ILP
     choosing Ulysses, ring or the K/V all-gather per attention op; the error then reports the
@@ -12,7 +12,7 @@ where that can pay: the sequence axis spans more than one node, or some attentio
 divide by sp (``hybrid_sequence.free_search_pins``); otherwise the search stays as it was.
 
 In both cases pipelined candidates with a sequence axis in every stage follow
-(autopar/search/pipeline_search.py step 4, sizes from ``stage_sp_sizes``).
+(autopar/search/pipeline_search.py step 3, sizes from ``stage_sp_sizes``).
 ``constraints={"sp": 1}`` rules both out (tensor parallelism only). What a sequence axis does to
 the strategies is autopar/rules/sequence.py's.
 """
@@ -52,7 +52,7 @@ def sp_sizes(cluster) -> list[int]:
 
 
 def search_with_sp(graph, cluster, constraints: dict, err, run):
-    """The free search's retry when nothing fits memory (module doc of pipeline_search, issue 7):
+    """The free search's retry when nothing fits memory (module doc of pipeline_search, step 3):
     ``run(constraints)`` (the ordinary search, returning a tuple whose first item is the Result)
     with each sequence-axis size ``sp_sizes`` pinned and the attention mode left to the ILP
     (``"auto"``: Ulysses, ring or the K/V all-gather per attention op). The fastest result, or,
@@ -84,10 +84,8 @@ def no_fit_error(budget: int, floor: float) -> MemoryBudgetError:
         min_peak_bytes=int(math.ceil(floor)), budget_bytes=budget)   # the least budget that fits: rounded up
 
 
-# Sequence axes up front (issue 7 (b)): when some attention's sequence is at least this many times
-# its hidden size (heads x head dim). Measured (benchmarks/RESULTS.md section 11): Llama-7B on 8
-# A100s, batch 1, best sp plan against the best without: s = h +0.6% (slower), 2h -3.6%, 4h -5.4%,
-# 8h -13.4% step time.
+# Sequence axes up front (module doc, (b)): when some attention's sequence is at least this many
+# times its hidden size (heads x head dim); at the hidden size itself a sequence axis did not pay.
 SP_UPFRONT_RATIO = 2
 
 
@@ -141,7 +139,7 @@ def fastest_with_sp(graph, cluster, constraints: dict, run):
 
 def stage_sp_sizes(stage_cluster, preferred: int | None = None) -> list[int]:
     """The sequence-axis sizes pinned in pipelined candidates whose stages run on ``stage_cluster``
-    (autopar/search/pipeline_search.py step 4): with ``preferred`` (the best pp=1 plan's sp) the
+    (autopar/search/pipeline_search.py step 3): with ``preferred`` (the best pp=1 plan's sp) the
     largest size up to it that divides a stage's devices, else every size ``sp_sizes`` gives."""
     sizes = sp_sizes(stage_cluster)
     if preferred is None:

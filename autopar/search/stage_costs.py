@@ -174,8 +174,8 @@ def stage_costs(result, graph) -> StageCosts:
     # every graph edge it stands for, and those need not be alike across instances: the embedding's
     # output enters only the first block, the previous block's output the others. Each key's
     # figures are split over the places its graph edges actually run (``_edge_shares``), not
-    # spread evenly over the consumer's repeats (which put a third of the embedding's reshard on
-    # the other pipeline rank, found 2026-11-26).
+    # spread evenly over the consumer's repeats (which would put part of the embedding's reshard
+    # on another pipeline rank).
     shares = _edge_shares(cands, graph, order, first_block)
     eb = {u: {a: 0.0 for a in names} for u in units}   # per instance: edge bytes per axis
     et = {u: 0.0 for u in units}                       # per instance: edge seconds per micro-batch
