@@ -216,7 +216,8 @@ def test_fastest_over_sp_takes_the_hybrid_when_faster():
     from types import SimpleNamespace
 
     from autopar.frontend.trace import trace
-    from autopar.search.sequence_search import _fastest_over_sp
+    from autopar.search.context import Planner
+    from autopar.search.sequence_search import fastest_over_sp
     graph = trace(*ZOO["llama"]())
     tried = []
 
@@ -225,7 +226,8 @@ def test_fastest_over_sp_takes_the_hybrid_when_faster():
         t = 1.0 if pins.get("sp_mode") == "hybrid" and pins["sp"] == 8 else 2.0
         return SimpleNamespace(prediction={"step_time": t}, pins=pins), {}
 
-    best = _fastest_over_sp(graph, autopar.Cluster.preset("dgx-a100", nodes=2), {}, run)
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=2)
+    best = fastest_over_sp(Planner(graph, cluster, None, lambda g, c, b, pins: run(pins), {}), {})
     assert best[0].pins == {"sp": 8, "sp_mode": "hybrid", "sp_shape": [4, 2]}
     hybrid = [p["sp"] for p in tried if p.get("sp_mode") == "hybrid"]
     assert [p["sp"] for p in tried if "sp_mode" not in p] == [2, 4, 8, 16] and hybrid == [4, 8, 16]

@@ -42,7 +42,7 @@ def test_small_models_free_plans_unchanged(monkeypatch):
     """No sp search runs for them (a plan fits, sequences < 2 x hidden): same degrees as with sp=1."""
     def boom(*a, **k):
         raise AssertionError("sp retry ran")
-    monkeypatch.setattr(sequence, "search_with_sp", boom)
+    monkeypatch.setattr("autopar.search.pipeline_search.search_with_sp", boom)
     monkeypatch.setattr(sequence, "sp_sizes", boom)   # (b): sequences far below 2 x hidden
     cluster = autopar.Cluster.preset("cpu", devices=4)
     for name in ("gpt2", "llama"):

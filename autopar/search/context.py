@@ -90,6 +90,22 @@ class SearchStats:
 
 
 @dataclass
+class Planner:
+    """The searches of one ``autopar.plan`` call: the model, the cluster and base settings, the
+    pp=1 search (outer.search) and the options every call of it gets (``caches`` among them: the
+    plan's ``PlanCaches``)."""
+    graph: object
+    cluster: Cluster
+    base: Settings
+    search_fn: object
+    kw: dict
+
+    def search(self, constraints: dict, **overrides):
+        """The pp=1 search of the whole cluster under ``constraints`` (``overrides``: options)."""
+        return self.search_fn(self.graph, self.cluster, self.base, constraints, **dict(self.kw, **overrides))
+
+
+@dataclass
 class SearchContext:
     """One search's state: its inputs, the incumbent (``best``: a Result, a plan found elsewhere
     as an ``Incumbent``, or None), the deadline (``t0`` + ``options.time_limit``), the caches it
@@ -119,4 +135,4 @@ class SearchContext:
         return math.inf if self.best is None else self.best.prediction["step_time"]
 
 
-__all__ = ["PlanCaches", "SearchOptions", "SearchStats", "SearchContext"]
+__all__ = ["PlanCaches", "Planner", "SearchOptions", "SearchStats", "SearchContext"]

@@ -89,9 +89,9 @@ class Pipelined:
     (pipeline_search's step 3), visited best bound first against an incumbent. One object per
     ``plan_search``: its inner-search cache and counters are shared by every visit."""
 
-    def __init__(self, graph, cluster, base, flat, search_fn, kw, t0, degrees=None, schedules=SCHEDULES):
-        self.graph, self.cluster, self.base, self.flat, self.search_fn = graph, cluster, base, flat, search_fn
-        self.kw, self.t0 = kw, t0
+    def __init__(self, planner, flat: dict, t0: float, degrees=None, schedules=SCHEDULES):
+        self.graph, self.cluster, self.base, self.search_fn = planner.graph, planner.cluster, planner.base, planner.search_fn
+        self.flat, self.kw, self.t0 = flat, planner.kw, t0
         self.degrees = degrees   # the pipeline degrees to try (None: ``pp_choices``)
         self.schedules = schedules
         self.errors: list = []   # why candidates could not be planned, in the order visited

@@ -32,7 +32,7 @@ import time
 
 from autopar.errors import ConstraintError, MemoryBudgetError
 from autopar.rules.sequence import seq_axes
-from autopar.search.context import PlanCaches
+from autopar.search.context import PlanCaches, Planner
 from autopar.search.outer import CutOff
 from autopar.search.pipeline import search_pipelined
 from autopar.search.pipeline_candidates import SCHEDULES, Pipelined, step_time
@@ -47,23 +47,23 @@ PIPELINED_FIRST_GAP = 0.9   # ... when their best bound is below this fraction o
 def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw):
     """(Result, stats, pipeline figures or None): the best plan over pp=1 and pipelined candidates."""
     constraints = canonical_schedules(dict(constraints or {}))
-    kw = dict(kw, caches=PlanCaches())   # candidates and pricing caches per mesh, across the searches below
+    # candidates and pricing caches per mesh, across the searches below
+    planner = Planner(graph, cluster, base, search_fn, dict(kw, caches=PlanCaches()))
     pp, _ = pipeline_pins(constraints)
     if pp > 1 and "num_micro_batches" in constraints:
-        return search_pipelined(graph, cluster, base, constraints, search_fn, **kw)
+        return search_pipelined(graph, cluster, base, constraints, search_fn, **planner.kw)
     if pp > 1:
-        return _pinned_degree(graph, cluster, base, constraints, search_fn, kw, pp)
+        return _pinned_degree(planner, constraints, pp)
     flat = {k: v for k, v in constraints.items() if k != "pp"}
     if "pp" in constraints or constraints.get("checkpoint") not in (None, "none") or unpipelined_pin(flat):
         try:
-            res = search_fn(graph, cluster, base, flat, **kw)
+            res = planner.search(flat)
         except MemoryBudgetError as e:   # retried with sequence axes (step 3 of the module doc), pp=1
-            return _with_sp(graph, cluster, base, flat, search_fn, e, kw, None)
-        return _faster_with_sp(graph, cluster, base, flat, search_fn, kw, (*res, None), None) or (*res, None)
-    t0 = time.perf_counter()
+            return _with_sp(planner, flat, e, None)
+        return _faster_with_sp(planner, flat, (*res, None), None) or (*res, None)
     best = best_stats = None
     err = None
-    pipe = Pipelined(graph, cluster, base, flat, search_fn, kw, t0)
+    pipe = Pipelined(planner, flat, time.perf_counter())
     early: dict = {}
 
     def before_large(best1, lp):
@@ -87,9 +87,9 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
             return early["run"][2]["step_time"] if early["run"][2] is not None else None
         return go
     # with a time limit pp=1 runs first and whole (a plan early; the pipelined candidates get what is left)
-    kw1 = kw if kw.get("time_limit") is not None or not BEST_BOUND_FIRST else dict(kw, before_large=before_large)
+    first = {} if kw.get("time_limit") is not None or not BEST_BOUND_FIRST else {"before_large": before_large}
     try:
-        best, best_stats = search_fn(graph, cluster, base, flat, **kw1)
+        best, best_stats = planner.search(flat, **first)
     except CutOff:
         pass   # nothing at pp=1 beats the pipelined plan found in before_large
     except MemoryBudgetError as e:
@@ -109,31 +109,30 @@ def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw)
     else:
         best, best_stats, best_pipe = pipe.run(best, best_stats)
     if best is None:   # nothing fits: retried with sequence axes (step 3 of the module doc)
-        return pipe.with_stats(_with_sp(graph, cluster, base, flat, search_fn, err, kw, pipe))
+        return pipe.with_stats(_with_sp(planner, flat, err, pipe))
     incumbent = (best, best_stats, best_pipe)
     if upfront(graph, flat):   # step 3, long sequences
-        incumbent = _faster_with_sp(graph, cluster, base, flat, search_fn, kw, incumbent, pipe) or incumbent
+        incumbent = _faster_with_sp(planner, flat, incumbent, pipe) or incumbent
     return pipe.with_stats(incumbent)
 
 
-def _pinned_degree(graph, cluster, base, constraints: dict, search_fn, kw, pp: int):
+def _pinned_degree(planner: Planner, constraints: dict, pp: int):
     """``pp`` pinned without ``num_micro_batches``: the free search's candidates of that degree
     (``pipeline_candidates.micro_batch_counts``, ``SCHEDULES`` or the pinned schedule), the fastest plan that
     fits. With none, the MemoryBudgetError of the smallest peak, else the first candidate's error
     (a pin no micro-batch count can meet says so for all)."""
     flat = {k: v for k, v in constraints.items() if k not in ("pp", "pp_schedule")}
     schedules = (constraints["pp_schedule"],) if "pp_schedule" in constraints else SCHEDULES
-    pipe = Pipelined(graph, cluster, base, flat, search_fn, kw, time.perf_counter(), degrees=(pp,),
-                      schedules=schedules)
+    pipe = Pipelined(planner, flat, time.perf_counter(), degrees=(pp,), schedules=schedules)
     best, stats, info = pipe.run(None, None)
     if best is not None:
         return pipe.with_stats((best, stats, info))
     memory = [e for e in pipe.errors if isinstance(e, MemoryBudgetError)]
     if memory:   # a stage partition's budget first (the inner searches run with it lifted)
-        raise min(memory, key=lambda e: (e.budget_bytes != int(base.budget), e.min_peak_bytes or float("inf")))
+        raise min(memory, key=lambda e: (e.budget_bytes != int(planner.base.budget), e.min_peak_bytes or float("inf")))
     if pipe.errors:
         raise pipe.errors[0]
-    check_pins(graph, cluster, constraints, pp)   # no micro-batch count to try: it raises, saying why
+    check_pins(planner.graph, planner.cluster, constraints, pp)   # no micro-batch count to try: it raises, saying why
     raise AssertionError("check_pins raises without num_micro_batches")
 
 
@@ -144,18 +143,16 @@ def _sp_of(result) -> int:
     return math.prod(mesh.shape[a] for a in seq_axes(mesh))
 
 
-def _with_sp(graph, cluster, base, flat, search_fn, err, kw, pipe):
+def _with_sp(planner: Planner, flat: dict, err, pipe):
     """Step 3 (module doc), nothing fits: the search with each sequence-axis size at pp=1
     (``sequence_search.search_with_sp``), then (``pipe``: the pipelined candidates; None: pp=1
     only) pipelined with a sequence axis in every stage (``sequence_search.stage_sp_sizes``: the
     pp=1 winner's size, or when nothing fits at pp=1 every size a stage's devices allow). The
     fastest plan that fits, or the MemoryBudgetError with the smallest peak over all."""
-    def run(cons):
-        return search_fn(graph, cluster, base, cons, **kw)
     try:
-        best, stats = search_with_sp(graph, cluster, flat, err, run)
+        best, stats = search_with_sp(planner, flat, err)
     except MemoryBudgetError as e:
-        if pipe is None or not (sp_free(flat) and has_sequence_attention(graph)):
+        if pipe is None or not (sp_free(flat) and has_sequence_attention(planner.graph)):
             raise
         best, stats, best_pipe = pipe.run(None, None, sp_for=stage_sp_sizes)
         if best is not None:
@@ -170,14 +167,13 @@ def _with_sp(graph, cluster, base, flat, search_fn, err, kw, pipe):
     return pipe.run(best, stats, sp_for=lambda sub: stage_sp_sizes(sub, sp))
 
 
-def _faster_with_sp(graph, cluster, base, flat, search_fn, kw, incumbent, pipe):
+def _faster_with_sp(planner: Planner, flat: dict, incumbent, pipe):
     """Step 3 (module doc), long sequences: a plan with a sequence axis faster than ``incumbent``
     (Result, stats, pipe or None): at pp=1 with each sequence-axis size, then pipelined with the
     pp=1 winner's size in every stage (``sequence_search.stage_sp_sizes``); or None."""
     incumbent_time = step_time(incumbent[0], incumbent[2])
     # cutoff: configurations whose work bound reaches the incumbent cannot beat it (outer.search)
-    found = fastest_with_sp(graph, cluster, flat,
-                            lambda cons: search_fn(graph, cluster, base, cons, **dict(kw, cutoff=incumbent_time)))
+    found = fastest_with_sp(planner, flat, cutoff=incumbent_time)
     if found is None:
         return None
     res, stats = found

@@ -5,7 +5,7 @@ own, with neither ``sp`` nor ``sp_mode`` pinned (autopar/search/pipeline_search.
     choosing Ulysses, ring or the K/V all-gather per attention op; the error then reports the
     smallest peak over all);
 (b) some attention's sequence is at least ``SP_UPFRONT_RATIO`` times its hidden size
-    (``faster_with_sp``: the same reruns, kept when faster).
+    (``fastest_with_sp``: the same reruns, kept when faster).
 
 Each size is also tried as the Ulysses x ring hybrid (two sequence axes, ``sp_mode="hybrid"``)
 where that can pay: the sequence axis spans more than one node, or some attention's heads do not
@@ -51,20 +51,19 @@ def sp_sizes(cluster) -> list[int]:
     return [k for k in range(2, n + 1) if n % k == 0]
 
 
-def search_with_sp(graph, cluster, constraints: dict, err, run):
+def search_with_sp(planner, constraints: dict, err):
     """The free search's retry when nothing fits memory (module doc of pipeline_search, step 3):
-    ``run(constraints)`` (the ordinary search, returning a tuple whose first item is the Result)
-    with each sequence-axis size ``sp_sizes`` pinned and the attention mode left to the ILP
+    ``planner.search`` (autopar/search/context.py ``Planner``: the pp=1 search) with each sequence-axis size ``sp_sizes`` pinned and the attention mode left to the ILP
     (``"auto"``: Ulysses, ring or the K/V all-gather per attention op). The fastest result, or,
     when none fits either, a MemoryBudgetError with the smallest peak over ``err`` and every
     retry. ``err`` (the free search's MemoryBudgetError, or its ConstraintError when no
     configuration without a sequence axis exists: a batch smaller than the nodes) is raised as it
     is when the retry does not apply (sp pinned, or no attention over a sequence) or finds nothing."""
-    if not sp_free(constraints) or not has_sequence_attention(graph):
+    if not sp_free(constraints) or not has_sequence_attention(planner.graph):
         raise err
     floors = [getattr(err, "min_peak_bytes", None)]
     budgets: list = []
-    best = _fastest_over_sp(graph, cluster, constraints, run, floors, budgets)
+    best = fastest_over_sp(planner, constraints, floors, budgets)
     if best is not None:
         return best
     floors = [f for f in floors if f is not None]
@@ -129,12 +128,12 @@ def upfront(graph, constraints: dict) -> bool:
     return sp_free(constraints) and has_sequence_attention(graph) and long_sequence(graph)
 
 
-def fastest_with_sp(graph, cluster, constraints: dict, run):
-    """The fastest ``run(constraints + sp)`` result over ``sp_sizes``, or None (none found, or the
-    search does not offer sequence axes up front: ``upfront``)."""
-    if not upfront(graph, constraints):
+def fastest_with_sp(planner, constraints: dict, **options):
+    """The fastest ``planner.search(constraints + sp, **options)`` over ``sp_sizes``, or None (none
+    found, or the search does not offer sequence axes up front: ``upfront``)."""
+    if not upfront(planner.graph, constraints):
         return None
-    return _fastest_over_sp(graph, cluster, constraints, run)
+    return fastest_over_sp(planner, constraints, **options)
 
 
 def stage_sp_sizes(stage_cluster, preferred: int | None = None) -> list[int]:
@@ -148,29 +147,23 @@ def stage_sp_sizes(stage_cluster, preferred: int | None = None) -> list[int]:
     return fit[-1:]
 
 
-def faster_with_sp(graph, cluster, constraints: dict, incumbent_time: float, run):
-    """The fastest ``run(constraints + sp)`` result over ``sp_sizes`` that beats ``incumbent_time``,
-    or None (no such plan, or the search does not offer sequence axes up front: ``upfront``)."""
-    best = fastest_with_sp(graph, cluster, constraints, run)
-    return best if best is not None and best[0].prediction["step_time"] < incumbent_time else None
-
-
-def _fastest_over_sp(graph, cluster, constraints: dict, run, floors: list | None = None, budgets: list | None = None):
-    """The fastest ``run(constraints + sp)`` over ``sp_sizes``, each size also as the Ulysses x
+def fastest_over_sp(planner, constraints: dict, floors: list | None = None, budgets: list | None = None,
+                    **options):
+    """The fastest ``planner.search(constraints + sp, **options)`` over ``sp_sizes``, each size also as the Ulysses x
     ring hybrid where that can pay (``hybrid_sequence.free_search_pins``: the axis spans nodes,
     or the heads do not divide by sp), or None; a run that does not fit adds its smallest peak to
     ``floors`` (and its budget to ``budgets``), one with no such mesh (batch / heads do not
     divide) or cut off is skipped."""
     best = None
     tries = []
-    for sp in sp_sizes(cluster):
+    for sp in sp_sizes(planner.cluster):
         tries.append(dict(constraints, sp=sp))
-        hybrid = free_search_pins(graph, cluster, sp)
+        hybrid = free_search_pins(planner.graph, planner.cluster, sp)
         if hybrid is not None:
             tries.append(dict(constraints, sp=sp, **hybrid))
     for pins in tries:
         try:
-            out = run(pins)
+            out = planner.search(pins, **options)
         except MemoryBudgetError as e:
             if floors is not None:
                 floors.append(e.min_peak_bytes)
