@@ -18,7 +18,7 @@ from autopar.errors import PlanError
 from autopar.pricing.memory import check_optimizer, check_precision
 from autopar.plans.plan import PLAN_VERSION, Plan
 from autopar.rules import tensor_inputs
-from autopar.search.outer import Result, degrees_of, search
+from autopar.search.outer import Result, degrees_of
 from autopar.frontend.trace import trace
 from autopar.units import parse_bytes, parse_seconds
 from solver import release_threads
@@ -83,7 +83,7 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     thresholds = gc.get_threshold()
     gc.set_threshold(*(max(a, b) for a, b in zip(thresholds, GC_THRESHOLDS)))
     try:   # pp=1 and pipelined candidates (stages over sub-meshes): autopar/search/pipeline_search.py
-        result, stats, pipe = plan_search(graph, cluster, base, constraints, search,
+        result, stats, pipe = plan_search(graph, cluster, base, constraints,
                                           time_limit=time_limit, log=log, policy=policy)
     finally:
         # release_threads() collects garbage first: while the model is still frozen, that walks

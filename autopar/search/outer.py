@@ -26,7 +26,6 @@ from autopar.search.configurations import Config, allowed_meshes, check_constrai
 from autopar.search.build import bound_problem, build_problem, chosen, work_problem
 from autopar.search.context import PlanCaches, SearchContext, SearchOptions, SearchStats
 from autopar.search.grid_bound import grid_compute_floor
-from autopar.search.grid_search import best_grid
 from autopar.rules.candidates import Candidates
 from codegen.grid_layout import GRID_MODES
 from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
@@ -124,7 +123,15 @@ class Progress:
 
 def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict | None = None,
            caches: PlanCaches | None = None, **options) -> tuple[Result, dict]:
-    """The best configuration and search statistics. ``options``: ``SearchOptions``'s fields
+    """The best configuration and search statistics (``search_configurations``, ``conclude``; the
+    grid modes are not searched here: autopar/search/pipeline_search.py ``search_with_grid``)."""
+    return conclude(search_configurations(graph, cluster, base, constraints, caches, **options))
+
+
+def search_configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: dict | None = None,
+                          caches: PlanCaches | None = None, **options) -> SearchContext:
+    """Every configuration priced, then pruned or solved, best bound first; the search's state
+    (its best plan in ``best``) is returned for ``conclude``. ``options``: ``SearchOptions``'s fields
     (autopar/search/context.py); ``caches``: what the searches of one ``autopar.plan`` call share
     (pp=1, every pipelined candidate's inner search on a stage's sub-mesh, the reruns with a
     sequence axis; default: this search's own).
@@ -189,15 +196,19 @@ def search(graph: TracedGraph, cluster: Cluster, base: Settings, constraints: di
             bar.update(stats, ctx.best)
     finally:
         bar.close()
-    # 2D / 2.5D / 3D grid modes against the best ILP plan (autopar/search/grid_search.py)
-    grid = best_grid(graph, cluster, base, constraints, None if ctx.best is None else ctx.best_time(),
-                     stats, opts.log, opts.exhaustive, ctx.caches.grid_bounds)
-    best = grid if grid is not None else ctx.best
+    return ctx
+
+
+def conclude(ctx: SearchContext, alternative=None) -> tuple[Result, dict]:
+    """The search's plan and statistics: ``alternative`` (a plan another pass found faster than
+    ``ctx.best``: a grid mode's) or ``ctx.best``; or why there is none."""
+    stats = ctx.stats
+    best = alternative if alternative is not None else ctx.best
     stats.seconds = ctx.elapsed()
     if isinstance(best, Incumbent):
         raise CutOff(f"no configuration beats the plan found elsewhere ({best.step_time:.4g} s)")
     if best is None and stats.cut_off:
-        raise CutOff(f"{stats.cut_off} of {stats.configs} configurations cut off at {opts.cutoff:.4g} s, "
+        raise CutOff(f"{stats.cut_off} of {stats.configs} configurations cut off at {ctx.options.cutoff:.4g} s, "
                      f"the rest found no plan")
     if best is None:
         _raise_no_plan(ctx)

@@ -5,8 +5,9 @@
    (and of the pinned schedule, if any), the fastest that fits (``_pinned_degree``). ``pp=1``, a
    checkpoint pin or a pin that rules pipelining out (a grid mode): the pp=1 search only, then
    step 3.
-1. pp=1: ``outer.search`` (mesh shape, ZeRO stage, micro-batch count, the strategies by ILP, then
-   the 2D / 2.5D / 3D grid modes against its best plan: autopar/search/grid_search.py). It may
+1. pp=1 (``search_with_grid``): the configurations (mesh shape, ZeRO stage, micro-batch count,
+   the strategies by ILP: ``outer.search_configurations``), then the 2D / 2.5D / 3D grid modes
+   against its best plan (autopar/search/grid_search.py), which the next steps must beat. It may
    find nothing that fits memory (the ``MemoryBudgetError`` is kept, not raised yet). Before an
    ILP on a mesh with two model axes it asks ``before_large``: when the pipelined candidates'
    best bound is clearly below that configuration's LP bound (``PIPELINED_FIRST_GAP``) and the
@@ -33,7 +34,8 @@ import time
 from autopar.errors import ConstraintError, MemoryBudgetError
 from autopar.rules.sequence import seq_axes
 from autopar.search.context import PlanCaches, Planner
-from autopar.search.outer import CutOff
+from autopar.search.grid_search import best_grid
+from autopar.search.outer import CutOff, conclude, search_configurations
 from autopar.search.pipeline import search_pipelined
 from autopar.search.pipeline_candidates import SCHEDULES, Pipelined, step_time
 from autopar.search.pipeline_pins import canonical_schedules, check_pins, pipeline_pins, unpipelined_pin
@@ -44,14 +46,26 @@ BEST_BOUND_FIRST = True   # step 1: pipelined candidates before pp=1's large ILP
 PIPELINED_FIRST_GAP = 0.9   # ... when their best bound is below this fraction of that ILP's LP bound
 
 
-def plan_search(graph, cluster, base, constraints: dict | None, search_fn, **kw):
-    """(Result, stats, pipeline figures or None): the best plan over pp=1 and pipelined candidates."""
+def search_with_grid(graph, cluster, base, constraints: dict | None = None, caches: PlanCaches | None = None,
+                     **options):
+    """Step 1 of the module doc, one search: the ILP over the configurations
+    (``outer.search_configurations``), then the 2D / 2.5D / 3D grid modes against its best plan
+    (``grid_search.best_grid``). (Result or GridResult, stats)."""
+    ctx = search_configurations(graph, cluster, base, constraints, caches, **options)
+    grid = best_grid(graph, cluster, base, ctx.constraints, None if ctx.best is None else ctx.best_time(), ctx.stats,
+                     ctx.options.log, ctx.options.exhaustive, ctx.caches.grid_bounds)
+    return conclude(ctx, grid)
+
+
+def plan_search(graph, cluster, base, constraints: dict | None, **kw):
+    """(Result, stats, pipeline figures or None): the best plan over the dimensions of the module
+    doc, in its order. ``kw``: outer.search's options."""
     constraints = canonical_schedules(dict(constraints or {}))
     # candidates and pricing caches per mesh, across the searches below
-    planner = Planner(graph, cluster, base, search_fn, dict(kw, caches=PlanCaches()))
+    planner = Planner(graph, cluster, base, search_with_grid, dict(kw, caches=PlanCaches()))
     pp, _ = pipeline_pins(constraints)
     if pp > 1 and "num_micro_batches" in constraints:
-        return search_pipelined(graph, cluster, base, constraints, search_fn, **planner.kw)
+        return search_pipelined(graph, cluster, base, constraints, planner.search_fn, **planner.kw)
     if pp > 1:
         return _pinned_degree(planner, constraints, pp)
     flat = {k: v for k, v in constraints.items() if k != "pp"}
