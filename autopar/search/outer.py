@@ -4,8 +4,10 @@ For every logical mesh of the cluster (dp × tp[, tp2]) the candidate strategies
 once (``candidates.candidates``); then each (ZeRO stage, number of micro-batches) prices them
 (``pricing.price``), builds the Problem and solves it. A configuration whose lower bound (every
 node at its cheapest strategy, resharding free) cannot beat the best plan so far is pruned
-without calling the solver. ``constraints`` pin any of the degrees and the search completes
-the rest.
+without calling the solver: the bounds are ``BOUNDS``, in order, each a small function of one
+configuration (``_Visit``) that prunes it or passes it on; the search's state (incumbent,
+deadline, caches, counters) is a ``context.SearchContext``. ``constraints`` pin any of the
+degrees and the search completes the rest.
 
 A plan found elsewhere (``Incumbent``: the pipelined candidates, visited before a large ILP at
 autopar/search/pipeline_search.py's request, ``before_large``) stands in for the best plan: every
