@@ -5,15 +5,16 @@ Solution back to candidate indices. Units: seconds and bytes only.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
-from autopar.rules.candidates import Candidates
+from autopar.errors import ConstraintError
 from autopar.pricing.price import Priced, Settings
 from autopar.pricing.selective_pricing import selective_groups
-from solver.problem import CheckpointGroup, Edge, MemoryConstraint, Problem
-import copy
-from autopar.errors import ConstraintError
 from autopar.rules import tensor_inputs
+from autopar.rules.candidates import Candidates
+from solver.problem import CheckpointGroup, Edge, MemoryConstraint, Problem
 
 
 def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 8) -> Problem:

@@ -27,6 +27,7 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import wait
+
 from solver.ilp import release_threads
 
 WORKERS_ENV = "AUTOPAR_PLAN_WORKERS"

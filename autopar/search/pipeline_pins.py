@@ -12,8 +12,8 @@ import math
 
 from autopar.constraints import SCHEDULE_ALIASES
 from autopar.errors import ConstraintError
-from autopar.plans.plan_schema import checkpoint_mode_of
 from autopar.frontend.batching import global_batch
+from autopar.plans.plan_schema import checkpoint_mode_of
 from codegen.grid_layout import GRID_MODES
 from codegen.stages import pipeline_units
 

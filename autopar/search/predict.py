@@ -8,16 +8,16 @@ import math
 
 import numpy as np
 
-from autopar.search.build import chosen
-from autopar.rules.candidates import Candidates
-from autopar.pricing.price import Priced, Settings, has_contraction, step_host_time
 from autopar.cluster import Cluster
-from autopar.pricing.cost import exposed_comm, profile_of
-from solver.problem import Problem, Solution
 from autopar.execution.microbatch import TARGET_MEAN_LOSSES
 from autopar.plans.plan_schema import checkpoint_mode_of
+from autopar.pricing.cost import exposed_comm, profile_of
+from autopar.pricing.price import Priced, Settings, has_contraction, step_host_time
 from autopar.rules.attention_core import attention_cores
+from autopar.rules.candidates import Candidates
 from autopar.rules.localize import local_call
+from autopar.search.build import chosen
+from solver.problem import Problem, Solution
 
 
 def model_flops(c: Candidates) -> float:

@@ -13,11 +13,13 @@ every rank (``count_bytes``).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+
 from autopar.pricing.saved_copies import copy_bytes_by_instance, per_representative
 from autopar.search.build import _block_input_roots, chosen
 from autopar.search.predict import count_program_bytes
 from codegen.stages import pipeline_units
-from collections import Counter
+
 
 @dataclasses.dataclass
 class StageCosts:

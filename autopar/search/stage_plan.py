@@ -11,12 +11,13 @@ import functools
 import math
 
 from autopar.errors import ConstraintError, MemoryBudgetError
-from autopar.search.pipeline_pins import virtual_stages
 from autopar.pricing.pipeline_cost import boundary_p2p_time
+from autopar.search.pipeline_pins import virtual_stages
 from autopar.search.stage_costs import stage_costs
 from runtime.pipeline_orders import pipeline_orders
 from solver.pipeline import partition
-from solver.pipeline_schedule import simulate, StageDurations
+from solver.pipeline_schedule import StageDurations, simulate
+
 
 def alive_micro_batches(schedule: str, stage: int, pp: int, m: int) -> int:
     """Micro-batches whose activations a stage holds at its peak (equal stages; see ``alive``)."""
