@@ -12,6 +12,7 @@ from exactness import train_eagerly
 
 import autopar
 import autopar.search.outer as outer
+import autopar.search.visit as visit
 from autopar.errors import ConstraintError, PlanError
 from autopar.frontend.trace import trace
 from autopar.models import ZOO
@@ -121,16 +122,16 @@ def _mlp_search(**kw):
 
 
 def _fail_first_solve(monkeypatch, error):
-    """outer.solve raising ``error`` on its first call, then solving as before."""
-    real, calls = outer.solve, []
+    """visit.solve raising ``error`` on its first call, then solving as before."""
+    real, calls = visit.solve, []
 
     def solve(*a, **k):
         calls.append(1)
         if len(calls) == 1:
             raise error
         return real(*a, **k)
-    monkeypatch.setattr(outer, "solve", solve)
-    monkeypatch.setattr(outer, "LP_BOUND", False)   # straight to the solve of every configuration
+    monkeypatch.setattr(visit, "solve", solve)
+    monkeypatch.setattr(visit, "LP_BOUND", False)   # straight to the solve of every configuration
     return calls
 
 

@@ -293,11 +293,11 @@ def test_cutoff_bubble_enters_the_cut():
 def _best_bound_first_changes_no_plan(monkeypatch, model, batch, cluster):
     """Forced through (every 2-axis ILP "large", any bound gap enough), the pipelined candidates
     visited before the pp=1 search's 2-axis ILPs and the proofs against their plan
-    (autopar/search/pipeline_search.py before_large, outer.py Incumbent and mip_reaches) give the
+    (autopar/search/pipeline_search.py before_large, visit.py Incumbent and mip_reaches) give the
     plan the search gives without them."""
-    import autopar.search.outer as O
     import autopar.search.pipeline_search as PS
-    monkeypatch.setattr(O, "LARGE_ILP_SECONDS", 0.0)
+    import autopar.search.visit as V
+    monkeypatch.setattr(V, "LARGE_ILP_SECONDS", 0.0)
     monkeypatch.setattr(PS, "PIPELINED_FIRST_GAP", 1e9)
     first = autopar.plan(model, batch, cluster)
     assert first.stats["pipelined_first"], first.stats

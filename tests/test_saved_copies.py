@@ -7,7 +7,7 @@ from __future__ import annotations
 import autopar
 from autopar.errors import MemoryBudgetError
 from autopar.models import ZOO
-from autopar.search import outer
+from autopar.search import visit
 
 CONS = {"tp": 2, "sp_mode": "megatron", "num_micro_batches": 1}
 
@@ -24,7 +24,7 @@ def _node_terms_only(problem, sol, cands, P, remaining, stats):
 
 def test_megatron_sp_plan_counts_the_copies_its_reshards_save(monkeypatch):
     exact = _plan()
-    monkeypatch.setattr(outer, "_with_saved_copies", _node_terms_only)
+    monkeypatch.setattr(visit, "_with_saved_copies", _node_terms_only)
     nodes_only = _plan()
     assert [op["strategy"] for op in exact.data["ops"]] == [op["strategy"] for op in nodes_only.data["ops"]]
     extra = (exact.data["predictions"]["memory_breakdown"]["activations"]
@@ -46,7 +46,7 @@ def test_a_plan_over_budget_by_its_copies_is_solved_again(monkeypatch):
     exact = _plan()
     budget = exact.data["predictions"]["peak_memory"] - 1
     with monkeypatch.context() as m:
-        m.setattr(outer, "_with_saved_copies", _node_terms_only)
+        m.setattr(visit, "_with_saved_copies", _node_terms_only)
         try:
             blind = _plan(budget)
         except MemoryBudgetError:

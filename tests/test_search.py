@@ -15,7 +15,8 @@ from autopar.pricing.price import Settings, price, price_edges
 from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
 from autopar.search.build import bound_problem, build_problem, work_problem
 from autopar.search.configurations import configurations
-from autopar.search.outer import FLOOR_LP_PAIRS, MIP_GAP, search
+from autopar.search.outer import search
+from autopar.search.visit import FLOOR_LP_PAIRS, MIP_GAP
 from autopar.frontend.trace import trace
 from solver.ilp import relaxation_bound, solve
 from solver.tree_bound import tree_lower_bound
@@ -75,7 +76,7 @@ def test_bounds_are_below_every_configurations_plan(case):
         assert node_bound <= step_time_lower_bound(F, edges=True) * (1 + 1e-12) + 1e-15
         assert step_time_lower_bound(F, edges=True) <= edge_bound * (1 + 1e-12) + 1e-15
         # the spanning-tree bound over the floors, on the light problem the search builds for it
-        # (outer._pruned_by_floors): the costs and edges of bound_problem(build_problem(...))
+        # (visit._pruned_by_floors): the costs and edges of bound_problem(build_problem(...))
         light, full = work_problem(c, F), bound_problem(build_problem(c, F, cfg.settings), F)
         assert all(np.array_equal(a, b) for a, b in zip(light.costs, full.costs, strict=True))
         assert [(e.src, e.dst) for e in light.edges] == [(e.src, e.dst) for e in full.edges]
@@ -164,7 +165,7 @@ def _out_of_time(real):
 def test_a_time_limit_hit_in_the_lp_bound_returns_the_best_plan_so_far(monkeypatch):
     """The LP relaxation bound runs under the time limit too: running out of time there keeps the
     best plan found (it used to abort the whole search with the LP's PlanError)."""
-    import autopar.search.outer as S
+    import autopar.search.visit as S
     from autopar.search.build import bound_problem
     from autopar.errors import PlanError
     from solver.ilp import relaxation_bound
@@ -194,7 +195,7 @@ def test_a_time_limit_hit_in_the_lp_bound_returns_the_best_plan_so_far(monkeypat
 def test_a_time_limit_with_no_plan_found_is_a_clear_error(monkeypatch):
     """Every LP and ILP out of time before any plan: a PlanError naming the time limit, after
     every configuration had its try (not the first solver's message half-way through)."""
-    import autopar.search.outer as S
+    import autopar.search.visit as S
     from autopar.errors import PlanError
     from solver.ilp import relaxation_bound
 
@@ -248,7 +249,7 @@ def test_stage_sub_mesh_reuses_the_whole_mesh_reshard_searches(monkeypatch):
 
 
 def test_zero2_relaxation_is_at_most_zero1s(case):
-    """outer._visit does not solve ZeRO-2's LP bound when ZeRO-1's on the same mesh and micro-batch
+    """visit._lp_bound does not solve ZeRO-2's LP bound when ZeRO-1's on the same mesh and micro-batch
     count is below the target: the two bound problems have the same costs (gradient communication
     free: all that differs between the stages' prices) and ZeRO-2's memory rows are looser."""
     g, cluster, cons = case
@@ -270,7 +271,7 @@ def test_zero2_relaxation_is_at_most_zero1s(case):
 def test_search_skips_floors_where_the_matrices_are_priced(monkeypatch):
     """Where another ZeRO stage priced a configuration's resharding matrices, the search skips the
     floors (its exact bounds use the matrices); the plan is the exhaustive search's."""
-    import autopar.search.outer as O
+    import autopar.search.visit as O
     model, inputs = ZOO["gpt2"](n_layer=3, batch=8)
     g = trace(model, inputs)
     cluster = autopar.Cluster.preset("dgx-a100", nodes=1)
@@ -287,9 +288,9 @@ def test_search_skips_floors_where_the_matrices_are_priced(monkeypatch):
 @pytest.mark.slow
 def test_zero2_reuses_zero1s_lp_and_plans_the_same(monkeypatch):
     """Under memory pressure (a GPT 18.4B shape cut to two layers, a tenth of the memory, tp=8 on
-    32 DGX nodes) ZeRO-2 configurations reuse ZeRO-1's LP bound (outer.REUSE_ZERO1_LP) and the
+    32 DGX nodes) ZeRO-2 configurations reuse ZeRO-1's LP bound (visit.REUSE_ZERO1_LP) and the
     plan is the one found solving every LP."""
-    import autopar.search.outer as O
+    import autopar.search.visit as O
     from benchmarks.bench_planning import GPT_18_4B, _factory
     model, inputs = _factory("gpt2")(**dict(GPT_18_4B, n_layer=2))
     g = trace(model, inputs)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from autopar.cluster import Cluster
 from autopar.pricing.price import Settings
 from autopar.rules.candidates import Candidates, candidates
+from autopar.search.configurations import Config
 
 
 @dataclass
@@ -135,4 +136,32 @@ class SearchContext:
         return math.inf if self.best is None else self.best.prediction["step_time"]
 
 
-__all__ = ["PlanCaches", "Planner", "SearchOptions", "SearchStats", "SearchContext"]
+@dataclass
+class Incumbent:
+    """A plan found outside this search (a pipelined one: autopar/search/pipeline_candidates.py),
+    standing in for the best plan so far: every bound prunes against its step time, and a search
+    that ends with it found nothing faster (``CutOff``)."""
+    step_time: float
+
+    @property
+    def prediction(self) -> dict:
+        return {"step_time": self.step_time}
+
+
+@dataclass
+class Result:
+    config: Config
+    cands: Candidates
+    priced: object
+    problem: object
+    solution: object
+    prediction: dict
+
+
+class CutOff(Exception):
+    """``search`` found no plan because its ``cutoff`` pruned the configurations, or none beats
+    the plan found elsewhere (``Incumbent``). Internal control flow, not a PlanError: the
+    pipelined search skips that candidate."""
+
+
+__all__ = ["Incumbent", "Result", "CutOff", "PlanCaches", "Planner", "SearchOptions", "SearchStats", "SearchContext"]

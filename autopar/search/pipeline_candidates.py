@@ -35,7 +35,7 @@ import time
 
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.frontend.batching import global_batch
-from autopar.search.outer import CutOff
+from autopar.search.context import CutOff
 from autopar.search.pipeline import search_pipelined
 from autopar.search.pipeline_forked import fork_workers, run_forked
 from autopar.search.pipeline_pins import stage_cluster, virtual_stages

@@ -20,7 +20,8 @@ from collections import deque
 
 from autopar.errors import PlanError
 from autopar.search import candidate_workers
-from autopar.search.outer import CutOff, Progress
+from autopar.search.context import CutOff
+from autopar.search.outer import Progress
 
 FORK_WORKERS = True   # candidates in forked processes (tests compare it switched off)
 FORK_MIN_SECONDS = 1.0   # ... once the search so far took this long (small models: forking costs more)

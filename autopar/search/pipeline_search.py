@@ -33,9 +33,9 @@ import time
 
 from autopar.errors import ConstraintError, MemoryBudgetError
 from autopar.rules.sequence import seq_axes
-from autopar.search.context import PlanCaches, Planner
 from autopar.search.grid_search import best_grid
-from autopar.search.outer import CutOff, conclude, search_configurations
+from autopar.search.context import CutOff, PlanCaches, Planner
+from autopar.search.outer import conclude, search_configurations
 from autopar.search.pipeline import search_pipelined
 from autopar.search.pipeline_candidates import SCHEDULES, Pipelined, step_time
 from autopar.search.pipeline_pins import canonical_schedules, check_pins, pipeline_pins, unpipelined_pin

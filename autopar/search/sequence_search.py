@@ -26,7 +26,8 @@ from autopar.rules.attention_core import is_anchor, op_name
 from autopar.rules.hybrid_sequence import free_search_pins
 from autopar.rules.sequence import input_seq_dims
 from autopar.rules.table import shape
-from autopar.search.outer import CutOff, format_bytes
+from autopar.search.context import CutOff
+from autopar.search.outer import format_bytes
 from codegen.grid_layout import GRID_MODES
 
 
