@@ -19,9 +19,15 @@ from autopar.pricing.memory import check_optimizer, check_precision
 from autopar.plans.plan import PLAN_VERSION, Plan
 from autopar.rules import tensor_inputs
 from autopar.search.outer import Result, degrees_of
+from autopar.frontend.fuse import uses_kernels
 from autopar.frontend.trace import trace
 from autopar.units import parse_bytes, parse_seconds
 from solver import release_threads
+from autopar.rules import hybrid_sequence
+from autopar.search.grid_price import GridResult
+from autopar.search.grid_search import grid_plan_data
+from autopar.search.pipeline import apply_pipeline
+from autopar.search import pipeline_search
 
 
 # The collector's thresholds while planning (``plan``): the youngest generation collected every
@@ -34,7 +40,7 @@ GC_THRESHOLDS = (100_000, 50, 100)
 def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=None, optimizer: str = "adamw",
          precision: str = "bf16", memory_budget: float | None = None, constraints: Constraints | dict | None = None,
          time_limit: float | None = None, overlap_grad_comm: bool = True, verbose: bool = False,
-         traced=None, policy: str | None = None, batch_dims=None) -> Plan:
+         traced=None, policy: str | None = None, batch_dims=None, kernels: str | None = None) -> Plan:
     """Find the fastest configuration of ``model`` on ``cluster`` that fits in memory.
 
     Beyond README.md's options: ``traced`` reuses a TracedGraph (autopar.frontend.trace.trace) instead of tracing again;
@@ -45,7 +51,10 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     default in autopar/constraints.py and docs/constraints.md; a bad pin is a ConstraintError before
     tracing. ``batch_dims`` names each input's batch dim (an int or None
     per input, or one int for all; default: inferred, autopar/frontend/batching.py) — the dim the data
-    axes split and micro-batching cuts, recorded in the plan."""
+    axes split and micro-batching cuts, recorded in the plan. ``kernels``: "auto" (Triton kernels on
+    GPU clusters, torch ops on CPU ones; the default, or with ``traced`` that graph's choice),
+    "triton" or "torch": with Triton, RMSNorm and SwiGLU are planned (and run) as the fused
+    operators of runtime/kernels (docs/kernels.md)."""
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(cluster, Cluster):
@@ -61,17 +70,22 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     if time_limit is not None:
         time_limit = parse_seconds(time_limit, "time_limit")
     pins = Constraints.coerce(constraints)   # every key's type, values and contradictions (autopar/constraints.py)
+    if kernels is None:
+        kernels = "auto" if traced is None else ("triton" if traced.kernels else "torch")
+    fused = uses_kernels(kernels, cluster.backend)
     t0 = time.perf_counter()
-    graph = traced if traced is not None else trace(model, example_inputs, loss_fn=loss_fn)
+    graph = traced if traced is not None else trace(model, example_inputs, loss_fn=loss_fn, kernels=fused)
+    if graph.kernels != fused:
+        raise PlanError(f"the traced graph was traced with kernels={graph.kernels} but this plan "
+                        f"{'uses' if fused else 'does not use'} the Triton kernels (kernels={kernels!r}, "
+                        f"backend {cluster.backend}): trace with kernels={fused}")
     t_trace = time.perf_counter() - t0
     graph.batch_dims = infer_batch_dims(input_shapes(graph), batch_dims)
-    from autopar.rules.hybrid_sequence import resolve
-    constraints = resolve(graph, cluster, pins.to_dict())   # sp_mode="hybrid": its (u, r) split from the heads
+    constraints = hybrid_sequence.resolve(graph, cluster, pins.to_dict())   # sp_mode="hybrid": its (u, r) split from the heads
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
-    base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm)
+    base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm,
+                    kernels=fused)
     log = print if verbose else None
-    from autopar.search.pipeline import apply_pipeline
-    from autopar.search.pipeline_search import plan_search
     # The search allocates millions of small objects; Python's full collections would scan the
     # traced model and graph with them each time (10-20% of a small model's planning time).
     # Freezing moves what exists now out of the collector's sight until planning ends. And the
@@ -83,20 +97,20 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     thresholds = gc.get_threshold()
     gc.set_threshold(*(max(a, b) for a, b in zip(thresholds, GC_THRESHOLDS)))
     try:   # pp=1 and pipelined candidates (stages over sub-meshes): autopar/search/pipeline_search.py
-        result, stats, pipe = plan_search(graph, cluster, base, constraints,
-                                          time_limit=time_limit, log=log, policy=policy)
+        result, stats, pipe = pipeline_search.plan_search(graph, cluster, base, constraints,
+                                                          time_limit=time_limit, log=log, policy=policy)
     finally:
         # release_threads() collects garbage first: while the model is still frozen, that walks
         # only what the search allocated (after unfreezing, 0.3 s of a small model's plan)
         release_threads()   # no solver thread outlives planning (solver/ilp.py: release_threads)
         gc.unfreeze()
         gc.set_threshold(*thresholds)
-    from autopar.search.grid_price import GridResult
-    from autopar.search.grid_search import grid_plan_data
     make = grid_plan_data if isinstance(result, GridResult) else plan_data
     data = make(result, cluster, graph, optimizer, precision, budget, overlap_grad_comm, stats)
     if pipe is not None:
         data = apply_pipeline(data, pipe)
+    data["settings"]["kernels"] = "triton" if fused else "torch"
+    data["fused"] = dict(graph.fused)
     stats.update(trace_seconds=t_trace, total_seconds=time.perf_counter() - t0)
     return Plan(data, stats=stats)
 

@@ -200,7 +200,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from autopar.pricing.calibrate import calibrate
+    from autopar.execution.calibrate import calibrate
     cal = calibrate(nprocs=args.nprocs, sweep=args.sweep, repeats=args.repeats, output=args.output)
     if cal is not None:
         print(f"wrote {args.output}: {cal.source}")
@@ -209,6 +209,30 @@ def cmd_calibrate(args) -> int:
               f"kernel {cal.kernel_overhead * 1e6:.1f} us, overlap slowdown {cal.overlap_slowdown:.2f}")
         print(f"  use it: a cluster file with `calibration: {args.output}`")
     return 0
+
+
+def cmd_kernels(args) -> int:
+    """Build every Triton kernel for the CUDA targets in ``--aot`` (no GPU needed); exit 1 if any fails."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise PlanError("autopar kernels needs triton: pip install triton") from None
+    from runtime.kernels.aot import build_in_child, parse_archs
+    try:
+        archs = parse_archs(args.aot)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    results = build_in_child(archs)
+    if "__skip__" in results:
+        raise PlanError(f"cannot build ahead of time here: {results['__skip__']}")
+    failed = {k: v for k, v in results.items() if v != "ok"}
+    for arch in archs:
+        mine = [k for k in results if k.endswith(f"-sm{arch}")]
+        ok = sum(results[k] == "ok" for k in mine)
+        print(f"{ok} of {len(mine)} kernel builds ok for sm_{arch}")
+    for k, v in sorted(failed.items()):
+        print(f"FAILED {k}: {v.splitlines()[-1] if v else v}")
+    return 1 if failed else 0
 
 
 def main(argv=None) -> int:
@@ -262,6 +286,9 @@ def main(argv=None) -> int:
     c.add_argument("--sweep", choices=("tiny", "cpu", "gpu"), default="cpu")
     c.add_argument("--repeats", type=_positive_int("--repeats"), default=5)
     c.set_defaults(fn=cmd_calibrate)
+    k = sub.add_parser("kernels", help="build the runtime's Triton kernels ahead of time for CUDA targets")
+    k.add_argument("--aot", required=True, metavar="sm_80,sm_90", help="comma-separated CUDA architectures")
+    k.set_defaults(fn=cmd_kernels)
     try:
         args = ap.parse_args(argv)   # argparse reports usage errors itself: one message, exit 2
     except SystemExit as e:          # returned, not raised, so callers of main() get the code

@@ -46,10 +46,8 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -57,6 +55,8 @@ import yaml
 
 from autopar.errors import ClusterError
 from autopar.mesh import Mesh, enumerate_meshes
+from autopar.profile import Calibration
+from autopar.units import QUANTITY_EXAMPLES, parse_quantity, warn_if_implausible
 
 DTYPES = ("bf16", "fp16", "fp32")
 BACKENDS = ("nccl", "gloo")
@@ -159,7 +159,7 @@ class Cluster:
     intra_link: Link
     inter_link: Link
     backend: str = "nccl"
-    calibration: Any = None   # autopar.pricing.profile.Calibration (measured rates), or None: see cost.profile_of
+    calibration: Any = None   # autopar.profile.Calibration (measured rates), or None: see cost.profile_of
 
     def __post_init__(self):
         for what, v in [("nodes", self.nodes), ("devices_per_node", self.devices_per_node)]:
@@ -219,11 +219,10 @@ class Cluster:
         }
 
     def with_calibration(self, calibration) -> "Cluster":
-        """The same cluster priced with ``calibration``: an autopar.pricing.profile.Calibration or
+        """The same cluster priced with ``calibration``: an autopar.profile.Calibration or
         the path of a calibration profile (YAML, as ``autopar calibrate`` writes)."""
         import dataclasses
         import os
-        from autopar.pricing.profile import Calibration
         if isinstance(calibration, (str, os.PathLike)):
             calibration = Calibration.from_yaml(calibration)
         elif calibration is not None and not isinstance(calibration, Calibration):
@@ -325,7 +324,7 @@ def _fixed_node(name: str, device: Device, intra: Link, inter: Link, per_node_ma
     return make
 
 
-# TACC Longhorn (the V100 machine of the 2D/2.5D/3D tensor-parallelism papers' 64-GPU runs; issue 8).
+# TACC Longhorn (the V100 machine of the 2D/2.5D/3D tensor-parallelism papers' 64-GPU runs).
 # Every figure and its source: docs/cost-model.md, section "V100 (tacc-longhorn)". In short:
 #  - node: IBM POWER9 with 4 × Tesla V100 (Cornell Virtual Workshop, "GPUs on Frontera": Longhorn,
 #    Frontera's V100 subsystem until 2022, "100+ IBM nodes, each equipped with 4 NVIDIA Tesla V100s").
@@ -355,69 +354,6 @@ PRESETS = {
                                  "a Longhorn (IBM AC922) node"),
     "cpu": _cpu,
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# Units
-# ---------------------------------------------------------------------------------------------
-
-_DEC = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
-_BIN = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-_TIME = {"s": 1, "min": 60, "h": 3600, "ms": Decimal("1e-3"), "us": Decimal("1e-6"), "µs": Decimal("1e-6"), "μs": Decimal("1e-6"),
-         "ns": Decimal("1e-9")}
-_NUM = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*(\S*)\s*$")
-
-# what each quantity's unit suffix may be (after the prefix); value = multiplier
-_SUFFIX = {
-    "bytes": {"B": 1},
-    "flops": {"": 1, "FLOPS": 1, "FLOP/s": 1, "flops": 1, "FLOP/S": 1},
-    "bandwidth": {"B/s": 1, "Bps": 1, "b/s": Decimal(1) / 8, "bps": Decimal(1) / 8, "bit/s": Decimal(1) / 8},
-}
-_EXAMPLES = {
-    "bytes": 'bytes, e.g. 80GB, 80GiB, 512MB or an integer',
-    "flops": 'FLOP/s, e.g. 312T, 312TFLOPS, 50G or a number',
-    "bandwidth": 'bytes/s, e.g. 600GB/s, 200Gb/s (bits), 25e9',
-    "time": 'seconds, e.g. 5us, 10ms, 1e-5',
-}
-
-
-def parse_quantity(value, kind: str) -> float:
-    """Convert ``value`` (a number or a string with a unit) of ``kind`` ("bytes", "flops",
-    "bandwidth", "time") to base units. Raises ValueError with the expected form."""
-    expected = _EXAMPLES[kind]
-    if isinstance(value, bool) or value is None:
-        raise ValueError(f"expected {expected}")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if not isinstance(value, str):
-        raise ValueError(f"expected {expected}")
-    m = _NUM.match(value)
-    if not m:
-        raise ValueError(f"expected {expected}")
-    try:
-        number = Decimal(m.group(1))
-    except InvalidOperation:  # pragma: no cover - the regex admits only valid decimals
-        raise ValueError(f"expected {expected}") from None
-    unit = m.group(2)
-    mult = _unit_multiplier(unit, kind)
-    if mult is None:
-        raise ValueError(f"unknown unit {unit!r}; expected {expected}")
-    # Decimal arithmetic so "2.039TB/s" is exactly the float 2.039e12
-    return float(number * mult)
-
-
-def _unit_multiplier(unit: str, kind: str):
-    if unit == "":
-        return 1
-    if kind == "time":
-        return _TIME.get(unit)
-    for prefixes in (_BIN, _DEC):
-        for p, pm in prefixes.items():
-            if unit.startswith(p):
-                rest = unit[len(p):]
-                if rest in _SUFFIX[kind]:
-                    return Decimal(pm) * Decimal(_SUFFIX[kind][rest])
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,9 +398,8 @@ class _Reader:
             raise self.fail(path, f"got {_show(value)}; {e}") from None
         if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
             bound = ">= 0" if allow_zero else "> 0"
-            raise self.fail(path, f"got {_show(value)}; expected a value {bound} ({_EXAMPLES[kind]})")
+            raise self.fail(path, f"got {_show(value)}; expected a value {bound} ({QUANTITY_EXAMPLES[kind]})")
         if x > 0:   # a bare number far out of range is most likely a missing unit (latency: 10)
-            from autopar.units import warn_if_implausible
             plaus = "latency" if kind == "time" else kind
             warn_if_implausible(value, x, plaus, f"{self.source}: {path}")
         return x
@@ -571,7 +506,6 @@ def _parse(data, source: str) -> Cluster:
     name = r.text(data.get("name", "custom"), "name")
     calibration = None
     if "calibration" in data:   # a profile path (relative to the cluster file) or the profile inline
-        from autopar.pricing.profile import Calibration
         cv = data["calibration"]
         if isinstance(cv, str):
             p = Path(cv)

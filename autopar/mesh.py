@@ -16,10 +16,6 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from autopar.cluster import Cluster
 
 
 @dataclass(frozen=True)
@@ -140,7 +136,7 @@ def enumerate_meshes(num_devices: int, devices_per_node: int, max_model_axes: in
     meshes = [Mesh((num_devices,), ("dp",), devices_per_node)]
     for k in range(1, max_model_axes + 1):
         for f in _factorizations(num_devices, k + 1):
-            dp, model = f[0], f[1:]
+            model = f[1:]
             if any(m == 1 for m in model) or math.prod(model) > max_tp:
                 continue
             names = ("dp", "tp") + tuple(f"tp{i + 2}" for i in range(k - 1))

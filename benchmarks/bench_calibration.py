@@ -20,7 +20,7 @@ import time
 import torch
 
 import autopar
-from autopar.pricing.calibrate import calibrate
+from autopar.execution.calibrate import calibrate
 from autopar.models import ZOO
 from runtime.launch import run_local
 

@@ -21,7 +21,6 @@ parent stays single-threaded (forked ranks deadlock in OpenMP otherwise), so ran
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 

@@ -159,8 +159,8 @@ def fused_optimizer():
     import autopar.pricing.cost as cost
     own = cost.optimizer_bytes_per_element
 
-    def fused(optimizer: str, precision: str) -> int:
-        return 28 if optimizer in ("adam", "adamw") else own(optimizer, precision)
+    def fused(optimizer: str, precision: str, fused_step: bool = False) -> int:
+        return 28 if optimizer in ("adam", "adamw") else own(optimizer, precision, fused_step)
     with mock.patch.object(cost, "optimizer_bytes_per_element", fused):
         yield
 

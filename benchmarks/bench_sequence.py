@@ -113,7 +113,7 @@ def main() -> None:
             more, _ = longest(nodes, args.max_seq, None, start=first_fail)
             free = more or tp
         rows.append((nodes, tp, free))
-    print(f"\n| GPUs | global batch | longest seq, TP only | plan | longest seq, free search | plan | ratio |")
+    print("\n| GPUs | global batch | longest seq, TP only | plan | longest seq, free search | plan | ratio |")
     print("|---|---|---|---|---|---|---|")
     for nodes, tp, free in rows:
         def cell(r):

@@ -15,7 +15,7 @@ each with its own links (NVLink-class) and with slow links (PCIe/Ethernet-class)
     8-GPU nodes, 2.8 on 4-GPU nodes).
 The built-in GPU profiles price collectives by their calibration curves, not by ``Cluster``'s
 ``Link`` figures, so a slow cluster gets both: Links replaced (for ``describe``) and the profile's
-intra / inter curves rebuilt with autopar.pricing.profile's own construction (``_same_latency``: the A100
+intra / inter curves rebuilt with autopar.profile's own construction (``_same_latency``: the A100
 NVLink ramp's small-message times with the new plateau), exactly as the V100 profile is built.
 
 Models (meta device, dropout 0, fused SDPA attention, which the grid lowering accepts): GPTs of
@@ -37,7 +37,7 @@ from autopar.cluster import Cluster, Link
 from autopar.pricing.cost import profile_of
 from autopar.errors import PlanError
 from autopar.models.gpt2 import gpt
-from autopar.pricing.profile import A100_NVLINK_AR8, LinkCurves, _same_latency
+from autopar.profile import A100_NVLINK_AR8, LinkCurves, _same_latency
 from autopar.frontend.trace import trace
 from codegen.grid_layout import GRID_MODES
 

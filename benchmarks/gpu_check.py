@@ -4,13 +4,14 @@ Run by ``scripts/gpu-check.sh`` on a machine with one GPU (it brings the wheels 
 section runs on its own, so one failure leaves the others' rows. Sections:
 
 1. ``env``: the card, torch, triton.
-2. ``tests``: the tests marked ``gpu`` (pytest -m gpu).
+2. ``train``: a Llama-style model (~1B parameters at full size) trained by ``autopar.compile`` on
+   one GPU (world size 1, NCCL) with ``kernels="torch"`` and ``kernels="triton"``, against a
+   hand-written eager loop (autocast bf16 + fused AdamW): step time,
+   ``torch.cuda.max_memory_allocated``, and the plan's predicted step time and peak.
 3. ``kernels``: each Triton kernel against eager torch and torch.compile (benchmarks/kernel_bench.py).
-4. ``train``: a Llama-style model (~1B parameters at full size) trained by ``autopar.compile`` on
-   one GPU (world size 1, NCCL), against a hand-written eager loop (autocast bf16 + fused AdamW):
-   step time, ``torch.cuda.max_memory_allocated``, and the plan's predicted step time and peak.
-5. ``calibrate``: ``autopar calibrate --sweep gpu`` on the GPU, then the same model re-planned
-   with that profile: predicted against measured again.
+4. ``tests``: the tests marked ``gpu`` (pytest -m gpu).
+5. ``calibrate``: ``autopar calibrate --sweep gpu`` on the GPU, then the model re-planned with
+   that profile and trained again: predicted against measured.
 
 On a machine without CUDA it says so and exits 0 after the sections that need no GPU.
 ``--quick`` shrinks every size (a smoke run); ``--out FILE`` writes the table there too.
@@ -27,10 +28,20 @@ import traceback
 ROWS: list[str] = []
 
 
+OUT: list[str] = []   # the --out file, rewritten after every row (a run cut short keeps its rows)
+
+
+def _table() -> str:
+    return "| section | what | result |\n|---|---|---|\n" + "\n".join(ROWS) + "\n"
+
+
 def row(section: str, what: str, value: str) -> None:
     line = f"| {section} | {what} | {value} |"
     ROWS.append(line)
     print(line, flush=True)
+    if OUT:
+        with open(OUT[0], "w") as f:
+            f.write(_table())
 
 
 def section(name: str, fn, *args) -> None:
@@ -57,7 +68,9 @@ def env() -> None:
 
 def tests() -> None:
     r = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
-                        "--timeout=300", "-x", "--tb=short", "tests"], capture_output=True, text=True, timeout=400)
+                        "--timeout=300", "-x", "--tb=short", "tests"], capture_output=True, text=True, timeout=150,
+                       env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                            "MASTER_ADDR", "MASTER_PORT")})
     print(r.stdout[-6000:], r.stderr[-2000:])
     summary = [ln.strip("= ") for ln in r.stdout.splitlines() if " passed" in ln or " failed" in ln or " error" in ln]
     row("tests", "pytest -m gpu", f"rc {r.returncode}: {summary[-1] if summary else r.stderr[-300:]}")
@@ -70,7 +83,8 @@ def kernels() -> None:
         row("kernels", "kernel_bench", f"not in this tree ({e})")
         return
     for r in kernel_bench.bench_kernels("cuda"):
-        row("kernels", r.get("kernel", "?"), ", ".join(f"{k}={v}" for k, v in r.items() if k != "kernel"))
+        row("kernels", r.get("kernel", "?"), ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                    for k, v in r.items() if k != "kernel" and v not in (None, "")))
 
 
 def _llama(quick: bool, device: str):
@@ -114,7 +128,7 @@ def _eager(quick: bool) -> None:
     t, losses = _timed_steps(step, 3, 5 if not quick else 3)
     row("train", "eager autocast bf16 + fused AdamW", f"{t * 1e3:.1f} ms/step, peak "
         f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    del model, opt
+    model = opt = None   # freed before the next run
     torch.cuda.empty_cache()
 
 
@@ -124,22 +138,27 @@ def _cluster(calibration=None):
     return c.with_calibration(calibration) if calibration else c
 
 
-def _autopar(quick: bool, label: str, calibration=None) -> None:
+def _autopar(quick: bool, label: str, kernels: str, calibration=None) -> None:
     import torch
     import autopar
     model, batch = _llama(quick, "cpu")
     t0 = time.perf_counter()
-    compiled = autopar.compile(model, _cluster(calibration), batch, optimizer="adamw", lr=1e-4)
+    compiled = autopar.compile(model, _cluster(calibration), batch, optimizer="adamw", lr=1e-4, kernels=kernels)
     plan = compiled.plan
-    row("train", f"autopar {label}: plan", f"{plan.degrees}; set-up {time.perf_counter() - t0:.1f} s")
+    deg = {k: v for k, v in plan.degrees.items() if v not in (None, 1, False, 0, [], "1d")}
+    row("train", f"autopar {label}: plan", f"{deg}, kernels {plan.kernels} {plan.fused}; set-up "
+        f"{time.perf_counter() - t0:.1f} s")
+    import runtime.kernels as K
+    K.reset_kernel_stats()
     gb = [t.cuda() for t in batch]
     torch.cuda.reset_peak_memory_stats()
     t, losses = _timed_steps(lambda: compiled.step(*gb), 3, 5 if not quick else 3)
     peak = torch.cuda.max_memory_allocated()
     row("train", f"autopar {label}", f"{t * 1e3:.1f} ms/step (predicted {plan.step_time * 1e3:.1f}, "
         f"measured/predicted {t / plan.step_time:.2f}), peak {peak / 2**30:.2f} GiB (predicted "
-        f"{plan.peak_memory / 2**30:.2f}, ratio {peak / plan.peak_memory:.2f}), loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    del compiled, model
+        f"{plan.peak_memory / 2**30:.2f}, ratio {peak / plan.peak_memory:.2f}), loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+        f"launches {dict((k, v) for k, v in K.kernel_stats().items() if v)}")
+    compiled = model = None   # freed before the next run
     torch.cuda.empty_cache()
 
 
@@ -155,30 +174,34 @@ def _init_pg() -> None:
 def train(quick: bool) -> None:
     _init_pg()
     section("train/eager", _eager, quick)
-    section("train/autopar", _autopar, quick, "dgx-h100 preset")
+    section("train/autopar-torch", _autopar, quick, "kernels=torch", "torch")
+    section("train/autopar-triton", _autopar, quick, "kernels=triton", "triton")
 
 
 def calibrate(quick: bool, out_dir: str) -> None:
     _init_pg()
-    from autopar.pricing.calibrate import calibrate as run
+    from autopar.execution.calibrate import calibrate as run
     path = os.path.join(out_dir, "calibration_gpu.yaml")
     t0 = time.perf_counter()
     cal = run(sweep="tiny" if quick else "gpu", repeats=3, output=path)
     row("calibrate", "autopar calibrate --sweep gpu", f"{time.perf_counter() - t0:.1f} s; GEMM peak "
         f"{max(r for _, r in cal.gemm) / 1e12:.0f} TFLOP/s, memory {max(r for _, r in cal.memory) / 1e9:.0f} GB/s, "
         f"kernel {cal.kernel_overhead * 1e6:.1f} us -> {path}")
-    section("train/autopar-calibrated", _autopar, quick, "calibrated", path)
+    section("train/autopar-calibrated-torch", _autopar, quick, "kernels=torch, calibrated", "torch", path)
+    section("train/autopar-calibrated-triton", _autopar, quick, "kernels=triton, calibrated", "triton", path)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
-    ap.add_argument("--only", default="env,tests,kernels,train,calibrate")
+    ap.add_argument("--only", default="env,train,kernels,tests,calibrate")
     args = ap.parse_args(argv)
     import torch
     only = set(args.only.split(","))
     out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else "."
+    if args.out:
+        OUT.append(args.out)
     t0 = time.perf_counter()
     if "env" in only:
         section("env", env)
@@ -186,16 +209,12 @@ def main(argv=None) -> int:
         row("gpu-check", "stopped", "no CUDA device here: the remaining sections (tests -m gpu, kernels, "
             "training, calibrate) need one; run scripts/gpu-check.sh on a GPU machine")
     else:
-        for name, fn, a in (("tests", tests, ()), ("kernels", kernels, ()), ("train", train, (args.quick,)),
+        for name, fn, a in (("train", train, (args.quick,)), ("kernels", kernels, ()), ("tests", tests, ()),
                             ("calibrate", calibrate, (args.quick, out_dir))):
             if name in only:
                 section(name, fn, *a)
     row("gpu-check", "total", f"{time.perf_counter() - t0:.0f} s")
-    table = "| section | what | result |\n|---|---|---|\n" + "\n".join(ROWS) + "\n"
-    print("\n" + table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
+    print("\n" + _table())
     return 0
 
 

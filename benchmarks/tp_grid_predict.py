@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
-from autopar.pricing.cost import Collectives, compute_time, fwd_bwd_compute, gemm_intensity, profile_of
+from autopar.pricing.cost import Collectives, fwd_bwd_compute, gemm_intensity, profile_of
 from autopar.mesh import Mesh
 from solver import tp_grid_cost as tgc
 from solver.tp_grid_cost import Collective

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from solver import tp_grid_cost as tc
+from runtime import collectives as C
 
 aten = torch.ops.aten
 
@@ -78,7 +79,6 @@ class LocalOps:
             for label, size in geo.tok_groups(L):
                 self.colls.append(tc.Collective("all_reduce", label, size, math.prod(shape) * 4, 1, "backward"))
         if not self.meta and trainable:
-            from runtime import collectives as C
             for label, _ in geo.tok_groups(L):
                 t = C.copy(t, self.grid.group(label), label)
         return t, Lay("hid", L, None, hdim)

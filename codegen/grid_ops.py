@@ -41,6 +41,7 @@ from codegen.grid_local import NO_OUTPUT, VIEWS, GridLoweringError, Lay, LocalOp
 from codegen.grid_replicated import ReplicatedOps
 from codegen.grid_split import SplitOps
 from solver import tp_grid_cost as tc
+from autopar.frontend.batching import graph_batch_dims
 
 aten = torch.ops.aten
 
@@ -150,7 +151,6 @@ class GridProgram(SplitOps, LocalOps, ReplicatedOps):
     # ------------------------------------------------------------------ interpreter
     def _run(self, inputs: dict):
         env: dict[str, tuple] = {}
-        from autopar.frontend.batching import graph_batch_dims
         bdims = dict(zip(self.g.input_names, graph_batch_dims(self.g)))
         for n in self.g.gm.graph.nodes:
             if n.op == "placeholder":

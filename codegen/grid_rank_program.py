@@ -32,6 +32,7 @@ import torch
 
 from codegen.grid_layout import GRID_MODES, Geometry, geometry_of
 from runtime.grid import take
+from codegen.grid_ops import GridProgram
 
 
 def is_grid_plan(plan) -> bool:
@@ -168,11 +169,23 @@ class GridRankProgram:
         blocks = math.prod(s[1] for s in spec_of(self.geo, use, self.program.coords, stored.shape) if s is not None)
         return self.geo.world // blocks
 
+    def counts_norm(self, fqn: str, model_axes=None) -> bool:
+        """Whether this rank is the first rank of its grid holding its block of ``fqn``, the one
+        that counts the block in a per-tensor norm (LAMB, LARS)."""
+        use = self._use(fqn)
+        shape = to_stored(use, torch.empty(self.param_shapes[fqn], device="meta")).shape
+        here = self.program.coords
+        mine = spec_of(self.geo, use, here, shape)
+        for r in range(self.geo.world):
+            c = {**here, **self.geo.coords_of(r), "dp": here.get("dp", 0)}
+            if spec_of(self.geo, use, c, shape) == mine:
+                return all(c[n] == here[n] for n in self.geo.names)
+        return True
+
 
 def build(traced, plan, grid, coords: dict, batch: int, device=None) -> GridRankProgram:
     """The grid program of ``plan`` for the rank at ``coords``, analysed (on meta, as the planner
     did) and bound to ``grid`` (runtime/grid.py)."""
-    from codegen.grid_ops import GridProgram
 
     geo = plan_geometry(plan)
     prog = GridProgram(traced, geo, batch).analyse()

@@ -34,6 +34,8 @@ import torch
 
 from codegen.grid_local import GridLoweringError, Lay, ParamUse
 from solver import tp_grid_cost as tc
+from runtime import collectives as C
+from runtime.grid import grad_on_first
 
 aten = torch.ops.aten
 
@@ -103,14 +105,12 @@ class ReplicatedOps:
             for label, size in chain:
                 self._coll("all_reduce", label, size, t.numel() * 4, "forward")
                 if not self.meta and size > 1:
-                    from runtime import collectives as C
                     t = C.all_reduce(t, self.grid.group(label), label)
             return t, Lay("rep", share=True)
         if lay.kind == "hid":
             return self._gather_hidden(t, lay, first_keeps_grad=True), Lay("rep")
         if lay.kind == "red":    # whole over the hidden group, its gradient partial there
             if not self.meta and t.requires_grad:
-                from runtime.grid import grad_on_first
                 t = grad_on_first(t, self.coords[geo.hid_group(lay.L)] == 0)
             lay = Lay("act", lay.L, lay.tdim, None)
         if lay.kind == "act":
@@ -127,7 +127,6 @@ class ReplicatedOps:
     def _gather_hidden(self, t, lay, first_keeps_grad=False):
         geo = self.geo
         if first_keeps_grad and not self.meta and t.requires_grad:
-            from runtime.grid import grad_on_first
             first = all(self.coords[label] == 0 for label, _ in self._tok_chain(lay.L))
             t = grad_on_first(t, first)
         if lay.hdim is None:
@@ -143,7 +142,6 @@ class ReplicatedOps:
             shape = list(t.shape)
             shape[dim] *= size
             return torch.empty(shape, dtype=t.dtype, device="meta", requires_grad=t.requires_grad)
-        from runtime import collectives as C
         return C.all_gather(t.contiguous(), dim, self.grid.group(label), label, partial_grad=False)
 
     def _rep_to_act(self, n, val, L):
@@ -167,7 +165,6 @@ class ReplicatedOps:
         self._coll("all_gather", label, size, t.numel() * t.element_size(), "backward")
         if self.meta:
             return torch.chunk(t, size, dim=dim)[0].contiguous()
-        from runtime import collectives as C
         return C.slice_block(t, dim, self.grid.group(label), label)
 
     # ------------------------------------------------------------------ the replicated op

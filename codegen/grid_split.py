@@ -13,6 +13,10 @@ import torch.nn.functional as F
 
 from codegen.grid_local import VIEWS, Lay, ParamUse
 from solver import tp_grid_cost as tc
+from runtime import collectives as C
+from runtime import matmul3d, summa, tesseract
+from runtime.split_attention import qkv_column_order
+from runtime.split_loss import split_cross_entropy
 
 aten = torch.ops.aten
 
@@ -21,7 +25,6 @@ class SplitOps:
     """Mixin of GridProgram: the ops split over the grid."""
 
     def _mod(self):
-        from runtime import matmul3d, summa, tesseract
         return {"2d": summa, "2.5d": tesseract, "3d": matmul3d}[self.geo.mode]
 
     def _embedding(self, n, env):
@@ -78,7 +81,6 @@ class SplitOps:
                     heads = self._gshape(v)[2]
         if heads is None:
             return None
-        from runtime.split_attention import qkv_column_order
         return tuple(qkv_column_order(size, heads, self.geo.q))
 
     def _linear(self, n, env):
@@ -196,7 +198,6 @@ class SplitOps:
         if self.meta:
             part = x.reshape(-1, x.shape[-1]) @ self._fresh((V, h // geo.q)).t()
             return self._fresh(list(x.shape[:-1]) + [V // geo.q]), out_lay
-        from runtime import collectives as C
         if geo.mode == "3d":
             am, ak, an = L
             blk = C.all_gather(C.all_gather(table, 1, self.grid.group(an), an), 1, self.grid.group(am), am)
@@ -291,7 +292,6 @@ class SplitOps:
         red = Lay("red", lay.L, tdim, None)
         if self.meta:
             return self._fresh(out.shape, out.dtype), red
-        from runtime import collectives as C
         group = self.grid.group(label)
         return C.copy(C.all_reduce(out, group, label), group, label), red
 
@@ -324,7 +324,6 @@ class SplitOps:
             self._save(self._fresh((rows, c)), torch.empty(rows, dtype=torch.int64, device="meta"),
                        torch.empty(rows, dtype=torch.bool, device="meta"))
             return (self._fresh((rows,)) * (target != ignore).to(torch.float32)).sum() / denom, Lay("loss", lay.L)
-        from runtime.split_loss import split_cross_entropy
         hg = geo.hid_group(lay.L)
         blk, _ = geo.hid_block(lay.L, self.coords)
         tok = split_cross_entropy(logits, target, blk, self.grid.group(hg), hg)

@@ -16,12 +16,13 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autopar.rules.layout import Layout
+from autopar.errors import ExecutionError
+from runtime import loss as RL
 
 
 def global_mean(builder, n: fx.Node, out: fx.Node, args, kwargs, op: dict) -> fx.Node:
     """A mean loss run as a local sum: divide by its global denominator, and remember what
     the count program must count (module doc)."""
-    from runtime import loss as RL
 
     target = args[1]
     weight = _loss_arg(args, kwargs, 2, "weight", None)
@@ -34,7 +35,6 @@ def global_mean(builder, n: fx.Node, out: fx.Node, args, kwargs, op: dict) -> fx
 
 def count_program(builder, gm: fx.GraphModule, root) -> fx.GraphModule:
     """The program computing this rank's share of every mean loss's denominator (module doc)."""
-    from runtime import loss as RL
 
     wanted = [x for t, w, _ in builder.count_args for x in (t, w) if isinstance(x, fx.Node)]
     keep: set[fx.Node] = set()
@@ -48,7 +48,6 @@ def count_program(builder, gm: fx.GraphModule, root) -> fx.GraphModule:
     trainable = {name for name in builder.traced.param_fqn if name not in builder.traced.buffers}
     bad = sorted(x.name for x in keep if x.op == "placeholder" and x.name in trainable)
     if bad:
-        from autopar.errors import ExecutionError
         fqns = [builder.traced.param_fqn[b] for b in bad]
         raise ExecutionError(
             f"the mean losses {[n for n, _ in builder.mean_losses]} have targets or class weights computed from "

@@ -67,7 +67,7 @@ from autopar.rules.layout import Layout
 from autopar.rules import spec_for, tensor_inputs
 from autopar.rules.candidates import storage_roots
 from autopar.rules.localize import local_call
-from autopar.execution.microbatch import decompose, loss_scale
+from autopar.rules.microbatch import decompose, loss_scale
 from autopar.rules.strategy import Strategy
 from codegen.checkpoint import checkpointed_groups, outline_regions
 from codegen.loss_counts import count_program, global_mean
@@ -83,6 +83,8 @@ from runtime import rng as RNG
 from runtime import special as SP
 from autopar.rules.sequence import zigzag_axes
 from codegen import sp_ops as SPO
+from autopar.errors import ExecutionError
+from autopar.frontend.batching import plan_batch_dims
 
 
 def _val(node):
@@ -117,16 +119,14 @@ class _Builder:
         self.source: str | None = None           # traced node being emitted (pipeline stages split by it)
         self.region_nodes: dict[str, list[fx.Node]] = {}
         self.nm = int(plan.data.get("degrees", {}).get("num_micro_batches", 1) or 1)
-        from autopar.frontend.batching import plan_batch_dims
         self.batch_dims = plan_batch_dims(plan.data, len(traced.input_names))
         self.mean_losses: list[tuple[str, tuple[int, ...]]] = []
         self.count_args: list[tuple] = []        # per mean loss: (target node, weight node, ignore_index)
-        self.decomp = None                       # how the loss splits over micro-batches (autopar/execution/microbatch.py)
+        self.decomp = None                       # how the loss splits over micro-batches (autopar/rules/microbatch.py)
         if self.nm > 1:
-            from autopar.errors import ExecutionError
             if batch_carrying is None:
                 raise ExecutionError("generate: a plan with several micro-batches needs batch_carrying= "
-                                     "(autopar.execution.microbatch.batch_carrying of the global and micro-batch traces)")
+                                     "(autopar.rules.microbatch.batch_carrying of the global and micro-batch traces)")
             self.decomp = decompose(traced, batch_carrying)
             if self.decomp.error:
                 raise ExecutionError(f"the plan runs {self.nm} micro-batches but {self.decomp.error}")
@@ -204,7 +204,6 @@ class _Builder:
         missing = [n.name for n in nodes if n.op == "call_function" and n.target is not operator.getitem
                    and n.name not in self.ops]
         if missing:
-            from autopar.errors import ExecutionError
             raise ExecutionError(f"the plan has no strategy for nodes {missing[:5]} of the traced graph: "
                                  f"plan made for a different model or graph")
 
@@ -275,10 +274,8 @@ class _Builder:
 
         ckpt = checkpointed_groups(traced, self.plan)
         selective = selective_regions(traced, self.plan)   # attention cores recomputed selectively
-        out_node = None
         for k, n in enumerate(nodes):
             if n.op == "output":
-                out_node = n
                 continue
             if n.op == "get_attr":
                 self._emit_attr(n)
@@ -447,7 +444,7 @@ def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None
              compute_dtype: torch.dtype | None = None, device=None, batch_carrying: set[str] | None = None) -> RankProgram:
     """The per-rank program of ``plan`` for ``rank`` (see the module docstring). ``traced`` is the
     graph of ONE micro-batch; with several micro-batches ``batch_carrying`` names its nodes whose
-    values carry the batch (``autopar.execution.microbatch.batch_carrying``)."""
+    values carry the batch (``autopar.rules.microbatch.batch_carrying``)."""
     if not 0 <= rank < plan.mesh.size:
         raise ValueError(f"rank {rank} is outside the plan's mesh {plan.mesh.describe()} ({plan.mesh.size} ranks)")
     return _Builder(traced, plan, rank, zero3_chunks, compute_dtype, device, batch_carrying).build()

@@ -68,6 +68,13 @@ class RankProgram:
         used = self.param_layouts[fqn].axes_used()
         return math.prod(self.mesh_shape[a] for a in model_axes if a not in used)
 
+    def counts_norm(self, fqn: str, model_axes) -> bool:
+        """Whether this rank is the one of the ranks over ``model_axes`` holding the same block of
+        ``fqn`` that counts it in a per-tensor norm (LAMB, LARS): coordinate 0 on every axis the
+        parameter is replicated on."""
+        used = self.param_layouts[fqn].axes_used()
+        return all(self.coords[a] == 0 for a in model_axes if a not in used)
+
     def first_reads(self) -> list[str]:
         """Parameter placeholder names in the order the program first reads them."""
         first = {}

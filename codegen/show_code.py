@@ -8,6 +8,11 @@ of the mean losses' denominators when it has one (codegen/loss_counts.py).
 from __future__ import annotations
 
 from codegen.per_rank import generate
+from autopar.errors import ExecutionError
+from autopar.frontend.batching import plan_batch_dims
+from autopar.frontend.trace import trace
+from autopar.models import load_factory
+from autopar.rules.microbatch import batch_carrying
 
 
 def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
@@ -15,9 +20,6 @@ def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
     ``factory`` is a zoo name / "module:FN" / a callable returning (model, example_inputs);
     ``pairs`` are "name=value" keyword arguments for it (values parsed as Python literals)."""
     import ast
-
-    from autopar.models import load_factory
-    from autopar.frontend.trace import trace
 
     fn = load_factory(factory) if isinstance(factory, str) else factory
     kwargs = {}
@@ -31,13 +33,10 @@ def per_rank_code(plan, rank: int, factory, pairs=()) -> str:
     nm = plan.data["degrees"].get("num_micro_batches", 1) or 1
     traced = trace(model, inputs)
     if traced.fingerprint != plan.fingerprint:
-        from autopar.errors import ExecutionError
         raise ExecutionError(f"plan made for a different model: plan fingerprint {plan.fingerprint[:12]}, "
                              f"{factory} traces to {traced.fingerprint[:12]}")
     carrying = None
     if nm > 1:   # the program runs one micro-batch: cut every input along its batch dim
-        from autopar.frontend.batching import plan_batch_dims
-        from autopar.execution.microbatch import batch_carrying
         dims = plan_batch_dims(plan.data, len(inputs))
         micro = trace(model, tuple(x if d is None else x.narrow(d, 0, x.shape[d] // nm) for x, d in zip(inputs, dims)))
         carrying, traced = batch_carrying(traced, micro), micro

@@ -47,6 +47,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import ExecutionError
+from runtime import context as RC
 
 
 @dataclass
@@ -192,7 +193,6 @@ def add_zero3_regions(sp: StageProgram, chunk_of: dict[str, int], returns_loss: 
     ``chunk_of``: parameter placeholder name -> index of its chunk in the rank's sharded optimizer
     (parameters not in it, e.g. buffers, are left alone); ``returns_loss``: the stage's output is
     the loss (the last stage), so a region ending there is not freed (backward needs it at once)."""
-    from runtime import context as RC
 
     g = sp.gm.graph
     nodes = list(g.nodes)

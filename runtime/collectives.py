@@ -139,7 +139,7 @@ def _raw_reduce_scatter(x, dim, group, label):
         # gloo lacks reduce_scatter before torch 2.6: reduce everything, keep a copy of my block.
         # A copy, not a view: a view of a leading-dim block keeps the whole reduced buffer alive
         # in whatever saves it (n times what the plan prices, and what NCCL's output holds:
-        # Hugging Face Bloom under Megatron-SP saved 6-7% more than planned, found 2026-11-26)
+        # Hugging Face Bloom under Megatron-SP saved 6-7% more than planned)
         full = x.contiguous().clone()
         dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
         return _blocks(full, n, dim)[me].clone()

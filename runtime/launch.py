@@ -36,7 +36,7 @@ def _free_port() -> int:
     """A port free now, below the ephemeral range when one is: the store's port is picked here
     and bound later by rank 0, and in between gloo's own connections (each rank pair opens some,
     and parallel test workers run many groups) take ephemeral ports; one of them taking this
-    port made init fail with EADDRINUSE (twice in one CI run, 2026-11-27)."""
+    port made init fail with EADDRINUSE (it happened in CI)."""
     import random
 
     top = _ephemeral_start()

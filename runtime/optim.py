@@ -12,7 +12,9 @@ LAMB and LARS scale the update of each *tensor* by a trust ratio built from per-
 On a flat shard one tensor may be split across ranks, so ``step`` takes ``Segments`` (which
 element ranges of the buffer belong to which logical tensor) and an optional
 ``reduce_sq_norms`` callable that sums per-tensor squared norms in place across the shards
-holding parts of the same tensors (e.g. an all_reduce over the data-parallel group).
+holding parts of the same tensors: runtime/zero.py sums them over the data group when ZeRO shards
+the chunk and over the model axes that split the tensor, each replicated block counted once, so
+the ratios are the whole tensors' under every plan.
 """
 from __future__ import annotations
 
@@ -94,17 +96,30 @@ class Adam(FlatOptimizer):
     state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, decoupled: bool = False):
+                 weight_decay: float = 0.0, decoupled: bool = False, fused: bool = False):
         super().__init__(lr)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay, self.decoupled = float(eps), float(weight_decay), decoupled
+        self.fused = fused   # AdamW as one Triton kernel (runtime/kernels/adamw.py) where it can run
         if decoupled:
             self.name = "adamw"
+
+    def _fused_here(self, param, grad) -> bool:
+        if not (self.fused and self.decoupled):
+            return False
+        from runtime.kernels.ops import use_triton
+        return use_triton(param) and grad.dtype == param.dtype == torch.float32 and grad.is_contiguous() \
+            and param.is_contiguous()
 
     @torch.no_grad()
     def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None):
         lr, b1, b2 = self.lr, self.beta1, self.beta2
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if self._fused_here(param, grad):
+            from runtime.kernels.adamw import adamw_step
+            adamw_step(param, grad, exp_avg, exp_avg_sq, lr=lr, betas=(b1, b2), eps=self.eps,
+                       weight_decay=self.weight_decay, step=int(step_no))
+            return
         # Same op sequence as torch.optim.adam._single_tensor_adam (capturable=False).
         if self.weight_decay != 0:
             if self.decoupled:
@@ -223,12 +238,13 @@ class LARS(FlatOptimizer):
         param.sub_(buf)
 
 
-def make_optimizer(name: str, lr: float, **hparams) -> FlatOptimizer:
-    """``name`` in adamw | adam | sgd | lamb | lars; hparams as in the matching class."""
+def make_optimizer(name: str, lr: float, fused: bool = False, **hparams) -> FlatOptimizer:
+    """``name`` in adamw | adam | sgd | lamb | lars; hparams as in the matching class. ``fused``:
+    AdamW's step as one Triton kernel where it can run (the others have none yet)."""
     key = name.lower()
     if key == "adamw":
         hparams.setdefault("weight_decay", 1e-2)  # torch.optim.AdamW's default
-        return Adam(lr, decoupled=True, **hparams)
+        return Adam(lr, decoupled=True, fused=fused, **hparams)
     if key == "adam":
         return Adam(lr, decoupled=False, **hparams)
     if key == "sgd":

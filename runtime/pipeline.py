@@ -18,7 +18,7 @@ How the pieces meet PyTorch's runtime:
   last stage reads the labels, any stage the masks or positions it recomputes, whatever order the
   schedule runs the micro-batches in.
 - The last stage's program returns its micro-batch's exact SHARE of the step's loss (runtime/loss.py
-  global denominators, 1/m scales; autopar/execution/microbatch.py), so the schedule's loss function is the
+  global denominators, 1/m scales; autopar/rules/microbatch.py), so the schedule's loss function is the
   identity on that output, losses and gradients are sums over micro-batches and the schedule must
   not rescale gradients (``scale_grads=False``).
 - Gradients accumulate in ``p.grad`` over the micro-batches; the caller's DP/ZeRO reducer runs once

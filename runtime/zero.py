@@ -53,6 +53,15 @@ norms, each parameter weighted by ``norm_weights`` (1/r for a parameter replicat
 ``extra_norm_groups``, e.g. a bias every tensor-parallel rank holds whole), summed over the data
 group (shards) and over ``extra_norm_groups``.
 
+LAMB and LARS scale each tensor's update by a ratio of its WHOLE norms (of the weight and of the
+update or gradient), whatever the tensor is split on. The local squared norms (per tensor, from
+the chunk's Segments: a flat ZeRO shard never mixes two tensors in one norm) are summed over the
+data group when the chunk is sharded (stages 1-3: the shards hold disjoint pieces) and over
+``tensor_norm_groups`` (the groups a plan's model axes form: tensor-parallel blocks are disjoint
+pieces too). A rank holding a replica of a block that another rank of those groups also holds
+(a norm weight every tensor-parallel rank holds whole) lists the parameter in
+``tensor_norm_skip``: its norms count 0 there, so every block counts exactly once.
+
 A chunk may also be replicated OUTSIDE the data group (``shared_groups``: id(param) -> process
 group, e.g. a tied embedding and output head held by the first and the last pipeline stage, each
 stage with its own data group): at stages 2-3 its reduced gradient shard is then all-reduced
@@ -110,6 +119,7 @@ class _Chunk:
         self.ready: set = set() # ids of params whose gradient arrived since the last reduce (stages 2, 3)
         self.gathered = True    # stage 3: full buffer materialised
         self.shared_group = None  # group its gradient is also summed over (shared_groups)
+        self.norm_mask: Optional[Tensor] = None  # LAMB/LARS: 0 for tensors another rank counts
 
     def local_segments(self, sharded: bool) -> Segments:
         """Which logical tensor each element of the local buffer belongs to (padding: own id)."""
@@ -155,7 +165,8 @@ class ShardedOptimizer:
                  first_bucket_bytes: int = 2 ** 20, grad_scale: Optional[dict] = None,
                  norm_weights: Optional[dict] = None, working_dtype: Optional[torch.dtype] = None,
                  forward_order: Optional[Sequence[nn.Parameter]] = None,
-                 shared_groups: Optional[dict] = None):
+                 shared_groups: Optional[dict] = None,
+                 tensor_norm_groups: Sequence[dist.ProcessGroup] = (), tensor_norm_skip=()):
         """``extra_norm_groups``: groups over which the gradients are *additionally* split into
         disjoint pieces (e.g. tensor parallel), for the global clipping norm. ``grad_scale``:
         id(param) -> factor its gradient is multiplied by before the averaging over the data
@@ -171,7 +182,9 @@ class ShardedOptimizer:
         ``forward_order``: the parameters in the order the forward first uses them (stage 0's
         buckets follow its reverse, the order backward completes their gradients; default: the
         chunks' order). ``shared_groups``: id(param) -> group its chunk's gradient is also summed
-        over (module doc; stages 2-3)."""
+        over (module doc; stages 2-3). ``tensor_norm_groups`` / ``tensor_norm_skip``: where LAMB and
+        LARS sum their per-tensor norms, and the ids of the parameters whose block another rank of
+        those groups counts (module doc)."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
@@ -196,6 +209,8 @@ class ShardedOptimizer:
             self.dtype = working_dtype
         self.mixed = self.dtype != torch.float32
         self.norm_weights = dict(norm_weights or {})
+        self.tensor_norm_groups = tuple(tensor_norm_groups)
+        tensor_norm_skip = {id(p) if isinstance(p, Tensor) else p for p in tensor_norm_skip}
         self.chunks = [_Chunk(list(g), self.world, self.rank, self.dtype) for g in param_groups if len(g)]
         self._chunk_of = {id(p): c for c in self.chunks for p in c.params}
         self.shared_bytes = 0
@@ -232,6 +247,9 @@ class ShardedOptimizer:
                 del init
                 if optimizer.needs_segments:
                     c.segments = c.local_segments(sharded)
+                    if any(id(p) in tensor_norm_skip for p in c.params):   # counted by another rank
+                        c.norm_mask = torch.tensor([0.0 if id(p) in tensor_norm_skip else 1.0 for p in c.params]
+                                                   + [1.0], device=self.device)
                 if zero_stage >= 2:
                     c.grad_shard = torch.zeros(c.shard, dtype=self.dtype, device=self.device)
                 if zero_stage == 3:
@@ -312,11 +330,20 @@ class ShardedOptimizer:
         self.comm_log.append(("all_gather", _nbytes(c.flat)))
         return _all_gather_fn(c.flat, shard, group=self.group, async_op=True)
 
-    def _all_reduce_norms(self, t: Tensor) -> None:
-        if self.world == 1:
-            return
-        dist.all_reduce(t, group=self.group)
-        self.comm_log.append(("all_reduce", _nbytes(t)))
+    def _tensor_norm_reducer(self, c: _Chunk):
+        """LAMB/LARS: the callable summing a chunk's [k, tensors] local squared norms into the
+        whole tensors' (module doc), or None when this rank holds every tensor whole."""
+        groups = ([self.group] if self.stage >= 1 and self.world > 1 else []) + list(self.tensor_norm_groups)
+        if not groups:
+            return None
+
+        def reduce(t: Tensor) -> None:
+            if c.norm_mask is not None:
+                t.mul_(c.norm_mask)
+            for g in groups:
+                dist.all_reduce(t, group=g)
+                self.comm_log.append(("all_reduce", _nbytes(t)))
+        return reduce
 
     @property
     def bytes_sent(self) -> int:
@@ -446,7 +473,6 @@ class ShardedOptimizer:
             self.last_grad_norm = clip_grad_norm(grads, self.grad_clip, groups, comm_counter=self.comm_log,
                                                  weights=self._norm_weights())
         self.step_count += 1
-        reduce = None if self.stage == 0 or self.world == 1 else self._all_reduce_norms
         works = []
         if self._per_param:
             grads = iter(grads)
@@ -465,7 +491,8 @@ class ShardedOptimizer:
                 param = c.shard_param
             else:
                 param = c.flat[c.lo:c.hi]
-            self.opt.step(param, g, c.state, self.step_count, segments=c.segments, reduce_sq_norms=reduce)
+            self.opt.step(param, g, c.state, self.step_count, segments=c.segments,
+                          reduce_sq_norms=self._tensor_norm_reducer(c) if c.segments is not None else None)
             if self.mixed and self.stage == 0:
                 c.flat.copy_(param)
             elif self.mixed and self.stage == 3:

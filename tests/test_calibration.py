@@ -8,7 +8,7 @@ from autopar.cluster import Cluster
 from autopar.pricing.cost import Collectives, compute_time, profile_of
 from autopar.errors import ClusterError
 from autopar.mesh import Mesh
-from autopar.pricing.profile import Calibration, LinkCurves, interp
+from autopar.profile import Calibration, interp
 
 PROFILE = {
     "name": "test", "source": "hand-written", "gemm_dtype": "fp32",
@@ -177,7 +177,7 @@ def test_calibrate_measures_op_floors_on_cpu():
     """``autopar calibrate`` on a CPU writes a floor per chained rule, forward and backward, each
     a positive time of tens of microseconds at most a few milliseconds."""
     import torch
-    from autopar.pricing.calibrate import _op_floors, _timed
+    from autopar.execution.calibrate import _op_floors, _timed
     floors = _op_floors(lambda f: _timed(f, 3, lambda: None), torch.float32, torch.device("cpu"))
     assert set(floors) >= {"linear", "gelu", "add", "layer_norm", "softmax"}
     for rule, (f, b) in floors.items():
@@ -236,7 +236,7 @@ def test_collective_curves_never_price_a_smaller_message_slower():
     """A 1 KB all-reduce read 1.4 ms where 8 KB read 0.6 ms (another rank's skew in its loops):
     the fitted curve takes each size's time as the least of its own and every larger size's, so a
     smaller message never costs more; a curve already monotone in time is kept as measured."""
-    from autopar.pricing.calibrate import monotone_times
+    from autopar.execution.calibrate import monotone_times
     f = 1.0   # all_reduce over 2 ranks: bus bytes = bytes
     measured = [(1024.0, 1024 / 1.4e-3), (8192.0, 8192 / 0.6e-3), (65536.0, 65536 / 1.4e-3),
                 (524288.0, 524288 / 1.8e-3)]

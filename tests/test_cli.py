@@ -116,7 +116,8 @@ def test_factory_args_change_the_model(capsys, tmp_path, plans):
     p3, p2 = Plan.load(three), Plan.load(pinned)
     assert p3.fingerprint != p2.fingerprint
     assert len(p3.ops) > len(p2.ops)
-    blocks = lambda p: {o["module"].split(".")[1] for o in p.ops if o["module"].count(".") >= 2}
+    def blocks(p):
+        return {o["module"].split(".")[1] for o in p.ops if o["module"].count(".") >= 2}
     assert len(blocks(p3)) == len(blocks(p2)) + 1, (blocks(p3), blocks(p2))
     assert p3.degrees["zero"] == 1
     code, out, err = run(capsys, "diff", str(pinned), str(three))   # different models: refused

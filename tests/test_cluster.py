@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.cluster import PRESETS, Cluster, Device, FrozenMap, Link, parse_quantity
+from autopar.cluster import PRESETS, Cluster, Device, FrozenMap, Link
+from autopar.units import parse_quantity
 from autopar.errors import ClusterError, PlanError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cluster.yaml"

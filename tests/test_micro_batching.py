@@ -164,7 +164,7 @@ def regularized(how: str = "plain"):
 
 
 def _decompose(factory, nm=2):
-    from autopar.execution.microbatch import batch_carrying, decompose
+    from autopar.rules.microbatch import batch_carrying, decompose
     from autopar.frontend.trace import trace
 
     model, batch = factory()

@@ -39,6 +39,12 @@ from autopar.errors import ExecutionError
 from autopar.execution.placement import check_host_collectives
 from autopar.execution.placement import require_process_group as _require_pg
 from autopar.plans.plan import Plan
+from autopar.constraints import Constraints
+from autopar.execution import pipeline_run
+from autopar.execution.error_report import install
+from autopar.frontend.batching import plan_batch_dims
+from runtime import loss as RL
+from runtime.collectives import COMM_STATS
 
 
 class CompiledModel:
@@ -116,7 +122,6 @@ class CompiledModel:
         prog = self.program
         if prog.count_gm is None:
             return
-        from runtime import loss as RL
 
         counts = None
         for inputs in micro:
@@ -154,7 +159,6 @@ class CompiledModel:
         return self.guard.run(lambda: self._step(batch), "training step")
 
     def _step(self, batch) -> float:
-        from runtime import loss as RL
 
         micro = self._local_micro_batches(batch)
         self._set_denominators(micro, overlap=True)
@@ -177,7 +181,6 @@ class CompiledModel:
         return self._finish_loss(pending)
 
     def _pipelined(self, batch, train: bool) -> float:
-        from autopar.execution import pipeline_run
 
         micro = self._local_micro_batches(batch)
         self._set_denominators(micro)
@@ -238,7 +241,6 @@ class CompiledModel:
     # ------------------------------------------------------------------ communication
     def comm_stats(self) -> dict[str, int]:
         """Bytes per rank moved since the last reset, by mesh axis name (optimizer traffic under the data axis)."""
-        from runtime.collectives import COMM_STATS
 
         out = dict(COMM_STATS.snapshot())
         if self._ready:
@@ -250,8 +252,19 @@ class CompiledModel:
                 out["pp_tied"] = self.tied_bytes
         return out
 
+    def kernel_stats(self) -> dict[str, int]:
+        """Triton kernel launches on this rank since the last reset, by kernel family
+        (runtime/kernels); all zero when the plan runs torch ops (``plan.kernels``)."""
+        from runtime.kernels import kernel_stats
+
+        return kernel_stats()
+
+    def reset_kernel_stats(self) -> None:
+        from runtime.kernels import reset_kernel_stats
+
+        reset_kernel_stats()
+
     def reset_comm_stats(self) -> None:
-        from runtime.collectives import COMM_STATS
 
         COMM_STATS.reset()
         if self._ready:
@@ -271,7 +284,8 @@ class _nullcontext:
 
 def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "adamw", lr: float = 1e-3,
             plan_options: dict | None = None, precision: str | None = None, grad_clip: float | None = None,
-            loss_fn=None, batch_dims=None, weights=None, **optimizer_kwargs) -> CompiledModel:
+            loss_fn=None, batch_dims=None, weights=None, kernels: str | None = None,
+            **optimizer_kwargs) -> CompiledModel:
     """Set up ``model`` to train under ``plan`` (planned now on rank 0 when None) on the current
     process group. ``plan_options`` are keyword arguments for autopar.plan (e.g. constraints).
     ``precision``: "fp32" | "bf16" | None (the plan's on a GPU, fp32 on the CPU; module doc).
@@ -282,11 +296,12 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
     must match the plan's). Without ``example_inputs`` the set-up happens at the first ``step``.
     ``weights``: None (the model's own tensors), "init" (a meta model's initialization, run for this
     rank's shards only) or a directory (Hugging Face safetensors checkpoint or compiled.save());
-    see autopar/execution/weights.py."""
+    see autopar/execution/weights.py. ``kernels``: "auto" (Triton kernels on CUDA, torch ops on the
+    CPU), "triton" (on the CPU through Triton's interpreter, ``TRITON_INTERPRET=1``) or "torch";
+    with a given plan, the plan's choice (a different one is an error). docs/kernels.md."""
     _require_pg(cluster)
     check_host_collectives()
     if dist.get_world_size() > 1:   # an uncaught autopar error prints once, not once per rank
-        from autopar.execution.error_report import install
         install()
     if plan is not None and not isinstance(plan, Plan):
         raise ExecutionError(f"plan must be an autopar.Plan, got {type(plan).__name__}", collective=True)
@@ -298,7 +313,6 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
         raise ExecutionError(f"grad_clip must be a positive number, got {grad_clip!r}", collective=True)
     options = dict(plan_options or {})
     if "constraints" in options:   # a bad pin fails here, on every rank alike, not when rank 0 plans
-        from autopar.constraints import Constraints
         options["constraints"] = Constraints.coerce(options["constraints"])
     if loss_fn is not None and options.get("loss_fn", loss_fn) is not loss_fn:
         raise ExecutionError("compile() got two different loss functions (loss_fn= and plan_options['loss_fn']): "
@@ -310,13 +324,23 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
         options["loss_fn"] = loss_fn
     if batch_dims is not None:
         if plan is not None:
-            from autopar.frontend.batching import plan_batch_dims
             want = [batch_dims] * len(plan.data.get("inputs", [])) if isinstance(batch_dims, int) else list(batch_dims)
             if want != plan_batch_dims(plan.data, len(want)):
                 raise ExecutionError(f"batch_dims={batch_dims!r} differs from the plan's batch dims "
                                      f"{plan_batch_dims(plan.data, len(want))}: re-plan with batch_dims=...", collective=True)
         else:
             options["batch_dims"] = batch_dims
+    if kernels is not None:
+        from autopar.frontend.fuse import uses_kernels
+        try:
+            wanted = uses_kernels(kernels, cluster.backend)
+        except Exception as e:
+            raise ExecutionError(str(e), collective=True) from None
+        if plan is not None and wanted != (plan.kernels == "triton"):
+            raise ExecutionError(f"kernels={kernels!r} differs from the plan's kernels ({plan.kernels!r}): "
+                                 f"re-plan with kernels={kernels!r}", collective=True)
+        if plan is None:
+            options["kernels"] = kernels
     cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, options, precision, grad_clip,
                        loss_fn, weights)
     if example_inputs is not None:

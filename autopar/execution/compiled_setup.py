@@ -48,6 +48,22 @@ from autopar.errors import ExecutionError
 from autopar.execution.placement import run_device as _run_device
 from autopar.execution.placement import working_dtype as _working_dtype
 from autopar.plans.plan import Plan
+from autopar.api import plan as make_plan
+from autopar.execution import pipeline_run
+from autopar.execution.step_guard import StepGuard
+from autopar.execution.weights import all_on_meta, is_meta_model, weight_source
+from autopar.frontend.batching import batch_size, plan_batch_dims
+from autopar.frontend.blocks import param_chunks
+from autopar.frontend.trace import trace
+from autopar.rules.microbatch import batch_carrying
+from codegen import generate
+from codegen.grid_rank_program import build, is_grid_plan, plan_geometry
+from codegen.stages import split_stages
+from runtime import context, rng
+from runtime.failure_record import FailureRecord, job_store, next_job
+from runtime.grid import Grid25D, Grid2D, Grid3D
+from runtime.optim import make_optimizer
+from runtime.zero import ShardedOptimizer
 
 
 def _as_tuple(x):
@@ -60,7 +76,6 @@ def _broadcast_plan(model, example_inputs, cluster, plan_options, traced) -> Pla
     box = [None, None]
     if dist.get_rank() == 0:
         try:
-            from autopar.api import plan as make_plan
             options = dict(plan_options or {})
             options.setdefault("traced", traced)   # the graph every rank traced (loss_fn included)
             box[0] = make_plan(model, example_inputs, cluster, **options).to_json()
@@ -72,24 +87,39 @@ def _broadcast_plan(model, example_inputs, cluster, plan_options, traced) -> Pla
     return Plan.from_json(box[0])
 
 
+def _fuses_kernels(cm) -> bool:
+    """Whether this rank traces for the Triton kernels: the plan's choice, else compile's."""
+    if cm.plan is not None:
+        return cm.plan.kernels == "triton"
+    from autopar.frontend.fuse import uses_kernels
+    return uses_kernels((cm.plan_options or {}).get("kernels") or "auto", cm.cluster.backend)
+
+
+def check_kernels_run(device) -> None:
+    """A plan with Triton kernels needs triton, and on the CPU its interpreter."""
+    from runtime.kernels import available, interpreted
+    if device.type == "cpu" and not interpreted():
+        raise ExecutionError("the plan runs Triton kernels (plan.kernels == 'triton') and this rank runs on the "
+                             "CPU: set TRITON_INTERPRET=1 before starting Python to run them in Triton's "
+                             "interpreter, or re-plan with kernels='torch'", collective=True)
+    if not available():
+        raise ExecutionError("the plan runs Triton kernels (plan.kernels == 'triton') but triton is not "
+                             "installed here: pip install triton, or re-plan with kernels='torch'", collective=True)
+
+
 def setup(cm, example_inputs):
     """``CompiledModel._setup``: steps 1-3 of the module doc; ``cm`` is ready after it."""
-    from autopar.frontend.blocks import param_chunks
-    from autopar.frontend.trace import trace
-    from codegen import generate
-    from runtime import context, rng
-    from runtime.optim import make_optimizer
-    from runtime.zero import ShardedOptimizer
 
     example_inputs = _as_tuple(example_inputs)
-    from autopar.execution.weights import all_on_meta, is_meta_model
     meta = is_meta_model(cm.model)
     if meta:
         # A meta model traces (and plans) on meta copies of the batch, and of its real buffers
         # (accelerate.init_empty_weights() keeps them real): one device, nothing allocated.
         example_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    fused = _fuses_kernels(cm)
     with all_on_meta(cm.model, meta):
-        traced = trace(cm.model, example_inputs, cm.loss_fn)   # the same on every rank (an error too: no rank waits)
+        # the same on every rank (an error too: no rank waits)
+        traced = trace(cm.model, example_inputs, cm.loss_fn, kernels=fused)
         if cm.plan is None:
             cm.plan = _broadcast_plan(cm.model, example_inputs, cm.cluster, cm.plan_options, traced)
     plan = cm.plan
@@ -101,11 +131,9 @@ def setup(cm, example_inputs):
     if traced.fingerprint != plan.fingerprint:
         raise ExecutionError(f"plan made for a different model: the plan's fingerprint is "
                              f"{plan.fingerprint[:16]}, this model traces to {traced.fingerprint[:16]}", collective=True)
-    from codegen.grid_rank_program import is_grid_plan
     grid = is_grid_plan(plan)   # 2D / 2.5D / 3D: the grid program (codegen/grid_rank_program.py)
     nm = int(plan.degrees.get("num_micro_batches", 1) or 1)
     cm.nm = nm
-    from autopar.frontend.batching import batch_size, plan_batch_dims
     cm.batch_dims = plan_batch_dims(plan.data, len(example_inputs))
     cm.global_batch = batch_size([tuple(x.shape) for x in example_inputs], cm.batch_dims)
     cm._example = [(tuple(x.shape), x.dtype) for x in example_inputs]
@@ -117,27 +145,25 @@ def setup(cm, example_inputs):
         micro = tuple(x if d is None else x.narrow(d, 0, x.shape[d] // nm)
                       for x, d in zip(example_inputs, cm.batch_dims))
         with all_on_meta(cm.model, meta):
-            mt = trace(cm.model, micro, cm.loss_fn)
+            mt = trace(cm.model, micro, cm.loss_fn, kernels=fused)
         seq = lambda t: [(n.name, str(n.target)) for n in t.gm.graph.nodes if n.op == "call_function"]  # noqa: E731
         if seq(mt) != seq(traced):
             raise ExecutionError("re-tracing one micro-batch gave a different op sequence than the global "
                                  "batch; the model's graph depends on the batch size", collective=True)
-        from autopar.execution.microbatch import batch_carrying
-        carrying = batch_carrying(traced, mt)   # which values the micro-batches cut (autopar/execution/microbatch.py)
+        carrying = batch_carrying(traced, mt)   # which values the micro-batches cut (autopar/rules/microbatch.py)
         traced = mt
     else:
         carrying = None
     cm.traced = traced
     cm.device = _run_device()
+    if plan.kernels == "triton":
+        check_kernels_run(cm.device)
     cm.dtype = _working_dtype(plan.data.get("settings", {}).get("precision", "fp32"), cm.precision, cm.device)
     cm.pp = plan.pp
     if cm.pp > 1:
-        from autopar.execution import pipeline_run
         pipeline_run.check_options(cm)
     # Before the first collective of set-up, so every rank is registered before any step runs:
     # a rank failing mid-step is named to every rank (autopar/execution/step_guard.py).
-    from autopar.execution.step_guard import StepGuard
-    from runtime.failure_record import FailureRecord, job_store, next_job
     cm.guard = StepGuard(FailureRecord(job_store(), dist.get_rank(), dist.get_world_size(), next_job()),
                            dist.get_rank(), watch=cm.pp > 1)
     cm.ctx = context.setup(plan.mesh, cm.device.type, pp=cm.pp)
@@ -168,7 +194,6 @@ def setup(cm, example_inputs):
     prog = cm.program
     mine = set(prog.param_names)
     if cm.pp > 1:   # only this stage's part of the program and of the parameters
-        from codegen.stages import split_stages
         stages = plan.data["stages"]   # pp x v (virtual) stages; rank position r runs r, r + pp, ...
         unit_stage = [k for k, st in enumerate(stages) for _ in range(*st["blocks"])]
         cm.stage_programs = split_stages(prog, traced, unit_stage, len(stages))
@@ -229,30 +254,32 @@ def setup(cm, example_inputs):
             r *= len(cm.tied_stages[fqn])
         if r > 1:
             norm_weights[id(p)] = 1.0 / r
+    # LAMB / LARS: each tensor's norms summed over the model axes (disjoint blocks), a replicated
+    # block counted by one of the ranks holding it (runtime/zero.py module doc).
+    norm_skip = [p for fqn, p in cm.params.items() if not prog.counts_norm(fqn, model_axes)]
     shared = {}
     if cm.pp > 1:   # the groups that sum a tied parameter's gradient between its stages
-        from autopar.execution import pipeline_run
         shared = pipeline_run.make_tied_groups(cm)
     cm.opt = ShardedOptimizer(groups, cm.ctx.data_group, zero,
-                                make_optimizer(cm.optimizer_name, cm.lr, **cm.optimizer_kwargs),
+                                make_optimizer(cm.optimizer_name, cm.lr, fused=plan.kernels == "triton",
+                                               **cm.optimizer_kwargs),
                                 grad_clip=cm.grad_clip,
                                 # pipelined: the stages' norms are summed too (over the pp group)
                                 extra_norm_groups=[cm.ctx.groups[a] for a in model_axes]
                                 + ([cm.ctx.extra["pp_group"]] if cm.pp > 1 else []),
                                 grad_scale=grad_scale, norm_weights=norm_weights, working_dtype=cm.dtype,
-                                forward_order=_forward_order(cm), shared_groups=shared)
+                                forward_order=_forward_order(cm), shared_groups=shared,
+                                tensor_norm_groups=[cm.ctx.groups[a] for a in model_axes], tensor_norm_skip=norm_skip)
     if zero == 3:
         context.set_zero3(cm.opt)
     cm._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}
     if cm.pp > 1:
-        from autopar.execution import pipeline_run
         pipeline_run.setup(cm)
     cm._ready = True
 
 
 def _weight_source(cm, traced, prog, mine=None):
     """fqn, slices -> this rank's block (autopar/execution/weights.py weight_source)."""
-    from autopar.execution.weights import weight_source
     return weight_source(cm.model, traced, prog, cm.weights, cm.device,
                          getattr(cm, "_init_rng_state", None), mine)
 
@@ -267,8 +294,6 @@ def _forward_order(cm) -> list:
 
 def _grid_program(cm, traced):
     """A 2D / 2.5D / 3D plan's program (codegen/grid_rank_program.py) on this rank's grid."""
-    from codegen.grid_rank_program import build, plan_geometry
-    from runtime.grid import Grid2D, Grid3D, Grid25D
 
     geo = plan_geometry(cm.plan)
     if geo.zero == 3:

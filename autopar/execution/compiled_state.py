@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ExecutionError
+from autopar.execution import pipeline_run
 
 
 def gather_full(cm, local: torch.Tensor, fqn: str) -> torch.Tensor:
@@ -37,7 +38,6 @@ def full_state_dict(cm) -> dict[str, torch.Tensor]:
     """Full tensors, keys of model.state_dict() (tied aliases included); on every rank."""
     cm._need_ready()
     if cm.pp > 1:
-        from autopar.execution import pipeline_run
         return pipeline_run.full_state_dict(cm)
     out = {}
     for fqn, v in cm._local_values().items():
@@ -62,7 +62,6 @@ def full_optimizer_state(cm) -> dict[str, torch.Tensor]:
     """"{fqn}.{state name}" -> the full tensor (collective over the world)."""
     local = cm._optimizer_local_state()
     if cm.pp > 1:
-        from autopar.execution import pipeline_run
         return pipeline_run.full_optimizer_state(cm, local)
     return {f"{fqn}.{name}": cm._gather_full(t, fqn) for fqn, d in local.items() for name, t in d.items()}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from autopar.errors import ExecutionError, PlanError
 
 _installed = {"previous": None}
 
@@ -32,7 +33,6 @@ def _rank() -> int:
 
 def format_error(exc: BaseException, rank: int) -> str | None:
     """The line to print for ``exc`` on ``rank``, or None when another rank reports it."""
-    from autopar.errors import ExecutionError, PlanError
 
     collective = isinstance(exc, PlanError) or getattr(exc, "collective", False)
     if collective and rank != 0:
@@ -43,7 +43,6 @@ def format_error(exc: BaseException, rank: int) -> str | None:
 
 
 def _hook(exc_type, exc, tb):
-    from autopar.errors import ExecutionError, PlanError
 
     previous = _installed["previous"] or sys.__excepthook__
     if not isinstance(exc, (PlanError, ExecutionError)) or os.environ.get("AUTOPAR_VERBOSE"):

@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ExecutionError
+from autopar.plans.plan_schema import checkpoint_mode_of
+from codegen.stages import add_zero3_regions
+from runtime.pipeline import PipelineRunner, sum_tied_grads, tied_groups
 
 
 class _nullcontext:
@@ -37,7 +40,6 @@ class _nullcontext:
 
 def check_options(cm) -> None:
     """What pipelined execution does not do yet: a clear error before any group is made."""
-    from autopar.plans.plan_schema import checkpoint_mode_of
 
     modes = {checkpoint_mode_of(v) for v in (cm.plan.data["stages"][0].get("checkpoint") or {}).values()} - {"none"}
     if modes:
@@ -62,7 +64,6 @@ def make_tied_groups(cm) -> dict:
     Returns ``shared_groups`` for the sharded optimizer: under ZeRO-2/3 it sums the tied
     parameters' gradient shards itself (runtime/zero.py); under ZeRO <= 1 ``step`` sums the full
     gradients before the optimizer."""
-    from runtime.pipeline import tied_groups
 
     cm.tied_groups = tied_groups(cm.tied_stages, cm.pp, cm.plan.mesh.size, cm.rank % cm.plan.mesh.size)
     cm.tied_bytes = 0
@@ -74,13 +75,11 @@ def make_tied_groups(cm) -> dict:
 def setup(cm) -> None:
     """This rank's stage(s) under PyTorch's pipeline schedule (runtime/pipeline.py); under ZeRO-3
     each stage program gets its chunks' gather / free calls (codegen/stages.py add_zero3_regions)."""
-    from runtime.pipeline import PipelineRunner
 
     prog = cm.program
     values = {**cm.params, **cm.buffers}
     mine = [sp for sp in cm.stage_programs if sp.index % cm.pp == cm.stage]   # virtual stages r, r + pp, ...
     if cm.zero == 3:
-        from codegen.stages import add_zero3_regions
         chunk = {id(p): i for i, c in enumerate(cm.opt.chunks) for p in c.params}
         for sp in mine:
             add_zero3_regions(sp, {n: chunk[id(cm.params[prog.param_fqn[n]])] for n in sp.param_names
@@ -97,7 +96,6 @@ def step(cm, micro) -> float:
     """One step under the pipeline schedule: every micro-batch through this rank's stage,
     gradients accumulated, tied gradients summed between stages, the DP/ZeRO reducer and the
     optimizer once; the loss from the last stage to every rank."""
-    from runtime.pipeline import sum_tied_grads
 
     reducer = cm.opt.reducer
     with (reducer.no_sync() if reducer is not None else _nullcontext()):

@@ -26,6 +26,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.api import plan as make_plan
+from autopar.cluster import Cluster
+from autopar.execution import compiled
+from autopar.plans.plan import Plan
+from autopar.profile import Calibration
+from runtime import loss as RL
+
 CALLS = 50          # single calls per piece, the fastest kept
 ROWS_PER_RANK = 4
 
@@ -42,9 +49,6 @@ class _Tiny(nn.Module):
 def measure(profile: dict) -> float:
     """Seconds of host work per step outside the program's ops (module doc). Collective: every
     rank of the current group calls it; each returns the same value."""
-    import autopar
-    from autopar.pricing.profile import Calibration
-    from runtime import loss as RL
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(0)
@@ -52,17 +56,17 @@ def measure(profile: dict) -> float:
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(ROWS_PER_RANK * world, 8, generator=g),
              torch.randint(4, (ROWS_PER_RANK * world,), generator=g))
-    cluster = autopar.Cluster.preset("cpu", devices=world).with_calibration(
+    cluster = Cluster.preset("cpu", devices=world).with_calibration(
         Calibration.from_dict(profile, "autopar calibrate (so far)"))
     plan = None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        plan = autopar.plan(model, batch, cluster, precision="fp32",
+        plan = make_plan(model, batch, cluster, precision="fp32",
                             constraints={"dp": world, "tp": 1, "zero": 0, "num_micro_batches": 1}).to_json()
     if world > 1:   # one plan for every rank
         box = [plan]
         dist.broadcast_object_list(box, src=0)
         plan = box[0]
-    cm = autopar.compile(model, cluster, example_inputs=batch, plan=autopar.Plan.from_json(plan))
+    cm = compiled.compile(model, cluster, example_inputs=batch, plan=Plan.from_json(plan))
     for _ in range(3):
         cm.step(*batch)
     micro = cm._local_micro_batches(batch)

@@ -384,7 +384,7 @@ class SafetensorsWeights:
                     ([f"not in this model: {show(extra)}"] if extra else []) + \
                     ([f"shape differs: {show(bad)}"] if bad else [])
             raise ExecutionError(f"checkpoint {directory} does not match this model (" + "; ".join(parts) +
-                                 f"): nothing was loaded. Build the model from the checkpoint's config.json")
+                                 "): nothing was loaded. Build the model from the checkpoint's config.json")
 
     def _ckpt(self, fqn):
         return fqn[len(self.prefix):] if self.prefix and fqn.startswith(self.prefix) else fqn

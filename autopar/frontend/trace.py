@@ -32,6 +32,7 @@ from torch.fx import GraphModule, Node
 from autopar.frontend.blocks import (BlockGroup, _drop_unused_tied_placeholders, _strip_call_suffix, _tied_fqns,
                             find_blocks, fingerprint)
 from autopar.errors import TraceError
+from autopar.frontend.fuse import fuse
 from autopar.frontend.trace_checks import (_AutogradFunctionWatch, _backward_matches_forward, _check_arguments,
                                   _quiet_torch_logs, _strip, _trace_error)
 
@@ -57,6 +58,8 @@ class TracedGraph:
     # the model can be asked for ("...lifted_tensor_0"); their values live only here.
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     frozen: set[str] = field(default_factory=set)   # placeholder names of frozen parameters (also in buffers)
+    kernels: bool = False                 # traced for the Triton kernels: patterns fused (autopar/frontend/fuse.py)
+    fused: dict[str, int] = field(default_factory=dict)   # pattern -> how many were fused
     # Memos of what depends on the graph alone (autopar/rules/candidates.py): every mesh's
     # candidates ask for them
     op_specs: dict = field(default_factory=dict, repr=False, compare=False)   # node name -> OpSpec
@@ -115,13 +118,15 @@ def _num_model_args(model: nn.Module, n_inputs: int) -> int:
     return min(k, n_inputs)
 
 
-def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: str = "auto") -> TracedGraph:
+def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: str = "auto",
+          kernels: bool = False) -> TracedGraph:
     """Trace ``model`` on ``example_inputs`` (real or meta tensors) into a TracedGraph.
 
     With ``loss_fn`` the traced function is ``loss_fn(model(*inputs[:k]), *inputs[k:])`` where k
     is the number of required positional parameters of ``model.forward``; without it,
     ``model(*inputs)`` must return the scalar loss. ``frontend``: "auto" (export, then fx),
-    "export" or "fx" (mostly for tests).
+    "export" or "fx" (mostly for tests). ``kernels``: fuse the patterns the runtime's kernels
+    implement into their operators (autopar/frontend/fuse.py), as plans with Triton kernels run.
     """
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
@@ -156,11 +161,13 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
     _check_scalar_loss(gm, output_name, loss_fn)
     tied = _tied_fqns(model)
     _drop_unused_tied_placeholders(gm, param_fqn, buffers, tied)
+    fused = fuse(gm) if kernels else {}
     blocks, block_of = find_blocks(gm, model, param_fqn, buffers)
     return TracedGraph(gm=gm, param_fqn=param_fqn, buffers=buffers, tied=tied, input_names=input_names,
                        output_name=output_name, source=source, trace_seconds=seconds,
                        fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of,
-                       constants=constants, frozen=frozen & set(param_fqn))
+                       constants=constants, frozen=frozen & set(param_fqn), kernels=kernels,
+                       fused=fused)
 
 
 def _run_front_ends(model, root, example_inputs, frontend: str, prefix: str):

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.models import build, example_tokens
+from autopar.models.common import build, example_tokens
 
 
 @dataclass

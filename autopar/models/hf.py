@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import PlanError
-from autopar.models import build, example_tokens
+from autopar.models.common import build, example_tokens
 
 
 def _transformers():

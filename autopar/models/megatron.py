@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.models import build
+from autopar.models.common import build
 
 
 class MegatronLayer(nn.Module):

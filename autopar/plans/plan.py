@@ -1,6 +1,6 @@
 """The Plan: versioned, deterministic JSON — the only thing that crosses from planning to running.
 
-Schema (version 2; version-1 files are migrated on load, see ``migrate``):
+Schema (version 2; version-1 files are migrated on load, see ``plan_schema.migrate``):
   version, fingerprint (of the traced graph), cluster (Cluster.to_dict), mesh (Mesh.to_json),
   settings (optimizer, precision, memory budget, overlap), degrees (api.md's keys),
   stages: [{index, ranks: [first, last], nodes: [first node, last node], checkpoint: {block group: bool | "selective"}}]
@@ -22,22 +22,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from autopar.cluster import Cluster
 from autopar.errors import PlanError
-
-PLAN_VERSION = 2
-# Version 2: tp_mode "2d" now means SUMMA on a q x q grid (autopar/search/grid_search.py); the 2-axis
-# resharding mode version 1 called "2d" is "2d-reshard". ``migrate`` rewrites a version-1 plan
-# (nothing else changed, so its ops and params still run as they did).
-
-
-def migrate(data):
-    """A version-1 plan as version 2 (tp_mode "2d" -> "2d-reshard"); anything else unchanged."""
-    if isinstance(data, dict) and data.get("version") == 1 and isinstance(data.get("degrees"), dict):
-        data = dict(data, version=2, degrees=dict(data["degrees"]))
-        if data["degrees"].get("tp_mode") == "2d":
-            data["degrees"]["tp_mode"] = "2d-reshard"
-        data["migrated_from"] = 1
-    return data
+from autopar.mesh import Mesh
+from autopar.plans.plan_schema import PLAN_VERSION, check_plan_data, migrate  # noqa: F401  (PLAN_VERSION: public here too)
 
 
 def _round(x):
@@ -60,6 +48,16 @@ class Plan:
     @property
     def step_time(self) -> float:
         return self.data["predictions"]["step_time"]
+
+    @property
+    def kernels(self) -> str:
+        """"triton": the plan runs the fused Triton kernels (ops in ``fused``); "torch": ATen ops."""
+        return self.data.get("settings", {}).get("kernels", "torch")
+
+    @property
+    def fused(self) -> dict[str, int]:
+        """Fused pattern -> how many the traced graph had (autopar/frontend/fuse.py)."""
+        return dict(self.data.get("fused", {}))
 
     @property
     def peak_memory(self) -> int:
@@ -117,12 +115,10 @@ class Plan:
 
     @property
     def mesh(self):
-        from autopar.mesh import Mesh
         return Mesh.from_json(self.data["mesh"])
 
     @property
     def cluster(self):
-        from autopar.cluster import Cluster
         return Cluster.from_dict(self.data["cluster"])
 
     # ---- serialisation
@@ -135,8 +131,6 @@ class Plan:
     @staticmethod
     def from_json(text: str, source: str = "plan") -> "Plan":
         """Parse and validate (autopar/plans/plan_schema.py): a bad file is one PlanError naming the field."""
-        from autopar.plans.plan_schema import check_plan_data
-
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -160,7 +154,7 @@ class Plan:
         return Plan.from_json(text, source=f"plan file {p}")
 
     def summary(self) -> str:
-        from autopar.plans.report import summary_text
+        from autopar.plans.report import summary_text   # here: report needs rich, `import autopar` does not
         return summary_text(self)
 
     def __repr__(self) -> str:

@@ -7,10 +7,28 @@ then fail with one sentence instead of a ``KeyError`` deep inside a report.
 
 The schema is data (``_SCHEMA``): a field's path and the type it must have. Only what readers of a
 plan actually use is required, so a plan may carry more (later versions add fields freely).
+
+``PLAN_VERSION`` is the version written; ``migrate(data)`` reads an older one as the current one.
 """
 from __future__ import annotations
 
 from autopar.errors import PlanError
+
+PLAN_VERSION = 2
+# Version 2: tp_mode "2d" now means SUMMA on a q x q grid (autopar/search/grid_search.py); the 2-axis
+# resharding mode version 1 called "2d" is "2d-reshard". ``migrate`` rewrites a version-1 plan
+# (nothing else changed, so its ops and params still run as they did).
+
+
+def migrate(data):
+    """A version-1 plan as version 2 (tp_mode "2d" -> "2d-reshard"); anything else unchanged."""
+    if isinstance(data, dict) and data.get("version") == 1 and isinstance(data.get("degrees"), dict):
+        data = dict(data, version=2, degrees=dict(data["degrees"]))
+        if data["degrees"].get("tp_mode") == "2d":
+            data["degrees"]["tp_mode"] = "2d-reshard"
+        data["migrated_from"] = 1
+    return data
+
 
 _NUMBER = (int, float)
 
@@ -113,8 +131,6 @@ def checkpoint_mode_of(value) -> str:
 
 def check_plan_data(data, source: str = "plan") -> None:
     """Raise PlanError for the first field of ``data`` a plan reader would trip on."""
-    from autopar.plans.plan import PLAN_VERSION
-
     fix = "re-create it with `autopar plan` (or autopar.plan(...).save(path))"
     if not isinstance(data, dict):
         raise PlanError(f"{source} is not a plan file: it holds {_shown(data)}, not a JSON object; {fix}")

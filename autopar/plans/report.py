@@ -7,6 +7,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from autopar.plans.plan_schema import checkpoint_mode_of
+
 
 def _gib(x: float) -> str:
     if x >= 2**30:
@@ -71,8 +73,6 @@ def summary_table(plan) -> Table:
 
 def checkpoint_text(plan) -> str:
     """Per block group what backward recomputes: "blocks: selective (attention cores)" etc."""
-    from autopar.plans.plan_schema import checkpoint_mode_of
-
     stages = plan.data.get("stages") or [{}]
     decided = stages[0].get("checkpoint") or {}
     what = {"none": "none", "selective": "selective (attention cores)", "full": "full (whole blocks)"}

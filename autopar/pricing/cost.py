@@ -58,9 +58,9 @@ kernel each, on GPUs too), not what one fused kernel would: AdamW (fp32, weight 
 and writes per element: param.mul_ 8, exp_avg.lerp_ 12, exp_avg_sq.mul_ 8, addcmul_ 12, sqrt 8,
 div_ 8, add_ 8, param.addcdiv_ 16 = 80 (Adam without decay 72; SGD with momentum 32; LAMB 136;
 LARS 80). Mixed precision adds the gradient's upcast (read 2, write 4) and the master's cast back
-(read 4, write 2): +12. tests/test_cost.py counts them from the optimizers' dispatched ops. (Until
-2026-11-27 the table held a fused kernel's 28 B for AdamW: the bench GPT's step priced 0.62 ms
-against 0.89 ms measured.)
+(read 4, write 2): +12. tests/test_cost.py counts them from the optimizers' dispatched ops. A plan
+with the Triton kernels steps AdamW in one kernel (runtime/kernels/adamw.py): 28 B per element
+and one launch per tensor (``_FUSED_OPT_BYTES``).
 
 ``exposed_comm``: communication that overlaps with independent compute only shows what is
 left over: ``max(0, comm - compute)``; without overlap all of it.
@@ -75,7 +75,7 @@ from autopar.cluster import Cluster, Device, Link
 from autopar.errors import PlanError
 from autopar.pricing.memory import check_optimizer, check_precision
 from autopar.mesh import Mesh
-from autopar.pricing.profile import Calibration, LinkCurves, builtin_for, interp
+from autopar.profile import Calibration, LinkCurves, builtin_for, interp
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -140,7 +140,7 @@ def compute_time(flops: float, nbytes: float, dtype: str, device: Device,
         # A measured rate wins over the GEMM curve for a contraction too: SDPA (q·k, then ·v) is
         # a contraction, but its kernel (blocked online softmax around small GEMMs) is not a GEMM
         # of its intensity. On these CPUs the GEMM curve priced the bench GPT's attention at 0.55
-        # ms a call where it runs in 0.86 ms and its own measured rate says 0.80 (2026-11-27).
+        # ms a call where it runs in 0.86 ms and its own measured rate says 0.80.
         rate = measured or cal.vector_rate or cal.gemm[-1][1]
         t_math = flops / (rate * _dtype_scale(device, dtype, cal.gemm_dtype))
     return max(t_math, t_mem) + cal.kernel_overhead
@@ -190,7 +190,7 @@ _STEPS = {"all_reduce": lambda n: 2 * (n - 1)}
 
 
 def _curve(kind: str, nbytes: float, n: int, lc: LinkCurves, nvls: bool = False) -> float:
-    """Measured bus bandwidth by message size (nccl-tests convention, see autopar/pricing/profile.py):
+    """Measured bus bandwidth by message size (nccl-tests convention, see autopar/profile.py):
     t = factor(n) · S / busbw(S), busbw from the curve measured at the group size nearest ``n``;
     when that size differs, each extra (or missing) ring step adds (removes) ``hop_latency``.
     NVLink SHARP (an ``all_reduce_nvls`` curve) is used for all-reduce on more than 4 GPUs only."""
@@ -273,21 +273,29 @@ _OPT_BYTES = {"adamw": 80, "adam": 72, "sgd": 32, "lamb": 136, "lars": 80}
 MIXED_CAST_BYTES = 2 + 4 + 4 + 2   # the gradient upcast to fp32, the master cast back (runtime/zero.py)
 
 
-def optimizer_bytes_per_element(optimizer: str, precision: str) -> int:
+# the fused Triton steps (runtime/kernels): each tensor read once, the updated ones written once
+# (AdamW: param, grad, exp_avg, exp_avg_sq in; param, exp_avg, exp_avg_sq out)
+_FUSED_OPT_BYTES = {"adamw": 28}
+
+
+def optimizer_bytes_per_element(optimizer: str, precision: str, fused: bool = False) -> int:
     check_optimizer(optimizer)
     check_precision(precision)
-    return _OPT_BYTES[optimizer] + (0 if precision == "fp32" else MIXED_CAST_BYTES)
+    step = _FUSED_OPT_BYTES.get(optimizer, _OPT_BYTES[optimizer]) if fused else _OPT_BYTES[optimizer]
+    return step + (0 if precision == "fp32" else MIXED_CAST_BYTES)
 
 
 def optimizer_step_time(numel_local: float, optimizer: str, precision: str, device: Device,
-                        calibration: Calibration | None = None) -> float:
-    """Seconds for one optimizer step over ``numel_local`` parameter elements on one device."""
+                        calibration: Calibration | None = None, fused: bool = False) -> float:
+    """Seconds for one optimizer step over ``numel_local`` parameter elements on one device
+    (``fused``: the plan runs the Triton kernels, which fuse AdamW's step)."""
     _non_negative(numel_local=numel_local)
-    per = optimizer_bytes_per_element(optimizer, precision)
+    per = optimizer_bytes_per_element(optimizer, precision, fused)
     if numel_local == 0:
         return 0.0
     cal = calibration if calibration is not None else builtin_for(device)
-    if cal is not None and cal.optimizer_overhead:
+    if cal is not None and cal.optimizer_overhead and not (fused and optimizer in _FUSED_OPT_BYTES):
+        # (a fused step is one kernel per tensor: the memory time plus one launch, below)
         return compute_time(0.0, numel_local * per, "fp32", device, calibration=cal) \
             - cal.kernel_overhead + cal.optimizer_overhead
     return compute_time(0.0, numel_local * per, "fp32", device, calibration=calibration)

@@ -19,7 +19,7 @@ all-gather, reduce-scatter or all-reduce, whose buffer is not split by the axis,
 the axis' size when a side splits over it: ``_NOT_A2A``), an axis the destination does not split over leaves by an
 all-gather or all-reduce, never an all-to-all, and a collective costs at least its latency terms
 (``latency_floor``) and at least the least it costs on that many bytes or more (``_least_from``).
-With the bandwidth term (2026-11-27; the latency terms alone before) the floors prune GPT 18.4B's
+With the bandwidth term the floors prune GPT 18.4B's
 (tp=8, 256 A100s) configurations that used to be priced first (``pair_floors``; checked against
 the cheapest reshard on random layout pairs, tests/test_reshard.py).
 """
@@ -32,6 +32,8 @@ import numpy as np
 from autopar.pricing.edge_price import edge_groups, edge_layouts
 from autopar.pricing.price import Priced, mesh_comm
 from autopar.rules.layout import Layout
+from autopar.pricing.cost import profile_of
+from autopar.pricing.local_bytes import runtime_itemsize
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 _UNUSED, _PARTIAL = -1, -2
@@ -106,8 +108,6 @@ def _least_from(comm, cluster, mesh):
     axis whose groups span nodes adds terms of other sizes: only its latency floor (0 here)."""
     import bisect
 
-    from autopar.pricing.cost import profile_of
-
     cal = profile_of(cluster)
     sizes = [] if cal is None else sorted({x for _, _, table in cal.intra.curves for x, _ in table})
     suffix: dict = {}
@@ -159,7 +159,6 @@ def bandwidth_floors(c, cluster, nm: int, precision: str) -> dict:
     micro-batch) split at most by the axes source or destination split it over (moves only put
     axes where the destination wants them), so a collective moves at least that block's bytes;
     ``_least_from`` gives the least a collective on that many bytes or more costs."""
-    from autopar.pricing.local_bytes import runtime_itemsize
 
     def make() -> dict:
         lat, least, groups = _kept(c, ("floor parts", cluster), cluster, lambda: _floor_parts(c, cluster))

@@ -44,6 +44,7 @@ class Settings:
     # None: the ILP decides per block group; "none" | "selective" | "full": pinned for every group; a
     # sorted tuple of (block group name, bool | mode): those groups pinned, the others by the ILP.
     checkpoint: str | tuple | None = None
+    kernels: bool = False   # the plan runs the Triton kernels (autopar/frontend/fuse.py): fused optimizer step
 
 
 def _chunk_numel(c: Candidates) -> dict[str, int]:
@@ -120,9 +121,8 @@ def has_contraction(spec) -> bool:
     and n around k; q·k: s and t around d): a GEMM, priced at the GEMM rate for its intensity
     and with a weight-gradient kernel in backward. A letter summed within one input (a sum, a
     mean, an embedding's table rows) or against an index tensor with no letter of its own (a
-    loss's targets) is a reduction, not a GEMM. (Every summed letter counted until 2026-11-26:
-    cross-entropy was priced as a GEMM of arithmetic intensity 0.5, 2.9 ms where it runs in
-    0.25 ms on these CPUs, and its FLOPs counted 3x in model FLOPs.)"""
+    loss's targets) is a reduction, not a GEMM (counted as one, cross-entropy would be a GEMM of
+    arithmetic intensity 0.5: priced 2.9 ms where it runs in 0.25 ms on these CPUs)."""
     out = set("".join(spec.outputs))
     ins = [set(x) for x in spec.inputs if x]
     for a in range(len(ins)):
@@ -278,7 +278,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                 if name not in c.needs_grad:
                     continue
                 opt_local = local / (dp if s.zero >= 1 else 1)
-                opt_t[j] = optimizer_step_time(opt_local, s.optimizer, s.precision, device, cal) * k
+                opt_t[j] = optimizer_step_time(opt_local, s.optimizer, s.precision, device, cal, s.kernels) * k
                 gbytes = local * (2 if s.precision == "bf16" else 4)
                 pbytes = local * (2 if s.precision == "bf16" else 4)
                 for a in mesh.data_axes():
@@ -518,9 +518,8 @@ def _op_base(c: Candidates, info: NodeInfo, precision: str, cuda: bool, roots, c
 def batch_free(c: Candidates, root: str) -> bool:
     """Does storage root ``root`` not carry the batch, so a micro-batch count does not cut it? A
     value the op letters give no batch dim and with no dim of the global batch's size: a RoPE
-    table from positions ([1, s, d]), a causal mask ([1, 1, s, s]). (Until 2026-11-26 every saved
-    byte was divided by the micro-batch count: at two micro-batches Hugging Face Llama's cos and
-    sin tables were charged half of what every micro-batch keeps.) A value of the batch's size
+    table from positions ([1, s, d]), a causal mask ([1, 1, s, s]): every micro-batch keeps it whole
+    (Hugging Face Llama's cos and sin tables). A value of the batch's size
     the letters missed (a buffer expanded to the batch, BERT's token types) stays cut."""
     memo = c.memo.batch_free
     got = memo.get(root)

@@ -42,6 +42,7 @@ from autopar.pricing.saved_roots import _VIEWISH
 from autopar.rules.candidates import Candidates
 from autopar.rules.layout import Layout, memory_order
 from autopar.rules.localize import local_call
+from autopar.rules.sequence_attention import RING
 
 # ops returning a tuple of views of their input (read through getitem)
 _TUPLE_VIEWS = {"split", "split_with_sizes", "chunk", "unbind", "tensor_split"}
@@ -53,7 +54,6 @@ def _op_name(node) -> str:
 
 def zigzag_axes(c: Candidates, pick: dict[str, int]) -> set[int]:
     """Mesh axes whose splits the plan makes zig-zag (load-balanced ring attention runs on them)."""
-    from autopar.rules.sequence_attention import RING
 
     axes = set()
     for n, k in pick.items():
@@ -213,7 +213,7 @@ def copy_bytes_by_instance(c: Candidates, P, pick: dict[str, int]) -> dict[str, 
     instances, and their inputs need not be alike. The first instance reads the prologue (an
     embedding) where the others read the previous instance, so a reshard that copies into the
     first instance only is one copy, not one per repeat (a Llama under Megatron-SP with a
-    replicated embedding: 4 KB a stage counted twice, found 2026-11-26). Each saved input is
+    replicated embedding: 4 KB a stage counted twice). Each saved input is
     replayed once per group of instances whose producer is alike (same representative) and
     charged to those instances; storages are told apart by (representative name, the instances
     that save them)."""

@@ -11,6 +11,8 @@ import numpy as np
 from autopar.rules.candidates import Candidates
 from autopar.pricing.price import Priced, Settings
 from solver.problem import CheckpointGroup
+from autopar.errors import ConstraintError
+from autopar.rules.attention_core import attention_cores
 
 
 def selective_groups(c: Candidates, P: Priced, s: Settings, groups: dict, cgroups: list, index: dict) -> list:
@@ -29,13 +31,10 @@ def selective_groups(c: Candidates, P: Priced, s: Settings, groups: dict, cgroup
     and time are then exactly the block group's. Also applies the checkpoint pins of ``s`` to
     every group (bool or "none" / "selective" / "full"; a global "selective" leaves groups
     without an attention core unchecked)."""
-    from autopar.rules.attention_core import attention_cores
-    from autopar.errors import ConstraintError
 
     cores = attention_cores(c.graph)
     pins = dict(s.checkpoint) if isinstance(s.checkpoint, tuple) else {}
     rootmaps = [c.storage_root] + list(c.memo.device_roots.values())
-    saved_anywhere = {r for d in P.saved_by_root.values() for r in d}
     out = []
     for g in sorted(groups):
         grp = groups[g]

@@ -204,7 +204,7 @@ def _expanded_to_batch(node, spec, letters: frozenset, out_batch: list, batch: i
     (Hugging Face BERT's token-type ids: a buffer ``expand``-ed to (batch, seq)): the letters,
     which only follow inputs, miss it, and pricing then took that dim for whole in every
     micro-batch (the reshard after its embedding priced 2x at two micro-batches). Execution
-    finds batch-carrying values from the traced shapes (autopar/execution/microbatch.py)."""
+    finds batch-carrying values from the traced shapes (autopar/rules/microbatch.py)."""
     if node.target is not torch.ops.aten.expand.default or not spec.outputs or not spec.outputs[0]:
         return letters, out_batch
     xs, os_ = tensor_shape(node_val(node.args[0])), tensor_shape(node_val(node))

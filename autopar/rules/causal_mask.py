@@ -1,4 +1,4 @@
-"""Is an SDPA's explicit ``attn_mask`` the causal mask? (issue 7: ring / Ulysses attention under
+"""Is an SDPA's explicit ``attn_mask`` the causal mask? (ring / Ulysses attention under
 Hugging Face models, which build the mask themselves and pass it instead of ``is_causal=True``.)
 
 ``mask_is_causal(sdpa_node)`` answers from the traced graph alone, so the answer holds for every

@@ -1,4 +1,4 @@
-"""The Ulysses x ring hybrid in the planner (issue 7, ``sp_mode="hybrid"``): its pins, its meshes,
+"""The Ulysses x ring hybrid in the planner (``sp_mode="hybrid"``): its pins, its meshes,
 its attention strategies and what the plan reports. autopar/rules/sequence.py owns sequence
 parallelism in general and calls into this module for the hybrid; runtime/hybrid_sp.py runs it.
 
@@ -36,7 +36,11 @@ import math
 
 from autopar.errors import ConstraintError
 from autopar.mesh import Mesh, enumerate_meshes
+from autopar.rules.attention_split import refuse_shape, sequence_split, sequence_strategy
 from autopar.rules.strategy import Strategy
+from runtime.hybrid_sp import hybrid_bytes
+from runtime.ring_attention import ring_attention_flops
+from runtime.seq_layout import kv_repeat_factor
 
 HYBRID = "hybrid_attention"                         # ring pieces zig-zag (causal, load-balanced)
 HYBRID_CONTIGUOUS = "hybrid_attention_contiguous"   # ring pieces contiguous (no causal mask)
@@ -180,7 +184,6 @@ def attention_strategies(node, spec, strategies, mesh: Mesh, f: dict) -> list[St
 
 
 def _refuse(f: dict, u: int, r: int) -> str | None:
-    from autopar.rules.sequence_attention import refuse_shape
     why = refuse_shape(f, "the Ulysses x ring hybrid")
     if why:
         return why
@@ -198,10 +201,6 @@ def _refuse(f: dict, u: int, r: int) -> str | None:
 
 
 def _with_hybrid(st: Strategy, spec, f: dict, mesh: Mesh, ra: int, ua: int, algo: str) -> Strategy | None:
-    from runtime.hybrid_sp import hybrid_bytes
-    from runtime.ring_attention import ring_attention_flops
-    from runtime.seq_layout import kv_repeat_factor
-    from autopar.rules.sequence_attention import sequence_split
     r, u = mesh.shape[ra], mesh.shape[ua]
     ins, outs, local = sequence_split(st, spec, mesh, (ra, ua))
     b, h, hk, d = local["b"], local["h"], local.get("g", local["h"]), local["d"]
@@ -225,7 +224,6 @@ def _with_hybrid(st: Strategy, spec, f: dict, mesh: Mesh, ra: int, ua: int, algo
     work = fwd_flops / spec.flops if spec.flops else 1.0 / (r * u)
     splits_ = list(st.splits)
     splits_[ra] = splits_[ua] = "s"
-    from autopar.rules.sequence_attention import sequence_strategy
     return sequence_strategy(st, f"{mesh.names[ra]},{mesh.names[ua]}", algo, f["causal_mask"], ins, outs, splits_,
                              work, comms, backward)
 

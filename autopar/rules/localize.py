@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.execution.microbatch import FIXED_MEAN_LOSSES, TARGET_MEAN_LOSSES
+from autopar.rules.microbatch import FIXED_MEAN_LOSSES, TARGET_MEAN_LOSSES
 from autopar.rules.spec import OpSpec
 from autopar.rules.strategy import Strategy, split_factor
 
@@ -68,7 +68,7 @@ def _split_letters(spec: OpSpec, strategy: Strategy, mesh_shape, letters) -> boo
 
 
 def local_call(node: fx.Node, spec: OpSpec, strategy: Strategy, mesh_shape, micro_batches: int = 1) -> LocalCall:
-    """``micro_batches``: for an op that reduces the batch away (autopar/execution/microbatch.py), how many
+    """``micro_batches``: for an op that reduces the batch away (autopar/rules/microbatch.py), how many
     micro-batches the step runs (a mean over one is 1/micro_batches of the step's mean); else 1."""
     args, kwargs = tuple(node.args), dict(node.kwargs)
     target = node.target

@@ -26,16 +26,24 @@ def view_groups(ishape, oshape) -> list[tuple[list[int], list[int]]]:
     while i < len(ishape) or j < len(oshape):
         gi, go, pi, pj = [], [], 1, 1
         if i < len(ishape):
-            gi.append(i); pi *= ishape[i]; i += 1
+            gi.append(i)
+            pi *= ishape[i]
+            i += 1
         if j < len(oshape):
-            go.append(j); pj *= oshape[j]; j += 1
+            go.append(j)
+            pj *= oshape[j]
+            j += 1
         while pi != pj:
             if (pi < pj and i < len(ishape)) or j >= len(oshape):
                 if i >= len(ishape):
                     break
-                gi.append(i); pi *= ishape[i]; i += 1
+                gi.append(i)
+                pi *= ishape[i]
+                i += 1
             else:
-                go.append(j); pj *= oshape[j]; j += 1
+                go.append(j)
+                pj *= oshape[j]
+                j += 1
         groups.append((gi, go))
     return groups
 

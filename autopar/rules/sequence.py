@@ -1,4 +1,4 @@
-"""Sequence parallelism in the planner (issue 7): the modes and their pins, which meshes have a
+"""Sequence parallelism in the planner: the modes and their pins, which meshes have a
 sequence axis, which letters carry the sequence, which strategies ops keep on it (``restrict``),
 and what the plan reports (``degrees``). What attention does there is
 autopar/rules/sequence_attention.py's (SDPA) and autopar/rules/sequence_heads.py's (explicit
@@ -44,7 +44,7 @@ Three modes (``constraints={"sp_mode": ...}``, docs/constraints.md):
   inner), pinned with ``sp`` = u·r and optionally ``sp_shape`` = [u, r]; its meshes, attention
   strategies and errors are autopar/rules/hybrid_sequence.py's, called from here.
 
-In the free search (issue 7: no ``sp`` / ``sp_mode`` pin; ``sp=1`` rules sequence axes out),
+In the free search (no ``sp`` / ``sp_mode`` pin; ``sp=1`` rules sequence axes out),
 sequence axes are searched in two cases (autopar/search/sequence_search.py, called by
 autopar/search/pipeline_search.py step 4), each time as
 the ordinary search rerun with every sp size dividing the devices pinned and the attention mode
@@ -60,7 +60,7 @@ attention (softmax or SDPA) whose inputs carry a sequence dim (``has_sequence_at
     predicted faster. Measured on a Llama-7B shape on 8 A100s, batch 1 (benchmarks/RESULTS.md
     section 11), best sp plan against the best without: s = h +0.6% (slower), 2h -3.6%, 4h -5.4%,
     8h -13.4% step time. Below it attention is a small share of the layer and sp would only add
-    searches: the zoo's small models (s <= h) never run them (issue 12's planning times).
+    searches: the zoo's small models (s <= h) never run them.
 
 Bad input is a ConstraintError / PlanError naming the op: a sequence that does not divide,
 heads % sp for Ulysses, a mask other than none/causal under ring attention.
@@ -76,6 +76,9 @@ from autopar.rules.sequence_attention import (ALGORITHMS, RING, RING_CONTIGUOUS,
                                               saves_as_run)
 from autopar.rules.sequence_heads import check_heads_split, head_letters, head_split_strategies
 from autopar.rules.strategy import Strategy
+from autopar.frontend.batching import graph_batch_dims
+from autopar.rules.strategy import propagate_batch
+from autopar.rules.table import input_dim_sets, shape as tensor_shape, val as node_val
 
 SP_AXIS = "sp"
 _NORMS = ("layer_norm", "rms_norm")
@@ -145,8 +148,6 @@ def tp_degree(mesh: Mesh) -> int:
 
 def input_seq_dims(graph, batch_dims) -> dict[str, frozenset]:
     """Each user input's sequence dim: its first dim that is not the batch dim (2-D+ inputs)."""
-    from autopar.rules.table import shape as tensor_shape
-    from autopar.rules.table import val as node_val
     out = {}
     placeholders = {n.name: n for n in graph.gm.graph.nodes if n.op == "placeholder"}
     for name, bd in zip(graph.input_names, batch_dims):
@@ -194,9 +195,6 @@ def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | Non
 def seq_letters(graph, nodes: dict, order: list[str]) -> dict[str, frozenset]:
     """Per op node: its letters that carry the sequence (not the batch), propagated from the
     user inputs' sequence dims as batch letters are (``strategy.propagate_batch``)."""
-    from autopar.frontend.batching import graph_batch_dims
-    from autopar.rules.table import input_dim_sets
-    from autopar.rules.strategy import propagate_batch
     seq_of = {n: (d,) for n, d in input_seq_dims(graph, graph_batch_dims(graph)).items()}
     out = {}
     for name in order:

@@ -1,10 +1,11 @@
-"""Scaled-dot-product attention on sequence axes (issue 7): the algorithms' names, what an SDPA
+"""Scaled-dot-product attention on sequence axes: the algorithms' names, what an SDPA
 node is (``attention_facts``: shapes, mask proven causal or not, dropout), its strategies with
 q, k, v and the output split on the sequence (Ulysses all-to-all, load-balanced or contiguous
 ring attention, or the ordinary query split with K/V all-gathered by resharding), why an
 algorithm is refused for an op, and each strategy's price from the runtime's closed forms
 (``ulysses_bytes``, ``ring_attention_bytes``, ``ring_attention_flops``). The Ulysses x ring hybrid
-on two axes is autopar/rules/hybrid_sequence.py's; called from here."""
+on two axes is autopar/rules/hybrid_sequence.py's; called from here. The pieces both share (refusals, the
+sequence split, the strategy) are in autopar/rules/attention_split.py."""
 from __future__ import annotations
 
 import math
@@ -12,14 +13,17 @@ import math
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.rules import hybrid_sequence as hybrid
-from autopar.rules.layout import Layout
+from autopar.rules.attention_split import CAUSAL_MASK, refuse_shape, sequence_split, sequence_strategy  # noqa: F401  (CAUSAL_MASK: public here too)
 from autopar.rules.strategy import Strategy
+from autopar.rules.causal_mask import mask_is_causal
+from autopar.rules.spec import Saved
+from autopar.rules.table import is_tensor, shape as tensor_shape
+from runtime.ring_attention import ring_attention_bytes, ring_attention_flops
+from runtime.seq_layout import kv_repeat_factor
+from runtime.ulysses import ulysses_bytes
 
 RING, RING_CONTIGUOUS, ULYSSES = "ring_attention", "ring_attention_contiguous", "ulysses_attention"
 ALGORITHMS = (RING, RING_CONTIGUOUS, ULYSSES) + hybrid.ALGORITHMS
-# In an SDPA strategy's special beside the algorithm: its attn_mask is the causal mask
-# (autopar/rules/causal_mask.py), so the algorithm runs is_causal=True without it.
-CAUSAL_MASK = "causal_attn_mask"
 
 
 def _arg(node, i, name, default=None):
@@ -27,9 +31,6 @@ def _arg(node, i, name, default=None):
 
 
 def attention_facts(node) -> dict:
-    from autopar.rules.causal_mask import mask_is_causal
-    from autopar.rules.table import is_tensor
-    from autopar.rules.table import shape as tensor_shape
     q, k, v = node.args[:3]
     (b, h, s, d), (_, hk, t, _) = tensor_shape(q), tensor_shape(k)
     mask = _arg(node, 3, "attn_mask")
@@ -109,7 +110,6 @@ def saves_as_run(node, spec, strategies):
       Priced as the op's output, those two were counted once.
     Ring attention saves the output it returns (laid out like q, runtime/ring_attention.py)."""
     import dataclasses
-    from autopar.rules.spec import Saved
     saved = spec.saved
     if all(CAUSAL_MASK in st.special for st in strategies):
         mask = spec.inputs[3] if len(spec.inputs) > 3 else None
@@ -126,16 +126,6 @@ def saves_as_run(node, spec, strategies):
         saved = tuple(dataclasses.replace(sv, letters=mask.replace("s", "t"))
                       if sv.kind == "extra" and sv.letters == mask else sv for sv in saved)
     return spec if saved is spec.saved else dataclasses.replace(spec, saved=saved)
-
-
-def refuse_shape(f: dict, algo: str) -> str | None:
-    """Why no sequence-parallel algorithm runs this attention whatever its mask and sizes (cross-
-    attention, attention dropout), or None; ``algo`` names the algorithm in the reason."""
-    if f["s"] != f["t"]:
-        return f"cross-attention (query length {f['s']}, key length {f['t']}) is not sequence-parallel"
-    if f["dropout"]:
-        return f"attention dropout (dropout_p={f['dropout']}) is not supported by {algo}"
-    return None
 
 
 def ulysses_mask_refusal(f: dict) -> str | None:
@@ -175,25 +165,7 @@ def _refuse(node, f, sp, algo) -> str | None:
     return None
 
 
-def sequence_split(st: Strategy, spec, mesh: Mesh, axes: tuple[int, ...]):
-    """(input layouts, output layouts, local letter sizes) of SDPA strategy ``st`` with q, k, v
-    and the output split on the sequence (dim 2) over mesh ``axes`` too; the sizes are ``st``'s
-    (the sequence split is the algorithm's own)."""
-    def seq_split(lay: Layout) -> Layout:
-        dims = list(lay.dims)
-        dims[2] = dims[2] + tuple(axes)
-        return Layout(tuple(dims), lay.partial)
-
-    ins = tuple(seq_split(l) if (l is not None and i < 3) else l for i, l in enumerate(st.inputs))
-    outs = (seq_split(st.outputs[0]),)
-    local = {ch: spec.sizes[ch] // math.prod(mesh.shape[x] for x, s in enumerate(st.splits) if s == ch)
-             for ch in spec.sizes}
-    return ins, outs, local
-
-
 def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Strategy | None:
-    from runtime.ring_attention import ring_attention_bytes, ring_attention_flops
-    from runtime.ulysses import ulysses_bytes
     sp = mesh.shape[a]
     ins, outs, local = sequence_split(st, spec, mesh, (a,))
     b, h, hk, d = local["b"], local["h"], local.get("g", local["h"]), local["d"]
@@ -205,7 +177,6 @@ def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Str
             return None
         tr = ulysses_bytes(b, h, hk, s, d, sp, isz)
         one = b * (s // sp) * d * isz
-        from runtime.seq_layout import kv_repeat_factor
         kvh = hk * kv_repeat_factor(h, hk, sp)
         # forward all-to-alls of q, stacked k/v and the output; backward moves the same (priced x2)
         comms = (("all_to_all", a, float(h * one)), ("all_to_all", a, float(2 * kvh * one)),
@@ -226,18 +197,3 @@ def _with_algorithm(st: Strategy, spec, f, mesh: Mesh, a: int, algo: str) -> Str
         return sequence_strategy(st, mesh.names[a], algo, f["causal_mask"], ins, outs, splits, work, comms,
                                  backward)
     return sequence_strategy(st, mesh.names[a], algo, f["causal_mask"], ins, outs, splits, work, comms)
-
-
-def sequence_strategy(st: Strategy, axes: str, algo: str, causal_mask: bool, ins, outs, splits, work,
-                      comms, backward_comms=None) -> Strategy:
-    """The attention strategy running ``algo`` with the sequence split over ``axes`` (mesh axis
-    names) on top of ``st``: named after both, its special the algorithm (and CAUSAL_MASK when
-    the explicit mask it drops is the proven causal one). ``backward_comms``: the backward's
-    collectives when they are not ``comms`` mirrored (``Strategy.backward_comms``)."""
-    name = "" if st.name == "R" else st.name
-    name = (name + " " if name else "") + f"S(s)@{axes} [{algo}]"
-    special = (algo,)
-    if causal_mask:
-        name += " (attn_mask causal)"
-        special += (CAUSAL_MASK,)
-    return Strategy(name, ins, outs, tuple(splits), work, comms, special, backward_comms)

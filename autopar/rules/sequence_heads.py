@@ -1,4 +1,4 @@
-"""Explicit (matmul/softmax) attention run as Ulysses on a sequence axis (issue 7): which letter
+"""Explicit (matmul/softmax) attention run as Ulysses on a sequence axis: which letter
 of each attention-core op carries the heads (``head_letters``), the head-split strategies the
 core's ops get on the axis (``head_split_strategies``: the edges into and out of the core become
 reshard all-to-alls, sequence dim <-> head dim), and the pinned mode's check that every core runs
@@ -12,6 +12,8 @@ from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.rules.layout import Layout
 from autopar.rules.strategy import Strategy
+from autopar.rules.attention_core import attention_cores, is_anchor
+from autopar.rules.table import input_dim_sets, tensor_inputs
 
 HEAD_TAG = "[ulysses-heads]"   # in the names of head-split strategies: what `autopar show` prints per op
 
@@ -29,8 +31,6 @@ def head_letters(graph, nodes: dict, order: list[str], seq: dict[str, frozenset]
     whole (ops_shape.py), so there the repeated heads move. Propagation stays inside the core:
     the q/k/v and output projections keep the sequence split, so the head split begins and
     ends on the core's edges (the all-to-alls)."""
-    from autopar.rules.attention_core import attention_cores, is_anchor
-    from autopar.rules.table import input_dim_sets, tensor_inputs
     core = []
     for cores in attention_cores(graph).values():
         for names in cores:
@@ -122,7 +122,6 @@ def head_split_strategies(spec, strategies, mesh: Mesh, a: int, head: str) -> li
 def check_heads_split(graph, nodes: dict, heads: dict[str, str], mesh: Mesh, sps) -> None:
     """Pinned Ulysses: every explicit attention's softmax must run head-split (a head letter found
     and dividing by sp on some strategy), else a PlanError naming the op."""
-    from autopar.rules.attention_core import attention_cores, is_anchor
     a = sps[0]
     sp = mesh.shape[a]
     for cores in attention_cores(graph).values():

@@ -104,7 +104,7 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
                     continue   # dominated by ZeRO-2 (docstring)
                 yield Config(mesh, Settings(optimizer=base.optimizer, precision=base.precision, zero=z,
                                             num_micro_batches=nm, budget=base.budget,
-                                            overlap_grad_comm=base.overlap_grad_comm,
+                                            overlap_grad_comm=base.overlap_grad_comm, kernels=base.kernels,
                                             checkpoint=_checkpoint_setting(constraints.get("checkpoint"))))
 
 

@@ -86,7 +86,7 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
         dp_bytes = grad_bytes
     static = zero_shard(state_bytes(local, base.optimizer, base.precision), geo.zero, geo.dp)
     stepped = grad_bytes // 4 // geo.dp if geo.zero else local
-    optimizer = optimizer_step_time(stepped, base.optimizer, base.precision, cluster.device, cal)
+    optimizer = optimizer_step_time(stepped, base.optimizer, base.precision, cluster.device, cal, base.kernels)
     acts = prog.saved * scale     # one micro-batch's: its backward runs before the next forward
     step = compute + op_comm + grad_comm + optimizer
     peak = sum(static.values()) + acts

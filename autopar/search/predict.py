@@ -9,13 +9,13 @@ import math
 import numpy as np
 
 from autopar.cluster import Cluster
-from autopar.execution.microbatch import TARGET_MEAN_LOSSES
 from autopar.plans.plan_schema import checkpoint_mode_of
 from autopar.pricing.cost import exposed_comm, profile_of
 from autopar.pricing.price import Priced, Settings, has_contraction, step_host_time
 from autopar.rules.attention_core import attention_cores
 from autopar.rules.candidates import Candidates
 from autopar.rules.localize import local_call
+from autopar.rules.microbatch import TARGET_MEAN_LOSSES
 from autopar.search.build import chosen
 from solver.problem import Problem, Solution
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.rules import spec_for, tensor_inputs
+from autopar.rules.table import spec_for, tensor_inputs
 
 aten = torch.ops.aten
 

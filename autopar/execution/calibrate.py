@@ -1,4 +1,4 @@
-"""``autopar calibrate``: measure this machine and write a calibration profile (autopar/pricing/profile.py).
+"""``autopar calibrate``: measure this machine and write a calibration profile (autopar/profile.py).
 
 Measures, on every rank at once (so ranks that share cores or memory bandwidth see each other):
 
@@ -33,8 +33,13 @@ import os
 import statistics
 import time
 
+from autopar.execution.step_overhead import measure as step_overhead
 from autopar.pricing.cost import gemm_intensity
-from autopar.pricing.profile import Calibration, LinkCurves
+from autopar.profile import Calibration
+from autopar.rules.table import spec_for
+from runtime import collectives as rc
+from runtime.collectives import COMM_STATS
+from runtime.launch import run_local
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -187,11 +192,13 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
     tiny_a = torch.randn(1, 1, dtype=dtype, device=device)
     gemm_latency = timed(lambda: torch.mm(tiny_a, tiny_a))
     # elementwise arithmetic (pointwise rules count 1 FLOP per element): the median over a mix of
-    # cheap and transcendental ops, forward and backward, on 1 Mi elements
-    x = torch.randn(2**20, dtype=dtype, device=device, requires_grad=True)
+    # cheap and transcendental ops, forward and backward, on 1 Mi elements (a CPU) or 64 Mi (a GPU:
+    # at 1 Mi each kernel is its launch, and the rate came out 50x too slow on an H200)
+    n_vec = VECTOR_NUMEL_GPU if gpu else 2**20
+    x = torch.randn(n_vec, dtype=dtype, device=device, requires_grad=True)
     fwd_t, both_t = [], []
     for f in (torch.exp, torch.tanh, torch.nn.functional.gelu, torch.sigmoid, lambda t: t * t):
-        g = torch.ones(2**20, dtype=dtype, device=device)
+        g = torch.ones(n_vec, dtype=dtype, device=device)
 
         def fw(f=f):
             with torch.no_grad():
@@ -201,9 +208,9 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
             f(x).backward(g)
         fwd_t.append(timed(fw))
         both_t.append(ratio(fw, fb))
-    vector_rate = 2**20 / statistics.median(fwd_t)
+    vector_rate = n_vec / statistics.median(fwd_t)
     backward_ratio = max(1.0, statistics.median(both_t))
-    backward_ratios = _backward_ratios(ratio, dtype, device)
+    backward_ratios = _backward_ratios(ratio, dtype, device, large=gpu)
     op_rates = {} if gpu else _op_rates(timed, dtype, device)
     # a view (no data moved) still costs a dispatch on the host; on a GPU that overlaps the
     # device's work, on a CPU it does not
@@ -307,10 +314,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
     else:   # one process: no links measured; a placeholder curve (never used by a 1-rank mesh)
         out["links"] = {"intra": {"curves": {"all_reduce@2": [[1.0, 1e9]]}}}
     if not gpu and dist_on:   # the runtime's host work per step, what the figures above leave unpriced
-        # (lazy: execution sits above pricing; only this measurement runs the runtime end to end)
-        from autopar.execution.step_overhead import measure as step_overhead
         out["step_overhead"] = step_overhead(out)
-    from runtime.collectives import COMM_STATS
     COMM_STATS.reset()   # the runtime's collectives counted the calibration's bytes
     return out if rank == 0 else None
 
@@ -381,7 +385,7 @@ def monotone_times(points, factor: float = 1.0):
     """(bytes, bus bandwidth) points whose times (``factor`` · bytes / bandwidth) never fall as the
     message grows: each time becomes the least of its own and every larger message's (a smaller
     message never takes longer; a measured one does when another rank's skew falls into its
-    loops: 2 gloo processes, a 1 KB all-reduce read 1.4 ms where 8 KB read 0.6 ms, 2026-11-27).
+    loops: 2 gloo processes, a 1 KB all-reduce read 1.4 ms where 8 KB read 0.6 ms).
     Then ``isotonic`` on the bandwidths."""
     pts = sorted(points)
     times = [factor * x / y for x, y in pts]
@@ -397,7 +401,6 @@ def _collective(kind, numel, n, dtype, device, group):
     import torch
     import torch.distributed as dist
 
-    from runtime import collectives as rc
     x = torch.randn(numel, dtype=dtype, device=device)
     if kind == "all_reduce":
         return lambda: rc._raw_all_reduce(x, group, "calibrate")
@@ -414,10 +417,14 @@ def _collective(kind, numel, n, dtype, device, group):
 
 # ops whose backward / forward ratio and forward rate are measured (autopar rule name -> (forward
 # function, its arguments) on representative activation shapes); the rest use the median ratio
-def _rule_ops(dtype, device) -> dict:
+VECTOR_NUMEL_GPU = 2**26
+
+
+def _rule_ops(dtype, device, large: bool = False) -> dict:
+    """One call of each measured rule; ``large``: a GPU's sizes (launch-bound otherwise)."""
     import torch
     import torch.nn.functional as F
-    b, s, h, heads = 8, 128, 256, 4
+    b, s, h, heads = (8, 1024, 2048, 16) if large else (8, 128, 256, 4)
     kw = dict(dtype=dtype, device=device)
 
     def leaf(*shape):
@@ -442,10 +449,10 @@ def _rule_ops(dtype, device) -> dict:
     }
 
 
-def _backward_ratios(ratio, dtype, device) -> dict:
+def _backward_ratios(ratio, dtype, device, large: bool = False) -> dict:
     import torch
     out = {}
-    for rule, (f, args) in _rule_ops(dtype, device).items():
+    for rule, (f, args) in _rule_ops(dtype, device, large).items():
         g = torch.ones_like(f(*args))
 
         def fw(f=f, args=args):   # with autograd recording, as a training forward runs (SDPA on a
@@ -463,7 +470,6 @@ def _op_rates(timed, dtype, device) -> dict:
     recording). Rules whose FLOPs are not what bounds them (memory-bound: add, mul, dropout,
     embedding) still get one; pricing takes the larger of the FLOP and byte times."""
     import torch
-    from autopar.rules.table import spec_for
 
     class _Op(torch.nn.Module):
         def __init__(self, f):
@@ -494,7 +500,7 @@ def _op_rates(timed, dtype, device) -> dict:
 # A training step's working set is larger than the CPU's caches: an op meets inputs another op
 # wrote a while ago. Timed on one input again and again, a 1 MB GELU runs from cache 2.5x faster
 # than in the bench gpt2's step (0.05 ms against 0.13 ms cold, 0.2 ms in the step; measured
-# 2026-11-26), and every memory-bound rule was priced that much too fast. Cycling through copies
+# on these CPUs), and every memory-bound rule was priced that much too fast. Cycling through copies
 # whose bytes together exceed the last-level cache times each call cold.
 COLD_BYTES = 64 << 20
 
@@ -567,7 +573,6 @@ def calibrate(nprocs: int = 2, sweep: str = "cpu", repeats: int = 5, output=None
     if dist.is_available() and dist.is_initialized():
         d = measure(sweep, repeats)
     else:
-        from runtime.launch import run_local
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             d = run_local(_local_main, nprocs, (sweep, repeats), timeout=1800)[0]

@@ -50,6 +50,7 @@ from typing import Any
 import yaml
 
 from autopar.errors import ClusterError
+from autopar.units import parse_quantity
 
 Table = tuple[tuple[float, float], ...]
 
@@ -178,7 +179,7 @@ class Calibration:
         return _parse(d, source)
 
     def to_yaml(self, path) -> None:
-        text = "# autopar calibration profile (schema: autopar/pricing/profile.py)\n"
+        text = "# autopar calibration profile (schema: autopar/profile.py)\n"
         Path(path).write_text(text + yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     @staticmethod
@@ -203,8 +204,6 @@ def _row(table: tuple, rule: str | None) -> tuple | None:
 
 
 def _parse(d: Any, source: str) -> Calibration:
-    from autopar.cluster import parse_quantity
-
     def fail(path, msg):
         return ClusterError(f"{source}: calibration.{path}: {msg}")
 

@@ -1,0 +1,164 @@
+"""Fusion of traced patterns into the kernel operators (``torch.ops.autopar.*``, registered by
+runtime/kernels/ops.py), done on the traced graph before planning so the planner prices, and
+every rank runs, one fused op where the model wrote several.
+
+``fuse(gm) -> dict[str, int]`` rewrites the traced GraphModule in place (autopar/frontend/trace.py
+calls it with ``kernels=True``, before blocks and the fingerprint are taken) and returns how many
+of each pattern it fused:
+
+* ``rms_norm``: ``x * rsqrt(mean(x², -1, keepdim) + eps)`` (``pow(x, 2)`` or ``x * x``),
+  optionally cast, times a weight vector of the last dim (on either side) ->
+  ``getitem(autopar.rms_norm(x, weight, eps), 0)``;
+* ``swiglu``: ``silu(gate) * up`` with equal shapes -> ``autopar.swiglu(gate, up)``.
+
+A pattern is fused only where its intermediate values have no other use, so nothing the rest of
+the graph reads disappears. The rewrite keeps each replaced output's ``meta["val"]`` and module
+stack (blocks are found on them).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+PATTERNS = ("rms_norm", "swiglu")
+KERNELS = ("auto", "triton", "torch")
+
+
+def uses_kernels(kernels: str, backend: str) -> bool:
+    """Whether a plan for a cluster on ``backend`` runs the Triton kernels: ``"triton"`` always,
+    ``"torch"`` never, ``"auto"`` on GPUs (NCCL). Planning needs no Triton: the fused operators
+    have plain-torch bodies for fake and meta tensors."""
+    if kernels not in KERNELS:
+        from autopar.errors import PlanError
+        raise PlanError(f"kernels must be one of {', '.join(map(repr, KERNELS))}, got {kernels!r}")
+    return kernels == "triton" or (kernels == "auto" and "nccl" in backend)
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
+_ASSERT = aten._assert_tensor_metadata.default
+
+
+def _ops():
+    from runtime.kernels import ops   # registers torch.ops.autopar.* on first import
+    return ops
+
+
+def _users(n: fx.Node) -> list[fx.Node]:
+    """Users of ``n`` that read its value (tensor-metadata asserts do not)."""
+    return [u for u in n.users if u.target is not _ASSERT]
+
+
+def _only_use(n: fx.Node, user: fx.Node) -> bool:
+    return isinstance(n, fx.Node) and _users(n) == [user]
+
+
+def _is(n, *targets) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in targets
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _strip_cast(n: fx.Node, user: fx.Node) -> fx.Node:
+    """``n`` without a dtype cast used only by ``user``."""
+    if _is(n, *_CASTS) and _only_use(n, user):
+        return n.args[0]
+    return n
+
+
+def _rms_norm_match(mul_w: fx.Node):
+    """(x, weight, eps, intermediates) if ``mul_w`` ends a decomposed RMSNorm, else None."""
+    if not _is(mul_w, aten.mul.Tensor):
+        return None
+    for normed, w in (mul_w.args, mul_w.args[::-1]):
+        if not isinstance(normed, fx.Node) or not isinstance(w, fx.Node):
+            continue
+        wv, out = _val(w), _val(mul_w)
+        if wv is None or out is None or wv.ndim != 1 or out.ndim < 1 or wv.shape[0] != out.shape[-1]:
+            continue
+        inner = _strip_cast(normed, mul_w)
+        if not _is(inner, aten.mul.Tensor) or not _only_use(inner, normed if inner is not normed else mul_w):
+            continue
+        for x, r in (inner.args, inner.args[::-1]):
+            if not _is(r, aten.rsqrt.default) or not _only_use(r, inner):
+                continue
+            add = r.args[0]
+            if not _is(add, aten.add.Tensor) or not _only_use(add, r) or not isinstance(add.args[1], (int, float)):
+                continue
+            mean = add.args[0]
+            if not _is(mean, aten.mean.dim) or not _only_use(mean, add):
+                continue
+            dims = list(mean.args[1]) if len(mean.args) > 1 else []
+            keep = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+            xv = _val(x)
+            if xv is None or not keep or dims not in ([-1], [xv.ndim - 1]):
+                continue
+            sq = mean.args[0]
+            if not _only_use(sq, mean):
+                continue
+            squares = (_is(sq, aten.pow.Tensor_Scalar) and sq.args[0] is x and sq.args[1] == 2) or \
+                      (_is(sq, aten.mul.Tensor) and sq.args[0] is x and sq.args[1] is x)
+            if not squares or xv.shape != out.shape:
+                continue
+            dead = list(dict.fromkeys((normed, inner, r, add, mean, sq)))   # users before producers
+            return x, w, float(add.args[1]), dead
+    return None
+
+
+def _swiglu_match(mul: fx.Node):
+    if not _is(mul, aten.mul.Tensor):
+        return None
+    for s, up in (mul.args, mul.args[::-1]):
+        if _is(s, aten.silu.default) and _only_use(s, mul) and isinstance(up, fx.Node):
+            gate = s.args[0]
+            gv, uv = _val(gate), _val(up)
+            if gv is not None and uv is not None and gv.shape == uv.shape and gv.dtype == uv.dtype:
+                return gate, up, [s]
+    return None
+
+
+def _replace(gm: fx.GraphModule, old: fx.Node, make, dead: list[fx.Node]) -> None:
+    with gm.graph.inserting_before(old):
+        new = make(gm.graph)
+    new.meta.update({k: v for k, v in old.meta.items() if k != "val"})
+    new.meta["val"] = old.meta["val"]
+    old.replace_all_uses_with(new)
+    gm.graph.erase_node(old)
+    for n in dead:   # producer order: an intermediate goes once nothing reads it
+        for a in [u for u in n.users if u.target is _ASSERT]:
+            gm.graph.erase_node(a)
+        if not n.users:
+            gm.graph.erase_node(n)
+
+
+def fuse(gm: fx.GraphModule) -> dict[str, int]:
+    """Fuse the patterns of the module doc in ``gm``, in place."""
+    ops = _ops()
+    counts = dict.fromkeys(PATTERNS, 0)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.graph is not gm.graph:
+            continue
+        m = _rms_norm_match(node)
+        if m is not None:
+            x, w, eps, dead = m
+
+            def make(g, x=x, w=w, eps=eps, node=node):
+                fused = g.call_function(ops.RMS_NORM, (x, w, eps))
+                xv = _val(x)
+                fused.meta["val"] = (_val(node), xv.new_empty(xv.shape[:-1], dtype=torch.float32))
+                fused.meta.update({k: v for k, v in node.meta.items() if k not in ("val",)})
+                return g.call_function(operator.getitem, (fused, 0))
+            _replace(gm, node, make, dead)
+            counts["rms_norm"] += 1
+            continue
+        m = _swiglu_match(node)
+        if m is not None:
+            gate, up, dead = m
+            _replace(gm, node, lambda g, gate=gate, up=up: g.call_function(ops.SWIGLU, (gate, up)), dead)
+            counts["swiglu"] += 1
+    gm.graph.lint()
+    gm.recompile()
+    return counts
