@@ -289,7 +289,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                         axis_bytes[a][j] += gbytes * k
                         grad_t[j] += t * k
                     else:
-                        # As runtime/zero.py runs it (checked by tests/test_predictions_measured.py):
+                        # As runtime/zero.py runs it (checked by tests/execution/test_predictions_measured.py):
                         # stages 2/3 reduce-scatter each micro-batch's gradient as soon as backward
                         # produced it (the full gradient is not kept across micro-batches), stage 1
                         # once per step; stages 1/2 all-gather the updated shards after the step,

@@ -46,7 +46,7 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
         grp.saved.append((index[n], P.saved[n]))
         # Recomputing one block saves what it saved in forward, except the block's inputs: the
         # region keeps those anyway (they are its ``kept`` bytes), so the same storages are saved
-        # again, not new ones (runtime/checkpoint.py; tests/test_checkpointing.py measures it).
+        # again, not new ones (runtime/checkpoint.py; tests/execution/test_checkpointing.py measures it).
         again = P.saved[n] - sum((arr for root, arr in P.saved_by_root.get(n, {}).items()
                                   if root in block_inputs[g]), np.zeros_like(P.saved[n]))
         grp.recompute_memory.append((index[n], again / k))

@@ -16,7 +16,7 @@ collectives of solver/tp_grid_cost.py ``linear_2d`` / ``linear_2p5d`` / ``linear
 Everything else (contractions other than linears, e.g. attention; a classifier tied to its
 embedding; norms', embeddings' and the loss's collectives; gradient synchronisation; optimizer
 step) is left out: every one of those terms is >= 0. A geometry that does not divide returns 0
-(its lowering reports why). tests/test_grid_bound.py checks bound <= priced step.
+(its lowering reports why). tests/search/test_grid_bound.py checks bound <= priced step.
 """
 from __future__ import annotations
 
