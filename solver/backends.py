@@ -190,8 +190,14 @@ def _run(model: _Model, backend, time_limit, threads, mip_gap) -> str:
             relaxed = _lp_first(model, time_limit, threads)
             if relaxed is not None:
                 return relaxed
-            if time_limit is not None:   # the MIP gets what the LP left
-                time_limit = max(1e-9, time_limit - (time.perf_counter() - t0))
+            if time_limit is not None:   # the MIP gets what the LP left; a time-out names the whole limit
+                left = max(1e-9, time_limit - (time.perf_counter() - t0))
+                try:
+                    return _run_highs(model, left, threads, mip_gap)
+                except SolverTimeout:
+                    raise SolverTimeout(f"the HiGHS solver found no feasible plan within time_limit={time_limit} s "
+                                        f"(LP relaxation first, then the MIP); raise time_limit or shrink the "
+                                        f"problem (merge followers, solve repeated blocks once)") from None
         return _run_highs(model, time_limit, threads, mip_gap)
     return _run_cbc(model, time_limit, threads, mip_gap)
 
