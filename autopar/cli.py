@@ -195,13 +195,17 @@ def cmd_report(args) -> int:
 
 def cmd_diff(args) -> int:
     from autopar.plans.plan import Plan
-    from autopar.plans.report import diff
+    from autopar.plans.report import diff, parse_fail_on
+    fail_on = parse_fail_on(args.fail_on) if args.fail_on is not None else None   # before loading: bad syntax first
+    if fail_on is not None and args.threshold is not None:
+        raise PlanError("give --threshold or --fail-on, not both: --fail-on sets a limit per metric "
+                        "(e.g. --fail-on step_time=+2%,peak_memory=+2% is --threshold 0.02)")
     old, new = Plan.load(args.old), Plan.load(args.new)
     if old.fingerprint != new.fingerprint and not args.force:
         raise PlanError(f"{args.old} and {args.new} are plans of different models (graph fingerprints "
                         f"{old.fingerprint[:12]} and {new.fingerprint[:12]}): their ops do not correspond. "
                         f"Compare them anyway with --force")
-    text, regressed = diff(old, new, threshold=args.threshold)
+    text, regressed = diff(old, new, threshold=0.02 if args.threshold is None else args.threshold, fail_on=fail_on)
     print(text, end="")
     return 1 if regressed else 0
 
@@ -307,7 +311,11 @@ def main(argv=None) -> int:
     d = sub.add_parser("diff", help="what changed between two plans; exit 1 on a predicted regression")
     d.add_argument("old")
     d.add_argument("new")
-    d.add_argument("--threshold", type=float, default=0.02)
+    d.add_argument("--threshold", type=float, default=None,
+                   help="relative growth of step time or peak memory that counts as a regression (default 0.02)")
+    d.add_argument("--fail-on", metavar="METRIC=LIMIT,...",
+                   help="exit 1 when a named metric gets worse beyond its limit, e.g. step_time=+2%%,peak_memory=+5%%; "
+                        "metrics: step_time, peak_memory, comm_bytes, mfu (replaces --threshold's rule)")
     d.add_argument("--force", action="store_true", help="compare plans of different models anyway")
     d.set_defaults(fn=cmd_diff)
     o = sub.add_parser("ops", help="which ops hit which rule")
