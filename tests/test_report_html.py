@@ -145,3 +145,17 @@ def test_checker_catches_js_errors_and_blank_pages(tmp_path):
     blank.write_text("<html><head></head><body style='background:#fff'></body></html>")
     res = load_page(blank, tmp_path, BROWSER, window=(400, 300))
     assert res.errors == [] and blank_reason(res.screenshot) is not None
+
+
+def test_memory_parts_the_plan_names_are_drawn(capsys, plan_files, tmp_path):
+    """Offloaded bytes (a part a future plan may record) and unknown parts get their own bars'
+    segments and table columns; the budget is named when it is far above the bars."""
+    data = json.loads(plan_files["grid2d"].read_text())
+    data["predictions"]["memory_breakdown"].update(offload=2**20, kv_cache=2**19)
+    f = tmp_path / "offload.json"
+    f.write_text(json.dumps(data))
+    (_, parts), = memory_bars(Plan.load(f))
+    assert parts["offload"] == 2**20 and parts["kv_cache"] == 2**19
+    page = _report(capsys, f, tmp_path / "r.html")
+    assert "<th>offloaded</th>" in page and "<th>kv_cache</th>" in page
+    assert "off the chart" in page          # a 4 GiB budget over ~2 MiB of bars
