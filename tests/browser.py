@@ -24,6 +24,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+from matplotlib import image
+
 MARKER = "__autopar_page_errors"
 COLLECTOR = """<script>(function(){var errs=[];window.__autoparErrors=errs;
 window.addEventListener('error',function(e){var t=e.target;errs.push('error: '+(e.message||(t&&t.outerHTML?
@@ -103,9 +106,6 @@ def load_page(path: str | os.PathLike, workdir: str | os.PathLike, browser: str 
 def blank_reason(png: str | os.PathLike) -> str | None:
     """Why the screenshot looks blank, or None when it shows something: more than a handful of
     colours and at least 1% of the pixels differ from the most common (background) colour."""
-    import numpy as np
-    from matplotlib import image
-
     img = image.imread(os.fspath(png))
     px = (np.asarray(img)[..., :3] * 255).round().astype(np.int64).reshape(-1, 3)
     keys = px[:, 0] * 65536 + px[:, 1] * 256 + px[:, 2]

@@ -77,10 +77,9 @@ def _byte_unit(x: float) -> tuple[str, float]:
 
 def _svg(fig, salt: str) -> str:
     """``fig`` as an inline ``<svg>`` element (no XML prolog), text kept as text; deterministic."""
-    import matplotlib
     plt = pyplot()
     buf = io.StringIO()
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": salt}):
+    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": salt}):
         fig.savefig(buf, format="svg", metadata={"Date": None})
     plt.close(fig)
     text = buf.getvalue()
