@@ -16,7 +16,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt
   .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[$extras]"
   touch "$stamp"
 fi
-# The browser tests of `autopar report` (tests/test_report_html.py) open the page in a headless
+# The browser tests of `autopar report` (tests/cli/test_report_html.py) open the page in a headless
 # Chromium; they skip when there is none. Install it when missing and we can (root or password-less
 # sudo, apt-get); otherwise say so and go on.
 if [[ ",$extras," == *",test,"* ]] && [ -z "${AUTOPAR_CHROMIUM:-}" ] \

@@ -60,6 +60,11 @@ class TracedGraph:
     frozen: set[str] = field(default_factory=set)   # placeholder names of frozen parameters (also in buffers)
     kernels: bool = False                 # traced for the Triton kernels: patterns fused (autopar/frontend/fuse.py)
     fused: dict[str, int] = field(default_factory=dict)   # pattern -> how many were fused
+    # Memos of what depends on the graph alone (autopar/rules/candidates.py): every mesh's
+    # candidates ask for them
+    op_specs: dict = field(default_factory=dict, repr=False, compare=False)   # node name -> OpSpec
+    needs_grad_memo: dict = field(default_factory=dict, repr=False, compare=False)   # (params, buffers) -> names
+    chunk_numel: dict | None = field(default=None, repr=False, compare=False)   # parameter -> its ZeRO chunk's elements
 
     def value_of(self, model: nn.Module, fqn: str) -> torch.Tensor:
         """The tensor behind a parameter/buffer/constant FQN: lifted constants from the export,
