@@ -235,6 +235,14 @@ def _buffers_and_copies(rank, world, plan_json):
         torch.manual_seed(SEED)
         cm = autopar.compile(model, cluster, example_inputs=batch, plan=plan, weights="init", **SGD)
         out["real_buffers"] = cm.step(*batch)
+        # ... and planned from that model itself (rank 0 traces it: the trace runs on meta copies
+        # of the real buffers and batch, autopar/frontend/one_device.py)
+        model, _ = FACTORIES["llama"](device="meta", seed=SEED)
+        model.rope_cos, model.rope_sin = cos, sin
+        torch.manual_seed(SEED)
+        cm = autopar.compile(model, cluster, example_inputs=batch, weights="init", **SGD,
+                             plan_options={"constraints": {"tp": 2, "num_micro_batches": 1}, "policy": "megatron"})
+        out["planned_here"] = (cm.step(*batch), cm.plan.degrees["tp"])
         # 2. a buffer on meta with no way to compute it
         model, _ = FACTORIES["llama"](device="meta", seed=SEED)
         del type(model).reset_buffers
@@ -263,6 +271,8 @@ def test_real_buffers_meta_buffers_and_differing_copies():
     want_loss = ref(*batch).item()
     for out in res:
         assert abs(out["real_buffers"] - want_loss) <= 1e-5 * abs(want_loss), (out["real_buffers"], want_loss)
+        loss, tp = out["planned_here"]
+        assert tp == 2 and abs(loss - want_loss) <= 1e-5 * abs(want_loss), (out["planned_here"], want_loss)
         assert "rope_cos" in out["meta_buffer"] and "reset_buffers()" in out["meta_buffer"], out["meta_buffer"]
         assert out["warned"] and "using rank 0's values" in out["warned"][0], out["warned"]
     rank0, _ = FACTORIES["llama"](device="cpu", seed=SEED)

@@ -236,3 +236,23 @@ def test_bad_arguments():
         trace(lambda x: x, (torch.randn(2),))
     with pytest.raises(TraceError):
         trace(_Logits(), (torch.randn(5, 6),), frontend="jit")
+
+
+def test_meta_parameters_with_real_buffers_trace_as_all_meta():
+    """accelerate.init_empty_weights()'s convention: parameters on meta, buffers (Llama's rotary
+    tables) real, a real batch. The trace runs on meta copies of every real
+    tensor (autopar/frontend/one_device.py): the same graph as the all-meta model's, and the
+    caller's model keeps its real buffers, the same objects, afterwards."""
+    for name in ("llama",):
+        meta, _ = ZOO[name](device="meta")
+        real, batch = ZOO[name](device="cpu")
+        for fqn, buf in real.named_buffers():
+            owner, attr = meta.get_submodule(fqn.rpartition(".")[0]), fqn.rpartition(".")[2]
+            setattr(owner, attr, buf)
+        held = dict(meta.named_buffers())
+        assert {b.device.type for b in held.values()} == {"cpu"}   # the premise: mixed devices
+        assert {p.device.type for p in meta.parameters()} == {"meta"}
+        mixed = trace(meta, batch)
+        assert all(b is held[k] for k, b in meta.named_buffers()), name
+        assert all(p.device.type == "meta" for p in meta.parameters())
+        assert mixed.fingerprint == trace(*ZOO[name](device="meta")).fingerprint, name

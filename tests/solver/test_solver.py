@@ -376,3 +376,19 @@ def test_lp_first_returns_the_mip_optimum_and_skips_the_mip_when_integral(seed, 
     # both paths taken: these seeds' cyclic problems have fractional LPs
     assert ran_mip == (not tree), "the MIP runs exactly when the LP optimum is fractional"
     assert mips[0] is False   # the LP went first either way
+
+
+def test_highs_banner_is_not_printed():
+    """HiGHS prints its banner on stdout when its first instance is built; `autopar plan`'s output
+    starts with the plan (solver/backends.py ``_new_highs``)."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("from solver.ilp import solve; from helpers.solver_problems import random_problem; "
+            "print('status', solve(random_problem(12, 3, 10, seed=0), backend='highs').status)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "HiGHS" not in out.stdout and out.stdout.startswith("status"), out.stdout
