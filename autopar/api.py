@@ -18,13 +18,14 @@ from autopar.errors import PlanError
 from autopar.pricing.memory import check_optimizer, check_precision
 from autopar.plans.plan import PLAN_VERSION, Plan
 from autopar.rules import tensor_inputs
-from autopar.search.outer import Result, degrees_of, search
+from autopar.search.outer import Result, degrees_of
 from autopar.frontend.fuse import uses_kernels
 from autopar.frontend.trace import trace
 from autopar.units import parse_bytes, parse_seconds
 from solver import release_threads
 from autopar.rules import hybrid_sequence
-from autopar.search.grid_search import grid_plan_data, GridResult
+from autopar.search.grid_price import GridResult
+from autopar.search.grid_search import grid_plan_data
 from autopar.search.pipeline import apply_pipeline
 from autopar.search import pipeline_search
 
@@ -96,7 +97,7 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     thresholds = gc.get_threshold()
     gc.set_threshold(*(max(a, b) for a, b in zip(thresholds, GC_THRESHOLDS)))
     try:   # pp=1 and pipelined candidates (stages over sub-meshes): autopar/search/pipeline_search.py
-        result, stats, pipe = pipeline_search.plan_search(graph, cluster, base, constraints, search,
+        result, stats, pipe = pipeline_search.plan_search(graph, cluster, base, constraints,
                                                           time_limit=time_limit, log=log, policy=policy)
     finally:
         # release_threads() collects garbage first: while the model is still frozen, that walks

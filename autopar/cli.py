@@ -2,7 +2,9 @@
 
     autopar plan MODULE:FACTORY --cluster PRESET|FILE [--nodes N] [--devices N] [-o plan.json] [--arg k=v ...]
     autopar show plan.json [--ops N] [--code --rank R --factory F] [--timeline t.png]
-    autopar diff old.json new.json [--threshold 0.02] [--force]   # exit 1 on a predicted regression
+    autopar report plan.json -o plan.html [--compare other.json]  # one self-contained HTML page
+    autopar diff old.json new.json [--threshold 0.02] [--fail-on step_time=+2%,peak_memory=+5%] [--force]
+                                                           # exit 1 on a predicted regression
     autopar ops MODULE:FACTORY [--arg k=v ...]             # which ops hit which rule, which fell back
     autopar run -n N script.py [args...]                   # run a script on N local gloo processes
 
@@ -159,15 +161,51 @@ def cmd_show(args) -> int:
     return 0
 
 
+def _schedule(p):
+    """The simulated pipeline schedule of a pipelined plan (None for pp=1)."""
+    if p.degrees.get("pp", 1) <= 1:
+        return None
+    from autopar.search.stage_plan import simulate_plan
+    return simulate_plan(p.data)
+
+
+def cmd_report(args) -> int:
+    from autopar.plans.plan import Plan
+    from autopar.plans.report_html import ReportEntry, render_report
+    out = Path(args.output)
+    if out.is_dir():
+        raise PlanError(f"-o {out} is a directory: give the path of the .html file to write")
+    if not out.parent.exists():
+        raise PlanError(f"-o {out}: the directory {out.parent} does not exist")
+    entries = []
+    for path in [args.plan] + ([args.compare] if args.compare else []):
+        p = Plan.load(path)
+        entries.append(ReportEntry(p, Path(path).name, _schedule(p)))
+    if len(entries) == 2 and entries[0].plan.fingerprint != entries[1].plan.fingerprint:
+        print(f"note: {args.plan} and {args.compare} are plans of different models; their ops do not correspond",
+              file=sys.stderr)
+    page = render_report(entries)
+    try:
+        out.write_text(page, encoding="utf-8")
+    except OSError as e:
+        raise PlanError(f"cannot write {out}: {e}") from None
+    print(f"report saved to {out} ({len(page) / 1024:.0f} KiB)")
+    return 0
+
+
 def cmd_diff(args) -> int:
     from autopar.plans.plan import Plan
-    from autopar.plans.report import diff
+    from autopar.plans.report import diff, parse_fail_on
+    fail_on = parse_fail_on(args.fail_on) if args.fail_on is not None else None   # before loading: bad syntax first
+    if fail_on is not None and args.threshold is not None:
+        raise PlanError("give --threshold or --fail-on, not both: --fail-on sets a limit per metric "
+                        "(e.g. --fail-on step_time=+2%,peak_memory=+2% is --threshold 0.02)")
     old, new = Plan.load(args.old), Plan.load(args.new)
     if old.fingerprint != new.fingerprint and not args.force:
         raise PlanError(f"{args.old} and {args.new} are plans of different models (graph fingerprints "
                         f"{old.fingerprint[:12]} and {new.fingerprint[:12]}): their ops do not correspond. "
                         f"Compare them anyway with --force")
-    text, regressed = diff(old, new, threshold=args.threshold)
+    text, regressed = diff(old, new, threshold=0.02 if args.threshold is None else args.threshold, fail_on=fail_on)
     print(text, end="")
     return 1 if regressed else 0
 
@@ -264,10 +302,20 @@ def main(argv=None) -> int:
     s.add_argument("--arg", action="append")
     s.add_argument("--timeline", help="draw the predicted pipeline schedule to this image (e.g. t.png)")
     s.set_defaults(fn=cmd_show)
+    rp = sub.add_parser("report", help="one self-contained HTML page of a plan (summary, memory, timeline, "
+                                       "communication, searchable per-op table)")
+    rp.add_argument("plan")
+    rp.add_argument("-o", "--output", required=True, help="the .html file to write")
+    rp.add_argument("--compare", metavar="OTHER.json", help="a second plan shown side by side (and diffed)")
+    rp.set_defaults(fn=cmd_report)
     d = sub.add_parser("diff", help="what changed between two plans; exit 1 on a predicted regression")
     d.add_argument("old")
     d.add_argument("new")
-    d.add_argument("--threshold", type=float, default=0.02)
+    d.add_argument("--threshold", type=float, default=None,
+                   help="relative growth of step time or peak memory that counts as a regression (default 0.02)")
+    d.add_argument("--fail-on", metavar="METRIC=LIMIT,...",
+                   help="exit 1 when a named metric gets worse beyond its limit, e.g. step_time=+2%%,peak_memory=+5%%; "
+                        "metrics: step_time, peak_memory, comm_bytes, mfu (replaces --threshold's rule)")
     d.add_argument("--force", action="store_true", help="compare plans of different models anyway")
     d.set_defaults(fn=cmd_diff)
     o = sub.add_parser("ops", help="which ops hit which rule")

@@ -195,7 +195,7 @@ def _int_list(v, size_ok, least: int) -> bool:
 
 def _check_tp(c: Constraints) -> None:
     """tp_mode, tp_shape and tp against the shape. (Whether a grid mode can build its grid on the
-    pinned shape or tp is autopar/search/grid_search.py's ``check_grid_constraints``.)"""
+    pinned shape or tp is autopar/search/grid_geometry.py's ``check_grid_constraints``.)"""
     mode, shape = c.tp_mode, c.tp_shape
     if mode is not None and mode not in TP_MODES:
         hint = " ('2d' now means SUMMA; the former 2-axis resharding mode is '2d-reshard')" if mode == "2D" else ""

@@ -1,6 +1,6 @@
 """Saved activations of one Megatron-LM layer at full scale: the plan's prediction, the bytes
 saved_tensors_hooks measures on the plan's per-rank program (meta tensors, CUDA kernels
-emulated, collectives stubbed: tests/saved_activations.py), and the closed form of Korthikanti
+emulated, collectives stubbed: tests/helpers/saved_activations.py), and the closed form of Korthikanti
 et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Section 4):
 sbh(10 + 24/t + 5as/(ht)) bytes per layer for tensor parallelism t without sequence parallelism
 (t = 1: sbh(34 + 5as/h)), 16-bit activations and 1-byte dropout masks.
@@ -17,7 +17,7 @@ import torch
 import autopar
 from autopar.models.megatron import megatron_layer
 from autopar.frontend.trace import trace
-from tests.saved_activations import rank_saved_bytes
+from tests.helpers.saved_activations import rank_saved_bytes
 
 SHAPES = {"22B (h 6144, a 64, s 2048)": dict(hidden=6144, heads=64, seq=2048),
           "GPT-2 XL (h 1600, a 25, s 1024)": dict(hidden=1600, heads=25, seq=1024)}

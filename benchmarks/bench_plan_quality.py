@@ -15,7 +15,7 @@ import time
 import autopar
 from autopar.errors import PlanError
 from autopar.models import ZOO
-from autopar.search.configurations import global_batch
+from autopar.frontend.batching import global_batch
 from autopar.frontend.trace import trace
 
 MODELS = {

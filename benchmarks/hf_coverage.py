@@ -1,6 +1,6 @@
-"""Hugging Face architectures beyond the CI suite (tests/test_hf_suite.py), trained under autopar
+"""Hugging Face architectures beyond the CI suite (tests/models/test_hf_suite.py), trained under autopar
 plans on 4 gloo processes against one eager process: SGD with momentum, 3 steps, every rank's losses
-(rel 1e-5) and rank 0's parameters (rel 1e-4) compared (tests/exactness.py). Each architecture is
+(rel 1e-5) and rank 0's parameters (rel 1e-4) compared (tests/helpers/exactness.py). Each architecture is
 built from a tiny config (2 layers, hidden 64, vocab 256, sequence 16, batch 8; images 16x16),
 never with downloaded weights. Prints one line per (architecture, plan) and a markdown table.
 
@@ -20,7 +20,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from exactness import assert_matches_eager, train_eagerly  # noqa: E402
+from helpers.exactness import assert_matches_eager, train_eagerly  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.models import HF_ZOO, build  # noqa: E402
@@ -54,7 +54,7 @@ IMAGE = {
     "convnext": ("ConvNextConfig", "ConvNextForImageClassification", dict(num_stages=2, image_size=16, num_channels=3, hidden_sizes=[16, 32], depths=[1, 1], patch_size=2, num_labels=10, drop_path_rate=0.0), "eager"),
     "deit": ("DeiTConfig", "DeiTForImageClassification", dict(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "sdpa"),
 }
-# already factories of the zoo (autopar/models/hf.py), also trained in CI (tests/test_hf_suite.py)
+# already factories of the zoo (autopar/models/hf.py), also trained in CI (tests/models/test_hf_suite.py)
 ZOO_ARCHS = ("hf_albert", "hf_gemma2")
 MOE = {"qwen2_moe"}   # transformers' static "batched_mm" experts (the default loops over nonzero())
 

@@ -2,12 +2,12 @@
 forked gloo ranks, its collectives counted by COMM_STATS: the measured side of
 benchmarks/bench_tp_grid.py's "bytes per step" table.
 
-The layer is the one tests/test_tp_grid_ops.py checks against one process (without its embedding
+The layer is the one tests/runtime/test_tp_grid_ops.py checks against one process (without its embedding
 and classifier): x + Wo attn(Wqkv LN(x) + bqkv) + bo, then x + W2 gelu(W1 LN(x) + b1) + b2, causal
 attention, every linear with a bias. Shapes are parameters here (that test fixes tiny ones) so that
 the same layer also splits 8 ways in 1D, which needs heads divisible by 8. Every rank takes its
 block of the same global tensors (runtime/grid.take with the runtime's own block specs); values are
-not compared here (tests/test_tp_grid_ops.py does that for the grid modes, on the same code paths).
+not compared here (tests/runtime/test_tp_grid_ops.py does that for the grid modes, on the same code paths).
 
 1D is Megatron-LM's split, hand-written with runtime/collectives.py: QKV and W1 column-parallel
 (QKV columns grouped by head, runtime/split_attention.qkv_column_order), Wo and W2 row-parallel;

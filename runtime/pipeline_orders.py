@@ -3,7 +3,7 @@
 The planner prices a pipeline by simulating the order of forward / backward actions each rank
 runs (solver/pipeline_schedule.py). That order must be the one torch runs, so it is taken from
 torch's own schedule classes here, never written by hand. This module is the one small adapter
-over torch internals; tests/test_pipeline_schedule.py pins its behaviour.
+over torch internals; tests/search/test_pipeline_schedule.py pins its behaviour.
 
 How the order is obtained, per kind of torch schedule:
 

@@ -4,6 +4,8 @@ Torch-free, like the rest of solver/."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 import warnings
 import weakref
@@ -57,12 +59,34 @@ class _HighsFigures:
     objective_function_value: float
 
 
+_BANNER_SHOWN = False
+
+
+def _new_highs(highspy):
+    """A HiGHS instance. HiGHS (1.16) prints its banner on the process's stdout when its first
+    instance is built, before any option can be set: that one is built with file descriptor 1
+    pointed at /dev/null, so `autopar plan`'s output starts with the plan."""
+    global _BANNER_SHOWN
+    if _BANNER_SHOWN:
+        return highspy.Highs()
+    _BANNER_SHOWN = True
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _run_highs(model: _Model, time_limit, threads, mip_gap, mip: bool = True, cutoff: float | None = None,
                first_solution: bool = False) -> str:
     import highspy
 
     lp = model.lp
-    h = highspy.Highs()
+    h = _new_highs(highspy)
     _LIVE.add(h)
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", int(threads))
@@ -190,8 +214,14 @@ def _run(model: _Model, backend, time_limit, threads, mip_gap) -> str:
             relaxed = _lp_first(model, time_limit, threads)
             if relaxed is not None:
                 return relaxed
-            if time_limit is not None:   # the MIP gets what the LP left
-                time_limit = max(1e-9, time_limit - (time.perf_counter() - t0))
+            if time_limit is not None:   # the MIP gets what the LP left; a time-out names the whole limit
+                left = max(1e-9, time_limit - (time.perf_counter() - t0))
+                try:
+                    return _run_highs(model, left, threads, mip_gap)
+                except SolverTimeout:
+                    raise SolverTimeout(f"the HiGHS solver found no feasible plan within time_limit={time_limit} s "
+                                        f"(LP relaxation first, then the MIP); raise time_limit or shrink the "
+                                        f"problem (merge followers, solve repeated blocks once)") from None
         return _run_highs(model, time_limit, threads, mip_gap)
     return _run_cbc(model, time_limit, threads, mip_gap)
 

@@ -96,8 +96,9 @@ def _solve_each_decision(problem: Problem, time_limit, backend, threads, mip_gap
             best = sol
     seconds = time.perf_counter() - t0
     if best is None:
-        if timed_out is not None:
-            raise timed_out
+        if timed_out is not None:   # named by the caller's limit, not the share the last decision had
+            raise SolverTimeout(f"no feasible plan within time_limit={time_limit} s over the checkpoint "
+                                f"decisions ({timed_out}); raise time_limit or shrink the problem") from None
         return Solution([], [], math.inf, "infeasible", solve_seconds=seconds)
     if all_optimal:   # each decision within its gap, so the least of them too
         return dataclasses.replace(best, solve_seconds=seconds)

@@ -7,7 +7,7 @@ Each function returns a list of ``Collective(kind, group, size, nbytes, count, p
 ``nbytes`` per rank in the runtime's COMM_STATS convention (broadcast, reduce, all_reduce: the
 tensor; all_gather: the gathered output; reduce_scatter: the unreduced input). ``totals`` sums
 them per (group, kind) into (calls, bytes) - what a run records, compared exactly in
-tests/test_tp_grid_ops.py.
+tests/runtime/test_tp_grid_ops.py.
 
 Shapes: a linear is Y[m, n] = X[m, k] W[k, n] with m the tokens of the whole tensor-parallel
 group (batch x sequence); ``elem`` bytes per element; vectors (bias, LayerNorm weights) of

@@ -33,6 +33,7 @@ from autopar.frontend.blocks import (BlockGroup, _drop_unused_tied_placeholders,
                             find_blocks, fingerprint)
 from autopar.errors import TraceError
 from autopar.frontend.fuse import fuse
+from autopar.frontend.one_device import on_meta_when_mixed
 from autopar.frontend.trace_checks import (_AutogradFunctionWatch, _backward_matches_forward, _check_arguments,
                                   _quiet_torch_logs, _strip, _trace_error)
 
@@ -60,6 +61,11 @@ class TracedGraph:
     frozen: set[str] = field(default_factory=set)   # placeholder names of frozen parameters (also in buffers)
     kernels: bool = False                 # traced for the Triton kernels: patterns fused (autopar/frontend/fuse.py)
     fused: dict[str, int] = field(default_factory=dict)   # pattern -> how many were fused
+    # Memos of what depends on the graph alone (autopar/rules/candidates.py): every mesh's
+    # candidates ask for them
+    op_specs: dict = field(default_factory=dict, repr=False, compare=False)   # node name -> OpSpec
+    needs_grad_memo: dict = field(default_factory=dict, repr=False, compare=False)   # (params, buffers) -> names
+    chunk_numel: dict | None = field(default=None, repr=False, compare=False)   # parameter -> its ZeRO chunk's elements
 
     def value_of(self, model: nn.Module, fqn: str) -> torch.Tensor:
         """The tensor behind a parameter/buffer/constant FQN: lifted constants from the export,
@@ -138,8 +144,8 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
     _check_arguments(model, example_inputs if loss_fn is None else
                      example_inputs[:_num_model_args(model, len(example_inputs))])
     t0 = time.perf_counter()
-    with _AutogradFunctionWatch(root, prefix) as custom:
-        result = _run_front_ends(model, root, example_inputs, frontend, prefix)
+    with _AutogradFunctionWatch(root, prefix) as custom, on_meta_when_mixed(model, example_inputs) as inputs:
+        result = _run_front_ends(model, root, inputs, frontend, prefix)
     if custom.calls:
         bad = custom.unverified()
         if bad:

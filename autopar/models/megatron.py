@@ -6,7 +6,7 @@ with GeLU, dropout, residual. ``forward(x)`` returns ``layer(x).mean()``: the me
 for backward, so the saved activations of a step are exactly the layer's.
 
 Used to check the activation-memory model at full scale on meta tensors
-(tests/test_activation_memory_full_scale.py, benchmarks/bench_activation_memory.py).
+(tests/pricing/test_activation_memory_full_scale.py, benchmarks/bench_activation_memory.py).
 """
 from __future__ import annotations
 

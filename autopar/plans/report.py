@@ -1,7 +1,10 @@
-"""Human-readable views of a Plan: the summary, `autopar show` tables and `autopar diff`."""
+"""Human-readable views of a Plan: the summary, `autopar show` tables and `autopar diff` (with
+``--fail-on`` limits: ``parse_fail_on``, ``check_limits``)."""
 from __future__ import annotations
 
 import io
+import math
+import re
 
 from rich.console import Console
 from rich.markup import escape
@@ -166,9 +169,84 @@ def show_text(plan, limit: int | None = 60) -> str:
                    ops_table(plan, limit))
 
 
-def diff(old, new, threshold: float = 0.02) -> tuple[str, bool]:
+def _total_comm(plan) -> float:
+    return float(sum(plan.comm_bytes.values()))
+
+
+# --fail-on metrics: name -> (what it is, how to read it from a plan, +1 if growing is worse / -1 if falling is)
+FAIL_ON_METRICS = {
+    "step_time": ("predicted step time", lambda p: float(p.predictions["step_time"]), +1, _secs),
+    "peak_memory": ("predicted peak memory per device", lambda p: float(p.predictions["peak_memory"]), +1, _gib),
+    "comm_bytes": ("bytes each device sends per step, all mesh axes", _total_comm, +1, _gib),
+    "mfu": ("predicted model FLOPs utilisation (a drop is the regression)", lambda p: float(p.predictions["mfu"]),
+            -1, lambda x: f"{x * 100:.2f}%"),
+}
+FAIL_ON_SYNTAX = ("METRIC=LIMIT[,METRIC=LIMIT...], LIMIT a percentage the new plan may be worse by, e.g. "
+                  "step_time=+2%,peak_memory=+5% (0% allows no change for the worse)")
+
+
+def parse_fail_on(text: str) -> dict[str, float]:
+    """``"step_time=+2%,peak_memory=5%"`` -> ``{"step_time": 0.02, "peak_memory": 0.05}``.
+
+    Each item is ``METRIC=LIMIT``: METRIC one of ``FAIL_ON_METRICS`` (step_time, peak_memory,
+    comm_bytes, mfu), LIMIT a non-negative percentage with an optional ``+`` (``+2%``, ``2%``,
+    ``0.5%``, ``0%``): how much worse (relative to the old plan) the new plan may be. Anything
+    else (an unknown metric, a number without ``%``, a negative limit, a metric given twice) is a
+    PlanError that names the item and the syntax."""
+    from autopar.errors import PlanError
+
+    if not text or not text.strip():
+        raise PlanError(f"--fail-on is empty: give {FAIL_ON_SYNTAX}")
+    out: dict[str, float] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if "=" not in item:
+            raise PlanError(f"--fail-on item {item!r} is not METRIC=LIMIT: give {FAIL_ON_SYNTAX}")
+        name, limit = (x.strip() for x in item.split("=", 1))
+        if name not in FAIL_ON_METRICS:
+            raise PlanError(f"--fail-on: unknown metric {name!r}; the metrics are "
+                            f"{', '.join(FAIL_ON_METRICS)}")
+        if name in out:
+            raise PlanError(f"--fail-on: {name} is given twice: give each metric once")
+        m = re.fullmatch(r"([+-]?)(\d+(?:\.\d*)?|\.\d+)\s*%", limit)
+        if m is None:
+            raise PlanError(f"--fail-on {name}={limit}: the limit must be a percentage such as +2% or 0.5%")
+        if m.group(1) == "-" and float(m.group(2)) != 0:
+            raise PlanError(f"--fail-on {name}={limit}: a limit is how much worse the new plan may be, "
+                            f"0% or more (a negative one would demand an improvement)")
+        value = float(m.group(2)) / 100
+        if not math.isfinite(value):
+            raise PlanError(f"--fail-on {name}={limit}: the limit must be a finite percentage")
+        out[name] = value
+    return out
+
+
+def check_limits(old, new, limits: dict[str, float]) -> tuple[str, bool]:
+    """Each ``--fail-on`` metric of ``old`` and ``new``: (text, whether any got worse beyond its limit)."""
+    lines = ["--fail-on checks (old -> new, change for the worse, limit):"]
+    failed = 0
+    for name, limit in limits.items():
+        _, read, sign, fmt = FAIL_ON_METRICS[name]
+        a, b = read(old), read(new)
+        worse = sign * (b - a)
+        if a:
+            rel = worse / abs(a)
+        else:
+            rel = math.inf if worse > 0 else 0.0
+        rel += 0.0   # no "-0.00%"
+        bad = rel > limit + 1e-12
+        failed += bad
+        rel_text = "+inf" if math.isinf(rel) else f"{rel:+.2%}"
+        lines.append(f"  {name}: {fmt(a)} -> {fmt(b)}, worse by {rel_text}, limit +{limit:.2%}: "
+                     f"{'REGRESSION' if bad else 'ok'}")
+    lines.append(f"{failed} of {len(limits)} metric(s) regressed beyond the limit" + (" (exit 1)" if failed else ""))
+    return "\n".join(lines) + "\n", bool(failed)
+
+
+def diff(old, new, threshold: float | None = 0.02, fail_on: dict[str, float] | None = None) -> tuple[str, bool]:
     """What changed between two plans; returns (text, regressed). A regression is predicted step
-    time or peak memory growing by more than ``threshold`` (relative)."""
+    time or peak memory growing by more than ``threshold`` (relative); with ``fail_on``
+    (``parse_fail_on``) instead each named metric growing (mfu: falling) beyond its own limit."""
     lines = []
     if old.fingerprint != new.fingerprint:
         lines.append("graph fingerprint differs: the plans are for different models/shapes")
@@ -190,7 +268,7 @@ def diff(old, new, threshold: float = 0.02) -> tuple[str, bool]:
         a, b = old.predictions[key], new.predictions[key]
         rel = (b - a) / a if a else 0.0
         mark = ""
-        if rel > threshold:
+        if fail_on is None and threshold is not None and rel > threshold:
             regressed = True
             mark = "  REGRESSION"
         if a != b:
@@ -201,4 +279,8 @@ def diff(old, new, threshold: float = 0.02) -> tuple[str, bool]:
             lines.append(f"comm bytes [{k}]: {_gib(a)} -> {_gib(b)}")
     if not lines:
         lines.append("plans are identical in degrees, strategies and predictions")
-    return "\n".join(lines) + "\n", regressed
+    text = "\n".join(lines) + "\n"
+    if fail_on is not None:
+        checks, regressed = check_limits(old, new, fail_on)
+        text += checks
+    return text, regressed

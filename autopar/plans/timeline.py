@@ -5,7 +5,8 @@ row per rank, a box per action (forward, full backward, input-gradient and weigh
 backward in distinct colours) labelled with its micro-batch, the idle time of each row left as
 a grey band so the bubble shows, and each point-to-point transfer as a thin line from the
 sender's row to the receiver's. ``stage_table`` renders the per-stage summary ``autopar show``
-prints. matplotlib is imported only when drawing (``pip install 'autopar[plot]'``).
+prints. ``timeline_figure`` is the drawing itself (the HTML report embeds it as SVG,
+autopar/plans/report_html.py). matplotlib is imported only when drawing (``pip install 'autopar[plot]'``).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ NAMES = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "ba
 IDLE = "#DDDDDD"
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (never a window); a PlanError when missing."""
     try:
         import matplotlib
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -35,8 +37,19 @@ def _pyplot():
 
 
 def draw_timeline(sim: SimulatedSchedule, path: str | os.PathLike, title: str | None = None) -> str:
-    """Draw ``sim`` to the PNG ``path``; returns the path. Times are shown in ms."""
-    plt = _pyplot()
+    """Draw ``sim`` to the image ``path`` (PNG, or SVG etc. by its suffix); returns the path. Times
+    are shown in ms."""
+    plt = pyplot()
+    fig = timeline_figure(sim, title)
+    fig.savefig(os.fspath(path), dpi=120)
+    plt.close(fig)
+    return os.fspath(path)
+
+
+def timeline_figure(sim: SimulatedSchedule, title: str | None = None):
+    """The matplotlib Figure of ``sim`` (``draw_timeline`` saves it; the HTML report embeds it as
+    SVG). The caller closes it."""
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     ranks = sim.ranks
@@ -85,9 +98,7 @@ def draw_timeline(sim: SimulatedSchedule, path: str | os.PathLike, title: str | 
     head += "; boxes: micro-batch" + (".chunk (later chunks lighter)" if chunks > 1 else "")
     ax.set_title(f"{title}: {head}" if title else head, fontsize=10)
     fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=120)
-    plt.close(fig)
-    return os.fspath(path)
+    return fig
 
 
 def _fmt_bytes(x: float) -> str:

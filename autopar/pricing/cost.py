@@ -58,7 +58,7 @@ kernel each, on GPUs too), not what one fused kernel would: AdamW (fp32, weight 
 and writes per element: param.mul_ 8, exp_avg.lerp_ 12, exp_avg_sq.mul_ 8, addcmul_ 12, sqrt 8,
 div_ 8, add_ 8, param.addcdiv_ 16 = 80 (Adam without decay 72; SGD with momentum 32; LAMB 136;
 LARS 80). Mixed precision adds the gradient's upcast (read 2, write 4) and the master's cast back
-(read 4, write 2): +12. tests/test_cost.py counts them from the optimizers' dispatched ops. A plan
+(read 4, write 2): +12. tests/pricing/test_cost.py counts them from the optimizers' dispatched ops. A plan
 with the Triton kernels steps AdamW in one kernel (runtime/kernels/adamw.py): 28 B per element
 and one launch per tensor (``_FUSED_OPT_BYTES``).
 LAMB and LARS also all-reduce each chunk's per-tensor squared norms once per step (runtime/zero.py:
@@ -272,7 +272,7 @@ def bucket_share(comm, kind: str, nbytes: float, axis: int, bucket: float) -> fl
 
 
 # bytes moved per element by one optimizer step as runtime/optim.py runs it, fp32 (module doc;
-# counted from the dispatched ops by tests/test_cost.py); mixed precision adds MIXED_CAST_BYTES
+# counted from the dispatched ops by tests/pricing/test_cost.py); mixed precision adds MIXED_CAST_BYTES
 _OPT_BYTES = {"adamw": 80, "adam": 72, "sgd": 32, "lamb": 136, "lars": 80}
 MIXED_CAST_BYTES = 2 + 4 + 4 + 2   # the gradient upcast to fp32, the master cast back (runtime/zero.py)
 TRUST_RATIO_OPTIMIZERS = ("lamb", "lars")   # per-tensor norms summed across ranks each step (module doc)

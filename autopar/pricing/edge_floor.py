@@ -21,7 +21,7 @@ all-gather or all-reduce, never an all-to-all, and a collective costs at least i
 (``latency_floor``) and at least the least it costs on that many bytes or more (``_least_from``).
 With the bandwidth term the floors prune GPT 18.4B's
 (tp=8, 256 A100s) configurations that used to be priced first (``pair_floors``; checked against
-the cheapest reshard on random layout pairs, tests/test_reshard.py).
+the cheapest reshard on random layout pairs, tests/codegen/test_reshard.py).
 """
 from __future__ import annotations
 

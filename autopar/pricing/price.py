@@ -51,7 +51,7 @@ def _chunk_numel(c: Candidates) -> dict[str, int]:
     """Trainable parameter (node name) -> elements of its ZeRO chunk (frontend/blocks.param_chunks,
     the chunks execution builds), once per graph."""
     g = c.graph
-    got = g.__dict__.get("_chunk_numel")
+    got = g.chunk_numel
     if got is None:
         trainable = [n for n in g.param_fqn if n not in g.buffers]
         key = param_chunks(g.blocks, g.param_fqn, trainable)
@@ -59,7 +59,7 @@ def _chunk_numel(c: Candidates) -> dict[str, int]:
         per: dict[int, int] = {}
         for n in trainable:
             per[key[n]] = per.get(key[n], 0) + (node_val(vals[n]).numel() if n in vals else 0)
-        got = g.__dict__["_chunk_numel"] = {n: per[key[n]] for n in trainable}
+        got = g.chunk_numel = {n: per[key[n]] for n in trainable}
     return got
 
 
@@ -134,6 +134,8 @@ class Priced:
     fwd_comm_bytes: dict[str, list[np.ndarray]] = field(default_factory=dict)
     edge_fwd: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
     edge_fwd_bytes: dict[tuple[str, str], list[np.ndarray]] = field(default_factory=dict)
+    # (edges, names, per-node arrays): autopar/search/predict.py ``step_time_lower_bound``'s memo
+    edge_additions: tuple | None = field(default=None, repr=False, compare=False)
 
 
 def has_contraction(spec) -> bool:
@@ -185,7 +187,7 @@ class MemoComm:
     thousands of times while pricing one mesh (resharding searches, every micro-batch count).
     Hashes by identity, so ``plan_reshard``'s cache keys on this one object per (cluster, mesh)."""
 
-    def __init__(self, comm: Collectives):
+    def __init__(self, comm: Collectives, shared: dict):
         self.comm = comm
         self.memo: dict = {}
         self.reshard: dict = {}   # (src, dst, local shape, itemsize) -> traffic list or None
@@ -194,7 +196,7 @@ class MemoComm:
         # links (autopar/pricing/edge_price.py ``reshard_traffic``)
         mesh = comm.mesh
         self.axes = tuple((p.size, p.intra, p.inter) for p in map(mesh.placement, range(mesh.ndim)))
-        self.shared = shared_reshards(comm.cluster)
+        self.shared = shared
         self.kept_axes: dict = {}   # kept axes -> (them, their placements): part of a shared key
 
     def __call__(self, kind: str, nbytes: float, axis: int) -> float:
@@ -207,15 +209,15 @@ class MemoComm:
     __hash__ = object.__hash__
 
 
-_SHARED: dict = {}   # link family -> reshard traffic (``shared_reshards``)
 SHARED_MAX = 1 << 20   # entries per family before it starts over (a long-lived process planning many models)
 
 
-def shared_reshards(cluster: Cluster) -> dict:
-    """The reshard traffic memo of every cluster with ``cluster``'s device, links and calibration
-    (the node count aside: a pipeline stage's cluster shares the whole cluster's)."""
+def shared_reshards(families: dict, cluster: Cluster) -> dict:
+    """The reshard traffic memo in ``families`` (link family -> memo: ``Candidates.reshards``) of
+    every cluster with ``cluster``'s device, links and calibration (the node count aside: a
+    pipeline stage's cluster shares the whole cluster's)."""
     family = dataclasses.replace(cluster, nodes=1)
-    memo = _SHARED.setdefault(family, {})
+    memo = families.setdefault(family, {})
     if len(memo) > SHARED_MAX:
         memo.clear()
     return memo
@@ -225,7 +227,7 @@ def mesh_comm(c: Candidates, cluster: Cluster) -> MemoComm:
     """The memoised collectives of ``c``'s mesh on ``cluster`` (one per pair, kept on ``c``)."""
     key = ("comm", cluster)
     if key not in c.edge_cache:
-        c.edge_cache[key] = (cluster, MemoComm(Collectives(cluster, c.mesh)))
+        c.edge_cache[key] = (cluster, MemoComm(Collectives(cluster, c.mesh), shared_reshards(c.reshards, cluster)))
     return c.edge_cache[key][1]
 
 
@@ -240,15 +242,15 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     P = Priced({}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {})
     charged_roots: set[str] = set()
     cuda = runs_cuda(cluster)
-    cache = c.__dict__.setdefault("_device_roots", {})   # depends on the graph, device and precision only
+    cache = c.memo.device_roots   # depends on the graph, device and precision only
     if (cuda, s.precision) not in cache:
         cache[cuda, s.precision] = {**c.storage_root, **device_storage_roots(c, cuda, s.precision)}
     roots = cache[cuda, s.precision]
     # gradient collectives run in buckets (cost.bucket_share): size them as the runtime does
-    if "_grad_numel" not in c.__dict__:
-        c.__dict__["_grad_numel"] = sum(node_val(i.node).numel() * i.repeats for n, i in c.nodes.items()
+    if c.memo.grad_numel is None:
+        c.memo.grad_numel = sum(node_val(i.node).numel() * i.repeats for n, i in c.nodes.items()
                                         if i.kind == "param" and i.rep == n and n in c.needs_grad)
-    bucket = grad_bucket_bytes(c.__dict__["_grad_numel"] * (2 if s.precision == "bf16" else 4))
+    bucket = grad_bucket_bytes(c.memo.grad_numel * (2 if s.precision == "bf16" else 4))
 
     def share(kind, nbytes, a):
         return bucket_share(comm, kind, nbytes, a, bucket)
@@ -317,7 +319,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                         axis_bytes[a][j] += gbytes * k
                         grad_t[j] += t * k
                     else:
-                        # As runtime/zero.py runs it (checked by tests/test_predictions_measured.py):
+                        # As runtime/zero.py runs it (checked by tests/execution/test_predictions_measured.py):
                         # stages 2/3 reduce-scatter each micro-batch's gradient as soon as backward
                         # produced it (the full gradient is not kept across micro-batches), stage 1
                         # once per step; stages 1/2 all-gather the updated shards after the step,
@@ -412,7 +414,7 @@ def _local_intensity(c: Candidates, spec, info: NodeInfo, j: int, mesh: Mesh, nm
     """FLOP/byte of the contraction each rank runs under strategy ``j``: letter sizes divided by
     their splits (and the batch letter by the micro-batch count), for the cost model's
     GEMM-by-intensity curve."""
-    cache = c.__dict__.setdefault("_split_sizes", {})   # c is one mesh's: per (node, strategy)
+    cache = c.memo.split_sizes   # c is one mesh's: per (node, strategy)
     got = cache.get((info.node.name, j))
     if got is None:
         got = cache[info.node.name, j] = _split_sizes(spec, info, info.strategies[j], mesh)
@@ -473,7 +475,7 @@ def _batched_tensors(c: Candidates, info: NodeInfo) -> list:
     batch dim changes with the count (to its size // count); the full shapes divide by construction
     (a strategy at one micro-batch is valid). Cached per node: pricing asks for every strategy
     at every count."""
-    cache = c.__dict__.setdefault("_batched_tensors", {})
+    cache = c.memo.batched_tensors
     got = cache.get(info.node.name)
     if got is not None:
         return got
@@ -549,14 +551,14 @@ def batch_free(c: Candidates, root: str) -> bool:
     table from positions ([1, s, d]), a causal mask ([1, 1, s, s]): every micro-batch keeps it whole
     (Hugging Face Llama's cos and sin tables). A value of the batch's size
     the letters missed (a buffer expanded to the batch, BERT's token types) stays cut."""
-    memo = c.__dict__.setdefault("_batch_free", {})
+    memo = c.memo.batch_free
     got = memo.get(root)
     if got is None:
         info = c.nodes.get(root)
         val = node_val(info.node) if info is not None else None
-        if "_global_batch" not in c.__dict__:
-            c.__dict__["_global_batch"] = global_batch(c.graph, default=1)
-        b = c.__dict__["_global_batch"]
+        if c.memo.global_batch is None:
+            c.memo.global_batch = global_batch(c.graph, default=1)
+        b = c.memo.global_batch
         got = memo[root] = (isinstance(val, torch.Tensor) and not (info.batch_dims and any(info.batch_dims))
                             and b > 1 and b not in tuple(val.shape))
     return got

@@ -34,7 +34,7 @@ def selective_groups(c: Candidates, P: Priced, s: Settings, groups: dict, cgroup
 
     cores = attention_cores(c.graph)
     pins = dict(s.checkpoint) if isinstance(s.checkpoint, tuple) else {}
-    rootmaps = [c.storage_root] + list(c.__dict__.get("_device_roots", {}).values())
+    rootmaps = [c.storage_root] + list(c.memo.device_roots.values())
     out = []
     for g in sorted(groups):
         grp = groups[g]

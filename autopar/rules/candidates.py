@@ -43,6 +43,17 @@ class NodeInfo:
 
 
 @dataclass
+class PricingMemo:
+    """What autopar/pricing/price.py computes once per mesh's candidates and asks for again."""
+    device_roots: dict = field(default_factory=dict)   # (runs CUDA, precision) -> node -> storage root
+    split_sizes: dict = field(default_factory=dict)   # (node, strategy index) -> its local letter sizes
+    batched_tensors: dict = field(default_factory=dict)   # node -> its tensors a micro-batch count cuts
+    batch_free: dict = field(default_factory=dict)   # storage root -> carries no batch
+    grad_numel: int | None = None   # elements of the trained parameters (gradient buckets)
+    global_batch: int | None = None
+
+
+@dataclass
 class Candidates:
     """Per-mesh candidate strategies of every node (independent of ZeRO and micro-batching)."""
     graph: TracedGraph
@@ -55,6 +66,11 @@ class Candidates:
     block_of_rep: dict[str, int] = field(default_factory=dict)   # rep op node -> block group index
     needs_grad: set[str] = field(default_factory=set)
     edge_cache: dict = field(default_factory=dict)      # pricing caches per cluster: collectives, ops, edges
+    memo: PricingMemo = field(default_factory=lambda: PricingMemo())   # pricing's per-mesh memos
+    # link family -> reshard traffic (autopar/pricing/price.py ``shared_reshards``): one dict for
+    # every mesh the searches of one plan price (autopar/search/context.py ``PlanCaches``)
+    reshards: dict = field(default_factory=dict)
+    instances_memo: dict | None = None   # rep -> the nodes it stands for (``instances``)
     inputs_cache: dict = field(default_factory=dict)    # node name -> tensor_inputs (pricing asks often)
 
     def inputs(self, node) -> list:
@@ -67,9 +83,9 @@ class Candidates:
     def instances(self, rep: str) -> list[str]:
         """The graph nodes representative ``rep`` stands for (itself first, graph order): one per
         repeated-block instance; ``[rep]`` for a node outside the repeated blocks."""
-        got = self.__dict__.get("_instances")
+        got = self.instances_memo
         if got is None:
-            got = self.__dict__["_instances"] = {}
+            got = self.instances_memo = {}
             for n in self.order:
                 got.setdefault(self.nodes[n].rep, []).append(n)
         return got.get(rep) or [rep]
@@ -109,7 +125,9 @@ def megatron_filter(spec, strategies: list[Strategy], mesh: Mesh) -> list[Strate
     return keep or strategies
 
 
-def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Candidates:
+def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None, reshards: dict | None = None) -> Candidates:
+    """Every node's strategies on ``mesh``. ``reshards``: the reshard traffic memos shared with other
+    meshes' candidates (``Candidates.reshards``; default: this mesh's own)."""
     gm = graph.gm
     nodes: dict[str, NodeInfo] = {}
     order: list[str] = []
@@ -175,7 +193,8 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None) -> Can
     # sequence-parallel modes (autopar/rules/sequence.py)
     sequence.restrict(graph, mesh, nodes, order, policy, needs_grad)
     roots, root_bytes = storage_roots(gm, lambda n: _returns_input(nodes.get(n.name)))
-    cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=needs_grad)
+    cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=needs_grad,
+                       reshards={} if reshards is None else reshards)
     _assign_representatives(cands)
     return cands
 
@@ -201,7 +220,7 @@ def _graph_specs(graph: TracedGraph) -> dict:
     """node name -> ``spec_for(node)``, kept on the graph: a spec depends on the node alone (its
     target and traced values), not on the mesh, and every mesh's candidates ask for all of them
     (hf_llama: 7 meshes per plan, a tenth of its planning time). Specs are frozen dataclasses."""
-    return graph.__dict__.setdefault("_op_specs", {})
+    return graph.op_specs
 
 
 def _enumeration_key(spec, letters: frozenset):
@@ -217,7 +236,7 @@ def _graph_needs_grad(graph: TracedGraph, nodes) -> set[str]:
     """``_needs_grad``, kept on the graph per (parameters, buffers): it does not depend on the mesh."""
     params = frozenset(n for n, info in nodes.items() if info.kind == "param")
     key = (params, frozenset(graph.buffers))
-    cache = graph.__dict__.setdefault("_needs_grad", {})
+    cache = graph.needs_grad_memo
     if key not in cache:
         cache[key] = frozenset(_needs_grad(graph.gm, nodes, graph.buffers))
     return set(cache[key])

@@ -56,7 +56,7 @@ attention (softmax or SDPA) whose inputs carry a sequence dim (``has_sequence_at
     over the free search and every retry. Tensor parallelism stays inside a node, so across nodes
     a sequence axis is what splits one sequence's activations further.
 (b) some attention's sequence is at least ``SP_UPFRONT_RATIO`` (2) times its hidden size (heads x
-    head dim): ``faster_with_sp``; a plan with a sequence axis replaces the incumbent when it is
+    head dim): ``fastest_with_sp``; a plan with a sequence axis replaces the incumbent when it is
     predicted faster. Measured on a Llama-7B shape on 8 A100s, batch 1 (benchmarks/RESULTS.md
     section 11), best sp plan against the best without: s = h +0.6% (slower), 2h -3.6%, 4h -5.4%,
     8h -13.4% step time. Below it attention is a small share of the layer and sp would only add

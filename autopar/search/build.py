@@ -5,11 +5,15 @@ Solution back to candidate indices. Units: seconds and bytes only.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
-from autopar.rules.candidates import Candidates
+from autopar.errors import ConstraintError
 from autopar.pricing.price import Priced, Settings
 from autopar.pricing.selective_pricing import selective_groups
+from autopar.rules import tensor_inputs
+from autopar.rules.candidates import Candidates
 from solver.problem import CheckpointGroup, Edge, MemoryConstraint, Problem
 
 
@@ -42,7 +46,7 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
         grp.saved.append((index[n], P.saved[n]))
         # Recomputing one block saves what it saved in forward, except the block's inputs: the
         # region keeps those anyway (they are its ``kept`` bytes), so the same storages are saved
-        # again, not new ones (runtime/checkpoint.py; tests/test_checkpointing.py measures it).
+        # again, not new ones (runtime/checkpoint.py; tests/execution/test_checkpointing.py measures it).
         again = P.saved[n] - sum((arr for root, arr in P.saved_by_root.get(n, {}).items()
                                   if root in block_inputs[g]), np.zeros_like(P.saved[n]))
         grp.recompute_memory.append((index[n], again / k))
@@ -64,7 +68,6 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
     if isinstance(s.checkpoint, tuple):
         unknown = sorted(set(dict(s.checkpoint)) - {g.name for g in groups.values()})
         if unknown:
-            from autopar.errors import ConstraintError
             raise ConstraintError(f"constraint checkpoint names block groups {unknown} the model does not have "
                                   f"(its repeated block groups: {sorted(g.name for g in groups.values())})")
     cgroups = [groups[g] for g in sorted(groups)]
@@ -93,8 +96,6 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
 def _block_input_roots(c: Candidates, g: int) -> set[str]:
     """Storage roots of the activations the first instance of block group ``g`` reads from
     outside itself (parameters and buffers excluded): what a checkpoint region keeps."""
-    from autopar.rules import tensor_inputs
-
     inst = c.graph.blocks[g].instances[0]
     inside = set(inst)
     nodes = {n.name: n for n in c.graph.gm.graph.nodes}
@@ -133,8 +134,6 @@ def bound_problem(problem: Problem, P: Priced) -> Problem:
     compute + in-op communication + optimizer step, gradient communication free (it may hide
     behind backward). Any lower bound of this problem's optimum (its LP relaxation) bounds the
     predicted step time of every plan of the configuration (autopar/search/outer.py prunes with it)."""
-    import copy
-
     out = copy.copy(problem)
     kept = problem.kept if problem.kept is not None else [np.arange(len(c)) for c in problem.costs]
     out.costs = []

@@ -1,8 +1,7 @@
-"""Forked worker processes for the pipelined candidates (autopar/search/pipeline_search.py, step 2).
+"""Forked worker processes for the pipelined candidates (autopar/search/pipeline_forked.py).
 
 A pipelined candidate's inner search (the whole model on one stage's sub-mesh) is seconds of
-single-threaded Python on large models (GPT-3 175B on 1024 A100s: 20 inner searches of 2.5-3.7 s,
-95% of its planning), and the candidates are independent but for the incumbent that prunes them.
+single-threaded Python on large models, most of their planning, and the candidates are independent but for the incumbent that prunes them.
 With more than one core they run in worker processes forked from the planning process after the
 pp=1 search: the traced graph, the candidates and pricing caches are inherited, not pickled;
 what crosses a pipe is a candidate's index one way and a step time (or why it has none) back,
@@ -11,7 +10,7 @@ and once the search is over the winner's plan (its candidates rebuilt by the pla
 - ``worker_count``: how many (``AUTOPAR_PLAN_WORKERS``, else the cores this process may use, at
   most ``MAX_WORKERS``; 1 or 0 means no workers).
 - ``Lanes``: one forked process per lane, each serving ``evaluate(task)`` for the tasks sent to
-  it in order. pipeline_search.py sends every candidate with the same pp to the same lane, so
+  it in order. pipeline_forked.py sends every candidate with the same pp to the same lane, so
   one stage sub-mesh's candidates, resharding prices and inner plans are built once.
 
 The workers are forked before any of them starts a thread, and the solver's threads are
@@ -28,6 +27,8 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import wait
+
+from solver.ilp import release_threads
 
 WORKERS_ENV = "AUTOPAR_PLAN_WORKERS"
 MAX_WORKERS = 4
@@ -87,8 +88,6 @@ class Lanes:
     receives them. Use as a context manager: the workers are stopped on exit."""
 
     def __init__(self, n: int, evaluate):
-        from solver.ilp import release_threads
-
         release_threads()   # no solver thread pool is copied into a child half-alive (module doc)
         ctx = multiprocessing.get_context("fork")
         self.conns, self.procs = [], []

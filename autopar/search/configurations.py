@@ -2,7 +2,7 @@
 checked (``check_constraints``: autopar/constraints.py's checks and the grid modes'), the meshes
 the dp / tp / tp_mode / tp_shape / sequence pins allow (``allowed_meshes``), the micro-batch counts
 that cut a data-parallel share evenly (``_micro_choices``, and why a pinned one cannot:
-``_micro_batch_error``), and every (mesh, ZeRO stage, micro-batch count) as a ``Config``
+``micro_batch_error``), and every (mesh, ZeRO stage, micro-batch count) as a ``Config``
 (``configurations``). autopar/search/outer.py prices and solves them."""
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.constraints import Constraints
-from autopar.frontend.batching import global_batch  # noqa: F401  (re-exported: search modules import it from here)
+from autopar.frontend.batching import global_batch
 from autopar.frontend.trace import TracedGraph
 from autopar.pricing.price import Settings
 from autopar.rules import sequence
+from autopar.search.grid_geometry import check_grid_constraints
 
 
 @dataclass
@@ -25,9 +26,8 @@ class Config:
 def check_constraints(constraints) -> dict:
     """``constraints=`` (a dict or autopar.Constraints) as the dict of its pinned keys, validated:
     each key and the contradictions between keys by autopar/constraints.py, a grid mode's shape by
-    autopar/search/grid_search.py (``check_grid_constraints``)."""
+    autopar/search/grid_geometry.py (``check_grid_constraints``)."""
     pins = Constraints.coerce(constraints).to_dict()
-    from autopar.search.grid_search import check_grid_constraints
     check_grid_constraints(pins)   # a 2d / 2.5d / 3d grid of the pinned tp / tp_shape
     return pins
 
@@ -46,7 +46,7 @@ def _divisors(n: int) -> list[int]:
 def _micro_choices(per_dp: int, constraints: dict) -> list[int]:
     """Numbers of micro-batches for a data-parallel share of ``per_dp`` rows: only counts that
     cut it into equal micro-batches of at least one row (a pinned count that does not is
-    dropped here and reported by ``_micro_batch_error``); unpinned, micro-batch sizes that are
+    dropped here and reported by ``micro_batch_error``); unpinned, micro-batch sizes that are
     powers of two (plus the whole share). Both pinned (a pipelined candidate's count with the
     user's size): that count where it cuts micro-batches of that size."""
     if "num_micro_batches" in constraints:
@@ -65,7 +65,7 @@ def _micro_choices(per_dp: int, constraints: dict) -> list[int]:
     return sorted({per_dp // s for s in sizes})
 
 
-def _micro_batch_error(batch: int, dps: list[int], constraints: dict) -> str | None:
+def micro_batch_error(batch: int, dps: list[int], constraints: dict) -> str | None:
     """Why a pinned num_micro_batches / micro_batch_size cannot be met on any mesh that the other
     pins allow (None when it can on some): says which counts divide."""
     key = "num_micro_batches" if "num_micro_batches" in constraints else \

@@ -1,4 +1,4 @@
-"""A lower bound of a grid configuration's predicted step (autopar/search/grid_search.py) before
+"""A lower bound of a grid configuration's predicted step (autopar/search/grid_price.py) before
 its lowering: what ``price_grid`` would charge at least, from the traced graph's shapes alone.
 
 Lowering the model in a grid mode (codegen/grid_ops.py ``GridProgram.analyse``) runs every op of
@@ -16,7 +16,7 @@ collectives of solver/tp_grid_cost.py ``linear_2d`` / ``linear_2p5d`` / ``linear
 Everything else (contractions other than linears, e.g. attention; a classifier tied to its
 embedding; norms', embeddings' and the loss's collectives; gradient synchronisation; optimizer
 step) is left out: every one of those terms is >= 0. A geometry that does not divide returns 0
-(its lowering reports why). tests/test_grid_bound.py checks bound <= priced step.
+(its lowering reports why). tests/search/test_grid_bound.py checks bound <= priced step.
 """
 from __future__ import annotations
 
@@ -26,14 +26,21 @@ from types import SimpleNamespace
 
 import torch
 
+from autopar.mesh import Mesh
+from autopar.pricing.cost import Collectives
+from autopar.pricing.price import has_contraction
+from autopar.rules.candidates import candidates
+from autopar.search.grid_geometry import grid_batch, grid_geometries
+from autopar.search.grid_price import grid_compute
+from solver import tp_grid_cost as tc
+
 aten = torch.ops.aten
 
 
-def _linears(graph) -> dict:
+def _linears(graph, memo: dict) -> dict:
     """(m tokens, in features, out features, has bias) -> names of the linears of that shape, for
     every linear not tied to an embedding table (a tied classifier lowers differently: left out
     of the bound). A repeated block's linears share a few shapes: each is priced once."""
-    memo = graph.__dict__.setdefault("_grid_bound_memo", {})
     if "linears" not in memo:
         out: dict = {}
         for n in graph.gm.graph.nodes:
@@ -50,47 +57,39 @@ def _linears(graph) -> dict:
     return memo["linears"]
 
 
-def grid_step_lower_bound(graph, cluster, base, geo, cands) -> float:
-    """Seconds ``price_grid(graph, cluster, base, geo, cands)`` charges at least (module doc)."""
-    return sum(_parts(graph, cluster, base, geo, cands))
+def grid_step_lower_bound(graph, cluster, base, geo, cands, memo: dict | None = None) -> float:
+    """Seconds ``price_grid(graph, cluster, base, geo, cands)`` charges at least (module doc).
+    ``memo``: the bound's parts of ``graph`` kept across calls (autopar/search/context.py
+    ``PlanCaches.grid_bounds``)."""
+    return sum(_parts(graph, cluster, base, geo, cands, {} if memo is None else memo))
 
 
-def grid_compute_floor(graph, cluster, base, constraints: dict) -> float:
+def grid_compute_floor(graph, cluster, base, constraints: dict, memo: dict | None = None) -> float:
     """Compute seconds no grid plan the pins allow goes below (inf: no grid geometry): the compute
     part of the bound, least over the geometries (more micro-batches only add compute: the
     grid pass's premise). autopar/search/outer.py's ``before_large`` needs it."""
-    from autopar.mesh import Mesh
-    from autopar.rules.candidates import candidates
-    from autopar.search.grid_search import _batch, grid_geometries
-
-    geos = grid_geometries(cluster.num_devices, constraints, _batch(graph))
+    geos = grid_geometries(cluster.num_devices, constraints, grid_batch(graph))
     if not geos:
         return math.inf
     cands = candidates(graph, Mesh((1,), ("dp",), cluster.devices_per_node))
-    return min(_parts(graph, cluster, base, geo, cands)[0] for geo in geos)
+    memo = {} if memo is None else memo
+    return min(_parts(graph, cluster, base, geo, cands, memo)[0] for geo in geos)
 
 
-def _parts(graph, cluster, base, geo, cands) -> tuple[float, float]:
-    """(compute, collectives) of the bound, memoised per graph (the grid pass and
+def _parts(graph, cluster, base, geo, cands, memo: dict) -> tuple[float, float]:
+    """(compute, collectives) of the bound, kept in ``memo`` (the grid pass and
     ``grid_compute_floor`` ask for the same geometries)."""
-    memo = graph.__dict__.setdefault("_grid_bound_memo", {})
     key = (cluster, base.precision, geo)
     if key not in memo:
-        memo[key] = _bound_parts(graph, cluster, base, geo, cands)
+        memo[key] = _bound_parts(graph, cluster, base, geo, cands, memo)
     return memo[key]
 
 
-def _bound_parts(graph, cluster, base, geo, cands) -> tuple[float, float]:
-    from autopar.mesh import Mesh
-    from autopar.pricing.cost import Collectives
-    from autopar.pricing.price import has_contraction
-    from autopar.search.grid_search import grid_compute
-    from solver import tp_grid_cost as tc
-
+def _bound_parts(graph, cluster, base, geo, cands, memo: dict) -> tuple[float, float]:
     q = geo.q
     gemms, colls = {}, []
     try:
-        for (m, k, nf, bias), names in _linears(graph).items():
+        for (m, k, nf, bias), names in _linears(graph, memo).items():
             if k % q or nf % (q * q if geo.mode == "3d" else q) or m % geo.tok_parts:
                 return 0.0, 0.0
             if geo.mode == "3d":

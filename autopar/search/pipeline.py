@@ -45,7 +45,7 @@ nodes) is added to its stage's backward time, and the largest of its stage's blo
 working sets (what recomputing one block saves again) is added once to the rank's memory. Not with
 selective recompute, ZeRO-3 or zero-bubble (``checkpoint_pinned``, ``max_zero``).
 
-Sequence parallelism composes (issue 7): ``sp`` / ``sp_mode`` pins go to the inner search, so the
+Sequence parallelism composes: ``sp`` / ``sp_mode`` pins go to the inner search, so the
 stage sub-mesh is (dp, sp[, tp]) and every stage runs its attention ops as the inner plan chose
 (Ulysses / ring on the sequence axis, Megatron-SP on the tensor axis). Nothing else changes: the
 per-instance figures of step 2 include the sequence axis' collectives, a boundary's transfer is

@@ -12,6 +12,10 @@ import math
 
 from autopar.constraints import SCHEDULE_ALIASES
 from autopar.errors import ConstraintError
+from autopar.frontend.batching import global_batch
+from autopar.plans.plan_schema import checkpoint_mode_of
+from codegen.grid_layout import GRID_MODES
+from codegen.stages import pipeline_units
 
 MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")   # v stages per rank (PyTorch's Interleaved1F1B, InterleavedZeroBubble)
 
@@ -36,8 +40,6 @@ def unpipelined_pin(constraints: dict) -> str | None:
     """The pin (as text) that rules pipelining out, or None. The grid modes (2D/2.5D/3D) run one
     micro-batch of the whole model. (Sequence parallelism does not: its axis is part of each
     stage's sub-mesh, module doc.)"""
-    from codegen.grid_layout import GRID_MODES
-
     if constraints.get("tp_mode") in GRID_MODES:
         return f"tp_mode={constraints['tp_mode']!r} (the grid modes run without pipeline stages)"
     return None
@@ -76,9 +78,6 @@ def stage_cluster(cluster, pp: int):
 
 def check_pins(graph, cluster, constraints: dict, pp: int) -> int:
     """Validate the pins against the model and cluster; returns the number of micro-batches."""
-    from codegen.stages import pipeline_units
-    from autopar.search.configurations import global_batch
-
     units = len(pipeline_units(graph))
     sched = constraints.get("pp_schedule") or "1f1b"
     v = virtual_stages(sched)
@@ -117,8 +116,6 @@ def virtual_stages(schedule: str) -> int:
 
 def checkpoint_pinned(ck, pp: int, schedule: str) -> bool:
     """Whether a pipelined plan's checkpoint pin recomputes any block (full recompute only)."""
-    from autopar.plans.plan_schema import checkpoint_mode_of
-
     if ck is None or ck == "none":
         return False
     modes = {ck} if isinstance(ck, str) else {checkpoint_mode_of(v) for v in dict(ck).values()} - {"none"}

@@ -8,11 +8,15 @@ import math
 
 import numpy as np
 
-from autopar.search.build import chosen
-from autopar.rules.candidates import Candidates
-from autopar.pricing.price import Priced, Settings, has_contraction, step_host_time
 from autopar.cluster import Cluster
+from autopar.plans.plan_schema import checkpoint_mode_of
 from autopar.pricing.cost import exposed_comm, profile_of
+from autopar.pricing.price import Priced, Settings, has_contraction, step_host_time
+from autopar.rules.attention_core import attention_cores
+from autopar.rules.candidates import Candidates
+from autopar.rules.localize import local_call
+from autopar.rules.microbatch import TARGET_MEAN_LOSSES
+from autopar.search.build import chosen
 from solver.problem import Problem, Solution
 
 
@@ -29,9 +33,6 @@ def _count_program_edges(c: Candidates, pick: dict, micro_batches: int) -> set[t
     """The (producer, consumer) edges whose forward reshards the count program runs: those into
     the ancestors of each target of a mean loss run as a local sum (``LocalCall.global_mean``),
     and into the loss's target input itself (the program counts the target as the loss reads it)."""
-    from autopar.rules.microbatch import TARGET_MEAN_LOSSES
-    from autopar.rules.localize import local_call
-
     edges: set[tuple[str, str]] = set()
     for n, k in pick.items():
         info = c.nodes.get(n)
@@ -203,8 +204,6 @@ def checkpoint_modes(problem: Problem, decision) -> dict:
 
 def selective_nodes(c: Candidates, ckpt: dict) -> set[str]:
     """Representative nodes of the attention cores of the groups ``ckpt`` recomputes selectively."""
-    from autopar.rules.attention_core import attention_cores
-
     sel = {gi for gi, blk in enumerate(c.graph.blocks) if ckpt.get(blk.name) == "selective"}
     if not sel:
         return set()
@@ -214,8 +213,6 @@ def selective_nodes(c: Candidates, ckpt: dict) -> set[str]:
 
 def checkpoint_mode(ckpt: dict) -> str:
     """One word for a plan's per-group decisions: none / selective / full / mixed."""
-    from autopar.plans.plan_schema import checkpoint_mode_of
-
     vals = {checkpoint_mode_of(v) for v in ckpt.values()}
     if not vals:
         return "none"
@@ -263,7 +260,7 @@ def _edge_additions(P: Priced, names: list, starts, length: int):
     nodes' concatenated arrays. Kept on ``P`` (a configuration's bound is asked up to four times), not
     in a module-level cache that would keep every search's matrices alive."""
     edges = P.edges
-    got = P.__dict__.get("_edge_additions")
+    got = P.edge_additions
     if got is not None and got[0] is edges and got[1] == names:
         return got[2]
     where = {n: int(s) for n, s in zip(names, starts)}
@@ -279,7 +276,7 @@ def _edge_additions(P: Priced, names: list, starts, length: int):
         a, b = m.min(axis=0), m.min(axis=1)
         to_cons[where[v]:where[v] + len(a)] += a
         to_prod[where[u]:where[u] + len(b)] += b
-    P.__dict__["_edge_additions"] = (edges, names, (to_cons, to_prod))
+    P.edge_additions = (edges, names, (to_cons, to_prod))
     return to_cons, to_prod
 
 

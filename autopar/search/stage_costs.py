@@ -13,6 +13,13 @@ every rank (``count_bytes``).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+
+from autopar.pricing.saved_copies import copy_bytes_by_instance, per_representative
+from autopar.search.build import _block_input_roots, chosen
+from autopar.search.predict import count_program_bytes
+from codegen.stages import pipeline_units
+
 
 @dataclasses.dataclass
 class StageCosts:
@@ -44,11 +51,6 @@ class StageCosts:
 
 def stage_costs(result, graph) -> StageCosts:
     """Per-instance and prologue/epilogue figures from the inner plan's priced arrays."""
-    from autopar.pricing.saved_copies import copy_bytes_by_instance, per_representative
-    from autopar.search.build import _block_input_roots, chosen
-    from autopar.search.predict import count_program_bytes
-    from codegen.stages import pipeline_units
-
     cands, P = result.cands, result.priced
     pick = chosen(result.problem, result.solution)
     # saved copies made by reshards (autopar/pricing/saved_copies.py), per graph node: a block
@@ -174,8 +176,8 @@ def stage_costs(result, graph) -> StageCosts:
     # every graph edge it stands for, and those need not be alike across instances: the embedding's
     # output enters only the first block, the previous block's output the others. Each key's
     # figures are split over the places its graph edges actually run (``_edge_shares``), not
-    # spread evenly over the consumer's repeats (which put a third of the embedding's reshard on
-    # the other pipeline rank, found 2026-11-26).
+    # spread evenly over the consumer's repeats (which would put part of the embedding's reshard
+    # on another pipeline rank).
     shares = _edge_shares(cands, graph, order, first_block)
     eb = {u: {a: 0.0 for a in names} for u in units}   # per instance: edge bytes per axis
     et = {u: 0.0 for u in units}                       # per instance: edge seconds per micro-batch
@@ -244,7 +246,6 @@ def _edge_shares(cands, graph, order, first_block) -> dict:
     """Edge key (producer rep, consumer rep) -> [(place, share)]: where the graph edges the key
     stands for run (a block instance (group, instance), "pro" or "epi"), each with its fraction
     of the key's edges."""
-    from collections import Counter
     count: dict = {}
     for name in cands.order:
         info = cands.nodes[name]

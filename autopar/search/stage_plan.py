@@ -11,7 +11,13 @@ import functools
 import math
 
 from autopar.errors import ConstraintError, MemoryBudgetError
+from autopar.pricing.pipeline_cost import boundary_p2p_time
 from autopar.search.pipeline_pins import virtual_stages
+from autopar.search.stage_costs import stage_costs
+from runtime.pipeline_orders import pipeline_orders
+from solver.pipeline import partition
+from solver.pipeline_schedule import StageDurations, simulate
+
 
 def alive_micro_batches(schedule: str, stage: int, pp: int, m: int) -> int:
     """Micro-batches whose activations a stage holds at its peak (equal stages; see ``alive``)."""
@@ -27,8 +33,6 @@ WEIGHT_GRAD_SHARE = 0.5
 
 def orders_for(schedule: str, pp: int, m: int) -> dict:
     """rank -> the compute actions torch's schedule runs (runtime/pipeline_orders.py)."""
-    from runtime.pipeline_orders import pipeline_orders
-
     try:
         return pipeline_orders(_TORCH_NAME[schedule], pp, m, virtual_stages(schedule))
     except ValueError as e:
@@ -38,8 +42,6 @@ def orders_for(schedule: str, pp: int, m: int) -> dict:
 def simulate_stages(schedule: str, pp: int, m: int, fwd, bwd, p2p=(), timeline: bool = False):
     """Simulate torch's order for this schedule with per-stage forward / backward seconds per
     micro-batch and per-boundary transfer seconds (solver/pipeline_schedule.py)."""
-    from solver.pipeline_schedule import StageDurations, simulate
-
     w = WEIGHT_GRAD_SHARE if schedule == "zero-bubble" else 0.0
     d = StageDurations(list(fwd), [b * (1 - w) for b in bwd], [b * w for b in bwd], list(p2p))
     if schedule == "zero-bubble":   # torch 2.13 runs stage 0's whole backward in its W action
@@ -65,11 +67,6 @@ def _uniform_alive(schedule: str, pp: int, m: int) -> tuple[int, ...]:
 def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -> dict:
     """The stage partition and the pipeline's predictions (module doc, steps 2-4). With an
     interleaved schedule there are pp x v virtual stages, stage k on rank position k % pp."""
-    from solver.pipeline import partition
-    from autopar.pricing.pipeline_cost import boundary_p2p_time
-
-    from autopar.search.stage_costs import stage_costs
-
     c = stage_costs(result, graph)
     mesh = result.config.mesh
     m = result.config.settings.num_micro_batches

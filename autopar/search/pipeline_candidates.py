@@ -1,0 +1,195 @@
+"""The pipelined candidates (pp, schedule, micro-batch count[, sequence axis]) of the free
+search, visited best bound first against an incumbent (``Pipelined``).
+
+The candidates: pp in the powers of two from 2 up to ``MAX_PP`` that the model's blocks and the
+cluster allow (``pipeline_pins.stage_cluster``), schedules ``SCHEDULES``, and micro-batch counts
+``pp * MICRO_FACTORS`` dividing the batch together with the counts Megatron-style runs use
+(micro-batch size ``MEGATRON_MBS`` with tensor parallelism over a node: m = batch / (dp x mbs),
+dp = a stage's nodes; such counts often have a factor 3 no pp x 2^k reaches). Each is
+``pipeline.search_pipelined`` with those pins (the inner plan on the stage sub-mesh, the DP
+partition, the simulated schedule); the inner plan depends only on (pp, m) and the other pins, so
+it is searched once per (pp, m) and reused for every schedule (``inner_cache``).
+
+Pruning: a pipelined step cannot take less than the pp=1 plan's compute time times
+1 + (pp - 1) / (m v) (the same FLOPs on the same devices, plus the least fill and drain of 1F1B /
+interleaving with v stages per rank); a candidate whose bound reaches the incumbent's step time
+is not searched, and candidates are visited in order of that bound, so a good plan found early
+prunes the rest. This assumes the stages compute no faster than the pp=1 plan does, which holds
+when both split work over the same devices evenly. Inside a candidate's inner search (the whole
+model on one stage's sub-mesh) a configuration is cut off when its work bound W (compute, in-op
+and resharding communication and optimizer step O, gradient communication aside) cannot beat the
+incumbent over p stages: the busiest rank's time is at least ((W - O)(1 + b) + O) / p with
+b = (p - 1) / (m v), v the most virtual stages of the schedules sharing that inner search, O at
+most each parameter's largest optimizer time (``outer.search``'s ``cutoff`` and
+``cutoff_bubble``). A ``time_limit`` covers the whole search: pipelined candidates get what pp=1
+left.
+
+With more than one core the candidates run in forked worker processes
+(autopar/search/pipeline_forked.py). Only executable plans are searched: a pipelined stage runs
+ZeRO 0-3, but ZeRO <= 2 under zero-bubble, which is only pinned, never searched
+(``pipeline_pins.max_zero``).
+"""
+from __future__ import annotations
+
+import time
+
+from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
+from autopar.frontend.batching import global_batch
+from autopar.search.context import CutOff
+from autopar.search.pipeline import search_pipelined
+from autopar.search.pipeline_forked import fork_workers, run_forked
+from autopar.search.pipeline_pins import stage_cluster, virtual_stages
+from codegen.stages import pipeline_units
+
+MAX_PP = 16
+SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
+MICRO_FACTORS = (1, 2, 4, 8, 16)   # module doc
+MEGATRON_MBS = (1, 2)
+INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it changes no plan)
+INNER_FILL_DRAIN = True   # ... with the least fill and drain in it (idem)
+
+def pp_choices(graph, cluster, constraints: dict) -> list[int]:
+    units = len(pipeline_units(graph))
+    out, pp = [], 2
+    while pp <= min(MAX_PP, units):
+        try:
+            stage_cluster(cluster, pp)
+            if cluster.num_devices % pp == 0:
+                out.append(pp)
+        except ConstraintError:
+            pass
+        pp *= 2
+    return out
+
+
+def micro_batch_counts(pp: int, batch: int, cluster=None) -> list[int]:
+    """The micro-batch counts the free search tries with ``pp`` stages (module doc): pp x
+    MICRO_FACTORS, and with ``cluster`` the Megatron-style counts batch / (dp x b) for micro-batch
+    sizes b in MEGATRON_MBS, dp being what a stage's devices leave for data parallelism when
+    tensor parallelism takes a whole node (dp = stage nodes). Only counts >= pp dividing the batch."""
+    ms = {pp * f for f in MICRO_FACTORS}
+    if cluster is not None:
+        try:
+            sub = stage_cluster(cluster, pp)
+        except ConstraintError:
+            sub = None
+        if sub is not None:
+            dp = sub.num_devices // sub.devices_per_node
+            ms |= {batch // (dp * b) for b in MEGATRON_MBS if batch % (dp * b) == 0}
+    return sorted(m for m in ms if m >= pp and batch % m == 0)
+
+
+def step_time(result, pipe) -> float:
+    """The step time of a Result, or of its pipelined form (``pipe``: the pipeline figures)."""
+    return pipe["step_time"] if pipe is not None else result.prediction["step_time"]
+
+
+class Pipelined:
+    """The pipelined candidates (pp, schedule, m), optionally with a sequence axis pinned
+    (pipeline_search's step 3), visited best bound first against an incumbent. One object per
+    ``plan_search``: its inner-search cache and counters are shared by every visit."""
+
+    def __init__(self, planner, flat: dict, t0: float, degrees=None, schedules=SCHEDULES):
+        self.graph, self.cluster, self.base, self.search_fn = planner.graph, planner.cluster, planner.base, planner.search_fn
+        self.flat, self.kw, self.t0 = flat, planner.kw, t0
+        self.degrees = degrees   # the pipeline degrees to try (None: ``pp_choices``)
+        self.schedules = schedules
+        self.errors: list = []   # why candidates could not be planned, in the order visited
+        self.inner_cache: dict = {}   # (pp, m[, sp]) inner plans, shared by every schedule (module doc)
+        self.tried = self.pruned = 0
+        self.first = False   # visited before the pp=1 search ended (plan_search's before_large)
+        self.floors: list = []   # smallest peaks of pipelined plans that did not fit (pipeline_search's step 3: its error)
+        self.remote_inner: dict = {}   # inner searches run in worker processes: {key: cut off?}
+        self.kept: dict = {}   # in a worker: its candidates' (Result, stats, pipe) until fetched
+        self.workers = 0   # the most worker processes a visit forked (stats: pipeline_workers)
+
+    def with_stats(self, out: tuple) -> tuple:
+        """``out`` (Result, stats, pipe) with the pipelined candidates' counters in its stats."""
+        cut = {**self.remote_inner, **{k: isinstance(r, CutOff) for k, r in self.inner_cache.items()}}
+        stats = dict(out[1], pipeline_candidates=self.tried, pipeline_pruned=self.pruned,
+                     inner_searches=len(cut), inner_cut_off=sum(cut.values()), pipeline_workers=self.workers, pipelined_first=self.first,
+                     pipeline_seconds=time.perf_counter() - self.t0)
+        return out[0], stats, out[2]
+
+    def cached_search(self, g, sub, settings, inner, **kw2):
+        key = (sub.nodes, sub.devices_per_node, settings.budget, repr(sorted(inner.items())))
+        if key not in self.inner_cache:
+            try:
+                self.inner_cache[key] = self.search_fn(g, sub, settings, inner, **kw2)
+            except (PlanError, CutOff) as e:
+                self.inner_cache[key] = e
+        if isinstance(self.inner_cache[key], Exception):
+            raise self.inner_cache[key]
+        return self.inner_cache[key]
+
+    def candidates(self, base_compute: float, sp_for=None) -> list[tuple]:
+        """(bound, pp, schedule index, m, schedule, sp) of every candidate; ``sp_for(stage cluster)``:
+        the sequence-axis sizes to pin with that stage sub-mesh (None: no sequence axis)."""
+        batch = global_batch(self.graph)
+        out = []
+        for p in self.degrees or pp_choices(self.graph, self.cluster, self.flat):
+            sps = [None] if sp_for is None else sp_for(stage_cluster(self.cluster, p))
+            for sp in sps:
+                for sched in self.schedules:
+                    v = virtual_stages(sched)
+                    for m in micro_batch_counts(p, batch, self.cluster):
+                        if "num_micro_batches" in self.flat and self.flat["num_micro_batches"] != m:
+                            continue
+                        out.append((base_compute * (1 + (p - 1) / (m * v)), p, self.schedules.index(sched), m, sched,
+                                    sp or 0))
+        return out
+
+    def run(self, best, best_stats, best_pipe=None, sp_for=None, base_compute=None):
+        """The best of (``best``, ``best_pipe``) and the pipelined candidates: (Result, stats, pipe).
+        The bound of a candidate is ``base_compute`` (the pp=1 plan's compute; default ``best``'s)
+        times the least fill and drain (module doc, pruning). In forked workers when that pays
+        (autopar/search/pipeline_forked.py), else here, in order."""
+        best_time = step_time(best, best_pipe) if best is not None else float("inf")
+        if base_compute is None:
+            base_compute = best.prediction["time_breakdown"]["compute"] if best is not None else 0.0
+        order = sorted(self.candidates(base_compute, sp_for))
+        workers = fork_workers(self, order, best_time)
+        if workers > 1:
+            return run_forked(self, order, workers, best, best_stats, best_pipe, best_time)
+        for bound, p, _, m, sched, sp in order:
+            if bound >= best_time:
+                self.pruned += 1
+                continue
+            limit = self.kw.get("time_limit")
+            if limit is not None and time.perf_counter() - self.t0 >= limit:
+                break   # the time limit covers the whole search, pipelined candidates included
+            out = self._evaluate(p, m, sched, sp, best_time)
+            if out[0] != "ok":
+                continue
+            self.tried += 1
+            result, stats, pipe = out[1:]
+            if pipe["step_time"] < best_time:
+                best, best_stats, best_pipe, best_time = result, stats, pipe, pipe["step_time"]
+        return best, best_stats, best_pipe
+
+    def _evaluate(self, p, m, sched, sp, best_time):
+        """One candidate against an incumbent of ``best_time`` seconds: ("ok", Result, stats, pipe),
+        ("skip",) when it cannot be met or its inner search was cut off, ("memory",) when no
+        stage partition fits (its smallest peak kept for pipeline_search's step 3)."""
+        kw, limit = self.kw, self.kw.get("time_limit")
+        pins = dict(self.flat, pp=p, pp_schedule=sched, num_micro_batches=m, **({"sp": sp} if sp else {}))
+        kw_left = kw if limit is None else dict(kw, time_limit=max(1.0, limit - (time.perf_counter() - self.t0)))
+        if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it
+            # with the least fill and drain of any schedule sharing this inner search (module doc)
+            v = max(virtual_stages(s) for s in self.schedules)
+            kw_left = dict(kw_left, cutoff=best_time * p, cutoff_bubble=(p - 1) / (m * v) if INNER_FILL_DRAIN else 0.0)
+        try:
+            return ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search, **kw_left))
+        except MemoryBudgetError as e:
+            self.errors.append(e)
+            if e.budget_bytes == int(self.base.budget) and e.min_peak_bytes is not None:
+                self.floors.append(e.min_peak_bytes)   # a stage partition that did not fit (plan_stages)
+            return ("memory",)
+        except CutOff:
+            return ("skip",)
+        except PlanError as e:   # a pin this candidate cannot meet (ConstraintError, a sequence mode), a time-out
+            self.errors.append(e)
+            return ("skip",)
+
+
+__all__ = ["Pipelined", "micro_batch_counts", "pp_choices", "step_time", "SCHEDULES", "MAX_PP"]

@@ -1,0 +1,120 @@
+"""Plans with the Triton kernels (``kernels="triton"``): the fused operators in the traced graph
+(autopar/frontend/fuse.py), what the planner records, and training on forked gloo ranks under the
+Triton interpreter equal to the same plan kind with torch ops, with each kernel family launched."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import ExecutionError
+from autopar.models import ZOO
+from runtime.launch import run_local
+
+STEPS = 3
+
+
+def _llama():
+    return ZOO["llama"]()
+
+
+def test_auto_fuses_on_gpu_clusters_only_and_the_plan_says_so():
+    model, batch = _llama()
+    gpu = autopar.plan(model, batch, autopar.Cluster.preset("dgx-a100", devices=2))
+    cpu = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2))
+    assert gpu.kernels == "triton" and gpu.fused == {"rms_norm": 5, "swiglu": 2}
+    assert cpu.kernels == "torch" and cpu.fused == {}
+    targets = {o["target"] for o in gpu.ops}
+    assert "autopar.rms_norm.default" in targets and "autopar.swiglu.default" in targets
+    assert not any("autopar." in o["target"] for o in cpu.ops)
+    forced = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), kernels="triton")
+    assert forced.kernels == "triton" and forced.fused == gpu.fused
+
+
+def test_fused_norm_keeps_its_hidden_dim_whole_under_tensor_parallelism():
+    model, batch = _llama()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("dgx-a100", devices=2), constraints={"tp": 2})
+    for op in plan.ops:
+        if op["target"] == "autopar.rms_norm.default":
+            assert op["inputs"][1] in (None, []) or "S" not in str(op["inputs"][1]), op
+
+
+def test_fused_plan_is_cheaper_and_saves_less():
+    """The fused ops move fewer bytes (one pass) and keep fewer tensors than the decomposed ones."""
+    model, batch = ZOO["llama"](d_model=256, ffn_hidden=704, n_head=8, n_kv_heads=4, seq=128, batch=8)
+    c = autopar.Cluster.preset("dgx-a100", devices=1)
+    fused = autopar.plan(model, batch, c, kernels="triton")
+    plain = autopar.plan(model, batch, c, kernels="torch")
+    assert fused.step_time < plain.step_time
+    assert fused.memory_breakdown["activations"] < plain.memory_breakdown["activations"]
+
+
+def test_bad_kernels_value_is_a_clear_error():
+    model, batch = _llama()
+    with pytest.raises(autopar.PlanError, match="kernels must be one of"):
+        autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), kernels="cuda")
+
+
+def _train(rank, world, constraints, kernels, optimizer="sgd"):
+    import runtime.kernels as K
+    torch.manual_seed(0)
+    model, batch = _llama()
+    cluster = autopar.Cluster.preset("cpu", devices=world)
+    hp = {"lr": 0.5, "momentum": 0.9} if optimizer == "sgd" else {"lr": 1e-2}
+    compiled = autopar.compile(model, cluster, batch, optimizer=optimizer, **hp,
+                               plan_options={"constraints": constraints}, kernels=kernels)
+    K.reset_kernel_stats()
+    losses = [compiled.step(*batch) for _ in range(STEPS)]
+    state = {k: v.detach().float().numpy().copy() for k, v in compiled.full_state_dict().items()}   # by value
+    return losses, state, compiled.kernel_stats(), compiled.plan.kernels
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("constraints", [{"dp": 2}, {"tp": 2}, {"tp": 2, "sp": 2, "sp_mode": "megatron"},
+                                         {"dp": 2, "zero": 3}, {"pp": 2}],
+                         ids=["dp", "tp", "megatron-sp", "zero3", "pp"])
+def test_triton_kernels_train_equal_to_torch_ops(constraints):
+    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+        pytest.skip("needs the Triton interpreter (tests/runtime/kernels/conftest.py sets it)")
+    world = 2 if "sp" not in constraints else 2
+    ref = run_local(_train, world, (constraints, "torch"))[0]
+    got = run_local(_train, world, (constraints, "triton"))
+    assert ref[3] == "torch" and got[0][3] == "triton"
+    for losses, state, stats, _ in got:
+        assert stats["rms_norm"] > 0 and stats["swiglu"] > 0, stats   # the kernels ran, on every rank
+        for a, b in zip(losses, ref[0]):
+            assert abs(a - b) < 1e-4 * max(1.0, abs(b)), (losses, ref[0])
+        for k, v in ref[1].items():
+            torch.testing.assert_close(torch.from_numpy(state[k]), torch.from_numpy(v), atol=1e-4, rtol=1e-4,
+                                       msg=k)
+
+
+@pytest.mark.slow
+def test_fused_adamw_trains_like_torch_adamw():
+    """AdamW's step as one kernel on the flat shards (ZeRO-1 over 2 ranks): losses equal, parameters
+    within Adam's fp32 reordering noise."""
+    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+        pytest.skip("needs the Triton interpreter (tests/runtime/kernels/conftest.py sets it)")
+    ref = run_local(_train, 2, ({"dp": 2, "zero": 1}, "torch", "adamw"))[0]
+    got = run_local(_train, 2, ({"dp": 2, "zero": 1}, "triton", "adamw"))[0]
+    assert got[2]["adamw"] > 0 and ref[2]["adamw"] == 0
+    for a, b in zip(got[0], ref[0]):
+        assert abs(a - b) < 1e-3 * max(1.0, abs(b)), (got[0], ref[0])
+    for k, v in ref[1].items():
+        torch.testing.assert_close(torch.from_numpy(got[1][k]), torch.from_numpy(v), atol=1e-3, rtol=1e-3, msg=k)
+
+
+def test_fused_adamw_is_priced_as_one_pass():
+    from autopar.pricing.cost import optimizer_bytes_per_element
+    assert optimizer_bytes_per_element("adamw", "fp32", fused=True) == 28
+    assert optimizer_bytes_per_element("adamw", "fp32") == 80
+    assert optimizer_bytes_per_element("sgd", "fp32", fused=True) == optimizer_bytes_per_element("sgd", "fp32")
+
+
+def test_triton_plan_on_the_cpu_without_the_interpreter_is_refused(monkeypatch):
+    from autopar.execution.compiled_setup import check_kernels_run
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ExecutionError, match="TRITON_INTERPRET=1"):
+        check_kernels_run(torch.device("cpu"))
