@@ -64,7 +64,7 @@ def test_task_comes_from_the_architectures(tmp_path):
 
 def test_is_hf_spec_dispatch(tmp_path):
     assert not is_hf_spec("gpt2") and not is_hf_spec("hf_llama") and not is_hf_spec("pkg.mod:make")
-    assert not is_hf_spec("examples/model.py:make")
+    assert not is_hf_spec("examples/model.py:make") and not is_hf_spec("model.py")
     assert is_hf_spec("config.json") and is_hf_spec(str(tmp_path)) and is_hf_spec("meta-llama/Meta-Llama-3-8B")
 
 

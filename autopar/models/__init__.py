@@ -40,7 +40,7 @@ def is_hf_spec(spec: str) -> bool:
     """Whether the CLI reads ``spec`` as a Hugging Face config (``from_hf_config``) rather than a
     factory: not a zoo name, and a path ending in .json, a directory, or a name without ':'
     (a model name in the local Hugging Face cache, e.g. ``meta-llama/Meta-Llama-3-8B``)."""
-    if spec in ZOO or spec in HF_ZOO:
+    if spec in ZOO or spec in HF_ZOO or spec.endswith(".py"):   # model.py: a factory spec missing ':FACTORY'
         return False
     return spec.endswith(".json") or os.path.isdir(spec) or ":" not in spec
 
