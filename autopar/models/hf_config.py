@@ -183,9 +183,8 @@ def from_hf_config(config, *, seq: int | None = None, batch: int, task: str | No
     or "eager" for models that soft-cap attention logits, e.g. Gemma 2). ``overrides``: config
     fields to change first (e.g. ``{"num_hidden_layers": 2}``); a field the config lacks is an error."""
     tf = _transformers()
-    cfg = load_config(config)
+    cfg = copy.deepcopy(load_config(config))   # the caller's config object is left as it was
     if overrides:
-        cfg = copy.deepcopy(cfg)
         for k, v in overrides.items():
             if not hasattr(cfg, k):
                 raise PlanError(f"the {cfg.model_type} config has no field {k!r} to override")
