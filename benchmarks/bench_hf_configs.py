@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import os
+import re
 import tempfile
 import time
 import warnings
@@ -43,8 +44,10 @@ def run_one(name: str, directory: str) -> dict:
     try:
         plan = autopar.plan(built.model, built.inputs, cluster, precision=built.precision)
     except PlanError as e:   # e.g. no plan fits: reported as the row's result
+        smallest = re.search(r"smallest peak memory any plan reaches is ([0-9.]+ \w+)", str(e))
+        what = f"no plan fits; smallest peak {smallest.group(1)}" if smallest else str(e)[:200]
         return {**row, "trace": float("nan"), "plan": float("nan"), "total": time.perf_counter() - t0,
-                "error": f"{type(e).__name__}: {str(e)[:160]}"}
+                "error": f"{type(e).__name__}: {what}"}
     total = time.perf_counter() - t0
     d = plan.degrees
     return {**row, "trace": plan.stats["trace_seconds"],
