@@ -172,3 +172,29 @@ def test_python_api_errors(tmp_path):
                                     intermediate_size=32, image_size=8, patch_size=4), seq=8, batch=2)
     with pytest.raises(PlanError, match="positive whole number"):
         from_hf_config(write_config("Llama-3-8B", tmp_path), seq=0, batch=2)
+
+
+def test_cli_plans_a_model_name_from_the_local_cache(tmp_path):
+    """A name without ':' is read from the Hugging Face cache (local_files_only; here a cache laid
+    out as huggingface_hub does, in a subprocess since the hub reads HF_HUB_CACHE at import)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = tmp_path / "hub" / "models--acme--Tiny"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    (repo / "snapshots" / "abc" / "config.json").write_text(json.dumps(
+        {**CONFIGS["Mistral-7B"], "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}))
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "autopar.cli", "plan", "acme/Tiny", "--seq", "16", "--batch", "4",
+                          "--cluster", "cpu", "--devices", "2", "-o", str(tmp_path / "p.json")],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "acme/Tiny: MistralForCausalLM (mistral, causal-lm)" in out.stdout
+    assert Plan.load(tmp_path / "p.json").world_size == 2
