@@ -313,7 +313,8 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=_positive_int("--nodes"), default=1)
     p.add_argument("--devices", type=_positive_int("--devices"), default=None, help="devices for the cpu preset")
     p.add_argument("-o", "--output")
-    p.add_argument("--arg", action="append", help="factory keyword argument name=value")
+    p.add_argument("--arg", action="append",
+                   help="factory keyword argument name=value (a Hugging Face config: a config field to override)")
     p.add_argument("--constraint", action="append", help="pin a degree, e.g. tp=8 (keys: docs/constraints.md)")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--precision", default=None, help="bf16 (default) or fp32; a Hugging Face config's dtype otherwise")
