@@ -42,6 +42,7 @@ from autopar.plans.plan import Plan
 from autopar.constraints import Constraints
 from autopar.execution import pipeline_run
 from autopar.execution.error_report import install
+from autopar.execution.live_stats import StepStats, StepTimer
 from autopar.frontend.batching import plan_batch_dims
 from runtime import loss as RL
 from runtime.collectives import COMM_STATS
@@ -49,8 +50,11 @@ from runtime.collectives import COMM_STATS
 
 class CompiledModel:
     def __init__(self, model, cluster, plan, optimizer, lr, optimizer_kwargs, plan_options=None,
-                 precision=None, grad_clip=None, loss_fn=None, weights=None, optim_options=None):
+                 precision=None, grad_clip=None, loss_fn=None, weights=None, optim_options=None,
+                 log_every=None, on_step=None):
         self.weights = weights
+        # measured step figures next to the plan's (autopar/execution/live_stats.py)
+        self._timer = StepTimer(log_every, on_step, dist.get_rank)
         # weights="init" replays the initialization from the random stream as it is now (rank 0's
         # is used on every rank), before set-up draws from it.
         self._init_rng_state = torch.get_rng_state()
@@ -169,9 +173,21 @@ class CompiledModel:
         self._check_batch(batch)
         # A failure inside names the failing rank on every rank, and a pipelined step never hangs
         # on a failed peer (autopar/execution/step_guard.py).
+        self._timer.start()
         if self.pp > 1:
-            return self.guard.run(lambda: self._pipelined(batch, train=True), "pipeline step")
-        return self.guard.run(lambda: self._step(batch), "training step")
+            loss = self.guard.run(lambda: self._pipelined(batch, train=True), "pipeline step")
+        else:
+            loss = self.guard.run(lambda: self._step(batch), "training step")
+        self._timer.stop(self)
+        return loss
+
+    def stats(self, last: int | None = None) -> StepStats | None:
+        """Measured step time, tokens/s (or samples/s), TFLOP/s per device and MFU over the
+        ``last`` steps (default: every step but the first, a warm-up), each next to the plan's
+        prediction (autopar/execution/live_stats.py); None before the second step."""
+        if not self._ready:
+            return None
+        return self._timer.stats(self, last)
 
     def _step(self, batch) -> float:
 
@@ -302,7 +318,7 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
             loss_fn=None, batch_dims=None, weights=None, kernels: str | None = None,
             param_groups=None, lr_schedule=None, warmup_steps: int = 0, total_steps: int | None = None,
             power: float = 1.0, lr_scaling: str | None = None, base_batch: int | None = None,
-            **optimizer_kwargs) -> CompiledModel:
+            log_every: int | None = None, on_step=None, **optimizer_kwargs) -> CompiledModel:
     """Set up ``model`` to train under ``plan`` (planned now on rank 0 when None) on the current
     process group. ``plan_options`` are keyword arguments for autopar.plan (e.g. constraints).
     ``precision``: "fp32" | "bf16" | None (the plan's on a GPU, fp32 on the CPU; module doc).
@@ -331,7 +347,13 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
     ``total_steps`` (runtime/lr_schedule.py). ``lr_scaling`` "linear" | "sqrt" with ``base_batch``:
     lr times global_batch / base_batch (or its square root), the global batch being the example
     batch's. ``compiled.lr`` is the next step's learning rate; ``save``/``load`` keep the step
-    count (the schedule's state), the groups' settings and the base lr."""
+    count (the schedule's state), the groups' settings and the base lr.
+
+    ``log_every=N``: every N steps rank 0 prints the measured step time (mean over the last N
+    steps, the first step left out), tokens/s (samples/s without a sequence dim), TFLOP/s per
+    device and MFU, each next to the plan's prediction; ``on_step(stats)``, if given, is called
+    instead on every rank with an ``autopar.StepStats``. ``compiled.stats()`` returns the same
+    figures at any time (autopar/execution/live_stats.py)."""
     _require_pg(cluster)
     check_host_collectives()
     if dist.get_world_size() > 1:   # an uncaught autopar error prints once, not once per rank
@@ -342,6 +364,13 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
         raise ExecutionError(f"the plan is for {plan.world_size} devices (mesh {plan.mesh.describe()}, pp={plan.pp}) "
                              f"but the process group has {dist.get_world_size()} ranks: launch {plan.world_size} "
                              f"processes or re-plan", collective=True)
+    if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+        raise ExecutionError(f"log_every must be a positive whole number of steps, got {log_every!r}", collective=True)
+    if on_step is not None and not callable(on_step):
+        raise ExecutionError(f"on_step must be callable (it gets an autopar.StepStats), got {type(on_step).__name__}",
+                             collective=True)
+    if on_step is not None and log_every is None:
+        log_every = 1
     if grad_clip is not None and not grad_clip > 0:
         raise ExecutionError(f"grad_clip must be a positive number, got {grad_clip!r}", collective=True)
     optim_options = optim_setup.OptimOptions(param_groups, lr_schedule, warmup_steps, total_steps, power,
@@ -378,10 +407,10 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
         if plan is None:
             options["kernels"] = kernels
     cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, options, precision, grad_clip,
-                       loss_fn, weights, optim_options)
+                       loss_fn, weights, optim_options, log_every, on_step)
     if example_inputs is not None:
         cm._setup(example_inputs)
     return cm
 
 
-__all__ = ["compile", "CompiledModel"]
+__all__ = ["compile", "CompiledModel", "StepStats"]
