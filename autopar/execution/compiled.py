@@ -228,13 +228,18 @@ class CompiledModel:
             self._fqn_by_id = {id(q): f for f, q in self.params.items()}
         return self._fqn_by_id[id(p)]
 
-    def save(self, directory) -> None:
-        """Full (unsharded) tensors via torch.distributed.checkpoint: loads onto any plan."""
+    def save(self, directory, keep_last: int = 1) -> None:
+        """Collective: parameters, optimizer state and step count via torch.distributed.checkpoint,
+        each rank writing only the pieces it holds, as chunks of the full tensors (loads onto any
+        plan), into a new generation of ``directory`` committed atomically: a save that dies
+        leaves the previous checkpoint. ``keep_last``: committed generations kept (the newest
+        loads). autopar/execution/checkpoint_atomic.py, checkpoint_io.py."""
         self._check_usable()
-        compiled_state.save(self, directory)
+        compiled_state.save(self, directory, keep_last=keep_last)
 
     def load(self, directory) -> None:
-        """Values saved by save() (from any plan), after checking they are this model's."""
+        """Values saved by save() (from any plan), after checking the checkpoint is complete and
+        its tensors are this model's; each rank reads only the pieces it needs."""
         self._check_usable()
         compiled_state.load(self, directory)
 

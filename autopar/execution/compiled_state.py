@@ -1,10 +1,14 @@
 """A compiled model's state: full tensors assembled from every rank's blocks, and checkpoints.
 
 ``full_state_dict`` gathers each parameter's blocks (collective over the world) into the tensors of
-``model.state_dict()``; ``save`` writes them, with the optimizer state and step count, through
-torch.distributed.checkpoint as full (unsharded) tensors, so a checkpoint loads onto any plan;
-``load`` first checks the checkpoint's tensors against this model's (``check_checkpoint``), then
-cuts this rank's blocks out of the full tensors. Pipelined plans assemble their state in
+``model.state_dict()``. ``save`` writes the parameters, the optimizer state and the step count
+through torch.distributed.checkpoint as chunks of the full tensors, each rank only the pieces it
+holds (autopar/execution/checkpoint_io.py; pipelined and grid plans write full tensors gathered
+on every rank), into a new generation of the directory committed atomically
+(autopar/execution/checkpoint_atomic.py): a checkpoint loads onto any plan, and a save that dies
+leaves the previous one. ``load`` first checks the checkpoint is complete and that its tensors
+are this model's (``check_checkpoint``), then reads only this rank's pieces (the full-tensor path:
+cuts its blocks out of the full tensors). Pipelined plans assemble their state in
 autopar/execution/pipeline_run.py. The functions take the CompiledModel (autopar/execution/compiled.py), whose
 methods of the same names call them.
 """
@@ -14,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ExecutionError
-from autopar.execution import pipeline_run
+from autopar.execution import checkpoint_atomic, checkpoint_io, pipeline_run
 
 
 def gather_full(cm, local: torch.Tensor, fqn: str) -> torch.Tensor:
@@ -65,19 +69,29 @@ def full_optimizer_state(cm) -> dict[str, torch.Tensor]:
         return pipeline_run.full_optimizer_state(cm, local)
     return {f"{fqn}.{name}": cm._gather_full(t, fqn) for fqn, d in local.items() for name, t in d.items()}
 
-def save(cm, directory) -> None:
-    """Full (unsharded) tensors via torch.distributed.checkpoint: loads onto any plan."""
-    import torch.distributed.checkpoint as dcp
-
+def save(cm, directory, keep_last: int = 1) -> None:
+    """This rank's pieces (or full tensors: pipelined and grid plans) via torch.distributed.checkpoint
+    into a new generation of ``directory``, committed atomically; loads onto any plan."""
     cm._need_ready()
-    state = {"model": cm.full_state_dict()}
-    state["optim"] = {k: v.cpu() for k, v in cm._full_optimizer_state().items()}
+    if checkpoint_io.sharded_supported(cm):
+        state = checkpoint_io.local_state(cm)
+    else:
+        state = {"model": cm.full_state_dict()}
+        state["optim"] = {k: v.cpu() for k, v in cm._full_optimizer_state().items()}
     state["step"] = torch.tensor(cm.opt.step_count)
-    dcp.save(state, checkpoint_id=str(directory))
+    generation = checkpoint_atomic.begin(directory, cm.opt.step_count)
+    checkpoint_io.write(state, generation)
+    checkpoint_atomic.commit(directory, generation, keep_last)
 
 @torch.no_grad()
 def load(cm, directory) -> None:
     cm._need_ready()
+    if checkpoint_io.sharded_supported(cm):   # read in place into this rank's buffers
+        state = checkpoint_io.local_state(cm, for_load=True)
+        state["step"] = torch.tensor(0)
+        read_checkpoint(cm.rank, directory, state)
+        cm.opt.step_count = int(state["step"])
+        return
     model_sd = {k: v.clone() for k, v in cm.full_state_dict().items()}
     opt_sd = {k: v.clone() for k, v in cm._full_optimizer_state().items()}
     state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(0)}
@@ -107,12 +121,13 @@ def load(cm, directory) -> None:
 
 def read_checkpoint(rank: int, directory, state: dict) -> None:
     """Fill ``state`` ({"model": full tensors, "optim": "{fqn}.{state name}" -> full tensors,
-    "step": 0-d tensor}, shaped as this model's) from the checkpoint, after ``check_checkpoint``."""
-    import torch.distributed.checkpoint as dcp
-
+    "step": 0-d tensor}, shaped as this model's; or checkpoint_io.Pieces) from the committed
+    checkpoint of ``directory``, after ``check_complete`` and ``check_checkpoint``."""
+    directory = checkpoint_atomic.committed_path(directory)
+    checkpoint_atomic.check_complete(directory)
     check_checkpoint(directory, state)
     try:
-        dcp.load(state, checkpoint_id=str(directory))
+        checkpoint_io.read(state, directory)
     except BaseException as e:   # dcp's CheckpointException is a BaseException, not an Exception
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
