@@ -33,6 +33,7 @@ tensors, ``Pieces`` or other picklable objects (written as bytes): extra entries
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -193,7 +194,11 @@ def read(state: dict, path: str, no_dist: bool = False) -> None:
 # ---------------------------------------------------------------- a compiled model's pieces
 
 def sharded_supported(cm) -> bool:
-    """Whether ``cm``'s plan saves and loads pieces (module doc): one stage, per-dim block slices."""
+    """Whether ``cm``'s plan saves and loads pieces (module doc): one stage, per-dim block slices.
+    ``AUTOPAR_CHECKPOINT_FULL=1`` selects the full-tensor path for every plan (to compare, e.g.
+    benchmarks/bench_checkpoint_memory.py; its checkpoints are the same)."""
+    if os.environ.get("AUTOPAR_CHECKPOINT_FULL") == "1":
+        return False
     prog = cm.program
     return cm.pp == 1 and hasattr(prog, "param_layouts") and hasattr(prog, "mesh_shape")
 
