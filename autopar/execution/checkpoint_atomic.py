@@ -181,15 +181,15 @@ def _write_pointer(d: str, data: dict) -> None:
     _fsync_dir(d)
 
 
-def commit(directory, generation: str, keep_last: int = 1) -> None:
-    """Collective, after every rank wrote ``generation``: make it the committed checkpoint of
-    ``directory``, then remove what is no longer named (module doc)."""
+def commit(directory, generation: str, keep_last: int = 1, group=None) -> None:
+    """Collective (over ``group``, default the world), after every rank wrote ``generation``: make
+    it the committed checkpoint of ``directory``, then remove what is no longer named (module doc)."""
     d = os.fspath(directory)
     name = os.path.basename(os.fspath(generation))
     world = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if world:
-        dist.barrier()
+        dist.barrier(group=group)
     fault("after")
     box = [None]
     if rank == 0:
@@ -205,7 +205,7 @@ def commit(directory, generation: str, keep_last: int = 1) -> None:
             box = [f"checkpoint {d}: the save could not be committed ({type(e).__name__}: {e}); "
                    f"the previous checkpoint is unchanged"]
     if world:
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
     if box[0] is not None:
         raise ExecutionError(box[0], collective=True)
     if rank == 0:

@@ -178,9 +178,11 @@ def _unflatten_into(state: dict, flat: dict, prefix: str = "") -> None:
             state[k] = flat[key]     # a non-tensor entry (bytes in the checkpoint) is replaced
 
 
-def write(state: dict, path: str) -> None:
-    """Collective: DCP save of ``state`` (nested dicts of tensors, Pieces, objects) into ``path``."""
-    dcp.save(state, checkpoint_id=str(path), planner=PiecesSavePlanner())
+def write(state: dict, path: str, group=None) -> None:
+    """Collective (over ``group``, default the world): DCP save of ``state`` (nested dicts of
+    tensors, Pieces, objects) into ``path``."""
+    no_dist = not dist.is_initialized() or dist.get_world_size() == 1
+    dcp.save(state, checkpoint_id=str(path), planner=PiecesSavePlanner(), process_group=group, no_dist=no_dist)
 
 
 def read(state: dict, path: str, no_dist: bool = False) -> None:

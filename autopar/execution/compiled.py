@@ -228,14 +228,16 @@ class CompiledModel:
             self._fqn_by_id = {id(q): f for f, q in self.params.items()}
         return self._fqn_by_id[id(p)]
 
-    def save(self, directory, keep_last: int = 1) -> None:
+    def save(self, directory, keep_last: int = 1, blocking: bool = True):
         """Collective: parameters, optimizer state and step count via torch.distributed.checkpoint,
         each rank writing only the pieces it holds, as chunks of the full tensors (loads onto any
         plan), into a new generation of ``directory`` committed atomically: a save that dies
         leaves the previous checkpoint. ``keep_last``: committed generations kept (the newest
-        loads). autopar/execution/checkpoint_atomic.py, checkpoint_io.py."""
+        loads). ``blocking=False``: stage a CPU copy, write and commit it on a background thread
+        while training goes on, return a handle (``wait()``, ``done()``); a later save or load
+        waits for it. autopar/execution/checkpoint_atomic.py, checkpoint_io.py, checkpoint_async.py."""
         self._check_usable()
-        compiled_state.save(self, directory, keep_last=keep_last)
+        return compiled_state.save(self, directory, keep_last=keep_last, blocking=blocking)
 
     def load(self, directory) -> None:
         """Values saved by save() (from any plan), after checking the checkpoint is complete and

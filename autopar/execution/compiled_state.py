@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ExecutionError
-from autopar.execution import checkpoint_atomic, checkpoint_io, pipeline_run
+from autopar.execution import checkpoint_async, checkpoint_atomic, checkpoint_io, pipeline_run
 
 
 def gather_full(cm, local: torch.Tensor, fqn: str) -> torch.Tensor:
@@ -69,16 +69,20 @@ def full_optimizer_state(cm) -> dict[str, torch.Tensor]:
         return pipeline_run.full_optimizer_state(cm, local)
     return {f"{fqn}.{name}": cm._gather_full(t, fqn) for fqn, d in local.items() for name, t in d.items()}
 
-def save(cm, directory, keep_last: int = 1) -> None:
+def save(cm, directory, keep_last: int = 1, blocking: bool = True):
     """This rank's pieces (or full tensors: pipelined and grid plans) via torch.distributed.checkpoint
-    into a new generation of ``directory``, committed atomically; loads onto any plan."""
+    into a new generation of ``directory``, committed atomically; loads onto any plan. With
+    ``blocking=False``: a checkpoint_async.SaveHandle, written in the background."""
     cm._need_ready()
+    checkpoint_async.wait_pending(cm)   # one save in flight at a time
     if checkpoint_io.sharded_supported(cm):
         state = checkpoint_io.local_state(cm)
     else:
         state = {"model": cm.full_state_dict()}
         state["optim"] = {k: v.cpu() for k, v in cm._full_optimizer_state().items()}
     state["step"] = torch.tensor(cm.opt.step_count)
+    if not blocking:
+        return checkpoint_async.save_async(cm, state, directory, cm.opt.step_count, keep_last)
     generation = checkpoint_atomic.begin(directory, cm.opt.step_count)
     checkpoint_io.write(state, generation)
     checkpoint_atomic.commit(directory, generation, keep_last)
@@ -86,6 +90,7 @@ def save(cm, directory, keep_last: int = 1) -> None:
 @torch.no_grad()
 def load(cm, directory) -> None:
     cm._need_ready()
+    checkpoint_async.wait_pending(cm)
     if checkpoint_io.sharded_supported(cm):   # read in place into this rank's buffers
         state = checkpoint_io.local_state(cm, for_load=True)
         state["step"] = torch.tensor(0)

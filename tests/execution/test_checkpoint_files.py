@@ -245,3 +245,32 @@ def test_save_under_one_plan_load_under_another(tmp_path, case):
     assert sd["model"].keys() == ref2.keys() and int(sd["step"]) == 2
     for k in ref2:
         torch.testing.assert_close(sd["model"][k], ref2[k], rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------ asynchronous saves
+
+def _async_save(rank, world, directory, plan_json):
+    cm, batch = _compile(world, plan_json)
+    for _ in range(2):
+        cm.step(*batch)
+    at_save = _state(cm)
+    h = cm.save(directory, blocking=False)
+    cm.step(*batch)                       # training goes on while the staged copy is written
+    h2 = cm.save(directory + "-2", blocking=False)   # waits for the first one, then starts
+    assert h.done()
+    cm.step(*batch)
+    h2.wait()
+    h2.wait()                             # a second wait is a no-op
+    assert h2.done()
+    return _numpy(at_save) if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_asynchronous_save_writes_the_state_at_the_call(tmp_path):
+    d = str(tmp_path / "ck")
+    plan = _plan_json(2, {"dp": 2, "tp": 1, "zero": 2})
+    at_save = _torch(run_local(_async_save, 2, args=(d, plan), timeout=120)[0])
+    loaded = _torch(run_local(_load_state, 2, args=(d, plan), timeout=120)[0])
+    _assert_state_equal(loaded, at_save)
+    loaded2 = _torch(run_local(_load_state, 2, args=(d + "-2", plan), timeout=120)[0])
+    assert loaded2["step"] == 3
