@@ -245,6 +245,21 @@ class CompiledModel:
         self._check_usable()
         compiled_state.load(self, directory)
 
+    def load_latest(self, directory) -> int | None:
+        """Resume: load ``directory``'s committed checkpoint and return its step count (the
+        optimizer's steps, as ``step_count``), or None, loading nothing, when ``directory`` holds
+        no committed checkpoint (absent, empty, or only a save that died before its commit)."""
+        self._check_usable()
+        if not compiled_state.has_checkpoint(directory):
+            return None
+        compiled_state.load(self, directory)
+        return self.step_count
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (restored by ``load``)."""
+        return self.opt.step_count if self._ready else 0
+
     # ------------------------------------------------------------------ communication
     def comm_stats(self) -> dict[str, int]:
         """Bytes per rank moved since the last reset, by mesh axis name (optimizer traffic under the data axis)."""

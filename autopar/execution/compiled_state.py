@@ -124,6 +124,15 @@ def load(cm, directory) -> None:
     cm.opt.step_count = int(state["step"])
 
 
+def has_checkpoint(directory) -> bool:
+    """Whether ``directory`` holds a committed checkpoint (checkpoint_atomic.committed_path)."""
+    try:
+        checkpoint_atomic.committed_path(directory)
+    except ExecutionError:
+        return False
+    return True
+
+
 def read_checkpoint(rank: int, directory, state: dict) -> None:
     """Fill ``state`` ({"model": full tensors, "optim": "{fqn}.{state name}" -> full tensors,
     "step": 0-d tensor}, shaped as this model's; or checkpoint_io.Pieces) from the committed
