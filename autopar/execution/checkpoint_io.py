@@ -21,10 +21,12 @@ copies a view to a compact tensor before ``torch.save``); during ``load`` one sa
 time (DCP's reader loads a saved chunk whole, then narrows it into the views it overlaps).
 
 Used for plans whose program has per-dim block slices (``sharded_supported``): 1D tensor
-parallelism, data parallelism, ZeRO 0-3, any mesh. Pipelined plans (``pp > 1``) and 2D / 2.5D / 3D
-grid plans (whose blocks are blocks of a stored, transposed form) save and load full tensors
-gathered on every rank (autopar/execution/compiled_state.py); their checkpoints have the same
-keys and shapes, so every checkpoint loads into every plan.
+parallelism, data parallelism, ZeRO 0-3, any mesh, pipelined plans too (each stage's ranks write
+their stage's tensors; a tied parameter held on two stages is deduplicated like any replica; on
+load a stage lists the other stages' tensors without pieces, so the key check sees the whole
+model). 2D / 2.5D / 3D grid plans (whose blocks are blocks of a stored, transposed form) save and
+load full tensors gathered on every rank (autopar/execution/compiled_state.py); their checkpoints
+have the same keys and shapes, so every checkpoint loads into every plan.
 
 ``write(state, path)`` / ``read(state, path)``: DCP save / load of a nested dict whose leaves are
 tensors, ``Pieces`` or other picklable objects (written as bytes): extra entries a caller adds
@@ -196,13 +198,13 @@ def read(state: dict, path: str, no_dist: bool = False) -> None:
 # ---------------------------------------------------------------- a compiled model's pieces
 
 def sharded_supported(cm) -> bool:
-    """Whether ``cm``'s plan saves and loads pieces (module doc): one stage, per-dim block slices.
+    """Whether ``cm``'s plan saves and loads pieces (module doc): per-dim block slices (not a grid plan).
     ``AUTOPAR_CHECKPOINT_FULL=1`` selects the full-tensor path for every plan (to compare, e.g.
     benchmarks/bench_checkpoint_memory.py; its checkpoints are the same)."""
     if os.environ.get("AUTOPAR_CHECKPOINT_FULL") == "1":
         return False
     prog = cm.program
-    return cm.pp == 1 and hasattr(prog, "param_layouts") and hasattr(prog, "mesh_shape")
+    return hasattr(prog, "param_layouts") and hasattr(prog, "mesh_shape")
 
 
 def full_shape(prog, fqn: str) -> tuple[int, ...]:
@@ -267,6 +269,18 @@ def local_state(cm, for_load: bool = False) -> dict:
             pc = Pieces(full_shape(prog, fqn), b.dtype)
             pc.add([s.start for s in prog.param_slices[fqn]], b)
             model[k] = pc
+    if for_load and cm.pp > 1:
+        # A stage holds only its own tensors: the others are listed without pieces (nothing is
+        # read for them), so check_checkpoint compares the whole model's keys on every rank.
+        sd = cm.model.state_dict()
+        for k in sd:
+            model.setdefault(k, Pieces(sd[k].shape, sd[k].dtype))
+        names = sorted({name for c in opt.chunks for name in c.state})
+        trainable = [f for n, f in cm.traced.param_fqn.items() if n not in cm.traced.buffers]
+        for fqn in trainable:
+            for name in names:
+                optim.setdefault(f"{fqn}.{name}", Pieces(sd[fqn].shape if fqn in sd else full_shape(prog, fqn),
+                                                         torch.float32))
     order = [k for k in cm.model.state_dict().keys() if k in model]
     return {"model": {k: model[k] for k in order}, "optim": optim}
 

@@ -3,7 +3,7 @@
 ``full_state_dict`` gathers each parameter's blocks (collective over the world) into the tensors of
 ``model.state_dict()``. ``save`` writes the parameters, the optimizer state and the step count
 through torch.distributed.checkpoint as chunks of the full tensors, each rank only the pieces it
-holds (autopar/execution/checkpoint_io.py; pipelined and grid plans write full tensors gathered
+holds (autopar/execution/checkpoint_io.py; 2D / 2.5D / 3D grid plans write full tensors gathered
 on every rank), into a new generation of the directory committed atomically
 (autopar/execution/checkpoint_atomic.py): a checkpoint loads onto any plan, and a save that dies
 leaves the previous one. ``load`` first checks the checkpoint is complete and that its tensors
@@ -70,7 +70,7 @@ def full_optimizer_state(cm) -> dict[str, torch.Tensor]:
     return {f"{fqn}.{name}": cm._gather_full(t, fqn) for fqn, d in local.items() for name, t in d.items()}
 
 def save(cm, directory, keep_last: int = 1, blocking: bool = True):
-    """This rank's pieces (or full tensors: pipelined and grid plans) via torch.distributed.checkpoint
+    """This rank's pieces (or full tensors: grid plans) via torch.distributed.checkpoint
     into a new generation of ``directory``, committed atomically; loads onto any plan. With
     ``blocking=False``: a checkpoint_async.SaveHandle, written in the background."""
     cm._need_ready()
