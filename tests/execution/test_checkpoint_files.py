@@ -303,3 +303,26 @@ def test_mixed_precision_saves_and_loads_the_fp32_masters(tmp_path):
                               timeout=120)[0])
     _assert_state_equal(loaded, saved)
     assert any(not torch.equal(v, v.bfloat16().float()) for v in saved["model"].values())   # really fp32 values
+
+
+def test_a_pre_pointer_checkpoint_loads_until_a_save_commits_over_it(tmp_path):
+    """A plain DCP directory (what compiled.save wrote before generations) is itself the committed
+    checkpoint; a save into it that dies before its commit leaves it so; a committed save
+    replaces it and removes its top-level files. In one process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    from autopar.execution import checkpoint_io
+
+    d = str(tmp_path / "ck")
+    dcp.save({"model": {"w": torch.ones(3, 4)}, "step": torch.tensor(1)}, checkpoint_id=d, no_dist=True)
+    assert checkpoint_atomic.committed_path(d) == d
+    gen = checkpoint_atomic.begin(d, 2)
+    new = {"model": {"w": torch.full((3, 4), 2.0)}, "step": torch.tensor(2)}
+    checkpoint_io.write(new, gen)
+    assert checkpoint_atomic.committed_path(d) == d          # written, not committed: still the old one
+    checkpoint_atomic.commit(d, gen)
+    assert checkpoint_atomic.committed_path(d) == gen
+    assert sorted(os.listdir(d)) == sorted([checkpoint_atomic.POINTER, os.path.basename(gen)])
+    got = {"model": {"w": torch.zeros(3, 4)}, "step": torch.tensor(0)}
+    checkpoint_io.read(got, checkpoint_atomic.committed_path(d), no_dist=True)
+    assert torch.equal(got["model"]["w"], new["model"]["w"]) and int(got["step"]) == 2
