@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from autopar.execution.checkpoint_atomic import fault
+from codegen.rank_program import RankProgram
 
 
 # ---------------------------------------------------------------- pieces of a full tensor
@@ -203,8 +204,7 @@ def sharded_supported(cm) -> bool:
     benchmarks/bench_checkpoint_memory.py; its checkpoints are the same)."""
     if os.environ.get("AUTOPAR_CHECKPOINT_FULL") == "1":
         return False
-    prog = cm.program
-    return hasattr(prog, "param_layouts") and hasattr(prog, "mesh_shape")
+    return isinstance(cm.program, RankProgram)   # a grid plan's is a GridRankProgram
 
 
 def full_shape(prog, fqn: str) -> tuple[int, ...]:
