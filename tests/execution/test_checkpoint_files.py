@@ -8,7 +8,11 @@
   another (other mesh, ZeRO stage, world size, one process), training continues equal to
   uninterrupted one-process training (SGD with momentum, parameters rel 1e-4); the committed
   generation converted by ``dcp_to_torch_save`` is the one-process state dict; each rank wrote
-  only its pieces (the files' bytes are about the model's, not world size times it).
+  only its pieces (the files' bytes are about the model's, not world size times it);
+- asynchronous saves write the state at the call while training goes on; a second save waits;
+- mixed precision: the fp32 masters are what is saved and loaded, exactly;
+- a plain DCP directory (older autopar) stays loadable until a save commits over it; extra state
+  entries (a schedule's numbers and tensors) go through unchanged.
 
 The model is the zoo's MLP with odd widths, so ZeRO shard boundaries fall inside rows.
 """
@@ -326,3 +330,16 @@ def test_a_pre_pointer_checkpoint_loads_until_a_save_commits_over_it(tmp_path):
     got = {"model": {"w": torch.zeros(3, 4)}, "step": torch.tensor(0)}
     checkpoint_io.read(got, checkpoint_atomic.committed_path(d), no_dist=True)
     assert torch.equal(got["model"]["w"], new["model"]["w"]) and int(got["step"]) == 2
+
+
+def test_extra_state_entries_are_written_and_read_as_they_are(tmp_path):
+    """Entries a caller adds next to model/optim/step (a schedule's state: numbers, tensors) go
+    through checkpoint_io.write / read unchanged, nested dicts included."""
+    from autopar.execution import checkpoint_io
+
+    d = str(tmp_path / "g")
+    checkpoint_io.write({"step": torch.tensor(5), "sched": {"lr": 0.25, "name": "cosine", "t": torch.arange(3.0)}}, d)
+    got = {"step": torch.tensor(0), "sched": {"lr": 0.0, "name": "", "t": torch.zeros(3)}}
+    checkpoint_io.read(got, d, no_dist=True)
+    assert int(got["step"]) == 5 and got["sched"]["lr"] == 0.25 and got["sched"]["name"] == "cosine"
+    assert torch.equal(got["sched"]["t"], torch.arange(3.0))
