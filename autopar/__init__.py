@@ -7,6 +7,7 @@ from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ClusterError, ConstraintError, ExecutionError, MemoryBudgetError, PlanError, TraceError
 from autopar.plans.plan import Plan
+from autopar.execution.live_stats import StepStats
 
 
 def plan(*args, **kwargs):
@@ -22,4 +23,5 @@ def compile(*args, **kwargs):
 
 
 __all__ = ["Cluster", "Constraints", "Plan", "plan", "compile", "PlanError", "ClusterError", "ConstraintError",
-           "MemoryBudgetError", "TraceError", "ExecutionError"]
+           "MemoryBudgetError", "TraceError", "ExecutionError",
+           "StepStats"]

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from autopar.frontend.batching import graph_batch_dims, infer_batch_dims, input_shapes
+from autopar.frontend.batching import batch_info, graph_batch_dims, infer_batch_dims, input_shapes
 from autopar.search.build import chosen
 from autopar.pricing.price import Settings
 from autopar.cluster import Cluster
@@ -110,6 +110,7 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     if pipe is not None:
         data = apply_pipeline(data, pipe)
     data["settings"]["kernels"] = "triton" if fused else "torch"
+    data["batch"] = batch_info(graph)   # global batch and tokens per step (report, lr scaling)
     data["fused"] = dict(graph.fused)
     stats.update(trace_seconds=t_trace, total_seconds=time.perf_counter() - t0)
     return Plan(data, stats=stats)

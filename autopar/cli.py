@@ -1,6 +1,9 @@
 """The `autopar` command: plan, show, diff, ops, run.
 
     autopar plan MODULE:FACTORY --cluster PRESET|FILE [--nodes N] [--devices N] [-o plan.json] [--arg k=v ...]
+    autopar plan CONFIG --seq S --batch B --cluster ... [--task T] [--dtype D] [--arg field=v ...]
+        CONFIG: a Hugging Face config.json, a model directory holding one, or a model name in the
+        local Hugging Face cache (never downloaded); built on the meta device (autopar/models/hf_config.py)
     autopar show plan.json [--ops N] [--code --rank R --factory F] [--timeline t.png]
     autopar report plan.json -o plan.html [--compare other.json]  # one self-contained HTML page
     autopar diff old.json new.json [--threshold 0.02] [--fail-on step_time=+2%,peak_memory=+5%] [--force]
@@ -87,18 +90,55 @@ def _cluster(args):
     return Cluster.preset(spec, **kw)
 
 
-def _load_model(spec: str, pairs):
+def _load_hf(args):
+    """(model, inputs, precision) of the Hugging Face config ``args.factory`` (--seq, --batch,
+    --task, --dtype; --arg overrides config fields)."""
+    from autopar.models import HF_ZOO, ZOO
+    from autopar.models.hf_config import from_hf_config, load_config
+    spec = args.factory
+    config = spec
+    if not spec.endswith(".json") and not Path(spec).exists():   # a name: a zoo typo, or a cached HF model
+        try:
+            config = load_config(spec)
+        except PlanError as e:
+            names = ", ".join(sorted(ZOO) + sorted(HF_ZOO))
+            raise PlanError(f"unknown model {spec!r}: not a zoo name ({names}), 'package.module:FACTORY' or "
+                            f"'file.py:FACTORY', and as a Hugging Face model: {e}") from e
+    if args.batch is None:
+        raise PlanError(f"{spec} is read as a Hugging Face config: give the global batch in samples, "
+                        f"--batch N (and the sequence length, --seq S)")
+    out = from_hf_config(config, seq=args.seq, batch=args.batch, task=args.task, dtype=args.dtype,
+                         overrides=_kwargs(args.arg))
+    cfg = out.config
+    n = sum(p.numel() for p in out.model.parameters())
+    arch = type(out.model.model).__name__
+    shape = f"seq {args.seq}, " if args.seq else ""
+    print(f"{spec}: {arch} ({cfg.model_type}, {out.task}), {n / 1e9:.2f} B parameters, {shape}global batch "
+          f"{args.batch}, {str(out.dtype).removeprefix('torch.')} -> precision {out.precision}")
+    return out.model, out.inputs, out.precision
+
+
+def _load_model(spec: str, pairs, extra: dict | None = None):
+    """(model, inputs) of a factory spec; ``extra`` are keyword arguments from flags (--seq, --batch)."""
     import inspect
 
     from autopar.models import load_factory
     factory = load_factory(spec)
     kwargs = _kwargs(pairs)
+    for k, v in (extra or {}).items():
+        if k in kwargs:
+            raise PlanError(f"--{k} and --arg {k}={kwargs[k]!r} both give {k}: give it once")
+        kwargs[k] = v
     try:
         sig = inspect.signature(factory)
     except (TypeError, ValueError):
         sig = None
     if sig is not None and not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
         unknown = [k for k in kwargs if k not in sig.parameters]
+        flag = [k for k in unknown if k in (extra or {})]
+        if flag:
+            raise PlanError(f"--{flag[0]}: the factory {spec} takes no {flag[0]!r} argument; its arguments: "
+                            f"{', '.join(sig.parameters) or 'none'}")
         if unknown:
             known = ", ".join(p for p in sig.parameters) or "none"
             raise PlanError(f"--arg {unknown[0]}: {spec} takes no argument {unknown[0]!r}; its arguments: {known}")
@@ -119,8 +159,24 @@ def cmd_plan(args) -> int:
     import autopar
     cluster = _cluster(args)
     constraints = autopar.Constraints.from_dict(_kwargs(args.constraint, "--constraint"))   # before the model loads
-    model, inputs = _load_model(args.factory, args.arg)
-    p = autopar.plan(model, inputs, cluster, optimizer=args.optimizer, precision=args.precision,
+    from autopar.models import is_hf_spec
+    if args.precision is not None and args.dtype is not None:
+        raise PlanError(f"--precision {args.precision} and --dtype {args.dtype} both set the precision: give one")
+    if is_hf_spec(args.factory):
+        model, inputs, precision = _load_hf(args)
+    else:
+        if args.task is not None:
+            raise PlanError(f"--task is for Hugging Face configs; {args.factory} is a model factory")
+        extra = {k: v for k, v in (("seq", args.seq), ("batch", args.batch)) if v is not None}
+        model, inputs = _load_model(args.factory, args.arg, extra)
+        precision = "bf16"
+        if args.dtype is not None:
+            from autopar.models.hf_config import DTYPES
+            if args.dtype.lower() not in DTYPES:
+                raise PlanError(f"--dtype {args.dtype}: use one of {', '.join(sorted(DTYPES))}")
+            precision = DTYPES[args.dtype.lower()][1]
+    precision = args.precision or precision
+    p = autopar.plan(model, inputs, cluster, optimizer=args.optimizer, precision=precision,
                      memory_budget=args.memory_budget, constraints=constraints, time_limit=args.time_limit,
                      verbose=args.verbose)
     if args.output:
@@ -279,16 +335,27 @@ def main(argv=None) -> int:
                                         "3 running failed, 4 internal error")
     ap.add_argument("-v", "--verbose", action="store_true", help="tracebacks on errors; log the search")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("plan", help="plan a model from a factory")
-    p.add_argument("factory", help="module.path:FACTORY, file.py:FACTORY or a zoo name (gpt2_xl, llama, ...)")
+    p = sub.add_parser("plan", help="plan a model from a factory or a Hugging Face config")
+    p.add_argument("factory", metavar="MODEL",
+                   help="module.path:FACTORY, file.py:FACTORY, a zoo name (gpt2_xl, llama, ...), or a Hugging Face "
+                        "config.json, model directory or cached model name (any other name without ':')")
+    p.add_argument("--seq", type=_positive_int("--seq"), default=None,
+                   help="sequence length (Hugging Face configs; a factory's seq argument)")
+    p.add_argument("--batch", type=_positive_int("--batch"), default=None,
+                   help="global batch in samples (sequences) per step (Hugging Face configs; a factory's batch argument)")
+    p.add_argument("--task", choices=("causal-lm", "masked-lm", "seq2seq", "image-classification"), default=None,
+                   help="Hugging Face configs: the model head (default: from the config's architectures)")
+    p.add_argument("--dtype", default=None,
+                   help="bf16/bfloat16, fp16/float16 (planned as bf16) or fp32/float32; default: the config's dtype")
     p.add_argument("--cluster", required=True, help="preset (dgx-a100, dgx-h100, tacc-longhorn, cpu) or a YAML file")
     p.add_argument("--nodes", type=_positive_int("--nodes"), default=1)
     p.add_argument("--devices", type=_positive_int("--devices"), default=None, help="devices for the cpu preset")
     p.add_argument("-o", "--output")
-    p.add_argument("--arg", action="append", help="factory keyword argument name=value")
+    p.add_argument("--arg", action="append",
+                   help="factory keyword argument name=value (a Hugging Face config: a config field to override)")
     p.add_argument("--constraint", action="append", help="pin a degree, e.g. tp=8 (keys: docs/constraints.md)")
     p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--precision", default="bf16")
+    p.add_argument("--precision", default=None, help="bf16 (default) or fp32; a Hugging Face config's dtype otherwise")
     p.add_argument("--memory-budget", type=_bytes, default=None, help="bytes per device, e.g. 40GB, 40GiB")
     p.add_argument("--time-limit", type=_seconds, default=None, help="search time limit, e.g. 30, 30s, 2min")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)

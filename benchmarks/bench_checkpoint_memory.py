@@ -5,7 +5,9 @@ meta, ``weights="init"``) under dp=4 ZeRO-3 with SGD + momentum, one step, then 
 Each rank resets its peak-RSS mark (``/proc/self/clear_refs`` 5) just before the call and reads
 ``VmHWM`` after it: the figure is what the call added above the rank's resident size. glibc maps
 every tensor of 1 MB or more on its own (``mallopt(M_MMAP_THRESHOLD)``), so freed tensors leave
-the RSS and the peak follows live memory (as benchmarks/bench_setup_memory.py).
+the RSS and the peak follows live memory (as benchmarks/bench_setup_memory.py). Two barriers
+before each call release what the last step's collectives still held (without them a rank's
+resident size dropped by ~60 MB inside the save, hiding or shifting its peak).
 
 Compared with the bound the sharded path keeps: this rank's shard (parameters + optimizer state
 it holds) + the largest tensor. ``--path old`` runs the full-tensor path (every parameter and
@@ -38,6 +40,15 @@ def _rss(field: str) -> int:
 
 
 def _peak(fn):
+    import gc
+
+    import torch.distributed as dist
+
+    # Buffers the last step's collectives still hold are released at the next collective: settle
+    # them first, or the call's peak is measured from a resident size that then drops.
+    dist.barrier()
+    gc.collect()
+    dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:   # reset the peak-RSS mark to the current RSS
         f.write("5")
     base = _rss("VmRSS")

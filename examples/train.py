@@ -21,12 +21,18 @@ processes saved it) and continues from its step:
 
     autopar run -n 4 examples/train.py --model gpt2 --steps 20 --checkpoint-dir run/ck --save-every 5
     autopar run -n 2 examples/train.py --model gpt2 --steps 40 --checkpoint-dir run/ck --resume
+
+Live figures: every ``--log-every`` steps (default 5) the measured step time, tokens/s, TFLOP/s per
+device and MFU, each next to the plan's prediction (``autopar.compile(log_every=..., on_step=...)``).
+On a terminal rank 0 shows them under a rich progress bar; otherwise (a pipe, a log file, no rich)
+it prints one plain line per step and per report.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import os
+import sys
 import time
 
 
@@ -38,6 +44,37 @@ def cluster_for(name: str, nodes: int, world: int):
     if name.endswith((".yaml", ".yml")):
         return autopar.Cluster.from_yaml(name)
     return autopar.Cluster.preset(name, nodes=nodes)
+
+
+class LiveBar:
+    """Rank 0's rich progress bar with the latest measured-vs-predicted figures under it (a tty only)."""
+
+    def __init__(self, steps: int):
+        try:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        except ImportError:
+            self.ok = False
+            return
+        self.ok = True
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[figures]}"))
+        self.task = self.progress.add_task("train", total=steps, loss="-", figures="")
+
+    def start(self):
+        self.progress.start()
+
+    def stop(self):
+        self.progress.stop()
+
+    def advance(self, loss: float):
+        self.progress.update(self.task, advance=1, loss=f"{loss:.4f}")
+
+    def report(self, s):
+        """compile's on_step: every --log-every steps (on every rank; this bar exists on rank 0 only)."""
+        figures = (f"{s.step_time * 1e3:.0f} ms/step (plan {s.predicted_step_time * 1e3:.0f}) | "
+                   f"{s.throughput:,.0f} {s.unit}/s (plan {s.predicted_throughput:,.0f}) | "
+                   f"MFU {100 * s.mfu:.1f}% (plan {100 * s.predicted_mfu:.1f}%)")
+        self.progress.update(self.task, figures=figures)
 
 
 def main(argv=None) -> None:
@@ -54,6 +91,7 @@ def main(argv=None) -> None:
     ap.add_argument("--save-every", type=int, default=0, help="save to --checkpoint-dir every N steps (0: at the end)")
     ap.add_argument("--keep-last", type=int, default=2, help="checkpoints kept in --checkpoint-dir (default 2)")
     ap.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir's latest checkpoint")
+    ap.add_argument("--log-every", type=int, default=5, help="steps between measured-vs-predicted reports")
     args = ap.parse_args(argv)
 
     import torch.distributed as dist
@@ -72,7 +110,11 @@ def main(argv=None) -> None:
     cluster = cluster_for(args.cluster, args.nodes, world)
     model, batch = load_factory(args.model)(**kwargs)
     plan = autopar.Plan.load(args.plan) if args.plan else None
-    compiled = autopar.compile(model, cluster, example_inputs=batch, plan=plan, lr=args.lr)
+    bar = LiveBar(args.steps) if int(os.environ.get("RANK", "0")) == 0 and sys.stdout.isatty() else None
+    if bar is not None and not bar.ok:
+        bar = None
+    compiled = autopar.compile(model, cluster, example_inputs=batch, plan=plan, lr=args.lr,
+                               log_every=args.log_every, on_step=bar.report if bar else None)
     rank = dist.get_rank()
     if rank == 0:
         print(compiled.plan.summary(), end="", flush=True)
@@ -84,13 +126,22 @@ def main(argv=None) -> None:
         if rank == 0:
             print(f"resumed from {args.checkpoint_dir} at step {start}" if start else
                   f"nothing to resume in {args.checkpoint_dir}: starting at step 0", flush=True)
+    if bar is not None:
+        bar.start()
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         loss = compiled.step(*batch)
-        if rank == 0:
+        if bar is not None:
+            bar.advance(loss)
+        elif rank == 0:   # plain lines; compile prints the measured-vs-plan figures every --log-every steps
             print(f"step {step:4d}  loss {loss:.4f}  {1e3 * (time.perf_counter() - t0):.0f} ms", flush=True)
         if args.save_every and step % args.save_every == 0 and step < args.steps:
             compiled.save(args.checkpoint_dir, keep_last=args.keep_last, blocking=False)
+    if bar is not None:
+        bar.stop()
+        last = compiled.stats()
+        if last is not None:
+            print(last.line())
     if args.checkpoint_dir and compiled.step_count > start:
         compiled.save(args.checkpoint_dir, keep_last=args.keep_last)   # waits for one in flight first
         if rank == 0:

@@ -15,6 +15,16 @@ element ranges of the buffer belong to which logical tensor) and an optional
 holding parts of the same tensors: runtime/zero.py sums them over the data group when ZeRO shards
 the chunk and over the model axes that split the tensor, each replicated block counted once, so
 the ratios are the whole tensors' under every plan.
+
+Per-tensor settings (parameter groups, runtime/optim_groups.py): ``step`` takes an optional
+``hparams`` (``TensorHParams``, one entry per tensor id of ``segments``, or one entry for a buffer
+without segments): each tensor's weight decay, learning-rate factor and whether LAMB/LARS adapt
+it. Without it every tensor takes the optimizer's own settings. The elementwise optimizers step
+each segment with its own settings (the same ops as a whole-buffer step, so with uniform settings
+the same bits).
+
+Learning-rate schedule: ``schedule`` (a callable ``t -> multiplier``, runtime/lr_schedule.py) makes
+step ``step_no``'s learning rate ``lr * schedule(step_no - 1)`` (``lr_at``).
 """
 from __future__ import annotations
 
@@ -23,6 +33,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from runtime.optim_groups import TensorHParams
 
 ReduceFn = Callable[[Tensor], None]  # sums a [k, num_ids] fp32 tensor in place across shards
 
@@ -74,7 +86,12 @@ class FlatOptimizer:
     needs_segments = False  # True: per-tensor trust ratios need Segments
 
     def __init__(self, lr: float):
-        self.lr = float(lr)
+        self.lr = float(lr)   # the base learning rate; a step's is lr_at(step_no)
+        self.schedule: Optional[Callable[[int], float]] = None
+
+    def lr_at(self, step_no: int) -> float:
+        """The learning rate of step ``step_no`` (from 1): lr times the schedule's multiplier."""
+        return self.lr if self.schedule is None else self.lr * float(self.schedule(int(step_no) - 1))
 
     @property
     def state_bytes_per_element(self) -> int:
@@ -85,8 +102,22 @@ class FlatOptimizer:
 
     @torch.no_grad()
     def step(self, param: Tensor, grad: Tensor, state: dict[str, Tensor], step_no: int,
-             segments: Optional[Segments] = None, reduce_sq_norms: Optional[ReduceFn] = None) -> None:
+             segments: Optional[Segments] = None, reduce_sq_norms: Optional[ReduceFn] = None,
+             hparams: Optional[TensorHParams] = None) -> None:
         raise NotImplementedError
+
+    def _per_segment(self, param, grad, state, step_no, segments, hparams, update) -> None:
+        """Elementwise optimizers: ``update(param, grad, state, step_no, lr, weight_decay)`` on
+        each segment with its tensor's settings (one call for the whole buffer without segments)."""
+        lr = self.lr_at(step_no)
+        if segments is None:
+            update(param, grad, state, step_no, lr * hparams.lr_scale[0], hparams.weight_decay[0])
+            return
+        for i, tid in enumerate(segments.ids):
+            a, b = segments.bounds[i], segments.bounds[i + 1]
+            if b > a:
+                update(param[a:b], grad[a:b], {k: v[a:b] for k, v in state.items()}, step_no,
+                       lr * hparams.lr_scale[tid], hparams.weight_decay[tid])
 
 
 class Adam(FlatOptimizer):
@@ -112,20 +143,25 @@ class Adam(FlatOptimizer):
             and param.is_contiguous()
 
     @torch.no_grad()
-    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None):
-        lr, b1, b2 = self.lr, self.beta1, self.beta2
+    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None, hparams=None):
+        if hparams is not None:
+            return self._per_segment(param, grad, state, step_no, segments, hparams, self._update)
+        self._update(param, grad, state, step_no, self.lr_at(step_no), self.weight_decay)
+
+    def _update(self, param, grad, state, step_no, lr, weight_decay):
+        b1, b2 = self.beta1, self.beta2
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         if self._fused_here(param, grad):
             from runtime.kernels.adamw import adamw_step
             adamw_step(param, grad, exp_avg, exp_avg_sq, lr=lr, betas=(b1, b2), eps=self.eps,
-                       weight_decay=self.weight_decay, step=int(step_no))
+                       weight_decay=weight_decay, step=int(step_no))
             return
         # Same op sequence as torch.optim.adam._single_tensor_adam (capturable=False).
-        if self.weight_decay != 0:
+        if weight_decay != 0:
             if self.decoupled:
-                param.mul_(1 - lr * self.weight_decay)
+                param.mul_(1 - lr * weight_decay)
             else:
-                grad = grad.add(param, alpha=self.weight_decay)
+                grad = grad.add(param, alpha=weight_decay)
         exp_avg.lerp_(grad, 1 - b1)
         exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
         step = float(step_no)
@@ -154,9 +190,14 @@ class SGD(FlatOptimizer):
         self.state_names = ("momentum_buffer",) if self.momentum != 0 else ()
 
     @torch.no_grad()
-    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None):
-        if self.weight_decay != 0:
-            grad = grad.add(param, alpha=self.weight_decay)
+    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None, hparams=None):
+        if hparams is not None:
+            return self._per_segment(param, grad, state, step_no, segments, hparams, self._update)
+        self._update(param, grad, state, step_no, self.lr_at(step_no), self.weight_decay)
+
+    def _update(self, param, grad, state, step_no, lr, weight_decay):
+        if weight_decay != 0:
+            grad = grad.add(param, alpha=weight_decay)
         if self.momentum != 0:
             buf = state["momentum_buffer"]
             if step_no == 1:  # torch initialises the buffer to the first gradient
@@ -164,7 +205,7 @@ class SGD(FlatOptimizer):
             else:
                 buf.mul_(self.momentum).add_(grad, alpha=1 - self.dampening)
             grad = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
-        param.add_(grad, alpha=-self.lr)
+        param.add_(grad, alpha=-lr)
 
 
 def _trust(numer: Tensor, denom: Tensor) -> Tensor:
@@ -177,22 +218,61 @@ def _segments_or_whole(segments: Optional[Segments], numel: int) -> Segments:
     return segments if segments is not None else Segments.from_sizes([numel])
 
 
+def _settings(hparams: Optional[TensorHParams], segs: Segments, weight_decay: float, always_adapt: bool,
+              device) -> tuple[Optional[list], Tensor, Tensor]:
+    """Per tensor id: weight decays (None: every tensor the optimizer's), learning-rate factors and
+    the adapt mask (float 0/1); a buffer without segments has the single id 0."""
+    n = segs.num_ids
+    if hparams is None:
+        return None, torch.ones(n, device=device), torch.ones(n, device=device)
+    if len(hparams) != n:
+        raise ValueError(f"{len(hparams)} hparams entries for {n} tensor ids")
+    adapt = [1.0 if (a or always_adapt) else 0.0 for a in hparams.adapt]
+    wd = list(hparams.weight_decay)
+    return (None if all(w == weight_decay for w in wd) else wd,
+            torch.tensor(hparams.lr_scale, dtype=torch.float32, device=device),
+            torch.tensor(adapt, dtype=torch.float32, device=device))
+
+
+def _add_decay(x: Tensor, param: Tensor, segs: Segments, wd: Optional[list], weight_decay: float) -> Tensor:
+    """x + wd * param, each segment with its tensor's decay (``wd`` None: ``weight_decay`` on all)."""
+    if wd is None:
+        return x.add_(param, alpha=weight_decay) if weight_decay != 0 else x
+    for i, tid in enumerate(segs.ids):
+        a, b = segs.bounds[i], segs.bounds[i + 1]
+        if b > a and wd[tid] != 0:
+            x[a:b].add_(param[a:b], alpha=wd[tid])
+    return x
+
+
+def _wd_norm_term(p_norm: Tensor, wd: Optional[list], weight_decay: float) -> Tensor:
+    return p_norm * (weight_decay if wd is None else torch.tensor(wd, dtype=p_norm.dtype, device=p_norm.device))
+
+
 class LAMB(FlatOptimizer):
-    """LAMB (You et al. 2019): Adam direction + decoupled decay, scaled per tensor by ||p||/||u||."""
+    """LAMB (You et al. 2019) as NVIDIA apex FusedLAMB (adam_w_mode, grad averaging): the Adam
+    direction plus decoupled decay, ``u = m_hat / (sqrt(v_hat) + eps) + wd * p``, scaled per tensor
+    by the trust ratio ||p||/||u|| (1 where either norm is 0); ``p -= lr * ratio * u``.
+    ``trust_clip`` (timm): the ratio clipped to at most 1. Tensors a group does not adapt
+    (runtime/optim_groups.py: ``adapt`` False, e.g. biases and norm weights under the BERT recipe)
+    take ratio 1 unless ``always_adapt``."""
 
     name = "lamb"
     state_names = ("exp_avg", "exp_avg_sq")
     needs_segments = True
 
     def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0, bias_correction: bool = True):
+                 weight_decay: float = 0.0, bias_correction: bool = True, trust_clip: bool = False,
+                 always_adapt: bool = False):
         super().__init__(lr)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay, self.bias_correction = float(eps), float(weight_decay), bias_correction
+        self.trust_clip, self.always_adapt = bool(trust_clip), bool(always_adapt)
 
     @torch.no_grad()
-    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None):
+    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None, hparams=None):
         segs = _segments_or_whole(segments, param.numel())
+        wd, scale, adapt = _settings(hparams, segs, self.weight_decay, self.always_adapt, param.device)
         b1, b2 = self.beta1, self.beta2
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m.mul_(b1).add_(grad, alpha=1 - b1)
@@ -200,39 +280,52 @@ class LAMB(FlatOptimizer):
         bc1 = 1 - b1 ** step_no if self.bias_correction else 1.0
         bc2 = 1 - b2 ** step_no if self.bias_correction else 1.0
         update = (m / bc1) / ((v / bc2).sqrt().add_(self.eps))
-        if self.weight_decay != 0:
-            update.add_(param, alpha=self.weight_decay)
+        update = _add_decay(update, param, segs, wd, self.weight_decay)
         norms = segs.sq_norms(param, update)  # [2, num_ids]: ||p||^2, ||u||^2 of the local parts
         if reduce_sq_norms is not None:
             reduce_sq_norms(norms)
         ratio = _trust(norms[0].sqrt(), norms[1].sqrt())
+        if self.trust_clip:
+            ratio = ratio.clamp(max=1.0)
+        ratio = torch.where(adapt > 0, ratio, torch.ones_like(ratio)) * scale
         segs.scale_(update, ratio)
-        param.add_(update, alpha=-self.lr)
+        param.add_(update, alpha=-self.lr_at(step_no))
 
 
 class LARS(FlatOptimizer):
-    """LARS (You et al. 2017) with momentum: local_lr = coef*||p|| / (||g|| + wd*||p|| + eps)."""
+    """LARS (You et al. 2017) with momentum: ``buf = momentum * buf + lr * local_lr * (g + wd p)``,
+    ``p -= buf``, local_lr = coef*||p|| / (||g|| + wd*||p|| + eps) (1 where either norm is 0).
+    ``trust_clip`` (timm's LARC clipping): local_lr becomes min(local_lr / lr, 1). Tensors a group
+    does not adapt take local_lr 1 unless ``always_adapt`` (timm's names)."""
 
     name = "lars"
     state_names = ("momentum_buffer",)
     needs_segments = True
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.9, weight_decay: float = 0.0,
-                 trust_coefficient: float = 0.001, eps: float = 1e-8):
+                 trust_coefficient: float = 0.001, eps: float = 1e-8, trust_clip: bool = False,
+                 always_adapt: bool = False):
         super().__init__(lr)
         self.momentum, self.weight_decay = float(momentum), float(weight_decay)
         self.trust_coefficient, self.eps = float(trust_coefficient), float(eps)
+        self.trust_clip, self.always_adapt = bool(trust_clip), bool(always_adapt)
 
     @torch.no_grad()
-    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None):
+    def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None, hparams=None):
         segs = _segments_or_whole(segments, param.numel())
+        wd, scale, adapt = _settings(hparams, segs, self.weight_decay, self.always_adapt, param.device)
+        lr = self.lr_at(step_no)
         norms = segs.sq_norms(param, grad)
         if reduce_sq_norms is not None:
             reduce_sq_norms(norms)
         p_norm, g_norm = norms[0].sqrt(), norms[1].sqrt()
-        local_lr = _trust(self.trust_coefficient * p_norm, g_norm + self.weight_decay * p_norm + self.eps)
-        d = grad.add(param, alpha=self.weight_decay) if self.weight_decay != 0 else grad.clone()
-        segs.scale_(d, local_lr * self.lr)
+        local_lr = _trust(self.trust_coefficient * p_norm, g_norm + _wd_norm_term(p_norm, wd, self.weight_decay)
+                          + self.eps)
+        if self.trust_clip:
+            local_lr = (local_lr / lr).clamp(max=1.0) if lr > 0 else torch.ones_like(local_lr)
+        local_lr = torch.where(adapt > 0, local_lr, torch.ones_like(local_lr)) * scale
+        d = _add_decay(grad.clone(), param, segs, wd, self.weight_decay)
+        segs.scale_(d, local_lr * lr)
         buf = state["momentum_buffer"]
         buf.mul_(self.momentum).add_(d)
         param.sub_(buf)

@@ -71,6 +71,12 @@ parameters, same data-group size and rank), so the shards line up. Stages 0-1 ke
 ``p.grad`` until ``step()``; the caller sums those before it (runtime/pipeline.py
 ``sum_tied_grads``). Bytes: ``shared_bytes``, not in ``bytes_sent`` (another group).
 
+Parameter groups (``tensor_hparams``: id(param) -> (weight_decay, lr_scale, adapt), from
+runtime/optim_groups.py ``resolve_groups`` on the FULL parameters' names and shapes): each chunk gets
+a ``TensorHParams`` over its tensor ids (its Segments'), which the optimizer reads per segment; an
+elementwise optimizer then also steps chunk by segment (stages 1-3) or parameter by parameter
+(stage 0, its usual path), each with its own settings.
+
 Collectives must be issued in the same order on every rank: all ranks must run the same graph
 (same chunks used, in the same order). A parameter may belong to one chunk only (no tying across
 chunks); all parameters share one floating dtype and one device.
@@ -86,6 +92,7 @@ from torch import Tensor, nn
 from runtime.clip import clip_grad_norm
 from runtime.ddp import GradAllReducer
 from runtime.optim import FlatOptimizer, Segments
+from runtime.optim_groups import TensorHParams, chunk_hparams
 
 _reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -120,6 +127,7 @@ class _Chunk:
         self.gathered = True    # stage 3: full buffer materialised
         self.shared_group = None  # group its gradient is also summed over (shared_groups)
         self.norm_mask: Optional[Tensor] = None  # LAMB/LARS: 0 for tensors another rank counts
+        self.hparams: Optional[TensorHParams] = None  # parameter groups: per tensor id (and padding)
 
     def local_segments(self, sharded: bool) -> Segments:
         """Which logical tensor each element of the local buffer belongs to (padding: own id)."""
@@ -166,7 +174,8 @@ class ShardedOptimizer:
                  norm_weights: Optional[dict] = None, working_dtype: Optional[torch.dtype] = None,
                  forward_order: Optional[Sequence[nn.Parameter]] = None,
                  shared_groups: Optional[dict] = None,
-                 tensor_norm_groups: Sequence[dist.ProcessGroup] = (), tensor_norm_skip=()):
+                 tensor_norm_groups: Sequence[dist.ProcessGroup] = (), tensor_norm_skip=(),
+                 tensor_hparams: Optional[dict] = None):
         """``extra_norm_groups``: groups over which the gradients are *additionally* split into
         disjoint pieces (e.g. tensor parallel), for the global clipping norm. ``grad_scale``:
         id(param) -> factor its gradient is multiplied by before the averaging over the data
@@ -184,7 +193,8 @@ class ShardedOptimizer:
         chunks' order). ``shared_groups``: id(param) -> group its chunk's gradient is also summed
         over (module doc; stages 2-3). ``tensor_norm_groups`` / ``tensor_norm_skip``: where LAMB and
         LARS sum their per-tensor norms, and the ids of the parameters whose block another rank of
-        those groups counts (module doc)."""
+        those groups counts (module doc). ``tensor_hparams``: id(param) -> (weight_decay,
+        lr_scale, adapt), parameter groups (module doc); None: the optimizer's own settings."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
@@ -261,6 +271,8 @@ class ShardedOptimizer:
                                 c.flat[off:off + p.numel()] if self.mixed else None)
                                for p, off in zip(c.params, c.offsets)]
         self._per_param = zero_stage == 0 and not optimizer.needs_segments
+        if tensor_hparams is not None:
+            self.set_tensor_hparams(tensor_hparams)
 
         self.reducer: Optional[GradAllReducer] = None
         self._hooks = []
@@ -290,6 +302,16 @@ class ShardedOptimizer:
                     if p.requires_grad:
                         self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self.reset_comm_stats()  # construction traffic (probe, broadcast) is not a step's
+
+    def set_tensor_hparams(self, tensor_hparams: Optional[dict]) -> None:
+        """Parameter groups: id(param) -> (weight_decay, lr_scale, adapt) (module doc); a
+        parameter left out takes the optimizer's own settings; None: every one does."""
+        own = (getattr(self.opt, "weight_decay", 0.0), 1.0, True)
+        for c in self.chunks:
+            c.hparams = None if tensor_hparams is None else \
+                chunk_hparams([tensor_hparams.get(id(p)) for p in c.params], own)
+            if c.segments is None and c.hparams is not None:   # an elementwise optimizer, per segment
+                c.segments = c.local_segments(self.stage >= 1)
 
     # ---------------------------------------------------------------- collectives
     def _global_rank(self, group_rank: int) -> int:
@@ -477,8 +499,9 @@ class ShardedOptimizer:
         if self._per_param:
             grads = iter(grads)
             for c in self.chunks:
-                for param, state, working in c.views:
-                    self.opt.step(param, next(grads).reshape(-1), state, self.step_count)
+                for i, (param, state, working) in enumerate(c.views):
+                    hp = None if c.hparams is None else c.hparams.entry(i)
+                    self.opt.step(param, next(grads).reshape(-1), state, self.step_count, hparams=hp)
                     if working is not None:
                         working.copy_(param)
             return
@@ -491,8 +514,8 @@ class ShardedOptimizer:
                 param = c.shard_param
             else:
                 param = c.flat[c.lo:c.hi]
-            self.opt.step(param, g, c.state, self.step_count, segments=c.segments,
-                          reduce_sq_norms=self._tensor_norm_reducer(c) if c.segments is not None else None)
+            self.opt.step(param, g, c.state, self.step_count, segments=c.segments, hparams=c.hparams,
+                          reduce_sq_norms=self._tensor_norm_reducer(c) if self.opt.needs_segments else None)
             if self.mixed and self.stage == 0:
                 c.flat.copy_(param)
             elif self.mixed and self.stage == 3:

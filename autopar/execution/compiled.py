@@ -34,7 +34,7 @@ from datetime import timedelta  # noqa: F401  (documented: the process-group tim
 import torch
 import torch.distributed as dist
 
-from autopar.execution import compiled_setup, compiled_state, local_batches
+from autopar.execution import compiled_setup, compiled_state, local_batches, optim_setup
 from autopar.errors import ExecutionError
 from autopar.execution.placement import check_host_collectives
 from autopar.execution.placement import require_process_group as _require_pg
@@ -42,6 +42,7 @@ from autopar.plans.plan import Plan
 from autopar.constraints import Constraints
 from autopar.execution import pipeline_run
 from autopar.execution.error_report import install
+from autopar.execution.live_stats import StepStats, StepTimer
 from autopar.frontend.batching import plan_batch_dims
 from runtime import loss as RL
 from runtime.collectives import COMM_STATS
@@ -49,14 +50,18 @@ from runtime.collectives import COMM_STATS
 
 class CompiledModel:
     def __init__(self, model, cluster, plan, optimizer, lr, optimizer_kwargs, plan_options=None,
-                 precision=None, grad_clip=None, loss_fn=None, weights=None):
+                 precision=None, grad_clip=None, loss_fn=None, weights=None, optim_options=None,
+                 log_every=None, on_step=None):
         self.weights = weights
+        # measured step figures next to the plan's (autopar/execution/live_stats.py)
+        self._timer = StepTimer(log_every, on_step, dist.get_rank)
         # weights="init" replays the initialization from the random stream as it is now (rank 0's
         # is used on every rank), before set-up draws from it.
         self._init_rng_state = torch.get_rng_state()
         self.model, self.cluster, self.plan = model, cluster, plan
         self.loss_fn = loss_fn   # traced as loss_fn(model(*inputs[:k]), *inputs[k:]) (autopar.frontend.trace)
-        self.optimizer_name, self.lr, self.optimizer_kwargs = optimizer, lr, dict(optimizer_kwargs)
+        self.optimizer_name, self.base_lr, self.optimizer_kwargs = optimizer, lr, dict(optimizer_kwargs)
+        self.optim_options = optim_options or optim_setup.OptimOptions()
         self.plan_options = plan_options
         self.precision, self.grad_clip = precision, grad_clip
         self._ready = False
@@ -65,6 +70,20 @@ class CompiledModel:
     def _setup(self, example_inputs):
         """Every rank, collectively (autopar/execution/compiled_setup.py)."""
         return compiled_setup.setup(self, example_inputs)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step: ``compile``'s lr, scaled for the global batch
+        (``lr_scaling``) and times the schedule's multiplier; before set-up, compile's lr. Each
+        parameter group's is this times its ``lr_scale``."""
+        if not self._ready:
+            return self.base_lr
+        return self.opt.opt.lr_at(self.opt.step_count + 1)
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (restored by ``load``)."""
+        return self.opt.step_count if self._ready else 0
 
     # ------------------------------------------------------------------ batches (autopar/execution/local_batches.py)
     def batch_rows(self) -> list[int]:
@@ -154,9 +173,21 @@ class CompiledModel:
         self._check_batch(batch)
         # A failure inside names the failing rank on every rank, and a pipelined step never hangs
         # on a failed peer (autopar/execution/step_guard.py).
+        self._timer.start()
         if self.pp > 1:
-            return self.guard.run(lambda: self._pipelined(batch, train=True), "pipeline step")
-        return self.guard.run(lambda: self._step(batch), "training step")
+            loss = self.guard.run(lambda: self._pipelined(batch, train=True), "pipeline step")
+        else:
+            loss = self.guard.run(lambda: self._step(batch), "training step")
+        self._timer.stop(self)
+        return loss
+
+    def stats(self, last: int | None = None) -> StepStats | None:
+        """Measured step time, tokens/s (or samples/s), TFLOP/s per device and MFU over the
+        ``last`` steps (default: every step but the first, a warm-up), each next to the plan's
+        prediction (autopar/execution/live_stats.py); None before the second step."""
+        if not self._ready:
+            return None
+        return self._timer.stats(self, last)
 
     def _step(self, batch) -> float:
 
@@ -255,11 +286,6 @@ class CompiledModel:
         compiled_state.load(self, directory)
         return self.step_count
 
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps taken (restored by ``load``)."""
-        return self.opt.step_count if self._ready else 0
-
     # ------------------------------------------------------------------ communication
     def comm_stats(self) -> dict[str, int]:
         """Bytes per rank moved since the last reset, by mesh axis name (optimizer traffic under the data axis)."""
@@ -307,7 +333,9 @@ class _nullcontext:
 def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "adamw", lr: float = 1e-3,
             plan_options: dict | None = None, precision: str | None = None, grad_clip: float | None = None,
             loss_fn=None, batch_dims=None, weights=None, kernels: str | None = None,
-            **optimizer_kwargs) -> CompiledModel:
+            param_groups=None, lr_schedule=None, warmup_steps: int = 0, total_steps: int | None = None,
+            power: float = 1.0, lr_scaling: str | None = None, base_batch: int | None = None,
+            log_every: int | None = None, on_step=None, **optimizer_kwargs) -> CompiledModel:
     """Set up ``model`` to train under ``plan`` (planned now on rank 0 when None) on the current
     process group. ``plan_options`` are keyword arguments for autopar.plan (e.g. constraints).
     ``precision``: "fp32" | "bf16" | None (the plan's on a GPU, fp32 on the CPU; module doc).
@@ -320,7 +348,29 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
     rank's shards only) or a directory (Hugging Face safetensors checkpoint or compiled.save());
     see autopar/execution/weights.py. ``kernels``: "auto" (Triton kernels on CUDA, torch ops on the
     CPU), "triton" (on the CPU through Triton's interpreter, ``TRITON_INTERPRET=1``) or "torch";
-    with a given plan, the plan's choice (a different one is an error). docs/kernels.md."""
+    with a given plan, the plan's choice (a different one is an error). docs/kernels.md.
+
+    Optimizer (docs/design/execution.md "Optimizers"): ``optimizer`` "adamw" | "adam" | "sgd" |
+    "lamb" | "lars", ``lr`` and the optimizer's hyperparameters as keywords (runtime/optim.py:
+    ``weight_decay``, ``betas``, ``eps``, ``momentum``; LAMB/LARS ``trust_clip`` (ratio clipped at 1;
+    LARS: LARC's min(ratio / lr, 1)) and ``always_adapt`` (trust ratio on the excluded tensors too)).
+    ``grad_clip`` clips the global norm before the update, LAMB's included (apex's max_grad_norm).
+    ``param_groups``: "bert" (the default for LAMB and LARS: parameters of at most one dimension,
+    judged on the FULL tensor, get no weight decay and no trust ratio), "all" (the default for the
+    others: every tensor alike) or a list of ``{"params": regex | callable(name, shape),
+    "weight_decay": ..., "lr_scale": ..., "adapt": ...}``, first match wins (runtime/optim_groups.py).
+    ``lr_schedule``: a callable ``t -> multiplier`` of the steps taken (0 first) or "constant",
+    "warmup-linear", "warmup-poly" (``power``), "warmup-cosine" with ``warmup_steps`` and
+    ``total_steps`` (runtime/lr_schedule.py). ``lr_scaling`` "linear" | "sqrt" with ``base_batch``:
+    lr times global_batch / base_batch (or its square root), the global batch being the example
+    batch's. ``compiled.lr`` is the next step's learning rate; ``save``/``load`` keep the step
+    count (the schedule's state), the groups' settings and the base lr.
+
+    ``log_every=N``: every N steps rank 0 prints the measured step time (mean over the last N
+    steps, the first step left out), tokens/s (samples/s without a sequence dim), TFLOP/s per
+    device and MFU, each next to the plan's prediction; ``on_step(stats)``, if given, is called
+    instead on every rank with an ``autopar.StepStats``. ``compiled.stats()`` returns the same
+    figures at any time (autopar/execution/live_stats.py)."""
     _require_pg(cluster)
     check_host_collectives()
     if dist.get_world_size() > 1:   # an uncaught autopar error prints once, not once per rank
@@ -331,8 +381,18 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
         raise ExecutionError(f"the plan is for {plan.world_size} devices (mesh {plan.mesh.describe()}, pp={plan.pp}) "
                              f"but the process group has {dist.get_world_size()} ranks: launch {plan.world_size} "
                              f"processes or re-plan", collective=True)
+    if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+        raise ExecutionError(f"log_every must be a positive whole number of steps, got {log_every!r}", collective=True)
+    if on_step is not None and not callable(on_step):
+        raise ExecutionError(f"on_step must be callable (it gets an autopar.StepStats), got {type(on_step).__name__}",
+                             collective=True)
+    if on_step is not None and log_every is None:
+        log_every = 1
     if grad_clip is not None and not grad_clip > 0:
         raise ExecutionError(f"grad_clip must be a positive number, got {grad_clip!r}", collective=True)
+    optim_options = optim_setup.OptimOptions(param_groups, lr_schedule, warmup_steps, total_steps, power,
+                                             lr_scaling, base_batch)
+    optim_setup.check_options(optimizer, lr, optim_options, optimizer_kwargs)
     options = dict(plan_options or {})
     if "constraints" in options:   # a bad pin fails here, on every rank alike, not when rank 0 plans
         options["constraints"] = Constraints.coerce(options["constraints"])
@@ -364,10 +424,10 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
         if plan is None:
             options["kernels"] = kernels
     cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, options, precision, grad_clip,
-                       loss_fn, weights)
+                       loss_fn, weights, optim_options, log_every, on_step)
     if example_inputs is not None:
         cm._setup(example_inputs)
     return cm
 
 
-__all__ = ["compile", "CompiledModel"]
+__all__ = ["compile", "CompiledModel", "StepStats"]

@@ -49,7 +49,7 @@ from autopar.execution.placement import run_device as _run_device
 from autopar.execution.placement import working_dtype as _working_dtype
 from autopar.plans.plan import Plan
 from autopar.api import plan as make_plan
-from autopar.execution import pipeline_run
+from autopar.execution import optim_setup, pipeline_run
 from autopar.execution.step_guard import StepGuard
 from autopar.execution.weights import all_on_meta, is_meta_model, weight_source
 from autopar.frontend.batching import batch_size, plan_batch_dims
@@ -62,7 +62,6 @@ from codegen.stages import split_stages
 from runtime import context, rng
 from runtime.failure_record import FailureRecord, job_store, next_job
 from runtime.grid import Grid25D, Grid2D, Grid3D
-from runtime.optim import make_optimizer
 from runtime.zero import ShardedOptimizer
 
 
@@ -260,16 +259,16 @@ def setup(cm, example_inputs):
     shared = {}
     if cm.pp > 1:   # the groups that sum a tied parameter's gradient between its stages
         shared = pipeline_run.make_tied_groups(cm)
-    cm.opt = ShardedOptimizer(groups, cm.ctx.data_group, zero,
-                                make_optimizer(cm.optimizer_name, cm.lr, fused=plan.kernels == "triton",
-                                               **cm.optimizer_kwargs),
+    flat_opt, tensor_hparams = optim_setup.build(cm)   # lr scaled and scheduled, parameter groups
+    cm.opt = ShardedOptimizer(groups, cm.ctx.data_group, zero, flat_opt,
                                 grad_clip=cm.grad_clip,
                                 # pipelined: the stages' norms are summed too (over the pp group)
                                 extra_norm_groups=[cm.ctx.groups[a] for a in model_axes]
                                 + ([cm.ctx.extra["pp_group"]] if cm.pp > 1 else []),
                                 grad_scale=grad_scale, norm_weights=norm_weights, working_dtype=cm.dtype,
                                 forward_order=_forward_order(cm), shared_groups=shared,
-                                tensor_norm_groups=[cm.ctx.groups[a] for a in model_axes], tensor_norm_skip=norm_skip)
+                                tensor_norm_groups=[cm.ctx.groups[a] for a in model_axes], tensor_norm_skip=norm_skip,
+                                tensor_hparams=tensor_hparams)
     if zero == 3:
         context.set_zero3(cm.opt)
     cm._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}

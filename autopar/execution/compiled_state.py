@@ -8,7 +8,11 @@ on every rank), into a new generation of the directory committed atomically
 (autopar/execution/checkpoint_atomic.py): a checkpoint loads onto any plan, and a save that dies
 leaves the previous one. ``load`` first checks the checkpoint is complete and that its tensors
 are this model's (``check_checkpoint``), then reads only this rank's pieces (the full-tensor path:
-cuts its blocks out of the full tensors). Pipelined plans assemble their state in
+cuts its blocks out of the full tensors). With the optimizer state go its step count (the
+learning-rate schedule's whole state: a schedule is a function of it), the base learning rate
+(after ``lr_scaling``) as "lr" and each parameter's group settings as "optim_groups.{fqn}"
+(weight_decay, lr_scale, adapt), all restored by ``load`` (a checkpoint written before these
+existed loads without them: the compiled model keeps its own). Pipelined plans assemble their state in
 autopar/execution/pipeline_run.py. The functions take the CompiledModel (autopar/execution/compiled.py), whose
 methods of the same names call them.
 """
@@ -18,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ExecutionError
-from autopar.execution import checkpoint_async, checkpoint_atomic, checkpoint_io, pipeline_run
+from autopar.execution import checkpoint_async, checkpoint_atomic, checkpoint_io, optim_setup, pipeline_run
+
+OPTIONAL = ("lr", "optim_groups")   # checkpoint entries older checkpoints lack
 
 
 def gather_full(cm, local: torch.Tensor, fqn: str) -> torch.Tensor:
@@ -81,26 +87,42 @@ def save(cm, directory, keep_last: int = 1, blocking: bool = True):
         state = {"model": cm.full_state_dict()}
         state["optim"] = {k: v.cpu() for k, v in cm._full_optimizer_state().items()}
     state["step"] = torch.tensor(cm.opt.step_count)
+    state.update(_optimizer_settings(cm))
     if not blocking:
         return checkpoint_async.save_async(cm, state, directory, cm.opt.step_count, keep_last)
     generation = checkpoint_atomic.begin(directory, cm.opt.step_count)
     checkpoint_io.write(state, generation)
     checkpoint_atomic.commit(directory, generation, keep_last)
 
+
+def _optimizer_settings(cm) -> dict:
+    """The base learning rate and every parameter's group settings, as checkpoint entries."""
+    return {"lr": torch.tensor(cm.opt.opt.lr, dtype=torch.float64),
+            "optim_groups": {fqn: torch.tensor(e, dtype=torch.float64) for fqn, e in sorted(cm.group_settings.items())}}
+
 @torch.no_grad()
 def load(cm, directory) -> None:
     cm._need_ready()
     checkpoint_async.wait_pending(cm)
-    if checkpoint_io.sharded_supported(cm):   # read in place into this rank's buffers
+    sharded = checkpoint_io.sharded_supported(cm)
+    if sharded:   # views of this rank's buffers, read in place
         state = checkpoint_io.local_state(cm, for_load=True)
-        state["step"] = torch.tensor(0)
-        read_checkpoint(cm.rank, directory, state)
-        cm.opt.step_count = int(state["step"])
-        return
-    model_sd = {k: v.clone() for k, v in cm.full_state_dict().items()}
-    opt_sd = {k: v.clone() for k, v in cm._full_optimizer_state().items()}
-    state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(0)}
+    else:
+        state = {"model": {k: v.clone() for k, v in cm.full_state_dict().items()},
+                 "optim": {k: v.clone() for k, v in cm._full_optimizer_state().items()}}
+    state.update({"step": torch.tensor(0), **_optimizer_settings(cm)})
     read_checkpoint(cm.rank, directory, state)
+    if not sharded:
+        _blocks_from_full(cm, state)
+    cm.opt.step_count = int(state["step"])
+    if "lr" in state:
+        cm.opt.opt.lr = float(state["lr"])
+    if "optim_groups" in state:
+        optim_setup.apply_groups(cm, {f: (float(t[0]), float(t[1]), bool(t[2])) for f, t in state["optim_groups"].items()})
+
+
+def _blocks_from_full(cm, state: dict) -> None:
+    """The full-tensor path (grid plans): cut this rank's blocks out of the full tensors read."""
     prog = cm.program
 
     def my_flat(c, values: dict, suffix: str = "") -> torch.Tensor:
@@ -121,7 +143,6 @@ def load(cm, directory) -> None:
         # they keep the model's values, as torch's load_state_dict does.
         if fqn in state["model"]:
             b.copy_(prog.block_of(fqn, state["model"][fqn]))
-    cm.opt.step_count = int(state["step"])
 
 
 def has_checkpoint(directory) -> bool:
@@ -168,9 +189,14 @@ def check_checkpoint(directory, state: dict) -> None:
     except Exception as e:
         raise ExecutionError(f"no readable checkpoint at {directory}: {type(e).__name__}: {e}", collective=True) from None
     saved = {k: getattr(v, "size", None) for k, v in meta.state_dict_metadata.items()}
+    for key in OPTIONAL:   # absent from an older checkpoint: not read
+        if key in state and not any(k == key or k.startswith(key + ".") for k in saved):
+            del state[key]
     want = {"step": torch.Size([])}
-    for group in ("model", "optim"):
-        want.update({f"{group}.{k}": v.shape for k, v in state[group].items()})
+    if "lr" in state:
+        want["lr"] = torch.Size([])
+    for group in ("model", "optim", "optim_groups"):
+        want.update({f"{group}.{k}": v.shape for k, v in state.get(group, {}).items()})
     missing = sorted(set(want) - set(saved))
     extra = sorted(set(saved) - set(want))
     shapes = sorted(f"{k} {tuple(saved[k])} (this model: {tuple(want[k])})" for k in set(want) & set(saved)

@@ -19,6 +19,7 @@ JSON; plans without the field mean dim 0 for every input: ``plan_batch_dims``).
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Sequence
 
@@ -103,6 +104,22 @@ def input_shapes(graph) -> list[tuple[int, ...]]:
         v = by_name[name].meta.get("val")
         out.append(tuple(int(x) for x in v.shape) if hasattr(v, "shape") else ())
     return out
+
+
+def batch_info(graph) -> dict:
+    """What one training step consumes: ``global_batch`` (the first batch-carrying input's batch
+    dim) and ``tokens_per_step`` (the elements of the first batch-carrying integer input of two
+    or more dims, token ids [batch, sequence]: batch x sequence; None without one)."""
+    shapes, dims = input_shapes(graph), graph_batch_dims(graph)
+    by_name = {n.name: n for n in graph.gm.graph.nodes if n.op == "placeholder"}
+    tokens = None
+    for name, s, d in zip(graph.input_names, shapes, dims):
+        v = by_name[name].meta.get("val")
+        if d is not None and len(s) >= 2 and v is not None and not v.dtype.is_floating_point \
+                and str(v.dtype) != "torch.bool":
+            tokens = math.prod(s)
+            break
+    return {"global_batch": batch_size(shapes, dims), "tokens_per_step": tokens}
 
 
 def plan_batch_dims(plan_data: dict, n_inputs: int) -> list[int | None]:

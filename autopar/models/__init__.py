@@ -1,5 +1,6 @@
 """The model zoo: plain-PyTorch models (``ZOO``) and Hugging Face ones built from configs
-(``HF_ZOO``), plus ``load_factory`` which resolves a CLI model spec.
+(``HF_ZOO``), plus ``load_factory`` which resolves a CLI model spec, and ``from_hf_config`` (any
+Hugging Face config.json, directory, config object or cached model name: autopar/models/hf_config.py).
 
 Every factory is ``name(**kwargs) -> (model, example_inputs)``; ``model(*example_inputs)``
 returns the scalar training loss. Common kwargs: ``batch``, ``seq``, sizes, ``dropout``
@@ -14,6 +15,7 @@ from typing import Callable
 
 from autopar.errors import PlanError
 from autopar.models import bert, gpt2, hf, llama, mlp, vit
+from autopar.models.hf_config import from_hf_config  # noqa: F401  (public: any HF config.json)
 from autopar.models.common import build, example_tokens  # noqa: F401  (public: the model files' helpers)
 
 Factory = Callable[..., tuple]
@@ -32,6 +34,15 @@ HF_ZOO: dict[str, Factory] = {
     "hf_gpt_neox": hf.hf_gpt_neox, "hf_roberta": hf.hf_roberta, "hf_t5": hf.hf_t5, "hf_bart": hf.hf_bart,
     "hf_vit": hf.hf_vit, "hf_albert": hf.hf_albert, "hf_gemma2": hf.hf_gemma2,
 }
+
+
+def is_hf_spec(spec: str) -> bool:
+    """Whether the CLI reads ``spec`` as a Hugging Face config (``from_hf_config``) rather than a
+    factory: not a zoo name, and a path ending in .json, a directory, or a name without ':'
+    (a model name in the local Hugging Face cache, e.g. ``meta-llama/Meta-Llama-3-8B``)."""
+    if spec in ZOO or spec in HF_ZOO or spec.endswith(".py"):   # model.py: a factory spec missing ':FACTORY'
+        return False
+    return spec.endswith(".json") or os.path.isdir(spec) or ":" not in spec
 
 
 def load_factory(spec: str) -> Factory:

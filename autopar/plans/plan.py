@@ -50,6 +50,19 @@ class Plan:
         return self.data["predictions"]["step_time"]
 
     @property
+    def global_batch(self) -> int:
+        """Rows of the global batch one step trains on (plans made before the ``batch`` field:
+        micro-batch size x micro-batches x dp)."""
+        b = self.data.get("batch") or {}
+        d = self.degrees
+        return int(b.get("global_batch") or d["micro_batch_size"] * d["num_micro_batches"] * d["dp"])
+
+    @property
+    def tokens_per_step(self):
+        """Tokens one step trains on (batch x sequence of the token-id input), or None."""
+        return (self.data.get("batch") or {}).get("tokens_per_step")
+
+    @property
     def kernels(self) -> str:
         """"triton": the plan runs the fused Triton kernels (ops in ``fused``); "torch": ATen ops."""
         return self.data.get("settings", {}).get("kernels", "torch")

@@ -56,7 +56,7 @@ def summary_table(plan) -> Table:
     if split:
         t.add_row("work split", split)
     t.add_row("batching", f"micro-batch {d['micro_batch_size']} × {d['num_micro_batches']} micro-batches per "
-                          f"data-parallel rank")
+                          f"data-parallel rank" + batch_text(plan))
     tb = p["time_breakdown"]
     t.add_row("step time", f"{_secs(p['step_time'])}  (compute {_secs(tb['compute'])}, recompute "
                            f"{_secs(tb['recompute'])}, op comm {_secs(tb['op_comm'])}, reshard "
@@ -72,6 +72,13 @@ def summary_table(plan) -> Table:
     t.add_row("solver", f"{s['status']} (gap {s['gap']:.2%}); {s['configs']} configurations, {s['pruned']} pruned; "
                         f"ILP {s['ilp_nodes']} nodes / {s['ilp_strategy_vars']} strategy variables")
     return t
+
+
+def batch_text(plan) -> str:
+    """"; global batch 512 (65,536 tokens) per step" from the plan's ``batch`` field (plans made
+    before it: the global batch from the degrees, micro-batch x micro-batches x dp)."""
+    gb, tokens = plan.global_batch, plan.tokens_per_step
+    return f"; global batch {gb:,}" + (f" ({tokens:,} tokens)" if tokens else "") + " per step"
 
 
 def checkpoint_text(plan) -> str:

@@ -61,6 +61,10 @@ LARS 80). Mixed precision adds the gradient's upcast (read 2, write 4) and the m
 (read 4, write 2): +12. tests/pricing/test_cost.py counts them from the optimizers' dispatched ops. A plan
 with the Triton kernels steps AdamW in one kernel (runtime/kernels/adamw.py): 28 B per element
 and one launch per tensor (``_FUSED_OPT_BYTES``).
+LAMB and LARS also all-reduce each chunk's per-tensor squared norms once per step (runtime/zero.py:
+a [2, tensors + 1] fp32 tensor, ``TRUST_NORM_BYTES_PER_TENSOR`` per tensor) over every model axis
+of size > 1 and, under ZeRO 1-3, the data axes (autopar/pricing/price.py ``trust_norm_axes``):
+latency-bound, priced as that all_reduce, each tensor of the chunk paying its share.
 
 ``exposed_comm``: communication that overlaps with independent compute only shows what is
 left over: ``max(0, comm - compute)``; without overlap all of it.
@@ -271,6 +275,8 @@ def bucket_share(comm, kind: str, nbytes: float, axis: int, bucket: float) -> fl
 # counted from the dispatched ops by tests/pricing/test_cost.py); mixed precision adds MIXED_CAST_BYTES
 _OPT_BYTES = {"adamw": 80, "adam": 72, "sgd": 32, "lamb": 136, "lars": 80}
 MIXED_CAST_BYTES = 2 + 4 + 4 + 2   # the gradient upcast to fp32, the master cast back (runtime/zero.py)
+TRUST_RATIO_OPTIMIZERS = ("lamb", "lars")   # per-tensor norms summed across ranks each step (module doc)
+TRUST_NORM_BYTES_PER_TENSOR = 8             # ||w||^2 and ||u||^2 (LARS: ||g||^2), fp32
 
 
 # the fused Triton steps (runtime/kernels): each tensor read once, the updated ones written once

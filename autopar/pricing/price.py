@@ -22,8 +22,8 @@ from autopar.frontend.batching import global_batch
 from autopar.frontend.blocks import param_chunks
 from autopar.cluster import Cluster
 from autopar.pricing.conjugates import region_inputs
-from autopar.pricing.cost import (Collectives, bucket_share, fwd_bwd_compute, gemm_intensity, grad_bucket_bytes,
-                          optimizer_step_time, profile_of)
+from autopar.pricing.cost import (TRUST_NORM_BYTES_PER_TENSOR, TRUST_RATIO_OPTIMIZERS, Collectives, bucket_share,
+                          fwd_bwd_compute, gemm_intensity, grad_bucket_bytes, optimizer_step_time, profile_of)
 from autopar.pricing.edge_price import _price_edges
 from autopar.pricing.local_bytes import block_fraction, runtime_itemsize
 from autopar.pricing.memory import state_bytes, zero_shard
@@ -61,6 +61,28 @@ def _chunk_numel(c: Candidates) -> dict[str, int]:
             per[key[n]] = per.get(key[n], 0) + (node_val(vals[n]).numel() if n in vals else 0)
         got = g.chunk_numel = {n: per[key[n]] for n in trainable}
     return got
+
+
+def _chunk_tensors(c: Candidates) -> dict[str, int]:
+    """Trainable parameter (node name) -> tensors in its ZeRO chunk, once per graph."""
+    g = c.graph
+    got = g.__dict__.get("_chunk_tensors")
+    if got is None:
+        trainable = [n for n in g.param_fqn if n not in g.buffers]
+        key = param_chunks(g.blocks, g.param_fqn, trainable)
+        per: dict[int, int] = {}
+        for n in trainable:
+            per[key[n]] = per.get(key[n], 0) + 1
+        got = g.__dict__["_chunk_tensors"] = {n: per[key[n]] for n in trainable}
+    return got
+
+
+def trust_norm_axes(mesh, zero: int) -> list[int]:
+    """The mesh axes LAMB/LARS sum their per-tensor norms over (runtime/zero.py): every model axis
+    of size > 1 (the blocks of a split tensor, replicas masked) and, when ZeRO shards the chunks,
+    the data axes of size > 1."""
+    return [a for a in mesh.model_axes() if mesh.shape[a] > 1] + \
+        ([a for a in mesh.data_axes() if mesh.shape[a] > 1] if zero >= 1 else [])
 
 
 def step_host_time(c: Candidates, cal) -> float:
@@ -235,6 +257,8 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     # ZeRO 1-3 reduce-scatter and gather a repeated-block instance's parameters together (one
     # collective per chunk, runtime/zero.py): a parameter pays its share of its chunk's collective
     chunk_numel = _chunk_numel(c)
+    chunk_tensors = _chunk_tensors(c)
+    norm_axes = trust_norm_axes(mesh, s.zero)
     step_host = step_host_time(c, cal)
     # Ops' prices do not depend on the ZeRO stage (only parameters' do): price them once per
     # (cluster, micro-batches, precision) and re-use them for every stage.
@@ -279,6 +303,12 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                     continue
                 opt_local = local / (dp if s.zero >= 1 else 1)
                 opt_t[j] = optimizer_step_time(opt_local, s.optimizer, s.precision, device, cal, s.kernels) * k
+                if s.optimizer in TRUST_RATIO_OPTIMIZERS:
+                    # LAMB/LARS: a chunk's per-tensor squared norms ([2, tensors] fp32) all-reduced
+                    # over each norm axis once per step, latency-bound: each tensor pays its share
+                    share_t = 1.0 / chunk_tensors.get(name, 1)
+                    nb = TRUST_NORM_BYTES_PER_TENSOR * (chunk_tensors.get(name, 1) + 1)
+                    opt_t[j] += sum(comm("all_reduce", nb, a) for a in norm_axes) * share_t * k
                 gbytes = local * (2 if s.precision == "bf16" else 4)
                 pbytes = local * (2 if s.precision == "bf16" else 4)
                 for a in mesh.data_axes():

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from autopar.frontend.batching import graph_batch_dims, input_shapes, batch_size
 from autopar.frontend.blocks import param_chunks
 from autopar.mesh import Mesh
-from autopar.pricing.cost import Collectives, fwd_bwd_compute, gemm_intensity, optimizer_step_time, profile_of
+from autopar.pricing.cost import (TRUST_NORM_BYTES_PER_TENSOR, TRUST_RATIO_OPTIMIZERS, Collectives, fwd_bwd_compute,
+                                  gemm_intensity, optimizer_step_time, profile_of)
 from autopar.pricing.memory import state_bytes, zero_shard
-from autopar.pricing.price import has_contraction, op_bytes_scale
+from autopar.pricing.price import has_contraction, op_bytes_scale, trust_norm_axes
 from autopar.rules.table import val as node_val
 from autopar.search.predict import model_flops
 from codegen.grid_layout import Geometry
@@ -87,6 +88,12 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     static = zero_shard(state_bytes(local, base.optimizer, base.precision), geo.zero, geo.dp)
     stepped = grad_bytes // 4 // geo.dp if geo.zero else local
     optimizer = optimizer_step_time(stepped, base.optimizer, base.precision, cluster.device, cal, base.kernels)
+    if base.optimizer in TRUST_RATIO_OPTIMIZERS:   # LAMB/LARS: each chunk's norms summed (price.py)
+        tensors: dict = {}
+        for n in trainable:
+            tensors[chunk_of[n]] = tensors.get(chunk_of[n], 0) + 1
+        optimizer += sum(comm("all_reduce", TRUST_NORM_BYTES_PER_TENSOR * (k + 1), a)
+                         for k in tensors.values() for a in trust_norm_axes(mesh, geo.zero))
     acts = prog.saved * scale     # one micro-batch's: its backward runs before the next forward
     step = compute + op_comm + grad_comm + optimizer
     peak = sum(static.values()) + acts

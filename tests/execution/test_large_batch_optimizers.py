@@ -6,8 +6,10 @@ LARS ||w||/(||g|| + wd ||w||)), whatever mesh axes and ZeRO chunks split it. Tak
 losses still agree closely.
 
 * one process: autopar's LAMB equals a reference written here from NVIDIA apex's FusedLAMB
-  (adam_w_mode, bias correction, trust ratio ||w||/||u||, 1 where either norm is 0; no global
-  gradient clipping, max_grad_norm=0), and LARS the paper's formula;
+  (adam_w_mode, bias correction, global gradient-norm clipping with max_grad_norm, trust ratio
+  ||w||/||u||, 1 where either norm is 0) with the BERT recipe's no-decay group (parameters of at
+  most one dimension: no weight decay, no trust ratio; apex applies no ratio where decay is 0),
+  and LARS the paper's formula with the same exclusions (no decay, no layer adaptation);
 * every plan kind (data parallel with ZeRO-1, -2 and -3, 1D tensor parallel, dp x tp with ZeRO-1,
   Megatron-SP, Ulysses sequence axis, pipeline, 2D grid on 2 and 4 gloo ranks; the 2.5D and 3D grids
   and dp x tp x pp with ZeRO-1 on 8) trained 3 steps equals the one-process run: losses rel 1e-5; parameters rel
@@ -28,29 +30,15 @@ import pytest
 import torch
 
 import autopar
+from helpers.large_batch import ramped_llama, rel_errors
 from runtime.launch import run_local
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
 
 STEPS = 3
-HPARAMS = {"lamb": dict(lr=2e-2, weight_decay=0.01),
+HPARAMS = {"lamb": dict(lr=2e-2, weight_decay=0.01, grad_clip=1.0),   # the gradient norm is ~7: clipped
            "lars": dict(lr=0.5, momentum=0.9, weight_decay=0.01, trust_coefficient=0.02)}
 PARAM_RTOL = {"lamb": 1e-3, "lars": 1e-5}
-
-
-def ramped_llama():
-    """The zoo's tiny Llama (RMSNorm, GQA, SwiGLU), every weight scaled by a ramp along each
-    of its dims (blocks of a split tensor get different norms)."""
-    from autopar.models import ZOO
-
-    model, batch = ZOO["llama"]()
-    with torch.no_grad():
-        for p in model.parameters():
-            for d, n in enumerate(p.shape):
-                shape = [1] * p.dim()
-                shape[d] = n
-                p.mul_(torch.linspace(0.25, 2.0, n).view(shape))
-    return model, batch
 
 
 def _train(rank, world, opt, constraints, per_block=False):
@@ -87,38 +75,43 @@ def _compare(opt, world, constraints, per_block=False):
     return res, rel_errors(res[0][1], {k: torch.from_numpy(v) for k, v in ref_sd.items()})
 
 
-def rel_errors(sd, want) -> dict:
-    """Per tensor: the largest elementwise difference relative to the tensor's largest magnitude
-    (elementwise relative errors blow up where LAMB's m/sqrt(v) divides fp32 noise by tiny v)."""
-    return {k: float((torch.as_tensor(sd[k]) - v).abs().max() / v.abs().max()) for k, v in want.items()}
-
-
 # ----------------------------------------------------------------------------- one process
-def fused_lamb_reference(params, grads, states, step, lr, b1=0.9, b2=0.999, eps=1e-6, wd=0.0):
-    """NVIDIA apex FusedLAMB's update, per tensor, in plain torch: adam_w_mode (decoupled decay
-    added to the Adam direction), bias correction, grad_averaging (m takes (1 - b1) g),
-    max_grad_norm=0 (no global clipping); p -= lr * ratio * u with ratio = ||p||/||u||, or 1
-    where either norm is 0."""
-    for p, g, st in zip(params, grads, states):
+def fused_lamb_reference(params, grads, states, step, lr, b1=0.9, b2=0.999, eps=1e-6, wd=0.0,
+                         max_grad_norm=0.0, no_decay=None):
+    """NVIDIA apex FusedLAMB's update, per tensor, in plain torch: global gradient clipping first
+    (max_grad_norm > 0: every gradient divided by ||g||/max_grad_norm when that is > 1),
+    adam_w_mode (decoupled decay added to the Adam direction), bias correction, grad_averaging
+    (m takes (1 - b1) g); p -= lr * ratio * u with ratio = ||p||/||u||, or 1 where either norm is
+    0. ``no_decay[i]``: tensor i is in the no-decay group (decay 0, and so no ratio: apex's
+    multi_tensor_lamb applies the ratio only where decay != 0, unless use_nvlamb)."""
+    if max_grad_norm > 0:
+        norm = torch.sqrt(sum((g * g).sum() for g in grads))
+        if norm > max_grad_norm:
+            grads = [g / (norm / max_grad_norm) for g in grads]
+    no_decay = no_decay or [False] * len(params)
+    for p, g, st, nd in zip(params, grads, states, no_decay):
         m = st.setdefault("m", torch.zeros_like(p))
         v = st.setdefault("v", torch.zeros_like(p))
         m.mul_(b1).add_((1 - b1) * g)
         v.mul_(b2).add_((1 - b2) * g * g)
         m_hat, v_hat = m / (1 - b1 ** step), v / (1 - b2 ** step)
-        u = m_hat / (v_hat.sqrt() + eps) + wd * p
+        u = m_hat / (v_hat.sqrt() + eps) + (0.0 if nd else wd) * p
         w_norm, u_norm = p.norm(), u.norm()
-        ratio = w_norm / u_norm if w_norm != 0 and u_norm != 0 else 1.0
+        ratio = w_norm / u_norm if w_norm != 0 and u_norm != 0 and not nd else 1.0
         p.sub_(lr * ratio * u)
 
 
-def lars_reference(params, grads, states, step, lr, momentum=0.9, wd=0.0, trust_coefficient=0.001, eps=1e-8):
+def lars_reference(params, grads, states, step, lr, momentum=0.9, wd=0.0, trust_coefficient=0.001, eps=1e-8,
+                   no_decay=None):
     """LARS (You et al. 2017) with momentum: v = m v + lr * local_lr * (g + wd p), p -= v,
-    local_lr = coef ||p|| / (||g|| + wd ||p|| + eps), 1 where either norm is 0."""
-    for p, g, st in zip(params, grads, states):
+    local_lr = coef ||p|| / (||g|| + wd ||p|| + eps), 1 where either norm is 0; a no-decay tensor
+    has wd 0 and local_lr 1 (timm's LARS with always_adapt=False)."""
+    no_decay = no_decay or [False] * len(params)
+    for p, g, st, nd in zip(params, grads, states, no_decay):
         buf = st.setdefault("buf", torch.zeros_like(p))
         pn, gn = p.norm(), g.norm()
-        local = trust_coefficient * pn / (gn + wd * pn + eps) if pn != 0 and gn != 0 else 1.0
-        buf.mul_(momentum).add_(lr * local * (g + wd * p))
+        local = trust_coefficient * pn / (gn + wd * pn + eps) if pn != 0 and gn != 0 and not nd else 1.0
+        buf.mul_(momentum).add_(lr * local * (g + (0.0 if nd else wd) * p))
         p.sub_(buf)
 
 
@@ -127,7 +120,10 @@ def _reference(opt):
     params = [p for p in model.parameters() if p.requires_grad]
     hp = dict(HPARAMS[opt])
     lr, wd = hp.pop("lr"), hp.pop("weight_decay")
+    if "grad_clip" in hp:
+        hp["max_grad_norm"] = hp.pop("grad_clip")
     states = [{} for _ in params]
+    no_decay = [p.dim() <= 1 for p in params]   # the BERT recipe, compile's default for LAMB and LARS
     losses = []
     for step in range(1, STEPS + 1):
         model.zero_grad()
@@ -136,7 +132,7 @@ def _reference(opt):
         losses.append(loss.item())
         with torch.no_grad():
             ref = fused_lamb_reference if opt == "lamb" else lars_reference
-            ref(params, [p.grad for p in params], states, step, lr, wd=wd, **hp)
+            ref(params, [p.grad for p in params], states, step, lr, wd=wd, no_decay=no_decay, **hp)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
