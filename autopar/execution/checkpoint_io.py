@@ -126,6 +126,8 @@ class Pieces:
 class PiecesSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, resolving ``Pieces`` (and the ``during`` fault of tests)."""
 
+    _last: torch.Tensor | None = None
+
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict.get(index.fqn)
         if isinstance(obj, Pieces):
@@ -133,10 +135,22 @@ class PiecesSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
     def resolve_data(self, write_item: WriteItem):
+        """The item's data; a piece as a compact CPU copy. DCP's FileSystemWriter keeps the last
+        tensor it wrote of every fqn until the rank's file is closed (a dict it only reads for the
+        safetensors format), which held up to the rank's whole shard in copies. Its serial loader
+        (no CUDA device: DCP's own condition) writes an item before it resolves the next, so the
+        copy handed out before is written by now: its storage is released here."""
         fault("during")
+        if self._last is not None:
+            self._last.untyped_storage().resize_(0)
+            self._last = None
         out = super().resolve_data(write_item)
         if isinstance(out, torch.Tensor) and out.dtype != write_item.tensor_data.properties.dtype:
             out = out.to(write_item.tensor_data.properties.dtype)
+        if isinstance(out, torch.Tensor) and isinstance(self.state_dict.get(write_item.index.fqn), Pieces):
+            out = out.detach().to("cpu", copy=True).contiguous()   # compact: the loader does not copy it again
+            if not torch.cuda.is_available():
+                self._last = out
         return out
 
 
