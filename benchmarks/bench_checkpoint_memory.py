@@ -81,12 +81,13 @@ def _measure(rank, world, path, plan_json, directory, h, n_layer):
                 full=full)
 
 
-def run(size_mb: int, path: str, world: int = 4):
+def run(size_mb: int, path: str, world: int = 4, shape: tuple[int, int] | None = None):
+    """Per-rank measurements (dicts, rank order) for a model of ``SIZES[size_mb]`` or ``shape`` (H, layers)."""
     import autopar
     from autopar.models import ZOO
     from runtime.launch import run_local
 
-    h, n_layer = SIZES[size_mb]
+    h, n_layer = shape or SIZES[size_mb]
     model, batch = ZOO["mlp"](d_in=h, hidden=h, n_layer=n_layer, d_out=h, batch=8, device="meta")
     plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=world), optimizer="sgd",
                         precision="fp32", constraints={"dp": world, "tp": 1, "zero": 3, "num_micro_batches": 1})

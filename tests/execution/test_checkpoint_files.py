@@ -343,3 +343,17 @@ def test_extra_state_entries_are_written_and_read_as_they_are(tmp_path):
     checkpoint_io.read(got, d, no_dist=True)
     assert int(got["step"]) == 5 and got["sched"]["lr"] == 0.25 and got["sched"]["name"] == "cosine"
     assert torch.equal(got["sched"]["t"], torch.arange(3.0))
+
+
+@pytest.mark.slow
+def test_save_and_load_add_about_one_piece_per_rank():
+    """The memory bound (benchmarks/bench_checkpoint_memory.py, small): dp=2 ZeRO-3, a 16 MB MLP
+    (4 MB largest tensor, 16 MB shard of parameters + momentum per rank); save and load each add
+    at most the largest tensor and a little, never a copy of the shard or of the model."""
+    from benchmarks.bench_checkpoint_memory import run as measure
+
+    MB = 2 ** 20
+    for r, m in enumerate(measure(0, "new", world=2, shape=(1024, 3))):
+        assert abs(m["shard"] - 16 * MB) < MB and m["largest"] == 4 * MB
+        for what in ("save", "load"):
+            assert m[what] < m["largest"] + 4 * MB, f"rank {r} {what} added {m[what] / MB:.1f} MB"
