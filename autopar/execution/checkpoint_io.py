@@ -16,9 +16,11 @@ precision, the stage-3 shard, else the working buffer); optimizer states: their 
 Replicas (a block held by every data-parallel rank without ZeRO, a bias every tensor-parallel
 rank holds) list the same chunk (same fqn and offsets) on each rank: DCP's ``dedup_save_plans``
 keeps one writer per chunk (balancing bytes between ranks), and its global-plan check refuses
-chunks that overlap or leave a gap. A rank's memory during ``save`` is one piece at a time (DCP
-copies a view to a compact tensor before ``torch.save``); during ``load`` one saved chunk at a
-time (DCP's reader loads a saved chunk whole, then narrows it into the views it overlaps).
+chunks that overlap or leave a gap. A rank's extra memory during ``save`` is one piece at a time
+(a compact copy, released once written: ``PiecesSavePlanner.resolve_data``; with a CUDA device
+DCP loads ahead and the copies stay until the file closes, up to what the rank writes); during
+``load`` one saved chunk at a time (DCP's reader loads a saved chunk whole, then narrows it into
+the views it overlaps). benchmarks/bench_checkpoint_memory.py measures both.
 
 Used for plans whose program has per-dim block slices (``sharded_supported``): 1D tensor
 parallelism, data parallelism, ZeRO 0-3, any mesh, pipelined plans too (each stage's ranks write
