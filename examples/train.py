@@ -14,6 +14,14 @@ broadcasts the plan, every rank trains its part.
 arguments to it. ``--plan plan.json`` runs a saved plan instead of planning; ``--save DIR`` writes
 a checkpoint (torch.distributed.checkpoint) at the end.
 
+Checkpoints during training: ``--checkpoint-dir DIR --save-every N`` saves every N steps (in the
+background: ``compiled.save(DIR, blocking=False)``, atomic, keeping ``--keep-last`` of them) and
+at the end; ``--resume`` first loads DIR's latest committed checkpoint (any plan, any number of
+processes saved it) and continues from its step:
+
+    autopar run -n 4 examples/train.py --model gpt2 --steps 20 --checkpoint-dir run/ck --save-every 5
+    autopar run -n 2 examples/train.py --model gpt2 --steps 40 --checkpoint-dir run/ck --resume
+
 Live figures: every ``--log-every`` steps (default 5) the measured step time, tokens/s, TFLOP/s per
 device and MFU, each next to the plan's prediction (``autopar.compile(log_every=..., on_step=...)``).
 On a terminal rank 0 shows them under a rich progress bar; otherwise (a pipe, a log file, no rich)
@@ -79,6 +87,10 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--plan", help="a saved plan to run instead of planning")
     ap.add_argument("--save", help="directory for a checkpoint at the end")
+    ap.add_argument("--checkpoint-dir", help="directory for checkpoints during training (see --save-every, --resume)")
+    ap.add_argument("--save-every", type=int, default=0, help="save to --checkpoint-dir every N steps (0: at the end)")
+    ap.add_argument("--keep-last", type=int, default=2, help="checkpoints kept in --checkpoint-dir (default 2)")
+    ap.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir's latest checkpoint")
     ap.add_argument("--log-every", type=int, default=5, help="steps between measured-vs-predicted reports")
     args = ap.parse_args(argv)
 
@@ -106,20 +118,34 @@ def main(argv=None) -> None:
     rank = dist.get_rank()
     if rank == 0:
         print(compiled.plan.summary(), end="", flush=True)
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        ap.error("--resume and --save-every need --checkpoint-dir")
+    start = 0
+    if args.resume:
+        start = compiled.load_latest(args.checkpoint_dir) or 0
+        if rank == 0:
+            print(f"resumed from {args.checkpoint_dir} at step {start}" if start else
+                  f"nothing to resume in {args.checkpoint_dir}: starting at step 0", flush=True)
     if bar is not None:
         bar.start()
-    for step in range(1, args.steps + 1):
+    for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         loss = compiled.step(*batch)
         if bar is not None:
             bar.advance(loss)
         elif rank == 0:   # plain lines; compile prints the measured-vs-plan figures every --log-every steps
             print(f"step {step:4d}  loss {loss:.4f}  {1e3 * (time.perf_counter() - t0):.0f} ms", flush=True)
+        if args.save_every and step % args.save_every == 0 and step < args.steps:
+            compiled.save(args.checkpoint_dir, keep_last=args.keep_last, blocking=False)
     if bar is not None:
         bar.stop()
         last = compiled.stats()
         if last is not None:
             print(last.line())
+    if args.checkpoint_dir and compiled.step_count > start:
+        compiled.save(args.checkpoint_dir, keep_last=args.keep_last)   # waits for one in flight first
+        if rank == 0:
+            print(f"checkpoint at step {compiled.step_count} committed in {args.checkpoint_dir}")
     if args.save:
         compiled.save(args.save)
         if rank == 0:

@@ -259,15 +259,32 @@ class CompiledModel:
             self._fqn_by_id = {id(q): f for f, q in self.params.items()}
         return self._fqn_by_id[id(p)]
 
-    def save(self, directory) -> None:
-        """Full (unsharded) tensors via torch.distributed.checkpoint: loads onto any plan."""
+    def save(self, directory, keep_last: int = 1, blocking: bool = True):
+        """Collective: parameters, optimizer state and step count via torch.distributed.checkpoint,
+        each rank writing only the pieces it holds, as chunks of the full tensors (loads onto any
+        plan), into a new generation of ``directory`` committed atomically: a save that dies
+        leaves the previous checkpoint. ``keep_last``: committed generations kept (the newest
+        loads). ``blocking=False``: stage a CPU copy, write and commit it on a background thread
+        while training goes on, return a handle (``wait()``, ``done()``); a later save or load
+        waits for it. autopar/execution/checkpoint_atomic.py, checkpoint_io.py, checkpoint_async.py."""
         self._check_usable()
-        compiled_state.save(self, directory)
+        return compiled_state.save(self, directory, keep_last=keep_last, blocking=blocking)
 
     def load(self, directory) -> None:
-        """Values saved by save() (from any plan), after checking they are this model's."""
+        """Values saved by save() (from any plan), after checking the checkpoint is complete and
+        its tensors are this model's; each rank reads only the pieces it needs."""
         self._check_usable()
         compiled_state.load(self, directory)
+
+    def load_latest(self, directory) -> int | None:
+        """Resume: load ``directory``'s committed checkpoint and return its step count (the
+        optimizer's steps, as ``step_count``), or None, loading nothing, when ``directory`` holds
+        no committed checkpoint (absent, empty, or only a save that died before its commit)."""
+        self._check_usable()
+        if not compiled_state.has_checkpoint(directory):
+            return None
+        compiled_state.load(self, directory)
+        return self.step_count
 
     # ------------------------------------------------------------------ communication
     def comm_stats(self) -> dict[str, int]:

@@ -1,10 +1,14 @@
 """A compiled model's state: full tensors assembled from every rank's blocks, and checkpoints.
 
 ``full_state_dict`` gathers each parameter's blocks (collective over the world) into the tensors of
-``model.state_dict()``; ``save`` writes them, with the optimizer state and step count, through
-torch.distributed.checkpoint as full (unsharded) tensors, so a checkpoint loads onto any plan;
-``load`` first checks the checkpoint's tensors against this model's (``check_checkpoint``), then
-cuts this rank's blocks out of the full tensors. With the optimizer state go its step count (the
+``model.state_dict()``. ``save`` writes the parameters, the optimizer state and the step count
+through torch.distributed.checkpoint as chunks of the full tensors, each rank only the pieces it
+holds (autopar/execution/checkpoint_io.py; 2D / 2.5D / 3D grid plans write full tensors gathered
+on every rank), into a new generation of the directory committed atomically
+(autopar/execution/checkpoint_atomic.py): a checkpoint loads onto any plan, and a save that dies
+leaves the previous one. ``load`` first checks the checkpoint is complete and that its tensors
+are this model's (``check_checkpoint``), then reads only this rank's pieces (the full-tensor path:
+cuts its blocks out of the full tensors). With the optimizer state go its step count (the
 learning-rate schedule's whole state: a schedule is a function of it), the base learning rate
 (after ``lr_scaling``) as "lr" and each parameter's group settings as "optim_groups.{fqn}"
 (weight_decay, lr_scale, adapt), all restored by ``load`` (a checkpoint written before these
@@ -18,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import ExecutionError
-from autopar.execution import optim_setup, pipeline_run
+from autopar.execution import checkpoint_async, checkpoint_atomic, checkpoint_io, optim_setup, pipeline_run
 
 OPTIONAL = ("lr", "optim_groups")   # checkpoint entries older checkpoints lack
 
@@ -71,16 +75,24 @@ def full_optimizer_state(cm) -> dict[str, torch.Tensor]:
         return pipeline_run.full_optimizer_state(cm, local)
     return {f"{fqn}.{name}": cm._gather_full(t, fqn) for fqn, d in local.items() for name, t in d.items()}
 
-def save(cm, directory) -> None:
-    """Full (unsharded) tensors via torch.distributed.checkpoint: loads onto any plan."""
-    import torch.distributed.checkpoint as dcp
-
+def save(cm, directory, keep_last: int = 1, blocking: bool = True):
+    """This rank's pieces (or full tensors: grid plans) via torch.distributed.checkpoint
+    into a new generation of ``directory``, committed atomically; loads onto any plan. With
+    ``blocking=False``: a checkpoint_async.SaveHandle, written in the background."""
     cm._need_ready()
-    state = {"model": cm.full_state_dict()}
-    state["optim"] = {k: v.cpu() for k, v in cm._full_optimizer_state().items()}
+    checkpoint_async.wait_pending(cm)   # one save in flight at a time
+    if checkpoint_io.sharded_supported(cm):
+        state = checkpoint_io.local_state(cm)
+    else:
+        state = {"model": cm.full_state_dict()}
+        state["optim"] = {k: v.cpu() for k, v in cm._full_optimizer_state().items()}
     state["step"] = torch.tensor(cm.opt.step_count)
     state.update(_optimizer_settings(cm))
-    dcp.save(state, checkpoint_id=str(directory))
+    if not blocking:
+        return checkpoint_async.save_async(cm, state, directory, cm.opt.step_count, keep_last)
+    generation = checkpoint_atomic.begin(directory, cm.opt.step_count)
+    checkpoint_io.write(state, generation)
+    checkpoint_atomic.commit(directory, generation, keep_last)
 
 
 def _optimizer_settings(cm) -> dict:
@@ -91,10 +103,26 @@ def _optimizer_settings(cm) -> dict:
 @torch.no_grad()
 def load(cm, directory) -> None:
     cm._need_ready()
-    model_sd = {k: v.clone() for k, v in cm.full_state_dict().items()}
-    opt_sd = {k: v.clone() for k, v in cm._full_optimizer_state().items()}
-    state = {"model": model_sd, "optim": opt_sd, "step": torch.tensor(0), **_optimizer_settings(cm)}
+    checkpoint_async.wait_pending(cm)
+    sharded = checkpoint_io.sharded_supported(cm)
+    if sharded:   # views of this rank's buffers, read in place
+        state = checkpoint_io.local_state(cm, for_load=True)
+    else:
+        state = {"model": {k: v.clone() for k, v in cm.full_state_dict().items()},
+                 "optim": {k: v.clone() for k, v in cm._full_optimizer_state().items()}}
+    state.update({"step": torch.tensor(0), **_optimizer_settings(cm)})
     read_checkpoint(cm.rank, directory, state)
+    if not sharded:
+        _blocks_from_full(cm, state)
+    cm.opt.step_count = int(state["step"])
+    if "lr" in state:
+        cm.opt.opt.lr = float(state["lr"])
+    if "optim_groups" in state:
+        optim_setup.apply_groups(cm, {f: (float(t[0]), float(t[1]), bool(t[2])) for f, t in state["optim_groups"].items()})
+
+
+def _blocks_from_full(cm, state: dict) -> None:
+    """The full-tensor path (grid plans): cut this rank's blocks out of the full tensors read."""
     prog = cm.program
 
     def my_flat(c, values: dict, suffix: str = "") -> torch.Tensor:
@@ -115,21 +143,26 @@ def load(cm, directory) -> None:
         # they keep the model's values, as torch's load_state_dict does.
         if fqn in state["model"]:
             b.copy_(prog.block_of(fqn, state["model"][fqn]))
-    cm.opt.step_count = int(state["step"])
-    if "lr" in state:
-        cm.opt.opt.lr = float(state["lr"])
-    if "optim_groups" in state:
-        optim_setup.apply_groups(cm, {f: (float(t[0]), float(t[1]), bool(t[2])) for f, t in state["optim_groups"].items()})
+
+
+def has_checkpoint(directory) -> bool:
+    """Whether ``directory`` holds a committed checkpoint (checkpoint_atomic.committed_path)."""
+    try:
+        checkpoint_atomic.committed_path(directory)
+    except ExecutionError:
+        return False
+    return True
 
 
 def read_checkpoint(rank: int, directory, state: dict) -> None:
     """Fill ``state`` ({"model": full tensors, "optim": "{fqn}.{state name}" -> full tensors,
-    "step": 0-d tensor}, shaped as this model's) from the checkpoint, after ``check_checkpoint``."""
-    import torch.distributed.checkpoint as dcp
-
+    "step": 0-d tensor}, shaped as this model's; or checkpoint_io.Pieces) from the committed
+    checkpoint of ``directory``, after ``check_complete`` and ``check_checkpoint``."""
+    directory = checkpoint_atomic.committed_path(directory)
+    checkpoint_atomic.check_complete(directory)
     check_checkpoint(directory, state)
     try:
-        dcp.load(state, checkpoint_id=str(directory))
+        checkpoint_io.read(state, directory)
     except BaseException as e:   # dcp's CheckpointException is a BaseException, not an Exception
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise

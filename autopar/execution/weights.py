@@ -14,8 +14,9 @@ needs a whole model in one process, which is what lets a model bigger than one m
 - ``SafetensorsWeights`` (a Hugging Face checkpoint directory): ``safe_open(...).get_slice(name)``
   reads just the block from disk; names are mapped (a wrapper's ``model.`` prefix), tied aliases
   resolved, dtypes converted.
-- ``DcpWeights`` (a ``compiled.save`` directory): ``torch.distributed.checkpoint`` reads one tensor
-  at a time, so the peak is one full tensor.
+- ``DcpWeights`` (a ``compiled.save`` directory, its committed generation): ``torch.distributed.checkpoint``
+  reads one block at a time (autopar/execution/checkpoint_io.py ``Pieces``), so the peak is one
+  block plus one saved chunk.
 
 Buffers on the meta device are recomputed by ``fill_meta_buffers`` (a module's ``reset_buffers()``
 or, inside a Hugging Face model, its ``_init_weights``); anything else is an error naming them.
@@ -31,6 +32,8 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import ExecutionError
+from autopar.execution.checkpoint_atomic import POINTER, check_complete, committed_path
+from autopar.execution.checkpoint_io import Pieces, read
 
 OPTIONS = ('weights=None (a materialized model: its own tensors), weights="init" (run the model\'s '
            'initialization for each rank\'s shards), weights=PATH (a Hugging Face safetensors checkpoint '
@@ -418,8 +421,8 @@ def _best_prefix(model_keys: set[str], ckpt_keys: set[str]) -> str:
 # ---------------------------------------------------------------- compiled.save directories
 
 class DcpWeights:
-    """Blocks from a ``compiled.save`` directory: one full tensor at a time through
-    ``torch.distributed.checkpoint`` (which reshards: any saving plan), then sliced."""
+    """Blocks from a ``compiled.save`` directory: only the block, through ``torch.distributed.checkpoint``
+    (which reshards: any saving plan; autopar/execution/checkpoint_io.py ``Pieces``)."""
 
     def __init__(self, directory: str, traced, model):
         import torch.distributed.checkpoint as dcp
@@ -443,12 +446,15 @@ class DcpWeights:
         return fqn in self.saved
 
     def block(self, fqn: str, slices, device) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp
         m = self.saved[fqn]
-        full = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        # no_dist: every rank reads on its own (no collective per tensor)
-        dcp.load({"model": {fqn: full}}, checkpoint_id=self.dir, no_dist=True)
-        return _fp(full[slices]).to(device, copy=True).contiguous()
+        size = tuple(m.size)
+        start = [s.indices(n)[0] for s, n in zip(slices, size)]
+        block = torch.empty([len(range(*s.indices(n))) for s, n in zip(slices, size)], dtype=m.properties.dtype)
+        want = Pieces(size, m.properties.dtype)
+        want.add(start, block)
+        # no_dist: every rank reads on its own (no collective per tensor); only the block is read
+        read({"model": {fqn: want}}, self.dir, no_dist=True)
+        return _fp(block).to(device, copy=True).contiguous()
 
 
 def open_weights(weights, traced, model):
@@ -456,6 +462,10 @@ def open_weights(weights, traced, model):
     path = os.fspath(weights)
     if not os.path.isdir(path):
         raise ExecutionError(f"weights={path!r}: no such directory. Options: {OPTIONS}")
+    if os.path.exists(os.path.join(path, POINTER)):   # compiled.save(): its committed generation
+        path = committed_path(path)
+        check_complete(path)
+        return DcpWeights(path, traced, model)
     if os.path.exists(os.path.join(path, ".metadata")):
         return DcpWeights(path, traced, model)
     if os.path.exists(os.path.join(path, "model.safetensors")) or \

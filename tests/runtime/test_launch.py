@@ -123,6 +123,28 @@ def test_example_trains_under_real_torchrun(tmp_path):
 
 
 @pytest.mark.slow
+def test_example_saves_every_n_steps_and_resumes_on_another_world_size(tmp_path):
+    """--checkpoint-dir/--save-every (background saves, keep_last) then --resume on 1 process:
+    the resumed steps' losses are those of an uninterrupted run."""
+    ck = str(tmp_path / "ck")
+    common = ["--model", "mlp", "--lr", "0.01"]
+    a = _torchrun([*common, "--steps", "4", "--checkpoint-dir", ck, "--save-every", "2", "--keep-last", "2"])
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert "checkpoint at step 4 committed" in a.stdout, a.stdout
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert names[0] == "autopar_checkpoint.json" and [n[:13] for n in names[1:]] == ["step-00000002", "step-00000004"]
+    b = _torchrun([*common, "--steps", "6", "--checkpoint-dir", ck, "--resume"], nprocs=1)
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert "resumed from" in b.stdout and "at step 4" in b.stdout, b.stdout
+    c = _torchrun([*common, "--steps", "6"])
+    assert c.returncode == 0, c.stderr[-3000:]
+    resumed, whole = _losses(b.stdout), _losses(c.stdout)
+    assert len(resumed) == 2 and len(whole) == 6
+    assert _losses(a.stdout) == pytest.approx(whole[:4], rel=1e-4)
+    assert resumed == pytest.approx(whole[4:], rel=1e-4)
+
+
+@pytest.mark.slow
 def test_gpu_cluster_without_cuda_is_a_clear_error():
     out = _torchrun(["--model", "mlp", "--steps", "1", "--cluster", "dgx-a100"])
     assert out.returncode != 0
