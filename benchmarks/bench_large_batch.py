@@ -102,7 +102,7 @@ class LM(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
         self.ln, self.head = nn.LayerNorm(D), nn.Linear(D, V)
         # N(0, 1) like nn.Embedding's default: at GPT-2's 0.02 LAMB's steps, relative to ||w||,
-        # leave the positions ~unused and it plateaus at ~2.4 at every batch (RESULTS.md §15)
+        # leave the positions ~unused and it plateaus at ~2.4 at every batch (RESULTS.md §17)
         nn.init.normal_(self.pos, std=1.0)
 
     def forward(self, x, y):

@@ -14,7 +14,7 @@ forked ranks and report every difference from the plan —
 
     .venv/bin/python -m benchmarks.bench_pipeline_fidelity [--models gpt2,hf_llama] [--configs sp-1f1b]
 
-Not a test: some differences are known and listed in benchmarks/RESULTS.md section 12.
+Not a test: some differences are known and listed in benchmarks/RESULTS-history.md section 12.
 """
 from __future__ import annotations
 

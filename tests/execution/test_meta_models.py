@@ -205,7 +205,7 @@ def test_setup_memory_is_bounded_by_shards_plus_largest_parameter(mode):
     """A 134 MB GPT-2-style model (128 MiB) on 4 tp ranks: set-up's peak per rank stays within
     what the rank holds afterwards (its parameter blocks, the optimizer's buffers over them, the
     program) + the largest parameter + 16 MiB, a cap below the whole model on top of that (no rank
-    ever holds it). Figures: benchmarks/RESULTS.md section 5 (benchmarks/bench_setup_memory.py)."""
+    ever holds it). Figures: benchmarks/RESULTS.md §7 (benchmarks/bench_setup_memory.py)."""
     from benchmarks.bench_setup_memory import run
 
     for rank, m in enumerate(run(4, mode)):

@@ -16,7 +16,7 @@ measured the same way gives the same bytes, independently of codegen.
 The closed form of Korthikanti et al. counts the same tensors except two that PyTorch saves and
 the paper leaves out: the causal mask of ``masked_fill`` (s² bytes, bool, not divided by tp) and
 layer norm's fp32 mean and rstd (2 × 4 bytes per row, two norms); with those the explicit layer
-matches the formula exactly (benchmarks/RESULTS.md, section "Activation memory").
+matches the formula exactly (benchmarks/RESULTS-history.md, section "Activation memory").
 """
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ def test_autopar_calibrate_end_to_end(tmp_path):
     "the traced fp32 bytes, 2x too slow) and the row is planned as 2021 Megatron ran it (no SP, "
     "per-head QKV, gradient all-reduce after backward), the 1.7B row predicts ~169 TF/s against "
     "137 (+23%): the model is optimistic at tp=1 (GEMMs at 0.859 of peak and memory-bound kernels "
-    "at 0.9 of HBM on these shapes); see benchmarks/RESULTS.md section 3c"))
+    "at 0.9 of HBM on these shapes); see benchmarks/RESULTS-history.md section 3c"))
 def test_narayanan_held_out_row_within_15_percent():
     """Narayanan et al. SC'21 Table 1, 1.7B (t=1, 32 A100s, batch 512): 137 TF/s per GPU. Held
     out: no constant was fitted to it."""

@@ -216,7 +216,7 @@ def test_checkpointed_pipeline_plan_prices_recomputation_and_keeps_block_inputs(
 def test_free_search_micro_batch_counts_reach_16_per_stage():
     """The free search's micro-batch counts go to 16 x pp (dividing the batch): with only
     {pp, 2pp, 4pp} a 39B GPT on 64 A100s missed the Megatron-style grid's pp=4, m=64 plan
-    (benchmarks/RESULTS.md section 10(c))."""
+    (benchmarks/RESULTS-history.md section 10(c))."""
     from autopar.search.pipeline_candidates import micro_batch_counts
     assert micro_batch_counts(4, 512) == [4, 8, 16, 32, 64]
     assert micro_batch_counts(2, 24) == [2, 4, 8]   # only counts dividing the batch
