@@ -4,7 +4,8 @@ planner's fake and meta tensors and every rank's program treat them like any ATe
 * ``torch.ops.autopar.rms_norm(x, weight, eps) -> (y, rstd)``: y = x · rsqrt(mean(x²) + eps) · weight
   over the last dim, in fp32 arithmetic, y in ``promote(x.dtype, weight.dtype)``; rstd the fp32
   per-row statistic. Autograd keeps x, the weight and rstd.
-* ``torch.ops.autopar.swiglu(gate, up) -> silu(gate) · up``; autograd keeps gate and up.
+* ``torch.ops.autopar.swiglu(gate, up) -> silu(gate) · up``; autograd keeps gate and up. Tagged
+  pointwise (elementwise), so a grid program (codegen/grid_local.py) runs it on each rank's blocks.
 
 Each runs its Triton kernel (runtime/kernels/rms_norm.py, swiglu.py) on CUDA tensors, and on CPU
 tensors under the Triton interpreter (``TRITON_INTERPRET=1``); anywhere else (a CPU without the
@@ -68,7 +69,7 @@ torch.library.register_autograd("autopar::rms_norm", _rms_norm_backward, setup_c
 
 
 # ----------------------------------------------------------------------------------------- swiglu
-@torch.library.custom_op("autopar::swiglu", mutates_args=())
+@torch.library.custom_op("autopar::swiglu", mutates_args=(), tags=(torch.Tag.pointwise,))
 def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
     if use_triton(gate):
         from runtime.kernels.swiglu import swiglu_forward

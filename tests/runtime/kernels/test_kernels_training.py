@@ -10,7 +10,7 @@ import torch
 
 import autopar
 from autopar.errors import ExecutionError
-from autopar.models import ZOO
+from autopar.models import HF_ZOO, ZOO
 from runtime.launch import run_local
 
 STEPS = 3
@@ -57,10 +57,17 @@ def test_bad_kernels_value_is_a_clear_error():
         autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), kernels="cuda")
 
 
-def _train(rank, world, constraints, kernels, optimizer="sgd"):
+def _model(name):
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
+        return HF_ZOO[name]()
+    return ZOO[name]()
+
+
+def _train(rank, world, constraints, kernels, optimizer="sgd", name="llama"):
     import runtime.kernels as K
     torch.manual_seed(0)
-    model, batch = _llama()
+    model, batch = _model(name)
     cluster = autopar.Cluster.preset("cpu", devices=world)
     hp = {"lr": 0.5, "momentum": 0.9} if optimizer == "sgd" else {"lr": 1e-2}
     compiled = autopar.compile(model, cluster, batch, optimizer=optimizer, **hp,
@@ -71,19 +78,15 @@ def _train(rank, world, constraints, kernels, optimizer="sgd"):
     return losses, state, compiled.kernel_stats(), compiled.plan.kernels
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("constraints", [{"dp": 2}, {"tp": 2}, {"tp": 2, "sp": 2, "sp_mode": "megatron"},
-                                         {"dp": 2, "zero": 3}, {"pp": 2}],
-                         ids=["dp", "tp", "megatron-sp", "zero3", "pp"])
-def test_triton_kernels_train_equal_to_torch_ops(constraints):
-    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
-        pytest.skip("needs the Triton interpreter (tests/runtime/kernels/conftest.py sets it)")
-    world = 2 if "sp" not in constraints else 2
-    ref = run_local(_train, world, (constraints, "torch"))[0]
-    got = run_local(_train, world, (constraints, "triton"))
+def _check_equal(world, constraints, name="llama", families=("rms_norm", "swiglu"), absent=()):
+    ref = run_local(_train, world, (constraints, "torch", "sgd", name), timeout=600)[0]
+    got = run_local(_train, world, (constraints, "triton", "sgd", name), timeout=600)
     assert ref[3] == "torch" and got[0][3] == "triton"
     for losses, state, stats, _ in got:
-        assert stats["rms_norm"] > 0 and stats["swiglu"] > 0, stats   # the kernels ran, on every rank
+        for f in families:
+            assert stats[f] > 0, stats   # the kernels ran, on every rank
+        for f in absent:
+            assert stats[f] == 0, stats
         for a, b in zip(losses, ref[0]):
             assert abs(a - b) < 1e-4 * max(1.0, abs(b)), (losses, ref[0])
         for k, v in ref[1].items():
@@ -91,12 +94,57 @@ def test_triton_kernels_train_equal_to_torch_ops(constraints):
                                        msg=k)
 
 
+def _needs_kernels():
+    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+        pytest.skip("needs the Triton interpreter (tests/runtime/kernels/conftest.py sets it)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("constraints", [{"dp": 2}, {"tp": 2}, {"tp": 2, "sp": 2, "sp_mode": "megatron"},
+                                         {"dp": 2, "zero": 3}, {"pp": 2}],
+                         ids=["dp", "tp", "megatron-sp", "zero3", "pp"])
+def test_triton_kernels_train_equal_to_torch_ops(constraints):
+    _needs_kernels()
+    _check_equal(2, constraints)
+
+
+@pytest.mark.slow
+def test_triton_kernels_train_a_hugging_face_llama_equal_to_torch_ops():
+    """transformers' LlamaRMSNorm (fp32 upcast, weight times the cast-back value) and its
+    act_fn(gate) * up MLP are fused too (5 norms, 2 SwiGLUs), under tensor parallelism."""
+    _needs_kernels()
+    _check_equal(2, {"tp": 2}, name="hf_llama")
+
+
+@pytest.mark.slow
+def test_triton_kernels_train_equal_to_torch_ops_on_the_2d_grid():
+    """2D (SUMMA) tensor parallelism on 4 ranks: SwiGLU runs its kernel on each rank's blocks
+    (it is elementwise); RMSNorm's hidden dim is split over the grid, so it runs as the split norm
+    in torch ops (mean square all-reduced over the hidden group), no rms_norm kernel."""
+    _needs_kernels()
+    _check_equal(4, {"tp_mode": "2d", "tp_shape": [2, 2]}, families=("swiglu",), absent=("rms_norm",))
+
+
+def test_fused_ops_run_on_the_grid_not_replicated():
+    """Under 2d / 2.5d / 3d the fused norm is the split norm and SwiGLU runs locally on blocks:
+    neither falls back to running whole on every rank."""
+    for mode, n in (("2d", 4), ("3d", 8)):
+        model, batch = _llama()
+        plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=n), constraints={"tp_mode": mode},
+                            kernels="triton")
+        kinds = {o["node"]: (o["target"], o["strategy"]) for o in plan.ops}
+        fused = [(t, s) for t, s in kinds.values() if t.startswith("autopar.")]
+        assert len(fused) == 7, kinds
+        for t, s in fused:
+            want = "split rms_norm" if t == "autopar.rms_norm.default" else "local"
+            assert s == f"{mode}: {want}", (t, s)
+
+
 @pytest.mark.slow
 def test_fused_adamw_trains_like_torch_adamw():
     """AdamW's step as one kernel on the flat shards (ZeRO-1 over 2 ranks): losses equal, parameters
     within Adam's fp32 reordering noise."""
-    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
-        pytest.skip("needs the Triton interpreter (tests/runtime/kernels/conftest.py sets it)")
+    _needs_kernels()
     ref = run_local(_train, 2, ({"dp": 2, "zero": 1}, "torch", "adamw"))[0]
     got = run_local(_train, 2, ({"dp": 2, "zero": 1}, "triton", "adamw"))[0]
     assert got[2]["adamw"] > 0 and ref[2]["adamw"] == 0
