@@ -241,18 +241,30 @@ class SplitOps:
         return y, Lay("act", ylay.L, 0, 1)
 
     def _layer_norm(self, n, env):
-        geo = self.geo
-        x, lay = self._as_act(n, self._val(env, n.args[0]))
         h = self._gshape(n.args[0])[-1]
         if list(n.args[1]) != [h]:
             self._fail(n, "LayerNorm over more than the last dim")
         eps = n.args[4] if len(n.args) > 4 else 1e-5
+        return self._split_layer_norm(n, env, n.args[0], n.args[2], n.args[3], eps)
+
+    def _fused_layer_norm(self, n, env):
+        """The fused ``autopar.layer_norm(x, w, b, eps) -> (y, mean, rstd)`` (autopar/frontend/fuse.py):
+        the split LayerNorm as ATen's (the kernel needs whole rows). Only ``y`` (item 0) may be read."""
+        if any(u.target is not operator.getitem or u.args[1] != 0 for u in n.users):
+            self._fail(n, "a LayerNorm whose statistics are read")
+        y, lay = self._split_layer_norm(n, env, n.args[0], n.args[1], n.args[2], n.args[3])
+        return (y, None, None), lay
+
+    def _split_layer_norm(self, n, env, x_node, w_node, b_node, eps):
+        geo = self.geo
+        x, lay = self._as_act(n, self._val(env, x_node))
+        h = self._gshape(x_node)[-1]
         self._div(n, "LayerNorm size", h, geo.table_parts())
         L = lay.L
         vec = (h // geo.table_parts(),)
-        g = self._param(self._pname(n, n.args[2]), ParamUse("norm", L), vec)
-        b = self._param(self._pname(n, n.args[3]), ParamUse("norm", L), vec)
-        m = math.prod(self._gshape(n.args[0])[:-1])
+        g = self._param(self._pname(n, w_node), ParamUse("norm", L), vec)
+        b = self._param(self._pname(n, b_node), ParamUse("norm", L), vec)
+        m = math.prod(self._gshape(x_node)[:-1])
         if geo.mode == "2d":
             self.colls += tc.layer_norm_2d(m // geo.batch_parts, h, geo.q)
         elif geo.mode == "2.5d":

@@ -4,12 +4,17 @@ every rank runs, one fused op where the model wrote several.
 
 ``fuse(gm) -> dict[str, int]`` rewrites the traced GraphModule in place (autopar/frontend/trace.py
 calls it with ``kernels=True``, before blocks and the fingerprint are taken) and returns how many
-of each pattern it fused:
+of each pattern it fused (patterns it found none of are left out):
 
 * ``rms_norm``: ``x * rsqrt(mean(x², -1, keepdim) + eps)`` (``pow(x, 2)`` or ``x * x``),
   optionally cast, times a weight vector of the last dim (on either side) ->
   ``getitem(autopar.rms_norm(x, weight, eps), 0)``;
-* ``swiglu``: ``silu(gate) * up`` with equal shapes -> ``autopar.swiglu(gate, up)``.
+* ``swiglu``: ``silu(gate) * up`` with equal shapes -> ``autopar.swiglu(gate, up)``;
+* ``layer_norm``: ``aten.layer_norm(x, [h], weight, bias, eps)`` over the last dim (h = x's last
+  size) with a weight and a bias, y in x's dtype -> ``getitem(autopar.layer_norm(x, weight, bias,
+  eps), 0)``; ``aten.native_layer_norm`` the same where only its output (item 0) is read;
+* ``geglu``: ``gelu(gate, approximate) * up`` (exact or tanh gelu) with equal shapes and dtypes ->
+  ``autopar.geglu(gate, up, approximate)``.
 
 A pattern is fused only where its intermediate values have no other use, so nothing the rest of
 the graph reads disappears. The rewrite keeps each replaced output's ``meta["val"]`` and module
@@ -24,7 +29,7 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
-PATTERNS = ("rms_norm", "swiglu")
+PATTERNS = ("rms_norm", "swiglu", "layer_norm", "geglu")
 KERNELS = ("auto", "triton", "torch")
 
 
@@ -120,6 +125,45 @@ def _swiglu_match(mul: fx.Node):
     return None
 
 
+def _geglu_match(mul: fx.Node):
+    if not _is(mul, aten.mul.Tensor):
+        return None
+    for s, up in (mul.args, mul.args[::-1]):
+        if _is(s, aten.gelu.default) and _only_use(s, mul) and isinstance(up, fx.Node):
+            gate = s.args[0]
+            approximate = s.args[1] if len(s.args) > 1 else s.kwargs.get("approximate", "none")
+            gv, uv = _val(gate), _val(up)
+            if approximate in ("none", "tanh") and gv is not None and uv is not None and gv.shape == uv.shape \
+                    and gv.dtype == uv.dtype:
+                return gate, up, approximate, [s]
+    return None
+
+
+def _layer_norm_match(node: fx.Node):
+    """(x, weight, bias, eps) if ``node`` is a LayerNorm the kernel runs: over the last dim, with a
+    weight and a bias of that size, its output in x's dtype (and, for native_layer_norm, only its
+    output read)."""
+    if _is(node, aten.layer_norm.default):
+        args = list(node.args) + [None, None, 1e-5][len(node.args) - 2:]
+        x, nshape, w, b, eps = args[:5]
+        out = _val(node)
+    elif _is(node, aten.native_layer_norm.default):
+        x, nshape, w, b, eps = node.args[:5]
+        if any(not (u.target is operator.getitem and u.args[1] == 0) for u in _users(node)):
+            return None
+        out = (_val(node) or (None,))[0]
+    else:
+        return None
+    xv = _val(x)
+    if xv is None or out is None or xv.ndim < 1 or list(nshape) != [xv.shape[-1]] or out.dtype != xv.dtype:
+        return None
+    for p in (w, b):
+        pv = _val(p)
+        if pv is None or tuple(pv.shape) != (xv.shape[-1],):
+            return None
+    return x, w, b, float(eps)
+
+
 def _replace(gm: fx.GraphModule, old: fx.Node, make, dead: list[fx.Node]) -> None:
     with gm.graph.inserting_before(old):
         new = make(gm.graph)
@@ -159,6 +203,37 @@ def fuse(gm: fx.GraphModule) -> dict[str, int]:
             gate, up, dead = m
             _replace(gm, node, lambda g, gate=gate, up=up: g.call_function(ops.SWIGLU, (gate, up)), dead)
             counts["swiglu"] += 1
+            continue
+        m = _geglu_match(node)
+        if m is not None:
+            gate, up, approximate, dead = m
+            _replace(gm, node, lambda g, gate=gate, up=up, a=approximate: g.call_function(ops.GEGLU, (gate, up, a)),
+                     dead)
+            counts["geglu"] += 1
+            continue
+        m = _layer_norm_match(node)
+        if m is not None:
+            _fuse_layer_norm(gm, node, m, ops)
+            counts["layer_norm"] += 1
     gm.graph.lint()
     gm.recompile()
-    return counts
+    return {k: v for k, v in counts.items() if v}
+
+
+def _fuse_layer_norm(gm: fx.GraphModule, node: fx.Node, match, ops) -> None:
+    x, w, b, eps = match
+    xv = _val(x)
+    stat = xv.new_empty(xv.shape[:-1], dtype=torch.float32)
+    with gm.graph.inserting_before(node):
+        fused = gm.graph.call_function(ops.LAYER_NORM, (x, w, b, eps))
+    fused.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    if node.target is aten.native_layer_norm.default:   # its readers take item 0, as of the fused op
+        fused.meta["val"] = (_val(node)[0], stat, stat.clone())
+        node.replace_all_uses_with(fused)
+    else:
+        fused.meta["val"] = (_val(node), stat, stat.clone())
+        with gm.graph.inserting_after(fused):
+            y = gm.graph.call_function(operator.getitem, (fused, 0))
+        y.meta.update({k: v for k, v in node.meta.items()})
+        node.replace_all_uses_with(y)
+    gm.graph.erase_node(node)

@@ -6,13 +6,20 @@ planner's fake and meta tensors and every rank's program treat them like any ATe
   per-row statistic. Autograd keeps x, the weight and rstd.
 * ``torch.ops.autopar.swiglu(gate, up) -> silu(gate) · up``; autograd keeps gate and up. Tagged
   pointwise (elementwise), so a grid program (codegen/grid_local.py) runs it on each rank's blocks.
+* ``torch.ops.autopar.layer_norm(x, weight, bias, eps) -> (y, mean, rstd)``: LayerNorm over the
+  last dim in fp32 arithmetic, y in x's dtype; mean and rstd the fp32 per-row statistics.
+  Autograd keeps x, the weight, mean and rstd, and returns dx, dweight and dbias.
+* ``torch.ops.autopar.geglu(gate, up, approximate) -> gelu(gate, approximate) · up`` (approximate
+  "none" or "tanh", as torch's gelu); autograd keeps gate and up. Tagged pointwise.
 
-Each runs its Triton kernel (runtime/kernels/rms_norm.py, swiglu.py) on CUDA tensors, and on CPU
+Each runs its Triton kernel (runtime/kernels/rms_norm.py, swiglu.py, layer_norm.py, geglu.py) on CUDA tensors, and on CPU
 tensors under the Triton interpreter (``TRITON_INTERPRET=1``); anywhere else (a CPU without the
 interpreter, meta tensors) the same formula in plain torch. Which one ran is counted by
 ``runtime.kernels.kernel_stats`` (Triton launches only).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -99,5 +106,91 @@ def _swiglu_backward(ctx, dy):
 
 torch.library.register_autograd("autopar::swiglu", _swiglu_backward, setup_context=_swiglu_setup)
 
+# ------------------------------------------------------------------------------------- layer_norm
+@torch.library.custom_op("autopar::layer_norm", mutates_args=())
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    if use_triton(x) and weight.dtype in (x.dtype, torch.float32) and bias.dtype in (x.dtype, torch.float32):
+        from runtime.kernels.layer_norm import layer_norm_forward
+        return layer_norm_forward(x, weight, bias, eps)
+    xf = x.float()
+    mean = xf.mean(-1)
+    rstd = torch.rsqrt((xf - mean.unsqueeze(-1)).pow(2).mean(-1) + eps)
+    y = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1) * weight.float() + bias.float()
+    return y.to(x.dtype), mean, rstd
+
+
+@_layer_norm.register_fake
+def _(x, weight, bias, eps):
+    stat = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(x), stat, torch.empty_like(stat)
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.bias_dtype = bias.dtype
+
+
+def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    if use_triton(x) and weight.dtype in (x.dtype, torch.float32) and ctx.bias_dtype in (x.dtype, torch.float32):
+        from runtime.kernels.layer_norm import layer_norm_backward
+        dx, dw, db = layer_norm_backward(dy, x, weight, mean, rstd)
+        return dx.to(x.dtype), dw, db.to(ctx.bias_dtype), None
+    r = rstd.unsqueeze(-1)
+    xhat = (x.float() - mean.unsqueeze(-1)) * r
+    d = dy.float()
+    g = d * weight.float()
+    dx = r * (g - xhat * (g * xhat).mean(-1, keepdim=True) - g.mean(-1, keepdim=True))
+    dw = (d * xhat).reshape(-1, x.shape[-1]).sum(0)
+    db = d.reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype), db.to(ctx.bias_dtype), None
+
+
+torch.library.register_autograd("autopar::layer_norm", _layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+# ------------------------------------------------------------------------------------------ geglu
+@torch.library.custom_op("autopar::geglu", mutates_args=(), tags=(torch.Tag.pointwise,))
+def _geglu(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
+    if use_triton(gate):
+        from runtime.kernels.geglu import geglu_forward
+        return geglu_forward(gate, up, approximate)
+    return torch.nn.functional.gelu(gate, approximate=approximate) * up
+
+
+@_geglu.register_fake
+def _(gate, up, approximate):
+    return torch.empty_like(gate)
+
+
+def _geglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.approximate = inputs[2]
+
+
+def _geglu_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    if use_triton(gate):
+        from runtime.kernels.geglu import geglu_backward
+        return (*geglu_backward(dy, gate, up, ctx.approximate), None)
+    g = gate.float()
+    if ctx.approximate == "tanh":
+        k = math.sqrt(2 / math.pi)
+        t = torch.tanh(k * (g + 0.044715 * g ** 3))
+        y = 0.5 * g * (1 + t)
+        dgelu = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
+    else:
+        cdf = 0.5 * (1 + torch.erf(g / math.sqrt(2)))
+        y = g * cdf
+        dgelu = cdf + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
+    d = dy.float()
+    return (d * up.float() * dgelu).to(gate.dtype), (d * y).to(up.dtype), None
+
+
+torch.library.register_autograd("autopar::geglu", _geglu_backward, setup_context=_geglu_setup)
+
 RMS_NORM = torch.ops.autopar.rms_norm.default
 SWIGLU = torch.ops.autopar.swiglu.default
+LAYER_NORM = torch.ops.autopar.layer_norm.default
+GEGLU = torch.ops.autopar.geglu.default

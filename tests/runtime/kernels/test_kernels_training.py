@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import autopar
 from autopar.errors import ExecutionError
@@ -57,10 +59,35 @@ def test_bad_kernels_value_is_a_clear_error():
         autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), kernels="cuda")
 
 
+class GeGLUNet(nn.Module):
+    """LayerNorm -> GeGLU MLP (exact gelu) -> LayerNorm -> GeGLU MLP (tanh gelu) -> mean square loss."""
+
+    def __init__(self, d=32, hidden=48):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.gate1, self.up1, self.down1 = nn.Linear(d, hidden), nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.gate2, self.up2, self.down2 = nn.Linear(d, hidden), nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x, y):
+        h = self.ln1(x)
+        x = x + self.down1(F.gelu(self.gate1(h)) * self.up1(h))
+        h = self.ln2(x)
+        x = x + self.down2(F.gelu(self.gate2(h), approximate="tanh") * self.up2(h))
+        return (x - y).pow(2).mean()
+
+
+def _geglu_net():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return GeGLUNet(), (torch.randn(8, 6, 32, generator=g), torch.randn(8, 6, 32, generator=g))
+
+
 def _model(name):
     if name.startswith("hf_"):
         pytest.importorskip("transformers")
         return HF_ZOO[name]()
+    if name == "geglu_net":
+        return _geglu_net()
     return ZOO[name]()
 
 
@@ -138,6 +165,39 @@ def test_fused_ops_run_on_the_grid_not_replicated():
         for t, s in fused:
             want = "split rms_norm" if t == "autopar.rms_norm.default" else "local"
             assert s == f"{mode}: {want}", (t, s)
+
+
+def test_layer_norm_and_geglu_are_fused_and_planned():
+    """GPT-2's five LayerNorms become autopar.layer_norm; gelu(gate) * up (exact and tanh) becomes
+    autopar.geglu; the norm keeps its hidden dim whole under tensor parallelism, and runs as the
+    split LayerNorm on the 2D grid."""
+    model, batch = ZOO["gpt2"]()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), constraints={"tp": 2},
+                        kernels="triton")
+    assert plan.fused == {"layer_norm": 5}
+    norms = [o for o in plan.ops if o["target"] == "autopar.layer_norm.default"]
+    assert len(norms) == 5 and all("S" not in str(o["inputs"][1:]) for o in norms)
+    model, batch = _geglu_net()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4), kernels="triton",
+                        constraints={"tp_mode": "2d"})
+    assert plan.fused == {"layer_norm": 2, "geglu": 2}
+    kinds = {o["target"]: o["strategy"] for o in plan.ops if o["target"].startswith("autopar.")}
+    assert kinds == {"autopar.layer_norm.default": "2d: split layer_norm", "autopar.geglu.default": "2d: local"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, constraints", [(1, {}), (2, {"tp": 2, "sp": 2, "sp_mode": "megatron"})],
+                         ids=["1-process", "megatron-sp"])
+def test_gpt2_trains_with_the_layer_norm_kernel_equal_to_torch_ops(world, constraints):
+    _needs_kernels()
+    _check_equal(world, constraints, name="gpt2", families=("layer_norm",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, constraints", [(1, {}), (2, {"tp": 2})], ids=["1-process", "tp"])
+def test_geglu_net_trains_with_the_kernels_equal_to_torch_ops(world, constraints):
+    _needs_kernels()
+    _check_equal(world, constraints, name="geglu_net", families=("layer_norm", "geglu"))
 
 
 @pytest.mark.slow
