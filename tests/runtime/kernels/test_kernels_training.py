@@ -144,12 +144,15 @@ def test_triton_kernels_train_a_hugging_face_llama_equal_to_torch_ops():
 
 
 @pytest.mark.slow
-def test_triton_kernels_train_equal_to_torch_ops_on_the_2d_grid():
-    """2D (SUMMA) tensor parallelism on 4 ranks: SwiGLU runs its kernel on each rank's blocks
-    (it is elementwise); RMSNorm's hidden dim is split over the grid, so it runs as the split norm
-    in torch ops (mean square all-reduced over the hidden group), no rms_norm kernel."""
+@pytest.mark.parametrize("name, families, absent", [("llama", ("swiglu",), ("rms_norm",)),
+                                                    ("geglu_net", ("geglu",), ("layer_norm",))],
+                         ids=["llama", "geglu_net"])
+def test_triton_kernels_train_equal_to_torch_ops_on_the_2d_grid(name, families, absent):
+    """2D (SUMMA) tensor parallelism on 4 ranks: SwiGLU / GeGLU run their kernels on each rank's
+    blocks (they are elementwise); the norms' hidden dim is split over the grid, so they run as
+    split norms (statistics all-reduced over the hidden group), no norm kernel."""
     _needs_kernels()
-    _check_equal(4, {"tp_mode": "2d", "tp_shape": [2, 2]}, families=("swiglu",), absent=("rms_norm",))
+    _check_equal(4, {"tp_mode": "2d", "tp_shape": [2, 2]}, name=name, families=families, absent=absent)
 
 
 def test_fused_ops_run_on_the_grid_not_replicated():
