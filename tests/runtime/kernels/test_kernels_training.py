@@ -144,15 +144,17 @@ def test_triton_kernels_train_a_hugging_face_llama_equal_to_torch_ops():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, families, absent", [("llama", ("swiglu",), ("rms_norm",)),
-                                                    ("geglu_net", ("geglu",), ("layer_norm",))],
-                         ids=["llama", "geglu_net"])
-def test_triton_kernels_train_equal_to_torch_ops_on_the_2d_grid(name, families, absent):
-    """2D (SUMMA) tensor parallelism on 4 ranks: SwiGLU / GeGLU run their kernels on each rank's
-    blocks (they are elementwise); the norms' hidden dim is split over the grid, so they run as
-    split norms (statistics all-reduced over the hidden group), no norm kernel."""
+@pytest.mark.parametrize("mode, name, families, absent", [("2d", "llama", ("swiglu",), ("rms_norm",)),
+                                                          ("2d", "geglu_net", ("geglu",), ("layer_norm",)),
+                                                          ("3d", "llama", ("swiglu",), ("rms_norm",))],
+                         ids=["2d-llama", "2d-geglu_net", "3d-llama"])
+def test_triton_kernels_train_equal_to_torch_ops_on_the_grid(mode, name, families, absent):
+    """2D (SUMMA, 4 ranks) and 3D (8 ranks) tensor parallelism: SwiGLU / GeGLU run their kernels
+    on each rank's blocks (they are elementwise); the norms' hidden dim is split over the grid, so
+    they run as split norms (statistics all-reduced over the hidden group), no norm kernel."""
     _needs_kernels()
-    _check_equal(4, {"tp_mode": "2d", "tp_shape": [2, 2]}, name=name, families=families, absent=absent)
+    world, shape = {"2d": (4, [2, 2]), "3d": (8, [2, 2, 2])}[mode]
+    _check_equal(world, {"tp_mode": mode, "tp_shape": shape}, name=name, families=families, absent=absent)
 
 
 def test_fused_ops_run_on_the_grid_not_replicated():
