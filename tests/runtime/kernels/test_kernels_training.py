@@ -128,8 +128,8 @@ def _needs_kernels():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("constraints", [{"dp": 2}, {"tp": 2}, {"tp": 2, "sp": 2, "sp_mode": "megatron"},
-                                         {"dp": 2, "zero": 3}, {"pp": 2}],
-                         ids=["dp", "tp", "megatron-sp", "zero3", "pp"])
+                                         {"sp": 2, "sp_mode": "ulysses"}, {"dp": 2, "zero": 3}, {"pp": 2}],
+                         ids=["dp", "tp", "megatron-sp", "ulysses-sp", "zero3", "pp"])
 def test_triton_kernels_train_equal_to_torch_ops(constraints):
     _needs_kernels()
     _check_equal(2, constraints)
@@ -146,8 +146,9 @@ def test_triton_kernels_train_a_hugging_face_llama_equal_to_torch_ops():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, name, families, absent", [("2d", "llama", ("swiglu",), ("rms_norm",)),
                                                           ("2d", "geglu_net", ("geglu",), ("layer_norm",)),
+                                                          ("2d", "gpt2", (), ("layer_norm",)),
                                                           ("3d", "llama", ("swiglu",), ("rms_norm",))],
-                         ids=["2d-llama", "2d-geglu_net", "3d-llama"])
+                         ids=["2d-llama", "2d-geglu_net", "2d-gpt2", "3d-llama"])
 def test_triton_kernels_train_equal_to_torch_ops_on_the_grid(mode, name, families, absent):
     """2D (SUMMA, 4 ranks) and 3D (8 ranks) tensor parallelism: SwiGLU / GeGLU run their kernels
     on each rank's blocks (they are elementwise); the norms' hidden dim is split over the grid, so
