@@ -128,8 +128,9 @@ def _needs_kernels():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("constraints", [{"dp": 2}, {"tp": 2}, {"tp": 2, "sp": 2, "sp_mode": "megatron"},
-                                         {"sp": 2, "sp_mode": "ulysses"}, {"dp": 2, "zero": 3}, {"pp": 2}],
-                         ids=["dp", "tp", "megatron-sp", "ulysses-sp", "zero3", "pp"])
+                                         {"sp": 2, "sp_mode": "ulysses"}, {"sp": 2, "sp_mode": "ring"},
+                                         {"dp": 2, "zero": 3}, {"pp": 2}, {"dp": 2, "checkpoint": "full"}],
+                         ids=["dp", "tp", "megatron-sp", "ulysses-sp", "ring-sp", "zero3", "pp", "checkpoint"])
 def test_triton_kernels_train_equal_to_torch_ops(constraints):
     _needs_kernels()
     _check_equal(2, constraints)
