@@ -67,6 +67,11 @@ def _val(n):
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
+def _arg(n: fx.Node, i: int, name: str, default=None):
+    """Argument ``i`` of ``n``, positional or by keyword ``name``."""
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
 def _strip_cast(n: fx.Node, user: fx.Node) -> fx.Node:
     """``n`` without a dtype cast used only by ``user``."""
     if _is(n, *_CASTS) and _only_use(n, user):
@@ -131,7 +136,7 @@ def _geglu_match(mul: fx.Node):
     for s, up in (mul.args, mul.args[::-1]):
         if _is(s, aten.gelu.default) and _only_use(s, mul) and isinstance(up, fx.Node):
             gate = s.args[0]
-            approximate = s.args[1] if len(s.args) > 1 else s.kwargs.get("approximate", "none")
+            approximate = _arg(s, 1, "approximate", "none")
             gv, uv = _val(gate), _val(up)
             if approximate in ("none", "tanh") and gv is not None and uv is not None and gv.shape == uv.shape \
                     and gv.dtype == uv.dtype:
@@ -143,19 +148,21 @@ def _layer_norm_match(node: fx.Node):
     """(x, weight, bias, eps) if ``node`` is a LayerNorm the kernel runs: over the last dim, with a
     weight and a bias of that size, its output in x's dtype (and, for native_layer_norm, only its
     output read)."""
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
     if _is(node, aten.layer_norm.default):
-        args = list(node.args) + [None, None, 1e-5][len(node.args) - 2:]
-        x, nshape, w, b, eps = args[:5]
+        x, nshape, w, b, eps = (_arg(node, i, name, d) for i, (name, d) in
+                                enumerate(zip(names, (None, None, None, None, 1e-5))))
         out = _val(node)
     elif _is(node, aten.native_layer_norm.default):
-        x, nshape, w, b, eps = node.args[:5]
+        x, nshape, w, b, eps = (_arg(node, i, name, None) for i, name in enumerate(names))
         if any(not (u.target is operator.getitem and u.args[1] == 0) for u in _users(node)):
             return None
         out = (_val(node) or (None,))[0]
     else:
         return None
     xv = _val(x)
-    if xv is None or out is None or xv.ndim < 1 or list(nshape) != [xv.shape[-1]] or out.dtype != xv.dtype:
+    if xv is None or out is None or xv.ndim < 1 or nshape is None or list(nshape) != [xv.shape[-1]] \
+            or out.dtype != xv.dtype:
         return None
     for p in (w, b):
         pv = _val(p)

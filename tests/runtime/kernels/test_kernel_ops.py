@@ -82,6 +82,19 @@ def _targets(gm):
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
+def test_fusion_reads_keyword_arguments():
+    def f(x, w, b, gate, up):
+        y = aten.layer_norm.default(x, [8], w, b, eps=0.5)   # an eps far from the default
+        return y, aten.mul.Tensor(aten.gelu.default(gate, approximate="tanh"), up)
+
+    inputs = (torch.randn(4, 8), torch.randn(8), torch.randn(8), torch.randn(4, 6), torch.randn(4, 6))
+    gm = _graph(f, *inputs)
+    want = gm(*inputs)
+    assert fuse(gm) == {"layer_norm": 1, "geglu": 1}
+    for a, c in zip(gm(*inputs), want):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
 def test_fusion_of_native_layer_norm_and_geglu_keeps_the_result():
     def f(x, w, b, gate, up):
         y = aten.native_layer_norm.default(x, [8], w, b, 1e-5)[0]
