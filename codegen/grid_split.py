@@ -248,12 +248,9 @@ class SplitOps:
         return self._split_layer_norm(n, env, n.args[0], n.args[2], n.args[3], eps)
 
     def _fused_layer_norm(self, n, env):
-        """The fused ``autopar.layer_norm(x, w, b, eps) -> (y, mean, rstd)`` (autopar/frontend/fuse.py):
-        the split LayerNorm as ATen's (the kernel needs whole rows). Only ``y`` (item 0) may be read."""
-        if any(u.target is not operator.getitem or u.args[1] != 0 for u in n.users):
-            self._fail(n, "a LayerNorm whose statistics are read")
-        y, lay = self._split_layer_norm(n, env, n.args[0], n.args[1], n.args[2], n.args[3])
-        return (y, None, None), lay
+        """The fused ``autopar.layer_norm(x, w, b, eps)`` (autopar/frontend/fuse.py): the split
+        LayerNorm as ATen's (the kernel needs whole rows)."""
+        return self._split_layer_norm(n, env, n.args[0], n.args[1], n.args[2], n.args[3])
 
     def _split_layer_norm(self, n, env, x_node, w_node, b_node, eps):
         geo = self.geo

@@ -11,8 +11,9 @@ of each pattern it fused (patterns it found none of are left out):
   ``getitem(autopar.rms_norm(x, weight, eps), 0)``;
 * ``swiglu``: ``silu(gate) * up`` with equal shapes -> ``autopar.swiglu(gate, up)``;
 * ``layer_norm``: ``aten.layer_norm(x, [h], weight, bias, eps)`` over the last dim (h = x's last
-  size) with a weight and a bias, y in x's dtype -> ``getitem(autopar.layer_norm(x, weight, bias,
-  eps), 0)``; ``aten.native_layer_norm`` the same where only its output (item 0) is read;
+  size) with a weight and a bias, y in x's dtype -> ``autopar.layer_norm(x, weight, bias, eps)``
+  (one output, like the op it replaces); ``aten.native_layer_norm`` the same where only its
+  output (item 0) is read;
 * ``geglu``: ``gelu(gate, approximate) * up`` (exact or tanh gelu) with equal shapes and dtypes ->
   ``autopar.geglu(gate, up, approximate)``.
 
@@ -228,19 +229,21 @@ def fuse(gm: fx.GraphModule) -> dict[str, int]:
 
 
 def _fuse_layer_norm(gm: fx.GraphModule, node: fx.Node, match, ops) -> None:
+    """One output, as aten.layer_norm: the fused op takes the node's place (native_layer_norm's
+    item-0 readers read it directly)."""
     x, w, b, eps = match
-    xv = _val(x)
-    stat = xv.new_empty(xv.shape[:-1], dtype=torch.float32)
     with gm.graph.inserting_before(node):
         fused = gm.graph.call_function(ops.LAYER_NORM, (x, w, b, eps))
     fused.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-    if node.target is aten.native_layer_norm.default:   # its readers take item 0, as of the fused op
-        fused.meta["val"] = (_val(node)[0], stat, stat.clone())
-        node.replace_all_uses_with(fused)
+    if node.target is aten.native_layer_norm.default:
+        fused.meta["val"] = _val(node)[0]
+        for u in list(node.users):
+            if u.target is operator.getitem:
+                u.replace_all_uses_with(fused)
+                gm.graph.erase_node(u)
+            else:   # a metadata assert on the tuple
+                gm.graph.erase_node(u)
     else:
-        fused.meta["val"] = (_val(node), stat, stat.clone())
-        with gm.graph.inserting_after(fused):
-            y = gm.graph.call_function(operator.getitem, (fused, 0))
-        y.meta.update({k: v for k, v in node.meta.items()})
-        node.replace_all_uses_with(y)
+        fused.meta["val"] = _val(node)
+        node.replace_all_uses_with(fused)
     gm.graph.erase_node(node)

@@ -7,10 +7,10 @@ autopar/frontend/fuse.py puts in a traced graph.
   and writes y and one fp32 statistic per row; autograd keeps x, the weight and rstd.
 * ``autopar.swiglu(gate, up) -> silu(gate) * up``: elementwise, every dim free; reads two tensors,
   writes one; keeps gate and up (the unfused pair kept silu's input, the product's two factors).
-* ``autopar.layer_norm(x, weight, bias, eps) -> (y, mean, rstd)`` (rule "layer_norm", ATen's
-  name: Megatron-SP treats it as the norm it is): ``"...h, h, h -> ...h, ..., ..."``; the
-  normalised dim whole on the rank, the leading dims free. One pass reads x, the weight and the
-  bias and writes y and two fp32 statistics per row; autograd keeps x, the weight, mean and rstd.
+* ``autopar.layer_norm(x, weight, bias, eps) -> y`` (rule "layer_norm", ATen's name: Megatron-SP
+  treats it as the norm it is): ``"...h, h, h -> ...h"``; the normalised dim whole on the rank, the
+  leading dims free. One pass reads x, the weight and the bias and writes y; autograd keeps x and
+  the weight (the backward recomputes the row statistics).
 * ``autopar.geglu(gate, up, approximate) -> gelu(gate) * up``: elementwise as swiglu.
 """
 from __future__ import annotations
@@ -49,9 +49,9 @@ def layer_norm(node):
     L = Letters()
     lead, norm = L.fresh(len(xs) - 1), L.fresh(1)
     sizes = dict(zip(lead + norm, xs))
-    return OpSpec("layer_norm", (lead + norm, norm, norm), (lead + norm, lead, lead), sizes,
+    return OpSpec("layer_norm", (lead + norm, norm, norm), (lead + norm,), sizes,
                   unsplittable=frozenset(norm), flops=8.0 * math.prod(xs), bytes=io_bytes(node),
-                  saved=(Saved("input", 0), Saved("input", 1), Saved("output", 1), Saved("output", 2)))
+                  saved=(Saved("input", 0), Saved("input", 1)))
 
 
 @rule(K.GEGLU)

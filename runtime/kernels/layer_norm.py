@@ -2,10 +2,13 @@
 rsqrt(var + eps) with the biased variance (torch's), and its backward (dx, dweight, dbias).
 
 Forward: one program per row, one block of next_power_of_2(hidden) columns, fp32 arithmetic,
-y stored in x's dtype, the per-row mean and rstd (fp32) kept for the backward. Backward: a fixed
-number of programs, each over a contiguous band of rows, computing dx row by row and summing its
-rows' dweight and dbias in fp32 registers; the bands' partial sums are added in torch. The
-autograd Function saves x, the weight and the two statistics.
+y stored in x's dtype. Backward: a fixed number of programs, each over a contiguous band of rows,
+recomputing each row's mean and rstd from x (which it reads anyway: the same formula as the
+forward, so the same values) and its dx, and summing its rows' dweight and dbias in fp32
+registers; the bands' partial sums are added in torch. The autograd Function saves only x and the
+weight, and the operator has one output (y), so a plan reads it as it reads ATen's layer_norm
+(no getitem between the norm and its readers, where a reshard could hide from the linear that
+regathers it).
 
 ``layer_norm_reference`` is ``F.layer_norm`` in fp32 cast back to x's dtype.
 """
@@ -32,23 +35,27 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 if triton is not None:
     @triton.jit
-    def _layer_norm_fwd(X, W, B, Y, MEAN, RSTD, n_cols, eps, BLOCK: tl.constexpr):
+    def _row_stats(x, mask, n_cols, eps):
+        """(x - mean masked to the row, rstd) of one row loaded as fp32 (0 beyond n_cols)."""
+        mean = tl.sum(x, axis=0) / n_cols
+        xc = tl.where(mask, x - mean, 0.0)
+        rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+        return xc, rstd
+
+    @triton.jit
+    def _layer_norm_fwd(X, W, B, Y, n_cols, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         offs = row * n_cols + cols
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=0) / n_cols
-        xc = tl.where(mask, x - mean, 0.0)
-        rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
-        tl.store(MEAN + row, mean)
-        tl.store(RSTD + row, rstd)
+        xc, rstd = _row_stats(x, mask, n_cols, eps)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(Y + offs, (xc * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _layer_norm_bwd(DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART, n_rows, n_cols, rows_per_program,
+    def _layer_norm_bwd(DY, X, W, DX, DW_PART, DB_PART, n_rows, n_cols, rows_per_program, eps,
                         BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -63,9 +70,8 @@ if triton is not None:
                 offs = row.to(tl.int64) * n_cols + cols
                 x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
                 dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-                mean = tl.load(MEAN + row)
-                rstd = tl.load(RSTD + row)
-                xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+                xc, rstd = _row_stats(x, mask, n_cols, eps)
+                xhat = xc * rstd
                 wdy = w * dy
                 c1 = tl.sum(xhat * wdy, axis=0) / n_cols
                 c2 = tl.sum(wdy, axis=0) / n_cols
@@ -90,9 +96,8 @@ def _bwd_programs(n_rows: int, device: torch.device) -> int:
     return max(1, min(n_rows, 8))
 
 
-def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float):
-    """The forward kernel alone: (y, mean, rstd), y shaped like x in x's dtype, mean and rstd the
-    fp32 statistics of each row (shape ``x.shape[:-1]``)."""
+def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """The forward kernel alone: y, shaped like x, in x's dtype."""
     check_device(x, weight, bias)
     shape = x.shape
     n_cols = shape[-1]
@@ -101,20 +106,17 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     x2 = x.contiguous().view(-1, n_cols)
     n_rows = x2.shape[0]
     y2 = torch.empty_like(x2)
-    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block = _block(n_cols)
     if n_rows:
-        _layer_norm_fwd[(n_rows,)](x2, weight.contiguous(), bias.contiguous(), y2, mean, rstd, n_cols, eps,
+        _layer_norm_fwd[(n_rows,)](x2, weight.contiguous(), bias.contiguous(), y2, n_cols, eps,
                                    BLOCK=block, num_warps=num_warps_for(block))
         record_launch("layer_norm")
-    return y2.view(shape), mean.view(shape[:-1]), rstd.view(shape[:-1])
+    return y2.view(shape)
 
 
-def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
-                        rstd: torch.Tensor):
-    """The backward kernel alone: (dx, dweight, dbias) from the norm's input ``x``, its ``mean``
-    and ``rstd`` and the output gradient ``dy``; dweight and dbias in the weight's dtype."""
+def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The backward kernel alone: (dx, dweight, dbias) from the norm's input ``x`` (its statistics
+    recomputed) and the output gradient ``dy``; dweight and dbias in fp32."""
     shape = x.shape
     n_cols = shape[-1]
     x2 = x.contiguous().view(-1, n_cols)
@@ -127,28 +129,27 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     dw_part = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)
     db_part = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)
     if n_rows:
-        _layer_norm_bwd[(programs,)](dy2, x2, weight.contiguous(), mean.contiguous().view(-1),
-                                     rstd.contiguous().view(-1), dx2, dw_part, db_part, n_rows, n_cols,
-                                     rows_per_program, BLOCK=block, num_warps=num_warps_for(block))
+        _layer_norm_bwd[(programs,)](dy2, x2, weight.contiguous(), dx2, dw_part, db_part, n_rows, n_cols,
+                                     rows_per_program, eps, BLOCK=block, num_warps=num_warps_for(block))
         record_launch("layer_norm")
-    return dx2.view(shape), dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(weight.dtype)
+    return dx2.view(shape), dw_part.sum(0), db_part.sum(0)
 
 
 class LayerNormFunction(torch.autograd.Function):
-    """Autograd over the kernels; saves x, the weight and the per-row mean and rstd."""
+    """Autograd over the kernels; saves x and the weight."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        y, mean, rstd = layer_norm_forward(x, weight, bias, eps)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.bias_dtype = bias.dtype
+        y = layer_norm_forward(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.bias_dtype = eps, bias.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, mean, rstd = ctx.saved_tensors
-        dx, dw, db = layer_norm_backward(dy, x, w, mean, rstd)
-        return dx, dw, db.to(ctx.bias_dtype), None
+        x, w = ctx.saved_tensors
+        dx, dw, db = layer_norm_backward(dy, x, w, ctx.eps)
+        return dx, dw.to(w.dtype), db.to(ctx.bias_dtype), None
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5):

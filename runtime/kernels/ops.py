@@ -6,9 +6,10 @@ planner's fake and meta tensors and every rank's program treat them like any ATe
   per-row statistic. Autograd keeps x, the weight and rstd.
 * ``torch.ops.autopar.swiglu(gate, up) -> silu(gate) · up``; autograd keeps gate and up. Tagged
   pointwise (elementwise), so a grid program (codegen/grid_local.py) runs it on each rank's blocks.
-* ``torch.ops.autopar.layer_norm(x, weight, bias, eps) -> (y, mean, rstd)``: LayerNorm over the
-  last dim in fp32 arithmetic, y in x's dtype; mean and rstd the fp32 per-row statistics.
-  Autograd keeps x, the weight, mean and rstd, and returns dx, dweight and dbias.
+* ``torch.ops.autopar.layer_norm(x, weight, bias, eps) -> y``: LayerNorm over the last dim in fp32
+  arithmetic, y in x's dtype. Autograd keeps x and the weight (the backward recomputes each row's
+  mean and rstd from x, which it reads anyway) and returns dx, dweight and dbias. One output, as
+  ATen's layer_norm: no getitem between the norm and its readers.
 * ``torch.ops.autopar.geglu(gate, up, approximate) -> gelu(gate, approximate) · up`` (approximate
   "none" or "tanh", as torch's gelu); autograd keeps gate and up. Tagged pointwise.
 
@@ -108,37 +109,39 @@ torch.library.register_autograd("autopar::swiglu", _swiglu_backward, setup_conte
 
 # ------------------------------------------------------------------------------------- layer_norm
 @torch.library.custom_op("autopar::layer_norm", mutates_args=())
-def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     if use_triton(x) and weight.dtype in (x.dtype, torch.float32) and bias.dtype in (x.dtype, torch.float32):
         from runtime.kernels.layer_norm import layer_norm_forward
         return layer_norm_forward(x, weight, bias, eps)
+    xhat, _ = _layer_norm_xhat(x, eps)
+    return (xhat * weight.float() + bias.float()).to(x.dtype)
+
+
+def _layer_norm_xhat(x: Tensor, eps: float):
     xf = x.float()
-    mean = xf.mean(-1)
-    rstd = torch.rsqrt((xf - mean.unsqueeze(-1)).pow(2).mean(-1) + eps)
-    y = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1) * weight.float() + bias.float()
-    return y.to(x.dtype), mean, rstd
+    xc = xf - xf.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    return xc * rstd, rstd
 
 
 @_layer_norm.register_fake
 def _(x, weight, bias, eps):
-    stat = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    return torch.empty_like(x), stat, torch.empty_like(stat)
+    return torch.empty_like(x)
 
 
 def _layer_norm_setup(ctx, inputs, output):
-    x, weight, bias, _ = inputs
-    ctx.save_for_backward(x, weight, output[1], output[2])
-    ctx.bias_dtype = bias.dtype
+    x, weight, bias, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.bias_dtype = eps, bias.dtype
 
 
-def _layer_norm_backward(ctx, dy, _dmean, _drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
+def _layer_norm_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
     if use_triton(x) and weight.dtype in (x.dtype, torch.float32) and ctx.bias_dtype in (x.dtype, torch.float32):
         from runtime.kernels.layer_norm import layer_norm_backward
-        dx, dw, db = layer_norm_backward(dy, x, weight, mean, rstd)
-        return dx.to(x.dtype), dw, db.to(ctx.bias_dtype), None
-    r = rstd.unsqueeze(-1)
-    xhat = (x.float() - mean.unsqueeze(-1)) * r
+        dx, dw, db = layer_norm_backward(dy, x, weight, ctx.eps)
+        return dx.to(x.dtype), dw.to(weight.dtype), db.to(ctx.bias_dtype), None
+    xhat, r = _layer_norm_xhat(x, ctx.eps)
     d = dy.float()
     g = d * weight.float()
     dx = r * (g - xhat * (g * xhat).mean(-1, keepdim=True) - g.mean(-1, keepdim=True))

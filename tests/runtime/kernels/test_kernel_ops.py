@@ -34,11 +34,9 @@ def test_layer_norm_op_matches_reference(device, path):
     x = (1 + 2 * torch.randn(3, 5, 37, device=device)).requires_grad_()
     w = torch.randn(37, device=device, requires_grad=True)
     b = torch.randn(37, device=device, requires_grad=True)
-    y, mean, rstd = O.LAYER_NORM(x, w, b, 1e-5)
+    y = O.LAYER_NORM(x, w, b, 1e-5)
     ref = F.layer_norm(x, (37,), w, b, 1e-5)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mean, x.detach().mean(-1), rtol=1e-5, atol=1e-5)
-    assert rstd.shape == (3, 5) and rstd.dtype == torch.float32
     dy = torch.randn_like(ref)
     got, want = torch.autograd.grad(y, [x, w, b], dy), torch.autograd.grad(ref, [x, w, b], dy)
     for name, a, c in zip(("dx", "dweight", "dbias"), got, want):
@@ -65,9 +63,8 @@ def test_geglu_op_matches_reference(device, path, approximate):
 def test_fake_impls_give_shapes_and_dtypes():
     x = torch.empty(2, 3, 8, device="meta", dtype=torch.bfloat16)
     w = torch.empty(8, device="meta")
-    y, mean, rstd = O.LAYER_NORM(x, w, w, 1e-5)
+    y = O.LAYER_NORM(x, w, w, 1e-5)
     assert y.shape == x.shape and y.dtype == torch.bfloat16
-    assert mean.shape == rstd.shape == (2, 3) and mean.dtype == rstd.dtype == torch.float32
     assert O.GEGLU(x, x, "tanh").shape == x.shape
     assert torch.Tag.pointwise in O.GEGLU.tags   # elementwise: the grid runs it on each rank's blocks
 

@@ -195,6 +195,20 @@ def test_layer_norm_and_geglu_are_fused_and_planned():
     assert kinds == {"autopar.layer_norm.default": "2d: split layer_norm", "autopar.geglu.default": "2d: local"}
 
 
+def test_fused_layer_norm_under_megatron_sp_saves_no_more_than_atens():
+    """The fused LayerNorm has one output, as ATen's: the column-parallel linear reading it keeps
+    its sequence shard and gathers again in backward (autopar/pricing/regather.py), with no
+    getitem between them where the gather could move; and it saves no mean/rstd."""
+    acts = {}
+    for k in ("torch", "triton"):
+        model, batch = ZOO["gpt2"]()
+        plan = autopar.plan(model, batch, autopar.Cluster.preset("dgx-a100", devices=2), kernels=k,
+                            constraints={"tp": 2, "sp_mode": "megatron"})
+        assert all(o["strategy"] == "S(b)@tp" for o in plan.ops if o["rule"] == "layer_norm"), plan.ops
+        acts[k] = plan.memory_breakdown["activations"]
+    assert acts["triton"] < acts["torch"], acts
+
+
 def test_hugging_face_models_trace_with_their_norms_and_gated_mlps_fused():
     from autopar.frontend.trace import trace
     pytest.importorskip("transformers")
