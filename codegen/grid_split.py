@@ -7,7 +7,6 @@ gives for it and recording what it saves for backward.
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 import torch.nn.functional as F
@@ -278,18 +277,15 @@ class SplitOps:
         return mod.layer_norm(x, g, b, self.grid, eps), lay
 
     def _fused_rms_norm(self, n, env):
-        """The fused ``autopar.rms_norm(x, w, eps) -> (y, rstd)`` (autopar/frontend/fuse.py) on an
+        """The fused ``autopar.rms_norm(x, w, eps) -> y`` (autopar/frontend/fuse.py) on an
         activation split over hidden: the split norm, as the decomposed RMSNorm runs on the grid
         (the kernel needs whole rows): the local sum of squares all-reduced over the hidden group
         (forward and backward, as ``_hidden_reduce``), then x * rstd * my block of the weight (a
-        "loose" parameter split over hidden like x, as the decomposed norm's). Only ``y`` (item 0)
-        may be read: the fused graph reads nothing else."""
+        "loose" parameter split over hidden like x, as the decomposed norm's)."""
         geo = self.geo
         x, lay = self._val(env, n.args[0])
         if lay.kind != "act" or lay.hdim is None or lay.hdim != x.dim() - 1:
             self._fail(n, "an RMSNorm whose input is not an activation split over its last (hidden) dim")
-        if any(u.target is not operator.getitem or u.args[1] != 0 for u in n.users):
-            self._fail(n, "an RMSNorm whose rstd output is read")
         w, _ = self._loose(n, self._pname(n, n.args[1]), lay, x.dim())
         eps = n.args[2]
         h = self._gshape(n.args[0])[-1]
@@ -305,9 +301,7 @@ class SplitOps:
         else:
             group = self.grid.group(label)
             ss = C.copy(C.all_reduce(ss, group, label), group, label)
-        rstd = torch.rsqrt(ss + eps)
-        y = (xf * rstd * w.float()).to(out_dtype)
-        return (y, rstd.squeeze(-1)), lay
+        return (xf * torch.rsqrt(ss + eps) * w.float()).to(out_dtype), lay
 
     def _hidden_reduce(self, n, env):
         """A sum / mean over the hidden dim of a split activation (an RMSNorm's mean square):

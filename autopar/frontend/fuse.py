@@ -8,7 +8,7 @@ of each pattern it fused (patterns it found none of are left out):
 
 * ``rms_norm``: ``x * rsqrt(mean(x², -1, keepdim) + eps)`` (``pow(x, 2)`` or ``x * x``),
   optionally cast, times a weight vector of the last dim (on either side) ->
-  ``getitem(autopar.rms_norm(x, weight, eps), 0)``;
+  ``autopar.rms_norm(x, weight, eps)`` (one output: no getitem between the norm and its readers);
 * ``swiglu``: ``silu(gate) * up`` with equal shapes -> ``autopar.swiglu(gate, up)``;
 * ``layer_norm``: ``aten.layer_norm(x, [h], weight, bias, eps)`` over the last dim (h = x's last
   size) with a weight and a bias, y in x's dtype -> ``autopar.layer_norm(x, weight, bias, eps)``
@@ -197,13 +197,7 @@ def fuse(gm: fx.GraphModule) -> dict[str, int]:
         if m is not None:
             x, w, eps, dead = m
 
-            def make(g, x=x, w=w, eps=eps, node=node):
-                fused = g.call_function(ops.RMS_NORM, (x, w, eps))
-                xv = _val(x)
-                fused.meta["val"] = (_val(node), xv.new_empty(xv.shape[:-1], dtype=torch.float32))
-                fused.meta.update({k: v for k, v in node.meta.items() if k not in ("val",)})
-                return g.call_function(operator.getitem, (fused, 0))
-            _replace(gm, node, make, dead)
+            _replace(gm, node, lambda g, x=x, w=w, eps=eps: g.call_function(ops.RMS_NORM, (x, w, eps)), dead)
             counts["rms_norm"] += 1
             continue
         m = _swiglu_match(node)

@@ -1,9 +1,11 @@
 """The fused kernels as torch operators (``torch.library.custom_op``), so a traced graph, the
 planner's fake and meta tensors and every rank's program treat them like any ATen op:
 
-* ``torch.ops.autopar.rms_norm(x, weight, eps) -> (y, rstd)``: y = x · rsqrt(mean(x²) + eps) · weight
-  over the last dim, in fp32 arithmetic, y in ``promote(x.dtype, weight.dtype)``; rstd the fp32
-  per-row statistic. Autograd keeps x, the weight and rstd.
+* ``torch.ops.autopar.rms_norm(x, weight, eps) -> y``: y = x · rsqrt(mean(x²) + eps) · weight over
+  the last dim, in fp32 arithmetic, y in ``promote(x.dtype, weight.dtype)``. Autograd keeps x and
+  the weight; the backward kernel recomputes each row's rstd from x, which it reads anyway. One
+  output, so no getitem sits between the norm and its readers (where a plan could move a gather
+  away from the linear that regathers it under Megatron-SP).
 * ``torch.ops.autopar.swiglu(gate, up) -> silu(gate) · up``; autograd keeps gate and up. Tagged
   pointwise (elementwise), so a grid program (codegen/grid_local.py) runs it on each rank's blocks.
 * ``torch.ops.autopar.layer_norm(x, weight, bias, eps) -> y``: LayerNorm over the last dim in fp32
@@ -37,35 +39,34 @@ def use_triton(x: Tensor) -> bool:
 
 # --------------------------------------------------------------------------------------- rms_norm
 @torch.library.custom_op("autopar::rms_norm", mutates_args=())
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     if use_triton(x) and weight.dtype in (x.dtype, torch.float32):
         from runtime.kernels.rms_norm import rms_norm_forward
-        y, _, rstd = rms_norm_forward(x, weight, eps)
-        return y.to(out_dtype), rstd
+        return rms_norm_forward(x, weight, eps)[0].to(out_dtype)
     xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-    return (xf * rstd.unsqueeze(-1) * weight.float()).to(out_dtype), rstd
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * weight.float()).to(out_dtype)
 
 
 @_rms_norm.register_fake
 def _(x, weight, eps):
-    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
-            x.new_empty(x.shape[:-1], dtype=torch.float32))
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, _ = inputs
-    ctx.save_for_backward(x, weight, output[1])
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
 
 
-def _rms_norm_backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
+def _rms_norm_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
     if use_triton(x) and weight.dtype in (x.dtype, torch.float32):
         from runtime.kernels.rms_norm import rms_norm_backward
-        dx, dw = rms_norm_backward(dy, x, weight, rstd)
+        dx, dw = rms_norm_backward(dy, x, weight, None, eps=ctx.eps)   # rstd recomputed in the kernel
         return dx.to(x.dtype), dw.to(weight.dtype), None
-    r = rstd.unsqueeze(-1)
+    r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + ctx.eps)
     normed = x.float() * r
     g = dy.float() * weight.float()
     dx = r * (g - normed * (g * normed).mean(-1, keepdim=True))

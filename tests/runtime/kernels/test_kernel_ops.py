@@ -1,4 +1,4 @@
-"""The LayerNorm and GeGLU custom operators (runtime/kernels/ops.py) and their fusion
+"""The RMSNorm, LayerNorm and GeGLU custom operators (runtime/kernels/ops.py) and their fusion
 (autopar/frontend/fuse.py): the operator equals its plain-torch reference forward and backward,
 through the Triton kernels (interpreter) and through the torch body (``use_triton`` off, as on a
 CPU without the interpreter); the fake impls give the statistics' shapes; fusion rewrites
@@ -43,6 +43,28 @@ def test_layer_norm_op_matches_reference(device, path):
         tol = 1e-5 if name == "dx" else 1e-4
         torch.testing.assert_close(a, c, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
     assert kernel_stats()["layer_norm"] == (2 if path == "triton" else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_op_matches_reference(device, path, dtype):
+    """One output; the backward kernel recomputes rstd from x (no statistic saved). bf16: 2e-2,
+    its dweight 5e-2."""
+    torch.manual_seed(0)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    x = torch.randn(3, 5, 37, device=device).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(37, device=device)).requires_grad_()
+    y = O.RMS_NORM(x, w, 1e-6)
+    xf = x.float()
+    ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    assert y.dtype == torch.float32   # promote(x, weight), as the decomposed norm's
+    torch.testing.assert_close(y, ref, **tol)
+    dy = torch.randn_like(ref)
+    got, want = torch.autograd.grad(y, [x, w], dy), torch.autograd.grad(ref, [x, w], dy)
+    for name, a, c in zip(("dx", "dweight"), got, want):
+        dw_tol = 1e-4 if dtype == torch.float32 else 5e-2   # a sum over rows
+        t = tol if name == "dx" else dict(rtol=dw_tol, atol=dw_tol)
+        torch.testing.assert_close(a, c, **t, msg=lambda m: f"{name}: {m}")
+    assert kernel_stats()["rms_norm"] == (2 if path == "triton" else 0)
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
