@@ -209,6 +209,19 @@ def test_fused_layer_norm_under_megatron_sp_saves_no_more_than_atens():
     assert acts["triton"] < acts["torch"], acts
 
 
+def test_fused_norms_have_one_output_read_directly():
+    """No getitem between a fused norm and its readers (a plan could put a gather on that edge,
+    away from the linear that regathers under Megatron-SP)."""
+    from autopar.frontend.trace import trace
+    for name in ("llama", "gpt2"):
+        g = trace(*ZOO[name](), kernels=True)
+        norms = [n for n in g.gm.graph.nodes if str(n.target) in ("autopar.rms_norm.default",
+                                                                 "autopar.layer_norm.default")]
+        assert len(norms) == 5, name
+        for n in norms:
+            assert all("getitem" not in str(u.target) for u in n.users), (name, n.name, list(n.users))
+
+
 def test_hugging_face_models_trace_with_their_norms_and_gated_mlps_fused():
     from autopar.frontend.trace import trace
     pytest.importorskip("transformers")
