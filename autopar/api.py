@@ -53,7 +53,7 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
     per input, or one int for all; default: inferred, autopar/frontend/batching.py) — the dim the data
     axes split and micro-batching cuts, recorded in the plan. ``kernels``: "auto" (Triton kernels on
     GPU clusters, torch ops on CPU ones; the default, or with ``traced`` that graph's choice),
-    "triton" or "torch": with Triton, RMSNorm and SwiGLU are planned (and run) as the fused
+    "triton" or "torch": with Triton, RMSNorm, SwiGLU, LayerNorm and GeGLU are planned (and run) as the fused
     operators of runtime/kernels (docs/kernels.md)."""
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -4,6 +4,7 @@ torch.compile of that reference, at Llama-1B/8B sizes, forward + backward.
     python -m benchmarks.kernel_bench
 
 Cases: RMSNorm 8192 rows x hidden 2048 and 4096 (bf16, bf16 weight); SwiGLU 8192 x 5632 (bf16);
+LayerNorm 8192 x 2048 (bf16, bf16 weight and bias); GeGLU (tanh gelu) 8192 x 5632 (bf16);
 linear + cross-entropy N 8192, D 2048, V 128256 (bf16); one AdamW step over 100M fp32 elements
 (also torch.optim.AdamW(fused=True)). A time is the median of REPS runs after WARMUP (CUDA events,
 synchronised), in ms. "max abs diff" compares the variant's outputs and gradients with eager's
@@ -23,6 +24,8 @@ import time
 import torch
 
 from runtime.kernels.adamw import adamw_step
+from runtime.kernels.geglu import geglu, geglu_reference
+from runtime.kernels.layer_norm import layer_norm, layer_norm_reference
 from runtime.kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from runtime.kernels.rms_norm import rms_norm, rms_norm_reference
 from runtime.kernels.swiglu import swiglu, swiglu_reference
@@ -141,8 +144,8 @@ def _empty_cache(device) -> None:
         torch.cuda.empty_cache()
 
 
-LLAMA_SIZES = dict(rms_norm=[(8192, 2048), (8192, 4096)], swiglu=(8192, 5632),
-                   linear_cross_entropy=(8192, 2048, 128256), adamw=100_000_000)
+LLAMA_SIZES = dict(rms_norm=[(8192, 2048), (8192, 4096)], swiglu=(8192, 5632), layer_norm=(8192, 2048),
+                   geglu=(8192, 5632), linear_cross_entropy=(8192, 2048, 128256), adamw=100_000_000)
 
 
 class _Bench:
@@ -199,6 +202,33 @@ def _swiglu_case(b: _Bench, rows: int, inter: int, dtype=torch.bfloat16) -> list
             return y.detach(), gg, gu
         return run
     return b.case("swiglu", f"{rows}x{inter} bf16", make, swiglu_reference, swiglu)
+
+
+def _layer_norm_case(b: _Bench, rows: int, hidden: int, dtype=torch.bfloat16) -> list[dict]:
+    x = torch.randn(rows, hidden, device=b.device, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(hidden, device=b.device)).to(dtype).requires_grad_()
+    bias = (0.1 * torch.randn(hidden, device=b.device)).to(dtype).requires_grad_()
+    dy = torch.randn(rows, hidden, device=b.device, dtype=dtype)
+
+    def make(f):
+        def run():
+            y = f(x, w, bias, 1e-5)
+            return (y.detach(), *torch.autograd.grad(y, [x, w, bias], dy))
+        return run
+    return b.case("layer_norm", f"{rows}x{hidden} bf16", make, layer_norm_reference, layer_norm)
+
+
+def _geglu_case(b: _Bench, rows: int, inter: int, dtype=torch.bfloat16) -> list[dict]:
+    g = torch.randn(rows, inter, device=b.device, dtype=dtype, requires_grad=True)
+    u = torch.randn(rows, inter, device=b.device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(rows, inter, device=b.device, dtype=dtype)
+
+    def make(f):
+        def run():
+            y = f(g, u, "tanh")
+            return (y.detach(), *torch.autograd.grad(y, [g, u], dy))
+        return run
+    return b.case("geglu", f"{rows}x{inter} bf16 tanh", make, geglu_reference, geglu)
 
 
 def _lce_case(b: _Bench, n: int, d: int, v: int, dtype=torch.bfloat16) -> list[dict]:
@@ -297,6 +327,8 @@ def bench_kernels(device: str = "cuda", *, sizes: dict | None = None, reps: int 
     _start = time.monotonic()
     cases = [(f"rms_norm {r}x{h}", lambda r=r, h=h: _rms_case(b, r, h)) for r, h in sizes["rms_norm"]]
     cases += [("swiglu", lambda: _swiglu_case(b, *sizes["swiglu"])),
+              ("layer_norm", lambda: _layer_norm_case(b, *sizes["layer_norm"])),
+              ("geglu", lambda: _geglu_case(b, *sizes["geglu"])),
               ("linear_cross_entropy", lambda: _lce_case(b, *sizes["linear_cross_entropy"])),
               ("adamw", lambda: _adamw_case(b, sizes["adamw"]))]
     rows = []

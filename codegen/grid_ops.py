@@ -23,6 +23,10 @@ What each op becomes:
                                the hidden group so classes end split like an activation's hidden
     conv2d (stride = kernel)   patches (unfold) -> the same grid linear (ViT's patch embedding)
     layer_norm                 split LayerNorm, statistics over the hidden group
+    autopar.rms_norm (fused)   split RMSNorm: the mean square all-reduced over the hidden group, in
+                               torch ops (the kernel needs whole rows); autopar.layer_norm the split
+                               LayerNorm as ATen's; autopar.swiglu and geglu are tagged pointwise
+                               and run their kernels locally on each rank's blocks
     cross_entropy (mean)       split cross-entropy on split logits; each rank returns its share
                                sum(my tokens' losses) / #targets (replicated over the q ranks
                                that split the classes: the step divides the world sum by q)
@@ -41,6 +45,7 @@ from codegen.grid_local import NO_OUTPUT, VIEWS, GridLoweringError, Lay, LocalOp
 from codegen.grid_replicated import ReplicatedOps
 from codegen.grid_split import SplitOps
 from solver import tp_grid_cost as tc
+from runtime.kernels.ops import LAYER_NORM, RMS_NORM
 from autopar.frontend.batching import graph_batch_dims
 
 aten = torch.ops.aten
@@ -291,7 +296,8 @@ class GridProgram(SplitOps, LocalOps, ReplicatedOps):
         if t is aten.linear.default:
             return "tied classifier" if self._tied(n.args[1].name) else f"{algo} linear"
         return {aten.conv2d.default: f"{algo} patch linear", aten.layer_norm.default: "split layer_norm",
-                aten.embedding.default: "split embedding",
+                aten.embedding.default: "split embedding", RMS_NORM: "split rms_norm",
+                LAYER_NORM: "split layer_norm",
                 aten.cross_entropy_loss.default: "split cross_entropy"}.get(t, "local")
 
     # ---- dispatch
@@ -307,6 +313,10 @@ class GridProgram(SplitOps, LocalOps, ReplicatedOps):
             return self._hidden_reduce(n, env)
         if t is aten.layer_norm.default:
             return self._layer_norm(n, env)
+        if t is RMS_NORM:
+            return self._fused_rms_norm(n, env)
+        if t is LAYER_NORM:
+            return self._fused_layer_norm(n, env)
         if t is aten.cross_entropy_loss.default:
             return self._cross_entropy(n, env)
         if t in NO_OUTPUT:

@@ -240,18 +240,27 @@ class SplitOps:
         return y, Lay("act", ylay.L, 0, 1)
 
     def _layer_norm(self, n, env):
-        geo = self.geo
-        x, lay = self._as_act(n, self._val(env, n.args[0]))
         h = self._gshape(n.args[0])[-1]
         if list(n.args[1]) != [h]:
             self._fail(n, "LayerNorm over more than the last dim")
         eps = n.args[4] if len(n.args) > 4 else 1e-5
+        return self._split_layer_norm(n, env, n.args[0], n.args[2], n.args[3], eps)
+
+    def _fused_layer_norm(self, n, env):
+        """The fused ``autopar.layer_norm(x, w, b, eps)`` (autopar/frontend/fuse.py): the split
+        LayerNorm as ATen's (the kernel needs whole rows)."""
+        return self._split_layer_norm(n, env, n.args[0], n.args[1], n.args[2], n.args[3])
+
+    def _split_layer_norm(self, n, env, x_node, w_node, b_node, eps):
+        geo = self.geo
+        x, lay = self._as_act(n, self._val(env, x_node))
+        h = self._gshape(x_node)[-1]
         self._div(n, "LayerNorm size", h, geo.table_parts())
         L = lay.L
         vec = (h // geo.table_parts(),)
-        g = self._param(self._pname(n, n.args[2]), ParamUse("norm", L), vec)
-        b = self._param(self._pname(n, n.args[3]), ParamUse("norm", L), vec)
-        m = math.prod(self._gshape(n.args[0])[:-1])
+        g = self._param(self._pname(n, w_node), ParamUse("norm", L), vec)
+        b = self._param(self._pname(n, b_node), ParamUse("norm", L), vec)
+        m = math.prod(self._gshape(x_node)[:-1])
         if geo.mode == "2d":
             self.colls += tc.layer_norm_2d(m // geo.batch_parts, h, geo.q)
         elif geo.mode == "2.5d":
@@ -266,6 +275,33 @@ class SplitOps:
         if geo.mode == "3d":
             return mod.layer_norm(x, g, b, self.grid, L, eps), lay
         return mod.layer_norm(x, g, b, self.grid, eps), lay
+
+    def _fused_rms_norm(self, n, env):
+        """The fused ``autopar.rms_norm(x, w, eps) -> y`` (autopar/frontend/fuse.py) on an
+        activation split over hidden: the split norm, as the decomposed RMSNorm runs on the grid
+        (the kernel needs whole rows): the local sum of squares all-reduced over the hidden group
+        (forward and backward, as ``_hidden_reduce``), then x * rstd * my block of the weight (a
+        "loose" parameter split over hidden like x, as the decomposed norm's)."""
+        geo = self.geo
+        x, lay = self._val(env, n.args[0])
+        if lay.kind != "act" or lay.hdim is None or lay.hdim != x.dim() - 1:
+            self._fail(n, "an RMSNorm whose input is not an activation split over its last (hidden) dim")
+        w, _ = self._loose(n, self._pname(n, n.args[1]), lay, x.dim())
+        eps = n.args[2]
+        h = self._gshape(n.args[0])[-1]
+        out_dtype = torch.promote_types(x.dtype, w.dtype)
+        xf = x.float()
+        ss = (xf * xf).sum(dim=-1, keepdim=True) / h
+        label = geo.hid_group(lay.L)
+        nbytes = ss.numel() * 4
+        self.colls += [tc.Collective("all_reduce", label, geo.q, nbytes, 1, "forward"),
+                       tc.Collective("all_reduce", label, geo.q, nbytes, 1, "backward")]
+        if self.meta:
+            ss = self._fresh(ss.shape, ss.dtype)
+        else:
+            group = self.grid.group(label)
+            ss = C.copy(C.all_reduce(ss, group, label), group, label)
+        return (xf * torch.rsqrt(ss + eps) * w.float()).to(out_dtype), lay
 
     def _hidden_reduce(self, n, env):
         """A sum / mean over the hidden dim of a split activation (an RMSNorm's mean square):

@@ -4,12 +4,18 @@ every rank runs, one fused op where the model wrote several.
 
 ``fuse(gm) -> dict[str, int]`` rewrites the traced GraphModule in place (autopar/frontend/trace.py
 calls it with ``kernels=True``, before blocks and the fingerprint are taken) and returns how many
-of each pattern it fused:
+of each pattern it fused (patterns it found none of are left out):
 
 * ``rms_norm``: ``x * rsqrt(mean(x², -1, keepdim) + eps)`` (``pow(x, 2)`` or ``x * x``),
   optionally cast, times a weight vector of the last dim (on either side) ->
-  ``getitem(autopar.rms_norm(x, weight, eps), 0)``;
-* ``swiglu``: ``silu(gate) * up`` with equal shapes -> ``autopar.swiglu(gate, up)``.
+  ``autopar.rms_norm(x, weight, eps)`` (one output: no getitem between the norm and its readers);
+* ``swiglu``: ``silu(gate) * up`` with equal shapes -> ``autopar.swiglu(gate, up)``;
+* ``layer_norm``: ``aten.layer_norm(x, [h], weight, bias, eps)`` over the last dim (h = x's last
+  size) with a weight and a bias, y in x's dtype -> ``autopar.layer_norm(x, weight, bias, eps)``
+  (one output, like the op it replaces); ``aten.native_layer_norm`` the same where only its
+  output (item 0) is read;
+* ``geglu``: ``gelu(gate, approximate) * up`` (exact or tanh gelu) with equal shapes and dtypes ->
+  ``autopar.geglu(gate, up, approximate)``.
 
 A pattern is fused only where its intermediate values have no other use, so nothing the rest of
 the graph reads disappears. The rewrite keeps each replaced output's ``meta["val"]`` and module
@@ -24,7 +30,7 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
-PATTERNS = ("rms_norm", "swiglu")
+PATTERNS = ("rms_norm", "swiglu", "layer_norm", "geglu")
 KERNELS = ("auto", "triton", "torch")
 
 
@@ -60,6 +66,11 @@ def _is(n, *targets) -> bool:
 
 def _val(n):
     return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _arg(n: fx.Node, i: int, name: str, default=None):
+    """Argument ``i`` of ``n``, positional or by keyword ``name``."""
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
 
 
 def _strip_cast(n: fx.Node, user: fx.Node) -> fx.Node:
@@ -120,6 +131,47 @@ def _swiglu_match(mul: fx.Node):
     return None
 
 
+def _geglu_match(mul: fx.Node):
+    if not _is(mul, aten.mul.Tensor):
+        return None
+    for s, up in (mul.args, mul.args[::-1]):
+        if _is(s, aten.gelu.default) and _only_use(s, mul) and isinstance(up, fx.Node):
+            gate = s.args[0]
+            approximate = _arg(s, 1, "approximate", "none")
+            gv, uv = _val(gate), _val(up)
+            if approximate in ("none", "tanh") and gv is not None and uv is not None and gv.shape == uv.shape \
+                    and gv.dtype == uv.dtype:
+                return gate, up, approximate, [s]
+    return None
+
+
+def _layer_norm_match(node: fx.Node):
+    """(x, weight, bias, eps) if ``node`` is a LayerNorm the kernel runs: over the last dim, with a
+    weight and a bias of that size, its output in x's dtype (and, for native_layer_norm, only its
+    output read)."""
+    names = ("input", "normalized_shape", "weight", "bias", "eps")
+    if _is(node, aten.layer_norm.default):
+        x, nshape, w, b, eps = (_arg(node, i, name, d) for i, (name, d) in
+                                enumerate(zip(names, (None, None, None, None, 1e-5))))
+        out = _val(node)
+    elif _is(node, aten.native_layer_norm.default):
+        x, nshape, w, b, eps = (_arg(node, i, name, None) for i, name in enumerate(names))
+        if any(not (u.target is operator.getitem and u.args[1] == 0) for u in _users(node)):
+            return None
+        out = (_val(node) or (None,))[0]
+    else:
+        return None
+    xv = _val(x)
+    if xv is None or out is None or xv.ndim < 1 or nshape is None or list(nshape) != [xv.shape[-1]] \
+            or out.dtype != xv.dtype:
+        return None
+    for p in (w, b):
+        pv = _val(p)
+        if pv is None or tuple(pv.shape) != (xv.shape[-1],):
+            return None
+    return x, w, b, float(eps)
+
+
 def _replace(gm: fx.GraphModule, old: fx.Node, make, dead: list[fx.Node]) -> None:
     with gm.graph.inserting_before(old):
         new = make(gm.graph)
@@ -145,13 +197,7 @@ def fuse(gm: fx.GraphModule) -> dict[str, int]:
         if m is not None:
             x, w, eps, dead = m
 
-            def make(g, x=x, w=w, eps=eps, node=node):
-                fused = g.call_function(ops.RMS_NORM, (x, w, eps))
-                xv = _val(x)
-                fused.meta["val"] = (_val(node), xv.new_empty(xv.shape[:-1], dtype=torch.float32))
-                fused.meta.update({k: v for k, v in node.meta.items() if k not in ("val",)})
-                return g.call_function(operator.getitem, (fused, 0))
-            _replace(gm, node, make, dead)
+            _replace(gm, node, lambda g, x=x, w=w, eps=eps: g.call_function(ops.RMS_NORM, (x, w, eps)), dead)
             counts["rms_norm"] += 1
             continue
         m = _swiglu_match(node)
@@ -159,6 +205,39 @@ def fuse(gm: fx.GraphModule) -> dict[str, int]:
             gate, up, dead = m
             _replace(gm, node, lambda g, gate=gate, up=up: g.call_function(ops.SWIGLU, (gate, up)), dead)
             counts["swiglu"] += 1
+            continue
+        m = _geglu_match(node)
+        if m is not None:
+            gate, up, approximate, dead = m
+            _replace(gm, node, lambda g, gate=gate, up=up, a=approximate: g.call_function(ops.GEGLU, (gate, up, a)),
+                     dead)
+            counts["geglu"] += 1
+            continue
+        m = _layer_norm_match(node)
+        if m is not None:
+            _fuse_layer_norm(gm, node, m, ops)
+            counts["layer_norm"] += 1
     gm.graph.lint()
     gm.recompile()
-    return counts
+    return {k: v for k, v in counts.items() if v}
+
+
+def _fuse_layer_norm(gm: fx.GraphModule, node: fx.Node, match, ops) -> None:
+    """One output, as aten.layer_norm: the fused op takes the node's place (native_layer_norm's
+    item-0 readers read it directly)."""
+    x, w, b, eps = match
+    with gm.graph.inserting_before(node):
+        fused = gm.graph.call_function(ops.LAYER_NORM, (x, w, b, eps))
+    fused.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    if node.target is aten.native_layer_norm.default:
+        fused.meta["val"] = _val(node)[0]
+        for u in list(node.users):
+            if u.target is operator.getitem:
+                u.replace_all_uses_with(fused)
+                gm.graph.erase_node(u)
+            else:   # a metadata assert on the tuple
+                gm.graph.erase_node(u)
+    else:
+        fused.meta["val"] = _val(node)
+        node.replace_all_uses_with(fused)
+    gm.graph.erase_node(node)

@@ -1,12 +1,17 @@
 """Rules for the fused kernel operators (``torch.ops.autopar.*``, runtime/kernels/ops.py) that
 autopar/frontend/fuse.py puts in a traced graph.
 
-* ``autopar.rms_norm(x, weight, eps) -> (y, rstd)`` (rule "rms_norm", a norm to Megatron-SP as
-  ATen's is): ``"...h, h -> ...h, ..."``; the normalised
-  dim whole on the rank (the row's mean), the leading dims free. One pass reads x and the weight
-  and writes y and one fp32 statistic per row; autograd keeps x, the weight and rstd.
+* ``autopar.rms_norm(x, weight, eps) -> y`` (rule "rms_norm", a norm to Megatron-SP as ATen's
+  is): ``"...h, h -> ...h"``; the normalised dim whole on the rank (the row's mean), the leading
+  dims free. One pass reads x and the weight and writes y; autograd keeps x and the weight (the
+  backward kernel recomputes rstd).
 * ``autopar.swiglu(gate, up) -> silu(gate) * up``: elementwise, every dim free; reads two tensors,
   writes one; keeps gate and up (the unfused pair kept silu's input, the product's two factors).
+* ``autopar.layer_norm(x, weight, bias, eps) -> y`` (rule "layer_norm", ATen's name: Megatron-SP
+  treats it as the norm it is): ``"...h, h, h -> ...h"``; the normalised dim whole on the rank, the
+  leading dims free. One pass reads x, the weight and the bias and writes y; autograd keeps x and
+  the weight (the backward recomputes the row statistics).
+* ``autopar.geglu(gate, up, approximate) -> gelu(gate) * up``: elementwise as swiglu.
 """
 from __future__ import annotations
 
@@ -24,9 +29,9 @@ def rms_norm(node):
     L = Letters()
     lead, norm = L.fresh(len(xs) - 1), L.fresh(1)
     sizes = dict(zip(lead + norm, xs))
-    return OpSpec("rms_norm", (lead + norm, norm), (lead + norm, lead), sizes,
+    return OpSpec("rms_norm", (lead + norm, norm), (lead + norm,), sizes,
                   unsplittable=frozenset(norm), flops=4.0 * math.prod(xs), bytes=io_bytes(node),
-                  saved=(Saved("input", 0), Saved("input", 1), Saved("output", 1)))
+                  saved=(Saved("input", 0), Saved("input", 1)))
 
 
 @rule(K.SWIGLU)
@@ -35,4 +40,24 @@ def swiglu(node):
     letters = Letters().fresh(len(xs))
     return OpSpec("swiglu", (letters, letters), (letters,), dict(zip(letters, xs)),
                   flops=5.0 * math.prod(xs), bytes=io_bytes(node),
+                  saved=(Saved("input", 0), Saved("input", 1)))
+
+
+@rule(K.LAYER_NORM)
+def layer_norm(node):
+    xs = shape(node.args[0])
+    L = Letters()
+    lead, norm = L.fresh(len(xs) - 1), L.fresh(1)
+    sizes = dict(zip(lead + norm, xs))
+    return OpSpec("layer_norm", (lead + norm, norm, norm), (lead + norm,), sizes,
+                  unsplittable=frozenset(norm), flops=8.0 * math.prod(xs), bytes=io_bytes(node),
+                  saved=(Saved("input", 0), Saved("input", 1)))
+
+
+@rule(K.GEGLU)
+def geglu(node):
+    xs = shape(node.args[0])
+    letters = Letters().fresh(len(xs))
+    return OpSpec("geglu", (letters, letters), (letters,), dict(zip(letters, xs)),
+                  flops=10.0 * math.prod(xs), bytes=io_bytes(node),
                   saved=(Saved("input", 0), Saved("input", 1)))

@@ -1,5 +1,5 @@
-"""Triton kernels of the runtime: RMSNorm (with a fused residual add), SwiGLU, fused linear +
-cross-entropy (vocabulary-parallel too) and a fused AdamW step, each beside its plain-torch
+"""Triton kernels of the runtime: RMSNorm (with a fused residual add), SwiGLU, LayerNorm, GeGLU,
+fused linear + cross-entropy (vocabulary-parallel too) and a fused AdamW step, each beside its plain-torch
 reference; whether they can run here (``available``) and how many times each family launched.
 
 Triton is imported only by the kernel modules, and only if installed: ``import runtime`` and
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-FAMILIES = ("rms_norm", "swiglu", "linear_cross_entropy", "adamw")
+FAMILIES = ("rms_norm", "swiglu", "layer_norm", "geglu", "linear_cross_entropy", "adamw")
 
 _launches: dict[str, int] = dict.fromkeys(FAMILIES, 0)
 

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from runtime.kernels import adamw, linear_cross_entropy, rms_norm, swiglu
+from runtime.kernels import adamw, geglu, layer_norm, linear_cross_entropy, rms_norm, swiglu
 
 ARCHS = (80, 90)
 
@@ -28,11 +28,37 @@ CASES = {
         dict(HAS_RESIDUAL=False, BLOCK=128)),
     "rms_norm_bwd_bf16": (rms_norm._rms_norm_bwd,
         dict(DY="*bf16", X="*bf16", W="*bf16", RSTD="*fp32", DH="*bf16", DX="*bf16", DW_PART="*fp32",
-             n_rows="i32", n_cols="i32", rows_per_program="i32"),
-        dict(HAS_DH=True, BLOCK=2048)),
+             n_rows="i32", n_cols="i32", rows_per_program="i32", eps="fp32"),
+        dict(HAS_DH=True, RECOMPUTE=False, BLOCK=2048)),
+    "rms_norm_bwd_recompute_fp32": (rms_norm._rms_norm_bwd,
+        dict(DY="*fp32", X="*fp32", W="*fp32", RSTD="*fp32", DH="*fp32", DX="*fp32", DW_PART="*fp32",
+             n_rows="i32", n_cols="i32", rows_per_program="i32", eps="fp32"),
+        dict(HAS_DH=False, RECOMPUTE=True, BLOCK=1024)),
     "swiglu_fwd_bf16": (swiglu._swiglu_fwd, dict(G="*bf16", U="*bf16", Y="*bf16", n="i32"), dict(BLOCK=1024)),
     "swiglu_bwd_fp32": (swiglu._swiglu_bwd,
         dict(DY="*fp32", G="*fp32", U="*fp32", DG="*fp32", DU="*fp32", n="i64"), dict(BLOCK=1024)),
+    "layer_norm_fwd_bf16": (layer_norm._layer_norm_fwd,
+        dict(X="*bf16", W="*fp32", B="*fp32", Y="*bf16", n_cols="i32", eps="fp32"),
+        dict(BLOCK=4096)),
+    "layer_norm_fwd_fp32": (layer_norm._layer_norm_fwd,
+        dict(X="*fp32", W="*fp32", B="*fp32", Y="*fp32", n_cols="i32", eps="fp32"),
+        dict(BLOCK=128)),
+    "layer_norm_bwd_bf16": (layer_norm._layer_norm_bwd,
+        dict(DY="*bf16", X="*bf16", W="*bf16", DX="*bf16", DW_PART="*fp32", DB_PART="*fp32", n_rows="i32",
+             n_cols="i32", rows_per_program="i32", eps="fp32"),
+        dict(BLOCK=2048)),
+    "layer_norm_bwd_fp32": (layer_norm._layer_norm_bwd,
+        dict(DY="*fp32", X="*fp32", W="*fp32", DX="*fp32", DW_PART="*fp32", DB_PART="*fp32", n_rows="i32",
+             n_cols="i32", rows_per_program="i32", eps="fp32"),
+        dict(BLOCK=1024)),
+    "geglu_fwd_bf16_erf": (geglu._geglu_fwd, dict(G="*bf16", U="*bf16", Y="*bf16", n="i32"),
+                           dict(TANH=False, BLOCK=1024)),
+    "geglu_fwd_fp32_tanh": (geglu._geglu_fwd, dict(G="*fp32", U="*fp32", Y="*fp32", n="i32"),
+                            dict(TANH=True, BLOCK=1024)),
+    "geglu_bwd_bf16_tanh": (geglu._geglu_bwd,
+        dict(DY="*bf16", G="*bf16", U="*bf16", DG="*bf16", DU="*bf16", n="i32"), dict(TANH=True, BLOCK=1024)),
+    "geglu_bwd_fp32_erf": (geglu._geglu_bwd,
+        dict(DY="*fp32", G="*fp32", U="*fp32", DG="*fp32", DU="*fp32", n="i64"), dict(TANH=False, BLOCK=1024)),
     "ce_row_stats_bf16": (linear_cross_entropy._ce_row_stats,
         dict(LOGITS="*bf16", TARGETS="*i64", MAX="*fp32", SUMEXP="*fp32", TLOGIT="*fp32", **CE), dict(BLOCK=4096)),
     "ce_grad_logits_bf16": (linear_cross_entropy._ce_grad_logits,

@@ -1,17 +1,28 @@
 """The fused kernels as torch operators (``torch.library.custom_op``), so a traced graph, the
 planner's fake and meta tensors and every rank's program treat them like any ATen op:
 
-* ``torch.ops.autopar.rms_norm(x, weight, eps) -> (y, rstd)``: y = x · rsqrt(mean(x²) + eps) · weight
-  over the last dim, in fp32 arithmetic, y in ``promote(x.dtype, weight.dtype)``; rstd the fp32
-  per-row statistic. Autograd keeps x, the weight and rstd.
-* ``torch.ops.autopar.swiglu(gate, up) -> silu(gate) · up``; autograd keeps gate and up.
+* ``torch.ops.autopar.rms_norm(x, weight, eps) -> y``: y = x · rsqrt(mean(x²) + eps) · weight over
+  the last dim, in fp32 arithmetic, y in ``promote(x.dtype, weight.dtype)``. Autograd keeps x and
+  the weight; the backward kernel recomputes each row's rstd from x, which it reads anyway. One
+  output, so no getitem sits between the norm and its readers (where a plan could move a gather
+  away from the linear that regathers it under Megatron-SP).
+* ``torch.ops.autopar.swiglu(gate, up) -> silu(gate) · up``; autograd keeps gate and up. Tagged
+  pointwise (elementwise), so a grid program (codegen/grid_local.py) runs it on each rank's blocks.
+* ``torch.ops.autopar.layer_norm(x, weight, bias, eps) -> y``: LayerNorm over the last dim in fp32
+  arithmetic, y in x's dtype. Autograd keeps x and the weight (the backward recomputes each row's
+  mean and rstd from x, which it reads anyway) and returns dx, dweight and dbias. One output, as
+  ATen's layer_norm: no getitem between the norm and its readers.
+* ``torch.ops.autopar.geglu(gate, up, approximate) -> gelu(gate, approximate) · up`` (approximate
+  "none" or "tanh", as torch's gelu); autograd keeps gate and up. Tagged pointwise.
 
-Each runs its Triton kernel (runtime/kernels/rms_norm.py, swiglu.py) on CUDA tensors, and on CPU
+Each runs its Triton kernel (runtime/kernels/rms_norm.py, swiglu.py, layer_norm.py, geglu.py) on CUDA tensors, and on CPU
 tensors under the Triton interpreter (``TRITON_INTERPRET=1``); anywhere else (a CPU without the
 interpreter, meta tensors) the same formula in plain torch. Which one ran is counted by
 ``runtime.kernels.kernel_stats`` (Triton launches only).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -28,35 +39,34 @@ def use_triton(x: Tensor) -> bool:
 
 # --------------------------------------------------------------------------------------- rms_norm
 @torch.library.custom_op("autopar::rms_norm", mutates_args=())
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     if use_triton(x) and weight.dtype in (x.dtype, torch.float32):
         from runtime.kernels.rms_norm import rms_norm_forward
-        y, _, rstd = rms_norm_forward(x, weight, eps)
-        return y.to(out_dtype), rstd
+        return rms_norm_forward(x, weight, eps)[0].to(out_dtype)
     xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-    return (xf * rstd.unsqueeze(-1) * weight.float()).to(out_dtype), rstd
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * weight.float()).to(out_dtype)
 
 
 @_rms_norm.register_fake
 def _(x, weight, eps):
-    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
-            x.new_empty(x.shape[:-1], dtype=torch.float32))
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, _ = inputs
-    ctx.save_for_backward(x, weight, output[1])
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
 
 
-def _rms_norm_backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
+def _rms_norm_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
     if use_triton(x) and weight.dtype in (x.dtype, torch.float32):
         from runtime.kernels.rms_norm import rms_norm_backward
-        dx, dw = rms_norm_backward(dy, x, weight, rstd)
+        dx, dw = rms_norm_backward(dy, x, weight, None, eps=ctx.eps)   # rstd recomputed in the kernel
         return dx.to(x.dtype), dw.to(weight.dtype), None
-    r = rstd.unsqueeze(-1)
+    r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + ctx.eps)
     normed = x.float() * r
     g = dy.float() * weight.float()
     dx = r * (g - normed * (g * normed).mean(-1, keepdim=True))
@@ -68,7 +78,7 @@ torch.library.register_autograd("autopar::rms_norm", _rms_norm_backward, setup_c
 
 
 # ----------------------------------------------------------------------------------------- swiglu
-@torch.library.custom_op("autopar::swiglu", mutates_args=())
+@torch.library.custom_op("autopar::swiglu", mutates_args=(), tags=(torch.Tag.pointwise,))
 def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
     if use_triton(gate):
         from runtime.kernels.swiglu import swiglu_forward
@@ -98,5 +108,93 @@ def _swiglu_backward(ctx, dy):
 
 torch.library.register_autograd("autopar::swiglu", _swiglu_backward, setup_context=_swiglu_setup)
 
+# ------------------------------------------------------------------------------------- layer_norm
+@torch.library.custom_op("autopar::layer_norm", mutates_args=())
+def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    if use_triton(x) and weight.dtype in (x.dtype, torch.float32) and bias.dtype in (x.dtype, torch.float32):
+        from runtime.kernels.layer_norm import layer_norm_forward
+        return layer_norm_forward(x, weight, bias, eps)
+    xhat, _ = _layer_norm_xhat(x, eps)
+    return (xhat * weight.float() + bias.float()).to(x.dtype)
+
+
+def _layer_norm_xhat(x: Tensor, eps: float):
+    xf = x.float()
+    xc = xf - xf.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    return xc * rstd, rstd
+
+
+@_layer_norm.register_fake
+def _(x, weight, bias, eps):
+    return torch.empty_like(x)
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.bias_dtype = eps, bias.dtype
+
+
+def _layer_norm_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    if use_triton(x) and weight.dtype in (x.dtype, torch.float32) and ctx.bias_dtype in (x.dtype, torch.float32):
+        from runtime.kernels.layer_norm import layer_norm_backward
+        dx, dw, db = layer_norm_backward(dy, x, weight, ctx.eps)
+        return dx.to(x.dtype), dw.to(weight.dtype), db.to(ctx.bias_dtype), None
+    xhat, r = _layer_norm_xhat(x, ctx.eps)
+    d = dy.float()
+    g = d * weight.float()
+    dx = r * (g - xhat * (g * xhat).mean(-1, keepdim=True) - g.mean(-1, keepdim=True))
+    dw = (d * xhat).reshape(-1, x.shape[-1]).sum(0)
+    db = d.reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype), db.to(ctx.bias_dtype), None
+
+
+torch.library.register_autograd("autopar::layer_norm", _layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+# ------------------------------------------------------------------------------------------ geglu
+@torch.library.custom_op("autopar::geglu", mutates_args=(), tags=(torch.Tag.pointwise,))
+def _geglu(gate: Tensor, up: Tensor, approximate: str) -> Tensor:
+    if use_triton(gate):
+        from runtime.kernels.geglu import geglu_forward
+        return geglu_forward(gate, up, approximate)
+    return torch.nn.functional.gelu(gate, approximate=approximate) * up
+
+
+@_geglu.register_fake
+def _(gate, up, approximate):
+    return torch.empty_like(gate)
+
+
+def _geglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.approximate = inputs[2]
+
+
+def _geglu_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    if use_triton(gate):
+        from runtime.kernels.geglu import geglu_backward
+        return (*geglu_backward(dy, gate, up, ctx.approximate), None)
+    g = gate.float()
+    if ctx.approximate == "tanh":
+        k = math.sqrt(2 / math.pi)
+        t = torch.tanh(k * (g + 0.044715 * g ** 3))
+        y = 0.5 * g * (1 + t)
+        dgelu = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
+    else:
+        cdf = 0.5 * (1 + torch.erf(g / math.sqrt(2)))
+        y = g * cdf
+        dgelu = cdf + g * torch.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
+    d = dy.float()
+    return (d * up.float() * dgelu).to(gate.dtype), (d * y).to(up.dtype), None
+
+
+torch.library.register_autograd("autopar::geglu", _geglu_backward, setup_context=_geglu_setup)
+
 RMS_NORM = torch.ops.autopar.rms_norm.default
 SWIGLU = torch.ops.autopar.swiglu.default
+LAYER_NORM = torch.ops.autopar.layer_norm.default
+GEGLU = torch.ops.autopar.geglu.default

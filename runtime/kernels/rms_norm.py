@@ -55,8 +55,8 @@ if triton is not None:
         tl.store(Y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rms_norm_bwd(DY, X, W, RSTD, DH, DX, DW_PART, n_rows, n_cols, rows_per_program,
-                      HAS_DH: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_bwd(DY, X, W, RSTD, DH, DX, DW_PART, n_rows, n_cols, rows_per_program, eps,
+                      HAS_DH: tl.constexpr, RECOMPUTE: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -69,7 +69,10 @@ if triton is not None:
                 offs = row.to(tl.int64) * n_cols + cols
                 x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
                 dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-                rstd = tl.load(RSTD + row)
+                if RECOMPUTE:   # the forward's formula on the same x: the same rstd
+                    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+                else:
+                    rstd = tl.load(RSTD + row)
                 xhat = x * rstd
                 wdy = w * dy
                 c = tl.sum(xhat * wdy, axis=0) / n_cols
@@ -123,15 +126,19 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     return y2.view(shape), (h2.view(shape) if has_res else None), rstd.view(shape[:-1])
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                      dh: torch.Tensor | None = None):
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor | None,
+                      dh: torch.Tensor | None = None, eps: float | None = None):
     """The backward kernel alone: (dx, dw) from the norm's input ``x`` (h with a residual), its
-    ``rstd`` and the output gradient ``dy`` (plus ``dh``, the gradient reaching h directly)."""
+    ``rstd`` and the output gradient ``dy`` (plus ``dh``, the gradient reaching h directly). With
+    ``rstd`` None the kernel recomputes it from x and ``eps``."""
     shape = x.shape
     n_cols = shape[-1]
     x2 = x.contiguous().view(-1, n_cols)
     n_rows = x2.shape[0]
-    rstd = rstd.contiguous().view(-1)
+    recompute = rstd is None
+    if recompute and eps is None:
+        raise ValueError("rms_norm_backward: without rstd, eps is needed to recompute it")
+    rstd = x2.new_empty(0, dtype=torch.float32) if recompute else rstd.contiguous().view(-1)
     if dy is None:
         dy = torch.zeros_like(x2)
     dy2 = dy.to(x2.dtype).contiguous().view(-1, n_cols)
@@ -143,7 +150,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dw_part = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)
     if n_rows:
         _rms_norm_bwd[(programs,)](dy2, x2, weight.contiguous(), rstd, dh2, dx2, dw_part, n_rows, n_cols,
-                                   rows_per_program, HAS_DH=dh is not None, BLOCK=block,
+                                   rows_per_program, float(eps or 0.0), HAS_DH=dh is not None,
+                                   RECOMPUTE=recompute, BLOCK=block,
                                    num_warps=num_warps_for(block))
         record_launch("rms_norm")
     return dx2.view(shape), dw_part.sum(0).to(weight.dtype)

@@ -9,6 +9,8 @@ import torch
 
 from runtime.kernels import available, interpreted, kernel_stats, reset_kernel_stats
 from runtime.kernels.adamw import adamw_reference, adamw_step
+from runtime.kernels.geglu import geglu, geglu_reference
+from runtime.kernels.layer_norm import layer_norm, layer_norm_reference
 from runtime.kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from runtime.kernels.rms_norm import rms_norm, rms_norm_reference
 from runtime.kernels.swiglu import swiglu, swiglu_reference
@@ -65,6 +67,42 @@ def test_swiglu_cuda(dtype):
     for a, b in zip(torch.autograd.grad(y, [g, u], dy), torch.autograd.grad(yr, [g, u], dy)):
         torch.testing.assert_close(a, b, **TOL[dtype])
     assert kernel_stats()["swiglu"] == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [67, 2048])
+def test_layer_norm_cuda(dtype, hidden):
+    torch.manual_seed(0)
+    x = (1 + torch.randn(513, hidden, device="cuda")).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).requires_grad_()
+    b = (0.1 * torch.randn(hidden, device="cuda")).requires_grad_()
+    reset_kernel_stats()
+    y = layer_norm(x, w, b, 1e-5)
+    yr = layer_norm_reference(x, w, b, 1e-5)
+    torch.testing.assert_close(y, yr, **TOL[dtype])
+    gy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, w, b], gy)
+    want = torch.autograd.grad(yr, [x, w, b], gy)
+    torch.testing.assert_close(got[0], want[0], **TOL[dtype])
+    _rel_close(got[1], want[1], 1e-4 if dtype == torch.float32 else 2e-2, "dweight")
+    _rel_close(got[2], want[2], 1e-4 if dtype == torch.float32 else 2e-2, "dbias")
+    assert kernel_stats()["layer_norm"] == 2
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_geglu_cuda(dtype, approximate):
+    torch.manual_seed(0)
+    g = (3 * torch.randn(1000, 1377, device="cuda")).to(dtype).requires_grad_()
+    u = torch.randn(1000, 1377, device="cuda", dtype=dtype, requires_grad=True)
+    reset_kernel_stats()
+    y = geglu(g, u, approximate)
+    yr = geglu_reference(g, u, approximate)
+    torch.testing.assert_close(y, yr, **TOL[dtype])
+    dy = torch.randn_like(y)
+    for a, c in zip(torch.autograd.grad(y, [g, u], dy), torch.autograd.grad(yr, [g, u], dy)):
+        torch.testing.assert_close(a, c, **TOL[dtype])
+    assert kernel_stats()["geglu"] == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
