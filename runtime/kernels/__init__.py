@@ -73,3 +73,32 @@ def num_warps_for(block: int) -> int:
     if block >= 2048:
         return 8
     return 4
+
+
+MAX_HIDDEN = 65536   # the row kernels (norms) hold one row in a block
+
+
+def row_block(n_cols: int, family: str) -> int:
+    """The block of a one-row-per-program kernel over ``n_cols`` columns (a power of two)."""
+    if n_cols > MAX_HIDDEN:
+        raise ValueError(f"{family}: hidden size {n_cols} over the kernel's {MAX_HIDDEN}")
+    return 1 << (n_cols - 1).bit_length() if n_cols > 1 else 1
+
+
+def backward_programs(n_rows: int, device) -> int:
+    """Programs of a norm's backward, each accumulating the weight gradients of its rows into a
+    partial row: 4 per streaming multiprocessor on CUDA, at most 8 under the interpreter."""
+    if device.type == "cuda":
+        import torch
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(n_rows, 4 * sms))
+    return max(1, min(n_rows, 8))
+
+
+def gated_inputs(family: str, gate, up):
+    """``gate`` and ``up`` of a gated activation (SwiGLU, GeGLU) checked alike and made contiguous."""
+    check_device(gate, up)
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"{family}: gate {tuple(gate.shape)} {gate.dtype} and up "
+                         f"{tuple(up.shape)} {up.dtype} differ")
+    return gate.contiguous(), up.contiguous()

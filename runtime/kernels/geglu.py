@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels import check_device, record_launch
+from runtime.kernels import gated_inputs, record_launch
 
 try:
     import triton
@@ -74,13 +74,8 @@ def _tanh(approximate: str) -> bool:
 
 def geglu_forward(gate: torch.Tensor, up: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """The forward kernel alone: gelu(gate) * up, contiguous, shaped like gate."""
-    check_device(gate, up)
     tanh = _tanh(approximate)
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"geglu: gate {tuple(gate.shape)} {gate.dtype} and up "
-                         f"{tuple(up.shape)} {up.dtype} differ")
-    g = gate.contiguous()
-    u = up.contiguous()
+    g, u = gated_inputs("geglu", gate, up)
     y = torch.empty_like(g)
     n = g.numel()
     if n:

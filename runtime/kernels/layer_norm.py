@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels import check_device, num_warps_for, record_launch
+from runtime.kernels import backward_programs, check_device, num_warps_for, record_launch, row_block
 
 try:
     import triton
@@ -24,7 +24,6 @@ try:
 except ImportError:   # the reference still works
     triton = None
 
-MAX_HIDDEN = 65536
 
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5):
@@ -83,17 +82,6 @@ if triton is not None:
         tl.store(DB_PART + pid.to(tl.int64) * n_cols + cols, db, mask=mask)
 
 
-def _block(n_cols: int) -> int:
-    if n_cols > MAX_HIDDEN:
-        raise ValueError(f"layer_norm: hidden size {n_cols} over the kernel's {MAX_HIDDEN}")
-    return triton.next_power_of_2(n_cols)
-
-
-def _bwd_programs(n_rows: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(n_rows, 4 * sms))
-    return max(1, min(n_rows, 8))
 
 
 def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,7 +94,7 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     x2 = x.contiguous().view(-1, n_cols)
     n_rows = x2.shape[0]
     y2 = torch.empty_like(x2)
-    block = _block(n_cols)
+    block = row_block(n_cols, "layer_norm")
     if n_rows:
         _layer_norm_fwd[(n_rows,)](x2, weight.contiguous(), bias.contiguous(), y2, n_cols, eps,
                                    BLOCK=block, num_warps=num_warps_for(block))
@@ -123,8 +111,8 @@ def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     n_rows = x2.shape[0]
     dy2 = dy.to(x2.dtype).contiguous().view(-1, n_cols)
     dx2 = torch.empty_like(x2)
-    block = _block(n_cols)
-    programs = _bwd_programs(n_rows, x2.device)
+    block = row_block(n_cols, "layer_norm")
+    programs = backward_programs(n_rows, x2.device)
     rows_per_program = -(-n_rows // programs) if n_rows else 0
     dw_part = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)
     db_part = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)

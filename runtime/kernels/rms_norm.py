@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels import check_device, num_warps_for, record_launch
+from runtime.kernels import backward_programs, check_device, num_warps_for, record_launch, row_block
 
 try:
     import triton
@@ -22,7 +22,6 @@ try:
 except ImportError:   # the reference still works
     triton = None
 
-MAX_HIDDEN = 65536
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -84,17 +83,6 @@ if triton is not None:
         tl.store(DW_PART + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
 
 
-def _block(n_cols: int) -> int:
-    if n_cols > MAX_HIDDEN:
-        raise ValueError(f"rms_norm: hidden size {n_cols} over the kernel's {MAX_HIDDEN}")
-    return triton.next_power_of_2(n_cols)
-
-
-def _bwd_programs(n_rows: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(n_rows, 4 * sms))
-    return max(1, min(n_rows, 8))
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -118,7 +106,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
     w = weight.contiguous()
     y2 = torch.empty_like(x2)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block = _block(n_cols)
+    block = row_block(n_cols, "rms_norm")
     if n_rows:
         _rms_norm_fwd[(n_rows,)](x2, r2, w, y2, h2, rstd, n_cols, eps,
                                  HAS_RESIDUAL=has_res, BLOCK=block, num_warps=num_warps_for(block))
@@ -144,8 +132,8 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dy2 = dy.to(x2.dtype).contiguous().view(-1, n_cols)
     dh2 = dh.to(x2.dtype).contiguous().view(-1, n_cols) if dh is not None else dy2
     dx2 = torch.empty_like(x2)
-    block = _block(n_cols)
-    programs = _bwd_programs(n_rows, x2.device)
+    block = row_block(n_cols, "rms_norm")
+    programs = backward_programs(n_rows, x2.device)
     rows_per_program = -(-n_rows // programs) if n_rows else 0
     dw_part = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)
     if n_rows:

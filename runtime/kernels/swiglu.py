@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels import check_device, record_launch
+from runtime.kernels import gated_inputs, record_launch
 
 try:
     import triton
@@ -47,12 +47,7 @@ if triton is not None:
 
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The forward kernel alone: silu(gate) * up, contiguous, shaped like gate."""
-    check_device(gate, up)
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up "
-                         f"{tuple(up.shape)} {up.dtype} differ")
-    g = gate.contiguous()
-    u = up.contiguous()
+    g, u = gated_inputs("swiglu", gate, up)
     y = torch.empty_like(g)
     n = g.numel()
     if n:
