@@ -162,6 +162,7 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
     _check_scalar_loss(gm, output_name, loss_fn)
     tied = _tied_fqns(model)
     _drop_unused_tied_placeholders(gm, param_fqn, buffers, tied)
+    _drop_metadata_asserts(gm)
     fused = fuse(gm) if kernels else {}
     blocks, block_of = find_blocks(gm, model, param_fqn, buffers)
     return TracedGraph(gm=gm, param_fqn=param_fqn, buffers=buffers, tied=tied, input_names=input_names,
@@ -169,6 +170,16 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
                        fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of,
                        constants=constants, frozen=frozen & set(param_fqn), kernels=kernels,
                        fused=fused)
+
+
+def _drop_metadata_asserts(gm: GraphModule) -> None:
+    """Erases export's ``aten._assert_tensor_metadata`` checks (one after each ``.to(dtype)``):
+    they read a tensor and produce nothing, so left in they would be planned as ops with no rule,
+    run replicated, and price a gather of a split activation into a check."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default and not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()
 
 
 def _run_front_ends(model, root, example_inputs, frontend: str, prefix: str):
