@@ -91,77 +91,12 @@ from torch import Tensor, nn
 
 from runtime.clip import clip_grad_norm
 from runtime.ddp import GradAllReducer
-from runtime.optim import FlatOptimizer, Segments
-from runtime.optim_groups import TensorHParams, chunk_hparams
+from runtime.optim import FlatOptimizer
+from runtime.optim_groups import chunk_hparams
+from runtime.zero_chunk import Chunk, nbytes
 
 _reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class _Chunk:
-    """Layout of one chunk: offsets, padding, this rank's shard; plus its buffers."""
-
-    def __init__(self, params: list[nn.Parameter], world: int, rank: int, dtype: torch.dtype):
-        self.params = params
-        self.dtype, self.device = dtype, params[0].device
-        self.offsets, n = [], 0
-        for p in params:
-            self.offsets.append(n)
-            n += p.numel()
-        self.numel = n
-        self.padded = -(-n // world) * world
-        self.shard = self.padded // world
-        self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
-        self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        self.master: Optional[Tensor] = None         # fp32 copy (mixed precision): padded or shard
-        self.shard_param: Optional[Tensor] = None   # stage 3 only
-        self.grad_shard: Optional[Tensor] = None    # stages 2, 3 (persistent)
-        self.state: dict[str, Tensor] = {}
-        self.segments: Optional[Segments] = None
-        self.views: list = []   # stage 0: (updated slice, state slices, working slice) per parameter
-        self.ready: set = set() # ids of params whose gradient arrived since the last reduce (stages 2, 3)
-        self.gathered = True    # stage 3: full buffer materialised
-        self.shared_group = None  # group its gradient is also summed over (shared_groups)
-        self.norm_mask: Optional[Tensor] = None  # LAMB/LARS: 0 for tensors another rank counts
-        self.hparams: Optional[TensorHParams] = None  # parameter groups: per tensor id (and padding)
-
-    def local_segments(self, sharded: bool) -> Segments:
-        """Which logical tensor each element of the local buffer belongs to (padding: own id)."""
-        lo, hi = (self.lo, self.hi) if sharded else (0, self.padded)
-        pad_id = len(self.params)
-        pieces = [(off, off + p.numel(), i) for i, (off, p) in enumerate(zip(self.offsets, self.params))]
-        pieces.append((self.numel, self.padded, pad_id))
-        bounds, ids = [0], []
-        for a, b, i in pieces:
-            a, b = max(a, lo), min(b, hi)
-            if a < b:
-                ids.append(i)
-                bounds.append(b - lo)
-        return Segments(tuple(bounds), tuple(ids), pad_id + 1)
-
-    def flat_grad(self, free: bool) -> Tensor:
-        """Padded flat copy of the chunk's p.grad (zeros for missing); optionally free p.grad."""
-        g = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        for p, off in zip(self.params, self.offsets):
-            if p.grad is not None:
-                g[off:off + p.numel()].copy_(p.grad.reshape(-1))
-                if free:
-                    p.grad = None
-        return g
-
-    def norm_ranges(self, weights: dict, sharded: bool) -> list[tuple[int, int, float]]:
-        """(start, end, weight) over the local buffer (the shard when ``sharded``); padding: 0."""
-        lo, hi = (self.lo, self.hi) if sharded else (0, self.padded)
-        out = []
-        for p, off in zip(self.params, self.offsets):
-            a, b = max(off, lo), min(off + p.numel(), hi)
-            if a < b:
-                out.append((a - lo, b - lo, float(weights.get(id(p), 1.0))))
-        return out
 
 
 class ShardedOptimizer:
@@ -221,7 +156,7 @@ class ShardedOptimizer:
         self.norm_weights = dict(norm_weights or {})
         self.tensor_norm_groups = tuple(tensor_norm_groups)
         tensor_norm_skip = {id(p) if isinstance(p, Tensor) else p for p in tensor_norm_skip}
-        self.chunks = [_Chunk(list(g), self.world, self.rank, self.dtype) for g in param_groups if len(g)]
+        self.chunks = [Chunk(list(g), self.world, self.rank, self.dtype) for g in param_groups if len(g)]
         self._chunk_of = {id(p): c for c in self.chunks for p in c.params}
         self.shared_bytes = 0
         shared_groups = dict(shared_groups or {})
@@ -276,7 +211,7 @@ class ShardedOptimizer:
 
         self.reducer: Optional[GradAllReducer] = None
         self._hooks = []
-        self._pending: list[tuple[_Chunk, object, Tensor]] = []
+        self._pending: list[tuple[Chunk, object, Tensor]] = []
         grad_scale = {k: v for k, v in (grad_scale or {}).items() if v != 1}
         if zero_stage == 0 and self.world > 1:
             order = [p for c in self.chunks for p in c.params]
@@ -330,7 +265,7 @@ class ShardedOptimizer:
         except (RuntimeError, NotImplementedError, AttributeError):
             return False
 
-    def _reduce_scatter_async(self, c: _Chunk, flat: Tensor):
+    def _reduce_scatter_async(self, c: Chunk, flat: Tensor):
         """Start summing ``flat`` over the group; returns (work, tensor holding this rank's shard
         once the work is done)."""
         if self.world == 1:
@@ -338,21 +273,21 @@ class ShardedOptimizer:
         if self._rs_native:
             out = torch.empty(c.shard, dtype=flat.dtype, device=flat.device)
             work = _reduce_scatter_fn(out, flat, group=self.group, async_op=True)
-            self.comm_log.append(("reduce_scatter", _nbytes(flat)))
+            self.comm_log.append(("reduce_scatter", nbytes(flat)))
             return work, out
         work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self.comm_log.append(("all_reduce", _nbytes(flat)))
+        self.comm_log.append(("all_reduce", nbytes(flat)))
         return work, flat[c.lo:c.hi]
 
-    def _all_gather_async(self, c: _Chunk, shard: Tensor):
+    def _all_gather_async(self, c: Chunk, shard: Tensor):
         if self.world == 1:
             if shard.data_ptr() != c.flat.data_ptr():
                 c.flat.copy_(shard)
             return _DONE
-        self.comm_log.append(("all_gather", _nbytes(c.flat)))
+        self.comm_log.append(("all_gather", nbytes(c.flat)))
         return _all_gather_fn(c.flat, shard, group=self.group, async_op=True)
 
-    def _tensor_norm_reducer(self, c: _Chunk):
+    def _tensor_norm_reducer(self, c: Chunk):
         """LAMB/LARS: the callable summing a chunk's [k, tensors] local squared norms into the
         whole tensors' (module doc), or None when this rank holds every tensor whole."""
         groups = ([self.group] if self.stage >= 1 and self.world > 1 else []) + list(self.tensor_norm_groups)
@@ -364,7 +299,7 @@ class ShardedOptimizer:
                 t.mul_(c.norm_mask)
             for g in groups:
                 dist.all_reduce(t, group=g)
-                self.comm_log.append(("all_reduce", _nbytes(t)))
+                self.comm_log.append(("all_reduce", nbytes(t)))
         return reduce
 
     @property
@@ -377,14 +312,14 @@ class ShardedOptimizer:
             self.reducer.bytes_sent = 0
 
     # ---------------------------------------------------------------- stage 3 gather / free
-    def _gather(self, c: _Chunk) -> None:
+    def _gather(self, c: Chunk) -> None:
         if c.gathered:
             return
         c.flat.untyped_storage().resize_(c.padded * c.flat.element_size())
         self._all_gather_async(c, c.shard_param).wait()
         c.gathered = True
 
-    def _free(self, c: _Chunk) -> None:
+    def _free(self, c: Chunk) -> None:
         # The parameters are views of c.flat: they keep their shapes, their storage goes.
         c.flat.untyped_storage().resize_(0)
         c.gathered = False
@@ -435,7 +370,7 @@ class ShardedOptimizer:
             if c is not None and p.grad is not None and id(p) not in c.ready:
                 self._on_grad(p)
 
-    def _reduce_chunk(self, c: _Chunk) -> None:
+    def _reduce_chunk(self, c: Chunk) -> None:
         flat = c.flat_grad(free=True)  # the full gradient is gone once it is in flight
         work, out = self._reduce_scatter_async(c, flat)
         self._pending.append((c, work, out))
@@ -487,7 +422,7 @@ class ShardedOptimizer:
             for c, g in zip(self.chunks, grads):
                 if c.shared_group is not None:   # a copy outside the data group (module doc)
                     dist.all_reduce(g, group=c.shared_group)
-                    self.shared_bytes += _nbytes(g)
+                    self.shared_bytes += nbytes(g)
         if self.mixed:   # the optimizer (and the norm) work in fp32: upcast the working-dtype gradients
             grads = [g.float() for g in grads]
         if self.grad_clip is not None:
@@ -559,7 +494,7 @@ class ShardedOptimizer:
         return dict(params=total(params), grads=total(grads), optimizer=total(optim))
 
     @torch.no_grad()
-    def full_flat(self, c: _Chunk) -> Tensor:
+    def full_flat(self, c: Chunk) -> Tensor:
         """The chunk's full padded parameter buffer in fp32, from the most precise copy held: the
         master under mixed precision (all-gathered from the shards at stages 1-3), else the working
         buffer (gathered at stage 3). Collective over the data group when anything is sharded."""
@@ -572,7 +507,7 @@ class ShardedOptimizer:
             return out
         return self.gather_local(c, c.master).clone()
 
-    def gather_local(self, c: _Chunk, t: Tensor) -> Tensor:
+    def gather_local(self, c: Chunk, t: Tensor) -> Tensor:
         """A chunk's buffer of this rank (the padded buffer itself, or its shard at stages 1-3:
         all-gathered over the data group) as the full padded buffer; ``t`` when already whole."""
         if t.numel() == c.padded:
@@ -582,7 +517,7 @@ class ShardedOptimizer:
         return out
 
     @torch.no_grad()
-    def load_flat(self, c: _Chunk, full: Tensor) -> None:
+    def load_flat(self, c: Chunk, full: Tensor) -> None:
         """Set the chunk's parameters from a full padded fp32 buffer (working copy and master)."""
         if self.stage == 3:
             c.shard_param.copy_(full[c.lo:c.hi])
