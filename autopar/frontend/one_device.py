@@ -36,7 +36,8 @@ def on_meta_when_mixed(model: nn.Module, inputs: tuple):
     """Yields the inputs to trace with: as given when the model and inputs are on one device;
     when some are on meta and others are real, meta copies of the inputs, with the model's real
     parameters and buffers swapped for meta copies until the block exits (module doc)."""
-    if "meta" not in devices_of(model, inputs) or len(devices_of(model, inputs)) == 1:
+    devices = devices_of(model, inputs)
+    if "meta" not in devices or len(devices) == 1:
         yield inputs
         return
     memo: dict = {}
