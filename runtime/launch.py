@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -75,7 +76,9 @@ def _child(rank, world_size, port, fn, args, queue, pg_timeout):
             text = traceback.format_exc()
             queue.put((rank, _PORT_TAKEN if _port_taken(text) else False, text))
             return
-        result = fn(rank, world_size, *args)
+        # Pickled here, by value: the queue's own pickler would pass tensors as shared-memory file
+        # descriptors served by this process, which may have exited before the parent reads them.
+        result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, True, result))
     except BaseException:  # report every failure, including KeyboardInterrupt in a child
         queue.put((rank, False, traceback.format_exc()))
@@ -126,7 +129,10 @@ def _run_once(fn, nprocs: int, args: tuple, timeout: float, pg_timeout: float, l
         the last try: then it is an error like any other)."""
         if ok == _PORT_TAKEN and not last:
             return True
-        (results if ok is True else errors)[rank] = payload
+        if ok is True:
+            results[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = payload
         return False
 
     try:
