@@ -123,7 +123,15 @@ def _peak(events: list[tuple[float, int, float]]) -> float:
     return best
 
 
-def _check(orders, durations: StageDurations):
+_CHECKED: dict[int, tuple] = {}   # id(orders) -> (orders, stages, stage_rank): the orders planners reuse, checked once
+
+
+def _check_orders(orders):
+    """Every action once, each stage's micro-batches complete: (stages, stage -> rank). An
+    orders object already checked (runtime/pipeline_orders.py caches them) is not checked again."""
+    hit = _CHECKED.get(id(orders))
+    if hit is not None and hit[0] is orders:
+        return hit[1], hit[2]
     seen: dict[tuple[str, int, int], int] = {}
     for rank, acts in orders.items():
         for a in acts:
@@ -134,6 +142,21 @@ def _check(orders, durations: StageDurations):
                 raise PlanError(f"pipeline action {a!r} appears twice (ranks {seen[(kind, stage, mb)]}, {rank})")
             seen[(kind, stage, mb)] = rank
     stages = sorted({s for _k, s, _m in seen})
+    mbs = sorted({m for (k, s, m) in seen if k == "F" and s == 0})
+    for s in stages:
+        for m in mbs:
+            has = {k for k in KINDS if (k, s, m) in seen}
+            if "F" not in has or not (has == {"F", "B"} or has == {"F", "I", "W"}):
+                raise PlanError(f"stage {s} micro-batch {m} has actions {sorted(has)}; need F and B, or F, I and W")
+    stage_rank = {s: r for (k, s, m), r in seen.items()}
+    if len(_CHECKED) > 256:
+        _CHECKED.clear()
+    _CHECKED[id(orders)] = (orders, stages, stage_rank)
+    return stages, stage_rank
+
+
+def _check(orders, durations: StageDurations):
+    stages, stage_rank = _check_orders(orders)
     n = len(durations.forward)
     if stages != list(range(n)):
         raise PlanError(f"orders cover stages {stages} but durations are given for {n} stages")
@@ -144,13 +167,7 @@ def _check(orders, durations: StageDurations):
         v = getattr(durations, name)
         if v is not None and len(v) not in (0, n - 1):
             raise PlanError(f"StageDurations.{name} has {len(v)} entries, need {n - 1} (one per boundary)")
-    mbs = sorted({m for (k, s, m) in seen if k == "F" and s == 0})
-    for s in range(n):
-        for m in mbs:
-            has = {k for k in KINDS if (k, s, m) in seen}
-            if "F" not in has or not (has == {"F", "B"} or has == {"F", "I", "W"}):
-                raise PlanError(f"stage {s} micro-batch {m} has actions {sorted(has)}; need F and B, or F, I and W")
-    return n, {s: r for (k, s, m), r in seen.items()}
+    return n, stage_rank
 
 
 def simulate(orders: Mapping[int, Sequence[Sequence]], durations: StageDurations,

@@ -1,11 +1,17 @@
 """The pipelined candidates (pp, schedule, micro-batch count[, sequence axis]) of the free
 search, visited best bound first against an incumbent (``Pipelined``).
 
-The candidates: pp in the powers of two from 2 up to ``MAX_PP`` that the model's blocks and the
-cluster allow (``pipeline_pins.stage_cluster``), schedules ``SCHEDULES``, and micro-batch counts
-``pp * MICRO_FACTORS`` dividing the batch together with the counts Megatron-style runs use
-(micro-batch size ``MEGATRON_MBS`` with tensor parallelism over a node: m = batch / (dp x mbs),
-dp = a stage's nodes; such counts often have a factor 3 no pp x 2^k reaches). Each is
+The candidates: every pp a user could pin, from 2 up to the model's blocks, that the cluster
+allows (``pipeline_pins.stage_cluster``: stages of equal whole nodes, or equal parts of a single
+node; 35 stages on 315 nodes, 64 on 384, not only powers of two), schedules ``SCHEDULES``, and
+micro-batch counts ``pp * MICRO_FACTORS`` dividing the batch together with the counts
+Megatron-style runs use (micro-batch size ``MEGATRON_MBS`` with tensor parallelism over a node:
+m = batch / (dp x mbs), dp = a stage's nodes; such counts often have a factor 3 no pp x 2^k
+reaches). Degrees that are not powers of two, or above ``FACTOR_MAX_PP``, get the Megatron-style
+counts only (each (pp, m) costs an inner search on a sub-mesh of its own). A candidate that does
+not fit memory is tried again with every block checkpointed (``CHECKPOINTED``; the same bound:
+recomputation only adds work), so a pin such as Megatron-LM's 1T run (pp=64,
+checkpoint="full") is among the free search's candidates. Each is
 ``pipeline.search_pipelined`` with those pins (the inner plan on the stage sub-mesh, the DP
 partition, the simulated schedule); the inner plan depends only on (pp, m) and the other pins, so
 it is searched once per (pp, m) and reused for every schedule (``inner_cache``).
@@ -41,7 +47,8 @@ from autopar.search.pipeline_forked import fork_workers, run_forked
 from autopar.search.pipeline_pins import stage_cluster, virtual_stages
 from codegen.stages import pipeline_units
 
-MAX_PP = 16
+FACTOR_MAX_PP = 16   # degrees above, or not powers of two: the Megatron-style counts only (micro_batch_counts)
+CHECKPOINTED = True   # a candidate that does not fit is tried again with every block checkpointed (module doc)
 SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
 MICRO_FACTORS = (1, 2, 4, 8, 16)   # module doc
 MEGATRON_MBS = (1, 2)
@@ -49,16 +56,18 @@ INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it cha
 INNER_FILL_DRAIN = True   # ... with the least fill and drain in it (idem)
 
 def pp_choices(graph, cluster, constraints: dict) -> list[int]:
+    """Every pipeline degree a user could pin (module doc): 2 <= pp <= the model's blocks, stages
+    of equal whole nodes or equal parts of a single node (``pipeline_pins.stage_cluster``); not
+    only powers of two (Megatron-LM ran its 529.6B model on 35 stages, its 1T model on 64)."""
     units = len(pipeline_units(graph))
-    out, pp = [], 2
-    while pp <= min(MAX_PP, units):
+    out = []
+    for pp in range(2, units + 1):
         try:
             stage_cluster(cluster, pp)
-            if cluster.num_devices % pp == 0:
-                out.append(pp)
         except ConstraintError:
-            pass
-        pp *= 2
+            continue
+        if cluster.num_devices % pp == 0:
+            out.append(pp)
     return out
 
 
@@ -75,7 +84,12 @@ def micro_batch_counts(pp: int, batch: int, cluster=None) -> list[int]:
             sub = None
         if sub is not None:
             dp = sub.num_devices // sub.devices_per_node
-            ms |= {batch // (dp * b) for b in MEGATRON_MBS if batch % (dp * b) == 0}
+            megatron = {batch // (dp * b) for b in MEGATRON_MBS if batch % (dp * b) == 0}
+            megatron = {m for m in megatron if m >= pp and batch % m == 0}
+            if megatron and (pp & (pp - 1) or pp > FACTOR_MAX_PP):
+                ms = megatron   # module doc: other degrees get the Megatron-style counts only
+            else:
+                ms |= megatron
     return sorted(m for m in ms if m >= pp and batch % m == 0)
 
 
@@ -179,7 +193,16 @@ class Pipelined:
             v = max(virtual_stages(s) for s in self.schedules)
             kw_left = dict(kw_left, cutoff=best_time * p, cutoff_bubble=(p - 1) / (m * v) if INNER_FILL_DRAIN else 0.0)
         try:
-            return ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search, **kw_left))
+            try:
+                return ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search,
+                                                **kw_left))
+            except MemoryBudgetError:
+                if not CHECKPOINTED or "checkpoint" in self.flat or sched == "zero-bubble":
+                    raise
+                # every block recomputed (the same bound: recomputation only adds work): a pin such
+                # as Megatron-LM's 1T run (pp=64, checkpoint="full") is among the candidates
+                return ("ok", *search_pipelined(self.graph, self.cluster, self.base, dict(pins, checkpoint="full"),
+                                                self.cached_search, **kw_left))
         except MemoryBudgetError as e:
             self.errors.append(e)
             if e.budget_bytes == int(self.base.budget) and e.min_peak_bytes is not None:
@@ -192,4 +215,4 @@ class Pipelined:
             return ("skip",)
 
 
-__all__ = ["Pipelined", "micro_batch_counts", "pp_choices", "step_time", "SCHEDULES", "MAX_PP"]
+__all__ = ["Pipelined", "micro_batch_counts", "pp_choices", "step_time", "SCHEDULES"]

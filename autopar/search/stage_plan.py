@@ -12,6 +12,7 @@ import math
 
 from autopar.errors import ConstraintError, MemoryBudgetError
 from autopar.pricing.pipeline_cost import boundary_p2p_time
+from autopar.search.context import CutOff
 from autopar.search.pipeline_pins import virtual_stages
 from autopar.search.stage_costs import stage_costs
 from runtime.pipeline_orders import pipeline_orders
@@ -59,21 +60,35 @@ def alive(schedule: str, k: int, pp: int, m: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _uniform_alive(schedule: str, pp: int, m: int) -> tuple[int, ...]:
+    if schedule == "gpipe":   # the simulation's answer in closed form (tests/search/test_pipeline_plan.py)
+        return (m,) * pp
+    if schedule == "1f1b":
+        return tuple(min(pp - k, m) for k in range(pp))
+    return simulated_alive(schedule, pp, m)
+
+
+def simulated_alive(schedule: str, pp: int, m: int) -> tuple[int, ...]:
+    """``alive`` read off the simulation of torch's order with equal stages."""
     V = pp * virtual_stages(schedule)
     sim = simulate_stages(schedule, pp, m, [1.0] * V, [2.0] * V)
     return tuple(sim.peak_alive[k] for k in range(V))
 
 
-def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -> dict:
+def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float, beat: float | None = None,
+                bubble: float = 0.0) -> dict:
     """The stage partition and the pipeline's predictions (module doc, steps 2-4). With an
-    interleaved schedule there are pp x v virtual stages, stage k on rank position k % pp."""
+    interleaved schedule there are pp x v virtual stages, stage k on rank position k % pp.
+    ``beat``: the step time of the plan to beat; CutOff, before the partition and the simulation,
+    when the busiest rank's least work, m x (the blocks' seconds per micro-batch) / pp, times
+    1 + ``bubble`` (the least fill and drain: pipeline_candidates' module doc) reaches it."""
     c = stage_costs(result, graph)
     mesh = result.config.mesh
     m = result.config.settings.num_micro_batches
     n = len(c.unit_time)
+    if beat is not None and m * (sum(c.unit_time) + c.pro[0] + c.epi[0]) / pp * (1 + bubble) >= beat:
+        raise CutOff(f"pp={pp}: its least work per rank reaches the plan to beat ({beat:.4g} s)")
     S = mesh.size
     V = pp * virtual_stages(schedule)
-    est_alive = _uniform_alive(schedule, pp, m)
 
     def first_rank(k: int) -> int:   # first global rank of virtual stage k
         return (k % pp) * S
@@ -110,8 +125,9 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
         return f, t - f
 
     # The DP's cost callback does not know a range's stage index: price it as the first stage, the
-    # last or a middle one by where it starts and ends (time with its boundaries' transfers, memory
-    # with the equal-stage simulation's alive count); the chosen split is then simulated exactly.
+    # last or a middle one by where it starts and ends (time with its boundaries' transfers); the
+    # DP minimises time (no memory budget: memory is 0 to it), and the chosen split is then
+    # simulated exactly and its every rank's memory checked below.
     def cost(i, j, d):
         k = min(0 if i == 0 else (V - 1 if j == n else 1), V - 1)
         f, b = times(i, j)
@@ -120,8 +136,7 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float) -
             t += 2 * p2p_secs(c.unit_out[i - 1], max(k - 1, 0))
         if j < n:
             t += 2 * p2p_secs(c.unit_out[j - 1], k)
-        static, saved = memory_parts(i, j)
-        return t, static + est_alive[k] * saved + recompute_memory(i, j)
+        return t, 0.0
 
     try:
         part = partition(n, V, m, cost, device_options=(S,), total_devices=V * S)

@@ -322,3 +322,11 @@ def test_best_bound_first_changes_no_plan_pipelined_wins(monkeypatch):
     model, batch = ZOO["gpt2_xl"]()
     first = _best_bound_first_changes_no_plan(monkeypatch, model, batch, autopar.Cluster.preset("dgx-a100", nodes=2))
     assert first.degrees["pp"] > 1
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_closed_form_alive_counts_equal_the_simulation(schedule):
+    from autopar.search.stage_plan import _uniform_alive, simulated_alive
+    for pp in (2, 3, 4, 5, 8, 12):
+        for m in sorted({pp, pp + 1, 2 * pp, 3 * pp + 1, 4 * pp, 33}):
+            assert _uniform_alive(schedule, pp, m) == simulated_alive(schedule, pp, m), (pp, m)

@@ -1,0 +1,87 @@
+"""The free search is never slower than the same search pinned to a pipeline degree (issue 29):
+it visits every degree a user could pin (``pipeline_candidates.pp_choices``: not only powers of
+two) and, where a candidate does not fit, the same candidate with every block checkpointed.
+
+The model: a 6-layer GPT with hidden 16384 on 3 DGX-A100 nodes (batch 6). 3 stages is not a power
+of two, so a search over powers of two plans pp=1 only, slower than pinned pp=3.
+"""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+
+import autopar
+import autopar.search.pipeline_candidates as pc
+from autopar.frontend.trace import trace
+from autopar.models import ZOO
+
+
+@pytest.fixture(scope="module")
+def gpt_3_nodes():
+    model, batch = ZOO["gpt2"](device="meta", n_layer=6, d_model=16384, n_head=128, seq=2048, batch=6, vocab=51200)
+    return model, batch, autopar.Cluster.preset("dgx-a100", nodes=3), trace(model, batch)
+
+
+def _plan(case, constraints=None):
+    model, batch, cluster, graph = case
+    return autopar.plan(model, batch, cluster, traced=graph, constraints=constraints)
+
+
+def test_every_degree_dividing_the_nodes_is_a_free_choice(gpt_3_nodes):
+    _, _, cluster, graph = gpt_3_nodes
+    assert pc.pp_choices(graph, cluster, {}) == [3]   # stages of whole nodes: 3 nodes, 3 stages
+
+
+def test_non_power_of_two_degrees_get_the_megatron_micro_batch_counts():
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=315)   # Megatron-LM's 529.6B run: 35 stages of 9 nodes
+    assert pc.micro_batch_counts(35, 2520, cluster) == [140, 280]   # batch / (9 x 1), batch / (9 x 2)
+    assert 8 * 16 in pc.micro_batch_counts(8, 2048, autopar.Cluster.preset("dgx-a100", nodes=8))
+
+
+def test_free_no_slower_than_pinned_non_power_of_two_degree(gpt_3_nodes, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
+    pinned = _plan(gpt_3_nodes, {"pp": 3})
+    seen = []   # (bound, step time) of every pipelined candidate the free search evaluated
+    evaluate, candidates = pc.Pipelined._evaluate, pc.Pipelined.candidates
+    bounds = {}
+
+    def record_candidates(self, base_compute, sp_for=None):
+        out = candidates(self, base_compute, sp_for)
+        bounds.update({(c[1], c[3], c[4]): c[0] for c in out})
+        return out
+
+    def record(self, p, m, sched, sp, best_time):
+        out = evaluate(self, p, m, sched, sp, best_time)
+        if out[0] == "ok":
+            seen.append((bounds[(p, m, sched)], out[3]["step_time"]))
+        return out
+    with mock.patch.object(pc.Pipelined, "_evaluate", record), \
+            mock.patch.object(pc.Pipelined, "candidates", record_candidates):
+        free = _plan(gpt_3_nodes)
+    assert free.step_time <= pinned.step_time * (1 + 1e-9)
+    assert free.degrees["pp"] == 3   # the degree powers of two skip wins here
+    assert seen and all(b <= t for b, t in seen)   # the candidate bound is below what it bounds
+    # and powers of two alone (none on 3 nodes) plan slower
+    with mock.patch.object(pc, "pp_choices", lambda *a: []):
+        assert _plan(gpt_3_nodes).step_time > pinned.step_time
+
+
+def test_a_candidate_that_does_not_fit_is_tried_with_every_block_checkpointed(gpt_3_nodes, monkeypatch):
+    """Under a budget no un-checkpointed 3-stage plan fits, pinning ``pp=3`` still plans (every
+    block recomputed), and the free search is no slower than ``pp=3, checkpoint="full"``."""
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
+    model, batch, cluster, graph = gpt_3_nodes
+    none = _plan(gpt_3_nodes, {"pp": 3})
+    full = _plan(gpt_3_nodes, {"pp": 3, "checkpoint": "full"})
+    assert full.degrees["checkpoint"] == "full" and none.degrees["checkpoint"] == "none"
+    assert full.peak_memory < none.peak_memory   # premise: recomputation saves memory here
+    budget = (full.peak_memory + none.peak_memory) // 2
+
+    def plan(constraints=None):
+        return autopar.plan(model, batch, cluster, traced=graph, constraints=constraints, memory_budget=budget)
+    with mock.patch.object(pc, "CHECKPOINTED", False), pytest.raises(autopar.MemoryBudgetError):
+        plan({"pp": 3})   # without the retry nothing of 3 stages fits
+    retried = plan({"pp": 3})
+    assert retried.degrees["checkpoint"] == "full" and retried.peak_memory <= budget
+    assert plan().step_time <= plan({"pp": 3, "checkpoint": "full"}).step_time * (1 + 1e-9)
