@@ -58,6 +58,9 @@ def alive(schedule: str, k: int, pp: int, m: int) -> int:
     return _uniform_alive(schedule, pp, m)[k] if k < V else 0
 
 
+CLOSED_FORM_ALIVE = ("gpipe", "1f1b")   # schedules whose alive counts ``_uniform_alive`` gives without simulating
+
+
 @functools.lru_cache(maxsize=256)
 def _uniform_alive(schedule: str, pp: int, m: int) -> tuple[int, ...]:
     if schedule == "gpipe":   # the simulation's answer in closed form (tests/search/test_pipeline_plan.py)
@@ -74,18 +77,33 @@ def simulated_alive(schedule: str, pp: int, m: int) -> tuple[int, ...]:
     return tuple(sim.peak_alive[k] for k in range(V))
 
 
+def least_step_time(c, result, pp: int, schedule: str, bubble: float) -> float:
+    """A lower bound on the pipelined step of ``result`` (its per-block prices ``c``) over any
+    stage partition: the busiest rank's work per micro-batch, at least the average and at least
+    the rank holding a stage of ceil(n / V) blocks (pigeonhole) and v - 1 more stages of a block
+    each, times m and 1 + ``bubble`` (the least fill and drain, pipeline_candidates' module doc);
+    plus 1 / pp of the exposed gradient communication and optimizer step (the busiest rank holds
+    at least 1 / pp of the static memory: ``rest`` in ``plan_stages``)."""
+    m = result.config.settings.num_micro_batches
+    v = virtual_stages(schedule)
+    n = len(c.unit_time)
+    busiest = max((sum(c.unit_time) + c.pro[0] + c.epi[0]) / pp,
+                  (math.ceil(n / (pp * v)) + v - 1) * min(c.unit_time, default=0.0))
+    tb = result.prediction["time_breakdown"]
+    return m * busiest * (1 + bubble) + (tb["grad_comm_exposed"] + tb["optimizer"]) / pp
+
+
 def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float, beat: float | None = None,
                 bubble: float = 0.0) -> dict:
     """The stage partition and the pipeline's predictions (module doc, steps 2-4). With an
     interleaved schedule there are pp x v virtual stages, stage k on rank position k % pp.
     ``beat``: the step time of the plan to beat; CutOff, before the partition and the simulation,
-    when the busiest rank's least work, m x (the blocks' seconds per micro-batch) / pp, times
-    1 + ``bubble`` (the least fill and drain: pipeline_candidates' module doc) reaches it."""
+    when ``least_step_time`` reaches it."""
     c = stage_costs(result, graph)
     mesh = result.config.mesh
     m = result.config.settings.num_micro_batches
     n = len(c.unit_time)
-    if beat is not None and m * (sum(c.unit_time) + c.pro[0] + c.epi[0]) / pp * (1 + bubble) >= beat:
+    if beat is not None and least_step_time(c, result, pp, schedule, bubble) >= beat:
         raise CutOff(f"pp={pp}: its least work per rank reaches the plan to beat ({beat:.4g} s)")
     S = mesh.size
     V = pp * virtual_stages(schedule)
@@ -145,9 +163,16 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float, b
     ranges = [(i, j) for i, j, _ in part.stages]
     fb = [times(i, j) for i, j in ranges]
     p2p = [p2p_secs(c.unit_out[j - 1], k) for k, (i, j) in enumerate(ranges[:-1])]
-    sim = simulate_stages(schedule, pp, m, [f for f, _ in fb], [b for _, b in fb], p2p)
     parts = [memory_parts(i, j) for i, j in ranges]
-    acts = sim.peak_rank_memory({k: parts[k][1] for k in range(V)})
+    if schedule in CLOSED_FORM_ALIVE:
+        # one stage per rank, its alive count set by the order alone (not the durations): memory
+        # is checked before the simulation, which a split that does not fit then skips
+        sim, peak_alive = None, dict(enumerate(_uniform_alive(schedule, pp, m)))
+        acts = {k: peak_alive[k] * parts[k][1] for k in range(V)}
+    else:
+        sim = simulate_stages(schedule, pp, m, [f for f, _ in fb], [b for _, b in fb], p2p)
+        peak_alive = sim.peak_alive
+        acts = sim.peak_rank_memory({k: parts[k][1] for k in range(V)})
     rank_static = [sum(parts[k][0] for k in range(V) if k % pp == r) for r in range(pp)]
     # a rank recomputes one block at a time, whichever of its virtual stages it belongs to
     rank_rec = [max((recompute_memory(*ranges[k]) for k in range(V) if k % pp == r), default=0.0) for r in range(pp)]
@@ -161,7 +186,7 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float, b
         comm = {a: sum(c.unit_bytes[u][a] for u in range(i, j)) + (c.pro_bytes[a] if i == 0 else 0.0)
                 + (c.epi_bytes[a] if j == n else 0.0) + (c.count_bytes.get(a, 0.0) if k < pp else 0.0)
                 for a in mesh.names}
-        nal = sim.peak_alive[k]
+        nal = peak_alive[k]
         rec_mem = recompute_memory(i, j)
         stages.append({"index": k, "ranks": [r * S, (r + 1) * S - 1], "virtual": k // pp, "blocks": [i, j],
                        "time": fb[k][0] + fb[k][1], "forward_time": fb[k][0], "backward_time": fb[k][1],
@@ -184,6 +209,8 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float, b
                                 f"({alive_txt} micro-batches alive under {schedule}) but the budget is {int(budget):,}: "
                                 f"use more stages, more micro-batches (1F1B), activation checkpointing or a larger "
                                 f"budget", min_peak_bytes=rank_peak[worst_r], budget_bytes=int(budget))
+    if sim is None:
+        sim = simulate_stages(schedule, pp, m, [f for f, _ in fb], [b for _, b in fb], p2p)
     pipe = sim.step_time
     # the bubble of the busiest rank: what the step adds to its own work (compute + bubble = pipeline)
     bubble = pipe - max(sim.busy.values())
@@ -212,5 +239,5 @@ def simulate_plan(data: dict):
                            [s["p2p_time"] for s in st[:-1]], timeline=True)
 
 
-__all__ = ["alive_micro_batches", "alive", "orders_for", "simulate_stages", "plan_stages", "simulate_plan",
+__all__ = ["alive_micro_batches", "alive", "least_step_time", "orders_for", "simulate_stages", "plan_stages", "simulate_plan",
            "WEIGHT_GRAD_SHARE"]

@@ -85,3 +85,29 @@ def test_a_candidate_that_does_not_fit_is_tried_with_every_block_checkpointed(gp
     retried = plan({"pp": 3})
     assert retried.degrees["checkpoint"] == "full" and retried.peak_memory <= budget
     assert plan().step_time <= plan({"pp": 3, "checkpoint": "full"}).step_time * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("pins", [{"pp": 3}, {"pp": 3, "checkpoint": "full"},
+                                  {"pp": 3, "pp_schedule": "interleaved-1f1b"}, {"pp": 3, "pp_schedule": "gpipe"}])
+def test_the_stage_cut_off_bound_is_below_every_pipelined_step(gpt_3_nodes, pins, monkeypatch):
+    """``stage_plan.least_step_time`` (what cuts a candidate off before its partition) is below
+    the step the partition and the simulation then price, for every candidate a pin visits."""
+    import autopar.search.pipeline as pipeline
+    from autopar.search.pipeline_pins import virtual_stages
+    from autopar.search.stage_costs import stage_costs
+    from autopar.search.stage_plan import least_step_time, plan_stages
+
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
+    graph = gpt_3_nodes[3]
+    seen = []
+
+    def checked(result, graph_, cluster, pp, schedule, budget, beat=None, bubble=0.0):
+        info = plan_stages(result, graph_, cluster, pp, schedule, budget)
+        m = result.config.settings.num_micro_batches
+        least = least_step_time(stage_costs(result, graph), result, pp, schedule,
+                                (pp - 1) / (m * virtual_stages(schedule)))
+        seen.append((least, info["step_time"]))
+        return info
+    monkeypatch.setattr(pipeline, "plan_stages", checked)
+    _plan(gpt_3_nodes, pins)
+    assert seen and all(least <= step * (1 + 1e-9) for least, step in seen), seen

@@ -330,3 +330,15 @@ def test_closed_form_alive_counts_equal_the_simulation(schedule):
     for pp in (2, 3, 4, 5, 8, 12):
         for m in sorted({pp, pp + 1, 2 * pp, 3 * pp + 1, 4 * pp, 33}):
             assert _uniform_alive(schedule, pp, m) == simulated_alive(schedule, pp, m), (pp, m)
+
+
+def test_closed_form_alive_counts_hold_with_unequal_stages():
+    """plan_stages checks 1F1B / GPipe memory before simulating, with the equal-stage counts: the
+    order alone sets them, whatever the stage durations and transfers."""
+    from autopar.search.stage_plan import _uniform_alive, simulate_stages
+    for schedule in ("1f1b", "gpipe"):
+        for pp, m in ((3, 7), (4, 4), (5, 12)):
+            fwd = [0.3 + 0.7 * (k % 2) for k in range(pp)]
+            bwd = [2.5 - 0.4 * k for k in range(pp)]
+            sim = simulate_stages(schedule, pp, m, fwd, bwd, [0.05] * (pp - 1))
+            assert tuple(sim.peak_alive[k] for k in range(pp)) == _uniform_alive(schedule, pp, m)
