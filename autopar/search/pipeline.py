@@ -99,7 +99,7 @@ def search_pipelined(graph, cluster, base, constraints: dict, search_fn, **kw):
     result, stats = search_fn(graph, sub, lifted, inner, max_zero=top, **kw)
     # the incumbent to beat (pipeline_candidates: ``cutoff`` is its step time times pp)
     beat = None if kw.get("cutoff") is None else kw["cutoff"] / pp
-    info = plan_stages(result, graph, cluster, pp, schedule, budget, beat, kw.get("cutoff_bubble", 0.0))
+    info = plan_stages(result, graph, cluster, pp, schedule, budget, beat)
     info.update(pp=pp, schedule=schedule, num_micro_batches=m)
     return result, stats, info
 

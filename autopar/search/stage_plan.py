@@ -77,24 +77,27 @@ def simulated_alive(schedule: str, pp: int, m: int) -> tuple[int, ...]:
     return tuple(sim.peak_alive[k] for k in range(V))
 
 
-def least_step_time(c, result, pp: int, schedule: str, bubble: float) -> float:
+def least_step_time(c, result, pp: int, schedule: str) -> float:
     """A lower bound on the pipelined step of ``result`` (its per-block prices ``c``) over any
-    stage partition: the busiest rank's work per micro-batch, at least the average and at least
-    the rank holding a stage of ceil(n / V) blocks (pigeonhole) and v - 1 more stages of a block
-    each, times m and 1 + ``bubble`` (the least fill and drain, pipeline_candidates' module doc);
-    plus 1 / pp of the exposed gradient communication and optimizer step (the busiest rank holds
-    at least 1 / pp of the static memory: ``rest`` in ``plan_stages``)."""
+    stage partition. The ranks' work per micro-batch averages (blocks + prologue + epilogue) / pp,
+    and the rank holding a stage of ceil(n / V) blocks (pigeonhole) with v - 1 more stages of a
+    block each does at least that many of the fastest block; rank r also waits, before its first
+    action and after its last, at least r stages of a block each (fill and drain), pp (pp - 1) / 2
+    of them over the ranks. Plus 1 / pp of the exposed gradient communication and optimizer step
+    (the busiest rank holds at least 1 / pp of the static memory: ``rest`` in ``plan_stages``).
+    Not the equal-stage bubble (pp - 1) / (m v): with unequal stages the busiest rank may wait
+    less (tests/search/test_free_never_worse.py)."""
     m = result.config.settings.num_micro_batches
     v = virtual_stages(schedule)
     n = len(c.unit_time)
-    busiest = max((sum(c.unit_time) + c.pro[0] + c.epi[0]) / pp,
-                  (math.ceil(n / (pp * v)) + v - 1) * min(c.unit_time, default=0.0))
+    fastest = min(c.unit_time, default=0.0)
+    total = sum(c.unit_time) + c.pro[0] + c.epi[0]
+    busiest = max(m * total / pp + fastest * (pp - 1) / 2, m * (math.ceil(n / (pp * v)) + v - 1) * fastest)
     tb = result.prediction["time_breakdown"]
-    return m * busiest * (1 + bubble) + (tb["grad_comm_exposed"] + tb["optimizer"]) / pp
+    return busiest + (tb["grad_comm_exposed"] + tb["optimizer"]) / pp
 
 
-def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float, beat: float | None = None,
-                bubble: float = 0.0) -> dict:
+def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float, beat: float | None = None) -> dict:
     """The stage partition and the pipeline's predictions (module doc, steps 2-4). With an
     interleaved schedule there are pp x v virtual stages, stage k on rank position k % pp.
     ``beat``: the step time of the plan to beat; CutOff, before the partition and the simulation,
@@ -103,7 +106,7 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float, b
     mesh = result.config.mesh
     m = result.config.settings.num_micro_batches
     n = len(c.unit_time)
-    if beat is not None and least_step_time(c, result, pp, schedule, bubble) >= beat:
+    if beat is not None and least_step_time(c, result, pp, schedule) >= beat:
         raise CutOff(f"pp={pp}: its least work per rank reaches the plan to beat ({beat:.4g} s)")
     S = mesh.size
     V = pp * virtual_stages(schedule)
