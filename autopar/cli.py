@@ -90,9 +90,9 @@ def _cluster(args):
     return Cluster.preset(spec, **kw)
 
 
-def _load_hf(args):
+def _load_hf(args, quiet: bool = False):
     """(model, inputs, precision) of the Hugging Face config ``args.factory`` (--seq, --batch,
-    --task, --dtype; --arg overrides config fields)."""
+    --task, --dtype; --arg overrides config fields). ``quiet``: no line saying what was built."""
     from autopar.models import HF_ZOO, ZOO
     from autopar.models.hf_config import from_hf_config, load_config
     spec = args.factory
@@ -113,8 +113,9 @@ def _load_hf(args):
     n = sum(p.numel() for p in out.model.parameters())
     arch = type(out.model.model).__name__
     shape = f"seq {args.seq}, " if args.seq else ""
-    print(f"{spec}: {arch} ({cfg.model_type}, {out.task}), {n / 1e9:.2f} B parameters, {shape}global batch "
-          f"{args.batch}, {str(out.dtype).removeprefix('torch.')} -> precision {out.precision}")
+    if not quiet:
+        print(f"{spec}: {arch} ({cfg.model_type}, {out.task}), {n / 1e9:.2f} B parameters, {shape}global batch "
+              f"{args.batch}, {str(out.dtype).removeprefix('torch.')} -> precision {out.precision}")
     return out.model, out.inputs, out.precision
 
 
@@ -200,7 +201,14 @@ def cmd_show(args) -> int:
         if not 0 <= args.rank < p.mesh.size:
             raise PlanError(f"--rank {args.rank} is outside the plan's mesh {p.mesh.describe()}: "
                             f"give a rank from 0 to {p.mesh.size - 1}")
-        print(per_rank_code(p, args.rank, factory=args.factory, pairs=args.arg))
+        from autopar.models import is_hf_spec
+        if is_hf_spec(args.factory):   # the Hugging Face config the plan was made from (autopar plan CONFIG)
+            model, inputs, _ = _load_hf(args, quiet=True)
+            print(per_rank_code(p, args.rank, factory=lambda: (model, inputs)))
+            return 0
+        extra = _factory_shape(args, "show --code")
+        pairs = list(args.arg or []) + [f"{k}={v}" for k, v in extra.items()]
+        print(per_rank_code(p, args.rank, factory=args.factory, pairs=pairs))
         return 0
     print(show_text(p, limit=args.ops), end="")
     if args.timeline:
@@ -271,7 +279,11 @@ def cmd_ops(args) -> int:
 
     from autopar.rules import coverage
     from autopar.frontend.trace import trace
-    model, inputs = _load_model(args.factory, args.arg)
+    from autopar.models import is_hf_spec
+    if is_hf_spec(args.factory):
+        model, inputs, _ = _load_hf(args)
+    else:
+        model, inputs = _load_model(args.factory, args.arg, _factory_shape(args, "ops"))
     g = trace(model, inputs)
     rows = coverage(g.gm.graph)
     by = Counter((t, r) for _, t, r in rows)
@@ -329,6 +341,28 @@ def cmd_kernels(args) -> int:
     return 1 if failed else 0
 
 
+def _factory_shape(args, command: str) -> dict:
+    """--seq / --batch for a factory (its seq and batch arguments); --task and --dtype are for
+    Hugging Face configs only, an error with a factory."""
+    for flag in ("task", "dtype"):
+        if getattr(args, flag) is not None:
+            raise PlanError(f"{command}: --{flag} is for Hugging Face configs; {args.factory} is a model factory")
+    return {k: v for k, v in (("seq", args.seq), ("batch", args.batch)) if v is not None}
+
+
+def _model_shape_args(p) -> None:
+    """--seq, --batch, --task and --dtype: what a Hugging Face config needs to become a model
+    (``_load_hf``), on every command that builds one (plan, show --code, ops)."""
+    p.add_argument("--seq", type=_positive_int("--seq"), default=None,
+                   help="sequence length (Hugging Face configs; a factory's seq argument)")
+    p.add_argument("--batch", type=_positive_int("--batch"), default=None,
+                   help="global batch in samples (sequences) per step (Hugging Face configs; a factory's batch argument)")
+    p.add_argument("--task", choices=("causal-lm", "masked-lm", "seq2seq", "image-classification"), default=None,
+                   help="Hugging Face configs: the model head (default: from the config's architectures)")
+    p.add_argument("--dtype", default=None,
+                   help="bf16/bfloat16, fp16/float16 (planned as bf16) or fp32/float32; default: the config's dtype")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="autopar", description="auto-parallel training compiler for PyTorch",
                                  epilog="exit codes: 0 ok, 1 diff found a regression, 2 bad input, "
@@ -339,14 +373,7 @@ def main(argv=None) -> int:
     p.add_argument("factory", metavar="MODEL",
                    help="module.path:FACTORY, file.py:FACTORY, a zoo name (gpt2_xl, llama, ...), or a Hugging Face "
                         "config.json, model directory or cached model name (any other name without ':')")
-    p.add_argument("--seq", type=_positive_int("--seq"), default=None,
-                   help="sequence length (Hugging Face configs; a factory's seq argument)")
-    p.add_argument("--batch", type=_positive_int("--batch"), default=None,
-                   help="global batch in samples (sequences) per step (Hugging Face configs; a factory's batch argument)")
-    p.add_argument("--task", choices=("causal-lm", "masked-lm", "seq2seq", "image-classification"), default=None,
-                   help="Hugging Face configs: the model head (default: from the config's architectures)")
-    p.add_argument("--dtype", default=None,
-                   help="bf16/bfloat16, fp16/float16 (planned as bf16) or fp32/float32; default: the config's dtype")
+    _model_shape_args(p)
     p.add_argument("--cluster", required=True, help="preset (dgx-a100, dgx-h100, tacc-longhorn, cpu) or a YAML file")
     p.add_argument("--nodes", type=_positive_int("--nodes"), default=1)
     p.add_argument("--devices", type=_positive_int("--devices"), default=None, help="devices for the cpu preset")
@@ -365,8 +392,10 @@ def main(argv=None) -> int:
     s.add_argument("--ops", type=int, default=60, help="how many per-op rows to show")
     s.add_argument("--code", action="store_true", help="print the generated per-rank program")
     s.add_argument("--rank", type=int, default=0)
-    s.add_argument("--factory", help="model factory (needed with --code)")
+    s.add_argument("--factory", help="the plan's model (needed with --code): a factory, a zoo name or the "
+                                      "Hugging Face config it was planned from, with the same --arg / --seq / --batch")
     s.add_argument("--arg", action="append")
+    _model_shape_args(s)
     s.add_argument("--timeline", help="draw the predicted pipeline schedule to this image (e.g. t.png)")
     s.set_defaults(fn=cmd_show)
     rp = sub.add_parser("report", help="one self-contained HTML page of a plan (summary, memory, timeline, "
@@ -386,8 +415,9 @@ def main(argv=None) -> int:
     d.add_argument("--force", action="store_true", help="compare plans of different models anyway")
     d.set_defaults(fn=cmd_diff)
     o = sub.add_parser("ops", help="which ops hit which rule")
-    o.add_argument("factory")
+    o.add_argument("factory", metavar="MODEL", help="a factory, a zoo name or a Hugging Face config (as for plan)")
     o.add_argument("--arg", action="append")
+    _model_shape_args(o)
     o.set_defaults(fn=cmd_ops)
     r = sub.add_parser("run", help="run a script on N local CPU processes (gloo)")
     r.add_argument("-n", "--nprocs", type=_positive_int("-n"), default=2)

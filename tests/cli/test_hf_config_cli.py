@@ -2,6 +2,7 @@
 (written here from their public values, benchmarks/hf_configs.py; nothing downloaded) built on the
 meta device and planned on dgx-h100 presets through the CLI, and each way the input can be wrong."""
 import json
+import re
 
 import pytest
 import torch
@@ -197,3 +198,25 @@ def test_cli_plans_a_model_name_from_the_local_cache(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "acme/Tiny: MistralForCausalLM (mistral, causal-lm)" in out.stdout
     assert Plan.load(tmp_path / "p.json").world_size == 2
+
+
+def test_show_code_and_ops_take_the_config_a_plan_was_made_from(capsys, tmp_path):
+    path = write_config("Mistral-7B", tmp_path, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)
+    shape = ["--seq", 16, "--batch", 4]
+    code, out, err = run(capsys, "plan", path, *shape, "--cluster", "cpu", "--devices", 2, "--dtype", "fp32",
+                         "-o", tmp_path / "p.json")
+    assert code == 0, err
+    code, out, err = run(capsys, "show", tmp_path / "p.json", "--code", "--rank", 1, "--factory", path, *shape,
+                         "--dtype", "fp32")
+    assert code == 0, err
+    assert out.startswith("# rank 1 of mesh") and "def forward" in out
+    code, out, err = run(capsys, "ops", path, *shape)
+    assert code == 0, err
+    assert re.search(r"\n\d+ ops, \d+ on the replicate fallback\n$", out) and "MistralForCausalLM" in out
+    # another shape is another model: the plan's fingerprint says so
+    code, out, err = run(capsys, "show", tmp_path / "p.json", "--code", "--factory", path, "--seq", 8, "--batch", 4,
+                         "--dtype", "fp32")
+    assert code != 0 and "different model" in (out + err)
+    code, out, err = run(capsys, "ops", "gpt2", "--task", "causal-lm")
+    assert code == 2 and "--task is for Hugging Face configs" in err
