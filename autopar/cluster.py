@@ -30,6 +30,10 @@ YAML cluster file (``examples/cluster.yaml`` is a complete, commented example)::
     links:
       intra: {bandwidth: 230GB/s, latency: 5us}    # effective (bus) bandwidth per device
       inter: {bandwidth: 200Gb/s, latency: 10us}   # optional when nodes == 1 (then = intra)
+    host:                       # optional: what offload prices (without it, offload is not planned)
+      memory: 2TB               # host memory per node, shared by its devices
+      copy_bandwidth: 12.5GB/s  # host<->device bytes/s per device, per direction, all devices copying
+      cpu_bandwidth: 290GB/s    # memory bandwidth an optimizer step on the CPUs reaches, per node
 
 Units accepted in strings: bytes ``B kB MB GB TB`` (powers of 1000) and ``KiB MiB GiB TiB``
 (powers of 1024); FLOP/s ``k M G T P`` optionally followed by ``FLOPS`` or ``FLOP/s``;
@@ -151,6 +155,32 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Host:
+    """The host side of one node, what offload is priced with (autopar/pricing/offload.py):
+    ``memory_bytes`` of host memory per node, shared by ``shared_by`` devices (the node's
+    devices_per_node when described); ``copy_bandwidth``: host<->device bytes/s one device gets
+    per direction while every device of the node copies (PCIe switches are shared);
+    ``cpu_bandwidth``: the memory bandwidth (bytes/s) an optimizer step on the node's CPUs
+    reaches with every core, shared by the node's ranks (a CPU optimizer step is memory-bound)."""
+    memory_bytes: int
+    copy_bandwidth: float
+    cpu_bandwidth: float
+    shared_by: int = 1
+
+    def __post_init__(self):
+        for what, v in [("memory", self.memory_bytes), ("copy_bandwidth", self.copy_bandwidth),
+                        ("cpu_bandwidth", self.cpu_bandwidth)]:
+            if not _positive(v):
+                raise ClusterError(f"host: {what} = {v!r}; expected a positive number")
+        if not (isinstance(self.shared_by, int) and not isinstance(self.shared_by, bool) and self.shared_by >= 1):
+            raise ClusterError(f"host: shared_by = {self.shared_by!r}; expected an integer >= 1")
+
+    def per_rank(self) -> tuple[float, float]:
+        """(host memory bytes, CPU bytes/s) of one rank's share of the node."""
+        return self.memory_bytes / self.shared_by, self.cpu_bandwidth / self.shared_by
+
+
+@dataclass(frozen=True)
 class Cluster:
     name: str
     nodes: int
@@ -160,6 +190,7 @@ class Cluster:
     inter_link: Link
     backend: str = "nccl"
     calibration: Any = None   # autopar.profile.Calibration (measured rates), or None: see cost.profile_of
+    host: Host | None = None   # None: no host described, offload is not planned
 
     def __post_init__(self):
         for what, v in [("nodes", self.nodes), ("devices_per_node", self.devices_per_node)]:
@@ -216,6 +247,8 @@ class Cluster:
                 "inter": {"bandwidth": float(self.inter_link.bandwidth), "latency": float(self.inter_link.latency)},
             },
             **({"calibration": self.calibration.to_dict()} if self.calibration is not None else {}),
+            **({"host": {"memory": int(self.host.memory_bytes), "copy_bandwidth": float(self.host.copy_bandwidth),
+                         "cpu_bandwidth": float(self.host.cpu_bandwidth)}} if self.host is not None else {}),
         }
 
     def with_calibration(self, calibration) -> "Cluster":
@@ -282,15 +315,23 @@ def _positive(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
-def _dgx(name: str, device: Device, intra: Link, inter: Link):
+def _host(memory: float, copy: float, cpu: float, per_node: int) -> Host:
+    return Host(int(memory), copy, cpu, per_node)
+
+
+def _dgx(name: str, device: Device, intra: Link, inter: Link, host: tuple = None, per_node_max: int = 8,
+         what: str = "a DGX node"):
+    """A preset whose machines hold ``per_node_max`` GPUs (``devices`` may ask for fewer);
+    ``host``: (memory per node, copy bytes/s per device, CPU bytes/s per node)."""
     def make(nodes: int, devices: int | None) -> Cluster:
         _check_count("nodes", nodes, name)
-        per_node = 8 if devices is None else devices
+        per_node = per_node_max if devices is None else devices
         _check_count("devices", per_node, name)
-        if per_node > 8:
-            raise ClusterError(f"preset {name!r}: devices={per_node} is devices per node and a DGX node has 8; "
-                               f"use nodes={-(-per_node // 8)} for more GPUs")
-        return Cluster(name, nodes, per_node, device, intra, inter, "nccl")
+        if per_node > per_node_max:
+            raise ClusterError(f"preset {name!r}: devices={per_node} is devices per node and {what} has "
+                               f"{per_node_max}; use nodes={-(-per_node // per_node_max)} for more GPUs")
+        return Cluster(name, nodes, per_node, device, intra, inter, "nccl",
+                       host=_host(*host, per_node) if host is not None else None)
     return make
 
 
@@ -308,20 +349,9 @@ def _cpu(nodes: int, devices: int | None) -> Cluster:
     device = Device("cpu", FrozenMap({"bf16": 50e9, "fp16": 50e9, "fp32": 50e9}), 4 * 2**30, 10e9,
                     kernel_overhead=1e-6)
     link = Link(1e9, 5e-5)
-    return Cluster("cpu", 1, per_node, device, link, link, "gloo")
-
-
-def _fixed_node(name: str, device: Device, intra: Link, inter: Link, per_node_max: int, what: str):
-    """A preset whose machines hold ``per_node_max`` GPUs (``devices`` may ask for fewer)."""
-    def make(nodes: int, devices: int | None) -> Cluster:
-        _check_count("nodes", nodes, name)
-        per_node = per_node_max if devices is None else devices
-        _check_count("devices", per_node, name)
-        if per_node > per_node_max:
-            raise ClusterError(f"preset {name!r}: devices={per_node} is devices per node and {what} has "
-                               f"{per_node_max}; use nodes={-(-per_node // per_node_max)} for more GPUs")
-        return Cluster(name, nodes, per_node, device, intra, inter, "nccl")
-    return make
+    # Host: the same machine's memory (16 GiB assumed for the node) and its ~10 GB/s memory
+    # bandwidth, both for "copies" between the two pools and for the CPU optimizer step.
+    return Cluster("cpu", 1, per_node, device, link, link, "gloo", host=_host(16 * 2**30, 10e9, 10e9, per_node))
 
 
 # TACC Longhorn (the V100 machine of the 2D/2.5D/3D tensor-parallelism papers' 64-GPU runs).
@@ -341,17 +371,44 @@ V100_SXM2_16GB = Device("V100-SXM2-16GB", FrozenMap({"bf16": 125e12, "fp16": 125
                         16_000_000_000, 900e9)
 
 
+# Hosts (what offload is priced with: autopar/pricing/offload.py). CPU memory bandwidth is taken
+# as 70% of the sockets' nominal DRAM bandwidth (a STREAM-like sustained share; an estimate), and
+# host<->device copies at the measured 25 GB/s of a PCIe 4.0 x16 link (50 for 5.0; facts.md),
+# divided by the GPUs that share one switch uplink. Sources per preset:
+#  DGX A100 (80 GB): 2 TB host memory; 2 × AMD EPYC 7742, 8 channels DDR4-3200 = 204.8 GB/s per
+#        socket nominal -> 290 GB/s; four PCIe 4.0 switches, two GPUs on each -> 12.5 GB/s per GPU.
+#  DGX H100: 2 TB; 2 × Xeon Platinum 8480C, 8 channels DDR5-4800 = 307.2 GB/s per socket -> 430
+#        GB/s; PCIe 5.0, two GPUs per switch uplink assumed -> 25 GB/s per GPU.
+#  Longhorn AC922: 256 GB per node; NVLink 2.0 between POWER9 and V100 (two bricks, 50 GB/s per
+#        direction nominal, x0.76 as the links above, two GPUs per socket -> 19 GB/s per GPU);
+#        2 × POWER9, 8 channels DDR4-2666 = 170 GB/s per socket -> 240 GB/s.
+#  DGX-2 (the ZeRO-Offload paper's machine: 16 × V100 32 GB, 1.5 TB host memory, 2 × Xeon
+#        Platinum 8168): 6 channels DDR4-2666 = 128 GB/s per socket -> 179 GB/s; PCIe 3.0 x16
+#        measured ~12 GB/s, two GPUs per switch uplink -> 6 GB/s per GPU; NVSwitch 150 GB/s per
+#        direction x0.76 = 114 GB/s bus bandwidth; 8 × EDR 100 Gb/s for 16 GPUs x0.9 = 5.6 GB/s.
+#  Workstation: one RTX 4090 (GeForce RTX 4090 data sheet / Ada whitepaper: 165 TFLOP/s dense
+#        bf16 with fp32 accumulate, 82.6 TFLOP/s fp32, 24 GB GDDR6X at 1,008 GB/s) in a PCIe 4.0
+#        x16 slot (25 GB/s), 128 GB of dual-channel DDR5-5600 (89.6 GB/s -> 63 GB/s).
+V100_SXM3_32GB = Device("V100-SXM3-32GB", FrozenMap({"bf16": 125e12, "fp16": 125e12, "fp32": 15.7e12}),
+                        32_000_000_000, 900e9)
+RTX_4090 = Device("RTX-4090-24GB", FrozenMap({"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}),
+                  24_000_000_000, 1008e9)
+
 PRESETS = {
     "dgx-a100": _dgx("dgx-a100",
                      Device("A100-SXM4-80GB", FrozenMap({"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}),
                             80_000_000_000, 2.039e12),
-                     Link(230e9, 5e-6), Link(25e9, 1e-5)),
+                     Link(230e9, 5e-6), Link(25e9, 1e-5), host=(2e12, 12.5e9, 290e9)),
     "dgx-h100": _dgx("dgx-h100",
                      Device("H100-SXM5-80GB", FrozenMap({"bf16": 989e12, "fp16": 989e12, "fp32": 494.5e12}),
                             80_000_000_000, 3.35e12),
-                     Link(370e9, 5e-6), Link(48e9, 1e-5)),
-    "tacc-longhorn": _fixed_node("tacc-longhorn", V100_SXM2_16GB, Link(38e9, 5e-6), Link(5.6e9, 1e-5), 4,
-                                 "a Longhorn (IBM AC922) node"),
+                     Link(370e9, 5e-6), Link(48e9, 1e-5), host=(2e12, 25e9, 430e9)),
+    "tacc-longhorn": _dgx("tacc-longhorn", V100_SXM2_16GB, Link(38e9, 5e-6), Link(5.6e9, 1e-5),
+                          host=(256e9, 19e9, 240e9), per_node_max=4, what="a Longhorn (IBM AC922) node"),
+    "dgx2-v100": _dgx("dgx2-v100", V100_SXM3_32GB, Link(114e9, 5e-6), Link(5.6e9, 1e-5),
+                      host=(1.5e12, 6e9, 179e9), per_node_max=16, what="a DGX-2"),
+    "workstation-4090": _dgx("workstation-4090", RTX_4090, Link(25e9, 1e-5), Link(25e9, 1e-5),
+                             host=(128e9, 25e9, 63e9), per_node_max=1, what="the workstation"),
     "cpu": _cpu,
 }
 
@@ -360,7 +417,8 @@ PRESETS = {
 # Parsing and validation of the YAML / dict schema
 # ---------------------------------------------------------------------------------------------
 
-_TOP = ("name", "preset", "nodes", "devices_per_node", "devices", "backend", "device", "links", "calibration")
+_TOP = ("name", "preset", "nodes", "devices_per_node", "devices", "backend", "device", "links", "calibration", "host")
+_HOST = ("memory", "copy_bandwidth", "cpu_bandwidth")
 _DEVICE = ("name", "memory", "peak_flops", "hbm_bandwidth", "kernel_overhead")
 _LINKS = ("intra", "inter")
 _LINK = ("bandwidth", "latency")
@@ -443,7 +501,7 @@ def _parse(data, source: str) -> Cluster:
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise r.fail("preset", f"unknown preset {_show(name)}; {hint}known presets: {', '.join(PRESETS)}")
         # validate the overrides' keys before merging so errors point at the user's own fields
-        for key, allowed in (("device", _DEVICE), ("links", _LINKS)):
+        for key, allowed in (("device", _DEVICE), ("links", _LINKS), ("host", _HOST)):
             if key in data:
                 r.mapping(data[key], key, allowed)
         base = PRESETS[name](1, None).to_dict()
@@ -516,4 +574,10 @@ def _parse(data, source: str) -> Cluster:
             calibration = Calibration.from_dict(cv, source)
         else:
             raise r.fail("calibration", f"got {_show(cv)}; expected a profile path (autopar calibrate) or mapping")
-    return Cluster(name, nodes, per_node, device, links["intra"], links["inter"], backend, calibration)
+    host = None
+    if "host" in data:
+        hd = r.mapping(data["host"], "host", _HOST, required=_HOST)
+        hmem = r.quantity(hd["memory"], "host.memory", "bytes")
+        host = Host(int(hmem), r.quantity(hd["copy_bandwidth"], "host.copy_bandwidth", "bandwidth"),
+                    r.quantity(hd["cpu_bandwidth"], "host.cpu_bandwidth", "bandwidth"), per_node)
+    return Cluster(name, nodes, per_node, device, links["intra"], links["inter"], backend, calibration, host)

@@ -30,7 +30,6 @@ SCHEDULE_ALIASES = {"interleaved_1f1b": "interleaved-1f1b", "interleaved": "inte
                     "zero_bubble": "zero-bubble", "zb": "zero-bubble"}
 CHECKPOINT_MODES = ("none", "selective", "full")
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
-PLANNED_OFFLOAD = ("none",)   # the offload modes this version plans
 
 
 @dataclass(frozen=True, repr=False)
@@ -106,8 +105,11 @@ class Constraints:
     groups left to the search. Not pinned, the search chooses per group (under pipelining: none)."""
 
     offload: str | None = None
-    """What lives off the device: ``"none"`` (``False`` is the older spelling). ``"optimizer"`` and
-    ``"optimizer+params"`` are named by the API but not planned yet: pinning them is an error."""
+    """What lives off the device: ``"none"`` (``False`` is the older spelling); ``"optimizer"``
+    (``True``): the fp32 master weights and optimizer state on host memory, the optimizer step on
+    the CPU; ``"optimizer+params"``: ZeRO-3's parameter shards also on the host between uses (needs
+    zero=3). Not pinned, the search offloads only where it is faster or nothing else fits. Not with
+    the grid modes (2d / 2.5d / 3d) yet."""
 
     def __post_init__(self):
         _validate(self)
@@ -284,15 +286,20 @@ def _check_checkpoint(c: Constraints) -> None:
 
 def _check_offload(c: Constraints) -> None:
     v = c.offload
-    if v is False:
-        _set(c, "offload", v := "none")
-    if v is None or v in PLANNED_OFFLOAD:
+    if v is False or v is True:
+        _set(c, "offload", v := "optimizer" if v else "none")
+    if v is None:
         return
-    if v is True or v in OFFLOAD_MODES:
-        raise ConstraintError(f"constraint offload={v!r} cannot be met: this version of autopar plans "
-                              f"offload='none' only (offload is not implemented yet)")
-    raise ConstraintError(f"constraint offload={v!r}: must be one of {', '.join(map(repr, OFFLOAD_MODES))} "
-                          f"(only 'none' is planned yet)")
+    if v not in OFFLOAD_MODES:
+        raise ConstraintError(f"constraint offload={v!r}: must be one of {', '.join(map(repr, OFFLOAD_MODES))} "
+                              f"(or False / True for 'none' / 'optimizer')")
+    if v == "optimizer+params" and c.zero is not None and c.zero != 3:
+        raise ConstraintError(f"constraints offload='optimizer+params' and zero={c.zero} contradict each other: "
+                              f"'optimizer+params' keeps ZeRO-3's parameter shards on the host; pin zero=3, or "
+                              f"offload='optimizer'")
+    if v != "none" and c.tp_mode in ("2d", "2.5d", "3d"):
+        raise ConstraintError(f"constraint offload={v!r} cannot be met with tp_mode={c.tp_mode!r}: the grid modes "
+                              f"do not offload yet; use tp_mode '1d' or '2d-reshard', or offload='none'")
 
 
 __all__ = ["Constraints", "KEYS", "TP_MODES", "SP_MODES", "PP_SCHEDULES", "SCHEDULE_ALIASES", "CHECKPOINT_MODES",

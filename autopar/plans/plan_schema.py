@@ -14,19 +14,26 @@ from __future__ import annotations
 
 from autopar.errors import PlanError
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 # Version 2: tp_mode "2d" now means SUMMA on a q x q grid (autopar/search/grid_search.py); the 2-axis
-# resharding mode version 1 called "2d" is "2d-reshard". ``migrate`` rewrites a version-1 plan
-# (nothing else changed, so its ops and params still run as they did).
+# resharding mode version 1 called "2d" is "2d-reshard". Version 3: degrees.offload is what is
+# offloaded ("none" | "optimizer" | "optimizer+params"), where versions 1-2 wrote false (nothing
+# was ever offloaded). ``migrate`` rewrites an older plan step by step (nothing else changed, so
+# its ops and params still run as they did).
 
 
 def migrate(data):
-    """A version-1 plan as version 2 (tp_mode "2d" -> "2d-reshard"); anything else unchanged."""
-    if isinstance(data, dict) and data.get("version") == 1 and isinstance(data.get("degrees"), dict):
-        data = dict(data, version=2, degrees=dict(data["degrees"]))
-        if data["degrees"].get("tp_mode") == "2d":
-            data["degrees"]["tp_mode"] = "2d-reshard"
-        data["migrated_from"] = 1
+    """A version-1 or -2 plan as version 3 (tp_mode "2d" -> "2d-reshard"; offload false ->
+    "none"); anything else unchanged."""
+    if not (isinstance(data, dict) and data.get("version") in (1, 2) and isinstance(data.get("degrees"), dict)):
+        return data
+    start = data["version"]
+    data = dict(data, degrees=dict(data["degrees"]))
+    if start == 1 and data["degrees"].get("tp_mode") == "2d":
+        data["degrees"]["tp_mode"] = "2d-reshard"
+    if data["degrees"].get("offload") in (False, None):
+        data["degrees"]["offload"] = "none"
+    data["version"], data["migrated_from"] = 3, start
     return data
 
 

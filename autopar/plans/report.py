@@ -66,6 +66,11 @@ def summary_table(plan) -> Table:
     mb = p["memory_breakdown"]
     t.add_row("peak memory", f"{_gib(p['peak_memory'])} of {_gib(plan.data['settings']['memory_budget'])}  "
                              + ", ".join(f"{k} {_gib(v)}" for k, v in mb.items()))
+    off = p.get("offload")
+    if off:
+        t.add_row("offload", f"{off['mode']} to {off['target']}: {_gib(off['host_bytes'])} of host memory per rank "
+                             f"(its share {_gib(off['host_budget'])}); per step {_gib(off['d2h_bytes'])} to the host, "
+                             f"{_gib(off['h2d_bytes'])} back")
     t.add_row("communication", ", ".join(f"{k}: {_gib(v)}" for k, v in p["comm_bytes"].items()) + " per device per step")
     t.add_row("MFU", f"{p['mfu'] * 100:.1f}%  ({p['model_flops']:.3g} model FLOPs per step)")
     s = plan.data["solver"]

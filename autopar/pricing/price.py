@@ -27,6 +27,7 @@ from autopar.pricing.cost import (TRUST_NORM_BYTES_PER_TENSOR, TRUST_RATIO_OPTIM
 from autopar.pricing.edge_price import _price_edges
 from autopar.pricing.local_bytes import block_fraction, runtime_itemsize
 from autopar.pricing.memory import state_bytes, zero_shard
+from autopar.pricing.offload import offload_price
 from autopar.mesh import Mesh
 from autopar.pricing.saved_roots import _saved_roots, device_order, device_storage_roots, runs_cuda
 from autopar.rules.table import shape as tensor_shape
@@ -45,6 +46,7 @@ class Settings:
     # sorted tuple of (block group name, bool | mode): those groups pinned, the others by the ILP.
     checkpoint: str | tuple | None = None
     kernels: bool = False   # the plan runs the Triton kernels (autopar/frontend/fuse.py): fused optimizer step
+    offload: str = "none"   # "optimizer": master weights and optimizer state on the host (pricing/offload.py)
 
 
 def _chunk_numel(c: Candidates) -> dict[str, int]:
@@ -61,6 +63,24 @@ def _chunk_numel(c: Candidates) -> dict[str, int]:
             per[key[n]] = per.get(key[n], 0) + (node_val(vals[n]).numel() if n in vals else 0)
         got = g.chunk_numel = {n: per[key[n]] for n in trainable}
     return got
+
+
+DEVICE_STATIC = ("params", "grads", "optimizer", "gathered")   # a parameter's device bytes (``static``)
+
+
+def device_static(st: dict) -> np.ndarray:
+    """A parameter's static device bytes per strategy: its ``static`` entries on the device."""
+    return sum(st[k] for k in DEVICE_STATIC if k in st)
+
+
+def _largest_chunk(c: Candidates, chunk_numel: dict) -> str | None:
+    """A trainable parameter (a representative) of the largest ZeRO chunk: under ZeRO-3 that
+    chunk is gathered whole around its use and its full gradient exists until it is
+    reduce-scattered (runtime/zero.py), which the memory model charges once, to this parameter,
+    at its strategy's split (the chunk's other parameters assumed split like it)."""
+    reps = [n for n in c.order if n in chunk_numel and c.nodes[n].kind == "param" and c.nodes[n].rep == n
+            and n in c.needs_grad]
+    return max(reps, key=lambda n: chunk_numel[n]) if reps else None
 
 
 def _chunk_tensors(c: Candidates) -> dict[str, int]:
@@ -111,7 +131,9 @@ class Priced:
     comm: dict[str, np.ndarray]             # in-op algorithm comm + gradient sync, all repeats
     optimizer: dict[str, np.ndarray]
     grad_comm: dict[str, np.ndarray]        # the overlappable part of comm
-    static: dict[str, dict[str, np.ndarray]]   # param -> {params, grads, optimizer} bytes, all repeats
+    # param -> {params, grads, optimizer[, gathered]} device bytes, all repeats (``device_static``;
+    # offloaded: also host, d2h and h2d bytes, autopar/pricing/offload.py)
+    static: dict[str, dict[str, np.ndarray]]
     saved: dict[str, np.ndarray]            # activation bytes per micro-batch, all repeats
     transient: dict[str, np.ndarray]        # output bytes per micro-batch (one instance)
     edges: dict[tuple[str, str], np.ndarray]
@@ -257,6 +279,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     # ZeRO 1-3 reduce-scatter and gather a repeated-block instance's parameters together (one
     # collective per chunk, runtime/zero.py): a parameter pays its share of its chunk's collective
     chunk_numel = _chunk_numel(c)
+    gathered = _largest_chunk(c, chunk_numel) if s.zero == 3 else None
     chunk_tensors = _chunk_tensors(c)
     norm_axes = trust_norm_axes(mesh, s.zero)
     step_host = step_host_time(c, cal)
@@ -289,6 +312,8 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
         fwd_comm = np.zeros(S)
         fwd_bytes = [np.zeros(S) for _ in mesh.shape]
         static = {"params": np.zeros(S), "grads": np.zeros(S), "optimizer": np.zeros(S)}
+        if s.offload != "none" and info.kind == "param":   # the host's share: bytes held, bytes copied per step
+            static.update(host=np.zeros(S), d2h=np.zeros(S), h2d=np.zeros(S))
         val = node_val(info.node)
         if info.kind == "param":
             numel = val.numel()
@@ -297,12 +322,29 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                 sb = zero_shard(state_bytes(local, s.optimizer, s.precision), s.zero, dp)
                 if name not in c.needs_grad:   # a buffer: stored, never trained
                     sb = {"params": local * runtime_itemsize(val.dtype, s.precision), "grads": 0, "optimizer": 0}
-                for key in static:
+                opt_local = local / (dp if s.zero >= 1 else 1)
+                off = None
+                if s.offload != "none" and name in c.needs_grad:
+                    off = offload_price(opt_local, s.optimizer, s.precision, cluster, s.zero, nm,
+                                        optimizer_step_time(1, s.optimizer, s.precision, device, cal),
+                                        params=s.offload == "optimizer+params")
+                    sb["optimizer"] = 0.0   # master and state live on the host
+                    if s.zero >= 2:
+                        sb["grads"] = 0.0   # gradient shards streamed to the host
+                    if off.gather_h2d_bytes:
+                        sb["params"] = 0.0   # ZeRO-3's shard too; copied up for each gather
+                        comm_t[j] += off.gather_seconds * k
+                    static["host"][j], static["d2h"][j], static["h2d"][j] = \
+                        off.host_bytes * k, off.d2h_bytes * k, off.h2d_bytes * k
+                for key in ("params", "grads", "optimizer"):
                     static[key][j] = sb[key] * k
+                if name == gathered:   # ZeRO-3: the largest chunk gathered whole, with its gradient
+                    static.setdefault("gathered", np.zeros(S))[j] = 2 * chunk_numel[name] * \
+                        st.outputs[0].shard_fraction(mesh.shape) * (2 if s.precision == "bf16" else 4)
                 if name not in c.needs_grad:
                     continue
-                opt_local = local / (dp if s.zero >= 1 else 1)
-                opt_t[j] = optimizer_step_time(opt_local, s.optimizer, s.precision, device, cal, s.kernels) * k
+                opt_t[j] = (off.seconds if off is not None else
+                            optimizer_step_time(opt_local, s.optimizer, s.precision, device, cal, s.kernels)) * k
                 if s.optimizer in TRUST_RATIO_OPTIMIZERS:
                     # LAMB/LARS: a chunk's per-tensor squared norms ([2, tensors] fp32) all-reduced
                     # over each norm axis once per step, latency-bound: each tensor pays its share

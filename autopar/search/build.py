@@ -10,7 +10,7 @@ import copy
 import numpy as np
 
 from autopar.errors import ConstraintError
-from autopar.pricing.price import Priced, Settings
+from autopar.pricing.price import Priced, Settings, device_static
 from autopar.pricing.selective_pricing import selective_groups
 from autopar.rules import tensor_inputs
 from autopar.rules.candidates import Candidates
@@ -29,7 +29,7 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
     edges = [Edge(index[u], index[v], m) for (u, v), m in sorted(P.edges.items()) if u in index and v in index]
     static_terms = []
     for n, st in P.static.items():
-        static_terms.append((index[n], st["params"] + st["grads"] + st["optimizer"]))
+        static_terms.append((index[n], device_static(st)))
     # Activation terms: block nodes go to their checkpoint group, the rest are always saved.
     groups: dict[int, CheckpointGroup] = {}
     plain_saved = []

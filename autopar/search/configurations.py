@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.constraints import Constraints
+from autopar.errors import ConstraintError
 from autopar.frontend.batching import global_batch
 from autopar.frontend.trace import TracedGraph
 from autopar.pricing.price import Settings
@@ -90,8 +91,13 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
     with one micro-batch where ZeRO-2 is allowed: there the two run the same collectives (one
     reduce-scatter of the gradients, one all-gather of the parameters: pricing.price_nodes), so
     they cost the same time, and ZeRO-2 holds a shard of the gradients instead of all of them: no
-    ZeRO-1 plan is faster or fits where the ZeRO-2 one does not."""
+    ZeRO-1 plan is faster or fits where the ZeRO-2 one does not. Each is also visited with the
+    optimizer offloaded (``offload_choices``), except ZeRO-0 on more than one data-parallel rank:
+    offloaded, it holds the same device bytes as ZeRO-1 and steps dp times the elements on the
+    CPU. On one data-parallel rank an offloaded configuration is ZeRO-2 (of one rank): its
+    gradients go to the host as backward produces them, so the device holds none."""
     batch = global_batch(graph)
+    offloads = offload_choices(cluster, constraints)
     for mesh in allowed_meshes(cluster, constraints):
         dp = mesh.degree("dp")
         if batch % dp:
@@ -99,13 +105,40 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
         zeros = [constraints["zero"]] if "zero" in constraints else \
             ([z for z in (0, 1, 2, 3) if z <= max_zero] if dp > 1 else [0])
         for nm in _micro_choices(batch // dp, constraints):
-            for z in zeros:
-                if z == 1 and nm == 1 and 2 in zeros and "zero" not in constraints:
-                    continue   # dominated by ZeRO-2 (docstring)
-                yield Config(mesh, Settings(optimizer=base.optimizer, precision=base.precision, zero=z,
-                                            num_micro_batches=nm, budget=base.budget,
-                                            overlap_grad_comm=base.overlap_grad_comm, kernels=base.kernels,
-                                            checkpoint=_checkpoint_setting(constraints.get("checkpoint"))))
+            for off in offloads:
+                for z in zeros:
+                    if z == 1 and nm == 1 and 2 in zeros and "zero" not in constraints:
+                        continue   # dominated by ZeRO-2 (docstring)
+                    if off != "none" and z == 0 and dp > 1 and "zero" not in constraints:
+                        continue   # dominated by ZeRO-1 with the same offload (docstring)
+                    if off != "none" and dp == 1 and "zero" not in constraints:
+                        z = 3 if off == "optimizer+params" else 2   # one rank: stage 2 streams the
+                        # gradients to the host (docstring), stage 3 keeps the parameters there
+                    if off == "optimizer+params" and z != 3:
+                        continue   # offloads ZeRO-3's parameter shards
+                    yield Config(mesh, Settings(optimizer=base.optimizer, precision=base.precision, zero=z,
+                                                num_micro_batches=nm, budget=base.budget,
+                                                overlap_grad_comm=base.overlap_grad_comm, kernels=base.kernels,
+                                                checkpoint=_checkpoint_setting(constraints.get("checkpoint")),
+                                                offload=off))
+
+
+def offload_choices(cluster: Cluster, constraints: dict) -> list[str]:
+    """The offload modes a search visits: the pinned one; unpinned, "none" and (when the cluster
+    describes its host, and its devices are not the host's CPUs: not gloo) "optimizer" and, at
+    ZeRO-3, "optimizer+params" (pinned on a gloo cluster, offload runs the same code, host and
+    device pools both in CPU memory: what tests check numerics and bytes with). The configurations with the optimizer offloaded pay the CPU
+    step and the copies in their bounds, so they are solved only where they can win, usually
+    where nothing else fits."""
+    if "offload" in constraints:
+        if constraints["offload"] != "none" and cluster.host is None:
+            raise ConstraintError(f"constraint offload={constraints['offload']!r} cannot be met: cluster "
+                                  f"{cluster.name!r} describes no host (memory, copy and CPU bandwidth); add a "
+                                  f"`host:` section to its YAML (examples/cluster.yaml) or use a preset that has one")
+        return [constraints["offload"]]
+    if cluster.host is None or cluster.backend == "gloo":
+        return ["none"]   # gloo: the devices' memory is the host's, offloading frees none of it
+    return ["none", "optimizer", "optimizer+params"]
 
 
 def allowed_meshes(cluster: Cluster, constraints: dict):

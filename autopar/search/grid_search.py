@@ -174,7 +174,7 @@ def grid_plan_data(result: GridResult, cluster, graph, optimizer, precision, bud
                      "overlap_grad_comm": overlap},
         "degrees": {"dp": geo.dp, "tp": geo.world, "tp_mode": geo.mode, "tp_shape": geo.tp_shape, "sp": 1,
                     "sp_mode": None, "pp": 1, "pp_schedule": None, "micro_batch_size": batch // geo.batch_parts,
-                    "num_micro_batches": geo.nm, "zero": geo.zero, "checkpoint": "none", "offload": False},
+                    "num_micro_batches": geo.nm, "zero": geo.zero, "checkpoint": "none", "offload": "none"},
         "stages": [{"index": 0, "ranks": [0, geo.devices - 1], "nodes": [names[0].name, names[-1].name],
                     "checkpoint": {}}],
         "ops": ops,

@@ -109,15 +109,27 @@ def search_configurations(graph: TracedGraph, cluster: Cluster, base: Settings, 
     # Price the nodes of every configuration (cheap: ops once per mesh and micro-batch count,
     # parameters per ZeRO stage), then visit them best bound first so that the bound prunes as
     # much as possible.
-    queue = []
+    queue, twins = [], {}
     for i, cfg in enumerate(configs):
-        P = price(ctx.candidates(cfg.mesh), cluster, cfg.settings, edges=False)
-        queue.append((step_time_lower_bound(P), i, cfg, P))
+        s = cfg.settings
+        twin = twins.get((cfg.mesh, s.num_micro_batches, s.zero if cfg.mesh.degree("dp") > 1 else 0))
+        if s.offload != "none" and twin is not None:
+            # priced when visited: its twin's bound is a bound of it (``_offload_twin``)
+            queue.append((twin[0], i, cfg, twin[1], True))
+            continue
+        P = price(ctx.candidates(cfg.mesh), cluster, s, edges=False)
+        queue.append((step_time_lower_bound(P), i, cfg, P, False))
+        if s.offload == "none":
+            twins[cfg.mesh, s.num_micro_batches, s.zero] = (queue[-1][0], P)
     # Best bound first, but meshes with one model axis or none before the rest: their ILPs are
     # small (a few hundred strategies against thousands on two model axes), so they give an
     # incumbent in a fraction of a second, and it prunes the large ones by their bounds. Only
     # the order changes: every configuration is still pruned by a bound or solved.
     queue.sort(key=lambda q: (min(len(q[2].mesh.model_axes()), 2), q[0], q[1]))
+    # (An offloaded configuration's twin is the same mesh, micro-batches and ZeRO stage (ZeRO-0 on
+    # one data-parallel rank) without offload: the same compute and communication, an optimizer
+    # step priced faster on the device than on the host (autopar/pricing/offload.py), so the
+    # twin's bound bounds it too and it is priced only if that bound does not prune it.)
     pos, asked = 0, []
 
     def ask(best, lp):
@@ -129,14 +141,22 @@ def search_configurations(graph: TracedGraph, cluster: Cluster, base: Settings, 
 
         def run():
             asked.append(lp)   # once
-            floor = min([compute_floor(ctx.candidates(c.mesh), P) for _, _, c, P in queue[pos:]]
+            floor = min([compute_floor(ctx.candidates(c.mesh), P) for _, _, c, P, _ in queue[pos:]]
                         + [grid_compute_floor(graph, cluster, base, constraints, ctx.caches.grid_bounds)])
             return go(min(floor, best.prediction["time_breakdown"]["compute"]))
         return run
     bar = Progress(len(queue), opts.log, opts.progress)
     try:
-        for pos, (lower, _, cfg, P) in enumerate(queue):
+        for pos, (lower, _, cfg, P, lazy) in enumerate(queue):
             stats.configs += 1
+            if lazy:
+                best = ctx.best
+                if best is not None and not opts.exhaustive and lower >= best.prediction["step_time"]:
+                    stats.pruned += 1   # beaten by its twin's bound: never priced
+                    bar.update(stats, ctx.best)
+                    continue
+                P = price(ctx.candidates(cfg.mesh), cluster, cfg.settings, edges=False)
+                lower = step_time_lower_bound(P)
             hook = ask if opts.before_large is not None and not opts.exhaustive and not asked else None
             cut_at = None if opts.exhaustive or opts.cutoff is None else \
                 (opts.cutoff + opts.cutoff_bubble * optimizer_ceiling(P)) / (1 + opts.cutoff_bubble)
@@ -232,5 +252,5 @@ def degrees_of(result: Result) -> dict:
         "dp": dp, "tp": math.prod(model) if model else 1, "tp_mode": "1d" if len(model) <= 1 else "2d-reshard",
         "tp_shape": model, **sequence.degrees(result.cands, chosen(result.problem, result.solution), mesh), "pp": 1, "pp_schedule": None,
         "micro_batch_size": batch // dp // s.num_micro_batches, "num_micro_batches": s.num_micro_batches,
-        "zero": s.zero, "checkpoint": checkpoint_mode(result.prediction["checkpoint"]), "offload": False,
+        "zero": s.zero, "checkpoint": checkpoint_mode(result.prediction["checkpoint"]), "offload": s.offload,
     }

@@ -126,9 +126,12 @@ def apply_pipeline(data: dict, info: dict) -> dict:
                               "pipeline": info["pipeline"]}
     pred["peak_memory"] = info["peak_memory"]
     mb, f = pred["memory_breakdown"], info["peak_static_share"]
-    static = {k: int(round(mb[k] * f)) for k in ("params", "grads", "optimizer")}
+    static = {k: int(round(mb[k] * f)) for k in ("params", "grads", "optimizer", "gathered") if k in mb}
     pred["memory_breakdown"] = {**static, "activations": max(0, info["peak_memory"] - sum(static.values())),
                                 "other": 0}
+    if "offload" in pred:   # the busiest rank's share of what the host holds and what it copies
+        pred["offload"] = {**pred["offload"], **{k: int(round(pred["offload"][k] * f))
+                                                 for k in ("host_bytes", "d2h_bytes", "h2d_bytes")}}
     # per rank: what its (virtual) stages send
     per_rank = {}
     for s in info["stages"]:

@@ -11,7 +11,8 @@ import numpy as np
 from autopar.cluster import Cluster
 from autopar.plans.plan_schema import checkpoint_mode_of
 from autopar.pricing.cost import exposed_comm, profile_of
-from autopar.pricing.price import Priced, Settings, has_contraction, step_host_time
+from autopar.pricing.offload import host_budget
+from autopar.pricing.price import DEVICE_STATIC, Priced, Settings, device_static, has_contraction, step_host_time
 from autopar.rules.attention_core import attention_cores
 from autopar.rules.candidates import Candidates
 from autopar.rules.localize import local_call
@@ -107,8 +108,10 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
 
     static = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
     for n, st in P.static.items():
-        for k in static:
-            static[k] += float(st[k][pick[n]])
+        for k in DEVICE_STATIC:
+            if k in st:
+                static[k] = static.get(k, 0.0) + float(st[k][pick[n]])
+    offload = offload_prediction(P, pick, s, cluster)
     peak_name = max(sol.peak_memory, key=lambda k: sol.peak_memory[k]) if sol.peak_memory else None
     peak = float(sol.peak_memory[peak_name]) if peak_name else sum(static.values())
     activations = peak - sum(static.values())
@@ -185,7 +188,32 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
         "model_flops": flops,
         "mfu": mfu,
         "checkpoint": ckpt,
+        **({"offload": offload} if offload is not None else {}),
     }
+
+
+def offload_prediction(P: Priced, pick: dict, s: Settings, cluster: Cluster) -> dict | None:
+    """What an offloaded plan holds on and moves to and from the host per rank (per step), from
+    the parameters' prices (autopar/pricing/offload.py); None when nothing is offloaded."""
+    if s.offload == "none":
+        return None
+    tot = {k: 0.0 for k in ("host", "d2h", "h2d")}
+    for n, st in P.static.items():
+        if n in pick and "host" in st:
+            for k in tot:
+                tot[k] += float(st[k][pick[n]])
+    return {"mode": s.offload, "target": "host", "fraction": 1.0, "host_bytes": int(round(tot["host"])),
+            "host_budget": int(host_budget(cluster)), "d2h_bytes": int(round(tot["d2h"])),
+            "h2d_bytes": int(round(tot["h2d"]))}
+
+
+def host_bytes_of(P: Priced, pick: dict | None = None) -> float:
+    """Host bytes of the chosen strategies (``pick``), or the least any plan of ``P`` holds."""
+    total = 0.0
+    for n, st in P.static.items():
+        if "host" in st and len(st["host"]):
+            total += float(st["host"][pick[n]]) if pick is not None else float(np.min(st["host"]))
+    return total
 
 
 def checkpoint_modes(problem: Problem, decision) -> dict:
@@ -285,7 +313,7 @@ def static_memory_lower_bound(P: Priced) -> float:
     configuration needs less memory than this."""
     total = 0.0
     for parts in P.static.values():
-        arr = parts["params"] + parts["grads"] + parts["optimizer"]
+        arr = device_static(parts)
         if len(arr):
             total += float(np.min(arr))
     return total

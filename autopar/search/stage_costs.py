@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+from autopar.pricing.price import device_static
 from autopar.pricing.saved_copies import copy_bytes_by_instance, per_representative
 from autopar.search.build import _block_input_roots, chosen
 from autopar.search.predict import count_program_bytes
@@ -119,7 +120,7 @@ def stage_costs(result, graph) -> StageCosts:
             else:
                 add_bytes(name, per, r)
         if info.kind == "param":
-            s = sum(float(P.static[name][key][k]) for key in ("params", "grads", "optimizer")) if name in P.static else 0.0
+            s = float(device_static(P.static[name])[k]) if name in P.static else 0.0
             # ZeRO-3's gathers (one for forward, one for backward, per micro-batch): on the stage(s)
             # holding the parameter, in its time per micro-batch; gradient traffic stays in ``rest``
             gt = (float(P.comm[name][k]) - float(P.grad_comm[name][k])) / nm if name in P.comm else 0.0

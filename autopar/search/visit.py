@@ -20,7 +20,8 @@ from autopar.rules.candidates import Candidates
 from autopar.search.build import bound_problem, build_problem, chosen, work_problem
 from autopar.search.configurations import Config
 from autopar.search.context import Incumbent, Result, SearchContext
-from autopar.search.predict import predict, static_memory_lower_bound, step_time_lower_bound
+from autopar.pricing.offload import host_budget
+from autopar.search.predict import host_bytes_of, predict, static_memory_lower_bound, step_time_lower_bound
 from solver.errors import SolverTimeout
 from solver.ilp import memory_floor_exceeds_budget, mip_reaches, relaxation_bound, solve
 from solver.tree_bound import tree_lower_bound
@@ -121,6 +122,10 @@ def _node_bound(v: _Visit) -> bool:
 
 
 def _static_memory(v: _Visit) -> bool:
+    if v.cfg.settings.offload != "none" and host_bytes_of(v.P) > host_budget(v.ctx.cluster):
+        v.ctx.stats.infeasible += 1   # the host cannot hold even the least any plan offloads
+        v.ctx.stats.host_exceeded += 1
+        return True
     if static_memory_lower_bound(v.P) <= v.ctx.base.budget:
         return False
     v.ctx.stats.infeasible += 1
@@ -177,7 +182,8 @@ def _lp_bound(v: _Visit) -> bool:
     if v.relaxed is None:
         return False
     stats, work_target = ctx.stats, v.work_target()
-    lp_key = (ctx.cluster, cfg.settings.num_micro_batches, cfg.settings.precision, ctx.base.budget)
+    lp_key = (ctx.cluster, cfg.settings.num_micro_batches, cfg.settings.precision, ctx.base.budget,
+              cfg.settings.offload)
     zero1_lp = ctx.caches.zero1_lp.setdefault((ctx.policy, cfg.mesh), {})
     try:   # only whether it reaches the target matters
         if REUSE_ZERO1_LP and cfg.settings.zero == 2 and zero1_lp.get(lp_key, math.inf) < work_target:
@@ -275,8 +281,12 @@ def _solve(v: _Visit) -> None:
         v.infeasible()
         return
     pred = predict(v.cands, v.P, cfg.settings, v.problem, sol, ctx.cluster)
+    if "offload" in pred and pred["offload"]["host_bytes"] > pred["offload"]["host_budget"]:
+        stats.infeasible += 1   # its tensor-parallel choices leave more on the host than the node's share
+        stats.host_exceeded += 1
+        return
     if ctx.options.log:
-        ctx.options.log(f"{cfg.mesh.describe():>18}  zero={cfg.settings.zero} micro={cfg.settings.num_micro_batches:<4} "
+        ctx.options.log(f"{cfg.mesh.describe():>18}  zero={cfg.settings.zero} offload={cfg.settings.offload} micro={cfg.settings.num_micro_batches:<4} "
                         f"step={pred['step_time']:.4g}s (bounds {v.lower:.4g}, {v.edge_lower:.4g}) "
                         f"peak={pred['peak_memory'] / 2**30:.2f}GiB solved in {sol.solve_seconds:.2f}s")
     if ctx.best is None or pred["step_time"] < ctx.best.prediction["step_time"] - 1e-12:

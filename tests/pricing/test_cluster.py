@@ -318,4 +318,4 @@ def test_direct_construction_is_validated():
     with pytest.raises(ClusterError, match="memory_bytes"):
         Device("x", {"bf16": 1.0, "fp16": 1.0, "fp32": 1.0}, -1, 1.0)
     assert math.isclose(d.peak("fp32"), 50e9)
-    assert set(PRESETS) == {"dgx-a100", "dgx-h100", "tacc-longhorn", "cpu"}
+    assert set(PRESETS) == {"dgx-a100", "dgx-h100", "tacc-longhorn", "dgx2-v100", "workstation-4090", "cpu"}

@@ -121,8 +121,8 @@ def test_frozen():
     ({"checkpoint": {}}, ["checkpoint={}"]),
     ({"checkpoint": {"blocks": "partial"}}, ["block group name -> bool or one of those"]),
     ({"checkpoint": True}, ["checkpoint=True"]),
-    ({"offload": "optimizer"}, ["offload='optimizer' cannot be met", "offload='none' only"]),
-    ({"offload": True}, ["offload=True cannot be met"]),
+    ({"offload": "optimizer+params", "zero": 2}, ["offload='optimizer+params' and zero=2 contradict", "pin zero=3"]),
+    ({"offload": "optimizer", "tp_mode": "2d", "tp": 4}, ["offload='optimizer' cannot be met with tp_mode='2d'"]),
     ({"offload": "gpu"}, ["offload='gpu'", "'optimizer+params'"]),
     ({"zero": 3, "dp": 1}, ["zero=3 and dp=1 contradict each other", "Drop the zero pin"]),
 ])

@@ -1,0 +1,94 @@
+"""What offloading the optimizer costs one rank: host bytes, copies and the CPU step.
+
+``offload="optimizer"`` (ZeRO-Offload's design, as runtime/zero.py runs it): the fp32 master
+weights and the optimizer state of the rank's ZeRO shard live in host memory and the optimizer
+steps there. Per step, each chunk's averaged gradient piece goes device -> host in the working
+dtype, the CPU upcasts it, steps the master, and the result cast to the working dtype goes
+host -> device. The runtime pipelines the three over chunks (chunk i+1 copied while chunk i
+steps), so a step costs about the largest of the three; priced per parameter as that maximum,
+which is at least the pipelined time when one of the three dominates every chunk (the usual
+case: the CPU step) and never less than it by more than the pipeline's fill.
+
+Bytes per element of the offloaded shard:
+
+    device   params (working)  grads (working; ZeRO 2-3: none)   optimizer 0
+    host     master 4 + optimizer state (memory.STATE_BYTES) + gradients: a staging copy in the
+             working dtype, or (ZeRO 2-3, streamed as backward reduces them) an fp32 accumulation 4
+             ("optimizer+params", ZeRO-3: + the parameter shard, working; the device holds none)
+
+The CPU step moves what the same step moves on a device (cost.optimizer_bytes_per_element: the
+runtime's torch step, the gradient's upcast and the master's cast back under mixed precision),
+at the node's CPU memory bandwidth shared by its ranks (cluster.Host). Copies run at the host link's bandwidth per device while every device copies.
+Torch-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+from autopar.errors import ConstraintError
+from autopar.pricing.cost import optimizer_bytes_per_element
+from autopar.pricing.memory import STATE_BYTES, check_optimizer, check_precision
+
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
+
+
+def working_bytes(precision: str) -> int:
+    return 2 if check_precision(precision) == "bf16" else 4
+
+
+@dataclass(frozen=True)
+class OffloadPrice:
+    """One rank's offload of ``numel`` shard elements for one step."""
+    host_bytes: float     # master + state + gradient staging on the host
+    d2h_bytes: float      # gradients to the host
+    h2d_bytes: float      # updated parameters back
+    cpu_seconds: float    # the optimizer step on the CPU
+    copy_seconds: float   # the larger of the two copies
+    seconds: float        # what the step costs: the largest of the three (pipelined over chunks)
+    gather_h2d_bytes: float = 0.0   # "optimizer+params": the parameter shard copied up for each gather
+    gather_seconds: float = 0.0     # ... and its time (not overlapped: the gathers are not prefetched)
+
+
+def host_bytes_per_element(optimizer: str, precision: str, streamed: bool = False) -> int:
+    """Host bytes one offloaded shard element holds: fp32 master, optimizer state, and the
+    gradient staging (working dtype) or, ``streamed``, its fp32 accumulation."""
+    check_optimizer(optimizer)
+    return 4 + STATE_BYTES[optimizer] + (4 if streamed else working_bytes(precision))
+
+
+# Seconds to start one host<->device copy (a cudaMemcpyAsync launch plus the PCIe round trip)
+COPY_LATENCY = 10e-6
+
+
+def offload_price(numel: float, optimizer: str, precision: str, cluster: Cluster, zero: int = 0,
+                  micro_batches: int = 1, fixed: float = 0.0, params: bool = False) -> OffloadPrice:
+    """The step's offload work for ``numel`` elements of one rank's optimizer shard. ZeRO 2-3
+    stream each micro-batch's reduced gradient shard to the host as backward produces it (the
+    device keeps no gradient shard: ``streamed``); ZeRO 0-1 copy the step's gradient once.
+    ``fixed``: the step's fixed host cost per tensor (the same op dispatches as on the device:
+    cost.optimizer_step_time of one element), added to the pipelined time with two copy starts.
+    ``params`` ("optimizer+params", ZeRO-3): the working-dtype parameter shard lives on the host
+    too; the step writes it there (no copy back) and each of the 2 x micro-batches gathers
+    (forward and backward) copies it up first."""
+    host = cluster.host
+    if host is None:
+        raise ConstraintError(f"cluster {cluster.name!r} describes no host (memory, host<->device copy bandwidth, "
+                              f"CPU bandwidth): offload cannot be priced; add a `host:` section to the cluster "
+                              f"(examples/cluster.yaml) or use a preset that has one")
+    streamed = zero >= 2
+    w = working_bytes(precision)
+    _, cpu_rate = host.per_rank()
+    cpu = numel * optimizer_bytes_per_element(optimizer, precision) / cpu_rate
+    d2h = numel * w * (micro_batches if streamed else 1)
+    h2d = 0.0 if params else numel * w
+    copy = max(d2h, h2d) / host.copy_bandwidth
+    held = numel * (host_bytes_per_element(optimizer, precision, streamed) + (w if params else 0))
+    gather = 2 * micro_batches * numel * w if params else 0.0
+    return OffloadPrice(held, d2h, h2d + gather, cpu, copy, max(cpu, copy) + fixed + 2 * COPY_LATENCY,
+                        gather, gather / host.copy_bandwidth + (2 * micro_batches * COPY_LATENCY if params else 0.0))
+
+
+def host_budget(cluster: Cluster) -> float:
+    """Host memory bytes one rank may hold (its share of the node's)."""
+    return cluster.host.per_rank()[0] if cluster.host is not None else 0.0
