@@ -4,7 +4,9 @@ without offload.
 Multi-process (gloo, 1, 2 and 4 ranks; one launch per size): the MLP of test_runtime_optim.py
 trained 3 steps with ZeRO 0/1/2/3 x {SGD with momentum, AdamW, LAMB} (LARS on ZeRO 2), with and
 without clipping, in fp32 and with a bf16 working dtype, once with ``offload="none"`` and once with
-``offload="optimizer"`` (ZeRO-3 also ``"optimizer+params"``) in the same rank. Asserted:
+``offload="optimizer"`` (ZeRO-3 also ``"optimizer+params"``) in the same rank; a few more with
+parameter groups (``tensor_hparams``) and with a LAMB norm counted by another rank
+(``tensor_norm_skip``: the host-side norm mask). Asserted:
 
 * losses and parameters BIT-equal to the run without offload. On CPU ranks the offloaded step is
   the same sequence of torch ops on tensors of the same sizes (stage 0 still steps parameter by
@@ -25,6 +27,7 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from runtime.launch import run_local
 from runtime.optim import make_optimizer
@@ -42,13 +45,26 @@ def optimizer(name):
 
 
 # ----------------------------------------------------------------------------- ranks
-def _train(rank, world, stage, opt_name, clip, dtype_name, offload):
+def _extras(model, extra):
+    """"groups": parameter groups (biases: no decay, half the learning rate, not adapted);
+    "skip": LAMB/LARS norms summed over one more group, the first bias counted elsewhere (its
+    norm mask 0), so the host-side mask and the device round trip of the norms run."""
+    if extra == "groups":
+        return dict(tensor_hparams={id(p): (0.0, 0.5, False) if p.ndim == 1 else (0.05, 1.0, True)
+                                    for p in model.parameters()})
+    if extra == "skip":
+        return dict(tensor_norm_groups=(dist.group.WORLD,), tensor_norm_skip=(model[0][0].bias,))
+    return {}
+
+
+def _train(rank, world, stage, opt_name, clip, dtype_name, offload, extra=None):
     """One run: per-step losses, comm traffic and offload bytes; the optimizer and model."""
     dtype = DTYPES[dtype_name]
     model = make_model()
     chunks = [list(m.parameters()) for m in model]
     opt = ShardedOptimizer(chunks, None, stage, optimizer(opt_name), grad_clip=clip,
-                           working_dtype=dtype if dtype != torch.float32 else None, offload=offload)
+                           working_dtype=dtype if dtype != torch.float32 else None, offload=offload,
+                           **_extras(model, extra))
     if stage == 3:
         opt.zero3_hooks(list(model))
     rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
@@ -104,9 +120,9 @@ def _load(opt, ckpt) -> None:
 
 
 def _compare_one(rank, world, cfg):
-    stage, opt_name, clip, dtype_name, offload = cfg
-    ref, ref_log, ref_step = _train(rank, world, stage, opt_name, clip, dtype_name, "none")
-    off, log, off_step = _train(rank, world, stage, opt_name, clip, dtype_name, offload)
+    stage, opt_name, clip, dtype_name, offload, *extra = cfg
+    ref, ref_log, ref_step = _train(rank, world, stage, opt_name, clip, dtype_name, "none", *extra)
+    off, log, off_step = _train(rank, world, stage, opt_name, clip, dtype_name, offload, *extra)
     out = dict(ref=ref_log, off=log, state=off.state_bytes(), ref_state=ref.state_bytes(),
                host=off.host_bytes(), ref_host=ref.host_bytes(), premise=_host_premise(off),
                numels=[c.numel for c in off.chunks])
@@ -132,7 +148,9 @@ CONFIGS = [(stage, opt, clip, dt, "optimizer") for stage in (0, 1, 2, 3) for opt
            for clip in (None, CLIP) for dt in ("fp32", "bf16")] + \
           [(2, "lars", clip, dt, "optimizer") for clip in (None, CLIP) for dt in ("fp32", "bf16")] + \
           [(3, opt, CLIP, dt, "optimizer+params") for opt in ("sgd", "adamw", "lamb") for dt in ("fp32", "bf16")] + \
-          [(3, "sgd", None, "bf16", "optimizer+params")]
+          [(3, "sgd", None, "bf16", "optimizer+params")] + \
+          [(stage, opt, CLIP, "bf16", "optimizer", "groups") for stage, opt in ((0, "adamw"), (0, "sgd"), (2, "lamb"))] + \
+          [(stage, opt, None, "fp32", "optimizer", "skip") for stage, opt in ((0, "lamb"), (3, "lamb"))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,8 +181,10 @@ def expected_offload_bytes(stage, dtype_name, numels, world, offload):
 def test_offload_equals_no_offload(world):
     results = distributed_run(world)
     for cfg in CONFIGS:
-        stage, opt_name, clip, dtype_name, offload = cfg
+        stage, opt_name, clip, dtype_name, offload, *extra = cfg
         for rank, r in enumerate(results):
+            if extra:   # groups / skipped norms really change the run they were added to
+                assert r[cfg]["params"] != r[cfg[:5]]["params"], (world, rank, cfg)
             r = r[cfg]
             where = (world, rank, cfg)
             # Bit-equal: the same ops on the same values, on the CPU either way (module doc).
