@@ -31,6 +31,21 @@ def clip_grad_norm(grads: Iterable[Optional[Tensor]], max_norm: float,
     ``comm_counter``, if given, gets ``("all_reduce", nbytes)`` appended per collective (the
     ZeRO optimizer uses it for its traffic accounting).
     """
+    grads = [g for g in grads]
+    total = grad_norm(grads, norm_groups, norm_type, comm_counter, weights)
+    coef = clip_coefficient(total, max_norm)
+    for g in grads:
+        if g is not None:
+            g.mul_(coef.to(g.dtype))
+    return total
+
+
+@torch.no_grad()
+def grad_norm(grads: Iterable[Optional[Tensor]], norm_groups: Sequence[Optional[dist.ProcessGroup]] = (),
+              norm_type: float = 2.0, comm_counter: Optional[list] = None,
+              weights: Optional[Sequence] = None) -> Tensor:
+    """The whole gradient's norm (``clip_grad_norm``'s, without scaling anything): computed in
+    fp32 from gradients of any floating dtype, collectives on the gradients' device."""
     grads = list(grads)
     weights = [None] * len(grads) if weights is None else list(weights)
     if len(weights) != len(grads):
@@ -51,13 +66,12 @@ def clip_grad_norm(grads: Iterable[Optional[Tensor]], max_norm: float,
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
         if comm_counter is not None:
             comm_counter.append(("all_reduce", acc.numel() * acc.element_size()))
-    total = acc[0] if inf else acc[0].sqrt()
-    # Same coefficient and clamp as torch.nn.utils.clip_grad_norm_.
-    clip_coef = max_norm / (total + 1e-6)
-    clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
-    for g in grads:
-        g.mul_(clip_coef_clamped.to(g.dtype))
-    return total
+    return acc[0] if inf else acc[0].sqrt()
+
+
+def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
+    """The factor ``clip_grad_norm`` scales the gradients by (torch's coefficient and clamp)."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 def _weighted_sq_norm(g: Tensor, w) -> Tensor:
@@ -72,4 +86,4 @@ def _weighted_sq_norm(g: Tensor, w) -> Tensor:
     return total
 
 
-__all__ = ["clip_grad_norm"]
+__all__ = ["clip_grad_norm", "grad_norm", "clip_coefficient"]

@@ -77,6 +77,23 @@ a ``TensorHParams`` over its tensor ids (its Segments'), which the optimizer rea
 elementwise optimizer then also steps chunk by segment (stages 1-3) or parameter by parameter
 (stage 0, its usual path), each with its own settings.
 
+Offload (``offload="optimizer"``, ZeRO-Offload's design): each chunk's fp32 master (always, fp32
+parameters too: the host copy the CPU updates; the whole buffer at stage 0, the shard at 1-3) and
+its optimizer state live in host memory (pinned when the device is CUDA), and the optimizer steps
+on the CPU; the device keeps the working buffer and the gradients as without offload. At
+``step()``, after the averaging and the clipping norm (on the device: its collectives need device
+tensors; the coefficient scales the host's fp32 upcast, the same product as the device's), each
+chunk's gradient piece (stage 0 the padded flat gradient, else the shard) is copied into a host
+staging buffer of the working dtype (``host_grad``), upcast, stepped into the master, and the
+result cast to the working dtype copied back (stage 0 ``flat``, 1-2 the shard of it, then the
+all-gather, 3 ``shard_param``). On CUDA the copies run on a side stream: chunk i+1's gradient
+travels while the CPU steps chunk i. LAMB/LARS norms of host tensors are all-reduced on the device.
+Bytes per step (``offload_bytes``, reset with ``comm_log``): d2h = h2d = the gradient pieces, in the
+working dtype; collectives unchanged. ``state_bytes`` counts the device (optimizer 0),
+``host_bytes`` the host (masters + state, staging). ``offload="optimizer+params"`` (stage 3 only)
+also keeps ``shard_param`` on the host: every gather copies it to the device first (h2d, counted:
+2 per step with ``zero3_hooks``) and the step writes it in place (no h2d at the step).
+
 Collectives must be issued in the same order on every rank: all ranks must run the same graph
 (same chunks used, in the same order). A parameter may belong to one chunk only (no tying across
 chunks); all parameters share one floating dtype and one device.
@@ -89,7 +106,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from runtime.clip import clip_grad_norm
+from runtime.clip import clip_coefficient, clip_grad_norm, grad_norm
 from runtime.ddp import GradAllReducer
 from runtime.optim import FlatOptimizer
 from runtime.optim_groups import chunk_hparams
@@ -97,6 +114,8 @@ from runtime.zero_chunk import Chunk, nbytes
 
 _reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+_HOST = torch.device("cpu")
 
 
 class ShardedOptimizer:
@@ -110,7 +129,7 @@ class ShardedOptimizer:
                  forward_order: Optional[Sequence[nn.Parameter]] = None,
                  shared_groups: Optional[dict] = None,
                  tensor_norm_groups: Sequence[dist.ProcessGroup] = (), tensor_norm_skip=(),
-                 tensor_hparams: Optional[dict] = None):
+                 tensor_hparams: Optional[dict] = None, offload: str = "none"):
         """``extra_norm_groups``: groups over which the gradients are *additionally* split into
         disjoint pieces (e.g. tensor parallel), for the global clipping norm. ``grad_scale``:
         id(param) -> factor its gradient is multiplied by before the averaging over the data
@@ -129,9 +148,20 @@ class ShardedOptimizer:
         over (module doc; stages 2-3). ``tensor_norm_groups`` / ``tensor_norm_skip``: where LAMB and
         LARS sum their per-tensor norms, and the ids of the parameters whose block another rank of
         those groups counts (module doc). ``tensor_hparams``: id(param) -> (weight_decay,
-        lr_scale, adapt), parameter groups (module doc); None: the optimizer's own settings."""
+        lr_scale, adapt), parameter groups (module doc); None: the optimizer's own settings.
+        ``offload``: "none", "optimizer" (fp32 masters and optimizer state in host memory, the
+        step on the CPU) or "optimizer+params" (also ZeRO-3's parameter shards; module doc)."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+        if offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOADS))}, got {offload!r}")
+        if offload == "optimizer+params" and zero_stage != 3:
+            raise ValueError("optimizer+params offloads ZeRO-3's parameter shards; use zero_stage=3")
+        self.offload = offload
+        self.offload_opt = offload != "none"            # masters + state on the host, CPU step
+        self.offload_params = offload == "optimizer+params"
+        self.offload_bytes = {"d2h": 0, "h2d": 0}
+        self._copy_stream = None   # CUDA: the side stream of the host <-> device copies
         self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
         self.grad_clip, self.extra_norm_groups = grad_clip, tuple(extra_norm_groups)
         self.world, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
@@ -170,6 +200,8 @@ class ShardedOptimizer:
             raise ValueError("ShardedOptimizer: shared_groups is for zero_stage 2 and 3 (stages 0-1 keep full "
                              "gradients: sum them before step())")
         self._rs_native = self._probe_reduce_scatter()
+        self._pin = self.device.type == "cuda"   # pinned host buffers: truly asynchronous copies
+        state_device = _HOST if self.offload_opt else self.device
 
         with torch.no_grad():
             for c in self.chunks:
@@ -186,24 +218,29 @@ class ShardedOptimizer:
                 for p, off in zip(c.params, c.offsets):
                     p.data = c.flat[off:off + p.numel()].view(p.shape)
                 sharded = zero_stage >= 1
-                c.state = optimizer.init_state(c.shard if sharded else c.padded, device=self.device)
-                if self.mixed:
-                    c.master = (init[c.lo:c.hi] if sharded else init).float().clone()
+                c.state = {k: self._hostify(v) for k, v in
+                           optimizer.init_state(c.shard if sharded else c.padded, device=state_device).items()}
+                if self.mixed or self.offload_opt:   # offload: the host copy the CPU updates, any dtype
+                    c.master = self._hostify((init[c.lo:c.hi] if sharded else init).to(state_device, torch.float32,
+                                                                                         copy=True))
+                if self.offload_opt:   # the gradient piece's host staging buffer (working dtype)
+                    c.host_grad = self._hostify(torch.zeros(c.shard if sharded else c.padded, dtype=self.dtype))
                 del init
                 if optimizer.needs_segments:
                     c.segments = c.local_segments(sharded)
                     if any(id(p) in tensor_norm_skip for p in c.params):   # counted by another rank
                         c.norm_mask = torch.tensor([0.0 if id(p) in tensor_norm_skip else 1.0 for p in c.params]
-                                                   + [1.0], device=self.device)
+                                                   + [1.0], device=state_device)
                 if zero_stage >= 2:
                     c.grad_shard = torch.zeros(c.shard, dtype=self.dtype, device=self.device)
                 if zero_stage == 3:
-                    c.shard_param = c.flat[c.lo:c.hi].clone()
+                    c.shard_param = self._hostify(c.flat[c.lo:c.hi].to(_HOST, copy=True)) if self.offload_params \
+                        else c.flat[c.lo:c.hi].clone()
                     self._free(c)
                 if zero_stage == 0:   # elementwise optimizer: (updated slice, states, working slice)
-                    upd = c.master if self.mixed else c.flat
+                    upd = c.master if c.master is not None else c.flat
                     c.views = [(upd[off:off + p.numel()], {k: v[off:off + p.numel()] for k, v in c.state.items()},
-                                c.flat[off:off + p.numel()] if self.mixed else None)
+                                c.flat[off:off + p.numel()] if self.mixed and not self.offload_opt else None)
                                for p, off in zip(c.params, c.offsets)]
         self._per_param = zero_stage == 0 and not optimizer.needs_segments
         if tensor_hparams is not None:
@@ -247,6 +284,10 @@ class ShardedOptimizer:
                 chunk_hparams([tensor_hparams.get(id(p)) for p in c.params], own)
             if c.segments is None and c.hparams is not None:   # an elementwise optimizer, per segment
                 c.segments = c.local_segments(self.stage >= 1)
+
+    def _hostify(self, t: Tensor) -> Tensor:
+        """A host buffer pinned when the device is CUDA (asynchronous copies); else as it is."""
+        return t.pin_memory() if self._pin and t.device.type == "cpu" else t
 
     # ---------------------------------------------------------------- collectives
     def _global_rank(self, group_rank: int) -> int:
@@ -297,9 +338,13 @@ class ShardedOptimizer:
         def reduce(t: Tensor) -> None:
             if c.norm_mask is not None:
                 t.mul_(c.norm_mask)
+            # Offload: norms of host tensors; the collective runs on the device's (NCCL: CUDA).
+            x = t if t.device == self.device else t.to(self.device)
             for g in groups:
-                dist.all_reduce(t, group=g)
-                self.comm_log.append(("all_reduce", nbytes(t)))
+                dist.all_reduce(x, group=g)
+                self.comm_log.append(("all_reduce", nbytes(x)))
+            if x is not t:
+                t.copy_(x)
         return reduce
 
     @property
@@ -308,6 +353,7 @@ class ShardedOptimizer:
 
     def reset_comm_stats(self) -> None:
         self.comm_log.clear()
+        self.offload_bytes = {"d2h": 0, "h2d": 0}
         if self.reducer is not None:
             self.reducer.bytes_sent = 0
 
@@ -316,7 +362,11 @@ class ShardedOptimizer:
         if c.gathered:
             return
         c.flat.untyped_storage().resize_(c.padded * c.flat.element_size())
-        self._all_gather_async(c, c.shard_param).wait()
+        shard = c.shard_param
+        if self.offload_params:   # the host shard goes to the device for the all-gather
+            shard = shard.to(self.device, non_blocking=True)
+            self.offload_bytes["h2d"] += nbytes(c.shard_param)
+        self._all_gather_async(c, shard).wait()
         c.gathered = True
 
     def _free(self, c: Chunk) -> None:
@@ -423,6 +473,8 @@ class ShardedOptimizer:
                 if c.shared_group is not None:   # a copy outside the data group (module doc)
                     dist.all_reduce(g, group=c.shared_group)
                     self.shared_bytes += nbytes(g)
+        if self.offload_opt:
+            return self._offload_step(grads)
         if self.mixed:   # the optimizer (and the norm) work in fp32: upcast the working-dtype gradients
             grads = [g.float() for g in grads]
         if self.grad_clip is not None:
@@ -465,6 +517,96 @@ class ShardedOptimizer:
             for c in self.chunks:
                 c.grad_shard.zero_()  # averaged and consumed: the next backward accumulates anew
 
+    # ---------------------------------------------------------------- offload (module doc)
+    def _offload_step(self, grads: list[Tensor]) -> None:
+        """The step with masters and state on the host: per chunk, gradient piece d2h into its
+        staging buffer, upcast and step on the CPU, working-dtype result h2d; on CUDA chunk i+1's
+        d2h (side stream) overlaps chunk i's CPU step."""
+        coef = None
+        if self.grad_clip is not None:   # the norm (and its collectives) on the device tensors...
+            groups = ([] if self.stage == 0 or self.world == 1 else [self.group]) + list(self.extra_norm_groups)
+            self.last_grad_norm = grad_norm(grads, groups, comm_counter=self.comm_log, weights=self._norm_weights())
+            # ...the scaling on the host's fp32 upcast: the same product as scaling the device's
+            # fp32 gradient (mixed precision scales the upcast too, not the working-dtype gradient)
+            coef = clip_coefficient(self.last_grad_norm, self.grad_clip).to(_HOST)
+        self.step_count += 1
+        cuda = self.device.type == "cuda"
+        main = torch.cuda.current_stream(self.device) if cuda else None
+        if cuda and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+        side = self._copy_stream
+
+        def fetch(i: int):
+            """Start chunk i's gradient piece to the host; returns the event to wait on (CUDA)."""
+            c = self.chunks[i]
+            g = c.flat_grad(free=False) if self._per_param else grads[i]   # stage 0: padded flat
+            self.offload_bytes["d2h"] += nbytes(g)
+            if not cuda:
+                c.host_grad.copy_(g)
+                return None
+            side.wait_stream(main)   # the gradient is complete
+            with torch.cuda.stream(side):
+                c.host_grad.copy_(g, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            g.record_stream(side)    # a temporary of the main stream, read on the side stream
+            return done
+
+        works = []
+        ready = fetch(0) if self.chunks else None
+        for i, c in enumerate(self.chunks):
+            following = fetch(i + 1) if i + 1 < len(self.chunks) else None
+            if ready is not None:
+                ready.synchronize()
+            self._host_update(c, coef)
+            self._put_back(c, side)
+            if self.stage in (1, 2) and self.world > 1:
+                # The shard is back (CUDA: the collective's stream waits for the copy, not the
+                # host): its all-gather runs while the CPU steps the next chunk.
+                if cuda:
+                    main.wait_stream(side)
+                works.append(self._all_gather_async(c, c.flat[c.lo:c.hi].clone()))
+            ready = following
+        if cuda:
+            side.synchronize()        # every copy landed: the host buffers are free again
+            main.wait_stream(side)
+        for w in works:
+            w.wait()
+        if self.stage >= 2:
+            for c in self.chunks:
+                c.grad_shard.zero_()
+
+    def _host_update(self, c: Chunk, coef: Optional[Tensor]) -> None:
+        """The CPU optimizer step of one chunk's host master from its staged gradient (the same
+        calls as the device step: per parameter at stage 0 with an elementwise optimizer)."""
+        g = c.host_grad.float()   # fp32: the staging buffer itself
+        if coef is not None:
+            g.mul_(coef)
+        if self._per_param:
+            for i, (param, state, _) in enumerate(c.views):
+                hp = None if c.hparams is None else c.hparams.entry(i)
+                off = c.offsets[i]
+                self.opt.step(param, g[off:off + param.numel()], state, self.step_count, hparams=hp)
+            return
+        self.opt.step(c.master, g, c.state, self.step_count, segments=c.segments, hparams=c.hparams,
+                      reduce_sq_norms=self._tensor_norm_reducer(c) if self.opt.needs_segments else None)
+
+    def _put_back(self, c: Chunk, side) -> None:
+        """The updated master, in the working dtype, to where the device keeps it (stage 0: the
+        flat buffer; 1-2: this rank's shard of it; 3: the shard), or into the host shard
+        (optimizer+params)."""
+        if self.offload_params:
+            c.shard_param.copy_(c.master)
+            return
+        src = c.host_grad.copy_(c.master) if self.mixed else c.master   # pinned either way
+        dst = c.flat if self.stage == 0 else c.shard_param if self.stage == 3 else c.flat[c.lo:c.hi]
+        self.offload_bytes["h2d"] += nbytes(src)
+        if side is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+
     def zero_grad(self) -> None:
         for c in self.chunks:
             for p in c.params:
@@ -474,24 +616,27 @@ class ShardedOptimizer:
             c.ready.clear()
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes held on this rank by persistent state, measured on the storages actually alive."""
-        def total(tensors):
-            seen, n = set(), 0
-            for t in tensors:
-                if t is None:
-                    continue
-                s = t.untyped_storage()
-                if s.nbytes() and s.data_ptr() not in seen:  # freed (resized-to-0) storage: nothing
-                    seen.add(s.data_ptr())
-                    n += s.nbytes()
-            return n
-
-        params = [c.shard_param if self.stage == 3 else c.flat for c in self.chunks]
+        """Bytes held on this rank's device by persistent state, measured on the storages actually
+        alive (under offload the masters and optimizer state are host memory: ``host_bytes``)."""
+        params = [c.shard_param if self.stage == 3 and not self.offload_params else c.flat for c in self.chunks]
         if self.stage == 3:
             params += [c.flat for c in self.chunks if c.gathered]  # only if left gathered
         grads = [p.grad for c in self.chunks for p in c.params] + [c.grad_shard for c in self.chunks]
-        optim = [t for c in self.chunks for t in c.state.values()] + [c.master for c in self.chunks]
-        return dict(params=total(params), grads=total(grads), optimizer=total(optim))
+        optim = [] if self.offload_opt else self._optimizer_tensors()
+        return dict(params=_total_bytes(params), grads=_total_bytes(grads), optimizer=_total_bytes(optim))
+
+    def _optimizer_tensors(self) -> list:
+        return [t for c in self.chunks for t in c.state.values()] + [c.master for c in self.chunks]
+
+    def host_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds in host memory under offload (module doc), measured like
+        ``state_bytes``: the fp32 masters and optimizer state, the gradient staging buffers and
+        (optimizer+params) the stage-3 parameter shards. All 0 without offload."""
+        if not self.offload_opt:
+            return dict(optimizer=0, staging=0, params=0)
+        return dict(optimizer=_total_bytes(self._optimizer_tensors()),
+                    staging=_total_bytes([c.host_grad for c in self.chunks]),
+                    params=_total_bytes([c.shard_param for c in self.chunks] if self.offload_params else []))
 
     @torch.no_grad()
     def full_flat(self, c: Chunk) -> Tensor:
@@ -509,23 +654,27 @@ class ShardedOptimizer:
 
     def gather_local(self, c: Chunk, t: Tensor) -> Tensor:
         """A chunk's buffer of this rank (the padded buffer itself, or its shard at stages 1-3:
-        all-gathered over the data group) as the full padded buffer; ``t`` when already whole."""
+        all-gathered over the data group) as the full padded buffer on the device; ``t`` when
+        already whole there. A host buffer (offload) goes to the device first, one chunk's piece."""
+        src = t if t.device == self.device else t.to(self.device)
         if t.numel() == c.padded:
-            return t
-        out = torch.empty(c.padded, dtype=t.dtype, device=t.device)
-        _all_gather_fn(out, t.contiguous(), group=self.group)
+            return src
+        out = torch.empty(c.padded, dtype=t.dtype, device=self.device)
+        _all_gather_fn(out, src.contiguous(), group=self.group)
         return out
 
     @torch.no_grad()
     def load_flat(self, c: Chunk, full: Tensor) -> None:
         """Set the chunk's parameters from a full padded fp32 buffer (working copy and master)."""
+        if self.offload_opt and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)   # no copy from the host buffers still in flight
         if self.stage == 3:
             c.shard_param.copy_(full[c.lo:c.hi])
             if c.gathered:
                 c.flat.copy_(full)
         else:
             c.flat.copy_(full)
-        if self.mixed:
+        if c.master is not None:   # mixed precision or offload (a host copy)
             c.master.copy_(full[c.lo:c.hi] if self.stage >= 1 else full)
 
     @torch.no_grad()
@@ -546,6 +695,18 @@ class ShardedOptimizer:
         self._hooks = []
         if self.reducer is not None:
             self.reducer.remove()
+
+
+def _total_bytes(tensors) -> int:
+    seen, n = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:  # freed (resized-to-0) storage: nothing
+            seen.add(s.data_ptr())
+            n += s.nbytes()
+    return n
 
 
 class _Done:

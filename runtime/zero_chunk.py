@@ -31,7 +31,8 @@ class Chunk:
         self.shard = self.padded // world
         self.lo, self.hi = rank * self.shard, (rank + 1) * self.shard
         self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        self.master: Optional[Tensor] = None         # fp32 copy (mixed precision): padded or shard
+        self.master: Optional[Tensor] = None         # fp32 copy (mixed precision, offload): padded or shard
+        self.host_grad: Optional[Tensor] = None      # offload: host staging of the gradient piece (working dtype)
         self.shard_param: Optional[Tensor] = None   # stage 3 only
         self.grad_shard: Optional[Tensor] = None    # stages 2, 3 (persistent)
         self.state: dict[str, Tensor] = {}

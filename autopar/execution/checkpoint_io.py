@@ -232,15 +232,16 @@ def full_shape(prog, fqn: str) -> tuple[int, ...]:
 
 def _value_buffers(opt, c, for_load: bool) -> list[torch.Tensor]:
     """Chunk ``c``'s parameter buffers: the one to save (the most precise copy held), or every one
-    a load must fill (working copy, stage-3 shard, fp32 master)."""
+    a load must fill (working copy, stage-3 shard, fp32 master: mixed precision, or the host copy
+    of an offloaded optimizer, runtime/zero.py, whatever the working dtype)."""
     if not for_load:
-        if opt.mixed:
+        if c.master is not None:
             return [c.master]
         return [c.shard_param] if opt.stage == 3 else [c.flat]
     out = [c.shard_param] if opt.stage == 3 else [c.flat]
     if opt.stage == 3 and c.gathered:
         out.append(c.flat)
-    if opt.mixed:
+    if c.master is not None:
         out.append(c.master)
     return out
 
