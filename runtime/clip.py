@@ -43,9 +43,10 @@ def clip_grad_norm(grads: Iterable[Optional[Tensor]], max_norm: float,
 @torch.no_grad()
 def grad_norm(grads: Iterable[Optional[Tensor]], norm_groups: Sequence[Optional[dist.ProcessGroup]] = (),
               norm_type: float = 2.0, comm_counter: Optional[list] = None,
-              weights: Optional[Sequence] = None) -> Tensor:
+              weights: Optional[Sequence] = None, comm_device: Optional[torch.device] = None) -> Tensor:
     """The whole gradient's norm (``clip_grad_norm``'s, without scaling anything): computed in
-    fp32 from gradients of any floating dtype, collectives on the gradients' device."""
+    fp32 from gradients of any floating dtype, collectives on the gradients' device (or
+    ``comm_device``: host gradients whose collectives need the device, NCCL)."""
     grads = list(grads)
     weights = [None] * len(grads) if weights is None else list(weights)
     if len(weights) != len(grads):
@@ -61,7 +62,7 @@ def grad_norm(grads: Iterable[Optional[Tensor]], norm_groups: Sequence[Optional[
         local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=zero)
     else:
         local = sum((_weighted_sq_norm(g, w) for g, w in pairs), zero)
-    acc = local.reshape(1).clone()
+    acc = local.reshape(1).clone() if comm_device is None else local.reshape(1).to(comm_device, copy=True)
     for group in norm_groups:
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
         if comm_counter is not None:

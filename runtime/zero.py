@@ -160,6 +160,8 @@ class ShardedOptimizer:
         self.offload = offload
         self.offload_opt = offload != "none"            # masters + state on the host, CPU step
         self.offload_params = offload == "optimizer+params"
+        # stages 2-3 offloaded: each reduced gradient shard streams to the host as backward makes it
+        self.stream_grads = self.offload_opt and zero_stage >= 2
         self.offload_bytes = {"d2h": 0, "h2d": 0}
         self._copy_stream = None   # CUDA: the side stream of the host <-> device copies
         self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
@@ -231,8 +233,10 @@ class ShardedOptimizer:
                     if any(id(p) in tensor_norm_skip for p in c.params):   # counted by another rank
                         c.norm_mask = torch.tensor([0.0 if id(p) in tensor_norm_skip else 1.0 for p in c.params]
                                                    + [1.0], device=state_device)
-                if zero_stage >= 2:
+                if zero_stage >= 2 and not self.stream_grads:
                     c.grad_shard = torch.zeros(c.shard, dtype=self.dtype, device=self.device)
+                if self.stream_grads:   # the fp32 sum of the streamed shards, on the host
+                    c.host_acc = self._hostify(torch.zeros(c.shard, dtype=torch.float32))
                 if zero_stage == 3:
                     c.shard_param = self._hostify(c.flat[c.lo:c.hi].to(_HOST, copy=True)) if self.offload_params \
                         else c.flat[c.lo:c.hi].clone()
@@ -427,6 +431,19 @@ class ShardedOptimizer:
         c.ready.clear()
         if self.stage == 3:
             self._free(c)
+        if self.stream_grads:   # the shards reduced before this one go to the host now
+            self._drain(keep=1)
+
+    def _drain(self, keep: int = 0) -> None:
+        """Offload, stages 2-3: each pending reduce-scatter but the last ``keep`` waited for and
+        its shard copied to the host staging buffer and summed into the fp32 ``host_acc``: the
+        device holds at most the shards still in flight."""
+        done, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+        for c, work, out in done:
+            work.wait()
+            c.host_grad.copy_(out)   # blocking: the sum below reads it
+            self.offload_bytes["d2h"] += nbytes(out)
+            c.host_acc.add_(c.host_grad)
 
     @torch.no_grad()
     def _finish_backward(self) -> list[Tensor]:
@@ -450,6 +467,11 @@ class ShardedOptimizer:
         for c in self.chunks:
             if c.ready or any(p.grad is not None for p in c.params):
                 self._reduce_chunk(c)
+        if self.stream_grads:
+            self._drain()
+            for c in self.chunks:
+                c.host_acc.div_(self.world)
+            return [c.host_acc for c in self.chunks]
         for c, work, out in self._pending:
             work.wait()
             c.grad_shard.add_(out)
@@ -471,7 +493,12 @@ class ShardedOptimizer:
         if self.stage >= 2:
             for c, g in zip(self.chunks, grads):
                 if c.shared_group is not None:   # a copy outside the data group (module doc)
-                    dist.all_reduce(g, group=c.shared_group)
+                    if g.device != self.device:   # a streamed host shard: the collective on the device
+                        d = g.to(self.device)
+                        dist.all_reduce(d, group=c.shared_group)
+                        g.copy_(d)
+                    else:
+                        dist.all_reduce(g, group=c.shared_group)
                     self.shared_bytes += nbytes(g)
         if self.offload_opt:
             return self._offload_step(grads)
@@ -525,7 +552,8 @@ class ShardedOptimizer:
         coef = None
         if self.grad_clip is not None:   # the norm (and its collectives) on the device tensors...
             groups = ([] if self.stage == 0 or self.world == 1 else [self.group]) + list(self.extra_norm_groups)
-            self.last_grad_norm = grad_norm(grads, groups, comm_counter=self.comm_log, weights=self._norm_weights())
+            self.last_grad_norm = grad_norm(grads, groups, comm_counter=self.comm_log, weights=self._norm_weights(),
+                                            comm_device=self.device)
             # ...the scaling on the host's fp32 upcast: the same product as scaling the device's
             # fp32 gradient (mixed precision scales the upcast too, not the working-dtype gradient)
             coef = clip_coefficient(self.last_grad_norm, self.grad_clip).to(_HOST)
@@ -539,6 +567,8 @@ class ShardedOptimizer:
         def fetch(i: int):
             """Start chunk i's gradient piece to the host; returns the event to wait on (CUDA)."""
             c = self.chunks[i]
+            if self.stream_grads:   # already on the host (``_drain``)
+                return None
             g = c.flat_grad(free=False) if self._per_param else grads[i]   # stage 0: padded flat
             self.offload_bytes["d2h"] += nbytes(g)
             if not cuda:
@@ -572,14 +602,17 @@ class ShardedOptimizer:
             main.wait_stream(side)
         for w in works:
             w.wait()
-        if self.stage >= 2:
-            for c in self.chunks:
+        for c in self.chunks:
+            if c.grad_shard is not None:
                 c.grad_shard.zero_()
+            if c.host_acc is not None:
+                c.host_acc.zero_()
 
     def _host_update(self, c: Chunk, coef: Optional[Tensor]) -> None:
         """The CPU optimizer step of one chunk's host master from its staged gradient (the same
         calls as the device step: per parameter at stage 0 with an elementwise optimizer)."""
-        g = c.host_grad.float()   # fp32: the staging buffer itself
+        # fp32: the streamed sum, or the staged gradient upcast (fp32: the staging buffer itself)
+        g = c.host_acc if self.stream_grads else c.host_grad.float()
         if coef is not None:
             g.mul_(coef)
         if self._per_param:
@@ -613,6 +646,8 @@ class ShardedOptimizer:
                 p.grad = None
             if c.grad_shard is not None:
                 c.grad_shard.zero_()
+            if c.host_acc is not None:
+                c.host_acc.zero_()
             c.ready.clear()
 
     def state_bytes(self) -> dict[str, int]:
@@ -630,12 +665,13 @@ class ShardedOptimizer:
 
     def host_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in host memory under offload (module doc), measured like
-        ``state_bytes``: the fp32 masters and optimizer state, the gradient staging buffers and
+        ``state_bytes``: the fp32 masters and optimizer state, the gradient staging buffers (and at
+        stages 2-3 the fp32 sums of the streamed shards) and
         (optimizer+params) the stage-3 parameter shards. All 0 without offload."""
         if not self.offload_opt:
             return dict(optimizer=0, staging=0, params=0)
         return dict(optimizer=_total_bytes(self._optimizer_tensors()),
-                    staging=_total_bytes([c.host_grad for c in self.chunks]),
+                    staging=_total_bytes([c.host_grad for c in self.chunks] + [c.host_acc for c in self.chunks]),
                     params=_total_bytes([c.shard_param for c in self.chunks] if self.offload_params else []))
 
     @torch.no_grad()

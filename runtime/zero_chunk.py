@@ -35,6 +35,7 @@ class Chunk:
         self.host_grad: Optional[Tensor] = None      # offload: host staging of the gradient piece (working dtype)
         self.shard_param: Optional[Tensor] = None   # stage 3 only
         self.grad_shard: Optional[Tensor] = None    # stages 2, 3 (persistent)
+        self.host_acc: Optional[Tensor] = None      # offloaded stages 2, 3: fp32 sum of the streamed shards
         self.state: dict[str, Tensor] = {}
         self.segments: Optional[Segments] = None
         self.views: list = []   # stage 0: (updated slice, state slices, working slice) per parameter

@@ -300,6 +300,15 @@ class CompiledModel:
                 out["pp_tied"] = self.tied_bytes
         return out
 
+    def offload_stats(self) -> dict[str, int]:
+        """Offloaded plans (docs/offload.md): bytes copied device -> host (``d2h``) and host ->
+        device (``h2d``) on this rank since the last ``reset_comm_stats``, and the bytes it holds
+        now in host memory (``host``) and on the device for model state (``device``: parameters,
+        gradients, optimizer state). All zero but ``device`` without offload."""
+        self._need_ready()
+        moved = dict(self.opt.offload_bytes)
+        return {**moved, "host": sum(self.opt.host_bytes().values()), "device": sum(self.opt.state_bytes().values())}
+
     def kernel_stats(self) -> dict[str, int]:
         """Triton kernel launches on this rank since the last reset, by kernel family
         (runtime/kernels); all zero when the plan runs torch ops (``plan.kernels``)."""

@@ -13,7 +13,7 @@ Bytes per element of the offloaded shard:
 
     device   params (working)  grads (working; ZeRO 2-3: none)   optimizer 0
     host     master 4 + optimizer state (memory.STATE_BYTES) + gradients: a staging copy in the
-             working dtype, or (ZeRO 2-3, streamed as backward reduces them) an fp32 accumulation 4
+             working dtype, and (ZeRO 2-3, streamed as backward reduces them) their fp32 sum 4
              ("optimizer+params", ZeRO-3: + the parameter shard, working; the device holds none)
 
 The CPU step moves what the same step moves on a device (cost.optimizer_bytes_per_element: the
@@ -51,10 +51,10 @@ class OffloadPrice:
 
 
 def host_bytes_per_element(optimizer: str, precision: str, streamed: bool = False) -> int:
-    """Host bytes one offloaded shard element holds: fp32 master, optimizer state, and the
-    gradient staging (working dtype) or, ``streamed``, its fp32 accumulation."""
+    """Host bytes one offloaded shard element holds: fp32 master, optimizer state, the gradient
+    staging buffer (working dtype) and, ``streamed``, the fp32 sum of the streamed shards."""
     check_optimizer(optimizer)
-    return 4 + STATE_BYTES[optimizer] + (4 if streamed else working_bytes(precision))
+    return 4 + STATE_BYTES[optimizer] + working_bytes(precision) + (4 if streamed else 0)
 
 
 # Seconds to start one host<->device copy (a cudaMemcpyAsync launch plus the PCIe round trip)

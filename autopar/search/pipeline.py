@@ -129,8 +129,12 @@ def apply_pipeline(data: dict, info: dict) -> dict:
     static = {k: int(round(mb[k] * f)) for k in ("params", "grads", "optimizer", "gathered") if k in mb}
     pred["memory_breakdown"] = {**static, "activations": max(0, info["peak_memory"] - sum(static.values())),
                                 "other": 0}
-    if "offload" in pred:   # the busiest rank's share of what the host holds and what it copies
-        pred["offload"] = {**pred["offload"], **{k: int(round(pred["offload"][k] * f))
+    if "offload" in pred:
+        # the rank with the most parameters: host bytes and copies go with the device's static
+        # bytes (per element alike; a tied parameter held by two stages counts on both)
+        flat = sum(v for k, v in mb.items() if k in ("params", "grads", "optimizer", "gathered"))
+        per = info["max_static"] / flat if flat > 0 else f
+        pred["offload"] = {**pred["offload"], **{k: int(round(pred["offload"][k] * per))
                                                  for k in ("host_bytes", "d2h_bytes", "h2d_bytes")}}
     # per rank: what its (virtual) stages send
     per_rank = {}

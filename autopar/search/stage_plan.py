@@ -230,7 +230,7 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float, b
             "bubble_fraction": sim.bubble_fraction,
             "peak_memory": rank_peak[worst_r], "rank_peak_memory": rank_peak, "static_share": share,
             "peak_static_share": worst_static / total_static if total_static > 0 else 1.0,
-            "peak_static": worst_static}
+            "peak_static": worst_static, "max_static": max(rank_static)}
 
 
 def simulate_plan(data: dict):

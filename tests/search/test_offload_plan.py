@@ -61,7 +61,7 @@ def test_free_search_offloads_when_nothing_else_fits(small, plans):
 
 def test_offloaded_bytes_per_pool(small, plans):
     """Device: the optimizer state leaves, and at ZeRO 2-3 the gradient shards (streamed to the
-    host); host: master 4 + AdamW state 8 + fp32 gradient 4 per shard element (+ the bf16
+    host); host: master 4 + AdamW state 8 + bf16 staging 2 + fp32 gradient sum 4 per shard element (+ the bf16
     parameter shard with "optimizer+params"); copies per step: the shard down, the update up."""
     _, _, numel, _ = small
     p = plans["optimizer"]
@@ -69,7 +69,7 @@ def test_offloaded_bytes_per_pool(small, plans):
     assert d["zero"] == 2 and d["dp"] == 2 and d["tp"] == 1
     assert mb["optimizer"] == 0 and mb["grads"] == 0
     shard = numel / 2
-    assert off["host_bytes"] == pytest.approx(shard * 16, abs=4)
+    assert off["host_bytes"] == pytest.approx(shard * 18, abs=4)
     assert off["d2h_bytes"] == pytest.approx(shard * 2 * d["num_micro_batches"], abs=4)
     assert off["h2d_bytes"] == pytest.approx(shard * 2, abs=4)
     assert off["target"] == "host" and off["fraction"] == 1.0
@@ -77,7 +77,7 @@ def test_offloaded_bytes_per_pool(small, plans):
     q = plans["optimizer+params"]
     assert q.memory_breakdown["params"] < 0.01 * mb["params"]   # buffers only
     qo = q.data["predictions"]["offload"]
-    assert qo["host_bytes"] == pytest.approx(shard * 18, abs=4)
+    assert qo["host_bytes"] == pytest.approx(shard * 20, abs=4)
     assert qo["h2d_bytes"] == pytest.approx(shard * 2 * 2 * q.degrees["num_micro_batches"], abs=4)
 
 
@@ -142,10 +142,11 @@ def test_deepspeed_estimator_term_by_term():
     offload 5.31 GB per GPU, 127.48 GB host; ZeRO-3 + full offload 71.71 GB host. The plan's
     breakdown per parameter element, read from a GPT planned with those pins on one DGX-A100:
     per GPU 2 bytes (bf16 parameters; gradients streamed to the host) = DeepSpeed's 2 Ψ; host per
-    node 16 bytes (master 4 + Adam 8 + fp32 gradient 4), where DeepSpeed charges
-    max(4 × GPUs, 16) × 1.5 = 48 (every process's own fp32 copy of the whole model at start-up,
-    which meta-device set-up never makes, and a 1.5 buffer factor); with the parameters too, 18
-    bytes (+ the bf16 shard) = DeepSpeed's 18, before its 1.5 factor, and on the GPU the largest
+    node 18 bytes (master 4 + Adam 8 + fp32 gradient sum 4 + bf16 staging 2), where DeepSpeed
+    charges max(4 × GPUs, 16) × 1.5 = 48 (every process's own fp32 copy of the whole model at
+    start-up, which meta-device set-up never makes, and a 1.5 buffer factor); with the parameters
+    too, 20 bytes (+ the bf16 shard) against DeepSpeed's 18 (its 16 + the bf16 parameters,
+    the staging inside its 1.5 factor), and on the GPU the largest
     block gathered (4 bytes per element of it) = DeepSpeed's 4 x largest layer."""
     warnings.simplefilter("ignore")
     model, batch = gpt2(n_layer=2, d_model=256, n_head=4, seq=64, batch=8, vocab=1024, device="meta")
@@ -156,13 +157,13 @@ def test_deepspeed_estimator_term_by_term():
     per_element_device = (mb["params"] + mb["grads"] + mb["optimizer"]) / numel
     per_element_host = p2.data["predictions"]["offload"]["host_bytes"] * 8 / numel
     assert per_element_device == pytest.approx(2, rel=1e-3)
-    assert per_element_host == pytest.approx(16, rel=1e-3) == host_bytes_per_element("adamw", "bf16", True)
+    assert per_element_host == pytest.approx(18, rel=1e-3) == host_bytes_per_element("adamw", "bf16", True)
     psi = 2851e6
     assert round(per_element_device * psi / 2**30, 2) == 5.31   # DeepSpeed's figure, reproduced
     assert round(psi * max(4 * 8, 16) * 1.5 / 2**30, 2) == 127.45   # their formula (facts.md rounds 127.48)
     p3 = autopar.plan(model, batch, c, constraints={"dp": 8, "zero": 3, "offload": "optimizer+params"})
     host3 = p3.data["predictions"]["offload"]["host_bytes"] * 8 / numel
-    assert host3 == pytest.approx(18, rel=1e-3)
+    assert host3 == pytest.approx(20, rel=1e-3)
     assert round(psi * 18 * 1.5 / 2**30, 2) == 71.69   # DeepSpeed's 71.71 with its 1.5 factor
     mb3 = p3.memory_breakdown
     assert mb3["params"] + mb3["grads"] + mb3["optimizer"] < 0.01 * numel   # buffers only
