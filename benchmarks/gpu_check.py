@@ -12,6 +12,11 @@ section runs on its own, so one failure leaves the others' rows. Sections:
 4. ``tests``: the tests marked ``gpu`` (pytest -m gpu).
 5. ``calibrate``: ``autopar calibrate --sweep gpu`` on the GPU, then the model re-planned with
    that profile and trained again: predicted against measured.
+6. ``offload``: full fine-tuning (AdamW) of a model whose states do not fit the device under the
+   check's memory budget without offload (the plan without it is refused), trained with the
+   optimizer on the host (docs/offload.md): step time, device peak and host bytes against the
+   plan's. The budget stands in for a smaller card: the machine's 128 GiB of host memory holds
+   the states of a ~4B model, not of one that overflows a whole H100/H200.
 
 On a machine without CUDA it says so and exits 0 after the sections that need no GPU.
 ``--quick`` shrinks every size (a smoke run); ``--out FILE`` writes the table there too.
@@ -191,11 +196,64 @@ def calibrate(quick: bool, out_dir: str) -> None:
     section("train/autopar-calibrated-triton", _autopar, quick, "kernels=triton, calibrated", "triton", path)
 
 
+def _offload_model(quick: bool, device: str):
+    from autopar.models import llama
+    if quick:   # ~0.2B
+        return llama.llama(n_layer=4, n_head=16, n_kv_heads=8, d_model=2048, ffn_hidden=5632, vocab=32000,
+                           seq=512, batch=2, device=device)
+    # ~2.8B parameters: 26 layers, d 3072, 24 query / 8 kv heads, SwiGLU 8192, vocab 32000; 2 x 2048 tokens
+    return llama.llama(n_layer=26, n_head=24, n_kv_heads=8, d_model=3072, ffn_hidden=8192, vocab=32000,
+                       seq=2048, batch=2, device=device)
+
+
+def offload(quick: bool) -> None:
+    """Section 6 (module doc)."""
+    import torch
+    import autopar
+    from autopar.cluster import Host
+    from autopar.errors import MemoryBudgetError
+    import dataclasses
+    _init_pg()
+    # The lent machines: 128 GiB of host memory, 16 cores; copy and CPU rates are guesses that
+    # this section measures (PCIe 5.0 x16 ~50 GB/s; DDR5 at ~100 GB/s for an AdamW step).
+    cluster = dataclasses.replace(_cluster(), host=Host(128 * 2**30, 50e9, 100e9, 1))
+    model, batch = _offload_model(quick, "meta")
+    n = sum(p.numel() for p in model.parameters())
+    budget = int(n * 16 * 0.75)   # AdamW's 16 bytes per parameter do not fit
+    try:
+        autopar.plan(model, batch, cluster, memory_budget=budget, constraints={"offload": "none"})
+        row("offload", "premise", "FAILED: the plan without offload fits the budget")
+    except MemoryBudgetError as e:
+        row("offload", "premise", f"{n / 1e9:.2f} B parameters, budget {budget / 2**30:.1f} GiB: no plan without "
+            f"offload (least peak {e.min_peak_bytes / 2**30:.1f} GiB)")
+    model, batch = _offload_model(quick, "cpu")
+    t0 = time.perf_counter()
+    compiled = autopar.compile(model, cluster, batch, optimizer="adamw", lr=1e-5,
+                               plan_options={"memory_budget": budget})
+    plan = compiled.plan
+    off = plan.predictions.get("offload", {})
+    row("offload", "plan", f"offload {plan.degrees['offload']}, zero {plan.degrees['zero']}, micro-batches "
+        f"{plan.degrees['num_micro_batches']}, checkpoint {plan.degrees['checkpoint']}; host "
+        f"{off.get('host_bytes', 0) / 2**30:.1f} GiB predicted; set-up {time.perf_counter() - t0:.1f} s")
+    gb = [t.cuda() for t in batch]
+    torch.cuda.reset_peak_memory_stats()
+    t, losses = _timed_steps(lambda: compiled.step(*gb), 1, 2 if quick else 3)
+    peak = torch.cuda.max_memory_allocated()
+    stats = compiled.offload_stats()
+    row("offload", "AdamW, optimizer on the host", f"{t:.2f} s/step (predicted {plan.step_time:.2f}, "
+        f"measured/predicted {t / plan.step_time:.2f}; CPU step predicted {plan.predictions['time_breakdown']['optimizer']:.2f} s), "
+        f"peak {peak / 2**30:.2f} GiB (predicted {plan.peak_memory / 2**30:.2f}, ratio {peak / plan.peak_memory:.2f}), "
+        f"host {stats['host'] / 2**30:.1f} GiB (predicted {off.get('host_bytes', 0) / 2**30:.1f}), d2h "
+        f"{stats['d2h'] / 2**30:.2f} GiB / h2d {stats['h2d'] / 2**30:.2f} GiB per step, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    compiled = model = None
+    torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
-    ap.add_argument("--only", default="env,train,kernels,tests,calibrate")
+    ap.add_argument("--only", default="env,train,kernels,tests,calibrate,offload")
     args = ap.parse_args(argv)
     import torch
     only = set(args.only.split(","))
@@ -210,7 +268,7 @@ def main(argv=None) -> int:
             "training, calibrate) need one; run scripts/gpu-check.sh on a GPU machine")
     else:
         for name, fn, a in (("train", train, (args.quick,)), ("kernels", kernels, ()), ("tests", tests, ()),
-                            ("calibrate", calibrate, (args.quick, out_dir))):
+                            ("calibrate", calibrate, (args.quick, out_dir)), ("offload", offload, (args.quick,))):
             if name in only:
                 section(name, fn, *a)
     row("gpu-check", "total", f"{time.perf_counter() - t0:.0f} s")

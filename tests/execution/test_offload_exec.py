@@ -122,3 +122,35 @@ def test_offloaded_plans_train_like_one_process(world):
         for what, key in (("host", "host_bytes"), ("d2h", "d2h_bytes"), ("h2d", "h2d_bytes")):
             measured = pick([r["moved"][0][what] for r in runs])
             assert measured == pytest.approx(pred[key], rel=0.02), (label, what, measured, pred[key])
+
+
+def _resume(rank, world, first_json, second_json, directory):
+    """Two steps under ``first_json``, saved; loaded under ``second_json``, one step more."""
+    model, batch = ZOO["gpt2"]()
+    cluster = autopar.Cluster.preset("cpu", devices=world)
+    cm = autopar.compile(model, cluster, example_inputs=batch, plan=autopar.Plan.from_json(first_json), **SGD)
+    losses = [cm.step(*batch) for _ in range(2)]
+    cm.save(directory)
+    model, batch = ZOO["gpt2"]()
+    cm = autopar.compile(model, cluster, example_inputs=batch, plan=autopar.Plan.from_json(second_json), **SGD)
+    cm.load(directory)
+    losses.append(cm.step(*batch))
+    sd = {k: v.numpy() for k, v in cm.full_state_dict().items()}   # collective: every rank
+    return losses, sd if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_offloaded_and_device_plans(tmp_path):
+    """Save under an offloaded plan (masters and momentum on the host, gradients streamed), load
+    under a plan without offload, and the other way round: the run continues as one eager
+    process's does (the host state is read and written like any other)."""
+    model, batch = ZOO["gpt2"]()
+    cluster = autopar.Cluster.preset("cpu", devices=2)
+    off = autopar.plan(model, batch, cluster, constraints={"dp": 2, "zero": 2, "offload": "optimizer"},
+                       optimizer="sgd", precision="fp32").to_json()
+    dev = autopar.plan(model, batch, cluster, constraints={"dp": 2, "zero": 1, "offload": "none"},
+                       optimizer="sgd", precision="fp32").to_json()
+    ref_losses, ref_sd = eager()
+    for i, (a, b) in enumerate(((off, dev), (dev, off))):
+        res = run_local(_resume, 2, args=(a, b, str(tmp_path / f"ckpt{i}")), timeout=300)
+        assert_matches_eager([r[0] for r in res], res[0][1], ref_losses, ref_sd, label=f"case {i}: ")
