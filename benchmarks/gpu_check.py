@@ -16,7 +16,8 @@ section runs on its own, so one failure leaves the others' rows. Sections:
    check's memory budget without offload (the plan without it is refused), trained with the
    optimizer on the host (docs/offload.md): step time, device peak and host bytes against the
    plan's. The budget stands in for a smaller card: the machine's 128 GiB of host memory holds
-   the states of a ~4B model, not of one that overflows a whole H100/H200.
+   the states of a ~5B model (the check trains 2.8B: ~47 GiB on the host), not of one that
+   overflows a whole H100/H200.
 
 On a machine without CUDA it says so and exits 0 after the sections that need no GPU.
 ``--quick`` shrinks every size (a smoke run); ``--out FILE`` writes the table there too.
