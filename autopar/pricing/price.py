@@ -47,6 +47,7 @@ class Settings:
     checkpoint: str | tuple | None = None
     kernels: bool = False   # the plan runs the Triton kernels (autopar/frontend/fuse.py): fused optimizer step
     offload: str = "none"   # "optimizer": master weights and optimizer state on the host (pricing/offload.py)
+    offload_all: bool = False   # offload every chunk (a pin), not the fewest that fit (predict.offload_fraction)
 
 
 def _chunk_numel(c: Candidates) -> dict[str, int]:
@@ -312,8 +313,12 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
         fwd_comm = np.zeros(S)
         fwd_bytes = [np.zeros(S) for _ in mesh.shape]
         static = {"params": np.zeros(S), "grads": np.zeros(S), "optimizer": np.zeros(S)}
-        if s.offload != "none" and info.kind == "param":   # the host's share: bytes held, bytes copied per step
-            static.update(host=np.zeros(S), d2h=np.zeros(S), h2d=np.zeros(S))
+        if s.offload != "none" and info.kind == "param":
+            # the host's share (bytes held, copied per step), and what the device would hold and
+            # spend if the parameter's chunk stayed there (autopar/search/predict.py offload_fraction)
+            static.update(host=np.zeros(S), d2h=np.zeros(S), h2d=np.zeros(S), kept_optimizer=np.zeros(S),
+                          kept_grads=np.zeros(S), kept_params=np.zeros(S), kept_step=np.zeros(S),
+                          offload_step=np.zeros(S), offload_gathers=np.zeros(S))
         val = node_val(info.node)
         if info.kind == "param":
             numel = val.numel()
@@ -328,6 +333,13 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                     off = offload_price(opt_local, s.optimizer, s.precision, cluster, s.zero, nm,
                                         optimizer_step_time(1, s.optimizer, s.precision, device, cal),
                                         params=s.offload == "optimizer+params")
+                    static["kept_optimizer"][j] = sb["optimizer"] * k
+                    static["kept_grads"][j] = sb["grads"] * k if s.zero >= 2 else 0.0
+                    static["kept_params"][j] = sb["params"] * k if off.gather_h2d_bytes else 0.0
+                    static["kept_step"][j] = optimizer_step_time(opt_local, s.optimizer, s.precision, device, cal,
+                                                                 s.kernels) * k
+                    static["offload_step"][j] = off.seconds * k
+                    static["offload_gathers"][j] = off.gather_seconds * k
                     sb["optimizer"] = 0.0   # master and state live on the host
                     if s.zero >= 2:
                         sb["grads"] = 0.0   # gradient shards streamed to the host

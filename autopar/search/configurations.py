@@ -120,7 +120,7 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
                                                 num_micro_batches=nm, budget=base.budget,
                                                 overlap_grad_comm=base.overlap_grad_comm, kernels=base.kernels,
                                                 checkpoint=_checkpoint_setting(constraints.get("checkpoint")),
-                                                offload=off))
+                                                offload=off, offload_all="offload" in constraints))
 
 
 def offload_choices(cluster: Cluster, constraints: dict) -> list[str]:

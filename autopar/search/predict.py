@@ -111,9 +111,19 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
         for k in DEVICE_STATIC:
             if k in st:
                 static[k] = static.get(k, 0.0) + float(st[k][pick[n]])
-    offload = offload_prediction(P, pick, s, cluster)
     peak_name = max(sol.peak_memory, key=lambda k: sol.peak_memory[k]) if sol.peak_memory else None
     peak = float(sol.peak_memory[peak_name]) if peak_name else sum(static.values())
+    offload = offload_prediction(P, pick, s, cluster)
+    if offload is not None:   # the fewest chunks offloaded that fit: the rest back on the device
+        f, kept, (faster_step, fewer_gathers) = offload_fraction(P, pick, s, peak)
+        offload = {**offload, "fraction": f, **{k: int(round(offload[k] * f))
+                                                for k in ("host_bytes", "d2h_bytes", "h2d_bytes")}}
+        step -= faster_step + fewer_gathers
+        optimizer -= faster_step
+        op_comm -= fewer_gathers
+        for k, v in kept.items():
+            static[k] += v
+        peak += sum(kept.values())
     activations = peak - sum(static.values())
     other = 0.0
     if peak_name and peak_name.startswith("backward@"):
@@ -205,6 +215,35 @@ def offload_prediction(P: Priced, pick: dict, s: Settings, cluster: Cluster) -> 
     return {"mode": s.offload, "target": "host", "fraction": 1.0, "host_bytes": int(round(tot["host"])),
             "host_budget": int(host_budget(cluster)), "d2h_bytes": int(round(tot["d2h"])),
             "h2d_bytes": int(round(tot["h2d"]))}
+
+
+def offload_fraction(P: Priced, pick: dict, s: Settings, peak: float) -> tuple[float, dict, tuple]:
+    """Gemini's rule: of an offloaded plan, the least fraction of the rank's parameter elements
+    whose optimizer (and streamed gradients, and with "optimizer+params" parameter shards) must
+    stay on the host for the plan to fit its budget; the runtime offloads whole chunks, first to
+    last, until they cover it (runtime/zero.py). Device bytes are the same at every point of the
+    step (static), so keeping a share 1 - f on the device raises every memory row by that share
+    of the bytes offloading saves, and the step is faster by that share of the difference between
+    the host's and the device's optimizer step (and of the host-to-device copies before
+    "optimizer+params" gathers). Returns (f, device bytes kept per memory key, (optimizer
+    seconds saved, gather copy seconds saved)). A pinned offload (``Settings.offload_all``) and an unbounded budget (a
+    pipelined candidate's inner search: the stages' memory is checked later) offload everything."""
+    tot = {k: 0.0 for k in ("kept_optimizer", "kept_grads", "kept_params", "kept_step", "offload_step",
+                            "offload_gathers")}
+    for n, st in P.static.items():
+        if n in pick and "kept_step" in st:
+            for k in tot:
+                tot[k] += float(st[k][pick[n]])
+    saved = tot["kept_optimizer"] + tot["kept_grads"] + tot["kept_params"]
+    if s.offload_all or not math.isfinite(s.budget) or saved <= 0:
+        return 1.0, {}, (0.0, 0.0)
+    f = min(1.0, max(0.0, 1.0 - (s.budget - peak) / saved))
+    f = math.ceil(f * 1000) / 1000   # a thousandth of a rank's parameters; at least one chunk
+    f = max(f, 1e-3)
+    keep = 1.0 - f
+    kept = {"optimizer": keep * tot["kept_optimizer"], "grads": keep * tot["kept_grads"],
+            "params": keep * tot["kept_params"]}
+    return f, kept, (keep * max(0.0, tot["offload_step"] - tot["kept_step"]), keep * tot["offload_gathers"])
 
 
 def host_bytes_of(P: Priced, pick: dict | None = None) -> float:

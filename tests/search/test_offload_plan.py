@@ -59,6 +59,25 @@ def test_free_search_offloads_when_nothing_else_fits(small, plans):
     assert got.peak_memory <= floor_opt - 1
 
 
+def test_free_search_offloads_the_fewest_chunks_that_fit(small, plans):
+    """Gemini's rule: between the least peak without offload and the fully offloaded plan's
+    peak, the free plan keeps part of the optimizer on the device: a fraction strictly between 0
+    and 1, its peak at the budget, faster than offloading everything, its host bytes and copies
+    that fraction of the full offload's."""
+    model, batch, _, cluster = small
+    full = plans["optimizer"]
+    floor = plans_peak_floor(model, batch, cluster)
+    budget = (full.peak_memory + floor) // 2
+    got = autopar.plan(model, batch, cluster, memory_budget=budget, constraints={"dp": 2})
+    off, whole = got.predictions["offload"], full.predictions["offload"]
+    assert got.degrees["offload"] == "optimizer" and got.degrees["zero"] == full.degrees["zero"]
+    assert 0 < off["fraction"] < 1
+    assert got.peak_memory <= budget
+    assert got.step_time < full.step_time
+    for k in ("host_bytes", "d2h_bytes", "h2d_bytes"):
+        assert off[k] == pytest.approx(whole[k] * off["fraction"], rel=1e-3, abs=2)
+
+
 def test_offloaded_bytes_per_pool(small, plans):
     """Device: the optimizer state leaves, and at ZeRO 2-3 the gradient shards (streamed to the
     host); host: master 4 + AdamW state 8 + bf16 staging 2 + fp32 gradient sum 4 per shard element (+ the bf16
