@@ -66,6 +66,15 @@ def _chunk_numel(c: Candidates) -> dict[str, int]:
     return got
 
 
+def offload_partial(s: Settings) -> bool:
+    """Whether an offloaded configuration offloads only the fewest chunks that fit (decided by
+    the prediction from its memory slack: autopar/search/predict.py ``offload_fraction``), so its
+    prices carry the device's optimizer step and every bound stays below its plan; else (a pinned
+    offload, or no budget: a pipelined candidate's inner search) everything is offloaded and
+    priced so."""
+    return s.offload != "none" and not s.offload_all and math.isfinite(s.budget)
+
+
 DEVICE_STATIC = ("params", "grads", "optimizer", "gathered")   # a parameter's device bytes (``static``)
 
 
@@ -281,6 +290,9 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
     # collective per chunk, runtime/zero.py): a parameter pays its share of its chunk's collective
     chunk_numel = _chunk_numel(c)
     gathered = _largest_chunk(c, chunk_numel) if s.zero == 3 else None
+    # An offload whose fraction the prediction decides (``offload_partial``): the ILP and every
+    # bound see the device's optimizer step, the prediction adds the offloaded share's extra time
+    partial = offload_partial(s)
     chunk_tensors = _chunk_tensors(c)
     norm_axes = trust_norm_axes(mesh, s.zero)
     step_host = step_host_time(c, cal)
@@ -345,7 +357,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                         sb["grads"] = 0.0   # gradient shards streamed to the host
                     if off.gather_h2d_bytes:
                         sb["params"] = 0.0   # ZeRO-3's shard too; copied up for each gather
-                        comm_t[j] += off.gather_seconds * k
+                        comm_t[j] += 0.0 if partial else off.gather_seconds * k
                     static["host"][j], static["d2h"][j], static["h2d"][j] = \
                         off.host_bytes * k, off.d2h_bytes * k, off.h2d_bytes * k
                 for key in ("params", "grads", "optimizer"):
@@ -355,7 +367,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                         st.outputs[0].shard_fraction(mesh.shape) * (2 if s.precision == "bf16" else 4)
                 if name not in c.needs_grad:
                     continue
-                opt_t[j] = (off.seconds if off is not None else
+                opt_t[j] = (off.seconds if off is not None and not partial else
                             optimizer_step_time(opt_local, s.optimizer, s.precision, device, cal, s.kernels)) * k
                 if s.optimizer in TRUST_RATIO_OPTIMIZERS:
                     # LAMB/LARS: a chunk's per-tensor squared norms ([2, tensors] fp32) all-reduced

@@ -12,7 +12,8 @@ from autopar.cluster import Cluster
 from autopar.plans.plan_schema import checkpoint_mode_of
 from autopar.pricing.cost import exposed_comm, profile_of
 from autopar.pricing.offload import host_budget
-from autopar.pricing.price import DEVICE_STATIC, Priced, Settings, device_static, has_contraction, step_host_time
+from autopar.pricing.price import (DEVICE_STATIC, Priced, Settings, device_static, has_contraction, offload_partial,
+                                   step_host_time)
 from autopar.rules.attention_core import attention_cores
 from autopar.rules.candidates import Candidates
 from autopar.rules.localize import local_call
@@ -115,12 +116,12 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
     peak = float(sol.peak_memory[peak_name]) if peak_name else sum(static.values())
     offload = offload_prediction(P, pick, s, cluster)
     if offload is not None:   # the fewest chunks offloaded that fit: the rest back on the device
-        f, kept, (faster_step, fewer_gathers) = offload_fraction(P, pick, s, peak)
+        f, kept, (slower_step, more_gathers) = offload_fraction(P, pick, s, peak)
         offload = {**offload, "fraction": f, **{k: int(round(offload[k] * f))
                                                 for k in ("host_bytes", "d2h_bytes", "h2d_bytes")}}
-        step -= faster_step + fewer_gathers
-        optimizer -= faster_step
-        op_comm -= fewer_gathers
+        step += slower_step + more_gathers
+        optimizer += slower_step
+        op_comm += more_gathers
         for k, v in kept.items():
             static[k] += v
         peak += sum(kept.values())
@@ -226,7 +227,8 @@ def offload_fraction(P: Priced, pick: dict, s: Settings, peak: float) -> tuple[f
     of the bytes offloading saves, and the step is faster by that share of the difference between
     the host's and the device's optimizer step (and of the host-to-device copies before
     "optimizer+params" gathers). Returns (f, device bytes kept per memory key, (optimizer
-    seconds saved, gather copy seconds saved)). A pinned offload (``Settings.offload_all``) and an unbounded budget (a
+    seconds and gather copy seconds to add to the priced step: the prices carry the device's
+    step when the fraction is decided here, ``price.offload_partial``, the host's otherwise)). A pinned offload (``Settings.offload_all``) and an unbounded budget (a
     pipelined candidate's inner search: the stages' memory is checked later) offload everything."""
     tot = {k: 0.0 for k in ("kept_optimizer", "kept_grads", "kept_params", "kept_step", "offload_step",
                             "offload_gathers")}
@@ -235,15 +237,17 @@ def offload_fraction(P: Priced, pick: dict, s: Settings, peak: float) -> tuple[f
             for k in tot:
                 tot[k] += float(st[k][pick[n]])
     saved = tot["kept_optimizer"] + tot["kept_grads"] + tot["kept_params"]
-    if s.offload_all or not math.isfinite(s.budget) or saved <= 0:
+    if not offload_partial(s):
         return 1.0, {}, (0.0, 0.0)
-    f = min(1.0, max(0.0, 1.0 - (s.budget - peak) / saved))
-    f = math.ceil(f * 1000) / 1000   # a thousandth of a rank's parameters; at least one chunk
-    f = max(f, 1e-3)
+    if saved <= 0:
+        f = 1.0
+    else:
+        f = min(1.0, max(0.0, 1.0 - (s.budget - peak) / saved))
+        f = max(math.ceil(f * 1000) / 1000, 1e-3)   # a thousandth of a rank's elements; at least one chunk
     keep = 1.0 - f
     kept = {"optimizer": keep * tot["kept_optimizer"], "grads": keep * tot["kept_grads"],
             "params": keep * tot["kept_params"]}
-    return f, kept, (keep * max(0.0, tot["offload_step"] - tot["kept_step"]), keep * tot["offload_gathers"])
+    return f, kept, (f * max(0.0, tot["offload_step"] - tot["kept_step"]), f * tot["offload_gathers"])
 
 
 def host_bytes_of(P: Priced, pick: dict | None = None) -> float:
