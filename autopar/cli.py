@@ -313,6 +313,9 @@ def cmd_calibrate(args) -> int:
         print(f"  GEMM {min(r for _, r in cal.gemm) / 1e9:.1f}-{max(r for _, r in cal.gemm) / 1e9:.1f} GFLOP/s, "
               f"memory {max(r for _, r in cal.memory) / 1e9:.1f} GB/s peak, "
               f"kernel {cal.kernel_overhead * 1e6:.1f} us, overlap slowdown {cal.overlap_slowdown:.2f}")
+        if cal.host_copy_bandwidth and cal.host_cpu_bandwidth:
+            print(f"  host (offload): copy {cal.host_copy_bandwidth / 1e9:.1f} GB/s per process, "
+                  f"optimizer step {cal.host_cpu_bandwidth / 1e9:.1f} GB/s per process")
         print(f"  use it: a cluster file with `calibration: {args.output}`")
     return 0
 

@@ -26,6 +26,15 @@ YAML schema (all tables are ``[size, rate]`` pairs, interpolated log-log, clampe
                                       # forward, measured on representative activations
     step_overhead: 300us              # optional: the runtime's host work per training step outside
                                       # the program's ops (batch checks, loss count, CPU only)
+    host_copy_bandwidth: 12e9         # optional: bytes/s of one host<->device copy of a large buffer
+                                      # (256 MiB; GPU: pinned host memory), the slower direction, while
+                                      # every process copies at once (CPU: host buffer to host buffer)
+    host_cpu_bandwidth: 8e9           # optional: bytes/s one process's AdamW step on the host reaches
+                                      # (cost.optimizer_bytes_per_element("adamw", "fp32") per element
+                                      # over its time on 16 Mi fp32 elements) while every process of the
+                                      # calibration steps at once: a per-rank figure, the node's is
+                                      # this x its processes. Both override the cluster's host: figures
+                                      # for offload (pricing/offload.py host_rates)
     links:
       intra:
         hop_latency: 2us              # per extra ring step when the group differs from a measured one
@@ -138,6 +147,12 @@ class Calibration:
     # median of exp, tanh, gelu, sigmoid, x*x) is under 1 GFLOP/s on these CPUs: priced at
     # vector_rate, a 65k-element layer norm took 0.6 ms against 77 us measured
     op_rates: tuple[tuple[str, float], ...] = ()
+    # measured host figures for offload (None: the cluster's Host figures; pricing/offload.py
+    # host_rates): bytes/s of one host<->device copy per direction (the slower) while every
+    # process copies, and bytes/s of one process's CPU AdamW step while every process steps (per
+    # rank, not per node: the node's figure is this times the processes calibrate ran)
+    host_copy_bandwidth: float | None = None
+    host_cpu_bandwidth: float | None = None
 
     def rate_for(self, rule: str | None) -> float | None:
         """Measured FLOP/s of ``rule``'s forward, or None."""
@@ -172,6 +187,8 @@ class Calibration:
                 **({"op_floors": {r: [f, b] for r, f, b in self.op_floors}} if self.op_floors else {}),
                 **({"step_overhead": self.step_overhead} if self.step_overhead else {}),
                 **({"op_rates": dict(self.op_rates)} if self.op_rates else {}),
+                **({"host_copy_bandwidth": self.host_copy_bandwidth} if self.host_copy_bandwidth else {}),
+                **({"host_cpu_bandwidth": self.host_cpu_bandwidth} if self.host_cpu_bandwidth else {}),
                 "links": {"intra": link(self.intra), "inter": link(self.inter)}}
 
     @staticmethod
@@ -211,7 +228,8 @@ def _parse(d: Any, source: str) -> Calibration:
         raise ClusterError(f"{source}: calibration profile must be a mapping, got {type(d).__name__}")
     allowed = {"name", "source", "gemm_dtype", "gemm", "gemm_latency", "memory", "kernel_overhead",
                "overlap_slowdown", "links", "vector_rate", "optimizer_overhead", "backward_ratio",
-               "view_overhead", "backward_ratios", "op_floors", "step_overhead", "op_rates"}
+               "view_overhead", "backward_ratios", "op_floors", "step_overhead", "op_rates",
+               "host_copy_bandwidth", "host_cpu_bandwidth"}
     extra = set(d) - allowed
     if extra:
         raise fail(sorted(extra)[0], f"unknown field; expected one of {sorted(allowed)}")
@@ -279,6 +297,18 @@ def _parse(d: Any, source: str) -> Calibration:
             raise fail(f"op_floors.{rule}", f"got {fb!r}; expected [forward, backward] seconds")
         floor_rows.append((str(rule), seconds(fb[0], f"op_floors.{rule}[0]", 0.0),
                            seconds(fb[1], f"op_floors.{rule}[1]", 0.0)))
+    def bandwidth(key):   # optional bytes/s: a positive number or a quantity ("12.5GB/s"); None when absent
+        v = d.get(key)
+        if v is None:
+            return None
+        try:
+            x = parse_quantity(v, "bandwidth")
+        except ValueError:
+            x = None
+        if x is None or not math.isfinite(x) or x <= 0:
+            raise fail(key, f"got {v!r}; expected a bandwidth > 0 in bytes/s (a number or e.g. '12.5GB/s')")
+        return x
+    host_copy, host_cpu = bandwidth("host_copy_bandwidth"), bandwidth("host_cpu_bandwidth")
     dt = d.get("gemm_dtype", "bf16")
     if dt not in ("bf16", "fp16", "fp32"):
         raise fail("gemm_dtype", f"got {dt!r}; expected bf16, fp16 or fp32")
@@ -294,7 +324,7 @@ def _parse(d: Any, source: str) -> Calibration:
                        backward_ratios=ratios,
                        op_floors=tuple(sorted(floor_rows)),
                        step_overhead=seconds(d.get("step_overhead"), "step_overhead", 0.0),
-                       op_rates=rates)
+                       op_rates=rates, host_copy_bandwidth=host_copy, host_cpu_bandwidth=host_cpu)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,10 @@ Measures, on every rank at once (so ranks that share cores or memory bandwidth s
   compute + collective loop without barriers, so each call includes the wait for the slowest
   rank that a training step's blocking collectives see;
 * the slowdown of a GEMM loop while an all-reduce runs behind it (overlap_slowdown);
+* the host figures offload is priced with (``host_copy_bandwidth``: a 256 MiB host<->device copy,
+  pinned, the slower direction; on a CPU host buffer to host buffer; ``host_cpu_bandwidth``: the
+  runtime's AdamW step on 16 Mi fp32 elements on the host), every rank at once, so the CPU
+  figure is one rank's share of the node's;
 * on a CPU, each measured rule's forward rate in the FLOPs its rule counts (``op_rates``),
   per-rule floors of tiny ops (``op_floors``) and the runtime's host work per training
   step outside the program (``step_overhead``, autopar/execution/step_overhead.py: a minimal
@@ -222,6 +226,9 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
         q.grad = torch.randn_like(q)
     opt = torch.optim.AdamW(params, foreach=False)
     optimizer_overhead = timed(opt.step) / len(params)
+    del opt, params
+    # the host figures offload is priced with, every rank at once (what offloaded ranks share)
+    host_copy_bandwidth, host_cpu_bandwidth = _host_rates(device, lambda fn: agreed(_timed(fn, 3, barrier)))
     # memory-bound: c = a + b moves 3 × size bytes
     memory = []
     for size in mem_sizes:
@@ -307,6 +314,7 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
            "overlap_slowdown": slowdown, "vector_rate": vector_rate,
            "optimizer_overhead": optimizer_overhead, "backward_ratio": backward_ratio,
            "view_overhead": view_overhead, "backward_ratios": backward_ratios,
+           "host_copy_bandwidth": host_copy_bandwidth, "host_cpu_bandwidth": host_cpu_bandwidth,
            **({"op_floors": op_floors} if op_floors else {}),
            **({"op_rates": op_rates} if op_rates else {})}
     if links:
@@ -317,6 +325,46 @@ def measure(sweep: str = "cpu", repeats: int = 5, dtype=None, device=None) -> di
         out["step_overhead"] = step_overhead(out)
     COMM_STATS.reset()   # the runtime's collectives counted the calibration's bytes
     return out if rank == 0 else None
+
+
+# the host figures' buffers: large enough that per-call costs vanish and (mostly) past the
+# caches, small enough to time in well under a second on a CPU core (a 16 Mi-element AdamW step:
+# ~0.1 s, 320 MB with its temporary; a 256 MiB copy: ~40 ms, measured here)
+HOST_COPY_BYTES = 256 << 20
+HOST_OPT_NUMEL = 16 << 20
+
+
+def _host_rates(device, together) -> tuple[float, float]:
+    """(host_copy_bandwidth, host_cpu_bandwidth) of the profile: bytes/s of one host<->device copy
+    of ``HOST_COPY_BYTES`` (GPU: pinned host memory, each direction, the slower kept; CPU: host
+    buffer to host buffer, which is what the "device" and "host" pools are there), and bytes/s of
+    the runtime's flat AdamW step (runtime/optim.py, fp32, on the host) over ``HOST_OPT_NUMEL``
+    elements, counted as cost.optimizer_bytes_per_element("adamw", "fp32") per element.
+    ``together(fn)``: seconds of one call of ``fn`` timed on every rank at once (a barrier
+    around each call), fastest of 3, the slowest rank's: each process sees the others
+    copying and stepping, so the CPU figure is one rank's share of the node's (each call lasts
+    tens of milliseconds or more: processes time-sharing a core are seen sharing it)."""
+    import torch
+
+    from autopar.pricing.cost import optimizer_bytes_per_element
+    from runtime.optim import make_optimizer
+
+    gpu = device.type == "cuda"
+    host = torch.empty(HOST_COPY_BYTES, dtype=torch.uint8, pin_memory=gpu).fill_(1)
+    other = torch.empty(HOST_COPY_BYTES, dtype=torch.uint8, device=device)
+    if gpu:
+        t = max(together(lambda: other.copy_(host, non_blocking=True)),
+                together(lambda: host.copy_(other, non_blocking=True)))
+    else:
+        t = together(lambda: other.copy_(host))
+    copy = HOST_COPY_BYTES / t
+    host = other = None   # freed before the optimizer's buffers are made
+    opt = make_optimizer("adamw", 1e-3)
+    param = torch.full((HOST_OPT_NUMEL,), 0.5)   # (the step's time does not depend on the values;
+    grad = torch.full((HOST_OPT_NUMEL,), 1e-3)   # randn took longer than the timing)
+    state = opt.init_state(HOST_OPT_NUMEL)
+    t = together(lambda: opt.step(param, grad, state, 1))
+    return copy, HOST_OPT_NUMEL * optimizer_bytes_per_element("adamw", "fp32") / t
 
 
 def isotonic(points):

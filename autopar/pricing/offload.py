@@ -19,6 +19,7 @@ Bytes per element of the offloaded shard:
 The CPU step moves what the same step moves on a device (cost.optimizer_bytes_per_element: the
 runtime's torch step, the gradient's upcast and the master's cast back under mixed precision),
 at the node's CPU memory bandwidth shared by its ranks (cluster.Host). Copies run at the host link's bandwidth per device while every device copies.
+A calibration profile's measured host figures replace the Host's (``host_rates``).
 Torch-free.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError
-from autopar.pricing.cost import optimizer_bytes_per_element
+from autopar.pricing.cost import optimizer_bytes_per_element, profile_of
 from autopar.pricing.memory import STATE_BYTES, check_optimizer, check_precision
 
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
@@ -57,6 +58,21 @@ def host_bytes_per_element(optimizer: str, precision: str, streamed: bool = Fals
     return 4 + STATE_BYTES[optimizer] + working_bytes(precision) + (4 if streamed else 0)
 
 
+def host_rates(cluster: Cluster) -> tuple[float, float]:
+    """(host<->device copy bytes/s per device, CPU optimizer-step bytes/s per rank) offload is
+    priced with: the cluster's calibration profile's measured figures where it has them
+    (``autopar calibrate``: profile.Calibration ``host_copy_bandwidth``, ``host_cpu_bandwidth``),
+    else its Host's. A measured CPU figure is already one rank's (one process's step timed while
+    every process of the calibration stepped at once), so it is used as it is; the Host's
+    ``cpu_bandwidth`` is the node's and is divided by its ``shared_by`` ranks. The cluster must
+    describe a host."""
+    host = cluster.host
+    cal = profile_of(cluster)
+    copy = getattr(cal, "host_copy_bandwidth", None) or host.copy_bandwidth
+    cpu = getattr(cal, "host_cpu_bandwidth", None) or host.per_rank()[1]
+    return copy, cpu
+
+
 # Seconds to start one host<->device copy (a cudaMemcpyAsync launch plus the PCIe round trip)
 COPY_LATENCY = 10e-6
 
@@ -78,15 +94,15 @@ def offload_price(numel: float, optimizer: str, precision: str, cluster: Cluster
                               f"(examples/cluster.yaml) or use a preset that has one")
     streamed = zero >= 2
     w = working_bytes(precision)
-    _, cpu_rate = host.per_rank()
+    copy_rate, cpu_rate = host_rates(cluster)
     cpu = numel * optimizer_bytes_per_element(optimizer, precision) / cpu_rate
     d2h = numel * w * (micro_batches if streamed else 1)
     h2d = 0.0 if params else numel * w
-    copy = max(d2h, h2d) / host.copy_bandwidth
+    copy = max(d2h, h2d) / copy_rate
     held = numel * (host_bytes_per_element(optimizer, precision, streamed) + (w if params else 0))
     gather = 2 * micro_batches * numel * w if params else 0.0
     return OffloadPrice(held, d2h, h2d + gather, cpu, copy, max(cpu, copy) + fixed + 2 * COPY_LATENCY,
-                        gather, gather / host.copy_bandwidth + (2 * micro_batches * COPY_LATENCY if params else 0.0))
+                        gather, gather / copy_rate + (2 * micro_batches * COPY_LATENCY if params else 0.0))
 
 
 def host_budget(cluster: Cluster) -> float:

@@ -113,6 +113,8 @@ def test_autopar_calibrate_end_to_end(tmp_path):
     assert {"linear", "gelu"} <= {r for r, _, _ in cal.op_floors}
     assert 0 < cal.step_overhead < 0.5, cal.step_overhead
     assert {"layer_norm", "softmax", "cross_entropy"} <= {r for r, _ in cal.op_rates}
+    # the host figures offload is priced with, both processes copying / stepping at once
+    assert 0.1e9 < cal.host_copy_bandwidth < 1000e9 and 0.1e9 < cal.host_cpu_bandwidth < 1000e9
     kinds = {k for k, _, _ in cal.intra.curves}
     assert {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"} <= kinds
     (tmp_path / "c.yaml").write_text(f"preset: cpu\ndevices: 2\ncalibration: {out.name}\n")
@@ -247,3 +249,55 @@ def test_collective_curves_never_price_a_smaller_message_slower():
     assert times[2:] == pytest.approx([1.4e-3, 1.8e-3])
     clean = [(1024.0, 1e6), (8192.0, 4e6), (65536.0, 2e7)]
     assert [y for _, y in monotone_times(clean, f)] == pytest.approx([y for _, y in clean])
+
+
+def test_host_figures_round_trip_and_bad_values(tmp_path):
+    """``host_copy_bandwidth`` / ``host_cpu_bandwidth`` (what `autopar calibrate` measures for
+    offload): optional, None when absent, numbers or quantities, YAML round trip, clear errors."""
+    assert Calibration.from_dict(PROFILE).host_copy_bandwidth is None
+    assert Calibration.from_dict(PROFILE).host_cpu_bandwidth is None
+    assert "host_cpu_bandwidth" not in Calibration.from_dict(PROFILE).to_dict()
+    cal = Calibration.from_dict(dict(PROFILE, host_copy_bandwidth="12.5GB/s", host_cpu_bandwidth=8e9))
+    assert (cal.host_copy_bandwidth, cal.host_cpu_bandwidth) == (12.5e9, 8e9)
+    cal.to_yaml(tmp_path / "p.yaml")
+    assert Calibration.from_yaml(tmp_path / "p.yaml") == cal
+    assert Calibration.from_dict(cal.to_dict()) == cal
+    for key, bad in [("host_copy_bandwidth", -1.0), ("host_copy_bandwidth", "fast"), ("host_cpu_bandwidth", 0),
+                     ("host_cpu_bandwidth", True), ("host_cpu_bandwidth", "3s"), ("host_cpu_bandwidth", float("inf"))]:
+        with pytest.raises(ClusterError, match=f"calibration.{key}: got .*expected a bandwidth > 0"):
+            Calibration.from_dict(dict(PROFILE, **{key: bad}))
+
+
+def test_calibrate_measures_host_copy_and_cpu_step():
+    """The host figures `autopar calibrate` measures on a CPU (one process: what `measure` runs
+    on each rank, timed here alone): positive and plausible bytes/s."""
+    import torch
+    from autopar.execution.calibrate import _host_rates, _timed
+    copy, cpu = _host_rates(torch.device("cpu"), lambda f: _timed(f, 3, lambda: None))
+    assert 0.1e9 < copy < 1000e9, copy
+    assert 0.1e9 < cpu < 1000e9, cpu
+
+
+def test_measured_host_figures_price_offload():
+    """A profile's measured host figures replace the cluster Host's in offload's price: the CPU
+    step at ``host_cpu_bandwidth`` per rank (not divided by the node's ranks again), the copies
+    at ``host_copy_bandwidth``; a profile without them leaves the Host's figures."""
+    from autopar.pricing.cost import optimizer_bytes_per_element
+    from autopar.pricing.offload import host_rates, offload_price
+    c = Cluster.preset("cpu", devices=2)
+    n, per = 1e8, optimizer_bytes_per_element("adamw", "bf16")
+    plain = c.with_calibration(Calibration.from_dict(PROFILE))
+    assert host_rates(plain) == host_rates(c) == (c.host.copy_bandwidth, c.host.cpu_bandwidth / 2)
+    base = offload_price(n, "adamw", "bf16", plain, zero=2)
+    assert base.cpu_seconds == pytest.approx(n * per / (c.host.cpu_bandwidth / 2))
+    assert base.copy_seconds == pytest.approx(n * 2 / c.host.copy_bandwidth)
+    fast = offload_price(n, "adamw", "bf16", c.with_calibration(
+        Calibration.from_dict(dict(PROFILE, host_cpu_bandwidth=4e9))), zero=2)
+    slow = offload_price(n, "adamw", "bf16", c.with_calibration(
+        Calibration.from_dict(dict(PROFILE, host_cpu_bandwidth=2e9))), zero=2)
+    assert fast.cpu_seconds == pytest.approx(n * per / 4e9)
+    assert slow.cpu_seconds == pytest.approx(2 * fast.cpu_seconds)
+    assert fast.copy_seconds == base.copy_seconds   # the Host's copy bandwidth stays
+    copy = offload_price(n, "adamw", "bf16", c.with_calibration(
+        Calibration.from_dict(dict(PROFILE, host_copy_bandwidth=1e9))), zero=2, micro_batches=2)
+    assert copy.copy_seconds == pytest.approx(n * 2 * 2 / 1e9) and copy.cpu_seconds == base.cpu_seconds
