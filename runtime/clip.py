@@ -46,22 +46,24 @@ def grad_norm(grads: Iterable[Optional[Tensor]], norm_groups: Sequence[Optional[
               weights: Optional[Sequence] = None, comm_device: Optional[torch.device] = None) -> Tensor:
     """The whole gradient's norm (``clip_grad_norm``'s, without scaling anything): computed in
     fp32 from gradients of any floating dtype, collectives on the gradients' device (or
-    ``comm_device``: host gradients whose collectives need the device, NCCL)."""
+    ``comm_device``: host gradients whose collectives need the device, NCCL; then each gradient's
+    squared norm is computed where it lives and summed on ``comm_device``, so a list may mix host
+    and device gradients)."""
     grads = list(grads)
     weights = [None] * len(grads) if weights is None else list(weights)
     if len(weights) != len(grads):
         raise ValueError(f"clip_grad_norm: {len(weights)} weights for {len(grads)} gradients")
     pairs = [(g, w) for g, w in zip(grads, weights) if g is not None]
     grads = [g for g, _ in pairs]
-    device = grads[0].device if grads else None
+    device = comm_device if comm_device is not None else grads[0].device if grads else None
     zero = torch.zeros((), device=device)
     inf = math.isinf(norm_type)
     if norm_type != 2.0 and not inf:
         raise ValueError("clip_grad_norm supports norm_type 2 and inf")
     if inf:   # replication does not change a maximum
-        local = max((g.detach().abs().max().float() for g in grads if g.numel()), default=zero)
+        local = max((g.detach().abs().max().float().to(device) for g in grads if g.numel()), default=zero)
     else:
-        local = sum((_weighted_sq_norm(g, w) for g, w in pairs), zero)
+        local = sum((_weighted_sq_norm(g, w).to(device) for g, w in pairs), zero)
     acc = local.reshape(1).clone() if comm_device is None else local.reshape(1).to(comm_device, copy=True)
     for group in norm_groups:
         dist.all_reduce(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)

@@ -93,6 +93,13 @@ working dtype; collectives unchanged. ``state_bytes`` counts the device (optimiz
 ``host_bytes`` the host (masters + state, staging). ``offload="optimizer+params"`` (stage 3 only)
 also keeps ``shard_param`` on the host: every gather copies it to the device first (h2d, counted:
 2 per step with ``zero3_hooks``) and the step writes it in place (no h2d at the step).
+``offload_fraction=f`` (Gemini's rule: as much on the device as fits) offloads only the shortest
+prefix of the chunks (in ``param_groups`` order) holding >= f of the rank's elements (``c.numel``;
+``offloaded_chunks``, ``offload_numel``); every other chunk runs exactly as without offload (device
+master, state and step, ``grad_shard``, ``shard_param``). The step goes chunk by chunk in order
+(the collectives in the same order as without offload); the clipping norm sums each chunk's
+squared norm, computed where its gradient lives, on the device; the byte counts count each chunk
+where it is.
 
 Collectives must be issued in the same order on every rank: all ranks must run the same graph
 (same chunks used, in the same order). A parameter may belong to one chunk only (no tying across
@@ -106,7 +113,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from runtime.clip import clip_coefficient, clip_grad_norm, grad_norm
+from runtime.clip import clip_coefficient, grad_norm
 from runtime.ddp import GradAllReducer
 from runtime.optim import FlatOptimizer
 from runtime.optim_groups import chunk_hparams
@@ -129,7 +136,8 @@ class ShardedOptimizer:
                  forward_order: Optional[Sequence[nn.Parameter]] = None,
                  shared_groups: Optional[dict] = None,
                  tensor_norm_groups: Sequence[dist.ProcessGroup] = (), tensor_norm_skip=(),
-                 tensor_hparams: Optional[dict] = None, offload: str = "none"):
+                 tensor_hparams: Optional[dict] = None, offload: str = "none",
+                 offload_fraction: float = 1.0):
         """``extra_norm_groups``: groups over which the gradients are *additionally* split into
         disjoint pieces (e.g. tensor parallel), for the global clipping norm. ``grad_scale``:
         id(param) -> factor its gradient is multiplied by before the averaging over the data
@@ -150,18 +158,23 @@ class ShardedOptimizer:
         those groups counts (module doc). ``tensor_hparams``: id(param) -> (weight_decay,
         lr_scale, adapt), parameter groups (module doc); None: the optimizer's own settings.
         ``offload``: "none", "optimizer" (fp32 masters and optimizer state in host memory, the
-        step on the CPU) or "optimizer+params" (also ZeRO-3's parameter shards; module doc)."""
+        step on the CPU) or "optimizer+params" (also ZeRO-3's parameter shards; module doc).
+        ``offload_fraction`` (0 < f <= 1): offload only the first chunks whose elements reach f of
+        the total; the others run as without offload (module doc)."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         if offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOADS))}, got {offload!r}")
         if offload == "optimizer+params" and zero_stage != 3:
             raise ValueError("optimizer+params offloads ZeRO-3's parameter shards; use zero_stage=3")
-        self.offload = offload
+        if not 0 < offload_fraction <= 1:
+            raise ValueError(f"offload_fraction must be in (0, 1], got {offload_fraction}")
+        if offload == "none" and offload_fraction != 1:
+            raise ValueError("offload_fraction is for offload='optimizer' or 'optimizer+params'")
+        self.offload, self.offload_fraction = offload, float(offload_fraction)
+        # The mode; which chunks it applies to: each chunk's ``offloaded`` (``offloaded_chunks``).
         self.offload_opt = offload != "none"            # masters + state on the host, CPU step
         self.offload_params = offload == "optimizer+params"
-        # stages 2-3 offloaded: each reduced gradient shard streams to the host as backward makes it
-        self.stream_grads = self.offload_opt and zero_stage >= 2
         self.offload_bytes = {"d2h": 0, "h2d": 0}
         self._copy_stream = None   # CUDA: the side stream of the host <-> device copies
         self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
@@ -189,6 +202,18 @@ class ShardedOptimizer:
         self.tensor_norm_groups = tuple(tensor_norm_groups)
         tensor_norm_skip = {id(p) if isinstance(p, Tensor) else p for p in tensor_norm_skip}
         self.chunks = [Chunk(list(g), self.world, self.rank, self.dtype) for g in param_groups if len(g)]
+        # Offloaded: the shortest prefix of the chunks holding >= offload_fraction of the elements
+        # (the same on every rank of the data group: the same chunks)
+        total, covered = sum(c.numel for c in self.chunks), 0
+        for c in self.chunks:
+            if self.offload_opt and covered / total < self.offload_fraction:
+                c.offloaded = True
+                covered += c.numel
+            # stages 2-3 offloaded: each reduced gradient shard streams to the host as backward makes it
+            c.stream_grads = c.offloaded and zero_stage >= 2
+        self.offloaded_chunks = [i for i, c in enumerate(self.chunks) if c.offloaded]
+        self.offload_numel = covered
+        self.stream_grads = any(c.stream_grads for c in self.chunks)   # some chunk streams
         self._chunk_of = {id(p): c for c in self.chunks for p in c.params}
         self.shared_bytes = 0
         shared_groups = dict(shared_groups or {})
@@ -203,10 +228,10 @@ class ShardedOptimizer:
                              "gradients: sum them before step())")
         self._rs_native = self._probe_reduce_scatter()
         self._pin = self.device.type == "cuda"   # pinned host buffers: truly asynchronous copies
-        state_device = _HOST if self.offload_opt else self.device
 
         with torch.no_grad():
             for c in self.chunks:
+                state_device = _HOST if c.offloaded else self.device
                 # The initial values at the parameters' own precision (the masters start from them).
                 init = torch.zeros(c.padded, dtype=next(iter(kinds))[0], device=self.device)
                 for p, off in zip(c.params, c.offsets):
@@ -222,10 +247,10 @@ class ShardedOptimizer:
                 sharded = zero_stage >= 1
                 c.state = {k: self._hostify(v) for k, v in
                            optimizer.init_state(c.shard if sharded else c.padded, device=state_device).items()}
-                if self.mixed or self.offload_opt:   # offload: the host copy the CPU updates, any dtype
+                if self.mixed or c.offloaded:   # offload: the host copy the CPU updates, any dtype
                     c.master = self._hostify((init[c.lo:c.hi] if sharded else init).to(state_device, torch.float32,
                                                                                          copy=True))
-                if self.offload_opt:   # the gradient piece's host staging buffer (working dtype)
+                if c.offloaded:   # the gradient piece's host staging buffer (working dtype)
                     c.host_grad = self._hostify(torch.zeros(c.shard if sharded else c.padded, dtype=self.dtype))
                 del init
                 if optimizer.needs_segments:
@@ -233,18 +258,18 @@ class ShardedOptimizer:
                     if any(id(p) in tensor_norm_skip for p in c.params):   # counted by another rank
                         c.norm_mask = torch.tensor([0.0 if id(p) in tensor_norm_skip else 1.0 for p in c.params]
                                                    + [1.0], device=state_device)
-                if zero_stage >= 2 and not self.stream_grads:
+                if zero_stage >= 2 and not c.stream_grads:
                     c.grad_shard = torch.zeros(c.shard, dtype=self.dtype, device=self.device)
-                if self.stream_grads:   # the fp32 sum of the streamed shards, on the host
+                if c.stream_grads:   # the fp32 sum of the streamed shards, on the host
                     c.host_acc = self._hostify(torch.zeros(c.shard, dtype=torch.float32))
                 if zero_stage == 3:
-                    c.shard_param = self._hostify(c.flat[c.lo:c.hi].to(_HOST, copy=True)) if self.offload_params \
+                    c.shard_param = self._hostify(c.flat[c.lo:c.hi].to(_HOST, copy=True)) if self._host_params(c) \
                         else c.flat[c.lo:c.hi].clone()
                     self._free(c)
                 if zero_stage == 0:   # elementwise optimizer: (updated slice, states, working slice)
                     upd = c.master if c.master is not None else c.flat
                     c.views = [(upd[off:off + p.numel()], {k: v[off:off + p.numel()] for k, v in c.state.items()},
-                                c.flat[off:off + p.numel()] if self.mixed and not self.offload_opt else None)
+                                c.flat[off:off + p.numel()] if self.mixed and not c.offloaded else None)
                                for p, off in zip(c.params, c.offsets)]
         self._per_param = zero_stage == 0 and not optimizer.needs_segments
         if tensor_hparams is not None:
@@ -288,6 +313,10 @@ class ShardedOptimizer:
                 chunk_hparams([tensor_hparams.get(id(p)) for p in c.params], own)
             if c.segments is None and c.hparams is not None:   # an elementwise optimizer, per segment
                 c.segments = c.local_segments(self.stage >= 1)
+
+    def _host_params(self, c: Chunk) -> bool:
+        """optimizer+params: the chunk's ZeRO-3 parameter shard lives on the host."""
+        return self.offload_params and c.offloaded
 
     def _hostify(self, t: Tensor) -> Tensor:
         """A host buffer pinned when the device is CUDA (asynchronous copies); else as it is."""
@@ -367,7 +396,7 @@ class ShardedOptimizer:
             return
         c.flat.untyped_storage().resize_(c.padded * c.flat.element_size())
         shard = c.shard_param
-        if self.offload_params:   # the host shard goes to the device for the all-gather
+        if self._host_params(c):   # the host shard goes to the device for the all-gather
             shard = shard.to(self.device, non_blocking=True)
             self.offload_bytes["h2d"] += nbytes(c.shard_param)
         self._all_gather_async(c, shard).wait()
@@ -431,14 +460,18 @@ class ShardedOptimizer:
         c.ready.clear()
         if self.stage == 3:
             self._free(c)
-        if self.stream_grads:   # the shards reduced before this one go to the host now
+        if self.stream_grads:   # the streamed shards reduced before this one go to the host now
             self._drain(keep=1)
 
     def _drain(self, keep: int = 0) -> None:
-        """Offload, stages 2-3: each pending reduce-scatter but the last ``keep`` waited for and
-        its shard copied to the host staging buffer and summed into the fp32 ``host_acc``: the
-        device holds at most the shards still in flight."""
-        done, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+        """Offload, stages 2-3: each pending reduce-scatter of an offloaded chunk but the last
+        ``keep`` pending ones waited for and its shard copied to the host staging buffer and summed
+        into the fp32 ``host_acc``: the device holds at most the shards still in flight. Those of
+        the chunks kept on the device stay pending (``_finish_backward`` adds them to
+        ``grad_shard``)."""
+        cut = len(self._pending) - keep
+        done = [e for e in self._pending[:cut] if e[0].stream_grads]
+        self._pending = [e for e in self._pending[:cut] if not e[0].stream_grads] + self._pending[cut:]
         for c, work, out in done:
             work.wait()
             c.host_grad.copy_(out)   # blocking: the sum below reads it
@@ -467,18 +500,15 @@ class ShardedOptimizer:
         for c in self.chunks:
             if c.ready or any(p.grad is not None for p in c.params):
                 self._reduce_chunk(c)
-        if self.stream_grads:
-            self._drain()
-            for c in self.chunks:
-                c.host_acc.div_(self.world)
-            return [c.host_acc for c in self.chunks]
+        self._drain()   # the offloaded chunks' shards: summed on the host
         for c, work, out in self._pending:
             work.wait()
             c.grad_shard.add_(out)
         self._pending.clear()
-        for c in self.chunks:
-            c.grad_shard.div_(self.world)
-        return [c.grad_shard for c in self.chunks]
+        grads = [c.host_acc if c.stream_grads else c.grad_shard for c in self.chunks]
+        for g in grads:
+            g.div_(self.world)
+        return grads
 
     # ---------------------------------------------------------------- public
     def _norm_weights(self) -> list:
@@ -500,74 +530,41 @@ class ShardedOptimizer:
                     else:
                         dist.all_reduce(g, group=c.shared_group)
                     self.shared_bytes += nbytes(g)
-        if self.offload_opt:
-            return self._offload_step(grads)
-        if self.mixed:   # the optimizer (and the norm) work in fp32: upcast the working-dtype gradients
-            grads = [g.float() for g in grads]
-        if self.grad_clip is not None:
-            groups = ([] if self.stage == 0 or self.world == 1 else [self.group]) + list(self.extra_norm_groups)
-            self.last_grad_norm = clip_grad_norm(grads, self.grad_clip, groups, comm_counter=self.comm_log,
-                                                 weights=self._norm_weights())
-        self.step_count += 1
-        works = []
-        if self._per_param:
-            grads = iter(grads)
-            for c in self.chunks:
-                for i, (param, state, working) in enumerate(c.views):
-                    hp = None if c.hparams is None else c.hparams.entry(i)
-                    self.opt.step(param, next(grads).reshape(-1), state, self.step_count, hparams=hp)
-                    if working is not None:
-                        working.copy_(param)
-            return
-        for c, g in zip(self.chunks, grads):
-            if self.mixed:
-                param = c.master
-            elif self.stage == 0:
-                param = c.flat
-            elif self.stage == 3:
-                param = c.shard_param
-            else:
-                param = c.flat[c.lo:c.hi]
-            self.opt.step(param, g, c.state, self.step_count, segments=c.segments, hparams=c.hparams,
-                          reduce_sq_norms=self._tensor_norm_reducer(c) if self.opt.needs_segments else None)
-            if self.mixed and self.stage == 0:
-                c.flat.copy_(param)
-            elif self.mixed and self.stage == 3:
-                c.shard_param.copy_(param)
-            elif self.mixed and self.world == 1:   # stages 1, 2 over a group of one: no all-gather
-                c.flat[c.lo:c.hi].copy_(param)
-            if self.stage in (1, 2) and self.world > 1:
-                works.append(self._all_gather_async(c, param.to(self.dtype) if self.mixed else param.clone()))
-        for w in works:
-            w.wait()
-        if self.stage >= 2:
-            for c in self.chunks:
-                c.grad_shard.zero_()  # averaged and consumed: the next backward accumulates anew
-
-    # ---------------------------------------------------------------- offload (module doc)
-    def _offload_step(self, grads: list[Tensor]) -> None:
-        """The step with masters and state on the host: per chunk, gradient piece d2h into its
-        staging buffer, upcast and step on the CPU, working-dtype result h2d; on CUDA chunk i+1's
-        d2h (side stream) overlaps chunk i's CPU step."""
+        # the chunk of each gradient entry (stage 0 elementwise: one entry per parameter)
+        owners = [c for c in self.chunks for _ in c.params] if self._per_param else list(self.chunks)
+        if self.mixed:   # the device optimizer (and the norm) work in fp32: upcast the working-dtype
+            # gradients (an offloaded chunk's are upcast on the host, after the copy)
+            grads = [g if c.offloaded else g.float() for g, c in zip(grads, owners)]
         coef = None
-        if self.grad_clip is not None:   # the norm (and its collectives) on the device tensors...
+        if self.grad_clip is not None:
+            # The norm (and its collectives) on the device: per entry where it lives, summed there.
             groups = ([] if self.stage == 0 or self.world == 1 else [self.group]) + list(self.extra_norm_groups)
             self.last_grad_norm = grad_norm(grads, groups, comm_counter=self.comm_log, weights=self._norm_weights(),
                                             comm_device=self.device)
-            # ...the scaling on the host's fp32 upcast: the same product as scaling the device's
-            # fp32 gradient (mixed precision scales the upcast too, not the working-dtype gradient)
-            coef = clip_coefficient(self.last_grad_norm, self.grad_clip).to(_HOST)
+            dev_coef = clip_coefficient(self.last_grad_norm, self.grad_clip)
+            for g, c in zip(grads, owners):   # clip_grad_norm's scaling, on the device's fp32 gradients
+                if not c.offloaded:
+                    g.mul_(dev_coef.to(g.dtype))
+            # offloaded: the scaling on the host's fp32 upcast, the same product as the device's
+            # (mixed precision scales the upcast too, not the working-dtype gradient)
+            if self.offloaded_chunks:
+                coef = dev_coef.to(_HOST)
         self.step_count += 1
-        cuda = self.device.type == "cuda"
+        if self._per_param:   # the entries of each chunk
+            it = iter(grads)
+            grads = [[next(it) for _ in c.params] for c in self.chunks]
+        works = []
+        cuda = self.device.type == "cuda" and bool(self.offloaded_chunks)
         main = torch.cuda.current_stream(self.device) if cuda else None
         if cuda and self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=self.device)
-        side = self._copy_stream
+        side = self._copy_stream if cuda else None
 
         def fetch(i: int):
-            """Start chunk i's gradient piece to the host; returns the event to wait on (CUDA)."""
+            """Start offloaded chunk i's gradient piece to the host; returns the event to wait on
+            (CUDA)."""
             c = self.chunks[i]
-            if self.stream_grads:   # already on the host (``_drain``)
+            if c.stream_grads:   # already on the host (``_drain``)
                 return None
             g = c.flat_grad(free=False) if self._per_param else grads[i]   # stage 0: padded flat
             self.offload_bytes["d2h"] += nbytes(g)
@@ -582,10 +579,17 @@ class ShardedOptimizer:
             g.record_stream(side)    # a temporary of the main stream, read on the side stream
             return done
 
-        works = []
-        ready = fetch(0) if self.chunks else None
+        # Chunk by chunk in order (the collectives: the same order as without offload). An
+        # offloaded chunk: gradient piece d2h into its staging buffer (CUDA: the next offloaded
+        # chunk's travels on the side stream while the CPU steps this one), upcast and step on the
+        # CPU, the working-dtype result h2d; the others: the device step.
+        queue = list(self.offloaded_chunks)
+        ready = fetch(queue.pop(0)) if queue else None
         for i, c in enumerate(self.chunks):
-            following = fetch(i + 1) if i + 1 < len(self.chunks) else None
+            if not c.offloaded:
+                self._device_update(c, grads[i], works)
+                continue
+            following = fetch(queue.pop(0)) if queue else None
             if ready is not None:
                 ready.synchronize()
             self._host_update(c, coef)
@@ -602,17 +606,46 @@ class ShardedOptimizer:
             main.wait_stream(side)
         for w in works:
             w.wait()
-        for c in self.chunks:
+        for c in self.chunks:   # averaged and consumed: the next backward accumulates anew
             if c.grad_shard is not None:
                 c.grad_shard.zero_()
             if c.host_acc is not None:
                 c.host_acc.zero_()
 
+    def _device_update(self, c: Chunk, g, works: list) -> None:
+        """The device step of a chunk not offloaded (``g``: its gradient, or at stage 0 with an
+        elementwise optimizer its parameters' gradients); stages 1-2 start its all-gather."""
+        if self._per_param:
+            for i, ((param, state, working), pg) in enumerate(zip(c.views, g)):
+                hp = None if c.hparams is None else c.hparams.entry(i)
+                self.opt.step(param, pg.reshape(-1), state, self.step_count, hparams=hp)
+                if working is not None:
+                    working.copy_(param)
+            return
+        if self.mixed:
+            param = c.master
+        elif self.stage == 0:
+            param = c.flat
+        elif self.stage == 3:
+            param = c.shard_param
+        else:
+            param = c.flat[c.lo:c.hi]
+        self.opt.step(param, g, c.state, self.step_count, segments=c.segments, hparams=c.hparams,
+                      reduce_sq_norms=self._tensor_norm_reducer(c) if self.opt.needs_segments else None)
+        if self.mixed and self.stage == 0:
+            c.flat.copy_(param)
+        elif self.mixed and self.stage == 3:
+            c.shard_param.copy_(param)
+        elif self.mixed and self.world == 1:   # stages 1, 2 over a group of one: no all-gather
+            c.flat[c.lo:c.hi].copy_(param)
+        if self.stage in (1, 2) and self.world > 1:
+            works.append(self._all_gather_async(c, param.to(self.dtype) if self.mixed else param.clone()))
+
     def _host_update(self, c: Chunk, coef: Optional[Tensor]) -> None:
         """The CPU optimizer step of one chunk's host master from its staged gradient (the same
         calls as the device step: per parameter at stage 0 with an elementwise optimizer)."""
         # fp32: the streamed sum, or the staged gradient upcast (fp32: the staging buffer itself)
-        g = c.host_acc if self.stream_grads else c.host_grad.float()
+        g = c.host_acc if c.stream_grads else c.host_grad.float()
         if coef is not None:
             g.mul_(coef)
         if self._per_param:
@@ -628,7 +661,7 @@ class ShardedOptimizer:
         """The updated master, in the working dtype, to where the device keeps it (stage 0: the
         flat buffer; 1-2: this rank's shard of it; 3: the shard), or into the host shard
         (optimizer+params)."""
-        if self.offload_params:
+        if self._host_params(c):
             c.shard_param.copy_(c.master)
             return
         src = c.host_grad.copy_(c.master) if self.mixed else c.master   # pinned either way
@@ -652,27 +685,28 @@ class ShardedOptimizer:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes held on this rank's device by persistent state, measured on the storages actually
-        alive (under offload the masters and optimizer state are host memory: ``host_bytes``)."""
-        params = [c.shard_param if self.stage == 3 and not self.offload_params else c.flat for c in self.chunks]
+        alive (an offloaded chunk's master and optimizer state are host memory: ``host_bytes``)."""
+        params = [c.shard_param if self.stage == 3 and not self._host_params(c) else c.flat for c in self.chunks]
         if self.stage == 3:
             params += [c.flat for c in self.chunks if c.gathered]  # only if left gathered
         grads = [p.grad for c in self.chunks for p in c.params] + [c.grad_shard for c in self.chunks]
-        optim = [] if self.offload_opt else self._optimizer_tensors()
+        optim = self._optimizer_tensors([c for c in self.chunks if not c.offloaded])
         return dict(params=_total_bytes(params), grads=_total_bytes(grads), optimizer=_total_bytes(optim))
 
-    def _optimizer_tensors(self) -> list:
-        return [t for c in self.chunks for t in c.state.values()] + [c.master for c in self.chunks]
+    @staticmethod
+    def _optimizer_tensors(chunks) -> list:
+        return [t for c in chunks for t in c.state.values()] + [c.master for c in chunks]
 
     def host_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in host memory under offload (module doc), measured like
         ``state_bytes``: the fp32 masters and optimizer state, the gradient staging buffers (and at
         stages 2-3 the fp32 sums of the streamed shards) and
-        (optimizer+params) the stage-3 parameter shards. All 0 without offload."""
-        if not self.offload_opt:
-            return dict(optimizer=0, staging=0, params=0)
-        return dict(optimizer=_total_bytes(self._optimizer_tensors()),
-                    staging=_total_bytes([c.host_grad for c in self.chunks] + [c.host_acc for c in self.chunks]),
-                    params=_total_bytes([c.shard_param for c in self.chunks] if self.offload_params else []))
+        (optimizer+params) the stage-3 parameter shards, of the offloaded chunks only. All 0
+        without offload."""
+        off = [c for c in self.chunks if c.offloaded]
+        return dict(optimizer=_total_bytes(self._optimizer_tensors(off)),
+                    staging=_total_bytes([c.host_grad for c in off] + [c.host_acc for c in off]),
+                    params=_total_bytes([c.shard_param for c in off if self._host_params(c)]))
 
     @torch.no_grad()
     def full_flat(self, c: Chunk) -> Tensor:
@@ -702,7 +736,7 @@ class ShardedOptimizer:
     @torch.no_grad()
     def load_flat(self, c: Chunk, full: Tensor) -> None:
         """Set the chunk's parameters from a full padded fp32 buffer (working copy and master)."""
-        if self.offload_opt and self.device.type == "cuda":
+        if self.offloaded_chunks and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # no copy from the host buffers still in flight
         if self.stage == 3:
             c.shard_param.copy_(full[c.lo:c.hi])

@@ -44,6 +44,8 @@ class Chunk:
         self.shared_group = None  # group its gradient is also summed over (shared_groups)
         self.norm_mask: Optional[Tensor] = None  # LAMB/LARS: 0 for tensors another rank counts
         self.hparams: Optional[TensorHParams] = None  # parameter groups: per tensor id (and padding)
+        self.offloaded = False    # offload: master + state on the host, CPU step (offload_fraction)
+        self.stream_grads = False # offloaded at stages 2-3: reduced gradient shards streamed to host_acc
 
     def local_segments(self, sharded: bool) -> Segments:
         """Which logical tensor each element of the local buffer belongs to (padding: own id)."""

@@ -20,6 +20,14 @@ parameter groups (``tensor_hparams``) and with a LAMB norm counted by another ra
   module doc, and the collectives (``comm_log``, ``bytes_sent``) unchanged.
 * checkpoints: ``full_flat`` / ``gather_local`` equal without offload; ``load_flat`` plus a state
   copy (compiled_state.py's load) into both optimizers, then one more step: still bit-equal.
+
+``offload_fraction`` (0.3, 0.7 at ZeRO 0-3 with SGD / AdamW in fp32 / bf16, with and without
+clipping, LAMB, optimizer+params at 0.5; 1 and 2 ranks, two configurations on 4): the same
+bit-equality, checkpoints and collectives; the premise that the offloaded chunks are exactly the
+shortest prefix of the model's three chunks (80, 99, 30 elements) covering the fraction and not all
+of them, the others with no host buffer; device optimizer bytes (and at ZeRO 2-3 gradient shards,
+optimizer+params parameter shards) those of the kept chunks only, host bytes and bytes moved per
+step those of the offloaded chunks only.
 """
 from __future__ import annotations
 
@@ -58,13 +66,16 @@ def _extras(model, extra):
 
 
 def _train(rank, world, stage, opt_name, clip, dtype_name, offload, extra=None):
-    """One run: per-step losses, comm traffic and offload bytes; the optimizer and model."""
+    """One run: per-step losses, comm traffic and offload bytes; the optimizer and model. ``extra``
+    a float: the ``offload_fraction`` (with offload), else ``_extras``'."""
     dtype = DTYPES[dtype_name]
     model = make_model()
     chunks = [list(m.parameters()) for m in model]
+    fraction = extra if isinstance(extra, float) else 1.0
     opt = ShardedOptimizer(chunks, None, stage, optimizer(opt_name), grad_clip=clip,
                            working_dtype=dtype if dtype != torch.float32 else None, offload=offload,
-                           **_extras(model, extra))
+                           offload_fraction=fraction if offload != "none" else 1.0,
+                           **_extras(model, None if isinstance(extra, float) else extra))
     if stage == 3:
         opt.zero3_hooks(list(model))
     rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
@@ -95,13 +106,24 @@ def _host_premise(opt) -> dict:
                 [p.grad for p in c.params]:
             if t is not None and t.untyped_storage().nbytes():
                 device_side.add(t.untyped_storage().data_ptr())
-    host = [t for c in opt.chunks for t in [c.master, c.host_grad, *c.state.values()]]
+    off = [c for c in opt.chunks if c.offloaded]
+    host = [t for c in off for t in [c.master, c.host_grad, *c.state.values()]]
     if opt.offload_params:
-        host += [c.shard_param for c in opt.chunks]
+        host += [c.shard_param for c in off]
     ptrs = [t.untyped_storage().data_ptr() for t in host]
     return dict(on_host=all(t.device.type == "cpu" for t in host),
                 own_storage=not device_side & set(ptrs) and len(set(ptrs)) == len(ptrs),
-                has_master=all(c.master is not None and c.master.dtype == torch.float32 for c in opt.chunks))
+                has_master=all(c.master is not None and c.master.dtype == torch.float32 for c in off))
+
+
+def _device_premise(opt) -> dict:
+    """The chunks not offloaded: as without offload (no host buffers; the device's gradient shard,
+    a master only under mixed precision)."""
+    dev = [c for c in opt.chunks if not c.offloaded]
+    return dict(no_host=all(c.host_grad is None and c.host_acc is None for c in dev),
+                grad_shard=all((c.grad_shard is not None) == (opt.stage >= 2) for c in dev),
+                master=all((c.master is not None) == opt.mixed for c in dev),
+                streamed=[c.stream_grads for c in opt.chunks])
 
 
 def _checkpoint(opt) -> dict:
@@ -125,7 +147,9 @@ def _compare_one(rank, world, cfg):
     off, log, off_step = _train(rank, world, stage, opt_name, clip, dtype_name, offload, *extra)
     out = dict(ref=ref_log, off=log, state=off.state_bytes(), ref_state=ref.state_bytes(),
                host=off.host_bytes(), ref_host=ref.host_bytes(), premise=_host_premise(off),
-               numels=[c.numel for c in off.chunks])
+               numels=[c.numel for c in off.chunks], offloaded=[c.offloaded for c in off.chunks],
+               offloaded_chunks=list(off.offloaded_chunks), offload_numel=off.offload_numel,
+               device_premise=_device_premise(off))
     out["params"] = [p.float().tolist() for p in off.full_parameters()]
     out["ref_params"] = [p.float().tolist() for p in ref.full_parameters()]
     out["ckpt"], out["ref_ckpt"] = _checkpoint(off), _checkpoint(ref)
@@ -140,8 +164,24 @@ def _compare_one(rank, world, cfg):
     return out
 
 
+def _prefixes(offload_fraction_pairs) -> list:
+    """The offloaded chunks (and elements) the optimizer picks for each (offload, fraction)."""
+    out = []
+    for offload, fraction in offload_fraction_pairs:
+        opt = ShardedOptimizer([list(m.parameters()) for m in make_model()], None, 3, optimizer("sgd"),
+                               offload=offload, offload_fraction=fraction)
+        out.append((opt.offloaded_chunks, opt.offload_numel))
+    return out
+
+
+PREFIX_CASES = [("none", 1.0), ("optimizer", 1.0), ("optimizer", 80 / 209), ("optimizer", 81 / 209),
+                ("optimizer", 179 / 209), ("optimizer", 0.01), ("optimizer+params", 0.9)]
+
+
 def _compare_all(rank, world, configs):
-    return {cfg: _compare_one(rank, world, cfg) for cfg in configs}
+    out = {cfg: _compare_one(rank, world, cfg) for cfg in configs}
+    out["prefixes"] = _prefixes(PREFIX_CASES)
+    return out
 
 
 CONFIGS = [(stage, opt, clip, dt, "optimizer") for stage in (0, 1, 2, 3) for opt in ("sgd", "adamw", "lamb")
@@ -151,17 +191,39 @@ CONFIGS = [(stage, opt, clip, dt, "optimizer") for stage in (0, 1, 2, 3) for opt
           [(3, "sgd", None, "bf16", "optimizer+params")] + \
           [(stage, opt, CLIP, "bf16", "optimizer", "groups") for stage, opt in ((0, "adamw"), (0, "sgd"), (2, "lamb"))] + \
           [(stage, opt, None, "fp32", "optimizer", "skip") for stage, opt in ((0, "lamb"), (3, "lamb"))]
+# offload_fraction (the last entry): only the first chunks offloaded (the model's 80, 99, 30
+# elements: 0.3 -> the first chunk, 0.5 and 0.7 -> the first two), the others on the device.
+FRACTION_CONFIGS = [(stage, opt, clip, dt, "optimizer", f) for f in (0.3, 0.7) for stage in (0, 1, 2, 3)
+                    for opt, clip, dt in (("sgd", CLIP, "fp32"), ("sgd", None, "bf16"), ("adamw", None, "fp32"),
+                                          ("adamw", CLIP, "bf16"))] + \
+                   [(stage, "lamb", CLIP, dt, "optimizer", f) for stage, dt, f in ((0, "bf16", 0.3), (1, "fp32", 0.7),
+                                                                                  (2, "bf16", 0.7), (3, "fp32", 0.3))] + \
+                   [(3, opt, clip, dt, "optimizer+params", 0.5) for opt, clip, dt in (("adamw", CLIP, "bf16"),
+                                                                                      ("sgd", None, "fp32"))]
+FRACTION_CONFIGS_4 = [(2, "adamw", CLIP, "bf16", "optimizer", 0.7), (3, "adamw", CLIP, "bf16", "optimizer+params", 0.5)]
+
+
+def fraction_configs(world):
+    return FRACTION_CONFIGS if world < 4 else FRACTION_CONFIGS_4
 
 
 @functools.lru_cache(maxsize=None)
 def distributed_run(world):
-    return run_local(_compare_all, world, args=(CONFIGS,), timeout=600)
+    return run_local(_compare_all, world, args=(CONFIGS + fraction_configs(world),), timeout=600)
+
+
+STATES = {"sgd": 1, "adamw": 2, "lamb": 2, "lars": 1}
+
+
+def _piece(stage, numels, world):
+    """Elements of the chunks' local pieces: the padded buffers at stage 0, else the shards."""
+    padded = [-(-n // world) * world for n in numels]
+    return sum(padded) if stage == 0 else sum(p // world for p in padded)
 
 
 def expected_host_bytes(stage, opt_name, dtype_name, numels, world, offload):
-    padded = [-(-n // world) * world for n in numels]
-    piece = sum(padded) if stage == 0 else sum(p // world for p in padded)
-    states = {"sgd": 1, "adamw": 2, "lamb": 2, "lars": 1}[opt_name]
+    piece = _piece(stage, numels, world)
+    states = STATES[opt_name]
     working = DTYPES[dtype_name].itemsize
     # stages 2-3 stream the gradient shards: the fp32 sum on the host too
     return dict(optimizer=piece * 4 * (1 + states), staging=piece * (working + (4 if stage >= 2 else 0)),
@@ -172,9 +234,14 @@ def expected_offload_bytes(stage, dtype_name, numels, world, offload):
     """Per step: each chunk's gradient piece d2h and its updated parameter piece h2d, in the
     working dtype; optimizer+params: no h2d at the step, the shard h2d at each of the step's two
     gathers (forward, and backward's re-gather) instead."""
-    padded = [-(-n // world) * world for n in numels]
-    piece = (sum(padded) if stage == 0 else sum(p // world for p in padded)) * DTYPES[dtype_name].itemsize
+    piece = _piece(stage, numels, world) * DTYPES[dtype_name].itemsize
     return dict(d2h=piece, h2d=2 * piece if offload == "optimizer+params" else piece)
+
+
+def expected_device_optimizer_bytes(stage, opt_name, dtype_name, numels, world):
+    """The optimizer's device bytes of chunks kept on the device: state, plus the fp32 master
+    under mixed precision."""
+    return _piece(stage, numels, world) * 4 * (STATES[opt_name] + (dtype_name != "fp32"))
 
 
 @pytest.mark.slow
@@ -220,7 +287,82 @@ def test_offload_equals_no_offload(world):
             assert r["after_load"] == r["ref_after_load"] and r["last_loss"] == r["ref_last_loss"], where
 
 
+@pytest.mark.slow
+def test_offload_fraction_picks_prefix():
+    """Which chunks (80, 99, 30 elements) each fraction offloads: exactly a chunk's share covers it."""
+    assert distributed_run(1)[0]["prefixes"] == [([], 0), ([0, 1, 2], 209), ([0], 80), ([0, 1], 179),
+                                                 ([0, 1], 179), ([0], 80), ([0, 1, 2], 209)]
+
+
+def _shortest_prefix(numels, fraction):
+    k = next(k for k in range(1, len(numels) + 1) if sum(numels[:k]) / sum(numels) >= fraction)
+    return list(range(k))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_offload_fraction_equals_no_offload(world):
+    """offload_fraction: the first chunks covering the fraction offloaded, the rest as without
+    offload; the run bit-equal to the one without offload, bytes counted where they are."""
+    results = distributed_run(world)
+    for cfg in fraction_configs(world):
+        stage, opt_name, clip, dtype_name, offload, fraction = cfg
+        for rank, r in enumerate(results):
+            r = r[cfg]
+            where = (world, rank, cfg)
+            # The premise: the shortest prefix covering the fraction, not every chunk.
+            numels = r["numels"]
+            assert len(numels) >= 3 and len(set(numels)) == len(numels)
+            prefix = _shortest_prefix(numels, fraction)
+            assert r["offloaded_chunks"] == prefix and len(prefix) < len(numels), where
+            assert r["offloaded"] == [i in prefix for i in range(len(numels))], where
+            assert r["offload_numel"] == sum(numels[i] for i in prefix) >= fraction * sum(numels), where
+            off_numels = [numels[i] for i in prefix]
+            dev_numels = [n for i, n in enumerate(numels) if i not in prefix]
+            assert r["premise"] == dict(on_host=True, own_storage=True, has_master=True), where
+            assert r["device_premise"] == dict(no_host=True, grad_shard=True, master=True,
+                                               streamed=[i in prefix and stage >= 2 for i in range(len(numels))]), where
+            # Bit-equal: the device chunks take the device path, the others the host path.
+            assert r["off"]["losses"] == r["ref"]["losses"], where
+            assert r["params"] == r["ref_params"], where
+            # Bytes: the device holds the kept chunks' optimizer only, the host the offloaded ones'.
+            assert r["ref_state"]["optimizer"] == \
+                expected_device_optimizer_bytes(stage, opt_name, dtype_name, numels, world), where
+            assert r["state"]["optimizer"] == \
+                expected_device_optimizer_bytes(stage, opt_name, dtype_name, dev_numels, world) > 0, where
+            assert r["host"] == expected_host_bytes(stage, opt_name, dtype_name, off_numels, world, offload), where
+            itemsize = DTYPES[dtype_name].itemsize
+            if stage >= 2:   # gradient shards kept on the device for the kept chunks only
+                assert r["state"]["grads"] == _piece(stage, dev_numels, world) * itemsize \
+                    < r["ref_state"]["grads"], where
+            else:
+                assert r["state"]["grads"] == r["ref_state"]["grads"], where
+            if offload == "optimizer+params":   # the kept chunks' shards only
+                assert r["state"]["params"] == _piece(stage, dev_numels, world) * itemsize \
+                    < r["ref_state"]["params"], where
+            else:
+                assert r["state"]["params"] == r["ref_state"]["params"], where
+            steps = STEPS + 1
+            assert r["off"]["moved"] == [expected_offload_bytes(stage, dtype_name, off_numels, world, offload)] \
+                * steps, where
+            assert r["off"]["comm"] == r["ref"]["comm"] and r["off"]["sent"] == r["ref"]["sent"], where
+            # Checkpoints: the same values out, the same values in, the same step after.
+            assert r["ckpt"] == r["ref_ckpt"], where
+            assert r["loaded"] == r["ref_loaded"], where
+            assert r["after_load"] == r["ref_after_load"] and r["last_loss"] == r["ref_last_loss"], where
+
+
 # ----------------------------------------------------------------------------- single process
+def test_offload_fraction_value_errors():
+    model = make_model()
+    chunks = [list(m.parameters()) for m in model]
+    for f in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="offload_fraction must be in"):
+            ShardedOptimizer(chunks, None, 1, optimizer("sgd"), offload="optimizer", offload_fraction=f)
+    with pytest.raises(ValueError, match="offload_fraction is for"):
+        ShardedOptimizer(chunks, None, 1, optimizer("sgd"), offload_fraction=0.5)
+
+
 def test_offload_value_errors():
     model = make_model()
     chunks = [list(m.parameters()) for m in model]
