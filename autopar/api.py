@@ -81,7 +81,8 @@ def plan(model: torch.nn.Module, example_inputs, cluster: Cluster, *, loss_fn=No
                         f"backend {cluster.backend}): trace with kernels={fused}")
     t_trace = time.perf_counter() - t0
     graph.batch_dims = infer_batch_dims(input_shapes(graph), batch_dims)
-    constraints = hybrid_sequence.resolve(graph, cluster, pins.to_dict())   # sp_mode="hybrid": its (u, r) split from the heads
+    # sp_mode="hybrid": its (u, r) split from the heads
+    constraints = hybrid_sequence.resolve(graph, cluster, pins.to_dict())
     budget = float(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
     base = Settings(optimizer=optimizer, precision=precision, budget=budget, overlap_grad_comm=overlap_grad_comm,
                     kernels=fused)

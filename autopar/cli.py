@@ -359,7 +359,8 @@ def _model_shape_args(p) -> None:
     p.add_argument("--seq", type=_positive_int("--seq"), default=None,
                    help="sequence length (Hugging Face configs; a factory's seq argument)")
     p.add_argument("--batch", type=_positive_int("--batch"), default=None,
-                   help="global batch in samples (sequences) per step (Hugging Face configs; a factory's batch argument)")
+                   help="global batch in samples (sequences) per step "
+                        "(Hugging Face configs; a factory's batch argument)")
     p.add_argument("--task", choices=("causal-lm", "masked-lm", "seq2seq", "image-classification"), default=None,
                    help="Hugging Face configs: the model head (default: from the config's architectures)")
     p.add_argument("--dtype", default=None,

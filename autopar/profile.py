@@ -134,8 +134,9 @@ class Calibration:
     # generic model (autopar calibrate measures them; GPU built-ins carry none)
     backward_ratios: tuple[tuple[str, float], ...] = ()
     # least (forward, backward) seconds of one op per rule, as sorted (rule, fwd, bwd): on a CPU a
-    # tiny GELU takes 28 us forward and 70 us backward (measured here) however few its elements (dispatch, autograd bookkeeping,
-    # the kernel's own set-up), more than kernel_overhead's elementwise chain says
+    # tiny GELU takes 28 us forward and 70 us backward (measured here) however few its elements
+    # (dispatch, autograd bookkeeping, the kernel's own set-up), more than kernel_overhead's
+    # elementwise chain says
     op_floors: tuple[tuple[str, float, float], ...] = ()
     # seconds of host work per training step outside the program's ops (batch checks and
     # slicing, the mean loss's count and its all-reduce's launch, the loss's all-reduce's

@@ -20,8 +20,8 @@ from autopar.errors import PlanError
 
 _DEC = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
 _BIN = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-_TIME = {"s": 1, "min": 60, "h": 3600, "ms": Decimal("1e-3"), "us": Decimal("1e-6"), "µs": Decimal("1e-6"), "μs": Decimal("1e-6"),
-         "ns": Decimal("1e-9")}
+_TIME = {"s": 1, "min": 60, "h": 3600, "ms": Decimal("1e-3"), "us": Decimal("1e-6"), "µs": Decimal("1e-6"),
+         "μs": Decimal("1e-6"), "ns": Decimal("1e-9")}
 _NUM = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*(\S*)\s*$")
 
 # what each quantity's unit suffix may be (after the prefix); value = multiplier

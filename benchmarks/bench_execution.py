@@ -140,7 +140,8 @@ def main(argv=None) -> None:
         rows.append((f"1 proc  {label}: compiled vs eager", r["autopar"], r["eager"],
                      "time autopar/eager", _paired(r["autopar"], r["eager"]), "<= 1.05"))
 
-    for label, name, kw in (("MLP 4x1024, batch 128", "mlp", MLP), ("GPT-2 2L d256 s64 b8", "gpt2", dict(GPT, batch=8))):
+    for label, name, kw in (("MLP 4x1024, batch 128", "mlp", MLP),
+                            ("GPT-2 2L d256 s64 b8", "gpt2", dict(GPT, batch=8))):
         plan = _plan(name, kw, 2, {"dp": 2, "tp": 1, "zero": 0})
         r = run_local(_dp, 2, args=(name, kw, plan, warm, steps), timeout=600)[0]
         rows.append((f"2 proc  {label}: dp=2 vs DDP", r["autopar"], r["torch"],

@@ -69,7 +69,8 @@ def narayanan_pp(rows=None, schedules=("1f1b", "interleaved-1f1b"), checkpoint="
                     p = _plan("dgx-a100", gpus, l, h, heads, 2048, B, 51200, tp, checkpoint, explicit=True,
                               overlap=False, dp=dp, pp=pp, pp_schedule=sched, num_micro_batches=m)
             except autopar.PlanError as e:   # reported, not hidden
-                print(f"| {name} | {gpus} | {tp} | {pp} | {sched} | {m} | {type(e).__name__}: {str(e)[:160]} | | | | | | "
+                print(f"| {name} | {gpus} | {tp} | {pp} | {sched} | {m} | "
+                      f"{type(e).__name__}: {str(e)[:160]} | | | | | | "
                       f"{pub} | — |", flush=True)
                 continue
             tf = flops / p.step_time / gpus / 1e12

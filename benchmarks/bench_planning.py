@@ -94,7 +94,8 @@ def main(argv=None):
         d = p.degrees
         unlimited[case[0]] = (p, runs[-1]["graph"])
         print(f"{case[0]:14} {med['trace']:6.2f}s {med['search']:6.2f}s {med['total']:6.2f}s {target:6.1f}s "
-              f"{med[scope] / target:6.2f}  pp={d.get('pp', 1)} dp={d['dp']} tp={d['tp']} zero={d['zero']} mbs={d['micro_batch_size']} "
+              f"{med[scope] / target:6.2f}  pp={d.get('pp', 1)} dp={d['dp']} tp={d['tp']} zero={d['zero']} "
+              f"mbs={d['micro_batch_size']} "
               f"ckpt={d['checkpoint']} step={p.step_time:.6g}s solved={p.stats.get('solved')}/"
               f"{p.stats.get('configs')} ({scope})", flush=True)
     if args.no_quality:

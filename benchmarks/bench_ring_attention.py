@@ -17,7 +17,8 @@ layouts predicted from the executed block plans (ring_attention_flops) is printe
 measured one. Besides wall time, the CPU time of the busiest rank (time.process_time, all-reduce
 MAX) is shown: with more ranks than free cores (this machine) a rank that waits frees its core for
 the others, so wall time follows the total work of all ranks, while the busiest rank's CPU time
-shows the imbalance that wall time shows when every rank has a core of its own. The last two rows time the local kernels alone (no communication, same number of
+shows the imbalance that wall time shows when every rank has a core of its own. The last two
+rows time the local kernels alone (no communication, same number of
 query-key pairs per rank as the non-causal rows): the ring's tiled matmul/softmax against PyTorch's
 fused SDPA, which the all-gather baseline calls. Last, the compute part of ``ring_attention_time``
 (FLOP rate taken from the kernel-only row) is compared with the busiest rank's CPU time.
@@ -149,14 +150,16 @@ def main(argv=None):
     pred = {"ring": R.ring_attention_bytes(a.batch, a.kv_heads, a.seq, a.head_dim, sp, eb),
             "allgather": R.allgather_kv_bytes(a.batch, a.kv_heads, a.seq, a.head_dim, sp, eb),
             "ulysses": ulysses_bytes(a.batch, a.heads, a.kv_heads, a.seq, a.head_dim, sp, eb)}
-    print("| variant | forward ms | fwd+bwd ms | busiest rank's CPU ms, fwd+bwd | MB per rank (measured / predicted) | messages |")
+    print("| variant | forward ms | fwd+bwd ms | busiest rank's CPU ms, fwd+bwd "
+          "| MB per rank (measured / predicted) | messages |")
     print("|---|---|---|---|---|---|")
     for name, op, *_ in VARIANTS:
         got = [r[3][name] for r in results]
         p = pred.get(op, R.Traffic(0, 0, 0, 0))
         assert all(b == p.total_bytes for b, _ in got), (name, got, p)
         print(f"| {name} | {1e3 * statistics.median(fwd[name]):.1f} | {1e3 * statistics.median(tot[name]):.1f} "
-              f"| {1e3 * statistics.median(cpu[name]):.1f} | {got[0][0] / 1e6:.2f} / {p.total_bytes / 1e6:.2f} | {got[0][1]} |")
+              f"| {1e3 * statistics.median(cpu[name]):.1f} "
+              f"| {got[0][0] / 1e6:.2f} / {p.total_bytes / 1e6:.2f} | {got[0][1]} |")
     print("\n| ratio | fwd+bwd wall, median [IQR] | forward only wall | busiest rank's CPU, fwd+bwd |")
     print("|---|---|---|---|")
     for x, y in PAIRS:

@@ -85,7 +85,8 @@ def main():
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--mode", default="all")
     a = ap.parse_args()
-    print("| set-up | rank | peak added (MB) | held after (MB) | param shards (MB) | largest param (MB) | whole model (MB) |")
+    print("| set-up | rank | peak added (MB) | held after (MB) | param shards (MB) "
+          "| largest param (MB) | whole model (MB) |")
     print("|---|---|---|---|---|---|---|")
     for mode in (["real", "init", "hf"] if a.mode == "all" else [a.mode]):
         for r, m in enumerate(run(a.world, mode)):

@@ -109,7 +109,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--time-limit", type=float, default=None,
-                    help="autopar.plan time_limit (default none: with a limit, a solve that runs out raises; see RESULTS.md)")
+                    help="autopar.plan time_limit "
+                         "(default none: with a limit, a solve that runs out raises; see RESULTS.md)")
     ap.add_argument("--gpus", type=int, nargs="*", help="only these cluster sizes")
     ap.add_argument("--models", type=int, nargs="*", help="only these MODELS indices (0, 1)")
     args = ap.parse_args()

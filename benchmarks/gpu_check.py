@@ -64,7 +64,8 @@ def section(name: str, fn, *args) -> None:
 def env() -> None:
     import torch
     row("env", "torch", torch.__version__)
-    row("env", "cuda", f"{torch.cuda.is_available()} {torch.cuda.get_device_name(0) if torch.cuda.is_available() else ''}")
+    row("env", "cuda",
+        f"{torch.cuda.is_available()} {torch.cuda.get_device_name(0) if torch.cuda.is_available() else ''}")
     try:
         import triton
         row("env", "triton", triton.__version__)
@@ -162,7 +163,8 @@ def _autopar(quick: bool, label: str, kernels: str, calibration=None) -> None:
     peak = torch.cuda.max_memory_allocated()
     row("train", f"autopar {label}", f"{t * 1e3:.1f} ms/step (predicted {plan.step_time * 1e3:.1f}, "
         f"measured/predicted {t / plan.step_time:.2f}), peak {peak / 2**30:.2f} GiB (predicted "
-        f"{plan.peak_memory / 2**30:.2f}, ratio {peak / plan.peak_memory:.2f}), loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+        f"{plan.peak_memory / 2**30:.2f}, ratio {peak / plan.peak_memory:.2f}), "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
         f"launches {dict((k, v) for k, v in K.kernel_stats().items() if v)}")
     compiled = model = None   # freed before the next run
     torch.cuda.empty_cache()

@@ -349,7 +349,8 @@ def _fmt(x, spec) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| kernel | shape | variant | fwd+bwd ms | speedup vs eager | max abs diff vs eager | peak extra MiB | peak / eager | note |",
+    lines = ["| kernel | shape | variant | fwd+bwd ms | speedup vs eager | max abs diff vs eager "
+             "| peak extra MiB | peak / eager | note |",
              "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['kernel']} | {r['shape']} | {r['variant']} | {_fmt(r.get('ms'), '.3f')} | "

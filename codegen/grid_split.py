@@ -218,7 +218,8 @@ class SplitOps:
         out_c, c_in, kh, kw = self._gshape(n.args[1])
         stride = list(n.args[3]) if len(n.args) > 3 else [1, 1]
         pad = list(n.args[4]) if len(n.args) > 4 else [0, 0]
-        if img_val[1].kind != "in" or stride != [kh, kw] or any(pad) or (len(n.args) > 5 and list(n.args[5]) != [1, 1]) \
+        if img_val[1].kind != "in" or stride != [kh, kw] or any(pad) \
+                or (len(n.args) > 5 and list(n.args[5]) != [1, 1]) \
                 or (len(n.args) > 6 and n.args[6] != 1):
             self._fail(n, "only a patch embedding (a model input, stride = kernel, no padding) runs on the grid")
         B, oc, ph, pw = self._gshape(n)
@@ -234,7 +235,8 @@ class SplitOps:
         x, lay = val
         q = geo.q
         w = self._param(w_name, ParamUse("conv", L), (k // q, out_c // (q * q) if geo.mode == "3d" else out_c // q))
-        b = None if b_node is None else self._param(self._pname(n, b_node), ParamUse("bias", L), (out_c // geo.table_parts(),))
+        b = None if b_node is None else self._param(self._pname(n, b_node), ParamUse("bias", L),
+                                                    (out_c // geo.table_parts(),))
         y, ylay = self._grid_linear(x, lay, w, b, B * ph * pw, k, out_c, n)
         y = y.reshape(y.shape[0], ph, pw, y.shape[-1]).permute(0, 3, 1, 2)
         return y, Lay("act", ylay.L, 0, 1)
@@ -353,7 +355,8 @@ class SplitOps:
             full_t = tval[0]
             target = self._tokens(tval, lay.L)
         m = self._gshape(n.args[0])[0]
-        self.colls += tc.cross_entropy(geo.mode, m // geo.batch_parts, geo.q, geo.d, axes=geo.swap(lay.L) if geo.mode == "3d" else ("x", "y", "z"))
+        self.colls += tc.cross_entropy(geo.mode, m // geo.batch_parts, geo.q, geo.d,
+                                       axes=geo.swap(lay.L) if geo.mode == "3d" else ("x", "y", "z"))
         denom = m if self.meta else int((full_t != ignore).sum())
         if self.meta:
             rows, c = logits.shape

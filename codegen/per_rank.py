@@ -441,7 +441,8 @@ def _the_gather(x, shard):
 
 
 def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None,
-             compute_dtype: torch.dtype | None = None, device=None, batch_carrying: set[str] | None = None) -> RankProgram:
+             compute_dtype: torch.dtype | None = None, device=None,
+             batch_carrying: set[str] | None = None) -> RankProgram:
     """The per-rank program of ``plan`` for ``rank`` (see the module docstring). ``traced`` is the
     graph of ONE micro-batch; with several micro-batches ``batch_carrying`` names its nodes whose
     values carry the batch (``autopar.rules.microbatch.batch_carrying``)."""

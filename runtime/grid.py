@@ -74,7 +74,8 @@ def _suggest(world: int, power: int) -> str:
     r = round(world ** (1 / power))
     if r ** power == world:
         return f"; use q={r}"
-    return f" ({world} is not a perfect {'square' if power == 2 else 'cube'}; closest q={max(1, int(math.floor(world ** (1 / power))))})"
+    return (f" ({world} is not a perfect {'square' if power == 2 else 'cube'}; "
+            f"closest q={max(1, int(math.floor(world ** (1 / power))))})")
 
 
 # ------------------------------------------------------------------ grids

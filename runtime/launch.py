@@ -171,7 +171,8 @@ def _run_once(fn, nprocs: int, args: tuple, timeout: float, pg_timeout: float, l
     if errors:
         rank = min(errors, key=lambda r: (_is_secondary(errors[r]), r))
         others = [f"  rank {r}: {_last_line(errors[r])}" for r in sorted(errors) if r != rank]
-        others += [f"  rank {r}: did not report (stopped)" for r in range(nprocs) if r not in errors and r not in results]
+        others += [f"  rank {r}: did not report (stopped)" for r in range(nprocs)
+                   if r not in errors and r not in results]
         extra = ("\nthe other ranks:\n" + "\n".join(others)) if others else ""
         raise LocalLaunchError(f"rank {rank} of {nprocs} failed:\n{errors[rank]}{extra}")
     if len(results) < nprocs:

@@ -78,7 +78,8 @@ def block_plan(me: int, src: int, sp: int, is_causal: bool, layout: str) -> list
                 b += 1
     merged: list[tuple[int, int, int, int, str]] = []
     for r in rows:   # stack full pieces of consecutive query chunks with the same key range
-        if merged and r[4] == "full" and merged[-1][4] == "full" and merged[-1][1] == r[0] and merged[-1][2:4] == r[2:4]:
+        if (merged and r[4] == "full" and merged[-1][4] == "full" and merged[-1][1] == r[0]
+                and merged[-1][2:4] == r[2:4]):
             merged[-1] = (merged[-1][0], r[1], r[2], r[3], "full")
         else:
             merged.append(r)
@@ -332,7 +333,8 @@ class _RingAttention(torch.autograd.Function):
 def _check(q, k, v, sp, is_causal, layout, attn_mask, op):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise L.SequenceParallelError(f"{op}: {name} must be [batch, heads, seq/sp, head_dim], got shape {tuple(t.shape)}")
+            raise L.SequenceParallelError(f"{op}: {name} must be [batch, heads, seq/sp, head_dim], "
+                                          f"got shape {tuple(t.shape)}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
         raise L.SequenceParallelError(
             f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree (need the same batch, "
@@ -345,7 +347,8 @@ def _check(q, k, v, sp, is_causal, layout, attn_mask, op):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, is_causal: bool = False,
-                   layout: str = "zigzag", scale: float | None = None, attn_mask=None, label: str = "sp") -> torch.Tensor:
+                   layout: str = "zigzag", scale: float | None = None, attn_mask=None,
+                   label: str = "sp") -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence, K/V rotating around ``group``.
     q [B, H, S/sp, D], k/v [B, Hkv, S/sp, D] split on the sequence in ``layout`` (only matters under
     ``is_causal``). ``attn_mask`` must be None (or "none"/"causal"); no dropout."""

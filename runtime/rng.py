@@ -34,7 +34,8 @@ _STATE = {"seed": 0, "position": 0}
 
 def broadcast_seed(device) -> int:
     """Collective over the world: rank 0's draw from the default generator, on every rank."""
-    t = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64) if dist.get_rank() == 0 else torch.zeros(1, dtype=torch.int64)
+    t = (torch.randint(0, 2 ** 62, (1,), dtype=torch.int64) if dist.get_rank() == 0
+         else torch.zeros(1, dtype=torch.int64))
     t = t.to(device)
     dist.broadcast(t, src=0)
     set_seed(int(t.item()))

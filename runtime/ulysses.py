@@ -81,7 +81,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     sp = dist.get_world_size(group) if dist.is_initialized() else 1
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise L.SequenceParallelError(f"{op}: {name} must be [batch, heads, seq/sp, head_dim], got shape {tuple(t.shape)}")
+            raise L.SequenceParallelError(f"{op}: {name} must be [batch, heads, seq/sp, head_dim], "
+                                          f"got shape {tuple(t.shape)}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise L.SequenceParallelError(
             f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree (need the same batch and "

@@ -43,7 +43,8 @@ def solve(problem: Problem, time_limit: float | None = None, backend: str = "aut
     ``mip_gap`` is the relative gap at which the solver may stop and call the result optimal
     (1e-7 by default so results match brute force; 1e-4, HiGHS's own default, is much faster
     on large problems). ``start``: per node a strategy index (or None) to warm-start from
-    (HiGHS; an incumbent to prune with from the first node). ``backend``: "auto" (HiGHS if available, else CBC), "highs", "cbc".
+    (HiGHS; an incumbent to prune with from the first node). ``backend``: "auto" (HiGHS if
+    available, else CBC), "highs", "cbc".
     """
     t0 = time.perf_counter()
     validate(problem)

@@ -1,7 +1,8 @@
 """Building the intra-stage sharding ILP from a Problem (torch-free): the model as arrays
 (solver/lp_arrays.py) that solver/backends.py runs and solver/ilp.py solves.
 
-Variables and constraint families (each added by the function named; the model is held as arrays by solver/lp_arrays.py):
+Variables and constraint families (each added by the function named; the model is held as
+arrays by solver/lp_arrays.py):
 
 - ``x[n,s]`` binary, one per strategy of each node; **one-hot choice**
   ``sum_s x[n,s] == 1`` -- ``_add_choice``.

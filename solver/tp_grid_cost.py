@@ -147,7 +147,8 @@ def _vector_3d(n: int, q: int, elem: int, axes) -> list[Collective]:
             Collective("reduce_scatter", ak, q, inner, 1, "backward")]
 
 
-def layer_norm_3d(m: int, h: int, q: int, elem: int = 4, axes: tuple[str, str, str] = ("x", "y", "z")) -> list[Collective]:
+def layer_norm_3d(m: int, h: int, q: int, elem: int = 4,
+                  axes: tuple[str, str, str] = ("x", "y", "z")) -> list[Collective]:
     """LayerNorm of the input of a linear with ``axes`` (runtime/matmul3d.layer_norm)."""
     am, ak, an = axes
     return _norm(_div(m, q * q, "tokens"), ak, q, elem) + 2 * _vector_3d(h, q, elem, (am, an, ak))

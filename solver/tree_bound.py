@@ -21,7 +21,8 @@ A traced model's graph is not one (residual adds, q/k/v sharing one input), so:
 Every choice of strategies costs at least the result, so it is a valid bound for pruning
 (autopar/search/outer.py uses it before the LP relaxation, which takes about 100x longer on
 thousands of strategies). It is at least the per-node bound with every edge relaxed onto its first
-node (the row minima; the forest and the column minima of the rest only tighten it) and neither above nor below the LP relaxation in general: the LP keeps every edge and
+node (the row minima; the forest and the column minima of the rest only tighten it) and neither
+above nor below the LP relaxation in general: the LP keeps every edge and
 the memory rows, the forest solves its edges integrally.
 """
 from __future__ import annotations

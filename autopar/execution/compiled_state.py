@@ -118,7 +118,8 @@ def load(cm, directory) -> None:
     if "lr" in state:
         cm.opt.opt.lr = float(state["lr"])
     if "optim_groups" in state:
-        optim_setup.apply_groups(cm, {f: (float(t[0]), float(t[1]), bool(t[2])) for f, t in state["optim_groups"].items()})
+        optim_setup.apply_groups(cm, {f: (float(t[0]), float(t[1]), bool(t[2]))
+                                      for f, t in state["optim_groups"].items()})
 
 
 def _blocks_from_full(cm, state: dict) -> None:
@@ -187,7 +188,8 @@ def check_checkpoint(directory, state: dict) -> None:
     try:
         meta = dcp.FileSystemReader(str(directory)).read_metadata()
     except Exception as e:
-        raise ExecutionError(f"no readable checkpoint at {directory}: {type(e).__name__}: {e}", collective=True) from None
+        raise ExecutionError(f"no readable checkpoint at {directory}: {type(e).__name__}: {e}",
+                             collective=True) from None
     saved = {k: getattr(v, "size", None) for k, v in meta.state_dict_metadata.items()}
     for key in OPTIONAL:   # absent from an older checkpoint: not read
         if key in state and not any(k == key or k.startswith(key + ".") for k in saved):

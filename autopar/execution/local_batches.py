@@ -61,7 +61,8 @@ def local_micro_batches(cm, batch) -> list[tuple]:
         else:
             got = x.shape[d] if x.dim() > d else f"no dim {d} in shape {tuple(x.shape)}"
             raise ExecutionError(f"step() got a batch of {got} rows along the batch dim {d}; the plan is for a "
-                                 f"global batch of {cm.global_batch} (or this rank's {n_local * cm.nm} rows)", collective=True)
+                                 f"global batch of {cm.global_batch} (or this rank's {n_local * cm.nm} rows)",
+                                 collective=True)
     # Only this rank's rows go to its device; floating inputs in the working dtype (the program's).
     to = lambda x: x.to(cm.device, dtype=cm.dtype if x.is_floating_point() else x.dtype)  # noqa: E731
     return [tuple(to(x) for x in o) for o in out]

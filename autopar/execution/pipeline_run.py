@@ -3,7 +3,8 @@
 ``setup(cm)`` builds this rank's stage runner (runtime/pipeline.py: PyTorch's PipelineStage and
 schedule over the stage program codegen/stages.py cut from the per-rank program) and the groups
 that sum a parameter's gradient over the stages that read it; ``step(cm, micro)`` runs one
-training step, ``forward(cm, micro)`` a forward-only one; ``full_state_dict(cm)`` assembles full tensors when ranks hold different stages;
+training step, ``forward(cm, micro)`` a forward-only one; ``full_state_dict(cm)`` assembles
+full tensors when ranks hold different stages;
 ``full_optimizer_state(cm, local)`` the same for the optimizer's state (save/load);
 ``check_options(cm)`` refuses what does not run under pipelining yet, before any group is made.
 

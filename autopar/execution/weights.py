@@ -257,7 +257,8 @@ def init_weights(model: nn.Module, want: dict[str, tuple], rng_state: torch.Tens
 
         def phase_a_value(c, t):
             if c not in phase_a:   # no reset_parameters: unknown until a later init writes it
-                return torch.full(t.shape, float("nan")) if t.is_floating_point() else torch.zeros(t.shape, dtype=t.dtype)
+                return (torch.full(t.shape, float("nan")) if t.is_floating_point()
+                        else torch.zeros(t.shape, dtype=t.dtype))
             mod, state, n = phase_a[c]
             with torch.random.fork_rng(devices=[]):
                 torch.set_rng_state(state)
@@ -434,7 +435,8 @@ class DcpWeights:
         missing = sorted(set(persistent) - set(self.saved))
         extra = sorted(set(self.saved) - set(persistent))
         bad = sorted(f"{k} {tuple(self.saved[k].size)} (this model: {tuple(persistent[k].shape)})"
-                     for k in set(persistent) & set(self.saved) if tuple(self.saved[k].size) != tuple(persistent[k].shape))
+                     for k in set(persistent) & set(self.saved)
+                     if tuple(self.saved[k].size) != tuple(persistent[k].shape))
         if missing or extra or bad:
             parts = ([f"missing from the checkpoint: {', '.join(missing[:6])}"] if missing else []) + \
                     ([f"not in this model: {', '.join(extra[:6])}"] if extra else []) + \

@@ -140,7 +140,8 @@ class _AutogradFunctionWatch:
         found = "; ".join(f"{fn} called in module {mod}" for fn, mod in calls.items())
         return TraceError(f"{type(model).__name__} uses a custom torch.autograd.Function ({found}) whose backward "
                           f"is not the gradient of its forward: tracing inlines the forward and would train with "
-                          f"the gradient of the traced ops instead of that backward, diverging from eager. autopar cannot keep a custom backward: write "
+                          f"the gradient of the traced ops instead of that backward, diverging from eager. "
+                          f"autopar cannot keep a custom backward: write "
                           f"the op with differentiable torch ops (its backward then follows), or keep the "
                           f"Function out of the model you hand to autopar")
 
@@ -198,16 +199,19 @@ def _backward_matches_forward(cls, shapes, kwargs, elements: int = 1 << 16) -> b
         if not floats:
             return False   # no tensor shapes were seen (e.g. only Proxies): cannot check, so refuse
         own = cls.apply(*args, **kwargs)
-        outs = [o for o in (own if isinstance(own, tuple) else (own,)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        outs = [o for o in (own if isinstance(own, tuple) else (own,))
+                if isinstance(o, torch.Tensor) and o.requires_grad]
         weights = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
         g_own = torch.autograd.grad(outs, floats, weights, allow_unused=True)
         plain_args = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.requires_grad else a
                       for a in args]
-        if "ctx" in inspect.signature(cls.forward).parameters or len(inspect.signature(cls.forward).parameters) > len(args):
+        if ("ctx" in inspect.signature(cls.forward).parameters
+                or len(inspect.signature(cls.forward).parameters) > len(args)):
             plain = cls.forward(_Ctx(), *plain_args, **kwargs)
         else:
             plain = cls.forward(*plain_args, **kwargs)
-        pouts = [o for o in (plain if isinstance(plain, tuple) else (plain,)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        pouts = [o for o in (plain if isinstance(plain, tuple) else (plain,))
+                 if isinstance(o, torch.Tensor) and o.requires_grad]
         pfloats = [a for a in plain_args if isinstance(a, torch.Tensor) and a.requires_grad]
         g_plain = torch.autograd.grad(pouts, pfloats, weights, allow_unused=True)
         for a, b in zip(g_own, g_plain):

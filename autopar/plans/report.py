@@ -61,7 +61,8 @@ def summary_table(plan) -> Table:
     t.add_row("step time", f"{_secs(p['step_time'])}  (compute {_secs(tb['compute'])}, recompute "
                            f"{_secs(tb['recompute'])}, op comm {_secs(tb['op_comm'])}, reshard "
                            f"{_secs(tb['reshard_comm'])}, grad comm {_secs(tb['grad_comm'])} of which exposed "
-                           f"{_secs(tb['grad_comm_exposed'])}{' (overlapped with backward)' if p['overlap_grad_comm'] else ''}, "
+                           f"{_secs(tb['grad_comm_exposed'])}"
+                           f"{' (overlapped with backward)' if p['overlap_grad_comm'] else ''}, "
                            f"optimizer {_secs(tb['optimizer'])}{bubble_text(tb)})")
     mb = p["memory_breakdown"]
     t.add_row("peak memory", f"{_gib(p['peak_memory'])} of {_gib(plan.data['settings']['memory_budget'])}  "
@@ -71,7 +72,8 @@ def summary_table(plan) -> Table:
         t.add_row("offload", f"{off['mode']} to {off['target']}: {_gib(off['host_bytes'])} of host memory per rank "
                              f"(its share {_gib(off['host_budget'])}); per step {_gib(off['d2h_bytes'])} to the host, "
                              f"{_gib(off['h2d_bytes'])} back")
-    t.add_row("communication", ", ".join(f"{k}: {_gib(v)}" for k, v in p["comm_bytes"].items()) + " per device per step")
+    t.add_row("communication",
+              ", ".join(f"{k}: {_gib(v)}" for k, v in p["comm_bytes"].items()) + " per device per step")
     t.add_row("MFU", f"{p['mfu'] * 100:.1f}%  ({p['model_flops']:.3g} model FLOPs per step)")
     s = plan.data["solver"]
     t.add_row("solver", f"{s['status']} (gap {s['gap']:.2%}); {s['configs']} configurations, {s['pruned']} pruned; "

@@ -280,7 +280,8 @@ def _ops_section(entries: list[ReportEntry], tid: str) -> str:
             rows.append((n, o.get("target", "").replace("aten.", ""), o.get("module", ""), "(absent)",
                          o["strategy"], "yes"))
     search = (f'<p><input type="search" class="filter" placeholder="filter ops (any column)" '
-              f'data-table="{tid}" aria-label="filter ops"> <span id="{tid}-count">{len(rows)} of {len(rows)} ops</span></p>')
+              f'data-table="{tid}" aria-label="filter ops"> '
+              f'<span id="{tid}-count">{len(rows)} of {len(rows)} ops</span></p>')
     return search + _table(rows, header=header, cls="grid ops", attrs=f' id="{tid}"')
 
 

@@ -81,7 +81,8 @@ def _validate(layout: Layout, shape: tuple[int, ...], mesh_shape: tuple[int, ...
     used = [a for axes in layout.dims for a in axes] + list(layout.partial)
     for a in used:
         if not 0 <= a < len(mesh_shape):
-            raise ValueError(f"{what} layout {layout} uses mesh axis {a}; the mesh {mesh_shape} has {len(mesh_shape)} axes")
+            raise ValueError(f"{what} layout {layout} uses mesh axis {a}; "
+                             f"the mesh {mesh_shape} has {len(mesh_shape)} axes")
     if len(used) != len(set(used)):
         raise ValueError(f"{what} layout {layout} uses a mesh axis twice (split and/or partial)")
     for d, s in enumerate(shape):

@@ -129,8 +129,9 @@ def _local_value(c: Candidates, name: str, pick: dict[str, int], order: str | No
 def saved_storage(c: Candidates, v: str, i: int, pick: dict[str, int], zz: set[int], orders: dict | None = None):
     """(storage key, its local bytes in the traced dtype, kept) of what consumer ``v`` saves as its
     input ``i`` on a rank, or None when the chain cannot be replayed; ``kept``: a linear keeping
-    the shard of its all-gathered input (autopar/pricing/regather.py), which is what it saves. Keys: a node name for a storage
-    that node's kernel (or view op) made, ("copy", m, j) for the result of the reshard into node
+    the shard of its all-gathered input (autopar/pricing/regather.py), which is what it saves.
+    Keys: a node name for a storage that node's kernel (or view op) made, ("copy", m, j) for the
+    result of the reshard into node
     m's input j. ``orders``: op -> the memory order its kernel lays its output out in on the
     device (``Priced.storage_order``: flash attention's output is laid out like q)."""
     mesh = c.mesh.shape

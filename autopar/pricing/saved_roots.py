@@ -174,7 +174,8 @@ def _saved_roots(c: Candidates, info: NodeInfo, precision: str, charged: set[str
             # typed one follows the working dtype (a fp32-traced dropout mask is 2 bytes under bf16)
             itemsize = min(sv.itemsize, 2) if sv.act and precision == "bf16" else sv.itemsize
             nbytes = size * itemsize
-            fns.append((None, lambda st, nbytes=nbytes, letters=sv.letters: nbytes * letter_fraction(letters, st, mesh)))
+            fns.append((None, lambda st, nbytes=nbytes, letters=sv.letters:
+                        nbytes * letter_fraction(letters, st, mesh)))
     return fns
 
 

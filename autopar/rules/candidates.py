@@ -163,7 +163,8 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None, reshar
                 if bd is not None and all(shape[bd] % mesh.shape[a] == 0 for a in mesh.data_axes()):
                     splits = {bd: tuple(a for a in mesh.data_axes() if mesh.shape[a] > 1)}
                 lay = Layout.shard(len(shape), splits)
-                nodes[node.name] = NodeInfo(node.name, "input", node, [_leaf_strategy(lay.describe(mesh.names), lay, mesh)],
+                nodes[node.name] = NodeInfo(node.name, "input", node,
+                                            [_leaf_strategy(lay.describe(mesh.names), lay, mesh)],
                                             batch_dims=(frozenset({bd}) if bd is not None else frozenset(),))
                 batch_of[node.name] = nodes[node.name].batch_dims
             order.append(node.name)

@@ -211,7 +211,8 @@ def index_select(node):
     sizes = dict(zip(ls, xs), i=shape(index)[0] if shape(index) else 1)
     out = ls[:dim] + "i" + ls[dim + 1:]
     from autopar.rules.spec import Saved
-    return OpSpec("index_select", (ls, "i" if shape(index) else ""), (out if shape(index) else ls[:dim] + ls[dim + 1:],),
+    return OpSpec("index_select", (ls, "i" if shape(index) else ""),
+                  (out if shape(index) else ls[:dim] + ls[dim + 1:],),
                   sizes, unsplittable=frozenset(ls[dim]), bytes=io_bytes(node), partial_inputs=(0,),
                   saved=(Saved("input", 1),))
 

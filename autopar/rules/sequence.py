@@ -171,7 +171,8 @@ def restrict(graph, mesh: Mesh, nodes: dict, order: list[str], policy: str | Non
     seq = seq_letters(graph, nodes, order)
     heads = head_letters(graph, nodes, order, seq) if sps else {}
     has_sdpa = any(nodes[n].kind == "op" and nodes[n].spec.rule == "sdpa" for n in order)
-    if (mode in ("ring", "ring-contiguous", "hybrid") and not has_sdpa) or (mode == "ulysses" and not has_sdpa and not heads):
+    if ((mode in ("ring", "ring-contiguous", "hybrid") and not has_sdpa)
+            or (mode == "ulysses" and not has_sdpa and not heads)):
         raise PlanError(f"sp_mode={mode!r} runs scaled_dot_product_attention with {mode} attention, but the model "
                         f"has no such op" + (" nor an explicit matmul/softmax attention whose heads it can split"
                                              if mode == "ulysses" else " (explicit matmul/softmax attention?)")

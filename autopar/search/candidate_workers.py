@@ -1,7 +1,8 @@
 """Forked worker processes for the pipelined candidates (autopar/search/pipeline_forked.py).
 
 A pipelined candidate's inner search (the whole model on one stage's sub-mesh) is seconds of
-single-threaded Python on large models, most of their planning, and the candidates are independent but for the incumbent that prunes them.
+single-threaded Python on large models, most of their planning, and the candidates are
+independent but for the incumbent that prunes them.
 With more than one core they run in worker processes forked from the planning process after the
 pp=1 search: the traced graph, the candidates and pricing caches are inherited, not pickled;
 what crosses a pipe is a candidate's index one way and a step time (or why it has none) back,

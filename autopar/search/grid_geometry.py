@@ -33,7 +33,8 @@ def check_world(mode: str, tp: int, shape) -> None:
         if mode == "2d":
             q = shape[0] if shape else round(tp ** 0.5)
             if shape is not None and (len(shape) != 2 or shape[0] != shape[1]):
-                raise GridError(f"2D tensor parallelism runs on a q x q grid: tp_shape must be [q, q], got {list(shape)}")
+                raise GridError(f"2D tensor parallelism runs on a q x q grid: tp_shape must be [q, q], "
+                                f"got {list(shape)}")
             check_2d(tp, q)
         elif mode == "2.5d":
             if shape is None:
@@ -41,12 +42,14 @@ def check_world(mode: str, tp: int, shape) -> None:
                     raise GridError(f"2.5D tensor parallelism needs q*q*d devices with q >= 2; {tp} is not")
                 return
             if len(shape) != 3 or shape[0] != shape[1]:
-                raise GridError(f"2.5D tensor parallelism runs on q x q x d: tp_shape must be [q, q, d], got {list(shape)}")
+                raise GridError(f"2.5D tensor parallelism runs on q x q x d: tp_shape must be [q, q, d], "
+                                f"got {list(shape)}")
             check_2p5d(tp, shape[0], shape[2])
         else:
             q = shape[0] if shape else round(tp ** (1 / 3))
             if shape is not None and (len(shape) != 3 or len(set(shape)) != 1):
-                raise GridError(f"3D tensor parallelism runs on q x q x q: tp_shape must be [q, q, q], got {list(shape)}")
+                raise GridError(f"3D tensor parallelism runs on q x q x q: tp_shape must be [q, q, q], "
+                                f"got {list(shape)}")
             check_3d(tp, q)
     except GridError as e:
         raise ConstraintError(f"constraint tp_mode={mode!r}: {e}") from None
@@ -99,13 +102,16 @@ def grid_geometries(num_devices: int, constraints: dict, batch: int | None = Non
     if mode is not None and not out:
         if zero not in (0, 1, 2):
             raise ConstraintError(f"constraint tp_mode={mode!r} runs with zero=0, 1 or 2 (optimizer state, and with 2 "
-                                  f"gradients, sharded over the grid's dp replicas), not zero={zero}; drop the other pins")
+                                  f"gradients, sharded over the grid's dp replicas), not zero={zero}; "
+                                  f"drop the other pins")
         if zero >= 1 and grid_geometries(num_devices, dict(constraints, zero=0), batch):
             # the grids the other pins allow all have dp = 1
             raise ConstraintError(f"constraints tp_mode={mode!r} and zero={zero} need dp > 1: ZeRO shards the "
-                                  f"optimizer state over the data-parallel replicas of the grid; pin dp > 1 or drop zero")
+                                  f"optimizer state over the data-parallel replicas of the grid; "
+                                  f"pin dp > 1 or drop zero")
         if "micro_batch_size" in constraints and batch is not None:
-            raise ConstraintError(f"constraint micro_batch_size={constraints['micro_batch_size']} with tp_mode={mode!r}: "
+            raise ConstraintError(f"constraint micro_batch_size={constraints['micro_batch_size']} "
+                                  f"with tp_mode={mode!r}: "
                                   f"no data-parallel degree the pins allow on {num_devices} devices makes dp x "
                                   f"micro_batch_size divide the batch of {batch}")
         tp = constraints.get("tp", num_devices // constraints.get("dp", 1))

@@ -105,7 +105,8 @@ def price_grid(graph, cluster, base, geo: Geometry, cands) -> GridResult:
     pred = {
         "step_time": step,
         "time_breakdown": {"compute": compute, "recompute": 0.0, "op_comm": op_comm, "reshard_comm": 0.0,
-                           "grad_comm": grad_comm, "grad_comm_exposed": grad_comm, "optimizer": optimizer, "bubble": 0.0},
+                           "grad_comm": grad_comm, "grad_comm_exposed": grad_comm, "optimizer": optimizer,
+                           "bubble": 0.0},
         "overlap_grad_comm": base.overlap_grad_comm,
         "peak_memory": int(math.ceil(peak)),
         "memory_breakdown": {**{k: int(round(v)) for k, v in static.items()}, "activations": int(round(acts)),

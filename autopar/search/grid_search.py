@@ -56,7 +56,8 @@ def best_grid(graph, cluster, base, constraints: dict, best_step: float | None, 
             # each for a 96-layer model), and with a plan found no error message needs its peak
             stats.pruned += 1
             continue
-        if best_step is not None and not pinned and not exhaustive and grid_step_lower_bound(graph, cluster, base, geo, cands, memo) >= best_step:
+        if (best_step is not None and not pinned and not exhaustive
+                and grid_step_lower_bound(graph, cluster, base, geo, cands, memo) >= best_step):
             # its linears alone (compute + collectives, autopar/search/grid_bound.py) cannot beat the
             # best plan: not lowered. Its ZeRO-1 and micro-batch variants are made only from a
             # priced geometry, and cost at least as much (below), so they go with it.
@@ -114,7 +115,8 @@ def _static_floor(graph, base, geo: Geometry, free_zero: bool) -> float:
     ZeRO-1 variant when ZeRO is free), before lowering: no tensor is split over more ranks than
     the grid has, and ZeRO-1 shards the optimizer state over dp at most."""
     trained = [n for n in graph.param_fqn if n not in graph.buffers and n not in getattr(graph, "frozen", set())]
-    placeholders = {n.target: n for n in graph.gm.graph.nodes if n.op == "placeholder"}   # one pass, not one per parameter
+    # one pass, not one per parameter
+    placeholders = {n.target: n for n in graph.gm.graph.nodes if n.op == "placeholder"}
     total = sum(placeholders[n].meta["val"].numel() for n in trained)
     local = total / geo.world
     zero = 2 if geo.dp > 1 and free_zero else geo.zero
@@ -162,7 +164,8 @@ def grid_plan_data(result: GridResult, cluster, graph, optimizer, precision, bud
                                 "qkv_order": use.perm is not None, "hdim": use.hdim},
                        "tied": sorted(graph.tied.get(fqn, []))}
     ops = [{"node": n.name, "target": str(n.target), "module": graph.module_of(n), "rule": "grid",
-            "strategy": f"{geo.mode}: {prog.kinds.get(n.name, 'local')}", "inputs": [], "outputs": [], "splits": [], "special": []}
+            "strategy": f"{geo.mode}: {prog.kinds.get(n.name, 'local')}",
+            "inputs": [], "outputs": [], "splits": [], "special": []}
            for n in graph.gm.graph.nodes if n.op == "call_function"]
     names = [n for n in graph.gm.graph.nodes if n.op == "call_function"]
     return {

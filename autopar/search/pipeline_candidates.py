@@ -104,7 +104,8 @@ class Pipelined:
     ``plan_search``: its inner-search cache and counters are shared by every visit."""
 
     def __init__(self, planner, flat: dict, t0: float, degrees=None, schedules=SCHEDULES):
-        self.graph, self.cluster, self.base, self.search_fn = planner.graph, planner.cluster, planner.base, planner.search_fn
+        self.graph, self.cluster = planner.graph, planner.cluster
+        self.base, self.search_fn = planner.base, planner.search_fn
         self.flat, self.kw, self.t0 = flat, planner.kw, t0
         self.degrees = degrees   # the pipeline degrees to try (None: ``pp_choices``)
         self.schedules = schedules
@@ -112,7 +113,8 @@ class Pipelined:
         self.inner_cache: dict = {}   # (pp, m[, sp]) inner plans, shared by every schedule (module doc)
         self.tried = self.pruned = 0
         self.first = False   # visited before the pp=1 search ended (plan_search's before_large)
-        self.floors: list = []   # smallest peaks of pipelined plans that did not fit (pipeline_search's step 3: its error)
+        # smallest peaks of pipelined plans that did not fit (pipeline_search's step 3: its error)
+        self.floors: list = []
         self.remote_inner: dict = {}   # inner searches run in worker processes: {key: cut off?}
         self.kept: dict = {}   # in a worker: its candidates' (Result, stats, pipe) until fetched
         self.workers = 0   # the most worker processes a visit forked (stats: pipeline_workers)
@@ -121,7 +123,8 @@ class Pipelined:
         """``out`` (Result, stats, pipe) with the pipelined candidates' counters in its stats."""
         cut = {**self.remote_inner, **{k: isinstance(r, CutOff) for k, r in self.inner_cache.items()}}
         stats = dict(out[1], pipeline_candidates=self.tried, pipeline_pruned=self.pruned,
-                     inner_searches=len(cut), inner_cut_off=sum(cut.values()), pipeline_workers=self.workers, pipelined_first=self.first,
+                     inner_searches=len(cut), inner_cut_off=sum(cut.values()), pipeline_workers=self.workers,
+                     pipelined_first=self.first,
                      pipeline_seconds=time.perf_counter() - self.t0)
         return out[0], stats, out[2]
 

@@ -17,7 +17,8 @@ from autopar.plans.plan_schema import checkpoint_mode_of
 from codegen.grid_layout import GRID_MODES
 from codegen.stages import pipeline_units
 
-MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")   # v stages per rank (PyTorch's Interleaved1F1B, InterleavedZeroBubble)
+# v stages per rank (PyTorch's Interleaved1F1B, InterleavedZeroBubble)
+MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")
 
 
 def canonical_schedules(constraints: dict) -> dict:

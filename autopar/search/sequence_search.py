@@ -54,7 +54,8 @@ def sp_sizes(cluster) -> list[int]:
 
 def search_with_sp(planner, constraints: dict, err):
     """The free search's retry when nothing fits memory (module doc of pipeline_search, step 3):
-    ``planner.search`` (autopar/search/context.py ``Planner``: the pp=1 search) with each sequence-axis size ``sp_sizes`` pinned and the attention mode left to the ILP
+    ``planner.search`` (autopar/search/context.py ``Planner``: the pp=1 search) with each
+    sequence-axis size ``sp_sizes`` pinned and the attention mode left to the ILP
     (``"auto"``: Ulysses, ring or the K/V all-gather per attention op). The fastest result, or,
     when none fits either, a MemoryBudgetError with the smallest peak over ``err`` and every
     retry. ``err`` (the free search's MemoryBudgetError, or its ConstraintError when no

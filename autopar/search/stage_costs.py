@@ -162,8 +162,8 @@ def stage_costs(result, graph) -> StageCosts:
                 again = saved - sum(float(arr[k]) for root, arr in P.saved_by_root.get(name, {}).items()
                                     if root in inputs_of[g])
                 rec_m[g] += again / r
-                rec_t[g] += (float(P.fwd_compute[name][k]) + float(P.fwd_comm[name][k] if name in P.fwd_comm else 0.0)) \
-                    / nm / r
+                fwd_comm = float(P.fwd_comm[name][k] if name in P.fwd_comm else 0.0)
+                rec_t[g] += (float(P.fwd_compute[name][k]) + fwd_comm) / nm / r
                 for a, arr in enumerate(P.fwd_comm_bytes.get(name, [])):   # its forward collectives run again
                     ub[g][names[a]] += float(arr[k]) / r
             if order[name] > last_pos[g] and name in P.transient:

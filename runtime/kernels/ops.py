@@ -15,7 +15,8 @@ planner's fake and meta tensors and every rank's program treat them like any ATe
 * ``torch.ops.autopar.geglu(gate, up, approximate) -> gelu(gate, approximate) · up`` (approximate
   "none" or "tanh", as torch's gelu); autograd keeps gate and up. Tagged pointwise.
 
-Each runs its Triton kernel (runtime/kernels/rms_norm.py, swiglu.py, layer_norm.py, geglu.py) on CUDA tensors, and on CPU
+Each runs its Triton kernel (runtime/kernels/rms_norm.py, swiglu.py, layer_norm.py, geglu.py) on
+CUDA tensors, and on CPU
 tensors under the Triton interpreter (``TRITON_INTERPRET=1``); anywhere else (a CPU without the
 interpreter, meta tensors) the same formula in plain torch. Which one ran is counted by
 ``runtime.kernels.kernel_stats`` (Triton launches only).

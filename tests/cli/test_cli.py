@@ -23,7 +23,8 @@ def plans(tmp_path_factory):
     auto, pinned = d / "auto.json", d / "checkpointed.json"
     assert main(["plan", "gpt2", "--cluster", "cpu", "--devices", "4", "-o", str(auto)]) == 0
     # ZeRO-3 over all four ranks: slower (per-block gathers) and smaller than the automatic plan
-    assert main(["plan", "gpt2", "--cluster", "cpu", "--devices", "4", "--constraint", "checkpoint=full", "--constraint", "dp=4",
+    assert main(["plan", "gpt2", "--cluster", "cpu", "--devices", "4",
+                 "--constraint", "checkpoint=full", "--constraint", "dp=4",
                  "-o", str(pinned)]) == 0
     return auto, pinned
 

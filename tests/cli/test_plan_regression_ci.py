@@ -95,7 +95,8 @@ def test_ci_recipe_passes_on_the_baseline_and_fails_on_a_regression(tmp_path):
         f"the plan no longer matches examples/ci/baseline.json within the limits; after an intended planner "
         f"change regenerate it: bash examples/ci/plan_regression.sh --update\n{res.stdout}\n{res.stderr}")
     assert "0 of 2 metric(s) regressed" in res.stdout
-    assert json.loads((tmp_path / "plan.json").read_text())["fingerprint"] == json.loads(BASELINE.read_text())["fingerprint"]
+    assert (json.loads((tmp_path / "plan.json").read_text())["fingerprint"]
+            == json.loads(BASELINE.read_text())["fingerprint"])
     # an injected regression: the baseline promised a 10% faster step
     res = _run_recipe(tmp_path, _edited(tmp_path, "faster.json", step_time=0.9))
     assert res.returncode == 1, res.stdout + res.stderr

@@ -84,7 +84,8 @@ def test_vocab_parallel_cross_entropy_masked_labels(nm):
     model, batch = factory()
     base = _plan(factory, dp=1, tp=2, num_micro_batches=nm)
     assert base.degrees["num_micro_batches"] == nm
-    last_linear = [n.name for n in __import__("autopar.frontend.trace", fromlist=["trace"]).trace(model, batch).gm.graph.nodes
+    traced = __import__("autopar.frontend.trace", fromlist=["trace"]).trace(model, batch)
+    last_linear = [n.name for n in traced.gm.graph.nodes
                    if n.target is aten.linear.default][-1]
     plan = E.force(base, model, batch, [
         (lambda n: n.name == last_linear, _splits_last_dim_on_tp(base)),

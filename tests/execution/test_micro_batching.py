@@ -169,7 +169,8 @@ def _decompose(factory, nm=2):
 
     model, batch = factory()
     dims = infer_batch_dims([x.shape for x in batch])
-    full, micro = trace(model, batch), trace(model, tuple(x.narrow(d, 0, x.shape[d] // nm) for x, d in zip(batch, dims)))
+    full, micro = trace(model, batch), trace(model, tuple(x.narrow(d, 0, x.shape[d] // nm)
+                                                          for x, d in zip(batch, dims)))
     return decompose(micro, batch_carrying(full, micro)), micro
 
 

@@ -5,8 +5,9 @@ schedules and scaling, and their checkpoints.
 * groups: the BERT recipe decides on the FULL shape; a list's first match wins;
 * AdamW and SGD (nesterov) with groups (no decay on norms, a half lr on the head), a warm-up +
   cosine schedule and sqrt lr scaling, in one process, equal torch.optim.AdamW / SGD with the
-  same param_groups and a LambdaLR (rel 1e-6); trust_clip and always_adapt on a two-tensor buffer; under ZeRO-2 on 2 ranks (per-segment steps of a flat shard) it equals
-  the one-process run (slow);
+  same param_groups and a LambdaLR (rel 1e-6); trust_clip and always_adapt on a two-tensor
+  buffer; under ZeRO-2 on 2 ranks (per-segment steps of a flat shard) it equals the
+  one-process run (slow);
 * LAMB with custom groups, trust_clip and a schedule under tp 2 and ZeRO-2 equals one process (slow);
 * save/load: LAMB with warm-up + poly decay and sqrt scaling trained 4 steps in one process equals
   2 steps under dp 2 / ZeRO-1, saved, loaded into tp 2, 2 more steps (slow).

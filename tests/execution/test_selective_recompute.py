@@ -4,8 +4,9 @@ recomputed in backward — autopar/rules/attention_core.py finds it, autopar/sea
 third per-group choice of the ILP, codegen/selective.py outlines it.
 
 - numerics: one process (identical gradients to the plain program, dropout 0.3), and 2 gloo
-  processes (dp2, Megatron tp2, Megatron-SP tp2, Ulysses sp2) against eager one-process training (fp32, SGD + momentum, 3
-  steps, losses rel 1e-5, parameters rel 1e-4); with dropout 0.1, selective and none plans of
+  processes (dp2, Megatron tp2, Megatron-SP tp2, Ulysses sp2) against eager one-process
+  training (fp32, SGD + momentum, 3 steps, losses rel 1e-5, parameters rel 1e-4); with
+  dropout 0.1, selective and none plans of
   the same mesh train identically (the recomputed dropout redraws the forward's masks);
 - the premise: every core region runs once in forward and once in backward per step, and only
   core regions (no linear, no layer norm inside, no other region) are recomputed;
@@ -271,8 +272,9 @@ def _per_layer(tp, checkpoint):
     """(bytes of one layer, hidden-dropout split factors of the 3-layer plan's last layer), the
     bytes as if every hidden-dropout mask were whole (sbh): the 2- and 3-layer plans may lay the
     masks out differently (split 1/t or replicated is a near tie at tp=8: priced without
-    reductions as GEMMs, the 2-layer plan split them and the 3-layer one did not), and the masks are all that differs between those
-    layouts, so each plan's own masks are normalized before the difference."""
+    reductions as GEMMs, the 2-layer plan split them and the 3-layer one did not), and the
+    masks are all that differs between those layouts, so each plan's own masks are
+    normalized before the difference."""
     sbh = S * 1 * H
     acts, masks = [], []
     for n in (2, 3):

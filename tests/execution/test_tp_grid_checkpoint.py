@@ -1,4 +1,5 @@
-"""Checkpoints of 2D / 2.5D / 3D tensor-parallel plans (codegen/grid_rank_program.py through the one compiled-model runtime):
+"""Checkpoints of 2D / 2.5D / 3D tensor-parallel plans (codegen/grid_rank_program.py through
+the one compiled-model runtime):
 ``compiled.save(dir)`` / ``compiled.load(dir)`` as for every other plan (whole tensors through
 torch.distributed.checkpoint, the format of autopar/execution/compiled_state.py).
 

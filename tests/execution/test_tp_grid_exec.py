@@ -33,7 +33,8 @@ NPROCS = {"2d": 4, "2.5d": 8, "3d": 8}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, mode, dp", [(name, mode, 1) for name in ("gpt2", "vit") for mode in ("2d", "2.5d", "3d")]
+@pytest.mark.parametrize("name, mode, dp", [(name, mode, 1) for name in ("gpt2", "vit")
+                                            for mode in ("2d", "2.5d", "3d")]
                          + [("gpt2", "2d", 2), ("vit", "2d", 2)])
 def test_grid_mode_trains_like_one_process(name, mode, dp):
     """dp > 1: dp replicas of the grid split the batch; their gradient blocks are all-reduced

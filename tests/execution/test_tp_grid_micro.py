@@ -54,7 +54,8 @@ def test_2d_with_two_micro_batches_trains_like_one_process(name):
     for r, (_, _, stats, saved) in enumerate(res):
         assert set(stats) == {"dp", "col", "row"} and stats["col"] > 0 and stats["row"] > 0, (r, stats)
         assert stats == predicted, f"rank {r}: measured bytes per grid group {stats} != plan's {predicted}"
-        assert abs(saved - pred_saved) <= 0.02 * pred_saved, f"rank {r}: saved {saved} bytes, plan predicts {pred_saved}"
+        assert abs(saved - pred_saved) <= 0.02 * pred_saved, \
+            f"rank {r}: saved {saved} bytes, plan predicts {pred_saved}"
 
 
 # ------------------------------------------------------------------ planning (fast)

@@ -97,7 +97,8 @@ def test_zero1_is_priced():
     assert (mb1["params"], mb1["grads"], mb1["activations"]) == (mb0["params"], mb0["grads"], mb0["activations"])
     # the dp traffic: all_reduce(S) counted S; reduce_scatter(S) + all_gather(S) counted 2 S (S padded to 2 shards)
     assert z1.comm_bytes["dp"] == 2 * z0.comm_bytes["dp"]
-    assert {k: v for k, v in z1.comm_bytes.items() if k != "dp"} == {k: v for k, v in z0.comm_bytes.items() if k != "dp"}
+    assert ({k: v for k, v in z1.comm_bytes.items() if k != "dp"}
+            == {k: v for k, v in z0.comm_bytes.items() if k != "dp"})
     assert z1.peak_memory < z0.peak_memory
 
 

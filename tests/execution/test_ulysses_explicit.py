@@ -186,7 +186,8 @@ def test_head_split_nests_inside_tensor_parallel_heads():
 def test_ulysses_explicit_needs_heads_divisible_by_sp():
     model, batch = ZOO["gpt2"](attention="explicit", n_head=2, d_model=32)
     with pytest.raises(autopar.PlanError, match=r"softmax.*explicit attention.*2 heads over sp=4"):
-        autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4), constraints={"sp": 4, "sp_mode": "ulysses"})
+        autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4),
+                     constraints={"sp": 4, "sp_mode": "ulysses"})
 
 
 def test_ring_on_explicit_attention_still_needs_sdpa():

@@ -1,4 +1,5 @@
-"""Shared by the grid-mode execution tests (tests/execution/test_tp_grid_exec.py, tests/execution/test_tp_grid_micro.py):
+"""Shared by the grid-mode execution tests (tests/execution/test_tp_grid_exec.py,
+tests/execution/test_tp_grid_micro.py):
 the training settings and the function each forked rank runs (3 steps of SGD with momentum under
 a plan, returning losses, rank 0's full state dict, bytes per mesh axis and saved-for-backward bytes)."""
 from __future__ import annotations

@@ -61,7 +61,8 @@ def problems(draw, max_nodes: int = 5, max_strategies: int = 4, min_groups: int 
             forced=draw(st.sampled_from([None, None, True, False]))))
     memory = []
     for m in range(draw(st.integers(0, 3))):
-        budget = draw(st.sampled_from([math.inf, float(draw(st.integers(0, 300)))] + [float(draw(st.integers(60, 300)))] * 2))
+        budget = draw(st.sampled_from([math.inf, float(draw(st.integers(0, 300)))]
+                                      + [float(draw(st.integers(60, 300)))] * 2))
         memory.append(MemoryConstraint(
             name=f"m{m}", budget=budget, const=float(draw(st.integers(0, 60))), terms=draw(terms(sizes, 100)),
             groups=draw(st.lists(st.integers(0, len(groups) - 1), min_size=1, max_size=2)) if groups else []))

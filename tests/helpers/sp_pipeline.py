@@ -47,7 +47,8 @@ def run_pp_sp_case(name, constraints, world=4, **kw):
     every rank holding only its stage's blocks, bytes per mesh axis and point-to-point = the plan's
     per-stage prediction. Returns (plan, per-rank results)."""
     m = constraints["num_micro_batches"]
-    plan = plan_case(name, constraints, cluster=CPU4 if world == 4 else autopar.Cluster.preset("cpu", devices=world), **kw)
+    cluster = CPU4 if world == 4 else autopar.Cluster.preset("cpu", devices=world)
+    plan = plan_case(name, constraints, cluster=cluster, **kw)
     deg = plan.degrees
     for k, v in constraints.items():
         if k in deg:

@@ -5,8 +5,9 @@ Every rank builds the same seeded full q, k, v and output gradient, computes the
 (F.scaled_dot_product_attention in fp64 over the whole sequence, forward and backward), runs the
 sequence-parallel op on its own piece and compares its piece of the output and of dq, dk, dv.
 Saved-for-backward bytes of ring attention equal ring_attention_saved_bytes; with the transfers
-not overlapped (OVERLAP off) the results are bitwise the same. Hybrid (runtime/hybrid_sp.py: Ulysses over 2 inner ranks x ring over 2 outer ranks) is checked
-the same way on 4 ranks. The premise is asserted too: the bytes and messages counted in COMM_STATS equal the closed forms
+not overlapped (OVERLAP off) the results are bitwise the same. Hybrid (runtime/hybrid_sp.py:
+Ulysses over 2 inner ranks x ring over 2 outer ranks) is checked the same way on 4 ranks. The
+premise is asserted too: the bytes and messages counted in COMM_STATS equal the closed forms
 the planner prices with (ring_attention_bytes, ulysses_bytes, allgather_kv_bytes), and are non-zero.
 """
 from __future__ import annotations
@@ -99,7 +100,8 @@ def _run_hybrid(case, inner, outer, ri, ui):
     out = hybrid_sp.hybrid_attention(q, k, v, inner, outer, is_causal=causal)
     out.backward(piece(DO).float())
     for what, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref):
-        torch.testing.assert_close(got.double(), piece(want), rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}, {what}: {m}")
+        torch.testing.assert_close(got.double(), piece(want), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{name}, {what}: {m}")
     uly, ring = hybrid_sp.hybrid_bytes(B, H, Hkv, S, D, 2, 2, 4)
     got, calls = COMM_STATS.snapshot(), COMM_STATS.calls()
     assert uly.total_bytes > 0 and ring.total_bytes > 0

@@ -2,7 +2,8 @@
 
 A pre-LN transformer layer (causal self-attention on head-split activations, then the MLP
 x + W2 gelu(W1 LN(x) + b1) + b2, residuals around both), then a classifier y Wh + bh and the mean
-cross-entropy on the split logits, runs with every activation and parameter split over the grid (runtime/summa.py, tesseract.py, matmul3d.py). The parent computes the
+cross-entropy on the split logits, runs with every activation and parameter split over the grid
+(runtime/summa.py, tesseract.py, matmul3d.py). The parent computes the
 one-process reference; the ranks return their blocks, which the parent assembles (checking that
 the blocks tile each tensor and that replicas agree) and compares: forward output, input and
 parameter gradients (rel 1e-5), then 3 steps of SGD with momentum (loss rel 1e-5, params rel
@@ -43,7 +44,8 @@ PARAMS = ("emb", "ln1_w", "ln1_b", "wqkv", "bqkv", "wo", "bo", "ln2_w", "ln2_b",
 def _globals():
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    params = {"emb": r(V, H), "ln1_w": 1 + 0.1 * r(H), "ln1_b": 0.1 * r(H), "wqkv": r(H, 3 * H) / H ** 0.5, "bqkv": 0.1 * r(3 * H),
+    params = {"emb": r(V, H), "ln1_w": 1 + 0.1 * r(H), "ln1_b": 0.1 * r(H),
+              "wqkv": r(H, 3 * H) / H ** 0.5, "bqkv": 0.1 * r(3 * H),
               "wo": r(H, H) / H ** 0.5, "bo": 0.1 * r(H),
               "ln2_w": 1 + 0.1 * r(H), "ln2_b": 0.1 * r(H), "w1": r(H, FF) / H ** 0.5, "b1": 0.1 * r(FF),
               "w2": r(FF, H) / FF ** 0.5, "b2": 0.1 * r(H), "wh": r(H, V) / H ** 0.5, "bh": 0.1 * r(V)}
@@ -400,7 +402,8 @@ def test_cost_functions_reproduce_the_papers_table(q, d):
     c2, c25, c3 = (cost.linear_2d(m, m, m, q, bias=False), cost.linear_2p5d(m, m, m, q, d, bias=False),
                    cost.linear_3d(m, m, m, q, bias=False))
     assert (cost.paper_bandwidth(c2, s), cost.paper_latency(c2)) == cost.table_2d(q)
-    assert (cost.paper_bandwidth(c25, s, ("row", "col")), cost.paper_latency(c25, ("row", "col"))) == cost.table_2p5d(q, d)
+    assert ((cost.paper_bandwidth(c25, s, ("row", "col")), cost.paper_latency(c25, ("row", "col")))
+            == cost.table_2p5d(q, d))
     assert (cost.paper_bandwidth(c3, s), cost.paper_latency(c3)) == cost.table_3d(q)
     # 2.5D with d = 1 is 2D plus a no-op depth group.
     if d == 1:

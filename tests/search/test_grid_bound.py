@@ -38,7 +38,8 @@ def test_bound_never_exceeds_the_priced_grid_step(model):
         one = candidates(g, Mesh((1,), ("dp",), cluster.devices_per_node))
         batch = grid_geometry.grid_batch(g)
         geos = grid_geometry.grid_geometries(cluster.num_devices, {}, batch)
-        geos += [dataclasses.replace(x, nm=2) for x in geos] + [dataclasses.replace(x, zero=1) for x in geos if x.dp > 1]
+        geos += ([dataclasses.replace(x, nm=2) for x in geos]
+                 + [dataclasses.replace(x, zero=1) for x in geos if x.dp > 1])
         for c in clusters:
             for precision in ("bf16", "fp32"):
                 base = Settings(precision=precision)

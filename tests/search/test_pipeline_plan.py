@@ -163,7 +163,8 @@ def test_zero3_pinned_with_pp_plans_and_prices_the_gathers_per_micro_batch(name)
     """constraints pp=2 x dp=2 x zero=3 plan (GPT-2 ties its embedding across the first and last
     stage). Against the same pins at ZeRO-2: each rank keeps half the parameters, its state is
     lower (plus the largest chunk gathered whole), and its step is longer by the stages'
-    all-gathers (one for forward, one for backward per micro-batch, inside each stage's time), while the dp bytes grow by exactly those gathers:
+    all-gathers (one for forward, one for backward per micro-batch, inside each stage's time),
+    while the dp bytes grow by exactly those gathers:
     2 x m x parameters, in place of ZeRO-2's one all-gather after the step."""
     pins = dict(name=name, devices=4, pp=2, dp=2, num_micro_batches=2)
     z2, z3 = _plan(zero=2, **pins), _plan(zero=3, **pins)
@@ -171,7 +172,8 @@ def test_zero3_pinned_with_pp_plans_and_prices_the_gathers_per_micro_batch(name)
     assert z3.world_size == 4 and [s["blocks"] for s in z3.data["stages"]] == [s["blocks"] for s in z2.data["stages"]]
     mb2, mb3 = z2.predictions["memory_breakdown"], z3.predictions["memory_breakdown"]
     assert mb3["params"] == pytest.approx(mb2["params"] / 2, rel=0.01)
-    state = {z: sum(v for k, v in mb.items() if k in ("params", "grads", "optimizer")) for z, mb in ((2, mb2), (3, mb3))}
+    state = {z: sum(v for k, v in mb.items() if k in ("params", "grads", "optimizer"))
+             for z, mb in ((2, mb2), (3, mb3))}
     assert state[3] < state[2] and mb3["gathered"] > 0   # less kept; the block in use gathered whole
     assert z3.step_time > z2.step_time
     m = 2

@@ -305,7 +305,8 @@ def test_zero2_reuses_zero1s_lp_and_plans_the_same(monkeypatch):
     assert best.prediction["step_time"] == ref.prediction["step_time"]
 
 
-@pytest.mark.parametrize("preset,kw", [("cpu", dict(devices=4)), ("dgx-a100", dict(nodes=2)), ("dgx-h100", dict(nodes=2))])
+@pytest.mark.parametrize("preset,kw", [("cpu", dict(devices=4)), ("dgx-a100", dict(nodes=2)),
+                                       ("dgx-h100", dict(nodes=2))])
 def test_least_collective_price_on_at_least_some_bytes(preset, kw):
     """edge_floor._least_from(nbytes, axis) is no more than any collective on that axis costs on
     nbytes or more (checked on a dense grid of sizes: the published and calibrated curves are not

@@ -23,7 +23,8 @@ def block_and_core(block_time, core_time, budget: float) -> Problem:
     core = CheckpointGroup("blocks/attention", saved=[(1, np.array([30.0, 20.0]))], kept=[(1, np.array([3.0, 3.0]))],
                            recompute_memory=[(1, np.array([8.0, 8.0]))],
                            recompute_time=[(1, np.array(core_time, dtype=float))], implied_by=0)
-    mem = [MemoryConstraint("peak", budget=budget, const=1.0, terms=[(0, np.array([4.0, 6.0])), (1, np.array([2.0, 2.0]))],
+    mem = [MemoryConstraint("peak", budget=budget, const=1.0,
+                            terms=[(0, np.array([4.0, 6.0])), (1, np.array([2.0, 2.0]))],
                             groups=[0, 1])]
     return Problem(["a", "b"], costs, [Edge(0, 1, np.array([[0.0, 0.5], [0.5, 0.0]]))], mem, [block, core])
 

@@ -131,7 +131,8 @@ def test_trivial_problem_does_not_call_a_solver(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a MIP solver was called for a trivial problem")
     monkeypatch.setattr(pulp.LpProblem, "solve", boom)
-    p = Problem(["a", "b"], [np.array([1.0]), np.array([2.0])], [Edge(0, 1, np.array([[0.5]])), Edge(1, 1, np.array([[0.25]]))],
+    p = Problem(["a", "b"], [np.array([1.0]), np.array([2.0])],
+                [Edge(0, 1, np.array([[0.5]])), Edge(1, 1, np.array([[0.25]]))],
                 [MemoryConstraint("dev", budget=10.0, const=1.0, terms=[(0, np.array([4.0])), (1, np.array([5.0]))])])
     sol = solve(p)
     assert (sol.status, sol.choice, sol.objective, sol.peak_memory) == ("optimal", [0, 0], 3.75, {"dev": 10.0})
@@ -265,7 +266,8 @@ def test_recompute_working_set_binds_at_the_scale_of_real_models():
     problem = Problem(
         node_names=["block"], costs=[np.array([1.0, 2.0])],
         memory=[MemoryConstraint("end", budget=state + 2e8, terms=[(0, np.array([state, state]))], groups=[0])],
-        checkpoint_groups=[CheckpointGroup("blocks", saved=[(0, np.array([1e9, 1e9]))], kept=[(0, np.array([1e6, 1e6]))],
+        checkpoint_groups=[CheckpointGroup("blocks", saved=[(0, np.array([1e9, 1e9]))],
+                                           kept=[(0, np.array([1e6, 1e6]))],
                                            recompute_memory=[(0, np.array([3e8, 1e8]))],
                                            recompute_time=[(0, np.array([0.1, 0.1]))], forced=True)])
     sol = solve(problem)
