@@ -244,10 +244,12 @@ def offload(quick: bool) -> None:
     peak = torch.cuda.max_memory_allocated()
     stats = compiled.offload_stats()
     row("offload", "AdamW, optimizer on the host", f"{t:.2f} s/step (predicted {plan.step_time:.2f}, "
-        f"measured/predicted {t / plan.step_time:.2f}; CPU step predicted {plan.predictions['time_breakdown']['optimizer']:.2f} s), "
+        f"measured/predicted {t / plan.step_time:.2f}; CPU step predicted "
+        f"{plan.predictions['time_breakdown']['optimizer']:.2f} s), "
         f"peak {peak / 2**30:.2f} GiB (predicted {plan.peak_memory / 2**30:.2f}, ratio {peak / plan.peak_memory:.2f}), "
         f"host {stats['host'] / 2**30:.1f} GiB (predicted {off.get('host_bytes', 0) / 2**30:.1f}), d2h "
-        f"{stats['d2h'] / 2**30:.2f} GiB / h2d {stats['h2d'] / 2**30:.2f} GiB per step, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        f"{stats['d2h'] / 2**30:.2f} GiB / h2d {stats['h2d'] / 2**30:.2f} GiB per step, loss {losses[0]:.4f} -> "
+        f"{losses[-1]:.4f}")
     compiled = model = None
     torch.cuda.empty_cache()
 

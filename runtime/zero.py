@@ -193,7 +193,8 @@ class ShardedOptimizer:
                 seen.add(id(p))
                 kinds.add((p.dtype, p.device))
         if len(kinds) > 1:
-            raise TypeError(f"ShardedOptimizer: all parameters must share one dtype and device, got {sorted(map(str, kinds))}")
+            raise TypeError(f"ShardedOptimizer: all parameters must share one dtype and device, "
+                            f"got {sorted(map(str, kinds))}")
         self.dtype, self.device = next(iter(kinds)) if kinds else (torch.float32, torch.device("cpu"))
         if working_dtype is not None:
             self.dtype = working_dtype

@@ -418,7 +418,8 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
             want = [batch_dims] * len(plan.data.get("inputs", [])) if isinstance(batch_dims, int) else list(batch_dims)
             if want != plan_batch_dims(plan.data, len(want)):
                 raise ExecutionError(f"batch_dims={batch_dims!r} differs from the plan's batch dims "
-                                     f"{plan_batch_dims(plan.data, len(want))}: re-plan with batch_dims=...", collective=True)
+                                     f"{plan_batch_dims(plan.data, len(want))}: re-plan with batch_dims=...",
+                                     collective=True)
         else:
             options["batch_dims"] = batch_dims
     if kernels is not None:

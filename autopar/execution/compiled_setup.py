@@ -129,7 +129,8 @@ def setup(cm, example_inputs):
                              collective=True)
     if traced.fingerprint != plan.fingerprint:
         raise ExecutionError(f"plan made for a different model: the plan's fingerprint is "
-                             f"{plan.fingerprint[:16]}, this model traces to {traced.fingerprint[:16]}", collective=True)
+                             f"{plan.fingerprint[:16]}, this model traces to {traced.fingerprint[:16]}",
+                             collective=True)
     grid = is_grid_plan(plan)   # 2D / 2.5D / 3D: the grid program (codegen/grid_rank_program.py)
     nm = int(plan.degrees.get("num_micro_batches", 1) or 1)
     cm.nm = nm

@@ -18,8 +18,9 @@ Bytes per element of the offloaded shard:
 
 The CPU step moves what the same step moves on a device (cost.optimizer_bytes_per_element: the
 runtime's torch step, the gradient's upcast and the master's cast back under mixed precision),
-at the node's CPU memory bandwidth shared by its ranks (cluster.Host). Copies run at the host link's bandwidth per device while every device copies.
-A calibration profile's measured host figures replace the Host's (``host_rates``).
+at the node's CPU memory bandwidth shared by its ranks (cluster.Host). Copies run at the host
+link's bandwidth per device while every device copies. A calibration profile's measured host
+figures replace the Host's (``host_rates``).
 Torch-free.
 """
 from __future__ import annotations

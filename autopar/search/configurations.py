@@ -81,7 +81,8 @@ def micro_batch_error(batch: int, dps: list[int], constraints: dict) -> str | No
         share = f"the global batch of {batch} rows" if dp == 1 else f"{per_dp} rows per data-parallel rank " \
             f"(global batch {batch} / dp={dp})"
         what = "micro-batch counts" if key == "num_micro_batches" else "micro-batch sizes"
-        parts.append(f"{share} splits into equal micro-batches only for {what} {', '.join(map(str, _divisors(per_dp)))}")
+        counts = ", ".join(map(str, _divisors(per_dp)))
+        parts.append(f"{share} splits into equal micro-batches only for {what} {counts}")
     return (f"constraint {key}={constraints[key]} cannot be met: " + "; ".join(parts)
             + ". Pin one of those, or change the batch size or dp")
 
@@ -127,9 +128,10 @@ def offload_choices(cluster: Cluster, constraints: dict) -> list[str]:
     """The offload modes a search visits: the pinned one; unpinned, "none" and (when the cluster
     describes its host, and its devices are not the host's CPUs: not gloo) "optimizer" and, at
     ZeRO-3, "optimizer+params" (pinned on a gloo cluster, offload runs the same code, host and
-    device pools both in CPU memory: what tests check numerics and bytes with). The configurations with the optimizer offloaded pay the CPU
-    step and the copies in their bounds, so they are solved only where they can win, usually
-    where nothing else fits."""
+    device pools both in CPU memory: what tests check numerics and bytes with). An offloaded
+    configuration is solved only where its twin without offload does not prune it
+    (autopar/search/outer.py), and its plan offloads the fewest chunks that fit
+    (autopar/search/predict.py ``offload_fraction``)."""
     if "offload" in constraints:
         if constraints["offload"] != "none" and cluster.host is None:
             raise ConstraintError(f"constraint offload={constraints['offload']!r} cannot be met: cluster "

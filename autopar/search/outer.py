@@ -96,7 +96,8 @@ def search_configurations(graph: TracedGraph, cluster: Cluster, base: Settings, 
         opts = dataclasses.replace(opts, time_limit=None)
     constraints = check_constraints(constraints)
     if constraints.get("pp", 1) > 1:
-        raise ConstraintError("pipelined plans (pp > 1) are made by autopar.plan (autopar/search/pipeline.py), not search()")
+        raise ConstraintError("pipelined plans (pp > 1) are made by autopar.plan (autopar/search/pipeline.py), "
+                              "not search()")
     ctx = SearchContext(graph, cluster, base, constraints, opts, caches if caches is not None else PlanCaches(),
                         policy=sequence.policy_for(opts.policy, constraints))
     stats = ctx.stats
@@ -188,7 +189,8 @@ def _raise_no_plan(ctx: SearchContext):
     reaches), or no configuration the pins allow."""
     stats, cluster, base = ctx.stats, ctx.cluster, ctx.base
     if stats.timed_out:
-        raise SolverTimeout(f"no plan found within time_limit={ctx.options.time_limit} s: the solver ran out of time on "
+        raise SolverTimeout(f"no plan found within time_limit={ctx.options.time_limit} s: the solver ran out of "
+                            f"time on "
                             f"{stats.timed_out} of {stats.configs} configurations before finding any plan; "
                             f"raise time_limit or pin more of the degrees (constraints=)")
     grid_floor = stats.grid_min_peak    # grid configurations that lowered but did not fit
@@ -250,7 +252,8 @@ def degrees_of(result: Result) -> dict:
     batch = global_batch(result.cands.graph)
     return {
         "dp": dp, "tp": math.prod(model) if model else 1, "tp_mode": "1d" if len(model) <= 1 else "2d-reshard",
-        "tp_shape": model, **sequence.degrees(result.cands, chosen(result.problem, result.solution), mesh), "pp": 1, "pp_schedule": None,
+        "tp_shape": model, **sequence.degrees(result.cands, chosen(result.problem, result.solution), mesh),
+        "pp": 1, "pp_schedule": None,
         "micro_batch_size": batch // dp // s.num_micro_batches, "num_micro_batches": s.num_micro_batches,
         "zero": s.zero, "checkpoint": checkpoint_mode(result.prediction["checkpoint"]), "offload": s.offload,
     }

@@ -228,8 +228,9 @@ def offload_fraction(P: Priced, pick: dict, s: Settings, peak: float) -> tuple[f
     the host's and the device's optimizer step (and of the host-to-device copies before
     "optimizer+params" gathers). Returns (f, device bytes kept per memory key, (optimizer
     seconds and gather copy seconds to add to the priced step: the prices carry the device's
-    step when the fraction is decided here, ``price.offload_partial``, the host's otherwise)). A pinned offload (``Settings.offload_all``) and an unbounded budget (a
-    pipelined candidate's inner search: the stages' memory is checked later) offload everything."""
+    step when the fraction is decided here, ``price.offload_partial``, the host's otherwise)). A
+    pinned offload (``Settings.offload_all``) and an unbounded budget (a pipelined candidate's
+    inner search: the stages' memory is checked later) offload everything."""
     tot = {k: 0.0 for k in ("kept_optimizer", "kept_grads", "kept_params", "kept_step", "offload_step",
                             "offload_gathers")}
     for n, st in P.static.items():

@@ -209,7 +209,8 @@ def plan_stages(result, graph, cluster, pp: int, schedule: str, budget: float, b
         what = ", ".join(f"blocks {s['blocks'][0]}..{s['blocks'][1] - 1}" for s in own)
         alive_txt = "/".join(f"{s['alive_micro_batches']:g}" for s in own)
         raise MemoryBudgetError(f"pipeline stage {worst_r} ({what}) needs {rank_peak[worst_r]:,} bytes at its peak "
-                                f"({alive_txt} micro-batches alive under {schedule}) but the budget is {int(budget):,}: "
+                                f"({alive_txt} micro-batches alive under {schedule}) but the budget is "
+                                f"{int(budget):,}: "
                                 f"use more stages, more micro-batches (1F1B), activation checkpointing or a larger "
                                 f"budget", min_peak_bytes=rank_peak[worst_r], budget_bytes=int(budget))
     if sim is None:
@@ -242,5 +243,5 @@ def simulate_plan(data: dict):
                            [s["p2p_time"] for s in st[:-1]], timeline=True)
 
 
-__all__ = ["alive_micro_batches", "alive", "least_step_time", "orders_for", "simulate_stages", "plan_stages", "simulate_plan",
-           "WEIGHT_GRAD_SHARE"]
+__all__ = ["alive_micro_batches", "alive", "least_step_time", "orders_for", "simulate_stages", "plan_stages",
+           "simulate_plan", "WEIGHT_GRAD_SHARE"]

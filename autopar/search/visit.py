@@ -286,7 +286,8 @@ def _solve(v: _Visit) -> None:
         stats.host_exceeded += 1
         return
     if ctx.options.log:
-        ctx.options.log(f"{cfg.mesh.describe():>18}  zero={cfg.settings.zero} offload={cfg.settings.offload} micro={cfg.settings.num_micro_batches:<4} "
+        ctx.options.log(f"{cfg.mesh.describe():>18}  zero={cfg.settings.zero} offload={cfg.settings.offload} "
+                        f"micro={cfg.settings.num_micro_batches:<4} "
                         f"step={pred['step_time']:.4g}s (bounds {v.lower:.4g}, {v.edge_lower:.4g}) "
                         f"peak={pred['peak_memory'] / 2**30:.2f}GiB solved in {sol.solve_seconds:.2f}s")
     if ctx.best is None or pred["step_time"] < ctx.best.prediction["step_time"] - 1e-12:

@@ -57,7 +57,8 @@ def _plans(world):
             # share of the elements offloaded, host bytes and copies that share of everything's
             data = plan.data
             off = data["predictions"]["offload"]
-            off.update(fraction=fraction, **{k: int(off[k] * fraction) for k in ("host_bytes", "d2h_bytes", "h2d_bytes")})
+            off.update(fraction=fraction,
+                       **{k: int(off[k] * fraction) for k in ("host_bytes", "d2h_bytes", "h2d_bytes")})
             plan = autopar.Plan(data)
         base = {**cons, "offload": "none", "zero": plan.degrees["zero"]} if opt is not SGD else None
         if base is not None and plan.degrees["dp"] == 1:

@@ -189,15 +189,16 @@ CONFIGS = [(stage, opt, clip, dt, "optimizer") for stage in (0, 1, 2, 3) for opt
           [(2, "lars", clip, dt, "optimizer") for clip in (None, CLIP) for dt in ("fp32", "bf16")] + \
           [(3, opt, CLIP, dt, "optimizer+params") for opt in ("sgd", "adamw", "lamb") for dt in ("fp32", "bf16")] + \
           [(3, "sgd", None, "bf16", "optimizer+params")] + \
-          [(stage, opt, CLIP, "bf16", "optimizer", "groups") for stage, opt in ((0, "adamw"), (0, "sgd"), (2, "lamb"))] + \
+          [(stage, opt, CLIP, "bf16", "optimizer", "groups")
+           for stage, opt in ((0, "adamw"), (0, "sgd"), (2, "lamb"))] + \
           [(stage, opt, None, "fp32", "optimizer", "skip") for stage, opt in ((0, "lamb"), (3, "lamb"))]
 # offload_fraction (the last entry): only the first chunks offloaded (the model's 80, 99, 30
 # elements: 0.3 -> the first chunk, 0.5 and 0.7 -> the first two), the others on the device.
 FRACTION_CONFIGS = [(stage, opt, clip, dt, "optimizer", f) for f in (0.3, 0.7) for stage in (0, 1, 2, 3)
                     for opt, clip, dt in (("sgd", CLIP, "fp32"), ("sgd", None, "bf16"), ("adamw", None, "fp32"),
                                           ("adamw", CLIP, "bf16"))] + \
-                   [(stage, "lamb", CLIP, dt, "optimizer", f) for stage, dt, f in ((0, "bf16", 0.3), (1, "fp32", 0.7),
-                                                                                  (2, "bf16", 0.7), (3, "fp32", 0.3))] + \
+                   [(stage, "lamb", CLIP, dt, "optimizer", f)
+                    for stage, dt, f in ((0, "bf16", 0.3), (1, "fp32", 0.7), (2, "bf16", 0.7), (3, "fp32", 0.3))] + \
                    [(3, opt, clip, dt, "optimizer+params", 0.5) for opt, clip, dt in (("adamw", CLIP, "bf16"),
                                                                                       ("sgd", None, "fp32"))]
 FRACTION_CONFIGS_4 = [(2, "adamw", CLIP, "bf16", "optimizer", 0.7), (3, "adamw", CLIP, "bf16", "optimizer+params", 0.5)]
