@@ -69,7 +69,8 @@ def summary_table(plan) -> Table:
                              + ", ".join(f"{k} {_gib(v)}" for k, v in mb.items()))
     off = p.get("offload")
     if off:
-        t.add_row("offload", f"{off['mode']} to {off['target']}: {_gib(off['host_bytes'])} of host memory per rank "
+        t.add_row("offload", f"{off['mode']} to {off['target']} ({off.get('fraction', 1.0):.1%} of the parameters' "
+                             f"elements): {_gib(off['host_bytes'])} of host memory per rank "
                              f"(its share {_gib(off['host_budget'])}); per step {_gib(off['d2h_bytes'])} to the host, "
                              f"{_gib(off['h2d_bytes'])} back")
     t.add_row("communication",
