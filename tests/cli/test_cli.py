@@ -193,8 +193,8 @@ def test_show_timeline_on_unpipelined_plan_is_a_clear_error(capsys, plans):
 def test_offload_pinned_from_the_command_line_and_shown(capsys, tmp_path):
     """`--constraint offload=optimizer` plans it; `autopar show` says what lives on the host."""
     path = tmp_path / "offload.json"
-    code, _, err = run(capsys, "plan", "gpt2", "--cluster", "cpu", "--devices", "2", "--constraint", "offload=optimizer",
-                       "-o", str(path))
+    code, _, err = run(capsys, "plan", "gpt2", "--cluster", "cpu", "--devices", "2",
+                       "--constraint", "offload=optimizer", "-o", str(path))
     assert code == 0, err
     plan = Plan.load(path)
     assert plan.degrees["offload"] == "optimizer" and plan.predictions["offload"]["fraction"] == 1.0
