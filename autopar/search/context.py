@@ -74,6 +74,7 @@ class SearchStats:
     large_ilps: int = 0   # large ILPs that sent the search to the pipelined candidates first
     mip_pruned: int = 0   # pruned by the branch and bound's proof
     host_exceeded: int = 0   # offloaded configurations whose host bytes exceed the node's share
+    host_min_need: float | None = None   # the least host bytes per rank any of those needed
     solve_seconds: float = 0.0
     saved_copy_resolves: int = 0
     exact_min_peak: float | None = None   # smallest peak with the saved copies, of plans over budget

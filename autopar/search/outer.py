@@ -25,6 +25,7 @@ from autopar.search.build import build_problem, chosen
 from autopar.search.configurations import allowed_meshes, check_constraints, configurations, micro_batch_error
 from autopar.search.context import (CutOff, Incumbent, PlanCaches, Result, SearchContext, SearchOptions,
                                     SearchStats)
+from autopar.pricing.offload import host_budget
 from autopar.search.grid_bound import grid_compute_floor
 from autopar.search.predict import checkpoint_mode, step_time_lower_bound
 from autopar.search.visit import visit
@@ -205,9 +206,23 @@ def _raise_no_plan(ctx: SearchContext):
         raise MemoryBudgetError(
             f"no plan fits in the memory budget of {format_bytes(base.budget)} per device: the smallest "
             f"peak memory any plan reaches is {format_bytes(floor)}. Raise memory_budget to at least "
-            f"that, add devices, use a smaller batch, or relax constraints.",
+            f"that, add devices, use a smaller batch, or relax constraints." + _host_text(ctx),
             min_peak_bytes=int(math.ceil(floor)), budget_bytes=int(base.budget))   # a budget that fits: up
+    if stats.host_exceeded:
+        raise MemoryBudgetError(
+            f"no plan fits: {_host_text(ctx).strip()} Add nodes, use a smaller model or batch, or relax "
+            f"constraints.", min_peak_bytes=None, budget_bytes=int(base.budget))
     raise ConstraintError(_no_config_message(ctx.graph, cluster, ctx.constraints))
+
+
+def _host_text(ctx: SearchContext) -> str:
+    """Why the offloaded configurations were no plan: the host memory they needed per rank."""
+    stats = ctx.stats
+    if not stats.host_exceeded:
+        return ""
+    return (f" The {stats.host_exceeded} offloaded configuration(s) need at least "
+            f"{format_bytes(stats.host_min_need)} of host memory per rank, more than each rank's share of the "
+            f"node's host memory ({format_bytes(host_budget(ctx.cluster))}).")
 
 
 def optimizer_ceiling(P) -> float:

@@ -122,9 +122,9 @@ def _node_bound(v: _Visit) -> bool:
 
 
 def _static_memory(v: _Visit) -> bool:
-    if v.cfg.settings.offload != "none" and host_bytes_of(v.P) > host_budget(v.ctx.cluster):
-        v.ctx.stats.infeasible += 1   # the host cannot hold even the least any plan offloads
-        v.ctx.stats.host_exceeded += 1
+    need = host_bytes_of(v.P) if v.cfg.settings.offload != "none" else 0.0
+    if need > host_budget(v.ctx.cluster):
+        _host_exceeded(v.ctx.stats, need)   # the host cannot hold even the least any plan offloads
         return True
     if static_memory_lower_bound(v.P) <= v.ctx.base.budget:
         return False
@@ -282,8 +282,7 @@ def _solve(v: _Visit) -> None:
         return
     pred = predict(v.cands, v.P, cfg.settings, v.problem, sol, ctx.cluster)
     if "offload" in pred and pred["offload"]["host_bytes"] > pred["offload"]["host_budget"]:
-        stats.infeasible += 1   # its tensor-parallel choices leave more on the host than the node's share
-        stats.host_exceeded += 1
+        _host_exceeded(stats, pred["offload"]["host_bytes"])   # its splits leave more on the host than its share
         return
     if ctx.options.log:
         ctx.options.log(f"{cfg.mesh.describe():>18}  zero={cfg.settings.zero} offload={cfg.settings.offload} "
@@ -293,6 +292,14 @@ def _solve(v: _Visit) -> None:
     if ctx.best is None or pred["step_time"] < ctx.best.prediction["step_time"] - 1e-12:
         ctx.best = Result(cfg, v.cands, v.P, v.problem, sol, pred)
         stats.gap = sol.gap
+
+
+def _host_exceeded(stats, need: float) -> None:
+    """An offloaded configuration whose host bytes per rank exceed the node's share: infeasible,
+    and the least such need kept for the error that says so (outer._raise_no_plan)."""
+    stats.infeasible += 1
+    stats.host_exceeded += 1
+    stats.host_min_need = need if stats.host_min_need is None else min(stats.host_min_need, need)
 
 
 def _exact_memory(problem, sol, cands, P) -> dict[str, float]:

@@ -190,3 +190,16 @@ def test_deepspeed_estimator_term_by_term():
     # bf16 with its bf16 gradient
     block = sum(q.numel() for q in model.blocks[0].parameters())
     assert mb3["gathered"] == pytest.approx(4 * block, rel=1e-3)
+
+
+def test_host_memory_too_small_is_said(small):
+    """A pinned offload the node's host memory cannot hold: a MemoryBudgetError that names the
+    host memory needed and each rank's share, not a complaint about the degrees."""
+    import dataclasses
+    model, batch, _, cluster = small
+    tiny = dataclasses.replace(cluster, host=Host(2 * 2**20, 25e9, 100e9, 2))   # 1 MiB per rank
+    with pytest.raises(MemoryBudgetError, match="of host memory per rank, more than each rank's share") as ei:
+        autopar.plan(model, batch, tiny, constraints={"offload": "optimizer"})
+    assert "1.00 MiB" in str(ei.value)
+    # unpinned, the same cluster plans without offload
+    assert autopar.plan(model, batch, tiny).degrees["offload"] == "none"
