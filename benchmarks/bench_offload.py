@@ -148,7 +148,7 @@ def attempt(models, case, i, mode):
     else:
         d = p.degrees
         print(f"  {case[0]:7} {mode:16} {label:>5} ({params / 1e9:6.2f}B)  plans    {out['seconds']:6.1f}s  "
-              f"offload={d['offload']} zero={d['zero']} dp={d['dp']} tp={d['tp']} pp={d.get('pp', 1)} "
+              f"offload={d['offload']} zero={d['zero']} dp={d['dp']} tp={d['tp']} pp={d.get('pp', 1)} sp={d.get('sp')} "
               f"mbs={d['micro_batch_size']}x{d['num_micro_batches']} ckpt={d['checkpoint']} step={p.step_time:.4g}s "
               f"peak={p.peak_memory / 2**30:.1f}GiB host/rank={host_bytes(p) / 1e9:.1f}GB", flush=True)
     return out
@@ -206,7 +206,8 @@ def row(case, mode, best, fail, seconds) -> str:
         return f"| {case[0]} | {mode} | none fits | | | | | | | | | {seconds:.0f} | {nxt} |"
     p, cluster = best["plan"], cluster_of(case)
     d = p.degrees
-    par = f"dp{d['dp']} tp{d['tp']} pp{d.get('pp', 1)}" + (f" sp{d['sp']}" if d.get("sp", 1) > 1 else "")
+    par = f"dp{d['dp']} tp{d['tp']} pp{d.get('pp', 1)}" + (
+        f" sp{d['sp']} ({d.get('sp_mode')})" if (d.get("sp") or 1) > 1 else "")
     return (f"| {case[0]} | {mode} | {SHAPES[best['shape']][0]} ({SHAPES[best['shape']][1]}L, "
             f"d{SHAPES[best['shape']][2]}) | {best['params'] / 1e9:.2f} | {d['offload']} | {d['zero']} | {par}, "
             f"{d['micro_batch_size']}x{d['num_micro_batches']}, ckpt {d['checkpoint']} | {p.step_time:.3g} | "
