@@ -210,7 +210,7 @@ def _raise_no_plan(ctx: SearchContext):
             min_peak_bytes=int(math.ceil(floor)), budget_bytes=int(base.budget))   # a budget that fits: up
     if stats.host_exceeded:
         raise MemoryBudgetError(
-            f"no plan fits: {_host_text(ctx).strip()} Add nodes, use a smaller model or batch, or relax "
+            f"no plan fits: the{_host_text(ctx).split('The', 1)[1]} Add nodes, use a smaller model or batch, or relax "
             f"constraints.", min_peak_bytes=None, budget_bytes=int(base.budget))
     raise ConstraintError(_no_config_message(ctx.graph, cluster, ctx.constraints))
 
