@@ -70,8 +70,8 @@ def offload_partial(s: Settings) -> bool:
     """Whether an offloaded configuration offloads only the fewest chunks that fit (decided by
     the prediction from its memory slack: autopar/search/predict.py ``offload_fraction``), so its
     prices carry the device's optimizer step and every bound stays below its plan; else (a pinned
-    offload, or no budget: a pipelined candidate's inner search) everything is offloaded and
-    priced so."""
+    offload, a pipelined candidate's inner search whose stages' memory is checked with every chunk
+    offloaded: autopar/search/pipeline.py, or no budget) everything is offloaded and priced so."""
     return s.offload != "none" and not s.offload_all and math.isfinite(s.budget)
 
 

@@ -121,7 +121,7 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
                                                 num_micro_batches=nm, budget=base.budget,
                                                 overlap_grad_comm=base.overlap_grad_comm, kernels=base.kernels,
                                                 checkpoint=_checkpoint_setting(constraints.get("checkpoint")),
-                                                offload=off, offload_all="offload" in constraints))
+                                                offload=off, offload_all=base.offload_all or "offload" in constraints))
 
 
 def offload_choices(cluster: Cluster, constraints: dict) -> list[str]:

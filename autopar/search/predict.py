@@ -229,8 +229,8 @@ def offload_fraction(P: Priced, pick: dict, s: Settings, peak: float) -> tuple[f
     "optimizer+params" gathers). Returns (f, device bytes kept per memory key, (optimizer
     seconds and gather copy seconds to add to the priced step: the prices carry the device's
     step when the fraction is decided here, ``price.offload_partial``, the host's otherwise)). A
-    pinned offload (``Settings.offload_all``) and an unbounded budget (a pipelined candidate's
-    inner search: the stages' memory is checked later) offload everything."""
+    pinned offload and a pipelined candidate's inner search (``Settings.offload_all``: its stages'
+    memory is checked later, with every chunk offloaded) offload everything."""
     tot = {k: 0.0 for k in ("kept_optimizer", "kept_grads", "kept_params", "kept_step", "offload_step",
                             "offload_gathers")}
     for n, st in P.static.items():
