@@ -165,7 +165,7 @@ def test_version_1_plan_with_2d_is_migrated_to_2d_reshard(gpt):
     data = json.loads(p.to_json())
     data["version"], data["degrees"]["tp_mode"] = 1, "2d"
     q = autopar.Plan.from_json(json.dumps(data))
-    assert q.degrees["tp_mode"] == "2d-reshard" and q.data["version"] == 2 and q.data["migrated_from"] == 1
+    assert q.degrees["tp_mode"] == "2d-reshard" and q.data["version"] == 3 and q.data["migrated_from"] == 1
     data["version"] = 0
     with pytest.raises(PlanError, match="version 0"):
         autopar.Plan.from_json(json.dumps(data))
