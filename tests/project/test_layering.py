@@ -43,6 +43,7 @@ LAYERS = (
                                           # grid interpreter and stage split: what is priced is what runs
     ("api", ("autopar.api",)),            # autopar.plan
     ("execution", ("autopar.execution",)),  # compile (plans when given no plan), run, calibrate
+    ("inference", ("autopar.inference",)),  # plan_inference, compile_inference (generation), serve
     ("top", ("autopar", "autopar.cli", "autopar.demo", "autopar.train_demo")),
 )
 

@@ -1,0 +1,65 @@
+"""The inference plan: how a model is split for generation, and what the planner predicts for it.
+
+An ``InferencePlan`` is what ``autopar.plan_inference`` returns and what ``autopar.compile_inference``
+runs: degrees (``tp`` heads and linears split Megatron-style, ``pp`` stages of consecutive layers,
+``dp`` independent replicas), the batch and lengths it was planned for, the layers of each stage, the
+KV cache bytes per rank, and the predictions (TTFT, time per output token, throughput, memory per
+rank). It is deterministic JSON, like a training plan (``to_json`` / ``from_json`` / ``save`` /
+``load``); ``kind`` is ``"inference"`` so readers tell the two apart.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import asdict, dataclass, field
+
+from autopar.errors import PlanError
+
+INFERENCE_PLAN_VERSION = 1
+
+
+@dataclass
+class InferencePlan:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    batch_size: int = 1                   # sequences decoded together per replica
+    prompt_len: int = 1                   # the longest prompt planned for
+    max_new_tokens: int = 1
+    stages: list = field(default_factory=lambda: [])   # per pp stage: [first_layer, end_layer)
+    kv_cache_bytes_per_rank: int = 0      # the preallocated cache of one rank (every layer it holds)
+    cluster: dict = field(default_factory=dict)        # name, nodes, devices_per_node, device
+    model: dict = field(default_factory=dict)          # layers, heads, kv heads, head dim, hidden, vocab, params
+    dtype: str = "bf16"
+    predictions: dict = field(default_factory=dict)    # ttft, tpot, tokens_per_s, memory_per_rank, ...
+    slo: dict = field(default_factory=dict)
+    version: int = INFERENCE_PLAN_VERSION
+    kind: str = "inference"
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<string>") -> InferencePlan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{source}: not JSON ({e})") from None
+        if not isinstance(data, dict) or data.get("kind") != "inference":
+            raise PlanError(f"{source}: not an inference plan (its 'kind' is not \"inference\")")
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, path) -> None:
+        pathlib.Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path) -> InferencePlan:
+        p = pathlib.Path(path)
+        if not p.exists():
+            raise PlanError(f"{p}: no such inference plan file")
+        return cls.from_json(p.read_text(), str(p))
