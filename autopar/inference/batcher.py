@@ -1,0 +1,117 @@
+"""Continuous request batching for the server: concurrent requests become one ``generate`` call.
+
+A ``Batcher`` owns an asyncio queue of ``Request`` (token ids, tokens wanted). Its loop takes the
+first waiting request, waits at most ``batch_wait`` seconds for more (never more than
+``max_batch`` in one batch, never more tokens than the engine's cache holds), left-pads the
+prompts into one batch with an attention mask, as Hugging Face ``generate`` takes them, and runs
+the engine's ``generate`` in a worker thread (the event loop keeps accepting requests meanwhile).
+Each request gets its own new tokens (the batch decodes the most any of them asked for; each is
+cut to its own count) and the batch's timings. A failed batch fails its requests only: the loop
+goes on with the next one.
+
+The engine is anything with ``generate(input_ids, max_new_tokens, attention_mask=None)`` returning
+the prompt followed by the new tokens ([batch, prompt + new]); ``autopar.compile_inference``'s
+engine is one.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    arrived: float = field(default_factory=time.perf_counter)
+    future: asyncio.Future | None = None
+
+
+@dataclass
+class Completion:
+    tokens: list[int]             # the new tokens only
+    queued_s: float               # from arrival to the start of its batch
+    generate_s: float             # the batch's generate call
+    batch_size: int               # requests in its batch
+    batch_new_tokens: int         # tokens the batch decoded (the most any of its requests asked for)
+
+
+def pad_left(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths as one left-padded batch and its attention mask (1 = token)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        if p:
+            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[row, width - len(p):] = 1
+    return ids, mask
+
+
+class Batcher:
+    def __init__(self, generate, max_batch: int, batch_wait: float = 0.01, pad_id: int = 0):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.generate = generate
+        self.max_batch = max_batch
+        self.batch_wait = batch_wait
+        self.pad_id = pad_id
+        self.queue: asyncio.Queue[Request] = asyncio.Queue()
+        self.batches = 0
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.run())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except asyncio.CancelledError:
+                pass
+
+    async def submit(self, prompt: list[int], max_new_tokens: int) -> Completion:
+        req = Request(list(prompt), int(max_new_tokens), future=asyncio.get_running_loop().create_future())
+        await self.queue.put(req)
+        return await req.future
+
+    async def take_batch(self) -> list[Request]:
+        batch = [await self.queue.get()]
+        deadline = time.perf_counter() + self.batch_wait
+        while len(batch) < self.max_batch:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self.queue.get(), left))
+            except asyncio.TimeoutError:
+                break
+        return batch
+
+    async def run(self) -> None:
+        while True:
+            batch = await self.take_batch()
+            await self.run_batch(batch)
+
+    async def run_batch(self, batch: list[Request]) -> None:
+        ids, mask = pad_left([r.prompt for r in batch], self.pad_id)
+        new = max(r.max_new_tokens for r in batch)
+        start = time.perf_counter()
+        try:
+            out = await asyncio.to_thread(self.generate, ids, new, mask)
+        except Exception as e:  # noqa: BLE001 - the batch's requests get the error; the server goes on
+            for r in batch:
+                if not r.future.done():
+                    r.future.set_exception(e)
+            return
+        took = time.perf_counter() - start
+        self.batches += 1
+        width = ids.shape[1]
+        for row, r in enumerate(batch):
+            tokens = out[row, width:width + r.max_new_tokens].tolist()
+            if not r.future.done():
+                r.future.set_result(Completion(tokens, start - r.arrived, took, len(batch), new))

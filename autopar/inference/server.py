@@ -1,0 +1,209 @@
+"""The HTTP server: an OpenAI-compatible completions endpoint in front of a generation engine.
+
+``make_app(engine, ...)`` is a FastAPI application with
+
+- ``POST /v1/completions``: OpenAI's completions request. ``prompt`` is text (needs a tokenizer),
+  a list of token ids, or a list of either (one choice per prompt); ``max_tokens`` (default 16, or
+  the plan's most if fewer);
+  greedy decoding only (``temperature`` 0 or absent, ``n`` 1, no ``stream``). The answer is
+  OpenAI's ``text_completion`` object; each choice also carries ``token_ids`` (the new tokens), and
+  ``usage`` the token counts. Concurrent requests are batched (autopar/inference/batcher.py).
+- ``GET /v1/models`` (the one model) and ``GET /health``; ``GET /metrics``: requests, batches,
+  tokens, and the mean measured queue and generate times next to the plan's predicted TTFT and
+  time per output token.
+
+Bad requests get HTTP 400 with OpenAI's error object (``{"error": {"message", "type", "param"}}``),
+never a stack trace: a prompt longer than the plan's prompt length, more tokens than its cache
+holds, sampling parameters it does not do, malformed JSON. A failed generate answers 500 for the
+requests of that batch; the server keeps serving.
+
+``serve(engine, host, port)`` runs it with uvicorn on rank 0 while every other rank follows rank
+0's batches (autopar/inference/rank_jobs.py). ``autopar serve`` (cli.py) builds the engine first.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from autopar.inference.batcher import Batcher
+
+
+@dataclass
+class Limits:
+    prompt_len: int           # the longest prompt the plan's programs take
+    max_new_tokens: int       # the most new tokens its cache holds after the longest prompt
+    max_batch: int            # sequences one generate call decodes (the plan's batch)
+    vocab_size: int | None = None
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def prompts_of(body: dict, tokenizer) -> list[list[int]]:
+    """The request's prompts as token ids: text, ids, or a list of either."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BadRequest("'prompt' is required: text, a list of token ids, or a list of those", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest("'prompt' must be text, a list of token ids, or a non-empty list of those", "prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise BadRequest("this server has no tokenizer: send 'prompt' as a list of token ids", "prompt")
+            out.append(list(tokenizer(p)["input_ids"]))
+        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            out.append(list(p))
+        else:
+            raise BadRequest("each prompt must be text or a list of integer token ids", "prompt")
+        if not out[-1]:
+            raise BadRequest("a prompt is empty: give at least one token", "prompt")
+    return out
+
+
+def check_request(body: dict, prompts: list[list[int]], limits: Limits) -> int:
+    """The tokens wanted, after checking what the plan can do; BadRequest otherwise."""
+    new = body.get("max_tokens", min(16, limits.max_new_tokens))
+    if not isinstance(new, int) or isinstance(new, bool) or new < 1:
+        raise BadRequest(f"'max_tokens' must be a positive integer, got {new!r}", "max_tokens")
+    if new > limits.max_new_tokens:
+        raise BadRequest(f"'max_tokens' {new} is more than this plan's KV cache holds after a prompt "
+                         f"({limits.max_new_tokens}); plan with a larger max_new_tokens", "max_tokens")
+    temperature = body.get("temperature", 0)
+    if temperature not in (0, 0.0, None):
+        raise BadRequest(f"'temperature' {temperature!r}: only greedy decoding is served (temperature 0)",
+                         "temperature")
+    if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
+        raise BadRequest("'n' and 'best_of' must be 1: one greedy completion per prompt", "n")
+    if body.get("stream"):
+        raise BadRequest("'stream' is not supported: ask without streaming", "stream")
+    for p in prompts:
+        if len(p) > limits.prompt_len:
+            raise BadRequest(f"the prompt has {len(p)} tokens, more than this plan's prompt length "
+                             f"{limits.prompt_len}; shorten it or plan for longer prompts", "prompt")
+        if limits.vocab_size is not None and any(t < 0 or t >= limits.vocab_size for t in p):
+            raise BadRequest(f"a token id is outside the vocabulary [0, {limits.vocab_size})", "prompt")
+    return new
+
+
+class Stats:
+    def __init__(self):
+        self.requests = self.failed = self.rejected = self.tokens = 0
+        self.queued_s = self.generate_s = 0.0
+        self.per_token_s = 0.0
+
+    def record(self, done) -> None:
+        self.requests += 1
+        self.tokens += len(done.tokens)
+        self.queued_s += done.queued_s
+        self.generate_s += done.generate_s
+        self.per_token_s += done.generate_s / max(done.batch_new_tokens, 1)
+
+
+def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", tokenizer=None,
+             predictions: dict | None = None, batch_wait: float = 0.01, pad_id: int = 0) -> FastAPI:
+    """The application. ``engine_generate(input_ids, max_new_tokens, attention_mask)`` runs one
+    batch (``LeaderGenerate(engine)`` on several ranks, ``engine.generate`` on one)."""
+    batcher = Batcher(engine_generate, limits.max_batch, batch_wait, pad_id)
+    stats = Stats()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="autopar", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.batcher, app.state.stats = batcher, stats
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_json(request: Request, exc: RequestValidationError):
+        stats.rejected += 1
+        return JSONResponse(error_body(f"the request body is not valid: {exc.errors()[0].get('msg', exc)}"), 400)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "autopar"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        n = max(stats.requests, 1)
+        return {"requests": stats.requests, "failed": stats.failed, "rejected": stats.rejected,
+                "batches": batcher.batches, "tokens": stats.tokens,
+                "mean_queued_s": stats.queued_s / n, "mean_generate_s": stats.generate_s / n,
+                "mean_time_per_output_token_s": stats.per_token_s / n, "predicted": predictions or {}}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            body = await request.json()
+        except ValueError:
+            stats.rejected += 1
+            return JSONResponse(error_body("the request body is not JSON"), 400)
+        if not isinstance(body, dict):
+            stats.rejected += 1
+            return JSONResponse(error_body("the request body must be a JSON object"), 400)
+        try:
+            prompts = prompts_of(body, tokenizer)
+            new = check_request(body, prompts, limits)
+        except BadRequest as e:
+            stats.rejected += 1
+            return JSONResponse(error_body(str(e), param=e.param), 400)
+        results = await asyncio.gather(*(batcher.submit(p, new) for p in prompts), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:   # one failed batch is a 500 for its requests, not a dead server
+            stats.failed += 1
+            e = failed[0]
+            return JSONResponse(error_body(f"generation failed: {type(e).__name__}: {e}", "server_error"), 500)
+        choices, prompt_tokens = [], 0
+        for index, (prompt, done) in enumerate(zip(prompts, results)):
+            stats.record(done)
+            text = tokenizer.decode(done.tokens) if tokenizer is not None else ""
+            choices.append({"index": index, "text": text, "token_ids": done.tokens, "logprobs": None,
+                            "finish_reason": "length"})
+            prompt_tokens += len(prompt)
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+                "model": body.get("model") or model_name, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    return app
+
+
+def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, **app_options) -> None:
+    """Rank 0 serves HTTP until interrupted, then tells the other ranks to stop; every other rank
+    runs rank 0's batches."""
+    import torch.distributed as dist
+    import uvicorn
+
+    from autopar.inference.rank_jobs import LeaderGenerate, follow
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        follow(engine)
+        return
+    leader = LeaderGenerate(engine)
+    try:
+        uvicorn.run(make_app(leader, limits, **app_options), host=host, port=port, log_level="warning")
+    finally:
+        leader.stop()
