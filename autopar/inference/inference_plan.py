@@ -27,7 +27,9 @@ class InferencePlan:
     prompt_len: int = 1                   # the longest prompt planned for
     max_new_tokens: int = 1
     stages: list = field(default_factory=lambda: [])   # per pp stage: [first_layer, end_layer)
-    kv_cache_bytes_per_rank: int = 0      # the preallocated cache of one rank (every layer it holds)
+    kv_cache_bytes_per_rank: int = 0      # the preallocated cache of the largest stage's ranks: 2 (k, v) x
+    # batch_size x kv_heads / tp x head_dim x dtype bytes x the positions each layer keeps (prompt_len +
+    # max_new_tokens, or its sliding window), summed over the stage's layers
     cluster: dict = field(default_factory=dict)        # name, nodes, devices_per_node, device
     model: dict = field(default_factory=dict)          # layers, heads, kv heads, head dim, hidden, vocab, params
     dtype: str = "bf16"

@@ -1,0 +1,145 @@
+"""The generation engine: ``compile_inference(model, cluster, plan)`` and ``engine.generate``.
+
+Every rank of the plan holds its tensor-parallel shard of the model (autopar/inference/tp_shard.py)
+and a KV cache preallocated once for the plan's batch and lengths (a transformers ``StaticCache``
+on the rank's local key/value heads: ``plan.kv_cache_bytes_per_rank``). ``generate`` is SPMD:
+every rank calls it with the same prompts; data-parallel replicas (``plan.dp``, consecutive groups
+of ``tp`` ranks) each decode their share of the rows; every rank returns the whole batch, prompt
+followed by the new tokens, greedy. Decoding is the model's own ``generate`` loop over the sharded
+modules, whose row-parallel outputs are all-reduced over the replica's tensor-parallel group.
+
+Not yet: pipelined generation (``pp > 1`` is planned, refused here with a clear error), a
+vocabulary-parallel LM head (each rank holds the whole head), sampling (greedy only).
+``last_timing`` holds the last call's measured prefill (time to the first new token) and decode
+seconds, which the server's load test compares with the plan's TTFT and TPOT.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import PlanError
+from autopar.inference.inference_plan import InferencePlan
+from autopar.inference.model_shape import causal_lm
+from autopar.inference.tp_shard import shard_for_tp
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Clock:
+    """A transformers streamer that timestamps the prompt and each new token."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+class InferenceEngine:
+    def __init__(self, model, plan: InferencePlan):
+        self.plan = plan
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        if plan.pp > 1:
+            raise PlanError(f"the plan has pp={plan.pp}: pipelined generation is planned but not run by the "
+                            f"engine yet; plan with constraints={{'pp': 1}}")
+        if plan.world_size != self.world:
+            raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp} x pp={plan.pp} x "
+                            f"dp={plan.dp}) but {self.world} are running: launch {plan.world_size}")
+        self.model = causal_lm(model)
+        if any(p.is_meta for p in self.model.parameters()):
+            raise PlanError("the model's parameters are on the meta device: build it with weights "
+                            "(from_pretrained, or load a checkpoint) before compile_inference")
+        self.replica, self.tp_rank = divmod(self.rank, plan.tp)
+        self.group = None
+        if plan.tp > 1:
+            groups = [dist.new_group(list(range(r * plan.tp, (r + 1) * plan.tp))) for r in range(plan.dp)]
+            self.group = groups[self.replica]
+        self.model.eval().to(DTYPES.get(plan.dtype, torch.float32))
+        self.sharded = shard_for_tp(self.model, self.tp_rank, plan.tp,
+                                    lambda t: dist.all_reduce(t, group=self.group))
+        from transformers import StaticCache
+        self.cache = StaticCache(config=self.model.config, max_cache_len=plan.prompt_len + plan.max_new_tokens)
+        self.last_timing: dict = {}
+        self.cache_batch = None
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's KV cache (allocated at the first generate, for the plan's batch)."""
+        return sum(t.numel() * t.element_size() for layer in self.cache.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+
+    def check(self, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+        plan = self.plan
+        if input_ids.dim() != 2:
+            raise PlanError(f"input_ids must be [batch, prompt] token ids, got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[1] > plan.prompt_len:
+            raise PlanError(f"the prompts are {input_ids.shape[1]} tokens, more than the plan's prompt length "
+                            f"{plan.prompt_len}: plan for longer prompts")
+        if max_new_tokens > plan.max_new_tokens:
+            raise PlanError(f"max_new_tokens={max_new_tokens} is more than the plan's {plan.max_new_tokens} "
+                            f"(its KV cache holds no more)")
+        if input_ids.shape[0] > plan.batch_size * plan.dp:
+            raise PlanError(f"{input_ids.shape[0]} prompts are more than the plan decodes at once "
+                            f"({plan.batch_size} per replica x {plan.dp} replicas)")
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None):
+        """Greedy continuation of left-padded prompts: [batch, prompt + max_new_tokens] on every rank."""
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+        self.check(input_ids, max_new_tokens)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        rows = input_ids.shape[0]
+        share = -(-rows // self.plan.dp)
+        lo, hi = min(self.replica * share, rows), min((self.replica + 1) * share, rows)
+        mine = None
+        clock = _Clock()
+        start = time.perf_counter()
+        if hi > lo:
+            mine = self._generate_rows(input_ids[lo:hi], attention_mask[lo:hi], max_new_tokens, clock)
+        if self.plan.dp > 1:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, (self.replica, self.tp_rank, mine))
+            pieces = [t for _, t in sorted((r, t) for r, tr, t in parts if tr == 0 and t is not None)]
+            width = max(t.shape[1] for t in pieces)   # a replica whose rows all stopped early is narrower
+            out = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=0) for t in pieces])
+        else:
+            out = mine
+        stamps = clock.stamps
+        first = stamps[1] if len(stamps) > 1 else time.perf_counter()
+        self.last_timing = {"prefill_s": first - start, "decode_s": (stamps[-1] - first) if len(stamps) > 2 else 0.0,
+                            "new_tokens": max(len(stamps) - 1, 0)}
+        return out
+
+    def _generate_rows(self, ids, mask, max_new_tokens, clock):
+        rows = ids.shape[0]
+        pad = self.plan.batch_size - rows     # the cache is allocated for the plan's batch: fill it
+        if pad > 0:
+            ids = torch.cat([ids, ids[:1].expand(pad, -1)])
+            mask = torch.cat([mask, mask[:1].expand(pad, -1)])
+        self.cache.reset()
+        out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                  cache=self.cache, pad_token_id=0, streamer=clock)
+        return out[:rows]
+
+
+def compile_inference(model, cluster=None, plan: InferencePlan | None = None, **plan_options) -> InferenceEngine:
+    """The engine for ``model`` under ``plan`` (an InferencePlan, or a file written by
+    ``autopar plan-inference``); without one, ``plan_inference(model, cluster=cluster, **plan_options)``
+    plans it (``example_prompt`` and ``max_new_tokens`` then required)."""
+    if isinstance(plan, str):
+        plan = InferencePlan.load(plan)
+    if plan is None:
+        from autopar.inference.planner import plan_inference
+        if cluster is None:
+            raise PlanError("compile_inference needs a plan or a cluster to plan for")
+        plan = plan_inference(causal_lm(model), cluster=cluster, **plan_options)
+    elif plan_options:
+        raise PlanError(f"{sorted(plan_options)}: planning options are for compile_inference without a plan")
+    return InferenceEngine(model, plan)

@@ -1,0 +1,130 @@
+"""Seconds and bytes of generation under a (tp, pp, dp, batch) configuration, on the training
+planner's cost model (autopar/pricing/cost.py: GEMMs at the profile's rate for their arithmetic
+intensity, memory-bound kernels at its bandwidth, collectives at its bus bandwidth and latency).
+
+What is priced is what the engine runs (autopar/inference/engine.py): Megatron tensor parallelism
+of each decoder layer (q/k/v and the MLP's gate/up column-parallel, o and down row-parallel with
+an all-reduce each, so 2 all-reduces a layer), embeddings and the LM head whole on every rank.
+
+- **Prefill** (time to first token): the prompt's forward, one replica's batch B x S tokens. Per
+  layer: the four projections and the MLP as GEMMs of [B S, H] by the rank's slice, causal
+  attention (half of the S x S scores), ~10 memory-bound passes over [B S, H] (norms, residuals,
+  rotary), two all-reduces of [B S, H]; then the LM head on the last position. Stages run one after
+  the other for one batch, plus a hop of [B S, H] between stages.
+- **Decode** (time per output token): one token per sequence. Memory-bound: each projection reads
+  its weight slice (MoE: the experts the batch touches, at most min(E, B k)), attention reads the
+  rank's KV cache at the mean context S + T / 2, two latency-bound all-reduces of [B, H] per
+  layer, the LM head reads its whole weight; every kernel pays the profile's launch overhead.
+- **Memory per rank**: weights (layers / (tp pp) + the rest whole), the KV cache (``kv_bytes``),
+  and the prefill's working set (the largest activations of one layer plus the logits in fp32).
+"""
+from __future__ import annotations
+
+from autopar.cluster import Cluster
+from autopar.inference.model_shape import ModelShape
+from autopar.mesh import Mesh
+from autopar.pricing.cost import Collectives, compute_time, gemm_intensity, profile_of
+from autopar.pricing.pipeline_cost import boundary_p2p_time
+
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+SKINNY_ROWS = 256         # Pricer.gemm: below, a GEMM is priced at the roofline (decode's GEMV-like shapes)
+ELEMENTWISE_PASSES = 10   # norms, residual adds, rotary, activations: reads + writes of [tokens, H] a layer
+
+
+def kv_bytes(m: ModelShape, tp: int, layers: range, batch: int, context: int, dtype: str) -> int:
+    """The KV cache one rank preallocates for its ``layers``: 2 (k, v) x batch x the positions each
+    layer keeps (context, or its sliding window) x kv_heads / tp x head_dim x bytes."""
+    positions = sum(m.cache_positions(i, context) for i in layers)
+    return 2 * batch * positions * (m.kv_heads // tp) * m.head_dim * ITEMSIZE[dtype]
+
+
+def weight_bytes(m: ModelShape, tp: int, pp: int, dtype: str) -> float:
+    return (m.layer_params / (tp * pp) + m.other_params) * ITEMSIZE[dtype]
+
+
+class Pricer:
+    """Prices for one cluster and dtype; ``mesh(tp, dp)`` places tp inside a node."""
+
+    def __init__(self, cluster: Cluster, m: ModelShape, dtype: str):
+        self.cluster, self.m, self.dtype = cluster, m, dtype
+        self.b = ITEMSIZE[dtype]
+        self.cal = profile_of(cluster)
+        self.device = cluster.device
+
+    def gemm(self, rows: float, k: float, n: float) -> float:
+        """A [rows, k] x [k, n] GEMM. Skinny ones (decode: rows < ``SKINNY_ROWS``) at the roofline:
+        their weight's bytes at the memory-bound rate, or their FLOPs at the GEMM curve's best rate
+        (the curve's low-intensity end was measured on small square GEMMs, which latency bounds, and
+        prices a GEMV over a large weight several times slower than HBM streams it)."""
+        if rows <= 0 or k <= 0 or n <= 0:
+            return 0.0
+        flops = 2.0 * rows * k * n
+        nbytes = self.b * (rows * k + k * n + rows * n)
+        if rows < SKINNY_ROWS:
+            best = max(r for _, r in self.cal.gemm) if self.cal is not None else self.device.peak(self.dtype)
+            return max(self.memory_bound(nbytes), flops / best + self.device.kernel_overhead)
+        ai = gemm_intensity({"m": rows, "k": k, "n": n}, ["mk", "kn", "mn"], self.b)
+        return compute_time(flops, nbytes, self.dtype, self.device, intensity=ai, calibration=self.cal)
+
+    def memory_bound(self, nbytes: float, flops: float = 0.0) -> float:
+        return compute_time(flops, nbytes, self.dtype, self.device, calibration=self.cal)
+
+    def all_reduce(self, nbytes: float, tp: int) -> float:
+        if tp <= 1:
+            return 0.0
+        mesh = Mesh((self.cluster.num_devices // tp, tp), ("dp", "tp"), self.cluster.devices_per_node)
+        return Collectives(self.cluster, mesh)("all_reduce", nbytes, 1)
+
+    def hop(self, nbytes: float, tp: int, pp: int) -> float:
+        """One stage-to-stage send: stage k's first rank is k x (devices / pp)."""
+        if pp <= 1:
+            return 0.0
+        return boundary_p2p_time(self.cluster, nbytes, 0, self.cluster.num_devices // pp)
+
+    def layer_gemms(self, tokens: float, tp: int, experts_read: float) -> float:
+        m = self.m
+        qkv = self.gemm(tokens, m.hidden, (m.heads + 2 * m.kv_heads) * m.head_dim / tp)
+        o = self.gemm(tokens, m.heads * m.head_dim / tp, m.hidden)
+        if m.experts > 1:   # each token's k experts: the same FLOPs as k dense MLPs of its tokens
+            mlp = experts_read * (self.gemm(tokens * m.experts_per_token / experts_read, m.hidden,
+                                            2 * m.intermediate / tp)
+                                  + self.gemm(tokens * m.experts_per_token / experts_read, m.intermediate / tp,
+                                              m.hidden))
+        else:
+            mlp = self.gemm(tokens, m.hidden, 2 * m.intermediate / tp) + self.gemm(tokens, m.intermediate / tp,
+                                                                                   m.hidden)
+        return qkv + o + mlp
+
+    def prefill(self, tp: int, pp: int, batch: int, prompt: int) -> float:
+        m = self.m
+        tokens = batch * prompt
+        experts_read = min(m.experts, tokens * m.experts_per_token) if m.experts > 1 else 1
+        heads = m.heads / tp
+        attn_flops = 2 * 2 * batch * heads * prompt * prompt * m.head_dim * 0.5   # causal
+        attn_bytes = self.b * batch * prompt * m.head_dim * (heads + 2 * m.kv_heads / tp + heads)
+        layer = (self.layer_gemms(tokens, tp, experts_read)
+                 + compute_time(attn_flops, attn_bytes, self.dtype, self.device,
+                                intensity=attn_flops / max(attn_bytes, 1), calibration=self.cal)
+                 + self.memory_bound(ELEMENTWISE_PASSES * tokens * m.hidden * self.b)
+                 + 2 * self.all_reduce(tokens * m.hidden * self.b, tp))
+        head = self.gemm(batch, m.hidden, m.vocab)
+        return m.layers * layer + head + (pp - 1) * self.hop(tokens * m.hidden * self.b, tp, pp)
+
+    def decode(self, tp: int, pp: int, batch: int, context: float) -> float:
+        m = self.m
+        experts_read = min(m.experts, batch * m.experts_per_token) if m.experts > 1 else 1
+        context = sum(m.cache_positions(i, context) for i in range(m.layers)) / m.layers
+        layer = (self.layer_gemms(batch, tp, experts_read)
+                 + self.memory_bound(2 * batch * context * (m.kv_heads / tp) * m.head_dim * self.b,
+                                     flops=4 * batch * (m.heads / tp) * context * m.head_dim)
+                 + self.memory_bound(ELEMENTWISE_PASSES * batch * m.hidden * self.b)
+                 + 2 * self.all_reduce(batch * m.hidden * self.b, tp))
+        head = self.gemm(batch, m.hidden, m.vocab)
+        return m.layers * layer + head + (pp - 1) * self.hop(batch * m.hidden * self.b, tp, pp)
+
+    def workspace(self, tp: int, batch: int, prompt: int) -> float:
+        m = self.m
+        tokens = batch * prompt
+        widest = max(3 * m.hidden, (m.heads + 2 * m.kv_heads) * m.head_dim / tp + m.hidden,
+                     2 * m.intermediate * max(1, m.experts_per_token) / tp + m.hidden)
+        return 2 * tokens * widest * self.b + batch * m.vocab * 4

@@ -1,0 +1,170 @@
+"""``plan_inference``: how to split a model for generation on a cluster, under latency targets.
+
+The search (every configuration priced by autopar/inference/inference_cost.py):
+
+- ``tp``: divisors of the node's devices that divide the attention heads and the key/value
+  heads (tensor parallelism stays inside a node);
+- ``pp``: 1 unless pinned (pipelined generation is priced but the engine does not run it yet);
+- ``dp``: the devices left, each replica an independent copy decoding its own sequences;
+- ``batch_size`` (sequences a replica decodes together): without ``slo``, the example's rows
+  shared over the replicas; with ``slo``, every power of two up to what memory holds, and the
+  example's share.
+
+Each configuration must fit: weights + KV cache + prefill working set per rank under the budget
+(the device's memory unless ``memory_budget``). Objective: with ``slo`` (``{"ttft": "2s", "tpot":
+"50ms"}``), the most tokens/s per device among the configurations meeting both targets (none: a
+PlanError naming the best TTFT and TPOT reached); without, the least time to generate the example
+batch (TTFT + max_new_tokens x TPOT). Ties go to the smaller tp, then the smaller batch.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from autopar.cluster import Cluster
+from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
+from autopar.inference.inference_cost import ITEMSIZE, Pricer, kv_bytes, weight_bytes
+from autopar.inference.inference_plan import InferencePlan
+from autopar.inference.model_shape import ModelShape
+from autopar.units import parse_bytes, parse_seconds
+
+PINS = ("tp", "pp", "dp", "batch_size")
+SLO_KEYS = ("ttft", "tpot")
+
+
+def _constraints(constraints) -> dict:
+    pins = dict(constraints or {})
+    for k, v in pins.items():
+        if k not in PINS:
+            raise ConstraintError(f"inference constraint {k!r} is not known; use {', '.join(PINS)}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConstraintError(f"inference constraint {k}={v!r} must be a positive integer")
+    return pins
+
+
+def _slo(slo) -> dict:
+    out = {}
+    for k, v in (slo or {}).items():
+        if k not in SLO_KEYS:
+            raise PlanError(f"slo key {k!r} is not known; use ttft (time to first token) and/or tpot "
+                            f"(time per output token), e.g. {{'ttft': '2s', 'tpot': '50ms'}}")
+        out[k] = parse_seconds(v, f"slo {k}")
+    return out
+
+
+def _stages(layers: int, pp: int) -> list:
+    base, extra = divmod(layers, pp)
+    out, start = [], 0
+    for k in range(pp):
+        end = start + base + (1 if k < extra else 0)
+        out.append([start, end])
+        start = end
+    return out
+
+
+def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: int, slo=None, constraints=None,
+                   dtype: str = "bf16", memory_budget=None) -> InferencePlan:
+    """The fastest way to generate with ``model`` on ``cluster`` (module doc). ``example_prompt``:
+    token ids [batch, prompt_len]."""
+    t0 = time.perf_counter()
+    if not isinstance(cluster, Cluster):
+        raise PlanError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
+    if not isinstance(example_prompt, torch.Tensor) or example_prompt.dim() != 2 or example_prompt.numel() == 0:
+        raise PlanError("example_prompt must be a non-empty [batch, prompt_len] tensor of token ids")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise PlanError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if dtype not in ITEMSIZE:
+        raise PlanError(f"dtype {dtype!r}: use one of {', '.join(ITEMSIZE)}")
+    pins, targets = _constraints(constraints), _slo(slo)
+    rows, prompt = int(example_prompt.shape[0]), int(example_prompt.shape[1])
+    m = ModelShape.of(model)
+    budget = float(parse_bytes(memory_budget, "memory_budget") if memory_budget is not None
+                   else cluster.device.memory_bytes)
+    n = cluster.num_devices
+    price = Pricer(cluster, m, dtype)
+    context = prompt + max_new_tokens
+    best, tried, smallest = None, 0, None
+    for tp in _tp_choices(m, cluster, pins):
+        for pp in ([pins["pp"]] if "pp" in pins else [1]):
+            if n % (tp * pp) or m.layers < pp:
+                continue
+            dp = n // (tp * pp)
+            if "dp" in pins and pins["dp"] != dp:
+                continue
+            for batch in _batches(rows, dp, pins, bool(targets)):
+                tried += 1
+                kv = max(kv_bytes(m, tp, range(a, b), batch, context, dtype) for a, b in _stages(m.layers, pp))
+                mem = weight_bytes(m, tp, pp, dtype) + kv + price.workspace(tp, batch, prompt)
+                if mem > budget:
+                    smallest = mem if smallest is None else min(smallest, mem)
+                    continue
+                ttft = price.prefill(tp, pp, batch, prompt)
+                tpot = price.decode(tp, pp, batch, prompt + max_new_tokens / 2)
+                tokens_s = dp * batch / tpot
+                cand = dict(tp=tp, pp=pp, dp=dp, batch=batch, kv=kv, mem=mem, ttft=ttft, tpot=tpot,
+                            tokens_s=tokens_s, latency=ttft + max_new_tokens * tpot)
+                if any(cand[k] > v for k, v in targets.items()):
+                    continue
+                key = ((-tokens_s / n, tp, batch) if targets else (cand["latency"], tp, batch))
+                if best is None or key < best[0]:
+                    best = (key, cand)
+    if best is None:
+        _no_plan(m, cluster, pins, targets, smallest, budget, price, rows, prompt, max_new_tokens)
+    c = best[1]
+    return InferencePlan(
+        tp=c["tp"], pp=c["pp"], dp=c["dp"], batch_size=c["batch"], prompt_len=prompt, max_new_tokens=max_new_tokens,
+        stages=_stages(m.layers, c["pp"]), kv_cache_bytes_per_rank=int(c["kv"]),
+        cluster={"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
+                 "device": cluster.device.name},
+        model=m.to_json(), dtype=dtype, slo={k: v for k, v in targets.items()},
+        predictions={"ttft": c["ttft"], "tpot": c["tpot"], "tokens_per_s": c["tokens_s"],
+                     "tokens_per_s_per_device": c["tokens_s"] / n, "latency": c["latency"],
+                     "memory_per_rank": c["mem"], "memory_budget": budget,
+                     "weights_per_rank": weight_bytes(m, c["tp"], c["pp"], dtype),
+                     "configurations": tried, "seconds": time.perf_counter() - t0})
+
+
+def _tp_choices(m: ModelShape, cluster: Cluster, pins: dict) -> list[int]:
+    if "tp" in pins:
+        tp = pins["tp"]
+        if m.heads % tp or m.kv_heads % tp:
+            both = [d for d in range(1, m.kv_heads + 1) if m.kv_heads % d == 0 and m.heads % d == 0]
+            raise ConstraintError(f"tp={tp} must divide the attention heads ({m.heads}) and the key/value heads "
+                                  f"({m.kv_heads}); divisors of both: {both}")
+        if cluster.num_devices % tp:
+            raise ConstraintError(f"tp={tp} does not divide the cluster's {cluster.num_devices} devices")
+        return [tp]
+    return [t for t in range(1, cluster.devices_per_node + 1)
+            if cluster.devices_per_node % t == 0 and m.heads % t == 0 and m.kv_heads % t == 0]
+
+
+def _batches(rows: int, dp: int, pins: dict, free: bool) -> list[int]:
+    if "batch_size" in pins:
+        return [pins["batch_size"]]
+    share = max(1, -(-rows // dp))
+    if not free:
+        return [share]
+    return sorted({share} | {2 ** k for k in range(0, 13)})
+
+
+def _no_plan(m, cluster, pins, targets, smallest, budget, price, rows, prompt, new) -> None:
+    if targets:
+        # what the fastest fitting configuration reaches, to say how far the targets are
+        reach = []
+        for tp in _tp_choices(m, cluster, {k: v for k, v in pins.items() if k == "tp"}):
+            pp = pins.get("pp", 1)
+            if cluster.num_devices % (tp * pp):
+                continue
+            reach.append((price.prefill(tp, pp, 1, prompt), price.decode(tp, pp, 1, prompt + new / 2), tp))
+        if reach:
+            ttft, tpot, tp = min(reach)
+            wanted = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in targets.items())
+            raise PlanError(f"no configuration meets the slo ({wanted}): "
+                            f"the fastest reaches ttft {ttft * 1e3:.1f} ms and tpot {tpot * 1e3:.1f} ms (tp={tp}, "
+                            f"batch 1); relax the targets or use more or faster devices")
+    need = f"; the smallest configuration needs {smallest / 2**30:.2f} GiB" if smallest else ""
+    raise MemoryBudgetError(f"no inference configuration of {m.params / 1e9:.2f} B parameters fits "
+                            f"{budget / 2**30:.2f} GiB per device on {cluster.num_devices} devices{need}: use more "
+                            f"devices, a shorter prompt or fewer new tokens, or a smaller batch",
+                            min_peak_bytes=int(smallest) if smallest else None, budget_bytes=int(budget))
