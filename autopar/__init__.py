@@ -7,6 +7,7 @@ from autopar.cluster import Cluster
 from autopar.constraints import Constraints
 from autopar.errors import ClusterError, ConstraintError, ExecutionError, MemoryBudgetError, PlanError, TraceError
 from autopar.plans.plan import Plan
+from autopar.inference.inference_plan import InferencePlan
 from autopar.execution.live_stats import StepStats
 
 
@@ -22,6 +23,18 @@ def compile(*args, **kwargs):
     return _compile(*args, **kwargs)
 
 
-__all__ = ["Cluster", "Constraints", "Plan", "plan", "compile", "PlanError", "ClusterError", "ConstraintError",
+def plan_inference(*args, **kwargs):
+    """See autopar.inference.planner.plan_inference: how to split a model for generation."""
+    from autopar.inference.planner import plan_inference as _plan_inference
+    return _plan_inference(*args, **kwargs)
+
+
+def compile_inference(*args, **kwargs):
+    """See autopar.inference.engine.compile_inference: the generation engine of an inference plan."""
+    from autopar.inference.engine import compile_inference as _compile_inference
+    return _compile_inference(*args, **kwargs)
+
+
+__all__ = ["Cluster", "Constraints", "Plan", "plan", "compile", "plan_inference", "compile_inference", "PlanError", "ClusterError", "ConstraintError",
            "MemoryBudgetError", "TraceError", "ExecutionError",
-           "StepStats"]
+           "StepStats", "InferencePlan"]

@@ -65,3 +65,32 @@ class InferencePlan:
         if not p.exists():
             raise PlanError(f"{p}: no such inference plan file")
         return cls.from_json(p.read_text(), str(p))
+
+
+def summary(plan: InferencePlan) -> str:
+    """The plan as a short text table (``autopar show`` of an inference plan)."""
+    pr = plan.predictions
+    gib = 2 ** 30
+    rows = [
+        ("cluster", f"{plan.cluster.get('name', '?')}: {plan.cluster.get('nodes', '?')} node(s) x "
+                    f"{plan.cluster.get('devices_per_node', '?')} {plan.cluster.get('device', '')}"),
+        ("model", f"{plan.model.get('params', 0) / 1e9:.2f} B parameters, {plan.model.get('layers', '?')} layers, "
+                  f"{plan.dtype}"),
+        ("degrees", f"tp={plan.tp} pp={plan.pp} dp={plan.dp} ({plan.world_size} ranks)"),
+        ("batch", f"{plan.batch_size} sequences per replica, prompt {plan.prompt_len}, "
+                  f"{plan.max_new_tokens} new tokens"),
+        ("stages", ", ".join(f"[{a}, {b})" for a, b in plan.stages)),
+        ("KV cache", f"{plan.kv_cache_bytes_per_rank / gib:.3f} GiB per rank"),
+    ]
+    if pr:
+        rows += [
+            ("TTFT", f"{pr['ttft'] * 1e3:.1f} ms" + (f" (target {plan.slo['ttft'] * 1e3:.0f} ms)"
+                                                     if "ttft" in plan.slo else "")),
+            ("time per output token", f"{pr['tpot'] * 1e3:.2f} ms" + (f" (target {plan.slo['tpot'] * 1e3:.0f} ms)"
+                                                                      if "tpot" in plan.slo else "")),
+            ("throughput", f"{pr['tokens_per_s']:.0f} tokens/s, {pr['tokens_per_s_per_device']:.1f} per device"),
+            ("memory per rank", f"{pr['memory_per_rank'] / gib:.2f} GiB of {pr['memory_budget'] / gib:.2f} GiB "
+                                f"(weights {pr['weights_per_rank'] / gib:.2f} GiB)"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
