@@ -35,6 +35,7 @@ def compile_inference(*args, **kwargs):
     return _compile_inference(*args, **kwargs)
 
 
-__all__ = ["Cluster", "Constraints", "Plan", "plan", "compile", "plan_inference", "compile_inference", "PlanError", "ClusterError", "ConstraintError",
+__all__ = ["Cluster", "Constraints", "Plan", "plan", "compile", "plan_inference", "compile_inference",
+           "PlanError", "ClusterError", "ConstraintError",
            "MemoryBudgetError", "TraceError", "ExecutionError",
            "StepStats", "InferencePlan"]
