@@ -37,6 +37,7 @@ class Completion:
     generate_s: float             # the batch's generate call
     batch_size: int               # requests in its batch
     batch_new_tokens: int         # tokens the batch decoded (the most any of its requests asked for)
+    timing: dict | None = None    # the engine's measured prefill_s / decode_s / new_tokens, if it keeps them
 
 
 def pad_left(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,8 +111,10 @@ class Batcher:
             return
         took = time.perf_counter() - start
         self.batches += 1
+        timing = getattr(getattr(self.generate, "engine", self.generate), "last_timing", None)
         width = ids.shape[1]
         for row, r in enumerate(batch):
             tokens = out[row, width:width + r.max_new_tokens].tolist()
             if not r.future.done():
-                r.future.set_result(Completion(tokens, start - r.arrived, took, len(batch), new))
+                r.future.set_result(Completion(tokens, start - r.arrived, took, len(batch), new,
+                                               dict(timing) if timing else None))

@@ -9,8 +9,8 @@
   OpenAI's ``text_completion`` object; each choice also carries ``token_ids`` (the new tokens), and
   ``usage`` the token counts. Concurrent requests are batched (autopar/inference/batcher.py).
 - ``GET /v1/models`` (the one model) and ``GET /health``; ``GET /metrics``: requests, batches,
-  tokens, and the mean measured queue and generate times next to the plan's predicted TTFT and
-  time per output token.
+  tokens, the mean queue and generate times, and the measured TTFT (queue + the engine's time to
+  the first new token) and time per output token next to the plan's predictions.
 
 Bad requests get HTTP 400 with OpenAI's error object (``{"error": {"message", "type", "param"}}``),
 never a stack trace: a prompt longer than the plan's prompt length, more tokens than its cache
@@ -107,6 +107,8 @@ class Stats:
         self.requests = self.failed = self.rejected = self.tokens = 0
         self.queued_s = self.generate_s = 0.0
         self.per_token_s = 0.0
+        self.timed = 0
+        self.ttft_s = self.tpot_s = 0.0
 
     def record(self, done) -> None:
         self.requests += 1
@@ -114,6 +116,11 @@ class Stats:
         self.queued_s += done.queued_s
         self.generate_s += done.generate_s
         self.per_token_s += done.generate_s / max(done.batch_new_tokens, 1)
+        t = done.timing
+        if t and t.get("new_tokens", 0) > 1:   # the engine's own clock: first token, then each next one
+            self.timed += 1
+            self.ttft_s += done.queued_s + t["prefill_s"]
+            self.tpot_s += t["decode_s"] / (t["new_tokens"] - 1)
 
 
 def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", tokenizer=None,
@@ -151,7 +158,10 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
         return {"requests": stats.requests, "failed": stats.failed, "rejected": stats.rejected,
                 "batches": batcher.batches, "tokens": stats.tokens,
                 "mean_queued_s": stats.queued_s / n, "mean_generate_s": stats.generate_s / n,
-                "mean_time_per_output_token_s": stats.per_token_s / n, "predicted": predictions or {}}
+                "mean_time_per_output_token_s": stats.per_token_s / n,
+                "measured": {"ttft": stats.ttft_s / max(stats.timed, 1), "tpot": stats.tpot_s / max(stats.timed, 1),
+                             "requests_timed": stats.timed},
+                "predicted": predictions or {}}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

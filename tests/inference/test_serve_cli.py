@@ -79,6 +79,8 @@ def test_serve_answers_concurrent_requests_on_two_ranks(tmp_path):
         assert again.status_code == 200
         metrics = httpx.get(f"{url}/metrics", timeout=10).json()
         assert metrics["requests"] == 4 and metrics["rejected"] == 1 and metrics["batches"] <= 3
+        assert metrics["measured"]["requests_timed"] == 4 and metrics["measured"]["tpot"] > 0
+        assert metrics["predicted"]["tpot"] > 0
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
