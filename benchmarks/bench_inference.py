@@ -11,8 +11,9 @@
   the rows use dgx-h100 with the H200's memory (141 GB) and HBM bandwidth (4.8 TB/s), on the
   roofline path (no calibration profile for that device).
 - ``serve``: a bounded loopback load test of ``autopar serve`` on the ``cpu`` preset (2 gloo
-  ranks, tp=2, a 4-layer Llama of hidden 256): a fixed number of requests at a fixed concurrency;
-  measured TTFT and time per output token (the server's /metrics) against the plan's predictions.
+  ranks, tp=2, a 4-layer Llama of hidden 256), calibrated first (``autopar calibrate``): a fixed
+  number of requests at a fixed concurrency; measured TTFT and time per output token (the server's
+  /metrics) against the plan's predictions, calibrated and on the plain preset.
 """
 from __future__ import annotations
 
@@ -87,14 +88,32 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def part_serve(requests: int = 24, concurrency: int = 4):
+SERVE_MODEL = ["hf_llama", "--arg", "n_layer=4", "--arg", "d_model=256", "--arg", "n_head=8", "--arg", "n_kv_heads=4",
+               "--arg", "ffn_hidden=704", "--arg", "vocab=2048", "--arg", "seq=128"]
+
+
+def _uncalibrated(concurrency: int) -> dict:
+    """The same plan's predictions on the plain cpu preset (no calibration profile)."""
+    from autopar.models.hf import hf_llama
+    model = hf_llama(n_layer=4, d_model=256, n_head=8, n_kv_heads=4, ffn_hidden=704, vocab=2048, seq=128)[0]
+    return plan_inference(model, torch.zeros(concurrency, 64, dtype=torch.long),
+                          autopar.Cluster.preset("cpu", devices=2), max_new_tokens=32,
+                          constraints={"tp": 2}, dtype="fp32").predictions
+
+
+def part_serve(tmp: Path, requests: int = 24, concurrency: int = 4):
+    """Calibrates the machine first (``autopar calibrate``, 2 processes): the served plan is priced
+    with the measured profile; the plain cpu preset's predictions are shown beside it."""
     import httpx
+    tmp.mkdir(parents=True, exist_ok=True)
     port = _port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "autopar.cli", "serve", "hf_llama", "--devices", "2", "--constraint", "tp=2",
-           "--arg", "n_layer=4", "--arg", "d_model=256", "--arg", "n_head=8", "--arg", "n_kv_heads=4",
-           "--arg", "ffn_hidden=704", "--arg", "vocab=2048", "--arg", "seq=128",
-           "--prompt-len", "64", "--batch", str(concurrency), "--max-new-tokens", "32", "--port", str(port)]
+    subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "-n", "2", "--sweep", "tiny", "--repeats", "3",
+                    "-o", str(tmp / "cal.yaml")], env=env, cwd=ROOT, check=True, capture_output=True)
+    (tmp / "cpu.yaml").write_text(f"preset: cpu\ndevices: 2\ncalibration: {tmp / 'cal.yaml'}\n")
+    cmd = [sys.executable, "-m", "autopar.cli", "serve", *SERVE_MODEL, "--cluster", str(tmp / "cpu.yaml"),
+           "--constraint", "tp=2", "--prompt-len", "64", "--batch", str(concurrency), "--max-new-tokens", "32",
+           "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -118,11 +137,14 @@ def part_serve(requests: int = 24, concurrency: int = 4):
         pred = m["predicted"]
         print(f"{requests} requests, concurrency {concurrency}, {m['batches']} batches, {tokens} tokens in "
               f"{wall:.1f} s = {tokens / wall:.0f} tokens/s (plan: {pred['tokens_per_s']:.0f} at full batches)")
-        print("| quantity | measured | predicted | measured / predicted |")
-        print("|---|---|---|---|")
-        for k, label in (("ttft", "TTFT (queue + first token)"), ("tpot", "time per output token")):
-            print(f"| {label} | {m['measured'][k] * 1e3:.2f} ms | {pred[k] * 1e3:.3f} ms | "
-                  f"{m['measured'][k] / pred[k]:.1f}x |")
+        plain = _uncalibrated(concurrency)
+        print("| quantity | measured | predicted, calibrated | measured / predicted | predicted, plain cpu preset "
+              "| measured / predicted |")
+        print("|---|---|---|---|---|---|")
+        for k, label, p in (("prefill", "first token of a batch (engine)", "ttft"),
+                            ("ttft", "TTFT (queue + first token)", "ttft"), ("tpot", "time per output token", "tpot")):
+            print(f"| {label} | {m['measured'][k] * 1e3:.2f} ms | {pred[p] * 1e3:.2f} ms | "
+                  f"{m['measured'][k] / pred[p]:.2f}x | {plain[p] * 1e3:.2f} ms | {m['measured'][k] / plain[p]:.1f}x |")
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -141,7 +163,7 @@ def main():
     if args.part in ("published", "all"):
         part_published(Path(args.tmp))
     if args.part in ("serve", "all"):
-        part_serve()
+        part_serve(Path(args.tmp))
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ class Stats:
         self.queued_s = self.generate_s = 0.0
         self.per_token_s = 0.0
         self.timed = 0
-        self.ttft_s = self.tpot_s = 0.0
+        self.ttft_s = self.tpot_s = self.prefill_s = 0.0
 
     def record(self, done) -> None:
         self.requests += 1
@@ -120,6 +120,7 @@ class Stats:
         if t and t.get("new_tokens", 0) > 1:   # the engine's own clock: first token, then each next one
             self.timed += 1
             self.ttft_s += done.queued_s + t["prefill_s"]
+            self.prefill_s += t["prefill_s"]
             self.tpot_s += t["decode_s"] / (t["new_tokens"] - 1)
 
 
@@ -160,7 +161,7 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
                 "mean_queued_s": stats.queued_s / n, "mean_generate_s": stats.generate_s / n,
                 "mean_time_per_output_token_s": stats.per_token_s / n,
                 "measured": {"ttft": stats.ttft_s / max(stats.timed, 1), "tpot": stats.tpot_s / max(stats.timed, 1),
-                             "requests_timed": stats.timed},
+                             "prefill": stats.prefill_s / max(stats.timed, 1), "requests_timed": stats.timed},
                 "predicted": predictions or {}}
 
     @app.post("/v1/completions")
