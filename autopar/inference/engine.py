@@ -41,8 +41,38 @@ class _Clock:
         pass
 
 
+def checkpoint_reader(model, directory: str):
+    """``read(fqn, pieces, dim)`` of a Hugging Face safetensors checkpoint directory: each rank reads
+    only its blocks (autopar/execution/weights.py ``SafetensorsWeights``); counts what it read."""
+    from types import SimpleNamespace
+
+    from autopar.execution.weights import SafetensorsWeights
+    aliases: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(fqn)
+    tied = {fqn: names for names in aliases.values() if len(names) > 1 for fqn in names}
+    source = SafetensorsWeights(directory, SimpleNamespace(tied=tied), model)
+    dtypes = dict((n, p.dtype) for n, p in model.named_parameters(remove_duplicate=False))
+
+    def read(fqn: str, pieces: list[tuple], dim: int) -> torch.Tensor:
+        blocks = [source.block(fqn, idx, "cpu") for idx in pieces]
+        read.elements += sum(b.numel() for b in blocks)
+        out = torch.cat(blocks, dim=dim) if len(blocks) > 1 else blocks[0]
+        return out.to(dtypes.get(fqn, out.dtype))
+    read.elements = 0
+    return read
+
+
+def fill_buffers(model) -> None:
+    """Buffers left on the meta device (rotary tables of a model built without weights) computed."""
+    from autopar.execution.weights import fill_meta_buffers
+    for fqn, value in fill_meta_buffers(model).items():
+        owner, _, name = fqn.rpartition(".")
+        model.get_submodule(owner)._buffers[name] = value
+
+
 class InferenceEngine:
-    def __init__(self, model, plan: InferencePlan):
+    def __init__(self, model, plan: InferencePlan, weights: str | None = None):
         self.plan = plan
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
@@ -53,17 +83,19 @@ class InferenceEngine:
             raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp} x pp={plan.pp} x "
                             f"dp={plan.dp}) but {self.world} are running: launch {plan.world_size}")
         self.model = causal_lm(model)
-        if any(p.is_meta for p in self.model.parameters()):
-            raise PlanError("the model's parameters are on the meta device: build it with weights "
-                            "(from_pretrained, or load a checkpoint) before compile_inference")
+        self.read = checkpoint_reader(self.model, weights) if weights is not None else None
+        if self.read is None and any(p.is_meta for p in self.model.parameters()):
+            raise PlanError("the model's parameters are on the meta device: give weights=DIR (a Hugging Face "
+                            "safetensors checkpoint directory), or build the model with its weights")
         self.replica, self.tp_rank = divmod(self.rank, plan.tp)
         self.group = None
         if plan.tp > 1:
             groups = [dist.new_group(list(range(r * plan.tp, (r + 1) * plan.tp))) for r in range(plan.dp)]
             self.group = groups[self.replica]
-        self.model.eval().to(DTYPES.get(plan.dtype, torch.float32))
         self.sharded = shard_for_tp(self.model, self.tp_rank, plan.tp,
-                                    lambda t: dist.all_reduce(t, group=self.group))
+                                    lambda t: dist.all_reduce(t, group=self.group), read=self.read)
+        fill_buffers(self.model)
+        self.model.eval().to(DTYPES.get(plan.dtype, torch.float32))
         from transformers import StaticCache
         self.cache = StaticCache(config=self.model.config, max_cache_len=plan.prompt_len + plan.max_new_tokens)
         self.last_timing: dict = {}
@@ -129,10 +161,13 @@ class InferenceEngine:
         return out[:rows]
 
 
-def compile_inference(model, cluster=None, plan: InferencePlan | None = None, **plan_options) -> InferenceEngine:
+def compile_inference(model, cluster=None, plan: InferencePlan | None = None, weights: str | None = None,
+                      **plan_options) -> InferenceEngine:
     """The engine for ``model`` under ``plan`` (an InferencePlan, or a file written by
     ``autopar plan-inference``); without one, ``plan_inference(model, cluster=cluster, **plan_options)``
-    plans it (``example_prompt`` and ``max_new_tokens`` then required)."""
+    plans it (``example_prompt`` and ``max_new_tokens`` then required). ``weights``: a Hugging Face
+    safetensors checkpoint directory each rank reads only its shards from (the model may then be
+    built on the meta device, e.g. ``autopar.models.from_hf_config``)."""
     if isinstance(plan, str):
         plan = InferencePlan.load(plan)
     if plan is None:
@@ -142,4 +177,4 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, **
         plan = plan_inference(causal_lm(model), cluster=cluster, **plan_options)
     elif plan_options:
         raise PlanError(f"{sorted(plan_options)}: planning options are for compile_inference without a plan")
-    return InferenceEngine(model, plan)
+    return InferenceEngine(model, plan, weights)

@@ -55,16 +55,27 @@ def _is_conv1d(module) -> bool:
     return type(module).__name__ == "Conv1D"   # transformers.pytorch_utils.Conv1D: weight [in, out]
 
 
-def _slice(t: torch.Tensor, dim: int, rank: int, tp: int, parts: int = 1) -> torch.Tensor:
-    """This rank's 1/tp of each of ``parts`` equal packed pieces along ``dim``."""
-    pieces = t.chunk(parts, dim=dim)
+def _pieces(shape, dim: int, rank: int, tp: int, parts: int = 1) -> list[tuple]:
+    """Index tuples of this rank's 1/tp of each of ``parts`` equal packed pieces along ``dim``
+    (concatenated along ``dim`` they are the rank's shard)."""
+    size = shape[dim] // parts
+    if size * parts != shape[dim] or size % tp:
+        raise PlanError(f"a dim of {shape[dim]} does not split into {parts} x tp={tp} equal parts")
+    n = size // tp
     out = []
-    for p in pieces:
-        if p.shape[dim] % tp:
-            raise PlanError(f"a dim of {p.shape[dim]} does not split over tp={tp}")
-        n = p.shape[dim] // tp
-        out.append(p.narrow(dim, rank * n, n))
-    return torch.cat(out, dim=dim).clone() if parts > 1 else out[0].clone()
+    for k in range(parts):
+        idx = [slice(None)] * len(shape)
+        idx[dim] = slice(k * size + rank * n, k * size + (rank + 1) * n)
+        out.append(tuple(idx))
+    return out
+
+
+def read_own(tensor_of):
+    """The default reader: slices of the model's own tensors (``tensor_of(fqn)``)."""
+    def read(fqn: str, pieces: list[tuple], dim: int) -> torch.Tensor:
+        t = tensor_of(fqn)
+        return torch.cat([t[i] for i in pieces], dim=dim).clone() if len(pieces) > 1 else t[pieces[0]].clone()
+    return read
 
 
 def _set(module, name: str, value: torch.Tensor) -> None:
@@ -81,11 +92,27 @@ def _reduce_hook(all_reduce, bias):
     return hook
 
 
-def shard_for_tp(model, rank: int, tp: int, all_reduce) -> dict[str, str]:
+def shard_for_tp(model, rank: int, tp: int, all_reduce, read=None) -> dict[str, str]:
     """Slice ``model`` in place for rank ``rank`` of ``tp``; ``all_reduce(t)`` sums ``t`` in place over
-    the tensor-parallel group. Returns the module paths sharded, with their styles."""
-    if tp == 1:
-        return {}
+    the tensor-parallel group. ``read(fqn, pieces, dim)`` gives the rank's shard of the tensor at
+    ``fqn`` (``pieces``: index tuples concatenated along ``dim``); default: the model's own tensors.
+    Parameters left on the meta device (a model built without weights) are then read whole.
+    Returns the module paths sharded, with their styles."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if read is None:
+        read = read_own(lambda fqn: params[fqn].data)
+    done = _shard(model, rank, tp, all_reduce, read) if tp > 1 else {}
+    filled = {}   # tied aliases stay one tensor
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if p.is_meta:
+            if id(p) not in filled:
+                filled[id(p)] = nn.Parameter(read(fqn, [tuple(slice(None) for _ in p.shape)], 0), requires_grad=False)
+            owner, _, name = fqn.rpartition(".")
+            setattr(model.get_submodule(owner), name, filled[id(p)])
+    return done
+
+
+def _shard(model, rank: int, tp: int, all_reduce, read) -> dict[str, str]:
     cfg = model.config
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
     kv = getattr(cfg, "num_key_value_heads", None) or heads
@@ -107,13 +134,16 @@ def shard_for_tp(model, rank: int, tp: int, all_reduce) -> dict[str, str]:
         if isinstance(module, nn.Linear) or _is_conv1d(module):
             out_dim, in_dim = (1, 0) if _is_conv1d(module) else (0, 1)
             parts = {"packed_colwise": 2, "packed_colwise3": 3}.get(style, 1)
+            w = f"{path}.weight"
             if style in ("colwise", "packed_colwise", "packed_colwise3"):
-                _set(module, "weight", _slice(module.weight.data, out_dim, rank, tp, parts))
+                _set(module, "weight", read(w, _pieces(module.weight.shape, out_dim, rank, tp, parts), out_dim))
                 if module.bias is not None:
-                    _set(module, "bias", _slice(module.bias.data, 0, rank, tp, parts))
+                    _set(module, "bias", read(f"{path}.bias", _pieces(module.bias.shape, 0, rank, tp, parts), 0))
             elif style == "rowwise":
-                _set(module, "weight", _slice(module.weight.data, in_dim, rank, tp))
-                bias = module.bias.data.clone() if module.bias is not None else None
+                _set(module, "weight", read(w, _pieces(module.weight.shape, in_dim, rank, tp), in_dim))
+                bias = None
+                if module.bias is not None:
+                    bias = read(f"{path}.bias", [tuple(slice(None) for _ in module.bias.shape)], 0)
                 if bias is not None and _is_conv1d(module):   # Conv1D always adds a bias: zero here, whole after
                     _set(module, "bias", torch.zeros_like(bias))
                 else:
@@ -128,13 +158,13 @@ def shard_for_tp(model, rank: int, tp: int, all_reduce) -> dict[str, str]:
         for name, pstyle in param_styles.items():   # packed expert weights [E, 2F, H] / [E, H, F]
             if pstyle is None:
                 continue
-            t = getattr(module, name).data
+            shape, full = getattr(module, name).shape, f"{path}.{name}"
             if pstyle == "packed_colwise":
-                _set(module, name, _slice(t, 1, rank, tp, 2))
+                _set(module, name, read(full, _pieces(shape, 1, rank, tp, 2), 1))
             elif pstyle in ("colwise",):
-                _set(module, name, _slice(t, 1, rank, tp))
+                _set(module, name, read(full, _pieces(shape, 1, rank, tp), 1))
             elif pstyle == "rowwise":
-                _set(module, name, _slice(t, t.dim() - 1, rank, tp))
+                _set(module, name, read(full, _pieces(shape, len(shape) - 1, rank, tp), len(shape) - 1))
             else:
                 raise PlanError(f"{path}.{name}: tensor-parallel style {pstyle!r} is not supported for a parameter")
             done[f"{path}.{name}"] = pstyle

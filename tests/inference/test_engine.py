@@ -101,3 +101,29 @@ def test_what_the_plan_cannot_run_is_a_clear_error():
     with pytest.raises(PlanError, match="heads"):
         shard_for_tp(_model("hf_llama"), 0, 3, lambda t: t)
     assert not dist.is_initialized()
+
+
+def _save(name, directory):
+    _model(name).save_pretrained(directory)   # safetensors
+    return str(directory)
+
+
+def _run_from_dir(rank, world, name, plan_json, directory):
+    from autopar.models.hf_config import from_hf_config
+    plan = InferencePlan.from_json(plan_json)
+    meta = from_hf_config(directory, seq=16, batch=1)          # parameters on the meta device
+    engine = compile_inference(meta, plan=plan, weights=directory)
+    out = engine.generate(PROMPTS, NEW, attention_mask=MASK)
+    return out.tolist(), engine.read.elements
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
+def test_meta_model_from_a_checkpoint_directory_reads_only_its_shards(name, tmp_path):
+    directory = _save(name, tmp_path / name)
+    plan = _plan(name, 2, tp=2)
+    results = run_local(_run_from_dir, 2, args=(name, plan.to_json(), directory), timeout=300)
+    full = sum(p.numel() for p in _model(name).parameters())
+    for out, read in results:
+        assert out == _reference(name).tolist()
+        assert read < full          # each rank read its column / row blocks, not every tensor whole
