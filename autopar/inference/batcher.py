@@ -26,8 +26,13 @@ import torch
 class Request:
     prompt: list[int]
     max_new_tokens: int
+    sampling: dict = field(default_factory=dict)   # {} greedy; else temperature, top_p, seed
     arrived: float = field(default_factory=time.perf_counter)
     future: asyncio.Future | None = None
+
+    @property
+    def key(self) -> tuple:
+        return tuple(sorted(self.sampling.items()))
 
 
 @dataclass
@@ -61,6 +66,7 @@ class Batcher:
         self.batch_wait = batch_wait
         self.pad_id = pad_id
         self.queue: asyncio.Queue[Request] = asyncio.Queue()
+        self.held: list[Request] = []   # waiting for a batch of their own sampling options
         self.batches = 0
         self.task: asyncio.Task | None = None
 
@@ -75,22 +81,30 @@ class Batcher:
             except asyncio.CancelledError:
                 pass
 
-    async def submit(self, prompt: list[int], max_new_tokens: int) -> Completion:
-        req = Request(list(prompt), int(max_new_tokens), future=asyncio.get_running_loop().create_future())
+    async def submit(self, prompt: list[int], max_new_tokens: int, sampling: dict | None = None) -> Completion:
+        req = Request(list(prompt), int(max_new_tokens), dict(sampling or {}),
+                      future=asyncio.get_running_loop().create_future())
         await self.queue.put(req)
         return await req.future
 
     async def take_batch(self) -> list[Request]:
-        batch = [await self.queue.get()]
+        """The oldest request and, within ``batch_wait``, others with the same sampling options (one
+        generate call samples one way); the rest wait for a later batch, oldest first."""
+        first = self.held.pop(0) if self.held else await self.queue.get()
+        batch, later = [first], []
+        for r in self.held:
+            (batch if r.key == first.key and len(batch) < self.max_batch else later).append(r)
+        self.held = later
         deadline = time.perf_counter() + self.batch_wait
         while len(batch) < self.max_batch:
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
             try:
-                batch.append(await asyncio.wait_for(self.queue.get(), left))
+                r = await asyncio.wait_for(self.queue.get(), left)
             except asyncio.TimeoutError:
                 break
+            (batch if r.key == first.key else self.held).append(r)
         return batch
 
     async def run(self) -> None:
@@ -103,7 +117,7 @@ class Batcher:
         new = max(r.max_new_tokens for r in batch)
         start = time.perf_counter()
         try:
-            out = await asyncio.to_thread(self.generate, ids, new, mask)
+            out = await asyncio.to_thread(self.generate, ids, new, mask, batch[0].sampling or None)
         except Exception as e:  # noqa: BLE001 - the batch's requests get the error; the server goes on
             for r in batch:
                 if not r.future.done():

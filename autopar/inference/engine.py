@@ -9,7 +9,7 @@ followed by the new tokens, greedy. Decoding is the model's own ``generate`` loo
 modules, whose row-parallel outputs are all-reduced over the replica's tensor-parallel group.
 
 Not yet: pipelined generation (``pp > 1`` is planned, refused here with a clear error), a
-vocabulary-parallel LM head (each rank holds the whole head), sampling (greedy only).
+vocabulary-parallel LM head (each rank holds the whole head).
 ``last_timing`` holds the last call's measured prefill (time to the first new token) and decode
 seconds, which the server's load test compares with the plan's TTFT and TPOT.
 """
@@ -26,6 +26,29 @@ from autopar.inference.model_shape import causal_lm
 from autopar.inference.tp_shard import shard_for_tp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+SAMPLING = ("temperature", "top_p", "top_k", "seed")
+
+
+def check_sampling(sampling: dict | None) -> dict:
+    """The sampling options ``generate`` passes on: {} for greedy (no options, or temperature 0)."""
+    out = dict(sampling or {})
+    unknown = sorted(set(out) - set(SAMPLING))
+    if unknown:
+        raise PlanError(f"sampling option(s) {unknown} are not known; use {', '.join(SAMPLING)}")
+    t = out.get("temperature", 0.0) or 0.0
+    if not isinstance(t, (int, float)) or t < 0:
+        raise PlanError(f"temperature must be a number >= 0, got {t!r}")
+    if t == 0:
+        return {}
+    if not 0 < out.get("top_p", 1.0) <= 1:
+        raise PlanError(f"top_p must be in (0, 1], got {out['top_p']!r}")
+    if not isinstance(out.get("top_k", 0), int) or out.get("top_k", 0) < 0:
+        raise PlanError(f"top_k must be a whole number >= 0, got {out['top_k']!r}")
+    if not isinstance(out.get("seed", 0), int):
+        raise PlanError(f"seed must be an integer, got {out['seed']!r}")
+    return out
 
 
 class _Clock:
@@ -121,10 +144,15 @@ class InferenceEngine:
                             f"({plan.batch_size} per replica x {plan.dp} replicas)")
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None):
-        """Greedy continuation of left-padded prompts: [batch, prompt + max_new_tokens] on every rank."""
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+                 sampling: dict | None = None):
+        """The continuation of left-padded prompts: [batch, prompt + max_new_tokens] on every rank.
+        Greedy, unless ``sampling`` gives ``temperature`` > 0 (with optional ``top_p``, ``top_k`` and
+        ``seed``): every rank of a replica then draws the same tokens from the same seeded stream, so
+        the result is what one process sampling with that seed draws."""
         input_ids = torch.as_tensor(input_ids, dtype=torch.long)
         self.check(input_ids, max_new_tokens)
+        self.sampling = check_sampling(sampling)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         rows = input_ids.shape[0]
@@ -156,8 +184,13 @@ class InferenceEngine:
             ids = torch.cat([ids, ids[:1].expand(pad, -1)])
             mask = torch.cat([mask, mask[:1].expand(pad, -1)])
         self.cache.reset()
-        out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                  cache=self.cache, pad_token_id=0, streamer=clock)
+        sample = dict(self.sampling)
+        seed = sample.pop("seed", 0)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                      do_sample=bool(sample), **sample, cache=self.cache, pad_token_id=0,
+                                      streamer=clock)
         return out[:rows]
 
 

@@ -27,16 +27,18 @@ class LeaderGenerate:
         self.engine = engine
         self.lock = threading.Lock()
 
-    def __call__(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor):
+    def __call__(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor,
+                 sampling: dict | None = None):
         with self.lock:
             if _distributed():
-                dist.broadcast_object_list([("generate", input_ids, int(max_new_tokens), attention_mask)], src=0)
-            return self.engine.generate(input_ids, max_new_tokens, attention_mask=attention_mask)
+                dist.broadcast_object_list([("generate", input_ids, int(max_new_tokens), attention_mask, sampling)],
+                                           src=0)
+            return self.engine.generate(input_ids, max_new_tokens, attention_mask=attention_mask, sampling=sampling)
 
     def stop(self) -> None:
         with self.lock:
             if _distributed():
-                dist.broadcast_object_list([(STOP, None, 0, None)], src=0)
+                dist.broadcast_object_list([(STOP, None, 0, None, None)], src=0)
 
 
 def follow(engine) -> int:
@@ -46,11 +48,11 @@ def follow(engine) -> int:
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
-        kind, input_ids, new, mask = box[0]
+        kind, input_ids, new, mask, sampling = box[0]
         if kind == STOP:
             return runs
         try:
-            engine.generate(input_ids, new, attention_mask=mask)
+            engine.generate(input_ids, new, attention_mask=mask, sampling=sampling)
         except Exception:  # noqa: BLE001 - rank 0 reports the same failure to the client; keep serving
             pass
         runs += 1

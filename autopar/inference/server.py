@@ -4,8 +4,8 @@
 
 - ``POST /v1/completions``: OpenAI's completions request. ``prompt`` is text (needs a tokenizer),
   a list of token ids, or a list of either (one choice per prompt); ``max_tokens`` (default 16, or
-  the plan's most if fewer);
-  greedy decoding only (``temperature`` 0 or absent, ``n`` 1, no ``stream``). The answer is
+  the plan's most if fewer); greedy by default, sampled with ``temperature`` > 0 (``top_p``,
+  ``seed``: requests with the same options share a batch); ``n`` 1, no ``stream``. The answer is
   OpenAI's ``text_completion`` object; each choice also carries ``token_ids`` (the new tokens), and
   ``usage`` the token counts. Concurrent requests are batched (autopar/inference/batcher.py).
 - ``GET /v1/models`` (the one model) and ``GET /health``; ``GET /metrics``: requests, batches,
@@ -14,7 +14,7 @@
 
 Bad requests get HTTP 400 with OpenAI's error object (``{"error": {"message", "type", "param"}}``),
 never a stack trace: a prompt longer than the plan's prompt length, more tokens than its cache
-holds, sampling parameters it does not do, malformed JSON. A failed generate answers 500 for the
+holds, sampling parameters out of range, malformed JSON. A failed generate answers 500 for the
 requests of that batch; the server keeps serving.
 
 ``serve(engine, host, port)`` runs it with uvicorn on rank 0 while every other rank follows rank
@@ -77,6 +77,14 @@ def prompts_of(body: dict, tokenizer) -> list[list[int]]:
     return out
 
 
+def sampling_of(body: dict) -> dict:
+    """The engine's sampling options of a checked request: {} for greedy (temperature 0)."""
+    t = body.get("temperature", 0) or 0
+    if t == 0:
+        return {}
+    return {"temperature": float(t), "top_p": float(body.get("top_p", 1)), "seed": int(body.get("seed", 0))}
+
+
 def check_request(body: dict, prompts: list[list[int]], limits: Limits) -> int:
     """The tokens wanted, after checking what the plan can do; BadRequest otherwise."""
     new = body.get("max_tokens", min(16, limits.max_new_tokens))
@@ -85,10 +93,15 @@ def check_request(body: dict, prompts: list[list[int]], limits: Limits) -> int:
     if new > limits.max_new_tokens:
         raise BadRequest(f"'max_tokens' {new} is more than this plan's KV cache holds after a prompt "
                          f"({limits.max_new_tokens}); plan with a larger max_new_tokens", "max_tokens")
-    temperature = body.get("temperature", 0)
-    if temperature not in (0, 0.0, None):
-        raise BadRequest(f"'temperature' {temperature!r}: only greedy decoding is served (temperature 0)",
-                         "temperature")
+    temperature = body.get("temperature", 0) or 0
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
+        raise BadRequest(f"'temperature' must be a number in [0, 2], got {temperature!r}", "temperature")
+    top_p = body.get("top_p", 1)
+    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
+        raise BadRequest(f"'top_p' must be a number in (0, 1], got {top_p!r}", "top_p")
+    seed = body.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise BadRequest(f"'seed' must be an integer, got {seed!r}", "seed")
     if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
         raise BadRequest("'n' and 'best_of' must be 1: one greedy completion per prompt", "n")
     if body.get("stream"):
@@ -180,7 +193,8 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
         except BadRequest as e:
             stats.rejected += 1
             return JSONResponse(error_body(str(e), param=e.param), 400)
-        results = await asyncio.gather(*(batcher.submit(p, new) for p in prompts), return_exceptions=True)
+        sampling = sampling_of(body)
+        results = await asyncio.gather(*(batcher.submit(p, new, sampling) for p in prompts), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:   # one failed batch is a 500 for its requests, not a dead server
             stats.failed += 1

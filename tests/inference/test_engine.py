@@ -39,10 +39,13 @@ def _plan(name, world, **pins):
     return plan_inference(_model(name), PROMPTS, cl, max_new_tokens=NEW, constraints=pins, dtype="fp32")
 
 
-def _run(rank, world, name, plan_json):
+SAMPLED = {"temperature": 0.9, "top_p": 0.95, "seed": 3}
+
+
+def _run(rank, world, name, plan_json, sampling=None):
     plan = InferencePlan.from_json(plan_json)
     engine = compile_inference(_model(name), plan=plan)
-    out = engine.generate(PROMPTS, NEW, attention_mask=MASK)
+    out = engine.generate(PROMPTS, NEW, attention_mask=MASK, sampling=sampling)
     return out.tolist(), engine.kv_cache_bytes(), engine.last_timing["new_tokens"]
 
 
@@ -127,3 +130,20 @@ def test_meta_model_from_a_checkpoint_directory_reads_only_its_shards(name, tmp_
     for out, read in results:
         assert out == _reference(name).tolist()
         assert read < full          # each rank read its column / row blocks, not every tensor whole
+
+
+@pytest.mark.slow
+def test_tp2_samples_what_one_process_samples_with_the_same_seed():
+    one = _run(0, 1, "hf_llama", _plan("hf_llama", 1).to_json(), SAMPLED)[0]
+    greedy = _reference("hf_llama").tolist()
+    assert one != greedy                                     # it really sampled
+    results = run_local(_run, 2, args=("hf_llama", _plan("hf_llama", 2, tp=2).to_json(), SAMPLED), timeout=300)
+    assert [r[0] for r in results] == [one, one]
+
+
+def test_bad_sampling_options_are_clear_errors():
+    engine = compile_inference(_model("hf_llama"), plan=_plan("hf_llama", 1))
+    with pytest.raises(PlanError, match="not known"):
+        engine.generate(PROMPTS, 2, attention_mask=MASK, sampling={"temp": 1})
+    with pytest.raises(PlanError, match="top_p"):
+        engine.generate(PROMPTS, 2, attention_mask=MASK, sampling={"temperature": 1, "top_p": 2})

@@ -19,10 +19,11 @@ class HFGenerate:
     """A one-process engine: Hugging Face's own greedy generate, counting its calls."""
 
     def __init__(self, model):
-        self.model, self.calls, self.fail_next = model, [], False
+        self.model, self.calls, self.fail_next, self.sampling = model, [], False, []
 
-    def __call__(self, input_ids, max_new_tokens, attention_mask):
+    def __call__(self, input_ids, max_new_tokens, attention_mask, sampling=None):
         self.calls.append(tuple(input_ids.shape))
+        self.sampling.append(sampling)
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected failure")
@@ -88,7 +89,8 @@ def test_one_request_with_several_prompts_gets_one_choice_each(model):
     ({"prompt": list(range(1, 10)), "max_tokens": 2}, "prompt", "prompt length 8"),
     ({"prompt": [1, 2], "max_tokens": 7}, "max_tokens", "KV cache"),
     ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", "positive integer"),
-    ({"prompt": [1, 2], "temperature": 0.7}, "temperature", "greedy"),
+    ({"prompt": [1, 2], "temperature": 3}, "temperature", "[0, 2]"),
+    ({"prompt": [1, 2], "temperature": 1, "top_p": 0}, "top_p", "(0, 1]"),
     ({"prompt": [1, 2], "stream": True}, "stream", "not supported"),
     ({"prompt": [1, 99]}, "prompt", "vocabulary"),
     ({"prompt": "hello"}, "prompt", "tokenizer"),
@@ -110,6 +112,22 @@ def test_bad_requests_are_400_with_the_reason_and_the_server_goes_on(model, requ
     assert err["type"] == "invalid_request_error" and err["param"] == param and words in err["message"]
     assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 1
     assert len(engine.calls) == 1          # the bad request never reached the engine
+
+
+def test_requests_sampling_differently_get_batches_of_their_own(model):
+    engine = HFGenerate(model)
+    app = make_app(engine, _limits(), batch_wait=0.2)
+    bodies = [{"prompt": [1, 2], "max_tokens": 2}, {"prompt": [3, 4], "max_tokens": 2, "temperature": 0.8, "seed": 5},
+              {"prompt": [5, 6], "max_tokens": 2}]
+
+    async def run(client):
+        return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+    answers = asyncio.run(_with_app(app, run))
+    assert all(a.status_code == 200 for a in answers)
+    assert sorted(engine.calls) == [(1, 2), (2, 2)]          # the two greedy requests together
+    assert sorted(map(str, engine.sampling)) == sorted(map(str, [None, {"temperature": 0.8, "top_p": 1.0,
+                                                                        "seed": 5}]))
 
 
 def test_not_json_is_400():
