@@ -1,6 +1,6 @@
 """What offloading the optimizer costs one rank: host bytes, copies and the CPU step.
 
-``offload="optimizer"`` (ZeRO-Offload's design, as runtime/zero.py runs it): the fp32 master
+``offload="optimizer"`` (ZeRO-Offload's design, as runtime/offload.py runs it): the fp32 master
 weights and the optimizer state of the rank's ZeRO shard live in host memory and the optimizer
 steps there. Per step, each chunk's averaged gradient piece goes device -> host in the working
 dtype, the CPU upcasts it, steps the master, and the result cast to the working dtype goes

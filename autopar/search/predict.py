@@ -222,7 +222,7 @@ def offload_fraction(P: Priced, pick: dict, s: Settings, peak: float) -> tuple[f
     """Gemini's rule: of an offloaded plan, the least fraction of the rank's parameter elements
     whose optimizer (and streamed gradients, and with "optimizer+params" parameter shards) must
     stay on the host for the plan to fit its budget; the runtime offloads whole chunks, first to
-    last, until they cover it (runtime/zero.py). Device bytes are the same at every point of the
+    last, until they cover it (runtime/offload.py). Device bytes are the same at every point of the
     step (static), so keeping a share 1 - f on the device raises every memory row by that share
     of the bytes offloading saves, and the step is faster by that share of the difference between
     the host's and the device's optimizer step (and of the host-to-device copies before

@@ -1,5 +1,5 @@
-"""Optimizer offload in the ZeRO optimizer (runtime/zero.py ``offload=``), against the same run
-without offload.
+"""Optimizer offload in the ZeRO optimizer (runtime/offload.py, through runtime/zero.py
+``offload=``), against the same run without offload.
 
 Multi-process (gloo, 1, 2 and 4 ranks; one launch per size): the MLP of test_runtime_optim.py
 trained 3 steps with ZeRO 0/1/2/3 x {SGD with momentum, AdamW, LAMB} (LARS on ZeRO 2), with and
