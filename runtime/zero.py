@@ -511,10 +511,10 @@ class ShardedOptimizer:
         local buffer (``index`` None) or, stage 0 elementwise, parameter ``index``'s slice."""
         if index is not None:
             hp = None if c.hparams is None else c.hparams.entry(index)
-            self.opt.step(param, grad, state, self.step_count, hparams=hp)
+            self.opt.host_step(param, grad, state, self.step_count, hparams=hp)
             return
-        self.opt.step(param, grad, state, self.step_count, segments=c.segments, hparams=c.hparams,
-                      reduce_sq_norms=self._tensor_norm_reducer(c) if self.opt.needs_segments else None)
+        self.opt.host_step(param, grad, state, self.step_count, segments=c.segments, hparams=c.hparams,
+                           reduce_sq_norms=self._tensor_norm_reducer(c) if self.opt.needs_segments else None)
 
     def zero_grad(self) -> None:
         for c in self.chunks:

@@ -16,9 +16,11 @@ Bytes per element of the offloaded shard:
              working dtype, and (ZeRO 2-3, streamed as backward reduces them) their fp32 sum 4
              ("optimizer+params", ZeRO-3: + the parameter shard, working; the device holds none)
 
-The CPU step moves what the same step moves on a device (cost.optimizer_bytes_per_element: the
-runtime's torch step, the gradient's upcast and the master's cast back under mixed precision),
-at the node's CPU memory bandwidth shared by its ranks (cluster.Host). Copies run at the host
+The CPU step moves what the runtime's host step moves (``host_step_bytes_per_element``: AdamW and
+Adam run torch's fused CPU kernel, each tensor read once and the updated ones written once, 28
+bytes per element; the others their torch ops, cost.optimizer_bytes_per_element; plus the
+gradient's upcast and the master's cast back under mixed precision), at the node's CPU memory
+bandwidth shared by its ranks (cluster.Host). Copies run at the host
 link's bandwidth per device while every device copies. A calibration profile's measured host
 figures replace the Host's (``host_rates``).
 Torch-free.
@@ -29,14 +31,25 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError
-from autopar.pricing.cost import optimizer_bytes_per_element, profile_of
+from autopar.pricing.cost import MIXED_CAST_BYTES, optimizer_bytes_per_element, profile_of
 from autopar.pricing.memory import STATE_BYTES, check_optimizer, check_precision
 
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
 
 
+# runtime/optim.py host_step: torch's fused CPU Adam(W) reads param, grad, exp_avg and exp_avg_sq
+# once and writes param, exp_avg and exp_avg_sq once (fp32)
+HOST_FUSED_STEP_BYTES = {"adamw": 28, "adam": 28}
+
+
 def working_bytes(precision: str) -> int:
     return 2 if check_precision(precision) == "bf16" else 4
+
+
+def host_step_bytes_per_element(optimizer: str, precision: str) -> int:
+    """Bytes the offloaded optimizer's host step moves per element (module doc)."""
+    step = HOST_FUSED_STEP_BYTES.get(optimizer) or optimizer_bytes_per_element(optimizer, "fp32")
+    return step + (0 if check_precision(precision) == "fp32" else MIXED_CAST_BYTES)
 
 
 @dataclass(frozen=True)
@@ -96,7 +109,7 @@ def offload_price(numel: float, optimizer: str, precision: str, cluster: Cluster
     streamed = zero >= 2
     w = working_bytes(precision)
     copy_rate, cpu_rate = host_rates(cluster)
-    cpu = numel * optimizer_bytes_per_element(optimizer, precision) / cpu_rate
+    cpu = numel * host_step_bytes_per_element(optimizer, precision) / cpu_rate
     d2h = numel * w * (micro_batches if streamed else 1)
     h2d = 0.0 if params else numel * w
     copy = max(d2h, h2d) / copy_rate

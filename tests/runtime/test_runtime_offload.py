@@ -47,9 +47,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def optimizer(name):
+    """The runs' optimizers; AdamW's host step with ``step``'s exact ops (``cpu_fused=False``):
+    torch's fused CPU kernel rounds differently (runtime/optim.py; tests/runtime/test_cpu_step.py
+    compares the two)."""
     if name == "sgd":
         return make_optimizer("sgd", LR, momentum=0.9, weight_decay=0.01)
-    return flat_optimizer(name)
+    opt = flat_optimizer(name)
+    if name == "adamw":
+        opt.cpu_fused = False
+    return opt
 
 
 # ----------------------------------------------------------------------------- ranks
