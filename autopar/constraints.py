@@ -29,7 +29,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 SCHEDULE_ALIASES = {"interleaved_1f1b": "interleaved-1f1b", "interleaved": "interleaved-1f1b",
                     "zero_bubble": "zero-bubble", "zb": "zero-bubble"}
 CHECKPOINT_MODES = ("none", "selective", "full")
-OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params", "optimizer-nvme")
 
 
 @dataclass(frozen=True, repr=False)
@@ -108,8 +108,11 @@ class Constraints:
     """What lives off the device: ``"none"`` (``False`` is the older spelling); ``"optimizer"``
     (``True``): the fp32 master weights and optimizer state on host memory, the optimizer step on
     the CPU; ``"optimizer+params"``: ZeRO-3's parameter shards also on the host between uses (needs
-    zero=3). Not pinned, the search offloads only where it is faster or nothing else fits. Not with
-    the grid modes (2d / 2.5d / 3d) yet."""
+    zero=3); ``"optimizer-nvme"`` (ZeRO-Infinity's split): the fp32 masters on the host, the
+    optimizer state (Adam's m and v) in files on the node's NVMe, streamed through the CPU step
+    (needs the cluster's ``nvme:``). Not pinned, the search offloads only where it is faster or
+    nothing else fits (to NVMe only where the host cannot hold the state). Not with the grid modes
+    (2d / 2.5d / 3d) yet."""
 
     def __post_init__(self):
         _validate(self)

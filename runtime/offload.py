@@ -10,6 +10,11 @@ their host buffers and runs their part of the step. ``mode``:
 * ``"optimizer+params"`` (stage 3 only): also ``shard_param`` on the host: every gather copies it
   to the device first (h2d, counted: 2 per step with ``zero3_hooks``) and the step writes it in
   place (no h2d at the step).
+* ``"optimizer-nvme"`` (ZeRO-Infinity's split): as ``"optimizer"``, but the optimizer state lives
+  in files (runtime/nvme.py, in ``directory``: the user's ``offload_dir``, else a temporary
+  directory per rank, removed by ``close``), read into a host buffer before the chunk's CPU step
+  and written back after it (``nvme_bytes``: read = write = the state's bytes per step); the fp32
+  master stays in host memory.
 
 At ``step()``, after the averaging and the clipping norm (on the device: its collectives need
 device tensors; the coefficient scales the host's fp32 upcast, the same product as the device's),
@@ -33,15 +38,17 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from runtime.nvme import NvmeStore
 from runtime.optim import FlatOptimizer
 from runtime.zero_chunk import Chunk, nbytes, total_bytes
 
-OFFLOADS = ("none", "optimizer", "optimizer+params")
+OFFLOADS = ("none", "optimizer", "optimizer+params", "optimizer-nvme")
 HOST = torch.device("cpu")
 
 
-def check_offload(mode: str, fraction: float, stage: int) -> None:
-    """A ValueError for an unknown mode, a fraction outside (0, 1] or a mode the stage cannot run."""
+def check_offload(mode: str, fraction: float, stage: int, directory: Optional[str] = None) -> None:
+    """A ValueError for an unknown mode, a fraction outside (0, 1], a mode the stage cannot run or
+    a state directory for a mode that writes no files."""
     if mode not in OFFLOADS:
         raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOADS))}, got {mode!r}")
     if mode == "optimizer+params" and stage != 3:
@@ -49,17 +56,23 @@ def check_offload(mode: str, fraction: float, stage: int) -> None:
     if not 0 < fraction <= 1:
         raise ValueError(f"offload_fraction must be in (0, 1], got {fraction}")
     if mode == "none" and fraction != 1:
-        raise ValueError("offload_fraction is for offload='optimizer' or 'optimizer+params'")
+        raise ValueError("offload_fraction is for offload='optimizer', 'optimizer+params' or 'optimizer-nvme'")
+    if directory is not None and mode != "optimizer-nvme":
+        raise ValueError(f"offload_dir is for offload='optimizer-nvme', got offload={mode!r}")
 
 
 class HostOffload:
     """Which chunks live on the host, their buffers, copies and CPU step (module doc)."""
 
-    def __init__(self, mode: str, fraction: float, stage: int, device: torch.device, dtype: torch.dtype):
-        check_offload(mode, fraction, stage)
+    def __init__(self, mode: str, fraction: float, stage: int, device: torch.device, dtype: torch.dtype,
+                 directory: Optional[str] = None, tag: str = "autopar-optimizer"):
+        """``directory`` and ``tag`` ("optimizer-nvme"): where the state files go, and their
+        directory's name prefix (e.g. the rank's)."""
+        check_offload(mode, fraction, stage, directory)
         self.mode, self.fraction, self.stage, self.device, self.dtype = mode, float(fraction), stage, device, dtype
         self.active = mode != "none"                 # masters + state on the host, CPU step
         self.params = mode == "optimizer+params"     # ... and ZeRO-3's parameter shards
+        self.nvme = NvmeStore(directory, tag) if mode == "optimizer-nvme" else None   # ... or the state in files
         self.pin = device.type == "cuda"             # pinned host buffers: truly asynchronous copies
         self.bytes = {"d2h": 0, "h2d": 0}
         self.indices: list[int] = []                 # the offloaded chunks' positions
@@ -87,12 +100,15 @@ class HostOffload:
         """A host buffer pinned when the device is CUDA (asynchronous copies); else as it is."""
         return t.pin_memory() if self.pin and t.device.type == "cpu" else t
 
-    def allocate(self, c: Chunk, init: Tensor, optimizer: FlatOptimizer) -> None:
+    def allocate(self, c: Chunk, init: Tensor, optimizer: FlatOptimizer, index: int) -> None:
         """An offloaded chunk's host buffers: optimizer state and fp32 master of its local piece
         ``init`` (initial values), the gradient's staging buffer (working dtype), the fp32 sum of
-        the streamed shards (stages 2-3) and (optimizer+params) the parameter shard."""
+        the streamed shards (stages 2-3) and (optimizer+params) the parameter shard; ``index``:
+        the chunk's position (its state files' names)."""
         n = init.numel()
         c.state = {k: self.hostify(v) for k, v in optimizer.init_state(n, device=HOST).items()}
+        if self.nvme is not None:   # the state in files, its initial values written there
+            c.state = self.nvme.state(index, c.state)
         c.master = self.hostify(init.to(HOST, torch.float32, copy=True))
         c.host_grad = self.hostify(torch.zeros(n, dtype=self.dtype))
         if c.stream_grads:
@@ -104,9 +120,28 @@ class HostOffload:
         """Bytes held in host memory by the offloaded ``chunks``: masters and optimizer state,
         the gradient staging buffers and fp32 sums, and (optimizer+params) parameter shards."""
         off = [c for c in chunks if c.offloaded]
-        return dict(optimizer=total_bytes([t for c in off for t in c.state.values()] + [c.master for c in off]),
-                    staging=total_bytes([c.host_grad for c in off] + [c.host_acc for c in off]),
+        state = [] if self.nvme is not None else [t for c in off for t in c.state.values()]   # nvme: in files
+        return dict(optimizer=total_bytes(state + [c.master for c in off]),
+                    staging=total_bytes([c.host_grad for c in off] + [c.host_acc for c in off])
+                    + (self.nvme.buffer_bytes() if self.nvme is not None else 0),
                     params=total_bytes([c.shard_param for c in off if self.holds_params(c)]))
+
+    def nvme_bytes(self) -> dict[str, int]:
+        """"optimizer-nvme": bytes of state read from and written to the files since the last
+        reset, and the files' size on disk (all 0 otherwise)."""
+        if self.nvme is None:
+            return dict(read=0, write=0, disk=0)
+        return dict(self.nvme.bytes, disk=self.nvme.disk_bytes())
+
+    def reset_bytes(self) -> None:
+        self.bytes.update(d2h=0, h2d=0)
+        if self.nvme is not None:
+            self.nvme.bytes.update(read=0, write=0)
+
+    def close(self) -> None:
+        """Remove the state files ("optimizer-nvme"); nothing otherwise."""
+        if self.nvme is not None:
+            self.nvme.close()
 
     # ------------------------------------------------------------------ backward (stages 2-3)
     def drain(self, pending: list, keep: int = 0) -> list:
@@ -183,12 +218,15 @@ class HostOffload:
         g = c.host_acc if c.stream_grads else c.host_grad.float()
         if coef is not None:
             g.mul_(coef)
+        state = c.state if self.nvme is None else self.nvme.read(c.state)   # nvme: files -> buffer
         if per_param:
             for i, p in enumerate(c.params):
                 a, b = c.offsets[i], c.offsets[i] + p.numel()
-                host_step(c, c.master[a:b], g[a:b], {k: v[a:b] for k, v in c.state.items()}, i)
-            return
-        host_step(c, c.master, g, c.state, None)
+                host_step(c, c.master[a:b], g[a:b], {k: v[a:b] for k, v in state.items()}, i)
+        else:
+            host_step(c, c.master, g, state, None)
+        if self.nvme is not None:
+            self.nvme.write(c.state, state)
 
     def _put_back(self, c: Chunk, side) -> None:
         """The updated master, in the working dtype, to where the device keeps it (stage 0: the

@@ -74,7 +74,8 @@ a ``TensorHParams`` over its tensor ids (its Segments'), which the optimizer rea
 elementwise optimizer then also steps chunk by segment (stages 1-3) or parameter by parameter
 (stage 0, its usual path), each with its own settings.
 
-Offload (``offload="optimizer"`` or ``"optimizer+params"``, ``offload_fraction``): the offloaded
+Offload (``offload="optimizer"``, ``"optimizer+params"`` or ``"optimizer-nvme"``,
+``offload_fraction``, ``offload_dir``): the offloaded
 chunks' masters, optimizer state and CPU step are runtime/offload.py's (``self.offload``); the
 step goes chunk by chunk in order (the collectives in the same order as without offload); the
 clipping norm sums each chunk's squared norm, computed where its gradient lives, on the device;
@@ -113,7 +114,7 @@ class ShardedOptimizer:
                  shared_groups: Optional[dict] = None,
                  tensor_norm_groups: Sequence[dist.ProcessGroup] = (), tensor_norm_skip=(),
                  tensor_hparams: Optional[dict] = None, offload: str = "none",
-                 offload_fraction: float = 1.0):
+                 offload_fraction: float = 1.0, offload_dir: Optional[str] = None):
         """``extra_norm_groups``: groups over which the gradients are *additionally* split into
         disjoint pieces (e.g. tensor parallel), for the global clipping norm. ``grad_scale``:
         id(param) -> factor its gradient is multiplied by before the averaging over the data
@@ -136,10 +137,12 @@ class ShardedOptimizer:
         ``offload``: "none", "optimizer" (fp32 masters and optimizer state in host memory, the
         step on the CPU) or "optimizer+params" (also ZeRO-3's parameter shards; module doc).
         ``offload_fraction`` (0 < f <= 1): offload only the first chunks whose elements reach f of
-        the total; the others run as without offload (module doc)."""
+        the total; the others run as without offload (module doc). ``offload_dir``
+        ("optimizer-nvme"): the directory the optimizer state's files go in (default: a temporary
+        directory per rank); ``close()`` removes them."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-        check_offload(offload, offload_fraction, zero_stage)
+        check_offload(offload, offload_fraction, zero_stage, offload_dir)
         self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
         self.grad_clip, self.extra_norm_groups = grad_clip, tuple(extra_norm_groups)
         self.world, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
@@ -165,7 +168,8 @@ class ShardedOptimizer:
         self.tensor_norm_groups = tuple(tensor_norm_groups)
         tensor_norm_skip = {id(p) if isinstance(p, Tensor) else p for p in tensor_norm_skip}
         self.chunks = [Chunk(list(g), self.world, self.rank, self.dtype) for g in param_groups if len(g)]
-        self.offload = HostOffload(offload, offload_fraction, zero_stage, self.device, self.dtype)
+        self.offload = HostOffload(offload, offload_fraction, zero_stage, self.device, self.dtype, offload_dir,
+                                   tag=f"autopar-optimizer-rank{dist.get_rank()}")
         self.offload.select(self.chunks)
         self.stream_grads = any(c.stream_grads for c in self.chunks)   # some chunk streams
         self._chunk_of = {id(p): c for c in self.chunks for p in c.params}
@@ -184,7 +188,7 @@ class ShardedOptimizer:
         self.comm_log = self.comm.log
 
         with torch.no_grad():
-            for c in self.chunks:
+            for index, c in enumerate(self.chunks):
                 # The initial values at the parameters' own precision (the masters start from them).
                 init = torch.zeros(c.padded, dtype=next(iter(kinds))[0], device=self.device)
                 for p, off in zip(c.params, c.offsets):
@@ -200,7 +204,7 @@ class ShardedOptimizer:
                 sharded = zero_stage >= 1
                 local = init[c.lo:c.hi] if sharded else init
                 if c.offloaded:   # master, state, staging (and parameter shard) on the host
-                    self.offload.allocate(c, local, optimizer)
+                    self.offload.allocate(c, local, optimizer, index)
                 else:
                     c.state = optimizer.init_state(local.numel(), device=self.device)
                     if self.mixed:
@@ -312,7 +316,7 @@ class ShardedOptimizer:
 
     def reset_comm_stats(self) -> None:
         self.comm_log.clear()
-        self.offload.bytes.update(d2h=0, h2d=0)
+        self.offload.reset_bytes()
         if self.reducer is not None:
             self.reducer.bytes_sent = 0
 
@@ -591,6 +595,15 @@ class ShardedOptimizer:
             if not was:
                 self._free(c)
         return out
+
+    def nvme_bytes(self) -> dict[str, int]:
+        """offload="optimizer-nvme": state bytes read from / written to its files since the last
+        ``reset_comm_stats``, and the files' size (runtime/offload.py); all 0 otherwise."""
+        return self.offload.nvme_bytes()
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise: the optimizer state's files (NVMe offload)."""
+        self.offload.close()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

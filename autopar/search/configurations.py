@@ -126,9 +126,10 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
 
 def offload_choices(cluster: Cluster, constraints: dict) -> list[str]:
     """The offload modes a search visits: the pinned one; unpinned, "none" and (when the cluster
-    describes its host, and its devices are not the host's CPUs: not gloo) "optimizer" and, at
-    ZeRO-3, "optimizer+params" (pinned on a gloo cluster, offload runs the same code, host and
-    device pools both in CPU memory: what tests check numerics and bytes with). An offloaded
+    describes its host, and its devices are not the host's CPUs: not gloo) "optimizer", at ZeRO-3
+    "optimizer+params" and, when it describes its NVMe, "optimizer-nvme" (pinned on a gloo
+    cluster, offload runs the same code, host and device pools both in CPU memory: what tests
+    check numerics and bytes with). An offloaded
     configuration is solved only where its twin without offload does not prune it
     (autopar/search/outer.py), and its plan offloads the fewest chunks that fit
     (autopar/search/predict.py ``offload_fraction``)."""
@@ -137,10 +138,16 @@ def offload_choices(cluster: Cluster, constraints: dict) -> list[str]:
             raise ConstraintError(f"constraint offload={constraints['offload']!r} cannot be met: cluster "
                                   f"{cluster.name!r} describes no host (memory, copy and CPU bandwidth); add a "
                                   f"`host:` section to its YAML (examples/cluster.yaml) or use a preset that has one")
+        if constraints["offload"] == "optimizer-nvme" and cluster.nvme is None:
+            raise ConstraintError(f"constraint offload='optimizer-nvme' cannot be met: cluster {cluster.name!r} "
+                                  f"describes no NVMe (capacity, read and write bandwidth); add an `nvme:` section "
+                                  f"to its YAML (examples/cluster.yaml) or offload to the host (offload='optimizer')")
         return [constraints["offload"]]
     if cluster.host is None or cluster.backend == "gloo":
         return ["none"]   # gloo: the devices' memory is the host's, offloading frees none of it
-    return ["none", "optimizer", "optimizer+params"]
+    # NVMe: the host's optimizer state on the drives, priced strictly slower than keeping it in
+    # host memory (pricing/offload.py), so chosen only where the host cannot hold it
+    return ["none", "optimizer", "optimizer+params"] + (["optimizer-nvme"] if cluster.nvme is not None else [])
 
 
 def allowed_meshes(cluster: Cluster, constraints: dict):
