@@ -128,10 +128,11 @@ class HostOffload:
 
     def nvme_bytes(self) -> dict[str, int]:
         """"optimizer-nvme": bytes of state read from and written to the files since the last
-        reset, and the files' size on disk (all 0 otherwise)."""
+        reset, the files' size on disk and the host buffer the state streams through (all 0
+        otherwise)."""
         if self.nvme is None:
-            return dict(read=0, write=0, disk=0)
-        return dict(self.nvme.bytes, disk=self.nvme.disk_bytes())
+            return dict(read=0, write=0, disk=0, buffer=0)
+        return dict(self.nvme.bytes, disk=self.nvme.disk_bytes(), buffer=self.nvme.buffer_bytes())
 
     def reset_bytes(self) -> None:
         self.bytes.update(d2h=0, h2d=0)
