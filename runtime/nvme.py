@@ -8,11 +8,15 @@ the file, and checkpoints read and write the state like any tensor). ``directory
 temporary directory per rank. The files and their directory are removed by ``close()`` (and when
 the store is collected, or at exit).
 
-The step streams each chunk's state through a host buffer sized to the largest chunk's state
-(``read``: file -> buffer, ``write``: buffer -> file), so the CPU step works on memory it owns and
-the files see one sequential read and one sequential write of the state per step, counted in
-``bytes`` (``read``, ``write``). The files are memory-mapped, not opened with O_DIRECT: the
-kernel's page cache may keep recently used pages, clean once written back and reclaimable.
+The step streams each chunk's state through two host buffers, each sized to the largest chunk's
+state, on one I/O thread (``prefetch``: file -> the next buffer; ``take``: wait for it;
+``write_back``: buffer -> file; ``drain``: wait for every write): the thread reads chunk i+1's
+state while the CPU steps chunk i, and writes chunk i back while chunk i+1 steps (torch's copies
+release the GIL). The thread runs its work in order, so a buffer is read into only after the
+write from it is done. The CPU step works on memory it owns and the files see one sequential read
+and one sequential write of the state per step, counted in ``bytes`` (``read``, ``write``). The
+files are memory-mapped, not opened with O_DIRECT: the kernel's page cache may keep recently used
+pages, clean once written back and reclaimable.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -30,8 +35,12 @@ def _remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _stop(pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True)
+
+
 class NvmeStore:
-    """File-backed optimizer state of the offloaded chunks, and the buffer the step streams it through."""
+    """File-backed optimizer state of the offloaded chunks, and the buffers the step streams it through."""
 
     def __init__(self, directory: Optional[str], tag: str):
         if directory is not None:
@@ -42,7 +51,11 @@ class NvmeStore:
         self._finalizer = weakref.finalize(self, _remove, self.path)
         self.files: dict[str, str] = {}     # "<chunk>.<name>" -> its file
         self.bytes = {"read": 0, "write": 0}
-        self._buffer: dict[str, Tensor] = {}
+        self._buffers: tuple[dict[str, Tensor], dict[str, Tensor]] = ({}, {})
+        self._next = 0      # the buffer the next prefetch fills
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autopar-nvme")
+        self._pool_finalizer = weakref.finalize(self, _stop, self._pool)
+        self._writes: list[Future] = []
 
     def state(self, index: int, initial: dict[str, Tensor]) -> dict[str, Tensor]:
         """Chunk ``index``'s state as file-backed tensors holding ``initial``'s values."""
@@ -53,36 +66,58 @@ class NvmeStore:
             f.copy_(t)
             self.files[f"{index}.{name}"] = path
             out[name] = f
-            cur = self._buffer.get(name)
-            if cur is None or cur.numel() < t.numel():   # the buffer: the largest chunk's state
-                self._buffer[name] = torch.empty(t.numel(), dtype=torch.float32)
+            for buffers in self._buffers:
+                cur = buffers.get(name)
+                if cur is None or cur.numel() < t.numel():   # each buffer: the largest chunk's state
+                    buffers[name] = torch.empty(t.numel(), dtype=torch.float32)
         return out
 
-    def read(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        """A chunk's file-backed state copied into the buffer; the buffer's views, to step."""
-        out = {}
-        for name, f in state.items():
-            b = self._buffer[name][:f.numel()]
-            b.copy_(f)
-            self.bytes["read"] += f.numel() * f.element_size()
-            out[name] = b
-        return out
+    def prefetch(self, state: dict[str, Tensor]) -> Future:
+        """Start copying a chunk's file-backed state into the next buffer (on the I/O thread)."""
+        buffers = self._buffers[self._next]
+        self._next ^= 1
 
-    def write(self, state: dict[str, Tensor], stepped: dict[str, Tensor]) -> None:
-        """The stepped buffer back into the chunk's files."""
-        for name, f in state.items():
-            f.copy_(stepped[name])
-            self.bytes["write"] += f.numel() * f.element_size()
+        def read() -> dict[str, Tensor]:
+            out = {}
+            for name, f in state.items():
+                b = buffers[name][:f.numel()]
+                b.copy_(f)
+                self.bytes["read"] += f.numel() * f.element_size()
+                out[name] = b
+            return out
+        return self._pool.submit(read)
+
+    @staticmethod
+    def take(handle: Future) -> dict[str, Tensor]:
+        """The prefetched state: views of its buffer, to step."""
+        return handle.result()
+
+    def write_back(self, state: dict[str, Tensor], stepped: dict[str, Tensor]) -> None:
+        """Start copying the stepped buffer back into the chunk's files (on the I/O thread)."""
+        def write() -> None:
+            for name, f in state.items():
+                f.copy_(stepped[name])
+                self.bytes["write"] += f.numel() * f.element_size()
+        self._writes.append(self._pool.submit(write))
+
+    def drain(self) -> None:
+        """Wait for every write back (the files hold the step's state after it)."""
+        for w in self._writes:
+            w.result()
+        self._writes.clear()
 
     def disk_bytes(self) -> int:
         """Bytes of the state files on disk."""
         return sum(os.path.getsize(p) for p in self.files.values() if os.path.exists(p))
 
     def buffer_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffer.values())
+        return sum(b.numel() * b.element_size() for buffers in self._buffers for b in buffers.values())
 
     def close(self) -> None:
-        """Remove the files and their directory (the mapped tensors stay readable until dropped)."""
+        """Finish the writes, stop the I/O thread and remove the files and their directory (the
+        mapped tensors stay readable until dropped)."""
+        self.drain()
+        self._pool_finalizer()
         self._finalizer()
 
 

@@ -12,9 +12,9 @@ their host buffers and runs their part of the step. ``mode``:
   place (no h2d at the step).
 * ``"optimizer-nvme"`` (ZeRO-Infinity's split): as ``"optimizer"``, but the optimizer state lives
   in files (runtime/nvme.py, in ``directory``: the user's ``offload_dir``, else a temporary
-  directory per rank, removed by ``close``), read into a host buffer before the chunk's CPU step
-  and written back after it (``nvme_bytes``: read = write = the state's bytes per step); the fp32
-  master stays in host memory.
+  directory per rank, removed by ``close``), read into a host buffer while the previous chunk
+  steps and written back while the next one does (``nvme_bytes``: read = write = the state's
+  bytes per step); the fp32 master stays in host memory.
 
 At ``step()``, after the averaging and the clipping norm (on the device: its collectives need
 device tensors; the coefficient scales the host's fp32 upcast, the same product as the device's),
@@ -194,32 +194,42 @@ class HostOffload:
 
         queue = list(self.indices)
         ready = fetch(queue.pop(0)) if queue else None
+        # nvme: the next offloaded chunk's state is read while this one steps (runtime/nvme.py)
+        states: dict = {}
+        if self.nvme is not None and self.indices:
+            states[self.indices[0]] = self.nvme.prefetch(chunks[self.indices[0]].state)
         for i, c in enumerate(chunks):
             if not c.offloaded:
                 device_update(c, grads[i])
                 continue
+            if self.nvme is not None and queue:
+                states[queue[0]] = self.nvme.prefetch(chunks[queue[0]].state)
             following = fetch(queue.pop(0)) if queue else None
             if ready is not None:
                 ready.synchronize()
-            self._update(c, coef, per_param, host_step)
+            self._update(c, coef, per_param, host_step, states.pop(i, None))
             self._put_back(c, side)
             if gather is not None:
                 if cuda:   # the collective's stream waits for the copy, not the host
                     main.wait_stream(side)
                 gather(c)
             ready = following
+        if self.nvme is not None:
+            self.nvme.drain()         # the files hold the stepped state
         if cuda:
             side.synchronize()        # every copy landed: the host buffers are free again
             main.wait_stream(side)
 
-    def _update(self, c: Chunk, coef: Optional[Tensor], per_param: bool, host_step: Callable) -> None:
+    def _update(self, c: Chunk, coef: Optional[Tensor], per_param: bool, host_step: Callable,
+                prefetched=None) -> None:
         """The CPU optimizer step of one chunk's host master from its staged gradient (the same
-        calls as the device step: per parameter at stage 0 with an elementwise optimizer)."""
+        calls as the device step: per parameter at stage 0 with an elementwise optimizer);
+        ``prefetched`` (nvme): the read of its state, started earlier."""
         # fp32: the streamed sum, or the staged gradient upcast (fp32: the staging buffer itself)
         g = c.host_acc if c.stream_grads else c.host_grad.float()
         if coef is not None:
             g.mul_(coef)
-        state = c.state if self.nvme is None else self.nvme.read(c.state)   # nvme: files -> buffer
+        state = c.state if self.nvme is None else self.nvme.take(prefetched)   # nvme: files -> buffer
         if per_param:
             for i, p in enumerate(c.params):
                 a, b = c.offsets[i], c.offsets[i] + p.numel()
@@ -227,7 +237,7 @@ class HostOffload:
         else:
             host_step(c, c.master, g, state, None)
         if self.nvme is not None:
-            self.nvme.write(c.state, state)
+            self.nvme.write_back(c.state, state)   # buffer -> files, while the next chunk steps
 
     def _put_back(self, c: Chunk, side) -> None:
         """The updated master, in the working dtype, to where the device keeps it (stage 0: the
