@@ -106,9 +106,10 @@ class HostOffload:
         the streamed shards (stages 2-3) and (optimizer+params) the parameter shard; ``index``:
         the chunk's position (its state files' names)."""
         n = init.numel()
-        c.state = {k: self.hostify(v) for k, v in optimizer.init_state(n, device=HOST).items()}
-        if self.nvme is not None:   # the state in files, its initial values written there
-            c.state = self.nvme.state(index, c.state)
+        state = optimizer.init_state(n, device=HOST)
+        # nvme: the state in files, its initial values written there
+        c.state = self.nvme.state(index, state) if self.nvme is not None else \
+            {k: self.hostify(v) for k, v in state.items()}
         c.master = self.hostify(init.to(HOST, torch.float32, copy=True))
         c.host_grad = self.hostify(torch.zeros(n, dtype=self.dtype))
         if c.stream_grads:
