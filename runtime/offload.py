@@ -14,7 +14,7 @@ their host buffers and runs their part of the step. ``mode``:
   in files (runtime/nvme.py, in ``directory``: the user's ``offload_dir``, else a temporary
   directory per rank, removed by ``close``), read into a host buffer while the previous chunk
   steps and written back while the next one does (``nvme_bytes``: read = write = the state's
-  bytes per step); the fp32 master stays in host memory.
+  bytes per step); the fp32 master stays in host memory. ``"optimizer+params-nvme"``: both.
 
 At ``step()``, after the averaging and the clipping norm (on the device: its collectives need
 device tensors; the coefficient scales the host's fp32 upcast, the same product as the device's),
@@ -42,7 +42,7 @@ from runtime.nvme import NvmeStore
 from runtime.optim import FlatOptimizer
 from runtime.zero_chunk import Chunk, nbytes, total_bytes
 
-OFFLOADS = ("none", "optimizer", "optimizer+params", "optimizer-nvme")
+OFFLOADS = ("none", "optimizer", "optimizer+params", "optimizer-nvme", "optimizer+params-nvme")
 HOST = torch.device("cpu")
 
 
@@ -51,14 +51,15 @@ def check_offload(mode: str, fraction: float, stage: int, directory: Optional[st
     a state directory for a mode that writes no files."""
     if mode not in OFFLOADS:
         raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOADS))}, got {mode!r}")
-    if mode == "optimizer+params" and stage != 3:
-        raise ValueError("optimizer+params offloads ZeRO-3's parameter shards; use zero_stage=3")
+    if mode.startswith("optimizer+params") and stage != 3:
+        raise ValueError(f"{mode} offloads ZeRO-3's parameter shards; use zero_stage=3")
     if not 0 < fraction <= 1:
         raise ValueError(f"offload_fraction must be in (0, 1], got {fraction}")
     if mode == "none" and fraction != 1:
-        raise ValueError("offload_fraction is for offload='optimizer', 'optimizer+params' or 'optimizer-nvme'")
-    if directory is not None and mode != "optimizer-nvme":
-        raise ValueError(f"offload_dir is for offload='optimizer-nvme', got offload={mode!r}")
+        raise ValueError("offload_fraction is for an offload mode, not offload='none'")
+    if directory is not None and not mode.endswith("-nvme"):
+        raise ValueError(f"offload_dir is for offload='optimizer-nvme' or 'optimizer+params-nvme', "
+                         f"got offload={mode!r}")
 
 
 class HostOffload:
@@ -71,8 +72,8 @@ class HostOffload:
         check_offload(mode, fraction, stage, directory)
         self.mode, self.fraction, self.stage, self.device, self.dtype = mode, float(fraction), stage, device, dtype
         self.active = mode != "none"                 # masters + state on the host, CPU step
-        self.params = mode == "optimizer+params"     # ... and ZeRO-3's parameter shards
-        self.nvme = NvmeStore(directory, tag) if mode == "optimizer-nvme" else None   # ... or the state in files
+        self.params = mode.startswith("optimizer+params")   # ... and ZeRO-3's parameter shards
+        self.nvme = NvmeStore(directory, tag) if mode.endswith("-nvme") else None   # ... the state in files
         self.pin = device.type == "cuda"             # pinned host buffers: truly asynchronous copies
         self.bytes = {"d2h": 0, "h2d": 0}
         self.indices: list[int] = []                 # the offloaded chunks' positions

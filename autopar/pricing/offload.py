@@ -32,7 +32,8 @@ through a buffer of one chunk's state, so the I/O pipelines with the CPU step an
 them: the step costs the largest of the four, plus one chunk's I/O start (``NVME_LATENCY``) that
 keeps it strictly slower than the same offload kept in host memory. The state must fit the rank's
 share of the NVMe capacity (``nvme_budget``); the host keeps master 4 + staging (+ 4 streamed)
-per element.
+per element. ``"optimizer+params-nvme"`` (ZeRO-3): the same, with ZeRO-3's parameter shards on
+the host as under "optimizer+params" (ZeRO-Infinity's offload of both).
 Torch-free.
 """
 from __future__ import annotations
@@ -44,7 +45,9 @@ from autopar.errors import ConstraintError
 from autopar.pricing.cost import MIXED_CAST_BYTES, optimizer_bytes_per_element, profile_of
 from autopar.pricing.memory import STATE_BYTES, check_optimizer, check_precision
 
-OFFLOAD_MODES = ("none", "optimizer", "optimizer+params", "optimizer-nvme")
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params", "optimizer-nvme", "optimizer+params-nvme")
+PARAM_MODES = ("optimizer+params", "optimizer+params-nvme")   # ZeRO-3's parameter shards on the host too
+NVME_MODES = ("optimizer-nvme", "optimizer+params-nvme")      # the optimizer state on the node's NVMe
 # a plan's predictions["offload"] byte counts (held, per step), which scale with the offloaded share
 OFFLOAD_BYTES = ("host_bytes", "d2h_bytes", "h2d_bytes", "nvme_bytes")
 

@@ -27,7 +27,7 @@ from autopar.pricing.cost import (TRUST_NORM_BYTES_PER_TENSOR, TRUST_RATIO_OPTIM
 from autopar.pricing.edge_price import _price_edges
 from autopar.pricing.local_bytes import block_fraction, runtime_itemsize
 from autopar.pricing.memory import state_bytes, zero_shard
-from autopar.pricing.offload import offload_price
+from autopar.pricing.offload import NVME_MODES, PARAM_MODES, offload_price
 from autopar.mesh import Mesh
 from autopar.pricing.saved_roots import _saved_roots, device_order, device_storage_roots, runs_cuda
 from autopar.rules.table import shape as tensor_shape
@@ -47,7 +47,8 @@ class Settings:
     checkpoint: str | tuple | None = None
     kernels: bool = False   # the plan runs the Triton kernels (autopar/frontend/fuse.py): fused optimizer step
     offload: str = "none"   # "optimizer": master weights and optimizer state on the host (pricing/offload.py);
-    # "optimizer+params" also ZeRO-3's parameter shards; "optimizer-nvme": the state on NVMe
+    # "optimizer+params" also ZeRO-3's parameter shards; "optimizer-nvme": the state on NVMe;
+    # "optimizer+params-nvme": both
     offload_all: bool = False   # offload every chunk (a pin), not the fewest that fit (predict.offload_fraction)
 
 
@@ -346,7 +347,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                 if s.offload != "none" and name in c.needs_grad:
                     off = offload_price(opt_local, s.optimizer, s.precision, cluster, s.zero, nm,
                                         optimizer_step_time(1, s.optimizer, s.precision, device, cal),
-                                        params=s.offload == "optimizer+params", nvme=s.offload == "optimizer-nvme")
+                                        params=s.offload in PARAM_MODES, nvme=s.offload in NVME_MODES)
                     static["kept_optimizer"][j] = sb["optimizer"] * k
                     static["kept_grads"][j] = sb["grads"] * k if s.zero >= 2 else 0.0
                     static["kept_params"][j] = sb["params"] * k if off.gather_h2d_bytes else 0.0

@@ -11,7 +11,7 @@ import numpy as np
 from autopar.cluster import Cluster
 from autopar.plans.plan_schema import checkpoint_mode_of
 from autopar.pricing.cost import exposed_comm, profile_of
-from autopar.pricing.offload import OFFLOAD_BYTES, host_budget, nvme_budget
+from autopar.pricing.offload import NVME_MODES, OFFLOAD_BYTES, host_budget, nvme_budget
 from autopar.pricing.price import (DEVICE_STATIC, Priced, Settings, device_static, has_contraction, offload_partial,
                                    step_host_time)
 from autopar.rules.attention_core import attention_cores
@@ -213,10 +213,10 @@ def offload_prediction(P: Priced, pick: dict, s: Settings, cluster: Cluster) -> 
         if n in pick and "host" in st:
             for k in tot:
                 tot[k] += float(st[k][pick[n]])
-    out = {"mode": s.offload, "target": "nvme" if s.offload == "optimizer-nvme" else "host", "fraction": 1.0,
+    out = {"mode": s.offload, "target": "nvme" if s.offload in NVME_MODES else "host", "fraction": 1.0,
            "host_bytes": int(round(tot["host"])), "host_budget": int(host_budget(cluster)),
            "d2h_bytes": int(round(tot["d2h"])), "h2d_bytes": int(round(tot["h2d"]))}
-    if s.offload == "optimizer-nvme":   # the optimizer state on the drives, read and written each step
+    if s.offload in NVME_MODES:   # the optimizer state on the drives, read and written each step
         out.update(nvme_bytes=int(round(tot["nvme"])), nvme_budget=int(nvme_budget(cluster)))
     return out
 

@@ -20,7 +20,7 @@ from autopar.rules.candidates import Candidates
 from autopar.search.build import bound_problem, build_problem, chosen, work_problem
 from autopar.search.configurations import Config
 from autopar.search.context import Incumbent, Result, SearchContext
-from autopar.pricing.offload import host_budget, nvme_budget
+from autopar.pricing.offload import NVME_MODES, host_budget, nvme_budget
 from autopar.search.predict import host_bytes_of, predict, static_memory_lower_bound, step_time_lower_bound
 from solver.errors import SolverTimeout
 from solver.ilp import memory_floor_exceeds_budget, mip_reaches, relaxation_bound, solve
@@ -126,7 +126,7 @@ def _static_memory(v: _Visit) -> bool:
     if need > host_budget(v.ctx.cluster):
         _host_exceeded(v.ctx.stats, need)   # the host cannot hold even the least any plan offloads
         return True
-    if v.cfg.settings.offload == "optimizer-nvme" and host_bytes_of(v.P, key="nvme") > nvme_budget(v.ctx.cluster):
+    if v.cfg.settings.offload in NVME_MODES and host_bytes_of(v.P, key="nvme") > nvme_budget(v.ctx.cluster):
         v.ctx.stats.infeasible += 1   # the drives cannot hold even the least state any plan puts there
         return True
     if static_memory_lower_bound(v.P) <= v.ctx.base.budget:

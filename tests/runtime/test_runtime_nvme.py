@@ -3,7 +3,8 @@
 
 Two gloo processes: the MLP of test_runtime_optim.py trained 3 steps with ZeRO 0-3 x {SGD with
 momentum, AdamW} (fp32 and a bf16 working dtype), once with the state in host memory
-(``"optimizer"``) and once in files: losses and parameters BIT-equal (the same host step on the
+(``"optimizer"``; ZeRO-3 also ``"optimizer+params"``) and once in files (the same mode with
+``-nvme``): losses and parameters BIT-equal (the same host step on the
 same values; only where the state lives differs), the state's values equal, and the premise:
 per step the files are read and written exactly once (``nvme_bytes`` read = write = the state's
 bytes, through two buffers of the largest chunk's state), the files on disk hold exactly the
@@ -58,12 +59,12 @@ def _train(rank, world, stage, opt_name, dtype_name, offload, offload_dir=None):
 
 
 def _case(rank, world, cfg, root):
-    stage, opt_name, dtype_name = cfg
-    given = os.path.join(root, f"rank{rank}-{stage}-{opt_name}-{dtype_name}") if stage == 1 else None
+    stage, opt_name, dtype_name, mode = cfg
+    given = os.path.join(root, f"rank{rank}-{stage}-{opt_name}-{dtype_name}-{mode}") if stage == 1 else None
     if given:
         os.makedirs(given)
-    ref, ref_losses, _ = _train(rank, world, stage, opt_name, dtype_name, "optimizer")
-    opt, losses, io = _train(rank, world, stage, opt_name, dtype_name, "optimizer-nvme", given)
+    ref, ref_losses, _ = _train(rank, world, stage, opt_name, dtype_name, mode)
+    opt, losses, io = _train(rank, world, stage, opt_name, dtype_name, mode + "-nvme", given)
     store = opt.offload.nvme
     files = dict(store.files)
     on_disk = {k: np.fromfile(p, dtype=np.float32).tolist() for k, p in files.items()}
@@ -81,7 +82,9 @@ def _case(rank, world, cfg, root):
     return out
 
 
-CONFIGS = [(stage, opt, dt) for stage in (0, 1, 2, 3) for opt in ("sgd", "adamw") for dt in ("fp32", "bf16")]
+CONFIGS = [(stage, opt, dt, "optimizer") for stage in (0, 1, 2, 3) for opt in ("sgd", "adamw")
+           for dt in ("fp32", "bf16")] + [(3, opt, dt, "optimizer+params") for opt, dt in (("sgd", "fp32"),
+                                                                                         ("adamw", "bf16"))]
 
 
 def _all(rank, world, root):
@@ -98,7 +101,7 @@ def test_nvme_offload_equals_host_offload(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("nvme"))
     for rank, results in enumerate(_runs(root)):
         for cfg, r in results.items():
-            stage, opt_name, dtype_name = cfg
+            stage, opt_name, dtype_name, _ = cfg
             where = (rank, cfg)
             assert r["losses"] == r["ref_losses"] and r["params"] == r["ref_params"], where
             assert r["state"] == r["ref_state"], where
@@ -126,3 +129,5 @@ def test_offload_dir_errors(tmp_path):
     chunks = [list(m.parameters()) for m in model]
     with pytest.raises(ValueError, match="offload_dir is for offload='optimizer-nvme'"):
         ShardedOptimizer(chunks, None, 1, _optimizer("sgd"), offload="optimizer", offload_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="optimizer\\+params-nvme offloads ZeRO-3's parameter shards"):
+        ShardedOptimizer(chunks, None, 2, _optimizer("sgd"), offload="optimizer+params-nvme")

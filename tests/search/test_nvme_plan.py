@@ -110,3 +110,27 @@ def test_cluster_nvme_yaml(tmp_path):
     assert Cluster.preset("cpu").nvme is not None   # the local disk: what the gloo tests pin
     for name in ("dgx-h100", "tacc-longhorn", "dgx2-v100", "workstation-4090"):
         assert Cluster.preset(name).nvme is None, name   # none published that we could source
+
+
+def test_free_search_offloads_parameters_and_puts_the_state_on_nvme(small):
+    """ZeRO-Infinity's offload of both ("optimizer+params-nvme", ZeRO-3): the device too small for
+    any plan that keeps its parameters, the host's share between what "optimizer+params-nvme" and
+    "optimizer+params" keep there: the parameter shards on the host, the state on the drives."""
+    model, batch, cluster = small
+    pinned = {off: autopar.plan(model, batch, cluster, constraints={"offload": off, "dp": 2, "zero": 3})
+              for off in ("optimizer+params", "optimizer+params-nvme")}
+    need_host = pinned["optimizer+params"].predictions["offload"]["host_bytes"]
+    need_nvme = pinned["optimizer+params-nvme"].predictions["offload"]
+    assert need_nvme["target"] == "nvme" and need_nvme["nvme_bytes"] > 0
+    assert need_host == pytest.approx(need_nvme["host_bytes"] + need_nvme["nvme_bytes"], rel=1e-6)
+    with pytest.raises(autopar.MemoryBudgetError) as ei:   # the least peak of a plan keeping its parameters
+        autopar.plan(model, batch, cluster, memory_budget=1000, constraints={"offload": "optimizer"})
+    budget = ei.value.min_peak_bytes - 1
+    per_rank = (need_host + need_nvme["host_bytes"]) // 2
+    small_host = dataclasses.replace(cluster, host=Host(2 * per_rank, cluster.host.copy_bandwidth,
+                                                        cluster.host.cpu_bandwidth, 2))
+    got = autopar.plan(model, batch, small_host, memory_budget=budget)
+    assert got.degrees["offload"] == "optimizer+params-nvme" and got.degrees["zero"] == 3, got.degrees
+    assert got.peak_memory <= budget
+    with pytest.raises(ConstraintError, match="'optimizer\\+params-nvme' and zero=2 contradict"):
+        autopar.plan(model, batch, cluster, constraints={"offload": "optimizer+params-nvme", "zero": 2})
