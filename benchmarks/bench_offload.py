@@ -22,7 +22,7 @@ largest without" against the published figures.
 
 Checks (``--no-checks`` skips them): at the largest shape without offload, the free search keeps
 offload "none" and "optimizer" pinned is not predicted faster; the free search's largest shape is
-also the largest "optimizer+params" pinned reaches (the next shape fails pinned too); TFLOP/s per
+also the largest "optimizer+params" ("-nvme" with NVMe) pinned reaches (the next shape fails pinned too); TFLOP/s per
 device below the device's bf16 peak. ``--quick``: modes none and free only, no checks.
 Planning times are wall times on the machine that runs it (the load average is printed first).
 """
@@ -273,11 +273,12 @@ def check_free_boundary(models, case, result) -> list[str]:
     i = best["shape"] + 1
     if i >= len(SHAPES):
         return []
-    pinned = attempt(models, case, i, "optimizer+params")
+    # the mode that holds the least on the device and, with NVMe, on the host
+    mode = "optimizer+params-nvme" if cluster_of(case).nvme is not None else "optimizer+params"
+    pinned = attempt(models, case, i, mode)
     if pinned["plan"] is not None:
-        return [f"SUSPICIOUS {case[0]} {SHAPES[i][0]}: 'optimizer+params' pinned plans where the free search "
-                f"found nothing"]
-    return [f"{case[0]} {SHAPES[i][0]}: 'optimizer+params' pinned does not plan either ({pinned['why']})"]
+        return [f"SUSPICIOUS {case[0]} {SHAPES[i][0]}: {mode!r} pinned plans where the free search found nothing"]
+    return [f"{case[0]} {SHAPES[i][0]}: {mode!r} pinned does not plan either ({pinned['why']})"]
 
 
 def main(argv=None):
