@@ -34,6 +34,10 @@ YAML cluster file (``examples/cluster.yaml`` is a complete, commented example)::
       memory: 2TB               # host memory per node, shared by its devices
       copy_bandwidth: 12.5GB/s  # host<->device bytes/s per device, per direction, all devices copying
       cpu_bandwidth: 290GB/s    # memory bandwidth an optimizer step on the CPUs reaches, per node
+    nvme:                       # optional: what offload="optimizer-nvme" prices (without it, not planned)
+      capacity: 15.36TB         # NVMe bytes per node for offloaded optimizer state, shared by its devices
+      read_bandwidth: 25GB/s    # sequential read bytes/s of the node's drives together
+      write_bandwidth: 12GB/s   # sequential write bytes/s of the node's drives together
 
 Units accepted in strings: bytes ``B kB MB GB TB`` (powers of 1000) and ``KiB MiB GiB TiB``
 (powers of 1024); FLOP/s ``k M G T P`` optionally followed by ``FLOPS`` or ``FLOP/s``;
@@ -181,6 +185,31 @@ class Host:
 
 
 @dataclass(frozen=True)
+class Nvme:
+    """The NVMe drives of one node that offload="optimizer-nvme" keeps optimizer state on
+    (autopar/pricing/offload.py): ``capacity_bytes`` per node and the drives' sequential
+    ``read_bandwidth`` / ``write_bandwidth`` (bytes/s, all drives together), shared by
+    ``shared_by`` devices (the node's devices_per_node)."""
+    capacity_bytes: int
+    read_bandwidth: float
+    write_bandwidth: float
+    shared_by: int = 1
+
+    def __post_init__(self):
+        for what, v in [("capacity", self.capacity_bytes), ("read_bandwidth", self.read_bandwidth),
+                        ("write_bandwidth", self.write_bandwidth)]:
+            if not _positive(v):
+                raise ClusterError(f"nvme: {what} = {v!r}; expected a positive number")
+        if not (isinstance(self.shared_by, int) and not isinstance(self.shared_by, bool) and self.shared_by >= 1):
+            raise ClusterError(f"nvme: shared_by = {self.shared_by!r}; expected an integer >= 1")
+
+    def per_rank(self) -> tuple[float, float, float]:
+        """(capacity bytes, read bytes/s, write bytes/s) of one rank's share of the node's drives."""
+        k = self.shared_by
+        return self.capacity_bytes / k, self.read_bandwidth / k, self.write_bandwidth / k
+
+
+@dataclass(frozen=True)
 class Cluster:
     name: str
     nodes: int
@@ -191,6 +220,7 @@ class Cluster:
     backend: str = "nccl"
     calibration: Any = None   # autopar.profile.Calibration (measured rates), or None: see cost.profile_of
     host: Host | None = None   # None: no host described, offload is not planned
+    nvme: Nvme | None = None   # None: no NVMe described, offload="optimizer-nvme" is not planned
 
     def __post_init__(self):
         for what, v in [("nodes", self.nodes), ("devices_per_node", self.devices_per_node)]:
@@ -249,6 +279,8 @@ class Cluster:
             **({"calibration": self.calibration.to_dict()} if self.calibration is not None else {}),
             **({"host": {"memory": int(self.host.memory_bytes), "copy_bandwidth": float(self.host.copy_bandwidth),
                          "cpu_bandwidth": float(self.host.cpu_bandwidth)}} if self.host is not None else {}),
+            **({"nvme": {"capacity": int(self.nvme.capacity_bytes), "read_bandwidth": float(self.nvme.read_bandwidth),
+                         "write_bandwidth": float(self.nvme.write_bandwidth)}} if self.nvme is not None else {}),
         }
 
     def with_calibration(self, calibration) -> "Cluster":
@@ -320,9 +352,10 @@ def _host(memory: float, copy: float, cpu: float, per_node: int) -> Host:
 
 
 def _dgx(name: str, device: Device, intra: Link, inter: Link, host: tuple = None, per_node_max: int = 8,
-         what: str = "a DGX node"):
+         what: str = "a DGX node", nvme: tuple = None):
     """A preset whose machines hold ``per_node_max`` GPUs (``devices`` may ask for fewer);
-    ``host``: (memory per node, copy bytes/s per device, CPU bytes/s per node)."""
+    ``host``: (memory per node, copy bytes/s per device, CPU bytes/s per node); ``nvme``:
+    (capacity per node, read bytes/s, write bytes/s of the node's drives)."""
     def make(nodes: int, devices: int | None) -> Cluster:
         _check_count("nodes", nodes, name)
         per_node = per_node_max if devices is None else devices
@@ -331,7 +364,8 @@ def _dgx(name: str, device: Device, intra: Link, inter: Link, host: tuple = None
             raise ClusterError(f"preset {name!r}: devices={per_node} is devices per node and {what} has "
                                f"{per_node_max}; use nodes={-(-per_node // per_node_max)} for more GPUs")
         return Cluster(name, nodes, per_node, device, intra, inter, "nccl",
-                       host=_host(*host, per_node) if host is not None else None)
+                       host=_host(*host, per_node) if host is not None else None,
+                       nvme=Nvme(int(nvme[0]), nvme[1], nvme[2], per_node) if nvme is not None else None)
     return make
 
 
@@ -350,8 +384,10 @@ def _cpu(nodes: int, devices: int | None) -> Cluster:
                     kernel_overhead=1e-6)
     link = Link(1e9, 5e-5)
     # Host: the same machine's memory (16 GiB assumed for the node) and its ~10 GB/s memory
-    # bandwidth, both for "copies" between the two pools and for the CPU optimizer step.
-    return Cluster("cpu", 1, per_node, device, link, link, "gloo", host=_host(16 * 2**30, 10e9, 10e9, per_node))
+    # bandwidth, both for "copies" between the two pools and for the CPU optimizer step. NVMe:
+    # the machine's local disk (64 GiB for offloaded state, ~1 GB/s each way assumed).
+    return Cluster("cpu", 1, per_node, device, link, link, "gloo", host=_host(16 * 2**30, 10e9, 10e9, per_node),
+                   nvme=Nvme(64 * 2**30, 1e9, 1e9, per_node))
 
 
 # TACC Longhorn (the V100 machine of the 2D/2.5D/3D tensor-parallelism papers' 64-GPU runs).
@@ -386,6 +422,14 @@ V100_SXM2_16GB = Device("V100-SXM2-16GB", FrozenMap({"bf16": 125e12, "fp16": 125
 #        Platinum 8168): 6 channels DDR4-2666 = 128 GB/s per socket -> 179 GB/s; PCIe 3.0 x16
 #        measured ~12 GB/s, two GPUs per switch uplink -> 6 GB/s per GPU; NVSwitch 150 GB/s per
 #        direction x0.76 = 114 GB/s bus bandwidth; 8 × EDR 100 Gb/s for 16 GPUs x0.9 = 5.6 GB/s.
+# NVMe (what offload="optimizer-nvme" is priced with), only where the drives are published:
+#  DGX A100: 4 × 3.84 TB U.2 NVMe internal storage = 15.36 TB (NVIDIA DGX A100 datasheet and user
+#        guide, "Internal Storage: 15 TB (4x 3.84 TB) U.2 NVMe drives"; Microway's DGX A100 review:
+#        "15TB high-speed NVMe SSD Scratch Space"), PCIe 4.0 drives in RAID 0: ~25 GB/s aggregate
+#        sequential read (about 7 GB/s per Gen4 U.2 drive of that class, x4, less RAID overhead; the
+#        figure ZeRO-Infinity quotes for a node's aggregate NVMe read) and 12 GB/s write (about
+#        3.5 GB/s per drive, x4, x0.85). Estimates from drive data sheets, not measured.
+#  Other presets: no NVMe (none published that we could source; describe it in the YAML).
 #  Workstation: one RTX 4090 (GeForce RTX 4090 data sheet / Ada whitepaper: 165 TFLOP/s dense
 #        bf16 with fp32 accumulate, 82.6 TFLOP/s fp32, 24 GB GDDR6X at 1,008 GB/s) in a PCIe 4.0
 #        x16 slot (25 GB/s), 128 GB of dual-channel DDR5-5600 (89.6 GB/s -> 63 GB/s).
@@ -398,7 +442,8 @@ PRESETS = {
     "dgx-a100": _dgx("dgx-a100",
                      Device("A100-SXM4-80GB", FrozenMap({"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}),
                             80_000_000_000, 2.039e12),
-                     Link(230e9, 5e-6), Link(25e9, 1e-5), host=(2e12, 12.5e9, 290e9)),
+                     Link(230e9, 5e-6), Link(25e9, 1e-5), host=(2e12, 12.5e9, 290e9),
+                     nvme=(15.36e12, 25e9, 12e9)),
     "dgx-h100": _dgx("dgx-h100",
                      Device("H100-SXM5-80GB", FrozenMap({"bf16": 989e12, "fp16": 989e12, "fp32": 494.5e12}),
                             80_000_000_000, 3.35e12),
@@ -417,8 +462,10 @@ PRESETS = {
 # Parsing and validation of the YAML / dict schema
 # ---------------------------------------------------------------------------------------------
 
-_TOP = ("name", "preset", "nodes", "devices_per_node", "devices", "backend", "device", "links", "calibration", "host")
+_TOP = ("name", "preset", "nodes", "devices_per_node", "devices", "backend", "device", "links", "calibration", "host",
+        "nvme")
 _HOST = ("memory", "copy_bandwidth", "cpu_bandwidth")
+_NVME = ("capacity", "read_bandwidth", "write_bandwidth")
 _DEVICE = ("name", "memory", "peak_flops", "hbm_bandwidth", "kernel_overhead")
 _LINKS = ("intra", "inter")
 _LINK = ("bandwidth", "latency")
@@ -501,7 +548,7 @@ def _parse(data, source: str) -> Cluster:
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise r.fail("preset", f"unknown preset {_show(name)}; {hint}known presets: {', '.join(PRESETS)}")
         # validate the overrides' keys before merging so errors point at the user's own fields
-        for key, allowed in (("device", _DEVICE), ("links", _LINKS), ("host", _HOST)):
+        for key, allowed in (("device", _DEVICE), ("links", _LINKS), ("host", _HOST), ("nvme", _NVME)):
             if key in data:
                 r.mapping(data[key], key, allowed)
         base = PRESETS[name](1, None).to_dict()
@@ -580,4 +627,10 @@ def _parse(data, source: str) -> Cluster:
         hmem = r.quantity(hd["memory"], "host.memory", "bytes")
         host = Host(int(hmem), r.quantity(hd["copy_bandwidth"], "host.copy_bandwidth", "bandwidth"),
                     r.quantity(hd["cpu_bandwidth"], "host.cpu_bandwidth", "bandwidth"), per_node)
-    return Cluster(name, nodes, per_node, device, links["intra"], links["inter"], backend, calibration, host)
+    nvme = None
+    if "nvme" in data:
+        nd = r.mapping(data["nvme"], "nvme", _NVME, required=_NVME)
+        cap = r.quantity(nd["capacity"], "nvme.capacity", "bytes")
+        nvme = Nvme(int(cap), r.quantity(nd["read_bandwidth"], "nvme.read_bandwidth", "bandwidth"),
+                    r.quantity(nd["write_bandwidth"], "nvme.write_bandwidth", "bandwidth"), per_node)
+    return Cluster(name, nodes, per_node, device, links["intra"], links["inter"], backend, calibration, host, nvme)

@@ -29,7 +29,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 SCHEDULE_ALIASES = {"interleaved_1f1b": "interleaved-1f1b", "interleaved": "interleaved-1f1b",
                     "zero_bubble": "zero-bubble", "zb": "zero-bubble"}
 CHECKPOINT_MODES = ("none", "selective", "full")
-OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params", "optimizer-nvme", "optimizer+params-nvme")
 
 
 @dataclass(frozen=True, repr=False)
@@ -108,8 +108,11 @@ class Constraints:
     """What lives off the device: ``"none"`` (``False`` is the older spelling); ``"optimizer"``
     (``True``): the fp32 master weights and optimizer state on host memory, the optimizer step on
     the CPU; ``"optimizer+params"``: ZeRO-3's parameter shards also on the host between uses (needs
-    zero=3). Not pinned, the search offloads only where it is faster or nothing else fits. Not with
-    the grid modes (2d / 2.5d / 3d) yet."""
+    zero=3); ``"optimizer-nvme"`` (ZeRO-Infinity's split): the fp32 masters on the host, the
+    optimizer state (Adam's m and v) in files on the node's NVMe, streamed through the CPU step
+    (needs the cluster's ``nvme:``); ``"optimizer+params-nvme"``: both (zero=3). Not pinned, the
+    search offloads only where it is faster or nothing else fits (to NVMe only where the host
+    cannot hold the state). Not with the grid modes (2d / 2.5d / 3d) yet."""
 
     def __post_init__(self):
         _validate(self)
@@ -293,9 +296,9 @@ def _check_offload(c: Constraints) -> None:
     if v not in OFFLOAD_MODES:
         raise ConstraintError(f"constraint offload={v!r}: must be one of {', '.join(map(repr, OFFLOAD_MODES))} "
                               f"(or False / True for 'none' / 'optimizer')")
-    if v == "optimizer+params" and c.zero is not None and c.zero != 3:
-        raise ConstraintError(f"constraints offload='optimizer+params' and zero={c.zero} contradict each other: "
-                              f"'optimizer+params' keeps ZeRO-3's parameter shards on the host; pin zero=3, or "
+    if v in ("optimizer+params", "optimizer+params-nvme") and c.zero is not None and c.zero != 3:
+        raise ConstraintError(f"constraints offload={v!r} and zero={c.zero} contradict each other: "
+                              f"{v!r} keeps ZeRO-3's parameter shards on the host; pin zero=3, or "
                               f"offload='optimizer'")
     if v != "none" and c.tp_mode in ("2d", "2.5d", "3d"):
         raise ConstraintError(f"constraint offload={v!r} cannot be met with tp_mode={c.tp_mode!r}: the grid modes "

@@ -15,13 +15,14 @@ ZeRO-Offload's design; ``"free"``: nothing pinned, the search offloads where it 
 the next shape's failure is reported with its reason: the device (MemoryBudgetError's smallest
 peak) or the host (the node's host memory below the bytes any offloaded plan keeps there: 18 B
 per parameter for "optimizer" on one device, ZeRO-2 streamed, 14 on several (ZeRO-1); 20 B with
-"optimizer+params"), with what the planner's error said.
+"optimizer+params"; 8 B less each with the state on NVMe, "-nvme", where the preset has NVMe),
+with what the planner's error said.
 Every attempt is printed as it runs, then the table and the ratio "largest with offload /
 largest without" against the published figures.
 
 Checks (``--no-checks`` skips them): at the largest shape without offload, the free search keeps
 offload "none" and "optimizer" pinned is not predicted faster; the free search's largest shape is
-also the largest "optimizer+params" pinned reaches (the next shape fails pinned too); TFLOP/s per
+also the largest "optimizer+params" ("-nvme" with NVMe) pinned reaches (the next shape fails pinned too); TFLOP/s per
 device below the device's bf16 peak. ``--quick``: modes none and free only, no checks.
 Planning times are wall times on the machine that runs it (the load average is printed first).
 """
@@ -86,7 +87,7 @@ PUBLISHED = """Published, for comparison (GPT-2-like models, mixed precision, Ad
   offloaded to a DGX-2's host), 40 TFLOP/s for a 10B model on that GPU; PyTorch DDP alone: about
   1.4B on the same GPU ("10x larger").
 - Colossal-AI Gemini (heterogeneous memory manager): 20x larger GPT-2 than PyTorch on one GPU
-  (and 120x with NVMe offload, which autopar does not model)."""
+  (and 120x with NVMe offload; autopar models NVMe on presets that describe it: dgx-a100)."""
 
 
 def cluster_of(case):
@@ -119,10 +120,12 @@ def host_need_per_param(mode: str, devices: int) -> int:
     rank's shard): master 4 + AdamW state 8 + gradient staging 2, + the fp32 sum 4 of streamed
     gradients (ZeRO 2-3, and any offloaded plan on one data-parallel rank), + 2 for the
     working-dtype parameters with "optimizer+params" (ZeRO-3, streamed). "optimizer" on several
-    devices may be ZeRO-1 (not streamed)."""
-    if mode == "optimizer+params":
-        return host_bytes_per_element(OPTIMIZER, PRECISION, streamed=True) + working_bytes(PRECISION)
-    return host_bytes_per_element(OPTIMIZER, PRECISION, streamed=devices == 1)
+    devices may be ZeRO-1 (not streamed). The "-nvme" modes keep the AdamW state on the NVMe
+    drives instead (8 bytes less)."""
+    nvme = mode.endswith("-nvme")
+    if mode.startswith("optimizer+params"):
+        return host_bytes_per_element(OPTIMIZER, PRECISION, streamed=True, nvme=nvme) + working_bytes(PRECISION)
+    return host_bytes_per_element(OPTIMIZER, PRECISION, streamed=devices == 1, nvme=nvme)
 
 
 def attempt(models, case, i, mode):
@@ -166,8 +169,9 @@ def why_not(cluster, params, mode, err) -> str:
     if mode == "none" or cluster.host is None:
         return said
     node = cluster.host.memory_bytes
-    needs = [(m, host_need_per_param(m, cluster.num_devices)) for m in
-             (("optimizer", "optimizer+params") if mode == "free" else (mode,))]
+    free = ("optimizer", "optimizer+params") + (("optimizer-nvme", "optimizer+params-nvme")
+                                                if cluster.nvme is not None else ())
+    needs = [(m, host_need_per_param(m, cluster.num_devices)) for m in (free if mode == "free" else (mode,))]
     over = [(m, per) for m, per in needs if per * params / cluster.nodes > node]
     if not over:
         return said
@@ -269,17 +273,19 @@ def check_free_boundary(models, case, result) -> list[str]:
     i = best["shape"] + 1
     if i >= len(SHAPES):
         return []
-    pinned = attempt(models, case, i, "optimizer+params")
+    # the mode that holds the least on the device and, with NVMe, on the host
+    mode = "optimizer+params-nvme" if cluster_of(case).nvme is not None else "optimizer+params"
+    pinned = attempt(models, case, i, mode)
     if pinned["plan"] is not None:
-        return [f"SUSPICIOUS {case[0]} {SHAPES[i][0]}: 'optimizer+params' pinned plans where the free search "
-                f"found nothing"]
-    return [f"{case[0]} {SHAPES[i][0]}: 'optimizer+params' pinned does not plan either ({pinned['why']})"]
+        return [f"SUSPICIOUS {case[0]} {SHAPES[i][0]}: {mode!r} pinned plans where the free search found nothing"]
+    return [f"{case[0]} {SHAPES[i][0]}: {mode!r} pinned does not plan either ({pinned['why']})"]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", choices=[c[0] for c in CASES], help="cases to run (default: all)")
-    ap.add_argument("--modes", nargs="*", choices=["none", "optimizer", "optimizer+params", "free"],
+    ap.add_argument("--modes", nargs="*", choices=["none", "optimizer", "optimizer+params", "optimizer-nvme",
+                                                  "optimizer+params-nvme", "free"],
                     help="offload modes searched, in this order (default: none optimizer free; --quick: none free)")
     ap.add_argument("--quick", action="store_true", help="modes none and free only, no checks")
     ap.add_argument("--no-checks", action="store_true", help="skip the consistency checks")

@@ -42,11 +42,8 @@ or norm all-reduce: each would be an identity) and counts no bytes; the stages k
 buffers and their arithmetic.
 
 Traffic accounting (``bytes_sent``, ``comm_log``): per rank, the bytes of the tensor handed to
-each collective, i.e. the full padded flat buffer for all_reduce, reduce_scatter (its input) and
-all_gather (its output), plus the 4-byte norms of clipping and LAMB/LARS. Where the backend has
-no reduce_scatter (probed once at construction; older gloo builds), it is replaced by an
-all_reduce of the same flat buffer plus a local slice, and logged as ``all_reduce``: the same
-payload bytes, but a ring all-reduce moves twice what a reduce-scatter would over the wire.
+each collective (runtime/zero_comm.py: the padded flat buffer for all_reduce, reduce_scatter and
+all_gather), plus the 4-byte norms of clipping and LAMB/LARS.
 
 Gradient clipping (``grad_clip``) computes the norm of the whole model's gradient: local squared
 norms, each parameter weighted by ``norm_weights`` (1/r for a parameter replicated on r ranks of
@@ -77,29 +74,12 @@ a ``TensorHParams`` over its tensor ids (its Segments'), which the optimizer rea
 elementwise optimizer then also steps chunk by segment (stages 1-3) or parameter by parameter
 (stage 0, its usual path), each with its own settings.
 
-Offload (``offload="optimizer"``, ZeRO-Offload's design): each chunk's fp32 master (always, fp32
-parameters too: the host copy the CPU updates; the whole buffer at stage 0, the shard at 1-3) and
-its optimizer state live in host memory (pinned when the device is CUDA), and the optimizer steps
-on the CPU; the device keeps the working buffer and the gradients as without offload. At
-``step()``, after the averaging and the clipping norm (on the device: its collectives need device
-tensors; the coefficient scales the host's fp32 upcast, the same product as the device's), each
-chunk's gradient piece (stage 0 the padded flat gradient, else the shard) is copied into a host
-staging buffer of the working dtype (``host_grad``), upcast, stepped into the master, and the
-result cast to the working dtype copied back (stage 0 ``flat``, 1-2 the shard of it, then the
-all-gather, 3 ``shard_param``). On CUDA the copies run on a side stream: chunk i+1's gradient
-travels while the CPU steps chunk i. LAMB/LARS norms of host tensors are all-reduced on the device.
-Bytes per step (``offload_bytes``, reset with ``comm_log``): d2h = h2d = the gradient pieces, in the
-working dtype; collectives unchanged. ``state_bytes`` counts the device (optimizer 0),
-``host_bytes`` the host (masters + state, staging). ``offload="optimizer+params"`` (stage 3 only)
-also keeps ``shard_param`` on the host: every gather copies it to the device first (h2d, counted:
-2 per step with ``zero3_hooks``) and the step writes it in place (no h2d at the step).
-``offload_fraction=f`` (Gemini's rule: as much on the device as fits) offloads only the shortest
-prefix of the chunks (in ``param_groups`` order) holding >= f of the rank's elements (``c.numel``;
-``offloaded_chunks``, ``offload_numel``); every other chunk runs exactly as without offload (device
-master, state and step, ``grad_shard``, ``shard_param``). The step goes chunk by chunk in order
-(the collectives in the same order as without offload); the clipping norm sums each chunk's
-squared norm, computed where its gradient lives, on the device; the byte counts count each chunk
-where it is.
+Offload (``offload="optimizer"``, ``"optimizer+params"`` or ``"optimizer-nvme"``,
+``offload_fraction``, ``offload_dir``): the offloaded
+chunks' masters, optimizer state and CPU step are runtime/offload.py's (``self.offload``); the
+step goes chunk by chunk in order (the collectives in the same order as without offload); the
+clipping norm sums each chunk's squared norm, computed where its gradient lives, on the device;
+``offload_bytes`` (reset with ``comm_log``) counts the copies, ``host_bytes()`` the host's bytes.
 
 Collectives must be issued in the same order on every rank: all ranks must run the same graph
 (same chunks used, in the same order). A parameter may belong to one chunk only (no tying across
@@ -116,13 +96,10 @@ from torch import Tensor, nn
 from runtime.clip import clip_coefficient, grad_norm
 from runtime.ddp import GradAllReducer
 from runtime.optim import FlatOptimizer
+from runtime.offload import HOST, HostOffload, check_offload
 from runtime.optim_groups import chunk_hparams
-from runtime.zero_chunk import Chunk, nbytes
-
-_reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-OFFLOADS = ("none", "optimizer", "optimizer+params")
-_HOST = torch.device("cpu")
+from runtime.zero_chunk import Chunk, nbytes, total_bytes
+from runtime.zero_comm import ChunkComm
 
 
 class ShardedOptimizer:
@@ -137,7 +114,7 @@ class ShardedOptimizer:
                  shared_groups: Optional[dict] = None,
                  tensor_norm_groups: Sequence[dist.ProcessGroup] = (), tensor_norm_skip=(),
                  tensor_hparams: Optional[dict] = None, offload: str = "none",
-                 offload_fraction: float = 1.0):
+                 offload_fraction: float = 1.0, offload_dir: Optional[str] = None):
         """``extra_norm_groups``: groups over which the gradients are *additionally* split into
         disjoint pieces (e.g. tensor parallel), for the global clipping norm. ``grad_scale``:
         id(param) -> factor its gradient is multiplied by before the averaging over the data
@@ -160,28 +137,16 @@ class ShardedOptimizer:
         ``offload``: "none", "optimizer" (fp32 masters and optimizer state in host memory, the
         step on the CPU) or "optimizer+params" (also ZeRO-3's parameter shards; module doc).
         ``offload_fraction`` (0 < f <= 1): offload only the first chunks whose elements reach f of
-        the total; the others run as without offload (module doc)."""
+        the total; the others run as without offload (module doc). ``offload_dir``
+        ("optimizer-nvme"): the directory the optimizer state's files go in (default: a temporary
+        directory per rank); ``close()`` removes them."""
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-        if offload not in OFFLOADS:
-            raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOADS))}, got {offload!r}")
-        if offload == "optimizer+params" and zero_stage != 3:
-            raise ValueError("optimizer+params offloads ZeRO-3's parameter shards; use zero_stage=3")
-        if not 0 < offload_fraction <= 1:
-            raise ValueError(f"offload_fraction must be in (0, 1], got {offload_fraction}")
-        if offload == "none" and offload_fraction != 1:
-            raise ValueError("offload_fraction is for offload='optimizer' or 'optimizer+params'")
-        self.offload, self.offload_fraction = offload, float(offload_fraction)
-        # The mode; which chunks it applies to: each chunk's ``offloaded`` (``offloaded_chunks``).
-        self.offload_opt = offload != "none"            # masters + state on the host, CPU step
-        self.offload_params = offload == "optimizer+params"
-        self.offload_bytes = {"d2h": 0, "h2d": 0}
-        self._copy_stream = None   # CUDA: the side stream of the host <-> device copies
+        check_offload(offload, offload_fraction, zero_stage, offload_dir)
         self.group, self.stage, self.opt = dp_group, zero_stage, optimizer
         self.grad_clip, self.extra_norm_groups = grad_clip, tuple(extra_norm_groups)
         self.world, self.rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.step_count = 0
-        self.comm_log: list[tuple[str, int]] = []
         self.last_grad_norm: Optional[Tensor] = None
         seen, kinds = set(), set()
         for group in param_groups:
@@ -203,17 +168,9 @@ class ShardedOptimizer:
         self.tensor_norm_groups = tuple(tensor_norm_groups)
         tensor_norm_skip = {id(p) if isinstance(p, Tensor) else p for p in tensor_norm_skip}
         self.chunks = [Chunk(list(g), self.world, self.rank, self.dtype) for g in param_groups if len(g)]
-        # Offloaded: the shortest prefix of the chunks holding >= offload_fraction of the elements
-        # (the same on every rank of the data group: the same chunks)
-        total, covered = sum(c.numel for c in self.chunks), 0
-        for c in self.chunks:
-            if self.offload_opt and covered / total < self.offload_fraction:
-                c.offloaded = True
-                covered += c.numel
-            # stages 2-3 offloaded: each reduced gradient shard streams to the host as backward makes it
-            c.stream_grads = c.offloaded and zero_stage >= 2
-        self.offloaded_chunks = [i for i, c in enumerate(self.chunks) if c.offloaded]
-        self.offload_numel = covered
+        self.offload = HostOffload(offload, offload_fraction, zero_stage, self.device, self.dtype, offload_dir,
+                                   tag=f"autopar-optimizer-rank{dist.get_rank()}")
+        self.offload.select(self.chunks)
         self.stream_grads = any(c.stream_grads for c in self.chunks)   # some chunk streams
         self._chunk_of = {id(p): c for c in self.chunks for p in c.params}
         self.shared_bytes = 0
@@ -227,18 +184,17 @@ class ShardedOptimizer:
         if zero_stage < 2 and any(c.shared_group is not None for c in self.chunks):
             raise ValueError("ShardedOptimizer: shared_groups is for zero_stage 2 and 3 (stages 0-1 keep full "
                              "gradients: sum them before step())")
-        self._rs_native = self._probe_reduce_scatter()
-        self._pin = self.device.type == "cuda"   # pinned host buffers: truly asynchronous copies
+        self.comm = ChunkComm(dp_group, self.device)
+        self.comm_log = self.comm.log
 
         with torch.no_grad():
-            for c in self.chunks:
-                state_device = _HOST if c.offloaded else self.device
+            for index, c in enumerate(self.chunks):
                 # The initial values at the parameters' own precision (the masters start from them).
                 init = torch.zeros(c.padded, dtype=next(iter(kinds))[0], device=self.device)
                 for p, off in zip(c.params, c.offsets):
                     init[off:off + p.numel()].copy_(p.detach().reshape(-1))
                 if sync_params and self.world > 1:
-                    dist.broadcast(init, src=self._global_rank(0), group=dp_group)
+                    dist.broadcast(init, src=self.comm.global_rank(0), group=dp_group)
                 c.flat.copy_(init)
                 # The parameters become views of the flat buffer: an in-place update of the buffer
                 # (optimizer, all-gather) is an update of the parameters. Setting .data keeps each
@@ -246,31 +202,29 @@ class ShardedOptimizer:
                 for p, off in zip(c.params, c.offsets):
                     p.data = c.flat[off:off + p.numel()].view(p.shape)
                 sharded = zero_stage >= 1
-                c.state = {k: self._hostify(v) for k, v in
-                           optimizer.init_state(c.shard if sharded else c.padded, device=state_device).items()}
-                if self.mixed or c.offloaded:   # offload: the host copy the CPU updates, any dtype
-                    c.master = self._hostify((init[c.lo:c.hi] if sharded else init).to(state_device, torch.float32,
-                                                                                         copy=True))
-                if c.offloaded:   # the gradient piece's host staging buffer (working dtype)
-                    c.host_grad = self._hostify(torch.zeros(c.shard if sharded else c.padded, dtype=self.dtype))
+                local = init[c.lo:c.hi] if sharded else init
+                if c.offloaded:   # master, state, staging (and parameter shard) on the host
+                    self.offload.allocate(c, local, optimizer, index)
+                else:
+                    c.state = optimizer.init_state(local.numel(), device=self.device)
+                    if self.mixed:
+                        c.master = local.to(torch.float32, copy=True)
                 del init
                 if optimizer.needs_segments:
                     c.segments = c.local_segments(sharded)
                     if any(id(p) in tensor_norm_skip for p in c.params):   # counted by another rank
                         c.norm_mask = torch.tensor([0.0 if id(p) in tensor_norm_skip else 1.0 for p in c.params]
-                                                   + [1.0], device=state_device)
+                                                   + [1.0], device=HOST if c.offloaded else self.device)
                 if zero_stage >= 2 and not c.stream_grads:
                     c.grad_shard = torch.zeros(c.shard, dtype=self.dtype, device=self.device)
-                if c.stream_grads:   # the fp32 sum of the streamed shards, on the host
-                    c.host_acc = self._hostify(torch.zeros(c.shard, dtype=torch.float32))
                 if zero_stage == 3:
-                    c.shard_param = self._hostify(c.flat[c.lo:c.hi].to(_HOST, copy=True)) if self._host_params(c) \
-                        else c.flat[c.lo:c.hi].clone()
+                    if c.shard_param is None:   # (optimizer+params: on the host already)
+                        c.shard_param = c.flat[c.lo:c.hi].clone()
                     self._free(c)
-                if zero_stage == 0:   # elementwise optimizer: (updated slice, states, working slice)
+                if zero_stage == 0 and not c.offloaded:   # (updated slice, states, working slice)
                     upd = c.master if c.master is not None else c.flat
                     c.views = [(upd[off:off + p.numel()], {k: v[off:off + p.numel()] for k, v in c.state.items()},
-                                c.flat[off:off + p.numel()] if self.mixed and not c.offloaded else None)
+                                c.flat[off:off + p.numel()] if self.mixed else None)
                                for p, off in zip(c.params, c.offsets)]
         self._per_param = zero_stage == 0 and not optimizer.needs_segments
         if tensor_hparams is not None:
@@ -315,52 +269,27 @@ class ShardedOptimizer:
             if c.segments is None and c.hparams is not None:   # an elementwise optimizer, per segment
                 c.segments = c.local_segments(self.stage >= 1)
 
-    def _host_params(self, c: Chunk) -> bool:
-        """optimizer+params: the chunk's ZeRO-3 parameter shard lives on the host."""
-        return self.offload_params and c.offloaded
+    @property
+    def offload_bytes(self) -> dict[str, int]:
+        """Bytes copied device -> host (``d2h``) and host -> device (``h2d``) since the last
+        ``reset_comm_stats`` (runtime/offload.py)."""
+        return self.offload.bytes
 
-    def _hostify(self, t: Tensor) -> Tensor:
-        """A host buffer pinned when the device is CUDA (asynchronous copies); else as it is."""
-        return t.pin_memory() if self._pin and t.device.type == "cpu" else t
+    @property
+    def offloaded_chunks(self) -> list[int]:
+        return self.offload.indices
+
+    @property
+    def offload_numel(self) -> int:
+        return self.offload.numel
+
+    @property
+    def offload_params(self) -> bool:
+        return self.offload.params
 
     # ---------------------------------------------------------------- collectives
-    def _global_rank(self, group_rank: int) -> int:
-        if self.group is None or self.group is dist.group.WORLD:
-            return group_rank
-        return dist.get_global_rank(self.group, group_rank)
-
-    def _probe_reduce_scatter(self) -> bool:
-        # Every rank runs the same probe, so all take the same branch afterwards.
-        if self.world == 1:
-            return True   # no collective is ever issued
-        try:
-            _reduce_scatter_fn(torch.zeros(1, device=self.device), torch.zeros(self.world, device=self.device),
-                               group=self.group)
-            return True
-        except (RuntimeError, NotImplementedError, AttributeError):
-            return False
-
-    def _reduce_scatter_async(self, c: Chunk, flat: Tensor):
-        """Start summing ``flat`` over the group; returns (work, tensor holding this rank's shard
-        once the work is done)."""
-        if self.world == 1:
-            return _DONE, flat
-        if self._rs_native:
-            out = torch.empty(c.shard, dtype=flat.dtype, device=flat.device)
-            work = _reduce_scatter_fn(out, flat, group=self.group, async_op=True)
-            self.comm_log.append(("reduce_scatter", nbytes(flat)))
-            return work, out
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        self.comm_log.append(("all_reduce", nbytes(flat)))
-        return work, flat[c.lo:c.hi]
-
     def _all_gather_async(self, c: Chunk, shard: Tensor):
-        if self.world == 1:
-            if shard.data_ptr() != c.flat.data_ptr():
-                c.flat.copy_(shard)
-            return _DONE
-        self.comm_log.append(("all_gather", nbytes(c.flat)))
-        return _all_gather_fn(c.flat, shard, group=self.group, async_op=True)
+        return self.comm.all_gather_async(c, shard)
 
     def _tensor_norm_reducer(self, c: Chunk):
         """LAMB/LARS: the callable summing a chunk's [k, tensors] local squared norms into the
@@ -387,7 +316,7 @@ class ShardedOptimizer:
 
     def reset_comm_stats(self) -> None:
         self.comm_log.clear()
-        self.offload_bytes = {"d2h": 0, "h2d": 0}
+        self.offload.reset_bytes()
         if self.reducer is not None:
             self.reducer.bytes_sent = 0
 
@@ -396,10 +325,8 @@ class ShardedOptimizer:
         if c.gathered:
             return
         c.flat.untyped_storage().resize_(c.padded * c.flat.element_size())
-        shard = c.shard_param
-        if self._host_params(c):   # the host shard goes to the device for the all-gather
-            shard = shard.to(self.device, non_blocking=True)
-            self.offload_bytes["h2d"] += nbytes(c.shard_param)
+        # optimizer+params: the host shard goes to the device for the all-gather
+        shard = self.offload.to_device(c) if self.offload.holds_params(c) else c.shard_param
         self._all_gather_async(c, shard).wait()
         c.gathered = True
 
@@ -456,28 +383,13 @@ class ShardedOptimizer:
 
     def _reduce_chunk(self, c: Chunk) -> None:
         flat = c.flat_grad(free=True)  # the full gradient is gone once it is in flight
-        work, out = self._reduce_scatter_async(c, flat)
+        work, out = self.comm.reduce_scatter_async(c, flat)
         self._pending.append((c, work, out))
         c.ready.clear()
         if self.stage == 3:
             self._free(c)
         if self.stream_grads:   # the streamed shards reduced before this one go to the host now
-            self._drain(keep=1)
-
-    def _drain(self, keep: int = 0) -> None:
-        """Offload, stages 2-3: each pending reduce-scatter of an offloaded chunk but the last
-        ``keep`` pending ones waited for and its shard copied to the host staging buffer and summed
-        into the fp32 ``host_acc``: the device holds at most the shards still in flight. Those of
-        the chunks kept on the device stay pending (``_finish_backward`` adds them to
-        ``grad_shard``)."""
-        cut = len(self._pending) - keep
-        done = [e for e in self._pending[:cut] if e[0].stream_grads]
-        self._pending = [e for e in self._pending[:cut] if not e[0].stream_grads] + self._pending[cut:]
-        for c, work, out in done:
-            work.wait()
-            c.host_grad.copy_(out)   # blocking: the sum below reads it
-            self.offload_bytes["d2h"] += nbytes(out)
-            c.host_acc.add_(c.host_grad)
+            self._pending = self.offload.drain(self._pending, keep=1)
 
     @torch.no_grad()
     def _finish_backward(self) -> list[Tensor]:
@@ -490,18 +402,18 @@ class ShardedOptimizer:
                         for p in c.params]
             return [c.flat_grad(free=False) for c in self.chunks]
         if self.stage == 1:
-            pending = [(c, *self._reduce_scatter_async(c, c.flat_grad(free=False))) for c in self.chunks]
+            pending = [(c, *self.comm.reduce_scatter_async(c, c.flat_grad(free=False))) for c in self.chunks]
             grads = []
             for c, work, out in pending:
                 work.wait()
-                grads.append(out.div_(self.world) if self._rs_native else out.div(self.world))
+                grads.append(out.div_(self.world) if self.comm.native_reduce_scatter else out.div(self.world))
             return grads
         # Stages 2, 3: chunks not completed by the hooks (a parameter without gradient) go now.
         # (and, to be safe, any gradient written without the hooks: grads_accumulated)
         for c in self.chunks:
             if c.ready or any(p.grad is not None for p in c.params):
                 self._reduce_chunk(c)
-        self._drain()   # the offloaded chunks' shards: summed on the host
+        self._pending = self.offload.drain(self._pending)   # the offloaded chunks' shards: summed on the host
         for c, work, out in self._pending:
             work.wait()
             c.grad_shard.add_(out)
@@ -549,62 +461,18 @@ class ShardedOptimizer:
             # offloaded: the scaling on the host's fp32 upcast, the same product as the device's
             # (mixed precision scales the upcast too, not the working-dtype gradient)
             if self.offloaded_chunks:
-                coef = dev_coef.to(_HOST)
+                coef = dev_coef.to(HOST)
         self.step_count += 1
         if self._per_param:   # the entries of each chunk
             it = iter(grads)
             grads = [[next(it) for _ in c.params] for c in self.chunks]
         works = []
-        cuda = self.device.type == "cuda" and bool(self.offloaded_chunks)
-        main = torch.cuda.current_stream(self.device) if cuda else None
-        if cuda and self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=self.device)
-        side = self._copy_stream if cuda else None
-
-        def fetch(i: int):
-            """Start offloaded chunk i's gradient piece to the host; returns the event to wait on
-            (CUDA)."""
-            c = self.chunks[i]
-            if c.stream_grads:   # already on the host (``_drain``)
-                return None
-            g = c.flat_grad(free=False) if self._per_param else grads[i]   # stage 0: padded flat
-            self.offload_bytes["d2h"] += nbytes(g)
-            if not cuda:
-                c.host_grad.copy_(g)
-                return None
-            side.wait_stream(main)   # the gradient is complete
-            with torch.cuda.stream(side):
-                c.host_grad.copy_(g, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(side)
-            g.record_stream(side)    # a temporary of the main stream, read on the side stream
-            return done
-
-        # Chunk by chunk in order (the collectives: the same order as without offload). An
-        # offloaded chunk: gradient piece d2h into its staging buffer (CUDA: the next offloaded
-        # chunk's travels on the side stream while the CPU steps this one), upcast and step on the
-        # CPU, the working-dtype result h2d; the others: the device step.
-        queue = list(self.offloaded_chunks)
-        ready = fetch(queue.pop(0)) if queue else None
-        for i, c in enumerate(self.chunks):
-            if not c.offloaded:
-                self._device_update(c, grads[i], works)
-                continue
-            following = fetch(queue.pop(0)) if queue else None
-            if ready is not None:
-                ready.synchronize()
-            self._host_update(c, coef)
-            self._put_back(c, side)
-            if self.stage in (1, 2) and self.world > 1:
-                # The shard is back (CUDA: the collective's stream waits for the copy, not the
-                # host): its all-gather runs while the CPU steps the next chunk.
-                if cuda:
-                    main.wait_stream(side)
+        gather = None
+        if self.stage in (1, 2) and self.world > 1:   # an offloaded shard is back: its all-gather
+            def gather(c):
                 works.append(self._all_gather_async(c, c.flat[c.lo:c.hi].clone()))
-            ready = following
-        if cuda:
-            side.synchronize()        # every copy landed: the host buffers are free again
-            main.wait_stream(side)
+        self.offload.step(self.chunks, grads, coef, self._per_param,
+                          lambda c, g: self._device_update(c, g, works), self._host_step, gather)
         for w in works:
             w.wait()
         for c in self.chunks:   # averaged and consumed: the next backward accumulates anew
@@ -642,37 +510,15 @@ class ShardedOptimizer:
         if self.stage in (1, 2) and self.world > 1:
             works.append(self._all_gather_async(c, param.to(self.dtype) if self.mixed else param.clone()))
 
-    def _host_update(self, c: Chunk, coef: Optional[Tensor]) -> None:
-        """The CPU optimizer step of one chunk's host master from its staged gradient (the same
-        calls as the device step: per parameter at stage 0 with an elementwise optimizer)."""
-        # fp32: the streamed sum, or the staged gradient upcast (fp32: the staging buffer itself)
-        g = c.host_acc if c.stream_grads else c.host_grad.float()
-        if coef is not None:
-            g.mul_(coef)
-        if self._per_param:
-            for i, (param, state, _) in enumerate(c.views):
-                hp = None if c.hparams is None else c.hparams.entry(i)
-                off = c.offsets[i]
-                self.opt.step(param, g[off:off + param.numel()], state, self.step_count, hparams=hp)
+    def _host_step(self, c: Chunk, param: Tensor, grad: Tensor, state: dict, index: Optional[int]) -> None:
+        """The optimizer's step of an offloaded chunk on the host (runtime/offload.py): the whole
+        local buffer (``index`` None) or, stage 0 elementwise, parameter ``index``'s slice."""
+        if index is not None:
+            hp = None if c.hparams is None else c.hparams.entry(index)
+            self.opt.host_step(param, grad, state, self.step_count, hparams=hp)
             return
-        self.opt.step(c.master, g, c.state, self.step_count, segments=c.segments, hparams=c.hparams,
-                      reduce_sq_norms=self._tensor_norm_reducer(c) if self.opt.needs_segments else None)
-
-    def _put_back(self, c: Chunk, side) -> None:
-        """The updated master, in the working dtype, to where the device keeps it (stage 0: the
-        flat buffer; 1-2: this rank's shard of it; 3: the shard), or into the host shard
-        (optimizer+params)."""
-        if self._host_params(c):
-            c.shard_param.copy_(c.master)
-            return
-        src = c.host_grad.copy_(c.master) if self.mixed else c.master   # pinned either way
-        dst = c.flat if self.stage == 0 else c.shard_param if self.stage == 3 else c.flat[c.lo:c.hi]
-        self.offload_bytes["h2d"] += nbytes(src)
-        if side is None:
-            dst.copy_(src)
-            return
-        with torch.cuda.stream(side):
-            dst.copy_(src, non_blocking=True)
+        self.opt.host_step(param, grad, state, self.step_count, segments=c.segments, hparams=c.hparams,
+                           reduce_sq_norms=self._tensor_norm_reducer(c) if self.opt.needs_segments else None)
 
     def zero_grad(self) -> None:
         for c in self.chunks:
@@ -687,27 +533,22 @@ class ShardedOptimizer:
     def state_bytes(self) -> dict[str, int]:
         """Bytes held on this rank's device by persistent state, measured on the storages actually
         alive (an offloaded chunk's master and optimizer state are host memory: ``host_bytes``)."""
-        params = [c.shard_param if self.stage == 3 and not self._host_params(c) else c.flat for c in self.chunks]
+        params = [c.shard_param if self.stage == 3 and not self.offload.holds_params(c) else c.flat
+                  for c in self.chunks]
         if self.stage == 3:
             params += [c.flat for c in self.chunks if c.gathered]  # only if left gathered
         grads = [p.grad for c in self.chunks for p in c.params] + [c.grad_shard for c in self.chunks]
         optim = self._optimizer_tensors([c for c in self.chunks if not c.offloaded])
-        return dict(params=_total_bytes(params), grads=_total_bytes(grads), optimizer=_total_bytes(optim))
+        return dict(params=total_bytes(params), grads=total_bytes(grads), optimizer=total_bytes(optim))
 
     @staticmethod
     def _optimizer_tensors(chunks) -> list:
         return [t for c in chunks for t in c.state.values()] + [c.master for c in chunks]
 
     def host_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds in host memory under offload (module doc), measured like
-        ``state_bytes``: the fp32 masters and optimizer state, the gradient staging buffers (and at
-        stages 2-3 the fp32 sums of the streamed shards) and
-        (optimizer+params) the stage-3 parameter shards, of the offloaded chunks only. All 0
-        without offload."""
-        off = [c for c in self.chunks if c.offloaded]
-        return dict(optimizer=_total_bytes(self._optimizer_tensors(off)),
-                    staging=_total_bytes([c.host_grad for c in off] + [c.host_acc for c in off]),
-                    params=_total_bytes([c.shard_param for c in off if self._host_params(c)]))
+        """Bytes this rank holds in host memory under offload, measured like ``state_bytes``
+        (runtime/offload.py ``host_bytes``). All 0 without offload."""
+        return self.offload.host_bytes(self.chunks)
 
     @torch.no_grad()
     def full_flat(self, c: Chunk) -> Tensor:
@@ -727,17 +568,12 @@ class ShardedOptimizer:
         """A chunk's buffer of this rank (the padded buffer itself, or its shard at stages 1-3:
         all-gathered over the data group) as the full padded buffer on the device; ``t`` when
         already whole there. A host buffer (offload) goes to the device first, one chunk's piece."""
-        src = t if t.device == self.device else t.to(self.device)
-        if t.numel() == c.padded:
-            return src
-        out = torch.empty(c.padded, dtype=t.dtype, device=self.device)
-        _all_gather_fn(out, src.contiguous(), group=self.group)
-        return out
+        return self.comm.gather_local(c, t)
 
     @torch.no_grad()
     def load_flat(self, c: Chunk, full: Tensor) -> None:
         """Set the chunk's parameters from a full padded fp32 buffer (working copy and master)."""
-        if self.offloaded_chunks and self.device.type == "cuda":
+        if self.offload.indices and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # no copy from the host buffers still in flight
         if self.stage == 3:
             c.shard_param.copy_(full[c.lo:c.hi])
@@ -760,34 +596,21 @@ class ShardedOptimizer:
                 self._free(c)
         return out
 
+    def nvme_bytes(self) -> dict[str, int]:
+        """offload="optimizer-nvme": state bytes read from / written to its files since the last
+        ``reset_comm_stats``, and the files' size (runtime/offload.py); all 0 otherwise."""
+        return self.offload.nvme_bytes()
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise: the optimizer state's files (NVMe offload)."""
+        self.offload.close()
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
         if self.reducer is not None:
             self.reducer.remove()
-
-
-def _total_bytes(tensors) -> int:
-    seen, n = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        s = t.untyped_storage()
-        if s.nbytes() and s.data_ptr() not in seen:  # freed (resized-to-0) storage: nothing
-            seen.add(s.data_ptr())
-            n += s.nbytes()
-    return n
-
-
-class _Done:
-    """The work of a collective over a group of one: nothing to wait for."""
-
-    def wait(self) -> bool:
-        return True
-
-
-_DONE = _Done()
 
 
 def _tensors(out):

@@ -16,6 +16,19 @@ def nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def total_bytes(tensors) -> int:
+    """Bytes of the distinct live storages behind ``tensors`` (None and freed storages: nothing)."""
+    seen, n = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:  # freed (resized-to-0) storage: nothing
+            seen.add(s.data_ptr())
+            n += s.nbytes()
+    return n
+
+
 class Chunk:
     """Layout of one chunk: offsets, padding, this rank's shard; plus its buffers."""
 

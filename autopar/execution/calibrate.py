@@ -338,15 +338,16 @@ def _host_rates(device, together) -> tuple[float, float]:
     """(host_copy_bandwidth, host_cpu_bandwidth) of the profile: bytes/s of one host<->device copy
     of ``HOST_COPY_BYTES`` (GPU: pinned host memory, each direction, the slower kept; CPU: host
     buffer to host buffer, which is what the "device" and "host" pools are there), and bytes/s of
-    the runtime's flat AdamW step (runtime/optim.py, fp32, on the host) over ``HOST_OPT_NUMEL``
-    elements, counted as cost.optimizer_bytes_per_element("adamw", "fp32") per element.
+    the step an offloaded AdamW runs on the host (runtime/optim.py ``host_step``: torch's fused
+    CPU kernel, fp32) over ``HOST_OPT_NUMEL`` elements, counted as the bytes offload prices it
+    with (pricing/offload.py ``host_step_bytes_per_element("adamw", "fp32")``).
     ``together(fn)``: seconds of one call of ``fn`` timed on every rank at once (a barrier
     around each call), fastest of 3, the slowest rank's: each process sees the others
     copying and stepping, so the CPU figure is one rank's share of the node's (each call lasts
     tens of milliseconds or more: processes time-sharing a core are seen sharing it)."""
     import torch
 
-    from autopar.pricing.cost import optimizer_bytes_per_element
+    from autopar.pricing.offload import host_step_bytes_per_element
     from runtime.optim import make_optimizer
 
     gpu = device.type == "cuda"
@@ -363,8 +364,8 @@ def _host_rates(device, together) -> tuple[float, float]:
     param = torch.full((HOST_OPT_NUMEL,), 0.5)   # (the step's time does not depend on the values;
     grad = torch.full((HOST_OPT_NUMEL,), 1e-3)   # randn took longer than the timing)
     state = opt.init_state(HOST_OPT_NUMEL)
-    t = together(lambda: opt.step(param, grad, state, 1))
-    return copy, HOST_OPT_NUMEL * optimizer_bytes_per_element("adamw", "fp32") / t
+    t = together(lambda: opt.host_step(param, grad, state, 1))
+    return copy, HOST_OPT_NUMEL * host_step_bytes_per_element("adamw", "fp32") / t
 
 
 def isotonic(points):

@@ -29,6 +29,7 @@ checks the checkpoint's tensors against this model's before reading (autopar/exe
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta  # noqa: F401  (documented: the process-group timeout bounds every wait)
 
 import torch
@@ -64,6 +65,7 @@ class CompiledModel:
         self.optim_options = optim_options or optim_setup.OptimOptions()
         self.plan_options = plan_options
         self.precision, self.grad_clip = precision, grad_clip
+        self.offload_dir = None   # NVMe offload: where the optimizer state's files go (compile)
         self._ready = False
 
     # ------------------------------------------------------------------ set-up
@@ -304,10 +306,20 @@ class CompiledModel:
         """Offloaded plans (docs/offload.md): bytes copied device -> host (``d2h``) and host ->
         device (``h2d``) on this rank since the last ``reset_comm_stats``, and the bytes it holds
         now in host memory (``host``) and on the device for model state (``device``: parameters,
-        gradients, optimizer state). All zero but ``device`` without offload."""
+        gradients, optimizer state). All zero but ``device`` without offload. NVMe offload also
+        ``nvme_read`` / ``nvme_write`` (state bytes since the reset) and ``nvme_disk`` (its files)."""
         self._need_ready()
         moved = dict(self.opt.offload_bytes)
-        return {**moved, "host": sum(self.opt.host_bytes().values()), "device": sum(self.opt.state_bytes().values())}
+        out = {**moved, "host": sum(self.opt.host_bytes().values()), "device": sum(self.opt.state_bytes().values())}
+        if self.opt.offload.nvme is not None:   # the optimizer state's files: read, written, on disk
+            out.update({f"nvme_{k}": v for k, v in self.opt.nvme_bytes().items()})
+        return out
+
+    def close(self) -> None:
+        """Release what the compiled model holds outside the process: the optimizer state's files
+        under NVMe offload (``offload_dir``). Training cannot continue after it."""
+        if self._ready:
+            self.opt.close()
 
     def kernel_stats(self) -> dict[str, int]:
         """Triton kernel launches on this rank since the last reset, by kernel family
@@ -344,7 +356,8 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
             loss_fn=None, batch_dims=None, weights=None, kernels: str | None = None,
             param_groups=None, lr_schedule=None, warmup_steps: int = 0, total_steps: int | None = None,
             power: float = 1.0, lr_scaling: str | None = None, base_batch: int | None = None,
-            log_every: int | None = None, on_step=None, **optimizer_kwargs) -> CompiledModel:
+            log_every: int | None = None, on_step=None, offload_dir: str | None = None,
+            **optimizer_kwargs) -> CompiledModel:
     """Set up ``model`` to train under ``plan`` (planned now on rank 0 when None) on the current
     process group. ``plan_options`` are keyword arguments for autopar.plan (e.g. constraints).
     ``precision``: "fp32" | "bf16" | None (the plan's on a GPU, fp32 on the CPU; module doc).
@@ -379,7 +392,12 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
     steps, the first step left out), tokens/s (samples/s without a sequence dim), TFLOP/s per
     device and MFU, each next to the plan's prediction; ``on_step(stats)``, if given, is called
     instead on every rank with an ``autopar.StepStats``. ``compiled.stats()`` returns the same
-    figures at any time (autopar/execution/live_stats.py)."""
+    figures at any time (autopar/execution/live_stats.py).
+
+    ``offload_dir``: where a plan that offloads the optimizer state to NVMe (``"optimizer-nvme"``,
+    docs/offload.md) keeps its files, an existing directory on the drive (each rank makes its own
+    directory inside); None: a temporary directory per rank. ``compiled.close()`` removes them.
+    Unused by plans that do not offload to NVMe."""
     _require_pg(cluster)
     check_host_collectives()
     if dist.get_world_size() > 1:   # an uncaught autopar error prints once, not once per rank
@@ -399,6 +417,9 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
         log_every = 1
     if grad_clip is not None and not grad_clip > 0:
         raise ExecutionError(f"grad_clip must be a positive number, got {grad_clip!r}", collective=True)
+    if offload_dir is not None and not os.path.isdir(offload_dir):
+        raise ExecutionError(f"offload_dir {str(offload_dir)!r} is not a directory; create it on the NVMe drive the "
+                             f"optimizer state should live on", collective=True)
     optim_options = optim_setup.OptimOptions(param_groups, lr_schedule, warmup_steps, total_steps, power,
                                              lr_scaling, base_batch)
     optim_setup.check_options(optimizer, lr, optim_options, optimizer_kwargs)
@@ -435,6 +456,7 @@ def compile(model, cluster, example_inputs=None, plan=None, optimizer: str = "ad
             options["kernels"] = kernels
     cm = CompiledModel(model, cluster, plan, optimizer, lr, optimizer_kwargs, options, precision, grad_clip,
                        loss_fn, weights, optim_options, log_every, on_step)
+    cm.offload_dir = None if offload_dir is None else os.fspath(offload_dir)
     if example_inputs is not None:
         cm._setup(example_inputs)
     return cm

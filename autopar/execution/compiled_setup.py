@@ -270,7 +270,9 @@ def setup(cm, example_inputs):
                                 forward_order=_forward_order(cm), shared_groups=shared,
                                 tensor_norm_groups=[cm.ctx.groups[a] for a in model_axes], tensor_norm_skip=norm_skip,
                                 tensor_hparams=tensor_hparams, offload=cm.plan.degrees.get("offload", "none"),
-                                offload_fraction=(cm.plan.predictions.get("offload") or {}).get("fraction", 1.0))
+                                offload_fraction=(cm.plan.predictions.get("offload") or {}).get("fraction", 1.0),
+                                offload_dir=cm.offload_dir if cm.plan.degrees.get("offload", "none").endswith("-nvme")
+                                else None)
     if zero == 3:
         context.set_zero3(cm.opt)
     cm._param_index = {fqn: i for i, fqn in enumerate(prog.param_fqn[n] for n in prog.param_names)}

@@ -17,9 +17,9 @@ from autopar.errors import PlanError
 PLAN_VERSION = 3
 # Version 2: tp_mode "2d" now means SUMMA on a q x q grid (autopar/search/grid_search.py); the 2-axis
 # resharding mode version 1 called "2d" is "2d-reshard". Version 3: degrees.offload is what is
-# offloaded ("none" | "optimizer" | "optimizer+params"), where versions 1-2 wrote false (nothing
-# was ever offloaded). ``migrate`` rewrites an older plan step by step (nothing else changed, so
-# its ops and params still run as they did).
+# offloaded ("none" | "optimizer" | "optimizer+params" | "optimizer-nvme" | "optimizer+params-nvme"),
+# where versions 1-2 wrote false (nothing was ever offloaded). ``migrate`` rewrites an older plan
+# step by step (nothing else changed, so its ops and params still run as they did).
 
 
 def migrate(data):

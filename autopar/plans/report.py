@@ -69,10 +69,12 @@ def summary_table(plan) -> Table:
                              + ", ".join(f"{k} {_gib(v)}" for k, v in mb.items()))
     off = p.get("offload")
     if off:
+        nvme = (f"; optimizer state {_gib(off['nvme_bytes'])} on NVMe (its share {_gib(off['nvme_budget'])}), "
+                f"read and written each step") if "nvme_bytes" in off else ""
         t.add_row("offload", f"{off['mode']} to {off['target']} ({off.get('fraction', 1.0):.1%} of the parameters' "
                              f"elements): {_gib(off['host_bytes'])} of host memory per rank "
                              f"(its share {_gib(off['host_budget'])}); per step {_gib(off['d2h_bytes'])} to the host, "
-                             f"{_gib(off['h2d_bytes'])} back")
+                             f"{_gib(off['h2d_bytes'])} back{nvme}")
     t.add_row("communication",
               ", ".join(f"{k}: {_gib(v)}" for k, v in p["comm_bytes"].items()) + " per device per step")
     t.add_row("MFU", f"{p['mfu'] * 100:.1f}%  ({p['model_flops']:.3g} model FLOPs per step)")

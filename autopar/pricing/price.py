@@ -27,7 +27,7 @@ from autopar.pricing.cost import (TRUST_NORM_BYTES_PER_TENSOR, TRUST_RATIO_OPTIM
 from autopar.pricing.edge_price import _price_edges
 from autopar.pricing.local_bytes import block_fraction, runtime_itemsize
 from autopar.pricing.memory import state_bytes, zero_shard
-from autopar.pricing.offload import offload_price
+from autopar.pricing.offload import NVME_MODES, PARAM_MODES, offload_price
 from autopar.mesh import Mesh
 from autopar.pricing.saved_roots import _saved_roots, device_order, device_storage_roots, runs_cuda
 from autopar.rules.table import shape as tensor_shape
@@ -46,7 +46,9 @@ class Settings:
     # sorted tuple of (block group name, bool | mode): those groups pinned, the others by the ILP.
     checkpoint: str | tuple | None = None
     kernels: bool = False   # the plan runs the Triton kernels (autopar/frontend/fuse.py): fused optimizer step
-    offload: str = "none"   # "optimizer": master weights and optimizer state on the host (pricing/offload.py)
+    offload: str = "none"   # "optimizer": master weights and optimizer state on the host (pricing/offload.py);
+    # "optimizer+params" also ZeRO-3's parameter shards; "optimizer-nvme": the state on NVMe;
+    # "optimizer+params-nvme": both
     offload_all: bool = False   # offload every chunk (a pin), not the fewest that fit (predict.offload_fraction)
 
 
@@ -328,7 +330,8 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
         if s.offload != "none" and info.kind == "param":
             # the host's share (bytes held, copied per step), and what the device would hold and
             # spend if the parameter's chunk stayed there (autopar/search/predict.py offload_fraction)
-            static.update(host=np.zeros(S), d2h=np.zeros(S), h2d=np.zeros(S), kept_optimizer=np.zeros(S),
+            static.update(host=np.zeros(S), d2h=np.zeros(S), h2d=np.zeros(S), nvme=np.zeros(S),
+                          kept_optimizer=np.zeros(S),
                           kept_grads=np.zeros(S), kept_params=np.zeros(S), kept_step=np.zeros(S),
                           offload_step=np.zeros(S), offload_gathers=np.zeros(S))
         val = node_val(info.node)
@@ -344,7 +347,7 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                 if s.offload != "none" and name in c.needs_grad:
                     off = offload_price(opt_local, s.optimizer, s.precision, cluster, s.zero, nm,
                                         optimizer_step_time(1, s.optimizer, s.precision, device, cal),
-                                        params=s.offload == "optimizer+params")
+                                        params=s.offload in PARAM_MODES, nvme=s.offload in NVME_MODES)
                     static["kept_optimizer"][j] = sb["optimizer"] * k
                     static["kept_grads"][j] = sb["grads"] * k if s.zero >= 2 else 0.0
                     static["kept_params"][j] = sb["params"] * k if off.gather_h2d_bytes else 0.0
@@ -358,8 +361,8 @@ def price_nodes(c: Candidates, cluster: Cluster, s: Settings) -> Priced:
                     if off.gather_h2d_bytes:
                         sb["params"] = 0.0   # ZeRO-3's shard too; copied up for each gather
                         comm_t[j] += 0.0 if partial else off.gather_seconds * k
-                    static["host"][j], static["d2h"][j], static["h2d"][j] = \
-                        off.host_bytes * k, off.d2h_bytes * k, off.h2d_bytes * k
+                    static["host"][j], static["d2h"][j], static["h2d"][j], static["nvme"][j] = \
+                        off.host_bytes * k, off.d2h_bytes * k, off.h2d_bytes * k, off.nvme_bytes * k
                 for key in ("params", "grads", "optimizer"):
                     static[key][j] = sb[key] * k
                 if name == gathered:   # ZeRO-3: the largest chunk gathered whole, with its gradient

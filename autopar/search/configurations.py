@@ -13,6 +13,7 @@ from autopar.constraints import Constraints
 from autopar.errors import ConstraintError
 from autopar.frontend.batching import global_batch
 from autopar.frontend.trace import TracedGraph
+from autopar.pricing.offload import NVME_MODES, PARAM_MODES
 from autopar.pricing.price import Settings
 from autopar.rules import sequence
 from autopar.search.grid_geometry import check_grid_constraints
@@ -113,9 +114,9 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
                     if off != "none" and z == 0 and dp > 1 and "zero" not in constraints:
                         continue   # dominated by ZeRO-1 with the same offload (docstring)
                     if off != "none" and dp == 1 and "zero" not in constraints:
-                        z = 3 if off == "optimizer+params" else 2   # one rank: stage 2 streams the
+                        z = 3 if off in PARAM_MODES else 2   # one rank: stage 2 streams the
                         # gradients to the host (docstring), stage 3 keeps the parameters there
-                    if off == "optimizer+params" and z != 3:
+                    if off in PARAM_MODES and z != 3:
                         continue   # offloads ZeRO-3's parameter shards
                     yield Config(mesh, Settings(optimizer=base.optimizer, precision=base.precision, zero=z,
                                                 num_micro_batches=nm, budget=base.budget,
@@ -126,9 +127,11 @@ def configurations(graph: TracedGraph, cluster: Cluster, base: Settings, constra
 
 def offload_choices(cluster: Cluster, constraints: dict) -> list[str]:
     """The offload modes a search visits: the pinned one; unpinned, "none" and (when the cluster
-    describes its host, and its devices are not the host's CPUs: not gloo) "optimizer" and, at
-    ZeRO-3, "optimizer+params" (pinned on a gloo cluster, offload runs the same code, host and
-    device pools both in CPU memory: what tests check numerics and bytes with). An offloaded
+    describes its host, and its devices are not the host's CPUs: not gloo) "optimizer", at ZeRO-3
+    "optimizer+params" and, when it describes its NVMe, "optimizer-nvme" and (ZeRO-3)
+    "optimizer+params-nvme" (pinned on a gloo
+    cluster, offload runs the same code, host and device pools both in CPU memory: what tests
+    check numerics and bytes with). An offloaded
     configuration is solved only where its twin without offload does not prune it
     (autopar/search/outer.py), and its plan offloads the fewest chunks that fit
     (autopar/search/predict.py ``offload_fraction``)."""
@@ -137,10 +140,17 @@ def offload_choices(cluster: Cluster, constraints: dict) -> list[str]:
             raise ConstraintError(f"constraint offload={constraints['offload']!r} cannot be met: cluster "
                                   f"{cluster.name!r} describes no host (memory, copy and CPU bandwidth); add a "
                                   f"`host:` section to its YAML (examples/cluster.yaml) or use a preset that has one")
+        if constraints["offload"] in NVME_MODES and cluster.nvme is None:
+            raise ConstraintError(f"constraint offload={constraints['offload']!r} cannot be met: cluster "
+                                  f"{cluster.name!r} describes no NVMe (capacity, read and write bandwidth); add an "
+                                  f"`nvme:` section to its YAML (examples/cluster.yaml) or offload to the host "
+                                  f"(offload='optimizer')")
         return [constraints["offload"]]
     if cluster.host is None or cluster.backend == "gloo":
         return ["none"]   # gloo: the devices' memory is the host's, offloading frees none of it
-    return ["none", "optimizer", "optimizer+params"]
+    # NVMe: the host's optimizer state on the drives, priced strictly slower than keeping it in
+    # host memory (pricing/offload.py), so chosen only where the host cannot hold it
+    return ["none", "optimizer", "optimizer+params"] + (list(NVME_MODES) if cluster.nvme is not None else [])
 
 
 def allowed_meshes(cluster: Cluster, constraints: dict):

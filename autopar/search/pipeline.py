@@ -69,6 +69,7 @@ import dataclasses
 import math
 
 from autopar.errors import ConstraintError
+from autopar.pricing.offload import OFFLOAD_BYTES
 from autopar.search.pipeline_pins import (check_pins, check_stage_axes, checkpoint_pinned, max_zero, pipeline_pins,
                                           stage_cluster, unpipelined_pin)
 from autopar.search.stage_plan import plan_stages
@@ -140,7 +141,7 @@ def apply_pipeline(data: dict, info: dict) -> dict:
         flat = sum(v for k, v in mb.items() if k in ("params", "grads", "optimizer", "gathered"))
         per = info["max_static"] / flat if flat > 0 else f
         pred["offload"] = {**pred["offload"], **{k: int(round(pred["offload"][k] * per))
-                                                 for k in ("host_bytes", "d2h_bytes", "h2d_bytes")}}
+                                                 for k in OFFLOAD_BYTES if k in pred["offload"]}}
     # per rank: what its (virtual) stages send
     per_rank = {}
     for s in info["stages"]:

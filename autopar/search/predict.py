@@ -11,7 +11,7 @@ import numpy as np
 from autopar.cluster import Cluster
 from autopar.plans.plan_schema import checkpoint_mode_of
 from autopar.pricing.cost import exposed_comm, profile_of
-from autopar.pricing.offload import host_budget
+from autopar.pricing.offload import NVME_MODES, OFFLOAD_BYTES, host_budget, nvme_budget
 from autopar.pricing.price import (DEVICE_STATIC, Priced, Settings, device_static, has_contraction, offload_partial,
                                    step_host_time)
 from autopar.rules.attention_core import attention_cores
@@ -118,7 +118,7 @@ def predict(c: Candidates, P: Priced, s: Settings, problem: Problem, sol: Soluti
     if offload is not None:   # the fewest chunks offloaded that fit: the rest back on the device
         f, kept, (slower_step, more_gathers) = offload_fraction(P, pick, s, peak)
         offload = {**offload, "fraction": f, **{k: int(round(offload[k] * f))
-                                                for k in ("host_bytes", "d2h_bytes", "h2d_bytes")}}
+                                                for k in OFFLOAD_BYTES if k in offload}}
         step += slower_step + more_gathers
         optimizer += slower_step
         op_comm += more_gathers
@@ -208,21 +208,24 @@ def offload_prediction(P: Priced, pick: dict, s: Settings, cluster: Cluster) -> 
     the parameters' prices (autopar/pricing/offload.py); None when nothing is offloaded."""
     if s.offload == "none":
         return None
-    tot = {k: 0.0 for k in ("host", "d2h", "h2d")}
+    tot = {k: 0.0 for k in ("host", "d2h", "h2d", "nvme")}
     for n, st in P.static.items():
         if n in pick and "host" in st:
             for k in tot:
                 tot[k] += float(st[k][pick[n]])
-    return {"mode": s.offload, "target": "host", "fraction": 1.0, "host_bytes": int(round(tot["host"])),
-            "host_budget": int(host_budget(cluster)), "d2h_bytes": int(round(tot["d2h"])),
-            "h2d_bytes": int(round(tot["h2d"]))}
+    out = {"mode": s.offload, "target": "nvme" if s.offload in NVME_MODES else "host", "fraction": 1.0,
+           "host_bytes": int(round(tot["host"])), "host_budget": int(host_budget(cluster)),
+           "d2h_bytes": int(round(tot["d2h"])), "h2d_bytes": int(round(tot["h2d"]))}
+    if s.offload in NVME_MODES:   # the optimizer state on the drives, read and written each step
+        out.update(nvme_bytes=int(round(tot["nvme"])), nvme_budget=int(nvme_budget(cluster)))
+    return out
 
 
 def offload_fraction(P: Priced, pick: dict, s: Settings, peak: float) -> tuple[float, dict, tuple]:
     """Gemini's rule: of an offloaded plan, the least fraction of the rank's parameter elements
     whose optimizer (and streamed gradients, and with "optimizer+params" parameter shards) must
     stay on the host for the plan to fit its budget; the runtime offloads whole chunks, first to
-    last, until they cover it (runtime/zero.py). Device bytes are the same at every point of the
+    last, until they cover it (runtime/offload.py). Device bytes are the same at every point of the
     step (static), so keeping a share 1 - f on the device raises every memory row by that share
     of the bytes offloading saves, and the step is faster by that share of the difference between
     the host's and the device's optimizer step (and of the host-to-device copies before
@@ -251,12 +254,13 @@ def offload_fraction(P: Priced, pick: dict, s: Settings, peak: float) -> tuple[f
     return f, kept, (f * max(0.0, tot["offload_step"] - tot["kept_step"]), f * tot["offload_gathers"])
 
 
-def host_bytes_of(P: Priced, pick: dict | None = None) -> float:
-    """Host bytes of the chosen strategies (``pick``), or the least any plan of ``P`` holds."""
+def host_bytes_of(P: Priced, pick: dict | None = None, key: str = "host") -> float:
+    """Host bytes (``key`` "nvme": NVMe bytes) of the chosen strategies (``pick``), or the least
+    any plan of ``P`` holds."""
     total = 0.0
     for n, st in P.static.items():
-        if "host" in st and len(st["host"]):
-            total += float(st["host"][pick[n]]) if pick is not None else float(np.min(st["host"]))
+        if key in st and len(st[key]):
+            total += float(st[key][pick[n]]) if pick is not None else float(np.min(st[key]))
     return total
 
 

@@ -20,7 +20,7 @@ from autopar.rules.candidates import Candidates
 from autopar.search.build import bound_problem, build_problem, chosen, work_problem
 from autopar.search.configurations import Config
 from autopar.search.context import Incumbent, Result, SearchContext
-from autopar.pricing.offload import host_budget
+from autopar.pricing.offload import NVME_MODES, host_budget, nvme_budget
 from autopar.search.predict import host_bytes_of, predict, static_memory_lower_bound, step_time_lower_bound
 from solver.errors import SolverTimeout
 from solver.ilp import memory_floor_exceeds_budget, mip_reaches, relaxation_bound, solve
@@ -125,6 +125,9 @@ def _static_memory(v: _Visit) -> bool:
     need = host_bytes_of(v.P) if v.cfg.settings.offload != "none" else 0.0
     if need > host_budget(v.ctx.cluster):
         _host_exceeded(v.ctx.stats, need)   # the host cannot hold even the least any plan offloads
+        return True
+    if v.cfg.settings.offload in NVME_MODES and host_bytes_of(v.P, key="nvme") > nvme_budget(v.ctx.cluster):
+        v.ctx.stats.infeasible += 1   # the drives cannot hold even the least state any plan puts there
         return True
     if static_memory_lower_bound(v.P) <= v.ctx.base.budget:
         return False
@@ -283,6 +286,9 @@ def _solve(v: _Visit) -> None:
     pred = predict(v.cands, v.P, cfg.settings, v.problem, sol, ctx.cluster)
     if "offload" in pred and pred["offload"]["host_bytes"] > pred["offload"]["host_budget"]:
         _host_exceeded(stats, pred["offload"]["host_bytes"])   # its splits leave more on the host than its share
+        return
+    if "offload" in pred and pred["offload"].get("nvme_bytes", 0) > pred["offload"].get("nvme_budget", 0):
+        stats.infeasible += 1   # more optimizer state than the rank's share of the NVMe drives
         return
     if ctx.options.log:
         ctx.options.log(f"{cfg.mesh.describe():>18}  zero={cfg.settings.zero} offload={cfg.settings.offload} "

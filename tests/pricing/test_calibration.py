@@ -282,10 +282,10 @@ def test_measured_host_figures_price_offload():
     """A profile's measured host figures replace the cluster Host's in offload's price: the CPU
     step at ``host_cpu_bandwidth`` per rank (not divided by the node's ranks again), the copies
     at ``host_copy_bandwidth``; a profile without them leaves the Host's figures."""
-    from autopar.pricing.cost import optimizer_bytes_per_element
-    from autopar.pricing.offload import host_rates, offload_price
+    from autopar.pricing.offload import host_rates, host_step_bytes_per_element, offload_price
     c = Cluster.preset("cpu", devices=2)
-    n, per = 1e8, optimizer_bytes_per_element("adamw", "bf16")
+    n, per = 1e8, host_step_bytes_per_element("adamw", "bf16")
+    assert per == 28 + 12   # torch's fused CPU AdamW (each tensor once) + the upcast and the cast back
     plain = c.with_calibration(Calibration.from_dict(PROFILE))
     assert host_rates(plain) == host_rates(c) == (c.host.copy_bandwidth, c.host.cpu_bandwidth / 2)
     base = offload_price(n, "adamw", "bf16", plain, zero=2)

@@ -1,5 +1,5 @@
-"""Optimizer offload in the ZeRO optimizer (runtime/zero.py ``offload=``), against the same run
-without offload.
+"""Optimizer offload in the ZeRO optimizer (runtime/offload.py, through runtime/zero.py
+``offload=``), against the same run without offload.
 
 Multi-process (gloo, 1, 2 and 4 ranks; one launch per size): the MLP of test_runtime_optim.py
 trained 3 steps with ZeRO 0/1/2/3 x {SGD with momentum, AdamW, LAMB} (LARS on ZeRO 2), with and
@@ -47,9 +47,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def optimizer(name):
+    """The runs' optimizers; AdamW's host step with ``step``'s exact ops (``cpu_fused=False``):
+    torch's fused CPU kernel rounds differently (runtime/optim.py; tests/runtime/test_cpu_step.py
+    compares the two)."""
     if name == "sgd":
         return make_optimizer("sgd", LR, momentum=0.9, weight_decay=0.01)
-    return flat_optimizer(name)
+    opt = flat_optimizer(name)
+    if name == "adamw":
+        opt.cpu_fused = False
+    return opt
 
 
 # ----------------------------------------------------------------------------- ranks

@@ -22,6 +22,7 @@ from runtime.ddp import GradAllReducer
 from runtime.launch import run_local
 from runtime.optim import Segments, make_optimizer
 from runtime.zero import ShardedOptimizer
+from runtime.zero_comm import ChunkComm
 
 LR = 1e-2
 STEPS = 3
@@ -120,13 +121,13 @@ def reference_run(opt_name: str, clip):
 def _train_one(rank, world, stage, opt_name, clip, rs="native"):
     model = make_model()
     chunks = [list(m.parameters()) for m in model]
-    probe = ShardedOptimizer._probe_reduce_scatter
+    probe = ChunkComm.probe_reduce_scatter
     if rs == "all_reduce":  # exercise the fallback for backends without reduce_scatter
-        ShardedOptimizer._probe_reduce_scatter = lambda self: False
+        ChunkComm.probe_reduce_scatter = lambda self: False
     try:
         opt = ShardedOptimizer(chunks, None, stage, flat_optimizer(opt_name), grad_clip=clip)
     finally:
-        ShardedOptimizer._probe_reduce_scatter = probe
+        ChunkComm.probe_reduce_scatter = probe
     if stage == 3:
         opt.zero3_hooks(list(model))
         # Stored sharded: the full parameter storage is gone between uses.
