@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +29,7 @@ import torch
 
 import autopar
 from autopar.inference.planner import plan_inference
+from autopar.inference.serve_process import serve_process
 from autopar.models.hf_config import from_hf_config
 from benchmarks.hf_configs import CONFIGS
 
@@ -82,12 +81,6 @@ def part_published(tmp: Path):
         print(f"| {name} | {tp} | 8 x 32 / 128 | {measured:.0f} ms | {pred:.0f} ms | {pred / measured - 1:+.0%} |")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SERVE_MODEL = ["hf_llama", "--arg", "n_layer=4", "--arg", "d_model=256", "--arg", "n_head=8", "--arg", "n_kv_heads=4",
                "--arg", "ffn_hidden=704", "--arg", "vocab=2048", "--arg", "seq=128"]
 
@@ -106,24 +99,13 @@ def part_serve(tmp: Path, requests: int = 24, concurrency: int = 4):
     with the measured profile; the plain cpu preset's predictions are shown beside it."""
     import httpx
     tmp.mkdir(parents=True, exist_ok=True)
-    port = _port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "-n", "2", "--sweep", "tiny", "--repeats", "3",
                     "-o", str(tmp / "cal.yaml")], env=env, cwd=ROOT, check=True, capture_output=True)
     (tmp / "cpu.yaml").write_text(f"preset: cpu\ndevices: 2\ncalibration: {tmp / 'cal.yaml'}\n")
-    cmd = [sys.executable, "-m", "autopar.cli", "serve", *SERVE_MODEL, "--cluster", str(tmp / "cpu.yaml"),
-           "--constraint", "tp=2", "--prompt-len", "64", "--batch", str(concurrency), "--max-new-tokens", "32",
-           "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    args = [*SERVE_MODEL, "--cluster", str(tmp / "cpu.yaml"), "--constraint", "tp=2", "--prompt-len", "64",
+            "--batch", str(concurrency), "--max-new-tokens", "32"]
+    with serve_process(args) as url:
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, 2048, (int(n),), generator=gen).tolist()
                    for n in torch.randint(16, 65, (requests,), generator=gen)]
@@ -133,24 +115,18 @@ def part_serve(tmp: Path, requests: int = 24, concurrency: int = 4):
                                                          timeout=300).json(), prompts))
         wall = time.perf_counter() - t0
         m = httpx.get(f"{url}/metrics", timeout=10).json()
-        tokens = sum(len(a["choices"][0]["token_ids"]) for a in answers)
-        pred = m["predicted"]
-        print(f"{requests} requests, concurrency {concurrency}, {m['batches']} batches, {tokens} tokens in "
-              f"{wall:.1f} s = {tokens / wall:.0f} tokens/s (plan: {pred['tokens_per_s']:.0f} at full batches)")
-        plain = _uncalibrated(concurrency)
-        print("| quantity | measured | predicted, calibrated | measured / predicted | predicted, plain cpu preset "
-              "| measured / predicted |")
-        print("|---|---|---|---|---|---|")
-        for k, label, p in (("prefill", "first token of a batch (engine)", "ttft"),
-                            ("ttft", "TTFT (queue + first token)", "ttft"), ("tpot", "time per output token", "tpot")):
-            print(f"| {label} | {m['measured'][k] * 1e3:.2f} ms | {pred[p] * 1e3:.2f} ms | "
-                  f"{m['measured'][k] / pred[p]:.2f}x | {plain[p] * 1e3:.2f} ms | {m['measured'][k] / plain[p]:.1f}x |")
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    tokens = sum(len(a["choices"][0]["token_ids"]) for a in answers)
+    pred = m["predicted"]
+    print(f"{requests} requests, concurrency {concurrency}, {m['batches']} batches, {tokens} tokens in "
+          f"{wall:.1f} s = {tokens / wall:.0f} tokens/s (plan: {pred['tokens_per_s']:.0f} at full batches)")
+    plain = _uncalibrated(concurrency)
+    print("| quantity | measured | predicted, calibrated | measured / predicted | predicted, plain cpu preset "
+          "| measured / predicted |")
+    print("|---|---|---|---|---|---|")
+    for k, label, p in (("prefill", "first token of a batch (engine)", "ttft"),
+                        ("ttft", "TTFT (queue + first token)", "ttft"), ("tpot", "time per output token", "tpot")):
+        print(f"| {label} | {m['measured'][k] * 1e3:.2f} ms | {pred[p] * 1e3:.2f} ms | "
+              f"{m['measured'][k] / pred[p]:.2f}x | {plain[p] * 1e3:.2f} ms | {m['measured'][k] / plain[p]:.1f}x |")
 
 
 def main():

@@ -5,29 +5,16 @@ of an inference plan."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
 from autopar.cli import main
+from autopar.errors import ExecutionError
+from autopar.inference.serve_process import serve_process
 from autopar.models.hf import hf_llama
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_plan_inference_and_show(tmp_path, capsys):
@@ -45,25 +32,10 @@ def test_plan_inference_and_show(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_serve_answers_concurrent_requests_on_two_ranks(tmp_path):
-    port = _port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "autopar.cli", "serve", "hf_llama", "--devices", "2", "--constraint", "tp=2",
-           "--prompt-len", "8", "--batch", "4", "--max-new-tokens", "6", "--port", str(port), "--batch-wait-ms", "200"]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.time() < deadline, "the server did not come up in 120 s"
-            time.sleep(0.5)
+def test_serve_answers_concurrent_requests_on_two_ranks():
+    args = ["hf_llama", "--devices", "2", "--constraint", "tp=2", "--prompt-len", "8", "--batch", "4",
+            "--max-new-tokens", "6", "--batch-wait-ms", "200"]
+    with serve_process(args) as url:
         prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [1, 2]]
         with ThreadPoolExecutor(3) as pool:
             answers = list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 4},
@@ -81,10 +53,9 @@ def test_serve_answers_concurrent_requests_on_two_ranks(tmp_path):
         assert metrics["requests"] == 4 and metrics["rejected"] == 1 and metrics["batches"] <= 3
         assert metrics["measured"]["requests_timed"] == 4 and metrics["measured"]["tpot"] > 0
         assert metrics["predicted"]["tpot"] > 0
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+
+
+def test_a_server_that_cannot_start_is_a_clear_error():
+    with pytest.raises(ExecutionError, match="exited with code 2"):
+        with serve_process(["hf_llama", "--devices", "2", "--constraint", "tp=3"], start_timeout=120):
+            pass
