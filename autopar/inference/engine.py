@@ -8,8 +8,9 @@ of ``tp`` ranks) each decode their share of the rows; every rank returns the who
 followed by the new tokens, greedy. Decoding is the model's own ``generate`` loop over the sharded
 modules, whose row-parallel outputs are all-reduced over the replica's tensor-parallel group.
 
-Not yet: pipelined generation (``pp > 1`` is planned, refused here with a clear error), a
-vocabulary-parallel LM head (each rank holds the whole head).
+The LM head is vocabulary-parallel when it is not tied to the embeddings (each rank its rows of the
+vocabulary, the logits all-gathered); a tied head stays whole. Not yet: pipelined generation
+(``pp > 1`` is planned, refused here with a clear error).
 ``last_timing`` holds the last call's measured prefill (time to the first new token) and decode
 seconds, which the server's load test compares with the plan's TTFT and TPOT.
 """
@@ -116,13 +117,20 @@ class InferenceEngine:
             groups = [dist.new_group(list(range(r * plan.tp, (r + 1) * plan.tp))) for r in range(plan.dp)]
             self.group = groups[self.replica]
         self.sharded = shard_for_tp(self.model, self.tp_rank, plan.tp,
-                                    lambda t: dist.all_reduce(t, group=self.group), read=self.read)
+                                    lambda t: dist.all_reduce(t, group=self.group), read=self.read,
+                                    all_gather=self.gather_last_dim)
         fill_buffers(self.model)
         self.model.eval().to(DTYPES.get(plan.dtype, torch.float32))
         from transformers import StaticCache
         self.cache = StaticCache(config=self.model.config, max_cache_len=plan.prompt_len + plan.max_new_tokens)
         self.last_timing: dict = {}
         self.cache_batch = None
+
+    def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s last dim concatenated over this replica's tensor-parallel group, in rank order."""
+        parts = [torch.empty_like(t) for _ in range(self.plan.tp)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
 
     def kv_cache_bytes(self) -> int:
         """Bytes of this rank's KV cache (allocated at the first generate, for the plan's batch)."""

@@ -4,7 +4,8 @@ intensity, memory-bound kernels at its bandwidth, collectives at its bus bandwid
 
 What is priced is what the engine runs (autopar/inference/engine.py): Megatron tensor parallelism
 of each decoder layer (q/k/v and the MLP's gate/up column-parallel, o and down row-parallel with
-an all-reduce each, so 2 all-reduces a layer), embeddings and the LM head whole on every rank.
+an all-reduce each, so 2 all-reduces a layer); embeddings whole on every rank; the LM head
+vocabulary-parallel with its logits all-gathered when it is not tied to the embeddings, else whole.
 
 - **Prefill** (time to first token): the prompt's forward, one replica's batch B x S tokens. Per
   layer: the four projections and the MLP as GEMMs of [B S, H] by the rank's slice, causal
@@ -38,8 +39,14 @@ def kv_bytes(m: ModelShape, tp: int, layers: range, batch: int, context: int, dt
     return 2 * batch * positions * (m.kv_heads // tp) * m.head_dim * ITEMSIZE[dtype]
 
 
+def head_split(m: ModelShape, tp: int) -> bool:
+    """Whether the engine splits the LM head over the vocabulary (untied, tp dividing the vocabulary)."""
+    return tp > 1 and m.split_head > 0 and m.vocab % tp == 0
+
+
 def weight_bytes(m: ModelShape, tp: int, pp: int, dtype: str) -> float:
-    return (m.layer_params / (tp * pp) + m.other_params) * ITEMSIZE[dtype]
+    head = m.split_head * (1 - 1 / tp) if head_split(m, tp) else 0
+    return (m.layer_params / (tp * pp) + m.other_params - head) * ITEMSIZE[dtype]
 
 
 class Pricer:
@@ -81,6 +88,15 @@ class Pricer:
             return 0.0
         return boundary_p2p_time(self.cluster, nbytes, 0, self.cluster.num_devices // pp)
 
+    def head(self, rows: float, tp: int) -> float:
+        """The LM head on ``rows`` positions: vocabulary-parallel with the logits all-gathered, or whole."""
+        m = self.m
+        if not head_split(m, tp):
+            return self.gemm(rows, m.hidden, m.vocab)
+        mesh = Mesh((self.cluster.num_devices // tp, tp), ("dp", "tp"), self.cluster.devices_per_node)
+        return (self.gemm(rows, m.hidden, m.vocab / tp)
+                + Collectives(self.cluster, mesh)("all_gather", rows * m.vocab * self.b, 1))
+
     def layer_gemms(self, tokens: float, tp: int, experts_read: float) -> float:
         m = self.m
         qkv = self.gemm(tokens, m.hidden, (m.heads + 2 * m.kv_heads) * m.head_dim / tp)
@@ -107,8 +123,7 @@ class Pricer:
                                 intensity=attn_flops / max(attn_bytes, 1), calibration=self.cal)
                  + self.memory_bound(ELEMENTWISE_PASSES * tokens * m.hidden * self.b)
                  + 2 * self.all_reduce(tokens * m.hidden * self.b, tp))
-        head = self.gemm(batch, m.hidden, m.vocab)
-        return m.layers * layer + head + (pp - 1) * self.hop(tokens * m.hidden * self.b, tp, pp)
+        return m.layers * layer + self.head(batch, tp) + (pp - 1) * self.hop(tokens * m.hidden * self.b, tp, pp)
 
     def decode(self, tp: int, pp: int, batch: int, context: float) -> float:
         m = self.m
@@ -119,8 +134,7 @@ class Pricer:
                                      flops=4 * batch * (m.heads / tp) * context * m.head_dim)
                  + self.memory_bound(ELEMENTWISE_PASSES * batch * m.hidden * self.b)
                  + 2 * self.all_reduce(batch * m.hidden * self.b, tp))
-        head = self.gemm(batch, m.hidden, m.vocab)
-        return m.layers * layer + head + (pp - 1) * self.hop(batch * m.hidden * self.b, tp, pp)
+        return m.layers * layer + self.head(batch, tp) + (pp - 1) * self.hop(batch * m.hidden * self.b, tp, pp)
 
     def workspace(self, tp: int, batch: int, prompt: int) -> float:
         m = self.m

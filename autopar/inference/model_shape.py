@@ -46,6 +46,8 @@ class ModelShape:
     layer_params: int          # all decoder layers together
     other_params: int          # embeddings, LM head, final norm: whole on every rank of their stage
     windows: tuple = ()        # per layer: the sliding window its KV cache keeps, or 0 (every position)
+    split_head: int = 0        # parameters of an LM head not tied to the embeddings (vocabulary-parallel
+    #                            under tp, autopar/inference/tp_shard.py); 0 when tied
 
     def cache_positions(self, layer: int, context: int) -> int:
         """Positions layer ``layer``'s KV cache holds for ``context`` tokens (a sliding window keeps
@@ -88,8 +90,11 @@ class ModelShape:
         if in_layers == 0:
             raise PlanError(f"{type(model).__name__}: no decoder layers found among its parameters "
                             f"(expected names with .layers. or .h.)")
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        embed = getattr(model, "get_input_embeddings", lambda: None)()
+        split = head.weight.numel() if head is not None and embed is not None and head.weight is not embed.weight else 0
         return ModelShape(layers, hidden, heads, kv, head_dim, inter, vocab, experts, per_token,
-                          in_layers, total - in_layers, _windows(cfg, layers))
+                          in_layers, total - in_layers, _windows(cfg, layers), split)
 
 
 def _windows(cfg, layers: int) -> tuple:

@@ -33,7 +33,7 @@ EXTRA_PLANS = {
     "gpt2": {"h.*.attn.c_attn": "packed_colwise3", "h.*.attn.c_proj": "rowwise",
              "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"},
 }
-STYLES = ("colwise", "rowwise", "packed_colwise", "packed_colwise3", "moe_tp_experts")
+STYLES = ("colwise", "rowwise", "packed_colwise", "packed_colwise3", "moe_tp_experts", "colwise_gather_output")
 
 
 def tp_plan(model) -> dict[str, str]:
@@ -48,7 +48,14 @@ def tp_plan(model) -> dict[str, str]:
                         f"plan (config.base_model_tp_plan): run it with tp=1")
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
-    return {(f"{prefix}.{k}" if base is not None else k): v for k, v in plan.items()}
+    out = {(f"{prefix}.{k}" if base is not None else k): v for k, v in plan.items()}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    if head is not None and embed is not None and head.weight is not embed.weight:
+        # the vocabulary-parallel head: each rank its rows of the vocabulary, logits gathered
+        out.update((k, v) for k, v in (getattr(type(model), "_tp_plan", None) or {"lm_head": "colwise_gather_output"}
+                                       ).items() if v == "colwise_gather_output")
+    return out
 
 
 def _is_conv1d(module) -> bool:
@@ -92,16 +99,24 @@ def _reduce_hook(all_reduce, bias):
     return hook
 
 
-def shard_for_tp(model, rank: int, tp: int, all_reduce, read=None) -> dict[str, str]:
+def _gather_hook(all_gather):
+    def hook(module, args, out):
+        return all_gather(out)
+    return hook
+
+
+def shard_for_tp(model, rank: int, tp: int, all_reduce, read=None, all_gather=None) -> dict[str, str]:
     """Slice ``model`` in place for rank ``rank`` of ``tp``; ``all_reduce(t)`` sums ``t`` in place over
     the tensor-parallel group. ``read(fqn, pieces, dim)`` gives the rank's shard of the tensor at
     ``fqn`` (``pieces``: index tuples concatenated along ``dim``); default: the model's own tensors.
+    ``all_gather(t)`` concatenates ``t``'s last dim over the group in rank order (the vocabulary-
+    parallel head's logits; without it the head stays whole).
     Parameters left on the meta device (a model built without weights) are then read whole.
     Returns the module paths sharded, with their styles."""
     params = dict(model.named_parameters(remove_duplicate=False))
     if read is None:
         read = read_own(lambda fqn: params[fqn].data)
-    done = _shard(model, rank, tp, all_reduce, read) if tp > 1 else {}
+    done = _shard(model, rank, tp, all_reduce, read, all_gather) if tp > 1 else {}
     filled = {}   # tied aliases stay one tensor
     for fqn, p in model.named_parameters(remove_duplicate=False):
         if p.is_meta:
@@ -112,7 +127,7 @@ def shard_for_tp(model, rank: int, tp: int, all_reduce, read=None) -> dict[str, 
     return done
 
 
-def _shard(model, rank: int, tp: int, all_reduce, read) -> dict[str, str]:
+def _shard(model, rank: int, tp: int, all_reduce, read, all_gather) -> dict[str, str]:
     cfg = model.config
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
     kv = getattr(cfg, "num_key_value_heads", None) or heads
@@ -135,7 +150,12 @@ def _shard(model, rank: int, tp: int, all_reduce, read) -> dict[str, str]:
             out_dim, in_dim = (1, 0) if _is_conv1d(module) else (0, 1)
             parts = {"packed_colwise": 2, "packed_colwise3": 3}.get(style, 1)
             w = f"{path}.weight"
-            if style in ("colwise", "packed_colwise", "packed_colwise3"):
+            if style == "colwise_gather_output" and (all_gather is None or module.weight.shape[0] % tp):
+                continue   # the head stays whole: no gather given, or tp does not divide the vocabulary
+            if style == "colwise_gather_output":
+                _set(module, "weight", read(w, _pieces(module.weight.shape, out_dim, rank, tp), out_dim))
+                module.register_forward_hook(_gather_hook(all_gather))
+            elif style in ("colwise", "packed_colwise", "packed_colwise3"):
                 _set(module, "weight", read(w, _pieces(module.weight.shape, out_dim, rank, tp, parts), out_dim))
                 if module.bias is not None:
                     _set(module, "bias", read(f"{path}.bias", _pieces(module.bias.shape, 0, rank, tp, parts), 0))

@@ -83,9 +83,13 @@ def test_dp2_replicas_each_decode_their_rows():
 def test_tp_shards_really_split_the_weights():
     m = _model("hf_llama")
     full = m.model.layers[0].self_attn.q_proj.weight.shape
-    done = shard_for_tp(m, 0, 2, lambda t: t)
+    vocab = m.lm_head.weight.shape[0]
+    done = shard_for_tp(m, 0, 2, lambda t: t, all_gather=lambda t: torch.cat([t, t], dim=-1))
     assert m.model.layers[0].self_attn.q_proj.weight.shape == (full[0] // 2, full[1])
     assert done["model.layers.0.self_attn.o_proj"] == "rowwise"
+    assert done["lm_head"] == "colwise_gather_output" and m.lm_head.weight.shape[0] == vocab // 2
+    tied = _model("hf_qwen2")                  # a head tied to the embeddings stays whole
+    assert "lm_head" not in shard_for_tp(tied, 0, 2, lambda t: t, all_gather=lambda t: t)
     assert m.config.num_attention_heads == 2 and m.config.num_key_value_heads == 1
 
 
