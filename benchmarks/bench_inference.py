@@ -5,7 +5,8 @@
 - ``plans``: the configuration ``plan_inference`` chooses for Llama-2-70B and Llama-3-70B shapes on
   one DGX-A100 and one DGX-H100 node (prompt 2048, 256 new tokens, 8 prompts), without targets and
   under TTFT < 2 s with TPOT < 200 ms or < 50 ms.
-- ``published``: predicted end-to-end latency of vLLM's own latency benchmark configurations (batch
+- ``published``: first-token latency of TensorRT-LLM v0.5's batch-1 table (A100, fp16), and
+  predicted end-to-end latency of vLLM's own latency benchmark configurations (batch
   8, input 32, output 128, bf16; https://buildkite.com/vllm/performance-benchmark/builds/9515, an
   H200) with tp pinned as vLLM ran them, against vLLM's measured mean. autopar has no H200 preset:
   the rows use dgx-h100 with the H200's memory (141 GB) and HBM bandwidth (4.8 TB/s), on the
@@ -42,13 +43,20 @@ H200_YAML = """preset: dgx-h100
 device: {name: H200-SXM-141GB, memory: 141GB, hbm_bandwidth: 4.8TB/s,
          peak_flops: {bf16: 989T, fp16: 989T, fp32: 494T}, kernel_overhead: 5us}
 """
+LLAMA2_7B = dict(LLAMA2_70B, hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_hidden_layers=32,
+                 num_key_value_heads=32)   # meta-llama/Llama-2-7b-hf config.json
+TRTLLM_TTFT = [   # (model, tp, prompt, measured first-token ms): TensorRT-LLM v0.5, A100 FP16, batch 1
+    ("Llama-2-7B", 1, 128, 16), ("Llama-2-7B", 1, 2048, 133),
+    ("Llama-2-70B", 4, 128, 47), ("Llama-2-70B", 4, 2048, 377)]
+TRTLLM_SOURCE = ("https://github.com/NVIDIA/TensorRT-LLM/blob/138f96d45f90b9667426f7c47297d8c06bafac73/"
+                 "docs/source/performance.md")
 VLLM = [   # (model config, tp, measured mean end-to-end latency ms), vLLM latency tests on one H200
     ("Llama-3-70B", 4, 2077.53), ("Llama-3-8B", 1, 833.421), ("Mixtral-8x7B", 2, 1917.44)]
 
 
 def _model(name):
-    cfg = LLAMA2_70B if name == "Llama-2-70B" else CONFIGS[name]
-    return from_hf_config(dict(cfg), seq=16, batch=1, dtype="bf16" if name == "Llama-2-70B" else None)
+    cfg = {"Llama-2-70B": LLAMA2_70B, "Llama-2-7B": LLAMA2_7B}.get(name) or CONFIGS[name]
+    return from_hf_config(dict(cfg), seq=16, batch=1, dtype="bf16" if name.startswith("Llama-2") else None)
 
 
 def part_plans():
@@ -79,6 +87,15 @@ def part_published(tmp: Path):
                            constraints={"tp": tp, "dp": 8 // tp, "batch_size": 8})
         pred = (p.predictions["ttft"] + 128 * p.predictions["tpot"]) * 1e3
         print(f"| {name} | {tp} | 8 x 32 / 128 | {measured:.0f} ms | {pred:.0f} ms | {pred / measured - 1:+.0%} |")
+    print(f"\nFirst-token latency, batch 1, one DGX-A100, fp16, against TensorRT-LLM v0.5 ({TRTLLM_SOURCE})")
+    print("| model | tp | prompt | TensorRT-LLM measured | autopar predicted TTFT | error |")
+    print("|---|---|---|---|---|---|")
+    a100 = autopar.Cluster.preset("dgx-a100")
+    for name, tp, prompt, measured in TRTLLM_TTFT:
+        p = plan_inference(_model(name), torch.zeros(1, prompt, dtype=torch.long), a100, max_new_tokens=1,
+                           constraints={"tp": tp, "dp": 8 // tp, "batch_size": 1}, dtype="fp16")
+        pred = p.predictions["ttft"] * 1e3
+        print(f"| {name} | {tp} | {prompt} | {measured} ms | {pred:.1f} ms | {pred / measured - 1:+.0%} |")
 
 
 SERVE_MODEL = ["hf_llama", "--arg", "n_layer=4", "--arg", "d_model=256", "--arg", "n_head=8", "--arg", "n_kv_heads=4",
