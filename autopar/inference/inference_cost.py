@@ -13,7 +13,7 @@ vocabulary-parallel with its logits all-gathered when it is not tied to the embe
   rotary), two all-reduces of [B S, H]; then the LM head on the last position. Stages run one after
   the other for one batch, plus a hop of [B S, H] between stages.
 - **Decode** (time per output token): one token per sequence. Memory-bound: each projection reads
-  its weight slice (MoE: the experts the batch touches, at most min(E, B k)), attention reads the
+  its weight slice (MoE: the experts the batch touches, E (1 - (1 - k/E)^B) under uniform routing), attention reads the
   rank's KV cache at the mean context S + T / 2, two latency-bound all-reduces of [B, H] per
   layer, the LM head reads its whole weight; every kernel pays the profile's launch overhead.
 - **Memory per rank**: weights (layers / (tp pp) + the rest whole), the KV cache (``kv_bytes``),
@@ -37,6 +37,14 @@ def kv_bytes(m: ModelShape, tp: int, layers: range, batch: int, context: int, dt
     layer keeps (context, or its sliding window) x kv_heads / tp x head_dim x bytes."""
     positions = sum(m.cache_positions(i, context) for i in layers)
     return 2 * batch * positions * (m.kv_heads // tp) * m.head_dim * ITEMSIZE[dtype]
+
+
+def experts_touched(m: ModelShape, tokens: float) -> float:
+    """Experts a layer reads for ``tokens`` tokens routed uniformly at random, k each:
+    E (1 - (1 - k/E)^tokens); 1 for a dense model."""
+    if m.experts <= 1:
+        return 1.0
+    return m.experts * (1 - (1 - m.experts_per_token / m.experts) ** tokens)
 
 
 def head_split(m: ModelShape, tp: int) -> bool:
@@ -114,7 +122,7 @@ class Pricer:
     def prefill(self, tp: int, pp: int, batch: int, prompt: int) -> float:
         m = self.m
         tokens = batch * prompt
-        experts_read = min(m.experts, tokens * m.experts_per_token) if m.experts > 1 else 1
+        experts_read = experts_touched(m, tokens)
         heads = m.heads / tp
         attn_flops = 2 * 2 * batch * heads * prompt * prompt * m.head_dim * 0.5   # causal
         attn_bytes = self.b * batch * prompt * m.head_dim * (heads + 2 * m.kv_heads / tp + heads)
@@ -127,7 +135,7 @@ class Pricer:
 
     def decode(self, tp: int, pp: int, batch: int, context: float) -> float:
         m = self.m
-        experts_read = min(m.experts, batch * m.experts_per_token) if m.experts > 1 else 1
+        experts_read = experts_touched(m, batch)
         context = sum(m.cache_positions(i, context) for i in range(m.layers)) / m.layers
         layer = (self.layer_gemms(batch, tp, experts_read)
                  + self.memory_bound(2 * batch * context * (m.kv_heads / tp) * m.head_dim * self.b,
