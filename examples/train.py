@@ -22,6 +22,10 @@ processes saved it) and continues from its step:
     autopar run -n 4 examples/train.py --model gpt2 --steps 20 --checkpoint-dir run/ck --save-every 5
     autopar run -n 2 examples/train.py --model gpt2 --steps 40 --checkpoint-dir run/ck --resume
 
+Fault injection (for resume tests): ``AUTOPAR_FAIL_AT_STEP=k AUTOPAR_FAIL_MARKER=FILE`` makes rank 1
+leave after step k once (``fail_once``); under ``torchrun --max-restarts 1 ... --resume`` the
+restarted processes resume from the newest committed checkpoint.
+
 Live figures: every ``--log-every`` steps (default 5) the measured step time, tokens/s, TFLOP/s per
 device and MFU, each next to the plan's prediction (``autopar.compile(log_every=..., on_step=...)``).
 On a terminal rank 0 shows them under a rich progress bar; otherwise (a pipe, a log file, no rich)
@@ -75,6 +79,21 @@ class LiveBar:
                    f"{s.throughput:,.0f} {s.unit}/s (plan {s.predicted_throughput:,.0f}) | "
                    f"MFU {100 * s.mfu:.1f}% (plan {100 * s.predicted_mfu:.1f}%)")
         self.progress.update(self.task, figures=figures)
+
+
+def fail_once(step: int, rank: int) -> None:
+    """Fault injection for resume tests: with ``AUTOPAR_FAIL_AT_STEP=k`` and ``AUTOPAR_FAIL_MARKER=FILE``,
+    rank ``AUTOPAR_FAIL_RANK`` (default 1) leaves with exit code 13 after step k, once: it creates
+    FILE first, and a restarted run that finds FILE goes on (torchrun --max-restarts restarts it)."""
+    at, marker = os.environ.get("AUTOPAR_FAIL_AT_STEP"), os.environ.get("AUTOPAR_FAIL_MARKER")
+    if at is None or marker is None or step != int(at) or rank != int(os.environ.get("AUTOPAR_FAIL_RANK", "1")):
+        return
+    if os.path.exists(marker):
+        return
+    with open(marker, "w") as f:
+        f.write(f"rank {rank} failed after step {step}\n")
+    print(f"rank {rank}: injected failure after step {step} (AUTOPAR_FAIL_AT_STEP)", flush=True)
+    os._exit(13)
 
 
 def main(argv=None) -> None:
@@ -137,6 +156,7 @@ def main(argv=None) -> None:
             print(f"step {step:4d}  loss {loss:.4f}  {1e3 * (time.perf_counter() - t0):.0f} ms", flush=True)
         if args.save_every and step % args.save_every == 0 and step < args.steps:
             compiled.save(args.checkpoint_dir, keep_last=args.keep_last, blocking=False)
+        fail_once(step, rank)
     if bar is not None:
         bar.stop()
         last = compiled.stats()

@@ -9,7 +9,9 @@
   uninterrupted one-process training (SGD with momentum, parameters rel 1e-4); the committed
   generation converted by ``dcp_to_torch_save`` is the one-process state dict; each rank wrote
   only its pieces (the files' bytes are about the model's, not world size times it);
-- asynchronous saves write the state at the call while training goes on; a second save waits;
+- asynchronous saves write the state at the call while training goes on; a second save waits; a
+  rank killed before, during or after the background writes, or after the commit, while the other
+  ranks train on, leaves the old (or, after the commit, the new) state, exactly;
 - mixed precision: the fp32 masters are what is saved and loaded, exactly;
 - a plain DCP directory (older autopar) stays loadable until a save commits over it; extra state
   entries (a schedule's numbers and tensors) go through unchanged.
@@ -278,6 +280,39 @@ def test_asynchronous_save_writes_the_state_at_the_call(tmp_path):
     _assert_state_equal(loaded, at_save)
     loaded2 = _torch(run_local(_load_state, 2, args=(d + "-2", plan), timeout=120)[0])
     assert loaded2["step"] == 3
+
+
+def _async_save_then_die(rank, world, directory, record, plan_json, point):
+    cm, batch = _compile(world, plan_json)
+    for _ in range(2):
+        cm.step(*batch)
+    cm.save(directory)
+    old = _state(cm)
+    cm.step(*batch)
+    new = _state(cm)
+    if rank == 0:
+        torch.save({"old": old, "new": new}, record)
+    os.environ["AUTOPAR_CHECKPOINT_FAULT"] = point
+    os.environ["AUTOPAR_CHECKPOINT_FAULT_RANK"] = str(1 if point in ("during",) else 0)
+    h = cm.save(directory, blocking=False)   # "before" dies here; the others on the writing thread
+    cm.step(*batch)                          # training goes on while the rank dies in the background
+    h.wait()
+    return "not killed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point,expect", [("before", "old"), ("during", "old"), ("after", "old"),
+                                          ("committed", "new")])
+def test_killed_asynchronous_save_leaves_old_or_new_checkpoint(tmp_path, point, expect):
+    d, record = str(tmp_path / "ck"), str(tmp_path / "states.pt")
+    plan = _plan_json(2, {"dp": 2, "tp": 1, "zero": 2})
+    with pytest.raises(LocalLaunchError):
+        run_local(_async_save_then_die, 2, args=(d, record, plan, point), timeout=120, pg_timeout=10)
+    states = torch.load(record)
+    loaded = _torch(run_local(_load_state, 2, args=(d, plan), timeout=120)[0])
+    _assert_state_equal(loaded, states[expect])
+    other = states["new" if expect == "old" else "old"]
+    assert not all(torch.equal(loaded["model"][k], other["model"][k]) for k in loaded["model"])
 
 
 # ------------------------------------------------------------------ mixed precision: the fp32 masters

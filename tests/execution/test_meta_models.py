@@ -279,3 +279,44 @@ def test_real_buffers_meta_buffers_and_differing_copies():
     for k, v in rank0.state_dict().items():
         for out in res:
             assert torch.equal(torch.from_numpy(out["differing"][k]), v), k
+
+
+def _real_buffers_from_directory(rank, world, plan_a, plan_b, directory):
+    """Issue 30 point 4 from a checkpoint directory: a real llama trains 1 step under plan A and is
+    saved; a model with parameters on meta and its rotary tables real (accelerate's
+    init_empty_weights convention, no reset_buffers) compiles from that directory under plan B and
+    trains 2 steps."""
+    from autopar.models.llama import rotary_tables
+
+    cluster = autopar.Cluster.preset("cpu", devices=world)
+    model, batch = FACTORIES["llama"](device="cpu", seed=SEED)
+    a = autopar.compile(model, cluster, example_inputs=batch, plan=autopar.Plan.from_json(plan_a), **SGD)
+    a.step(*batch)
+    a.save(directory)
+    saved = {k: v.numpy() for k, v in a.full_state_dict().items()}
+    meta, _ = FACTORIES["llama"](device="meta", seed=SEED)
+    c = meta.config
+    meta.rope_cos, meta.rope_sin = rotary_tables(c.seq, c.d_model // c.n_head, c.rope_theta)
+    type(meta).reset_buffers, kept = None, type(meta).reset_buffers
+    try:
+        b = autopar.compile(meta, cluster, example_inputs=batch, plan=autopar.Plan.from_json(plan_b),
+                            weights=directory, **SGD)
+    finally:
+        type(meta).reset_buffers = kept
+    losses = [b.step(*batch) for _ in range(2)]
+    return saved, losses, {k: v.numpy() for k, v in b.full_state_dict().items()}
+
+
+@pytest.mark.slow
+def test_meta_parameters_with_real_buffers_compile_from_a_checkpoint_directory(tmp_path):
+    plan_a = plan_for("llama", 2, {"dp": 2})
+    plan_b = plan_for("llama", 2, {"tp": 2})
+    res = run_local(_real_buffers_from_directory, 2, args=(plan_a.to_json(), plan_b.to_json(), str(tmp_path / "ck")),
+                    timeout=300)
+    saved, losses, got = res[0]
+    ref, batch = FACTORIES["llama"](device="cpu", seed=SEED)
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in saved.items()}, strict=False)
+    want_losses, want = eager(ref, batch, steps=2)[:2]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-7)
+    for k, v in want.items():
+        torch.testing.assert_close(torch.from_numpy(got[k]), v, rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")

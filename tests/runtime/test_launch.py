@@ -145,6 +145,44 @@ def test_example_saves_every_n_steps_and_resumes_on_another_world_size(tmp_path)
 
 
 @pytest.mark.slow
+def test_torchrun_max_restarts_resumes_after_a_killed_rank(tmp_path):
+    """Real ``torchrun --max-restarts 1`` (c10d rendezvous): rank 1 leaves after step 5 once
+    (examples/train.py ``AUTOPAR_FAIL_AT_STEP``), the agent restarts both ranks, they ``--resume``
+    from the newest committed checkpoint; the final parameters equal an uninterrupted run's."""
+    import os
+    import socket
+    import subprocess
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from autopar.execution.checkpoint_atomic import committed_path
+
+    common = ["--model", "mlp", "--lr", "0.01", "--steps", "6", "--log-every", "100"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    marker = tmp_path / "failed"
+    env = {**os.environ, "AUTOPAR_FAIL_AT_STEP": "5", "AUTOPAR_FAIL_MARKER": str(marker)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", EXAMPLE, *common,
+           "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2", "--resume", "--save", str(tmp_path / "a")]
+    a = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert marker.exists(), "the fault was not injected"
+    assert "resumed from" in a.stdout and ("at step 4" in a.stdout or "at step 2" in a.stdout), a.stdout
+    b = _torchrun([*common, "--save", str(tmp_path / "b")])
+    assert b.returncode == 0, b.stderr[-3000:]
+    sds = []
+    for name in ("a", "b"):
+        dcp_to_torch_save(committed_path(str(tmp_path / name)), str(tmp_path / f"{name}.pt"))
+        sds.append(torch.load(str(tmp_path / f"{name}.pt")))
+    assert int(sds[0]["step"]) == int(sds[1]["step"]) == 6
+    assert sds[0]["model"].keys() == sds[1]["model"].keys()
+    for k in sds[1]["model"]:
+        torch.testing.assert_close(sds[0]["model"][k], sds[1]["model"][k], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
 def test_gpu_cluster_without_cuda_is_a_clear_error():
     out = _torchrun(["--model", "mlp", "--steps", "1", "--cluster", "dgx-a100"])
     assert out.returncode != 0
