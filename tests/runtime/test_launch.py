@@ -146,7 +146,7 @@ def test_example_saves_every_n_steps_and_resumes_on_another_world_size(tmp_path)
 
 @pytest.mark.slow
 def test_torchrun_max_restarts_resumes_after_a_killed_rank(tmp_path):
-    """Real ``torchrun --max-restarts 1`` (c10d rendezvous): rank 1 leaves after step 5 once
+    """Real ``torchrun --max-restarts`` (c10d rendezvous): rank 1 leaves after step 5 once
     (examples/train.py ``AUTOPAR_FAIL_AT_STEP``), the agent restarts both ranks, they ``--resume``
     from the newest committed checkpoint; the final parameters equal an uninterrupted run's."""
     import os
@@ -163,10 +163,12 @@ def test_torchrun_max_restarts_resumes_after_a_killed_rank(tmp_path):
         port = s.getsockname()[1]
     marker = tmp_path / "failed"
     env = {**os.environ, "AUTOPAR_FAIL_AT_STEP": "5", "AUTOPAR_FAIL_MARKER": str(marker)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", EXAMPLE, *common,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "3",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", EXAMPLE, *common,
            "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2", "--resume", "--save", str(tmp_path / "a")]
-    a = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    # 3 restarts: one is the injected fault; on a loaded machine a restarted gloo group has been seen
+    # to fail to connect once more (the agent then restarts again, from the same checkpoint)
+    a = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env)
     assert a.returncode == 0, a.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"
     assert "resumed from" in a.stdout and ("at step 4" in a.stdout or "at step 2" in a.stdout), a.stdout
