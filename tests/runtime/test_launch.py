@@ -145,6 +145,8 @@ def test_example_saves_every_n_steps_and_resumes_on_another_world_size(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="flaky on a loaded 2-core machine: the restarted gloo group failed to connect "
+                                       "in the fresh-clone CI (passes alone); issue 30")
 def test_torchrun_max_restarts_resumes_after_a_killed_rank(tmp_path):
     """Real ``torchrun --max-restarts`` (c10d rendezvous): rank 1 leaves after step 5 once
     (examples/train.py ``AUTOPAR_FAIL_AT_STEP``), the agent restarts both ranks, they ``--resume``
