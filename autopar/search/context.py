@@ -42,10 +42,10 @@ class SearchOptions:
     pruned search must match, used by tests); ``progress``: the live progress line on or off
     (default: when stderr is a terminal); ``max_zero``: the highest unpinned ZeRO stage (pipelined
     stages: autopar/search/pipeline_pins.py ``max_zero``); ``cutoff`` (seconds): a configuration
-    whose work bound reaches it (with ``cutoff_bubble``, the pipeline's fill and drain b: the work
-    W counts (1 + b) times but for the optimizer step, bounded by ``optimizer_ceiling``) is not
-    solved, and ``CutOff`` is raised if that leaves no plan; ``before_large(best, lp)``: asked
-    before a large ILP (outer.search's doc)."""
+    whose work bound W reaches it (with ``cutoff_fill_drain`` F > 1, a pipeline's proven fill and
+    drain, autopar/search/pipeline_bounds.py: also one whose W minus its optimizer step, bounded
+    by ``optimizer_ceiling``, reaches it over F) is not solved, and ``CutOff`` is raised if that
+    leaves no plan; ``before_large(best, lp)``: asked before a large ILP (outer.search's doc)."""
     time_limit: float | None = None
     log: object = None
     policy: str | None = None
@@ -53,7 +53,7 @@ class SearchOptions:
     progress: bool | None = None
     max_zero: int = 3
     cutoff: float | None = None
-    cutoff_bubble: float = 0.0
+    cutoff_fill_drain: float = 1.0
     before_large: object = None
 
 

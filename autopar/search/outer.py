@@ -160,8 +160,9 @@ def search_configurations(graph: TracedGraph, cluster: Cluster, base: Settings, 
                 P = price(ctx.candidates(cfg.mesh), cluster, cfg.settings, edges=False)
                 lower = step_time_lower_bound(P)
             hook = ask if opts.before_large is not None and not opts.exhaustive and not asked else None
-            cut_at = None if opts.exhaustive or opts.cutoff is None else \
-                (opts.cutoff + opts.cutoff_bubble * optimizer_ceiling(P)) / (1 + opts.cutoff_bubble)
+            cut_at = None if opts.exhaustive or opts.cutoff is None else opts.cutoff
+            if cut_at is not None and opts.cutoff_fill_drain > 1:   # step >= (W - O) F / p (pipeline_bounds)
+                cut_at = min(cut_at, opts.cutoff / opts.cutoff_fill_drain + optimizer_ceiling(P))
             visit(ctx, cfg, P, lower, cut_at, hook)
             bar.update(stats, ctx.best)
     finally:

@@ -16,18 +16,20 @@ checkpoint="full") is among the free search's candidates. Each is
 partition, the simulated schedule); the inner plan depends only on (pp, m) and the other pins, so
 it is searched once per (pp, m) and reused for every schedule (``inner_cache``).
 
-Pruning: a pipelined step cannot take less than the pp=1 plan's compute time times
-1 + (pp - 1) / (m v) (the same FLOPs on the same devices, plus the least fill and drain of 1F1B /
-interleaving with v stages per rank); a candidate whose bound reaches the incumbent's step time
-is not searched, and candidates are visited in order of that bound, so a good plan found early
-prunes the rest. This assumes the stages compute no faster than the pp=1 plan does, which holds
-when both split work over the same devices evenly. Inside a candidate's inner search (the whole
-model on one stage's sub-mesh) a configuration is cut off when its work bound W (compute, in-op
-and resharding communication and optimizer step O, gradient communication aside) cannot beat the
-incumbent over p stages: the busiest rank's time is at least ((W - O)(1 + b) + O) / p with
-b = (p - 1) / (m v), v the most virtual stages of the schedules sharing that inner search, O at
-most each parameter's largest optimizer time (``outer.search``'s ``cutoff`` and
-``cutoff_bubble``). A ``time_limit`` covers the whole search: pipelined candidates get what pp=1
+Pruning (autopar/search/pipeline_bounds.py). Candidates are visited in order of an estimate of
+their least step, the pp=1 plan's compute times the equal-stage fill and drain
+1 + (p - 1) / (m v), and a candidate whose estimate reaches the incumbent's step time is not
+searched, so a good plan found early prunes the rest. Inside a candidate's inner search (the
+whole model on one stage's sub-mesh) a configuration is cut off when its work bound W over p
+stages reaches the incumbent, or (W - O) F / p does, O its optimizer step (at most
+``outer.optimizer_ceiling``), F the least equal-stage factor of the schedules sharing that inner
+search (``outer.search``'s ``cutoff`` and ``cutoff_fill_drain``). These estimates are not proofs:
+unequal stages can beat the equal-stage fill and drain, and a stage can compute faster than the
+pp=1 plan (less recomputation). ``PROVEN_BOUNDS`` prunes with bounds that hold for any partition
+instead (the compute floor times the proven fill-and-drain factor, and that factor in the inner
+cutoff); it searches 1.1-2.5x longer, and tests check that it finds the same plans as the
+estimates (tests/search/test_pipeline_bounds.py).
+A ``time_limit`` covers the whole search: pipelined candidates get what pp=1
 left.
 
 With more than one core the candidates run in forked worker processes
@@ -42,9 +44,11 @@ import time
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.frontend.batching import global_batch
 from autopar.search.context import CutOff
+from autopar.search.pipeline_bounds import device_compute_floor, equal_stage_factor, fill_drain_factor, \
+    shared_fill_drain_factor
 from autopar.search.pipeline import search_pipelined
 from autopar.search.pipeline_forked import fork_workers, run_forked
-from autopar.search.pipeline_pins import stage_cluster, virtual_stages
+from autopar.search.pipeline_pins import stage_cluster
 from codegen.stages import pipeline_units
 
 FACTOR_MAX_PP = 16   # degrees above, or not powers of two: the Megatron-style counts only (micro_batch_counts)
@@ -53,7 +57,8 @@ SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory
 MICRO_FACTORS = (1, 2, 4, 8, 16)   # module doc
 MEGATRON_MBS = (1, 2)
 INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it changes no plan)
-INNER_FILL_DRAIN = True   # ... with the least fill and drain in it (idem)
+INNER_FILL_DRAIN = True   # ... with the fill and drain in it (idem)
+PROVEN_BOUNDS = False   # prune with bounds valid for any stage partition, not estimates (module doc)
 
 def pp_choices(graph, cluster, constraints: dict) -> list[int]:
     """Every pipeline degree a user could pin (module doc): 2 <= pp <= the model's blocks, stages
@@ -118,6 +123,7 @@ class Pipelined:
         self.remote_inner: dict = {}   # inner searches run in worker processes: {key: cut off?}
         self.kept: dict = {}   # in a worker: its candidates' (Result, stats, pipe) until fetched
         self.workers = 0   # the most worker processes a visit forked (stats: pipeline_workers)
+        self._floor: float | None = None   # compute_floor, computed on first use
 
     def with_stats(self, out: tuple) -> tuple:
         """``out`` (Result, stats, pipe) with the pipelined candidates' counters in its stats."""
@@ -139,32 +145,48 @@ class Pipelined:
             raise self.inner_cache[key]
         return self.inner_cache[key]
 
+    @property
+    def compute_floor(self) -> float:
+        """``pipeline_bounds.device_compute_floor`` of this search's model and cluster (once)."""
+        if self._floor is None:
+            self._floor = device_compute_floor(self.graph, self.cluster, self.base)
+        return self._floor
+
     def candidates(self, base_compute: float, sp_for=None) -> list[tuple]:
-        """(bound, pp, schedule index, m, schedule, sp) of every candidate; ``sp_for(stage cluster)``:
-        the sequence-axis sizes to pin with that stage sub-mesh (None: no sequence axis)."""
+        """(bound, pp, schedule index, m, schedule, sp) of every candidate, the bound what prunes
+        it (module doc: the estimate from ``base_compute``, the pp=1 plan's compute, or with
+        ``PROVEN_BOUNDS`` its least step); ``sp_for(stage cluster)``: the sequence-axis sizes to
+        pin with that stage sub-mesh (None: no sequence axis)."""
         batch = global_batch(self.graph)
         out = []
         for p in self.degrees or pp_choices(self.graph, self.cluster, self.flat):
             sps = [None] if sp_for is None else sp_for(stage_cluster(self.cluster, p))
             for sp in sps:
                 for sched in self.schedules:
-                    v = virtual_stages(sched)
                     for m in micro_batch_counts(p, batch, self.cluster):
                         if "num_micro_batches" in self.flat and self.flat["num_micro_batches"] != m:
                             continue
-                        out.append((base_compute * (1 + (p - 1) / (m * v)), p, self.schedules.index(sched), m, sched,
-                                    sp or 0))
+                        bound = self.compute_floor * fill_drain_factor(sched, p, m) if PROVEN_BOUNDS else \
+                            base_compute * equal_stage_factor(sched, p, m)
+                        out.append((bound, p, self.schedules.index(sched), m, sched, sp or 0))
         return out
+
+    @staticmethod
+    def estimate(base_compute: float, candidate: tuple) -> float:
+        """The visiting order's key: ``base_compute`` with the equal-stage fill and drain."""
+        _, p, _, m, sched, _ = candidate
+        return base_compute * equal_stage_factor(sched, p, m)
 
     def run(self, best, best_stats, best_pipe=None, sp_for=None, base_compute=None):
         """The best of (``best``, ``best_pipe``) and the pipelined candidates: (Result, stats, pipe).
-        The bound of a candidate is ``base_compute`` (the pp=1 plan's compute; default ``best``'s)
-        times the least fill and drain (module doc, pruning). In forked workers when that pays
+        Visited in order of their estimate from ``base_compute`` (the pp=1 plan's compute; default
+        ``best``'s), pruned by their bound (module doc, pruning). In forked workers when that pays
         (autopar/search/pipeline_forked.py), else here, in order."""
         best_time = step_time(best, best_pipe) if best is not None else float("inf")
         if base_compute is None:
             base_compute = best.prediction["time_breakdown"]["compute"] if best is not None else 0.0
-        order = sorted(self.candidates(base_compute, sp_for))
+        order = sorted(self.candidates(base_compute, sp_for),
+                       key=lambda c: (self.estimate(base_compute, c), c[1:]))
         workers = fork_workers(self, order, best_time)
         if workers > 1:
             return run_forked(self, order, workers, best, best_stats, best_pipe, best_time)
@@ -192,9 +214,10 @@ class Pipelined:
         pins = dict(self.flat, pp=p, pp_schedule=sched, num_micro_batches=m, **({"sp": sp} if sp else {}))
         kw_left = kw if limit is None else dict(kw, time_limit=max(1.0, limit - (time.perf_counter() - self.t0)))
         if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it
-            # with the least fill and drain of any schedule sharing this inner search (module doc)
-            v = max(virtual_stages(s) for s in self.schedules)
-            kw_left = dict(kw_left, cutoff=best_time * p, cutoff_bubble=(p - 1) / (m * v) if INNER_FILL_DRAIN else 0.0)
+            # with the least fill and drain of the schedules sharing this inner search (module doc)
+            factor = 1.0 if not INNER_FILL_DRAIN else shared_fill_drain_factor(self.schedules, p, m) \
+                if PROVEN_BOUNDS else min(equal_stage_factor(sched, p, m) for sched in self.schedules)
+            kw_left = dict(kw_left, cutoff=best_time * p, cutoff_fill_drain=factor)
         try:
             try:
                 return ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search,

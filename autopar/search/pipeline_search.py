@@ -86,13 +86,14 @@ def plan_search(graph, cluster, base, constraints: dict | None, **kw):
         the pp=1 plan so far, is clearly below that configuration's LP bound
         (``PIPELINED_FIRST_GAP``), the answer is a function the search calls if that ILP turns
         out slow: it visits the pipelined candidates then, against the
-        plan so far, pruned with bounds from ``compute_floor`` (no plan the pp=1 search can still
-        return computes faster; the plan so far may compute slower than the one it ends with);
+        plan so far, in the order of estimates from ``compute_floor`` (no plan the pp=1 search can
+        still return computes faster; the plan so far may compute slower than the one it ends with);
         the best pipelined plan's step then prunes the rest of the pp=1 search. The order only
         decides the speed, and visiting pipelined candidates that the pp=1 plan would have pruned
         costs their inner searches, hence the clear gap."""
         so_far = best1.prediction["time_breakdown"]["compute"]
-        if min((c[0] for c in pipe.candidates(so_far)), default=float("inf")) >= PIPELINED_FIRST_GAP * lp:
+        if min((pipe.estimate(so_far, c) for c in pipe.candidates(so_far)), default=float("inf")) >= \
+                PIPELINED_FIRST_GAP * lp:
             return None   # that ILP first, as without pipelining
 
         def go(compute_floor):

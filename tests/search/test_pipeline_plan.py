@@ -248,7 +248,7 @@ def test_inner_cutoff_changes_no_plan(monkeypatch):
 
 
 def test_inner_cutoff_fill_and_drain_changes_no_plan(monkeypatch):
-    """The inner cutoff with the least fill and drain (pipeline_search.py module doc, pruning)
+    """The inner cutoff with the least fill and drain (pipeline_candidates.py module doc, pruning)
     gives the plan found with the work bound alone and with no cutoff."""
     import autopar.search.outer as O
     import autopar.search.pipeline_candidates as PC
@@ -269,11 +269,11 @@ def test_inner_cutoff_fill_and_drain_changes_no_plan(monkeypatch):
         assert with_fd.predictions["step_time"] == other.predictions["step_time"]
 
 
-def test_cutoff_bubble_enters_the_cut():
-    """outer.search's ``cutoff_bubble`` b: a configuration is cut off when its work bound W gives
-    W (1 + b) - b U >= cutoff (U: its optimizer ceiling). One pinned configuration whose plan does
-    work W*: a cutoff of 1.5 W* cuts nothing without a bubble (no bound exceeds W*), and with
-    b = 1 it cuts the configuration (its bounds reach 0.75 W* + U / 2)."""
+def test_cutoff_fill_drain_enters_the_cut():
+    """outer.search's ``cutoff_fill_drain`` F: a configuration is cut off when its work bound W
+    gives (W - U) F >= cutoff (U: its optimizer ceiling). One pinned configuration whose plan does
+    work W*: a cutoff of 1.5 W* cuts nothing with F = 1 (no bound exceeds W*), and with F = 2 it
+    cuts the configuration (its bounds reach 0.75 W* + U < W*)."""
     from autopar.pricing.price import Settings
     from autopar.frontend.trace import trace
     from autopar.search.outer import CutOff, search
@@ -290,7 +290,7 @@ def test_cutoff_bubble_enters_the_cut():
     again, _ = search(g, cluster, base, pins, cutoff=1.5 * work)
     assert again.prediction["step_time"] == best.prediction["step_time"]
     with pytest.raises(CutOff):
-        search(g, cluster, base, pins, cutoff=1.5 * work, cutoff_bubble=1.0)
+        search(g, cluster, base, pins, cutoff=1.5 * work, cutoff_fill_drain=2.0)
 
 
 def _best_bound_first_changes_no_plan(monkeypatch, model, batch, cluster):
