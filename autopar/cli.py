@@ -24,155 +24,31 @@ traceback unless ``-v``/``--verbose`` is given (before or after the command). Ex
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 from pathlib import Path
 
+from autopar import cli_inference
+from autopar.cli_args import (byte_size, cluster_from_args, factory_shape, load_factory_model, load_hf,
+                              model_shape_args, parse_pairs, positive_int, seconds)
 from autopar.errors import ExecutionError, PlanError
 
 EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_EXECUTION, EXIT_INTERNAL = 0, 1, 2, 3, 4
 
 
-def _kwargs(pairs: list[str], flag: str = "--arg") -> dict:
-    """name=value pairs (values parsed as Python literals); a repeated name is an error, never a
-    silent last-one-wins."""
-    out = {}
-    for p in pairs or []:
-        if "=" not in p:
-            example = "tp=2" if flag == "--constraint" else "n_layer=4"
-            raise PlanError(f"{flag} expects name=value (e.g. {flag} {example}), got {p!r}")
-        k, v = p.split("=", 1)
-        k = k.strip()
-        if not k:
-            raise PlanError(f"{flag} {p!r}: the name before '=' is empty")
-        if k in out:
-            raise PlanError(f"{flag} {k} is given twice ({k}={out[k]!r} and {p!r}): give each name once")
-        try:
-            out[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            out[k] = v
-    return out
-
-
-def _positive_int(what: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{what} must be at least 1, got {v}")
-        return v
-    return parse
-
-
-def _bytes(text: str) -> float:
-    from autopar.units import parse_bytes
-    try:
-        return parse_bytes(text, "--memory-budget")
-    except PlanError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _seconds(text: str) -> float:
-    from autopar.units import parse_seconds
-    try:
-        return parse_seconds(text, "--time-limit")
-    except PlanError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _cluster(args):
-    from autopar.cluster import Cluster
-    spec = args.cluster
-    if Path(spec).suffix in (".yaml", ".yml") or Path(spec).exists():
-        return Cluster.from_yaml(spec)
-    kw = {"nodes": args.nodes}
-    if args.devices:
-        kw["devices"] = args.devices
-    return Cluster.preset(spec, **kw)
-
-
-def _load_hf(args, quiet: bool = False):
-    """(model, inputs, precision) of the Hugging Face config ``args.factory`` (--seq, --batch,
-    --task, --dtype; --arg overrides config fields). ``quiet``: no line saying what was built."""
-    from autopar.models import HF_ZOO, ZOO
-    from autopar.models.hf_config import from_hf_config, load_config
-    spec = args.factory
-    config = spec
-    if not spec.endswith(".json") and not Path(spec).exists():   # a name: a zoo typo, or a cached HF model
-        try:
-            config = load_config(spec)
-        except PlanError as e:
-            names = ", ".join(sorted(ZOO) + sorted(HF_ZOO))
-            raise PlanError(f"unknown model {spec!r}: not a zoo name ({names}), 'package.module:FACTORY' or "
-                            f"'file.py:FACTORY', and as a Hugging Face model: {e}") from e
-    if args.batch is None:
-        raise PlanError(f"{spec} is read as a Hugging Face config: give the global batch in samples, "
-                        f"--batch N (and the sequence length, --seq S)")
-    out = from_hf_config(config, seq=args.seq, batch=args.batch, task=args.task, dtype=args.dtype,
-                         overrides=_kwargs(args.arg))
-    cfg = out.config
-    n = sum(p.numel() for p in out.model.parameters())
-    arch = type(out.model.model).__name__
-    shape = f"seq {args.seq}, " if args.seq else ""
-    if not quiet:
-        print(f"{spec}: {arch} ({cfg.model_type}, {out.task}), {n / 1e9:.2f} B parameters, {shape}global batch "
-              f"{args.batch}, {str(out.dtype).removeprefix('torch.')} -> precision {out.precision}")
-    return out.model, out.inputs, out.precision
-
-
-def _load_model(spec: str, pairs, extra: dict | None = None):
-    """(model, inputs) of a factory spec; ``extra`` are keyword arguments from flags (--seq, --batch)."""
-    import inspect
-
-    from autopar.models import load_factory
-    factory = load_factory(spec)
-    kwargs = _kwargs(pairs)
-    for k, v in (extra or {}).items():
-        if k in kwargs:
-            raise PlanError(f"--{k} and --arg {k}={kwargs[k]!r} both give {k}: give it once")
-        kwargs[k] = v
-    try:
-        sig = inspect.signature(factory)
-    except (TypeError, ValueError):
-        sig = None
-    if sig is not None and not any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values()):
-        unknown = [k for k in kwargs if k not in sig.parameters]
-        flag = [k for k in unknown if k in (extra or {})]
-        if flag:
-            raise PlanError(f"--{flag[0]}: the factory {spec} takes no {flag[0]!r} argument; its arguments: "
-                            f"{', '.join(sig.parameters) or 'none'}")
-        if unknown:
-            known = ", ".join(p for p in sig.parameters) or "none"
-            raise PlanError(f"--arg {unknown[0]}: {spec} takes no argument {unknown[0]!r}; its arguments: {known}")
-    try:
-        out = factory(**kwargs)
-    except PlanError:
-        raise
-    except Exception as e:   # the user's (or the zoo's) factory rejected the values
-        shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        raise PlanError(f"the model factory {spec}({shown}) failed: {type(e).__name__}: {e}; "
-                        f"check the --arg values") from e
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise PlanError(f"{spec} must return (model, example_inputs), got {type(out).__name__}")
-    return out
-
-
 def cmd_plan(args) -> int:
     import autopar
-    cluster = _cluster(args)
-    constraints = autopar.Constraints.from_dict(_kwargs(args.constraint, "--constraint"))   # before the model loads
+    cluster = cluster_from_args(args)
+    constraints = autopar.Constraints.from_dict(parse_pairs(args.constraint, "--constraint"))   # before the model loads
     from autopar.models import is_hf_spec
     if args.precision is not None and args.dtype is not None:
         raise PlanError(f"--precision {args.precision} and --dtype {args.dtype} both set the precision: give one")
     if is_hf_spec(args.factory):
-        model, inputs, precision = _load_hf(args)
+        model, inputs, precision = load_hf(args)
     else:
         if args.task is not None:
             raise PlanError(f"--task is for Hugging Face configs; {args.factory} is a model factory")
         extra = {k: v for k, v in (("seq", args.seq), ("batch", args.batch)) if v is not None}
-        model, inputs = _load_model(args.factory, args.arg, extra)
+        model, inputs = load_factory_model(args.factory, args.arg, extra)
         precision = "bf16"
         if args.dtype is not None:
             from autopar.models.hf_config import DTYPES
@@ -219,10 +95,10 @@ def cmd_show(args) -> int:
                             f"give a rank from 0 to {p.mesh.size - 1}")
         from autopar.models import is_hf_spec
         if is_hf_spec(args.factory):   # the Hugging Face config the plan was made from (autopar plan CONFIG)
-            model, inputs, _ = _load_hf(args, quiet=True)
+            model, inputs, _ = load_hf(args, quiet=True)
             print(per_rank_code(p, args.rank, factory=lambda: (model, inputs)))
             return 0
-        extra = _factory_shape(args, "show --code")
+        extra = factory_shape(args, "show --code")
         pairs = list(args.arg or []) + [f"{k}={v}" for k, v in extra.items()]
         print(per_rank_code(p, args.rank, factory=args.factory, pairs=pairs))
         return 0
@@ -297,9 +173,9 @@ def cmd_ops(args) -> int:
     from autopar.frontend.trace import trace
     from autopar.models import is_hf_spec
     if is_hf_spec(args.factory):
-        model, inputs, _ = _load_hf(args)
+        model, inputs, _ = load_hf(args)
     else:
-        model, inputs = _load_model(args.factory, args.arg, _factory_shape(args, "ops"))
+        model, inputs = load_factory_model(args.factory, args.arg, factory_shape(args, "ops"))
     g = trace(model, inputs)
     rows = coverage(g.gm.graph)
     by = Counter((t, r) for _, t, r in rows)
@@ -360,142 +236,6 @@ def cmd_kernels(args) -> int:
     return 1 if failed else 0
 
 
-def _factory_shape(args, command: str) -> dict:
-    """--seq / --batch for a factory (its seq and batch arguments); --task and --dtype are for
-    Hugging Face configs only, an error with a factory."""
-    for flag in ("task", "dtype"):
-        if getattr(args, flag) is not None:
-            raise PlanError(f"{command}: --{flag} is for Hugging Face configs; {args.factory} is a model factory")
-    return {k: v for k, v in (("seq", args.seq), ("batch", args.batch)) if v is not None}
-
-
-def _model_shape_args(p) -> None:
-    """--seq, --batch, --task and --dtype: what a Hugging Face config needs to become a model
-    (``_load_hf``), on every command that builds one (plan, show --code, ops)."""
-    p.add_argument("--seq", type=_positive_int("--seq"), default=None,
-                   help="sequence length (Hugging Face configs; a factory's seq argument)")
-    p.add_argument("--batch", type=_positive_int("--batch"), default=None,
-                   help="global batch in samples (sequences) per step "
-                        "(Hugging Face configs; a factory's batch argument)")
-    p.add_argument("--task", choices=("causal-lm", "masked-lm", "seq2seq", "image-classification"), default=None,
-                   help="Hugging Face configs: the model head (default: from the config's architectures)")
-    p.add_argument("--dtype", default=None,
-                   help="bf16/bfloat16, fp16/float16 (planned as bf16) or fp32/float32; default: the config's dtype")
-
-
-def _inference_model(args, weights_needed: bool = False):
-    """The causal LM of ``plan-inference`` / ``serve``: a zoo name or factory (its Hugging Face model),
-    a Hugging Face model directory holding weights (loaded for serving), or a config (on meta: shapes
-    only, enough to plan). Returns (model, tokenizer or None)."""
-    from autopar.models import is_hf_spec
-    spec = args.factory
-    if is_hf_spec(spec):
-        d = Path(spec)
-        if weights_needed and d.is_dir() and (any(d.glob("*.safetensors")) or any(d.glob("*.bin"))):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-            model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True)
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
-            except Exception:   # a model directory without tokenizer files: prompts come as token ids
-                tokenizer = None
-            return model, tokenizer
-        shaped = argparse.Namespace(factory=spec, seq=1, batch=1, task=None, dtype=getattr(args, "dtype", None),
-                                    arg=args.arg)
-        model, _, _ = _load_hf(shaped, quiet=True)
-        return model, None
-    model, _ = _load_model(spec, args.arg)
-    return model, None
-
-
-def _slo_arg(text: str | None) -> dict | None:
-    if not text:
-        return None
-    out = {}
-    for part in text.split(","):
-        if "=" not in part:
-            raise PlanError(f"--slo expects name=value pairs, e.g. ttft=2s,tpot=50ms; got {part!r}")
-        k, v = part.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
-
-
-def _inference_plan(args, model, cluster):
-    from autopar.inference.inference_plan import InferencePlan
-    from autopar.inference.planner import plan_inference
-    import torch
-    if getattr(args, "plan", None):
-        return InferencePlan.load(args.plan)
-    dtype = args.dtype or ("fp32" if cluster.backend == "gloo" else "bf16")
-    return plan_inference(model, torch.zeros(args.batch, args.prompt_len, dtype=torch.long), cluster,
-                          max_new_tokens=args.max_new_tokens, slo=_slo_arg(args.slo),
-                          constraints=_kwargs(args.constraint, "--constraint"), dtype=dtype,
-                          memory_budget=args.memory_budget)
-
-
-def cmd_plan_inference(args) -> int:
-    from autopar.inference.inference_plan import summary
-    cluster = _cluster(args)
-    model, _ = _inference_model(args)
-    plan = _inference_plan(args, model, cluster)
-    if args.output:
-        plan.save(args.output)
-    print(summary(plan), end="")
-    print(f"planned in {plan.predictions['seconds']:.2f} s ({plan.predictions['configurations']} configurations)"
-          f"{'; saved to ' + args.output if args.output else ''}")
-    return 0
-
-
-def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait, name):
-    from autopar.inference.engine import compile_inference
-    from autopar.inference.inference_plan import InferencePlan
-    from autopar.inference.server import Limits, serve
-    plan = InferencePlan.from_json(plan_json)
-    engine = compile_inference(model, plan=plan)
-    limits = Limits(plan.prompt_len, plan.max_new_tokens, plan.batch_size * plan.dp,
-                    vocab_size=plan.model.get("vocab"))
-    if rank == 0:
-        print(f"autopar serve: http://{host}:{port}/v1/completions ({world} rank(s), tp={plan.tp} dp={plan.dp}, "
-              f"batch {limits.max_batch}, prompt <= {plan.prompt_len}, max_tokens <= {plan.max_new_tokens})",
-              flush=True)
-    serve(engine, limits, host=host, port=port, tokenizer=tokenizer, predictions=plan.predictions,
-          batch_wait=batch_wait, model_name=name)
-    return rank
-
-
-def cmd_serve(args) -> int:
-    import os
-    cluster = _cluster(args)
-    model, tokenizer = _inference_model(args, weights_needed=True)
-    plan = _inference_plan(args, model, cluster)
-    run = (model, tokenizer, plan.to_json(), args.host, args.port, args.batch_wait_ms / 1e3, args.factory)
-    if plan.world_size == 1 or "RANK" in os.environ:
-        import torch.distributed as dist
-        if "RANK" in os.environ and not dist.is_initialized():   # torchrun: idle servers wait for requests
-            from datetime import timedelta
-            dist.init_process_group(cluster.backend, timeout=timedelta(days=1))
-        _serve_rank(int(os.environ.get("RANK", 0)), plan.world_size, *run)
-        return 0
-    from runtime.launch import run_local
-    run_local(_serve_rank, plan.world_size, args=run, timeout=float("inf"), pg_timeout=24 * 3600)
-    return 0
-
-
-def _inference_args(p) -> None:
-    p.add_argument("factory", metavar="MODEL", help="a zoo name, module:FACTORY, or a Hugging Face config / model "
-                                                    "directory (serve: a directory with weights)")
-    p.add_argument("--cluster", default="cpu", help="preset or YAML file (default cpu)")
-    p.add_argument("--nodes", type=_positive_int("--nodes"), default=1)
-    p.add_argument("--devices", type=_positive_int("--devices"), default=None, help="devices for the cpu preset")
-    p.add_argument("--prompt-len", type=_positive_int("--prompt-len"), default=128, help="longest prompt planned for")
-    p.add_argument("--batch", type=_positive_int("--batch"), default=1, help="prompts in the example batch")
-    p.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=64)
-    p.add_argument("--slo", help="latency targets, e.g. ttft=2s,tpot=50ms")
-    p.add_argument("--constraint", action="append", help="pin tp, pp, dp or batch_size, e.g. tp=2")
-    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on GPUs, fp32 on the cpu preset)")
-    p.add_argument("--memory-budget", type=_bytes, default=None)
-    p.add_argument("--arg", action="append", help="factory argument or config field name=value")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="autopar", description="auto-parallel training compiler for PyTorch",
                                  epilog="exit codes: 0 ok, 1 diff found a regression, 2 bad input, "
@@ -506,18 +246,18 @@ def main(argv=None) -> int:
     p.add_argument("factory", metavar="MODEL",
                    help="module.path:FACTORY, file.py:FACTORY, a zoo name (gpt2_xl, llama, ...), or a Hugging Face "
                         "config.json, model directory or cached model name (any other name without ':')")
-    _model_shape_args(p)
+    model_shape_args(p)
     p.add_argument("--cluster", required=True, help="preset (dgx-a100, dgx-h100, tacc-longhorn, cpu) or a YAML file")
-    p.add_argument("--nodes", type=_positive_int("--nodes"), default=1)
-    p.add_argument("--devices", type=_positive_int("--devices"), default=None, help="devices for the cpu preset")
+    p.add_argument("--nodes", type=positive_int("--nodes"), default=1)
+    p.add_argument("--devices", type=positive_int("--devices"), default=None, help="devices for the cpu preset")
     p.add_argument("-o", "--output")
     p.add_argument("--arg", action="append",
                    help="factory keyword argument name=value (a Hugging Face config: a config field to override)")
     p.add_argument("--constraint", action="append", help="pin a degree, e.g. tp=8 (keys: docs/constraints.md)")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--precision", default=None, help="bf16 (default) or fp32; a Hugging Face config's dtype otherwise")
-    p.add_argument("--memory-budget", type=_bytes, default=None, help="bytes per device, e.g. 40GB, 40GiB")
-    p.add_argument("--time-limit", type=_seconds, default=None, help="search time limit, e.g. 30, 30s, 2min")
+    p.add_argument("--memory-budget", type=byte_size, default=None, help="bytes per device, e.g. 40GB, 40GiB")
+    p.add_argument("--time-limit", type=seconds, default=None, help="search time limit, e.g. 30, 30s, 2min")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_plan)
     s = sub.add_parser("show", help="summary, per-op strategies, memory breakdown of a plan")
@@ -528,7 +268,7 @@ def main(argv=None) -> int:
     s.add_argument("--factory", help="the plan's model (needed with --code): a factory, a zoo name or the "
                                       "Hugging Face config it was planned from, with the same --arg / --seq / --batch")
     s.add_argument("--arg", action="append")
-    _model_shape_args(s)
+    model_shape_args(s)
     s.add_argument("--timeline", help="draw the predicted pipeline schedule to this image (e.g. t.png)")
     s.set_defaults(fn=cmd_show)
     rp = sub.add_parser("report", help="one self-contained HTML page of a plan (summary, memory, timeline, "
@@ -550,35 +290,24 @@ def main(argv=None) -> int:
     o = sub.add_parser("ops", help="which ops hit which rule")
     o.add_argument("factory", metavar="MODEL", help="a factory, a zoo name or a Hugging Face config (as for plan)")
     o.add_argument("--arg", action="append")
-    _model_shape_args(o)
+    model_shape_args(o)
     o.set_defaults(fn=cmd_ops)
     r = sub.add_parser("run", help="run a script on N local CPU processes (gloo)")
-    r.add_argument("-n", "--nprocs", type=_positive_int("-n"), default=2)
+    r.add_argument("-n", "--nprocs", type=positive_int("-n"), default=2)
     r.add_argument("script")
     r.add_argument("script_args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=cmd_run)
     c = sub.add_parser("calibrate", help="measure GEMMs, memory-bound ops and collectives; write a profile")
-    c.add_argument("-n", "--nprocs", type=_positive_int("-n"), default=2,
+    c.add_argument("-n", "--nprocs", type=positive_int("-n"), default=2,
                    help="local gloo processes to fork (ignored under torchrun / autopar run)")
     c.add_argument("-o", "--output", default="calibration.yaml")
     c.add_argument("--sweep", choices=("tiny", "cpu", "gpu"), default="cpu")
-    c.add_argument("--repeats", type=_positive_int("--repeats"), default=5)
+    c.add_argument("--repeats", type=positive_int("--repeats"), default=5)
     c.set_defaults(fn=cmd_calibrate)
     k = sub.add_parser("kernels", help="build the runtime's Triton kernels ahead of time for CUDA targets")
     k.add_argument("--aot", required=True, metavar="sm_80,sm_90", help="comma-separated CUDA architectures")
     k.set_defaults(fn=cmd_kernels)
-    pi = sub.add_parser("plan-inference", help="plan generation: tp, dp and batch under latency targets")
-    _inference_args(pi)
-    pi.add_argument("-o", "--output")
-    pi.set_defaults(fn=cmd_plan_inference)
-    sv = sub.add_parser("serve", help="an OpenAI-compatible completions server of a model (loopback by default)")
-    _inference_args(sv)
-    sv.add_argument("--plan", help="an inference plan file (autopar plan-inference -o); default: plan here")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=_positive_int("--port"), default=8000)
-    sv.add_argument("--batch-wait-ms", type=float, default=10.0,
-                    help="how long a request waits for others to share its batch")
-    sv.set_defaults(fn=cmd_serve)
+    cli_inference.add_parsers(sub)
     try:
         args = ap.parse_args(argv)   # argparse reports usage errors itself: one message, exit 2
     except SystemExit as e:          # returned, not raised, so callers of main() get the code

@@ -44,7 +44,8 @@ LAYERS = (
     ("api", ("autopar.api",)),            # autopar.plan
     ("execution", ("autopar.execution",)),  # compile (plans when given no plan), run, calibrate
     ("inference", ("autopar.inference",)),  # plan_inference, compile_inference (generation), serve
-    ("top", ("autopar", "autopar.cli", "autopar.demo", "autopar.train_demo")),
+    ("top", ("autopar", "autopar.cli", "autopar.cli_args", "autopar.cli_inference", "autopar.demo",
+             "autopar.train_demo")),
 )
 
 # Function-local imports that would close a cycle, kept on purpose: (importing module, imported

@@ -1,0 +1,142 @@
+"""The generation commands of `autopar`: ``plan-inference`` (how to split a model for generation,
+autopar/inference/planner.py) and ``serve`` (an OpenAI-compatible completions server,
+autopar/inference/server.py), and their arguments (``add_parsers``).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from autopar.cli_args import byte_size, cluster_from_args, load_factory_model, load_hf, parse_pairs, positive_int
+from autopar.errors import PlanError
+
+
+def _inference_model(args, weights_needed: bool = False):
+    """The causal LM of ``plan-inference`` / ``serve``: a zoo name or factory (its Hugging Face model),
+    a Hugging Face model directory holding weights (loaded for serving), or a config (on meta: shapes
+    only, enough to plan). Returns (model, tokenizer or None)."""
+    from autopar.models import is_hf_spec
+    spec = args.factory
+    if is_hf_spec(spec):
+        d = Path(spec)
+        if weights_needed and d.is_dir() and (any(d.glob("*.safetensors")) or any(d.glob("*.bin"))):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+            model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
+            except Exception:   # a model directory without tokenizer files: prompts come as token ids
+                tokenizer = None
+            return model, tokenizer
+        shaped = argparse.Namespace(factory=spec, seq=1, batch=1, task=None, dtype=getattr(args, "dtype", None),
+                                    arg=args.arg)
+        model, _, _ = load_hf(shaped, quiet=True)
+        return model, None
+    model, _ = load_factory_model(spec, args.arg)
+    return model, None
+
+
+def _slo_arg(text: str | None) -> dict | None:
+    if not text:
+        return None
+    out = {}
+    for part in text.split(","):
+        if "=" not in part:
+            raise PlanError(f"--slo expects name=value pairs, e.g. ttft=2s,tpot=50ms; got {part!r}")
+        k, v = part.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _inference_plan(args, model, cluster):
+    from autopar.inference.inference_plan import InferencePlan
+    from autopar.inference.planner import plan_inference
+    import torch
+    if getattr(args, "plan", None):
+        return InferencePlan.load(args.plan)
+    dtype = args.dtype or ("fp32" if cluster.backend == "gloo" else "bf16")
+    return plan_inference(model, torch.zeros(args.batch, args.prompt_len, dtype=torch.long), cluster,
+                          max_new_tokens=args.max_new_tokens, slo=_slo_arg(args.slo),
+                          constraints=parse_pairs(args.constraint, "--constraint"), dtype=dtype,
+                          memory_budget=args.memory_budget)
+
+
+def cmd_plan_inference(args) -> int:
+    from autopar.inference.inference_plan import summary
+    cluster = cluster_from_args(args)
+    model, _ = _inference_model(args)
+    plan = _inference_plan(args, model, cluster)
+    if args.output:
+        plan.save(args.output)
+    print(summary(plan), end="")
+    print(f"planned in {plan.predictions['seconds']:.2f} s ({plan.predictions['configurations']} configurations)"
+          f"{'; saved to ' + args.output if args.output else ''}")
+    return 0
+
+
+def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait, name):
+    from autopar.inference.engine import compile_inference
+    from autopar.inference.inference_plan import InferencePlan
+    from autopar.inference.server import Limits, serve
+    plan = InferencePlan.from_json(plan_json)
+    engine = compile_inference(model, plan=plan)
+    limits = Limits(plan.prompt_len, plan.max_new_tokens, plan.batch_size * plan.dp,
+                    vocab_size=plan.model.get("vocab"))
+    if rank == 0:
+        print(f"autopar serve: http://{host}:{port}/v1/completions ({world} rank(s), tp={plan.tp} dp={plan.dp}, "
+              f"batch {limits.max_batch}, prompt <= {plan.prompt_len}, max_tokens <= {plan.max_new_tokens})",
+              flush=True)
+    serve(engine, limits, host=host, port=port, tokenizer=tokenizer, predictions=plan.predictions,
+          batch_wait=batch_wait, model_name=name)
+    return rank
+
+
+def cmd_serve(args) -> int:
+    import os
+    cluster = cluster_from_args(args)
+    model, tokenizer = _inference_model(args, weights_needed=True)
+    plan = _inference_plan(args, model, cluster)
+    run = (model, tokenizer, plan.to_json(), args.host, args.port, args.batch_wait_ms / 1e3, args.factory)
+    if plan.world_size == 1 or "RANK" in os.environ:
+        import torch.distributed as dist
+        if "RANK" in os.environ and not dist.is_initialized():   # torchrun: idle servers wait for requests
+            from datetime import timedelta
+            dist.init_process_group(cluster.backend, timeout=timedelta(days=1))
+        _serve_rank(int(os.environ.get("RANK", 0)), plan.world_size, *run)
+        return 0
+    from runtime.launch import run_local
+    run_local(_serve_rank, plan.world_size, args=run, timeout=float("inf"), pg_timeout=24 * 3600)
+    return 0
+
+
+def _inference_args(p) -> None:
+    p.add_argument("factory", metavar="MODEL", help="a zoo name, module:FACTORY, or a Hugging Face config / model "
+                                                    "directory (serve: a directory with weights)")
+    p.add_argument("--cluster", default="cpu", help="preset or YAML file (default cpu)")
+    p.add_argument("--nodes", type=positive_int("--nodes"), default=1)
+    p.add_argument("--devices", type=positive_int("--devices"), default=None, help="devices for the cpu preset")
+    p.add_argument("--prompt-len", type=positive_int("--prompt-len"), default=128, help="longest prompt planned for")
+    p.add_argument("--batch", type=positive_int("--batch"), default=1, help="prompts in the example batch")
+    p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64)
+    p.add_argument("--slo", help="latency targets, e.g. ttft=2s,tpot=50ms")
+    p.add_argument("--constraint", action="append", help="pin tp, pp, dp or batch_size, e.g. tp=2")
+    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on GPUs, fp32 on the cpu preset)")
+    p.add_argument("--memory-budget", type=byte_size, default=None)
+    p.add_argument("--arg", action="append", help="factory argument or config field name=value")
+
+
+
+
+def add_parsers(sub) -> None:
+    """``plan-inference`` and ``serve`` on the `autopar` command's subparsers."""
+    pi = sub.add_parser("plan-inference", help="plan generation: tp, dp and batch under latency targets")
+    _inference_args(pi)
+    pi.add_argument("-o", "--output")
+    pi.set_defaults(fn=cmd_plan_inference)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible completions server of a model (loopback by default)")
+    _inference_args(sv)
+    sv.add_argument("--plan", help="an inference plan file (autopar plan-inference -o); default: plan here")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=positive_int("--port"), default=8000)
+    sv.add_argument("--batch-wait-ms", type=float, default=10.0,
+                    help="how long a request waits for others to share its batch")
+    sv.set_defaults(fn=cmd_serve)
