@@ -168,7 +168,8 @@ class PiecesSavePlanner(DefaultSavePlanner):
         if isinstance(out, torch.Tensor) and out.dtype != write_item.tensor_data.properties.dtype:
             out = out.to(write_item.tensor_data.properties.dtype)
         if isinstance(out, torch.Tensor) and isinstance(self.state_dict.get(write_item.index.fqn), Pieces):
-            out = out.detach().to("cpu", copy=True).contiguous()   # compact: the loader does not copy it again
+            # compact, in one copy (a grid piece is a transposed view): the loader does not copy it again
+            out = out.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
             if not torch.cuda.is_available():
                 self._last = out
         return out
