@@ -16,7 +16,7 @@ weight transposed, QKV columns head-grouped, a patch-embedding weight reshaped a
     ZeRO-1 (8 ranks: optimizer shards of grid blocks) and is
     saved; each checkpoint loads into the other grid plans, a dp=2 plan and one process, and every
     parameter, momentum buffer and the step equal the saved ones exactly; the ViT (conv weight)
-    2D checkpoint round-trips into one process.
+    2D checkpoint, saved in the background, round-trips into one process.
 """
 from __future__ import annotations
 
@@ -116,12 +116,14 @@ def _held(cm):
 
 def _save_rank(rank, world, jobs):
     out = []
-    for plan_json, directory, name in jobs:
+    for plan_json, directory, name, *blocking in jobs:
         cm, batch = _compile(world, plan_json, name)
         for _ in range(STEPS):
             cm.step(*batch)
         _no_gather(cm)
-        cm.save(directory)
+        handle = cm.save(directory, blocking=not blocking or blocking[0])
+        if handle is not None:
+            handle.wait()
         held = _held(cm)
         full = _full(cm)
         out.append((type(cm.program).__name__, held, full if rank == 0 else None))
@@ -224,9 +226,10 @@ def test_grid_checkpoints_load_into_every_plan(saved):
 
 @pytest.mark.slow
 def test_a_2d_vit_checkpoint_with_its_conv_weight_loads_into_one_process(tmp_path):
+    """Saved in the background (``blocking=False``: the staged copies of the grid pieces)."""
     d = str(tmp_path / "vit")
     world, constraints = GRIDS["2d"]
-    res = run_local(_save_rank, world, args=([(_plan(world, constraints, "vit"), d, "vit")],), timeout=600)
+    res = run_local(_save_rank, world, args=([(_plan(world, constraints, "vit"), d, "vit", False)],), timeout=600)
     assert res[0][0][0] == "GridRankProgram"
     _check_pieces(d, [r[0][1] for r in res], "vit 2d")
     back = run_local(_load_rank, 1, args=([(_plan(*ONE, "vit"), d, "vit")],), timeout=600)
