@@ -10,7 +10,8 @@ before each call release what the last step's collectives still held (without th
 resident size dropped by ~60 MB inside the save, hiding or shifting its peak).
 
 ``--plan 2d`` trains the same model under a 2D (SUMMA, q=2) grid plan on the 4 ranks instead: each
-rank holds a quarter block of every weight (of its stored, transposed form) and its momentum.
+rank holds a quarter block of every weight (of its stored, transposed form) and its momentum;
+``--plan 2.5d`` (q=2, depth world/4) and ``--plan 3d`` (q=2 with ``--world 8``) the other grids.
 
 Compared with the bound the sharded path keeps: this rank's shard (parameters + optimizer state
 it holds) + the largest tensor. ``--path old`` runs the full-tensor path (every parameter and
@@ -18,7 +19,7 @@ optimizer state gathered to full size on every rank: ``AUTOPAR_CHECKPOINT_FULL=1
 main used before issue 30, grid plans included).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.bench_checkpoint_memory [--sizes 64,128,256,512] [--path new|old|both]
-        [--plan dp|2d]
+        [--plan dp|2d|2.5d|3d] [--world N]
 """
 from __future__ import annotations
 
@@ -86,7 +87,9 @@ def _measure(rank, world, path, plan_json, directory, h, n_layer):
 
 
 PLANS = {"dp": lambda world: {"dp": world, "tp": 1, "zero": 3, "num_micro_batches": 1},
-         "2d": lambda world: {"tp_mode": "2d", "tp_shape": [round(world ** 0.5)] * 2, "num_micro_batches": 1}}
+         "2d": lambda world: {"tp_mode": "2d", "tp_shape": [round(world ** 0.5)] * 2, "num_micro_batches": 1},
+         "2.5d": lambda world: {"tp_mode": "2.5d", "tp_shape": [2, 2, world // 4], "num_micro_batches": 1},
+         "3d": lambda world: {"tp_mode": "3d", "tp_shape": [round(world ** (1 / 3))] * 3, "num_micro_batches": 1}}
 
 
 def run(size_mb: int, path: str, world: int = 4, shape: tuple[int, int] | None = None, plan_kind: str = "dp"):
@@ -100,7 +103,7 @@ def run(size_mb: int, path: str, world: int = 4, shape: tuple[int, int] | None =
     model, batch = ZOO["mlp"](d_in=h, hidden=h, n_layer=n_layer, d_out=h, batch=8, device="meta")
     plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=world), optimizer="sgd",
                         precision="fp32", constraints=PLANS[plan_kind](world))
-    assert plan_kind != "2d" or plan.degrees.get("tp_mode") == "2d", plan.degrees
+    assert plan_kind == "dp" or plan.degrees.get("tp_mode") == plan_kind, plan.degrees
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as d:
         return run_local(_measure, world, args=(path, plan.to_json(), os.path.join(d, "ck"), h, n_layer),
                          timeout=1200, pg_timeout=600)
