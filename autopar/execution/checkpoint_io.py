@@ -32,10 +32,10 @@ QKV columns head-grouped, a patch-embedding weight reshaped to [out, C*kh*kw] an
 form to boxes of the full tensor (``stored_to_full``: a transposed box is a box with its dims
 swapped, viewed ``.t()``; the QKV order cuts it into runs of consecutive columns; a conv weight's
 row range into ``flat_boxes`` of [C, kh, kw]), all views of the rank's buffers, so a grid rank too
-writes and reads only its blocks (a block replicated over the 2.5D / 3D depth or the dp axis is
-deduplicated as above). ``AUTOPAR_CHECKPOINT_FULL=1`` selects the full-tensor path instead (every
-tensor gathered whole on every rank, compiled_state.py): kept to measure against; its checkpoints
-are the same.
+writes and reads only its blocks (a block several ranks hold: the 2.5D depth replicas, the dp
+replicas, a parameter read whole, is deduplicated as above). ``AUTOPAR_CHECKPOINT_FULL=1``
+selects the full-tensor path instead (every tensor gathered whole on every rank,
+compiled_state.py): kept to measure against; its checkpoints are the same.
 
 ``write(state, path)`` / ``read(state, path)``: DCP save / load of a nested dict whose leaves are
 tensors, ``Pieces`` or other picklable objects (written as bytes): extra entries a caller adds
