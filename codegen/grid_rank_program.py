@@ -84,6 +84,49 @@ def from_stored(use, t: torch.Tensor, shape) -> torch.Tensor:
     return t.contiguous()
 
 
+def stored_shape(use, shape) -> tuple[int, ...]:
+    """The shape of ``to_stored(use, t)`` for a tensor ``t`` of ``shape``."""
+    shape = tuple(shape)
+    if use.kind == "weight":
+        return (shape[1], shape[0])
+    if use.kind == "conv":
+        return (math.prod(shape[1:]), shape[0])
+    return shape
+
+
+def stored_to_full(use, shape, offsets, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """A box of the stored form (``to_stored(use, full)``, ``full`` of ``shape``) at ``offsets``,
+    holding ``t``, as boxes of ``full``: (offsets in ``full``, a view of ``t`` shaped as that box,
+    no copy). A transposed box is a box of the original with its dims swapped (``weight``); the
+    QKV column order (``perm``) cuts it into runs of consecutive original columns; a ``conv``
+    weight's rows are a flat range of its [C, kh, kw] dims (checkpoint_io.flat_boxes)."""
+    from autopar.execution.checkpoint_io import flat_boxes
+
+    offsets = [int(o) for o in offsets]
+    boxes = [(offsets, t)]
+    if use.perm is not None and t.dim():
+        perm, o, n = use.perm, offsets[-1], t.shape[-1]
+        boxes, j = [], 0
+        while j < n:
+            k = j + 1
+            while k < n and perm[o + k] == perm[o + k - 1] + 1:
+                k += 1
+            boxes.append((offsets[:-1] + [perm[o + j]], t[..., j:k]))
+            j = k
+    out = []
+    for off, v in boxes:
+        if use.kind == "weight":
+            out.append(((off[1], off[0]), v.t()))
+        elif use.kind == "conv":
+            k0, nk = off[0], v.shape[0]
+            for ioff, isize, start in flat_boxes(shape[1:], k0, k0 + nk):
+                rows = v[start - k0:start - k0 + math.prod(isize)]
+                out.append(((off[1], *ioff), rows.t().unflatten(1, isize)))
+        else:
+            out.append((tuple(off), v))
+    return out
+
+
 def _place(full: torch.Tensor, spec, block: torch.Tensor) -> None:
     idx = []
     for dim, s in enumerate(spec):
@@ -161,6 +204,19 @@ class GridRankProgram:
         for r, blk in enumerate(parts):
             _place(full, spec_of(self.geo, use, self.geo.coords_of(r), stored.shape), blk.to(full.device))
         return from_stored(use, full, shape)
+
+    def block_offsets(self, fqn: str) -> list[int]:
+        """Where this rank's block starts in the stored form of ``fqn`` (``stored_shape``)."""
+        use = self._use(fqn)
+        shape = stored_shape(use, self.param_shapes[fqn])
+        spec = spec_of(self.geo, use, self.program.coords, shape)
+        spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+        return [0 if s is None else s[0] * (n // s[1]) for s, n in zip(spec, shape)]
+
+    def full_pieces(self, fqn: str, offsets, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """A box of ``fqn``'s stored form (at ``offsets`` there: inside this rank's block) as
+        boxes of the full tensor, views of ``t`` (``stored_to_full``): what a checkpoint saves."""
+        return stored_to_full(self._use(fqn), self.param_shapes[fqn], offsets, t)
 
     def replicas_of(self, fqn: str, model_axes) -> int:
         """Ranks of the grid holding the same block of ``fqn`` (1/r of its norm in clipping)."""

@@ -22,13 +22,20 @@ DCP loads ahead and the copies stay until the file closes, up to what the rank w
 ``load`` one saved chunk at a time (DCP's reader loads a saved chunk whole, then narrows it into
 the views it overlaps). benchmarks/bench_checkpoint_memory.py measures both.
 
-Used for plans whose program has per-dim block slices (``sharded_supported``): 1D tensor
-parallelism, data parallelism, ZeRO 0-3, any mesh, pipelined plans too (each stage's ranks write
-their stage's tensors; a tied parameter held on two stages is deduplicated like any replica; on
-load a stage lists the other stages' tensors without pieces, so the key check sees the whole
-model). 2D / 2.5D / 3D grid plans (whose blocks are blocks of a stored, transposed form) save and
-load full tensors gathered on every rank (autopar/execution/compiled_state.py); their checkpoints
-have the same keys and shapes, so every checkpoint loads into every plan.
+Used for every plan: 1D tensor parallelism, data parallelism, ZeRO 0-3, any mesh, pipelined plans
+too (each stage's ranks write their stage's tensors; a tied parameter held on two stages is
+deduplicated like any replica; on load a stage lists the other stages' tensors without pieces, so
+the key check sees the whole model), and 2D / 2.5D / 3D grid plans. A grid rank's block is a block
+of the parameter's *stored* form (codegen/grid_rank_program.py: a linear's weight transposed, its
+QKV columns head-grouped, a patch-embedding weight reshaped to [out, C*kh*kw] and transposed):
+``block_place`` gives where the block starts in the stored form and a map from a box of the stored
+form to boxes of the full tensor (``stored_to_full``: a transposed box is a box with its dims
+swapped, viewed ``.t()``; the QKV order cuts it into runs of consecutive columns; a conv weight's
+row range into ``flat_boxes`` of [C, kh, kw]), all views of the rank's buffers, so a grid rank too
+writes and reads only its blocks (a block several ranks hold: the 2.5D depth replicas, the dp
+replicas, a parameter read whole, is deduplicated as above). ``AUTOPAR_CHECKPOINT_FULL=1``
+selects the full-tensor path instead (every tensor gathered whole on every rank,
+compiled_state.py): kept to measure against; its checkpoints are the same.
 
 ``write(state, path)`` / ``read(state, path)``: DCP save / load of a nested dict whose leaves are
 tensors, ``Pieces`` or other picklable objects (written as bytes): extra entries a caller adds
@@ -98,12 +105,23 @@ class Pieces:
     def add(self, offsets, t: torch.Tensor) -> None:
         self.pieces.append((torch.Size(offsets), t))
 
-    def add_flat(self, block_offsets, block_shape, buf: torch.Tensor, lo: int, hi: int) -> None:
-        """The elements ``[lo, hi)`` of a block (at ``block_offsets`` in the full tensor) held
-        as ``buf`` (a flat tensor of ``hi - lo`` elements)."""
+    def add_box(self, offsets, t: torch.Tensor, place=None) -> None:
+        """A box ``t`` at ``offsets``: in the full tensor, or (``place``: a grid program's
+        ``full_pieces`` of the parameter) in its stored form, added as the boxes of the full
+        tensor ``place`` maps it to (views of ``t``)."""
+        if place is None:
+            self.add(offsets, t)
+        else:
+            for off, v in place(offsets, t):
+                self.add(off, v)
+
+    def add_flat(self, block_offsets, block_shape, buf: torch.Tensor, lo: int, hi: int, place=None) -> None:
+        """The elements ``[lo, hi)`` of a block (at ``block_offsets`` in the full tensor, or in
+        its stored form with ``place``: ``add_box``) held as ``buf`` (a flat tensor of
+        ``hi - lo`` elements)."""
         for off, size, start in flat_boxes(block_shape, lo, hi):
             n = math.prod(size)
-            self.add([o + b for o, b in zip(off, block_offsets)], buf[start - lo:start - lo + n].view(size))
+            self.add_box([o + b for o, b in zip(off, block_offsets)], buf[start - lo:start - lo + n].view(size), place)
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
@@ -150,7 +168,8 @@ class PiecesSavePlanner(DefaultSavePlanner):
         if isinstance(out, torch.Tensor) and out.dtype != write_item.tensor_data.properties.dtype:
             out = out.to(write_item.tensor_data.properties.dtype)
         if isinstance(out, torch.Tensor) and isinstance(self.state_dict.get(write_item.index.fqn), Pieces):
-            out = out.detach().to("cpu", copy=True).contiguous()   # compact: the loader does not copy it again
+            # compact, in one copy (a grid piece is a transposed view): the loader does not copy it again
+            out = out.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
             if not torch.cuda.is_available():
                 self._last = out
         return out
@@ -215,19 +234,29 @@ def read(state: dict, path: str, no_dist: bool = False) -> None:
 # ---------------------------------------------------------------- a compiled model's pieces
 
 def sharded_supported(cm) -> bool:
-    """Whether ``cm``'s plan saves and loads pieces (module doc): per-dim block slices (not a grid plan).
-    ``AUTOPAR_CHECKPOINT_FULL=1`` selects the full-tensor path for every plan (to compare, e.g.
-    benchmarks/bench_checkpoint_memory.py; its checkpoints are the same)."""
-    if os.environ.get("AUTOPAR_CHECKPOINT_FULL") == "1":
-        return False
-    return isinstance(cm.program, RankProgram)   # a grid plan's is a GridRankProgram
+    """Whether ``cm``'s plan saves and loads pieces (module doc): every plan, unless
+    ``AUTOPAR_CHECKPOINT_FULL=1`` selects the full-tensor path (every tensor gathered whole on
+    every rank; kept to compare, benchmarks/bench_checkpoint_memory.py; its checkpoints are the same)."""
+    return os.environ.get("AUTOPAR_CHECKPOINT_FULL") != "1"
 
 
 def full_shape(prog, fqn: str) -> tuple[int, ...]:
     """The full tensor's shape from this rank's block and its layout (as RankProgram.assemble)."""
+    if not isinstance(prog, RankProgram):   # a grid plan's GridRankProgram knows it
+        return tuple(prog.param_shapes[fqn])
     lay = prog.param_layouts[fqn]
     return tuple((s.stop - s.start) * math.prod(prog.mesh_shape[a] for a in lay.dims[d])
                  for d, s in enumerate(prog.param_slices[fqn]))
+
+
+def block_place(prog, fqn: str):
+    """(where this rank's block of ``fqn`` starts, place): in the full tensor with place None
+    (per-dim block slices), or in the parameter's stored form (a grid plan: a transposed,
+    QKV-reordered or reshaped tensor, codegen/grid_rank_program.py) with ``place`` mapping a box
+    of the stored form to boxes of the full tensor (``Pieces.add_box``)."""
+    if isinstance(prog, RankProgram):
+        return [s.start for s in prog.param_slices[fqn]], None
+    return prog.block_offsets(fqn), lambda off, t: prog.full_pieces(fqn, off, t)
 
 
 def _value_buffers(opt, c, for_load: bool) -> list[torch.Tensor]:
@@ -265,7 +294,7 @@ def local_state(cm, for_load: bool = False) -> dict:
         values = _value_buffers(opt, c, for_load)
         for p, off in zip(c.params, c.offsets):
             fqn = cm._fqn_of(p)
-            shape, start = full_shape(prog, fqn), [s.start for s in prog.param_slices[fqn]]
+            shape, (start, place) = full_shape(prog, fqn), block_place(prog, fqn)
             n = p.numel()
 
             def pieces_of(bufs, dtype):
@@ -274,7 +303,7 @@ def local_state(cm, for_load: bool = False) -> dict:
                     base = _base(c, t)
                     lo, hi = max(base, off), min(base + t.numel(), off + n)
                     if lo < hi:
-                        out.add_flat(start, p.shape, t[lo - base:hi - base], lo - off, hi - off)
+                        out.add_flat(start, p.shape, t[lo - base:hi - base], lo - off, hi - off, place)
                 return out
 
             for k in aliases(fqn):
@@ -283,8 +312,8 @@ def local_state(cm, for_load: bool = False) -> dict:
                 optim[f"{fqn}.{name}"] = pieces_of([t], t.dtype)
     for fqn, b in cm.buffers.items():
         for k in aliases(fqn):
-            pc = Pieces(full_shape(prog, fqn), b.dtype)
-            pc.add([s.start for s in prog.param_slices[fqn]], b)
+            pc, (start, place) = Pieces(full_shape(prog, fqn), b.dtype), block_place(prog, fqn)
+            pc.add_box(start, b, place)
             model[k] = pc
     if for_load and cm.pp > 1:
         # A stage holds only its own tensors: the others are listed without pieces (nothing is

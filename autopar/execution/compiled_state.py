@@ -3,18 +3,19 @@
 ``full_state_dict`` gathers each parameter's blocks (collective over the world) into the tensors of
 ``model.state_dict()``. ``save`` writes the parameters, the optimizer state and the step count
 through torch.distributed.checkpoint as chunks of the full tensors, each rank only the pieces it
-holds (autopar/execution/checkpoint_io.py; 2D / 2.5D / 3D grid plans write full tensors gathered
-on every rank), into a new generation of the directory committed atomically
-(autopar/execution/checkpoint_atomic.py): a checkpoint loads onto any plan, and a save that dies
-leaves the previous one. ``load`` first checks the checkpoint is complete and that its tensors
-are this model's (``check_checkpoint``), then reads only this rank's pieces (the full-tensor path:
-cuts its blocks out of the full tensors). With the optimizer state go its step count (the
-learning-rate schedule's whole state: a schedule is a function of it), the base learning rate
-(after ``lr_scaling``) as "lr" and each parameter's group settings as "optim_groups.{fqn}"
-(weight_decay, lr_scale, adapt), all restored by ``load`` (a checkpoint written before these
-existed loads without them: the compiled model keeps its own). Pipelined plans assemble their state in
-autopar/execution/pipeline_run.py. The functions take the CompiledModel (autopar/execution/compiled.py), whose
-methods of the same names call them.
+holds (autopar/execution/checkpoint_io.py: every plan, 2D / 2.5D / 3D grids included), into a new
+generation of the directory committed atomically (autopar/execution/checkpoint_atomic.py): a
+checkpoint loads onto any plan, and a save that dies leaves the previous one. ``load`` first
+checks the checkpoint is complete and that its tensors are this model's (``check_checkpoint``),
+then reads only this rank's pieces. ``AUTOPAR_CHECKPOINT_FULL=1`` selects the full-tensor path
+(every tensor gathered whole on every rank, the blocks cut out of them on load: the path before
+issue 30, kept to measure against, benchmarks/bench_checkpoint_memory.py). With the optimizer
+state go its step count (the learning-rate schedule's whole state: a schedule is a function of
+it), the base learning rate (after ``lr_scaling``) as "lr" and each parameter's group settings as
+"optim_groups.{fqn}" (weight_decay, lr_scale, adapt), all restored by ``load`` (a checkpoint
+written before these existed loads without them: the compiled model keeps its own). Pipelined
+plans assemble their full state in autopar/execution/pipeline_run.py. The functions take the
+CompiledModel (autopar/execution/compiled.py), whose methods of the same names call them.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def full_optimizer_state(cm) -> dict[str, torch.Tensor]:
     return {f"{fqn}.{name}": cm._gather_full(t, fqn) for fqn, d in local.items() for name, t in d.items()}
 
 def save(cm, directory, keep_last: int = 1, blocking: bool = True):
-    """This rank's pieces (or full tensors: grid plans) via torch.distributed.checkpoint
+    """This rank's pieces (full tensors with ``AUTOPAR_CHECKPOINT_FULL=1``) via torch.distributed.checkpoint
     into a new generation of ``directory``, committed atomically; loads onto any plan. With
     ``blocking=False``: a checkpoint_async.SaveHandle, written in the background."""
     cm._need_ready()
@@ -123,7 +124,8 @@ def load(cm, directory) -> None:
 
 
 def _blocks_from_full(cm, state: dict) -> None:
-    """The full-tensor path (grid plans): cut this rank's blocks out of the full tensors read."""
+    """The full-tensor path (``AUTOPAR_CHECKPOINT_FULL=1``): cut this rank's blocks out of the full
+    tensors read."""
     prog = cm.program
 
     def my_flat(c, values: dict, suffix: str = "") -> torch.Tensor:

@@ -1,8 +1,9 @@
 """dcp_to_torch_save of a checkpoint saved under every kind of plan (issue 30).
 
 Each case trains the zoo's tiny Llama (weights ramped, helpers/large_batch.py) two steps of SGD with
-momentum under one plan kind (dp, ZeRO-1/2/3, tp, Megatron-SP, pp, 2D, and dp over 4 ranks, another
-world size), saves it with ``compiled.save``, and converts the committed generation with plain
+momentum under one plan kind (dp, ZeRO-1/2/3, tp, Megatron-SP, pp, the 2D, 2.5D and 3D grids (each
+rank writing only its blocks), and dp over 4 ranks, another world size), saves it with
+``compiled.save``, and converts the committed generation with plain
 ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``: the resulting state dict's model
 entries equal the one-process model's after the same two steps (rel 1e-4), and its step is 2.
 """
@@ -30,6 +31,8 @@ KINDS = [   # (id, ranks, constraints)
     ("megatron-sp2", 2, {"tp": 2, "sp": 2, "sp_mode": "megatron"}),
     ("pp2", 2, {"pp": 2, "num_micro_batches": 2}),
     ("2d", 4, {"tp_mode": "2d"}),
+    ("2.5d", 8, {"tp_mode": "2.5d"}),
+    ("3d", 8, {"tp_mode": "3d"}),
     ("dp4-zero1", 4, {"dp": 4, "zero": 1}),
 ]
 
