@@ -9,8 +9,9 @@ followed by the new tokens, greedy. Decoding is the model's own ``generate`` loo
 modules, whose row-parallel outputs are all-reduced over the replica's tensor-parallel group.
 
 The LM head is vocabulary-parallel when it is not tied to the embeddings (each rank its rows of the
-vocabulary, the logits all-gathered); a tied head stays whole. Not yet: pipelined generation
-(``pp > 1`` is planned, refused here with a clear error).
+vocabulary, the logits all-gathered); a tied head stays whole. With ``pp > 1`` each stage holds
+its layers and passes hidden states on (autopar/inference/pp_stages.py); replicas are then
+consecutive groups of tp x pp ranks, stage-major within.
 ``last_timing`` holds the last call's measured prefill (time to the first new token) and decode
 seconds, which the server's load test compares with the plan's TTFT and TPOT.
 """
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from autopar.errors import PlanError
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
+from autopar.inference.pp_stages import connect_stages, keep_stage_layers, share_cache_layers
 from autopar.inference.tp_shard import shard_for_tp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -100,9 +102,6 @@ class InferenceEngine:
         self.plan = plan
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
-        if plan.pp > 1:
-            raise PlanError(f"the plan has pp={plan.pp}: pipelined generation is planned but not run by the "
-                            f"engine yet; plan with constraints={{'pp': 1}}")
         if plan.world_size != self.world:
             raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp} x pp={plan.pp} x "
                             f"dp={plan.dp}) but {self.world} are running: launch {plan.world_size}")
@@ -111,18 +110,34 @@ class InferenceEngine:
         if self.read is None and any(p.is_meta for p in self.model.parameters()):
             raise PlanError("the model's parameters are on the meta device: give weights=DIR (a Hugging Face "
                             "safetensors checkpoint directory), or build the model with its weights")
-        self.replica, self.tp_rank = divmod(self.rank, plan.tp)
-        self.group = None
-        if plan.tp > 1:
-            groups = [dist.new_group(list(range(r * plan.tp, (r + 1) * plan.tp))) for r in range(plan.dp)]
-            self.group = groups[self.replica]
-        self.sharded = shard_for_tp(self.model, self.tp_rank, plan.tp,
+        # replicas: consecutive groups of tp x pp ranks; in a replica, stage-major (module doc)
+        tp, pp = plan.tp, plan.pp
+        self.replica, within = divmod(self.rank, tp * pp)
+        self.stage, self.tp_rank = divmod(within, tp)
+        self.group = self.pipe_group = None
+        if tp > 1:
+            for r, s in ((r, s) for r in range(plan.dp) for s in range(pp)):
+                g = dist.new_group([r * tp * pp + s * tp + t for t in range(tp)])
+                if (r, s) == (self.replica, self.stage):
+                    self.group = g
+        pipe_ranks = [self.replica * tp * pp + s * tp + self.tp_rank for s in range(pp)]
+        if pp > 1:
+            for r, t in ((r, t) for r in range(plan.dp) for t in range(tp)):
+                g = dist.new_group([r * tp * pp + s * tp + t for s in range(pp)])
+                if (r, t) == (self.replica, self.tp_rank):
+                    self.pipe_group = g
+            keep_stage_layers(self.model, tuple(plan.stages[self.stage]))
+        self.sharded = shard_for_tp(self.model, self.tp_rank, tp,
                                     lambda t: dist.all_reduce(t, group=self.group), read=self.read,
                                     all_gather=self.gather_last_dim)
+        if pp > 1:
+            connect_stages(self.model, self.stage, [tuple(b) for b in plan.stages], pipe_ranks, self.pipe_group)
         fill_buffers(self.model)
         self.model.eval().to(DTYPES.get(plan.dtype, torch.float32))
         from transformers import StaticCache
         self.cache = StaticCache(config=self.model.config, max_cache_len=plan.prompt_len + plan.max_new_tokens)
+        if pp > 1:
+            share_cache_layers(self.cache, self.model, tuple(plan.stages[self.stage]))
         self.last_timing: dict = {}
         self.cache_batch = None
 
@@ -134,7 +149,8 @@ class InferenceEngine:
 
     def kv_cache_bytes(self) -> int:
         """Bytes of this rank's KV cache (allocated at the first generate, for the plan's batch)."""
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers
+        layers = {id(layer): layer for layer in self.cache.layers}.values()   # pp: shared entries once
+        return sum(t.numel() * t.element_size() for layer in layers
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
 
     def check(self, input_ids: torch.Tensor, max_new_tokens: int) -> None:
@@ -173,8 +189,8 @@ class InferenceEngine:
             mine = self._generate_rows(input_ids[lo:hi], attention_mask[lo:hi], max_new_tokens, clock)
         if self.plan.dp > 1:
             parts = [None] * self.world
-            dist.all_gather_object(parts, (self.replica, self.tp_rank, mine))
-            pieces = [t for _, t in sorted((r, t) for r, tr, t in parts if tr == 0 and t is not None)]
+            dist.all_gather_object(parts, (self.replica, self.stage + self.tp_rank, mine))
+            pieces = [t for _, t in sorted((r, t) for r, first, t in parts if first == 0 and t is not None)]
             width = max(t.shape[1] for t in pieces)   # a replica whose rows all stopped early is narrower
             out = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=0) for t in pieces])
         else:

@@ -4,7 +4,8 @@ The search (every configuration priced by autopar/inference/inference_cost.py):
 
 - ``tp``: divisors of the node's devices that divide the attention heads and the key/value
   heads (tensor parallelism stays inside a node);
-- ``pp``: 1 unless pinned (pipelined generation is priced but the engine does not run it yet);
+- ``pp``: 1 unless pinned (the engine runs one batch across the stages per step: the stages split
+  the weights and the KV cache but gain no latency);
 - ``dp``: the devices left, each replica an independent copy decoding its own sequences;
 - ``batch_size`` (sequences a replica decodes together): without ``slo``, the example's rows
   shared over the replicas; with ``slo``, every power of two up to what memory holds, and the

@@ -71,6 +71,21 @@ def test_tp2_equals_hf_generate(name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name, world, pins", [("hf_gpt2", 2, {"pp": 2}), ("hf_mistral", 2, {"pp": 2}),
+                                               ("hf_llama", 4, {"pp": 2, "tp": 2}),
+                                               ("hf_qwen2", 4, {"pp": 2, "tp": 1})])
+def test_pipelined_generation_equals_hf_generate(name, world, pins):
+    """pp=2 alone (GPT-2: tied head; Mistral: sliding-window layers), with tp=2, and with dp=2
+    replicas: the tokens of one process, every stage holding the KV cache of its layers only."""
+    plan = _plan(name, world, **pins)
+    assert plan.pp == 2 and plan.stages == [[0, 1], [1, 2]]
+    results = run_local(_run, world, args=(name, plan.to_json()), timeout=300)
+    for out, kv, _ in results:
+        assert out == _reference(name).tolist()
+        assert kv == plan.kv_cache_bytes_per_rank   # the planner's bytes of one stage's layers
+
+
+@pytest.mark.slow
 def test_dp2_replicas_each_decode_their_rows():
     plan = _plan("hf_llama", 2, tp=1)
     assert (plan.dp, plan.batch_size) == (2, 2)
@@ -100,9 +115,9 @@ def test_what_the_plan_cannot_run_is_a_clear_error():
         engine.generate(torch.ones(1, plan.prompt_len + 1, dtype=torch.long), 2)
     with pytest.raises(PlanError, match="KV cache holds no more"):
         engine.generate(PROMPTS, NEW + 1)
-    with pytest.raises(PlanError, match="pipelined generation"):
+    with pytest.raises(PlanError, match="processes"):
         compile_inference(_model("hf_llama"), plan=InferencePlan(pp=2, tp=1, dp=1, prompt_len=6, max_new_tokens=2,
-                                                                 batch_size=1))
+                                                                 batch_size=1, stages=[[0, 1], [1, 2]]))
     with pytest.raises(PlanError, match="processes"):
         compile_inference(_model("hf_llama"), plan=InferencePlan(tp=2, prompt_len=6, max_new_tokens=2, batch_size=1))
     with pytest.raises(PlanError, match="heads"):
@@ -125,15 +140,15 @@ def _run_from_dir(rank, world, name, plan_json, directory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
-def test_meta_model_from_a_checkpoint_directory_reads_only_its_shards(name, tmp_path):
+@pytest.mark.parametrize("name, pins", [("hf_llama", {"tp": 2}), ("hf_gpt2", {"tp": 2}), ("hf_llama", {"pp": 2})])
+def test_meta_model_from_a_checkpoint_directory_reads_only_its_shards(name, pins, tmp_path):
     directory = _save(name, tmp_path / name)
-    plan = _plan(name, 2, tp=2)
+    plan = _plan(name, 2, **pins)
     results = run_local(_run_from_dir, 2, args=(name, plan.to_json(), directory), timeout=300)
     full = sum(p.numel() for p in _model(name).parameters())
     for out, read in results:
         assert out == _reference(name).tolist()
-        assert read < full          # each rank read its column / row blocks, not every tensor whole
+        assert read < full          # each rank read its blocks (tp) or its stage's layers (pp), not every tensor
 
 
 @pytest.mark.slow
