@@ -1,0 +1,229 @@
+"""The rotary position embedding kernel (runtime/kernels/rotary.py) against rotary_reference: output
+and gradients, fp32 and bf16, odd shapes, x transposed from [batch, seq, heads, head_dim], cos/sin
+broadcast as Hugging Face makes them and cos/sin that need a gradient; the ``autopar.rotary``
+operator (Triton and torch bodies, fake); its fusion in Hugging Face Llama's traced graph (2 per
+layer: q and k), its plans and priced saved bytes; and Llama training with the kernels equal to
+torch ops on 1 and 2 gloo ranks.
+
+Tolerances: fp32 1e-5 (abs and rel); bf16 2 bf16 ulps (rtol 2e-2, atol 2e-2 on values of order 1:
+the kernel rounds once from fp32, eager bf16 after each of the product and the sum; the
+interpreter rounds fp32 -> bf16 by truncation)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.kernels import kernel_stats, reset_kernel_stats
+from runtime.kernels.rotary import rotary, rotary_reference
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _tables(b, s, d, dtype, device, theta=10000.0):
+    """Hugging Face's cos/sin: [b, 1, s, d] (positions per batch row), both halves equal."""
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=device).float() / d)
+    pos = torch.arange(s, device=device).float()[None].expand(b, s)
+    ang = torch.cat([pos[..., None] * inv] * 2, -1)
+    return ang.cos().to(dtype)[:, None], ang.sin().to(dtype)[:, None]
+
+
+def _check(x, cos, sin, tables_grad=False):
+    y = rotary(x, cos, sin)
+    r = rotary_reference(x, cos, sin)
+    assert y.dtype == r.dtype and y.shape == r.shape and y.stride() == torch.empty_like(x).stride()   # laid out as x
+    tol = TOL[x.dtype]
+    torch.testing.assert_close(y, r, **tol)
+    dy = torch.randn_like(r)
+    wrt = [x, cos, sin] if tables_grad else [x]
+    got = torch.autograd.grad(y, wrt, dy)
+    want = torch.autograd.grad(r, wrt, dy)
+    for name, a, b in zip(("dx", "dcos", "dsin"), got, want):
+        # the tables' gradients sum over batch and heads: bf16 rounding of more terms
+        t = tol if name == "dx" or x.dtype == torch.float32 else dict(rtol=5e-2, atol=1e-1)
+        torch.testing.assert_close(a, b, **t, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_matches_reference(device, dtype, head_dim):
+    torch.manual_seed(0)
+    reset_kernel_stats()
+    b, h, s = 2, 4, 16
+    x = torch.randn(b, s, h, head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+    assert not x.is_contiguous()   # as after q_proj(x).view(b, s, h, d).transpose(1, 2)
+    cos, sin = _tables(b, s, head_dim, dtype, device)
+    _check(x, cos, sin)
+    assert kernel_stats()["rotary"] == 2   # forward and backward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_odd_shapes_and_arbitrary_tables(device, dtype):
+    """seq 7, heads 3, head_dim 10 (half 5: masked lanes); cos/sin random with unequal halves (the
+    backward is the exact transpose, not the equal-halves shortcut) and [1, 1, s, d]."""
+    torch.manual_seed(1)
+    x = torch.randn(3, 3, 7, 10, device=device, dtype=dtype, requires_grad=True)
+    cos = torch.randn(1, 1, 7, 10, device=device, dtype=dtype)
+    sin = torch.randn(1, 1, 7, 10, device=device, dtype=dtype)
+    _check(x, cos, sin)
+    _check(torch.randn(5, 7, 10, device=device, dtype=dtype, requires_grad=True), cos[0], sin[0])   # 3-d
+    _check(torch.randn(2, 2, 3, 7, 10, device=device, dtype=dtype, requires_grad=True), cos, sin)   # 5-d
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_tables_that_need_a_gradient(device, dtype):
+    torch.manual_seed(2)
+    x = torch.randn(2, 7, 3, 16, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+    cos = torch.randn(2, 1, 7, 16, device=device, dtype=dtype, requires_grad=True)
+    sin = torch.randn(1, 1, 7, 16, device=device, dtype=dtype, requires_grad=True)
+    _check(x, cos, sin, tables_grad=True)
+
+
+def test_rotary_rejects_odd_head_dim_and_bad_tables(device):
+    with pytest.raises(ValueError, match="even"):
+        rotary(torch.randn(2, 3, 5, device=device), torch.randn(3, 5, device=device), torch.randn(3, 5, device=device))
+    with pytest.raises(RuntimeError):
+        rotary(torch.randn(2, 3, 4, device=device), torch.randn(5, 4, device=device), torch.randn(5, 4, device=device))
+
+
+# ------------------------------------------------------------------------------ the operator
+@pytest.mark.parametrize("triton_body", [True, False])
+def test_rotary_operator_bodies_and_fake(device, monkeypatch, triton_body):
+    from runtime.kernels import ops
+    if not triton_body:
+        monkeypatch.setattr(ops, "use_triton", lambda x: False)
+    torch.manual_seed(3)
+    x = torch.randn(2, 7, 3, 16, device=device).transpose(1, 2).requires_grad_()
+    cos, sin = (t.requires_grad_() for t in _tables(2, 7, 16, torch.float32, device))
+    reset_kernel_stats()
+    y = ops.ROTARY(x, cos, sin)
+    r = rotary_reference(x, cos, sin)
+    torch.testing.assert_close(y, r, **TOL[torch.float32])
+    dy = torch.randn_like(r)
+    for a, b in zip(torch.autograd.grad(y, [x, cos, sin], dy), torch.autograd.grad(r, [x, cos, sin], dy)):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+    assert kernel_stats()["rotary"] == (2 if triton_body else 0)
+    meta = ops.ROTARY(x.to("meta"), cos.to("meta"), sin.to("meta").to(torch.float64))
+    assert meta.shape == x.shape and meta.dtype == torch.float64
+
+
+def test_rotary_operator_saves_only_the_tables():
+    """x is not kept for backward (the rotation's transpose needs cos and sin only), unless the
+    tables need a gradient."""
+    from autopar.pricing.saved_probe import saved_bytes
+    from runtime.kernels import ops
+    x = torch.randn(2, 4, 8, 16, requires_grad=True)
+    cos, sin = _tables(1, 8, 16, torch.float32, "cpu")
+    assert saved_bytes(lambda: ops.ROTARY(x, cos, sin)) == 2 * cos.numel() * 4
+    cg, sg = cos.clone().requires_grad_(), sin.clone().requires_grad_()
+    assert saved_bytes(lambda: ops.ROTARY(x, cg, sg)) == 2 * cos.numel() * 4 + x.numel() * 4
+
+
+# ------------------------------------------------------------------------------ fusion and plans
+def _hf_llama(**kw):
+    pytest.importorskip("transformers")
+    from autopar.models import HF_ZOO
+    return HF_ZOO["hf_llama"](**kw)
+
+
+def test_hugging_face_llama_fuses_rotary_on_q_and_k():
+    from autopar.frontend.trace import trace
+    model, batch = _hf_llama()
+    g = trace(model, batch, kernels=True)
+    assert g.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4}   # 2 layers: q and k each
+    aten = torch.ops.aten
+    nodes = list(g.gm.graph.nodes)
+    assert not any(n.target in (aten.neg.default,) for n in nodes)   # rotate_half is gone
+    for n in nodes:
+        if str(n.target) == "autopar.rotary.default":
+            assert tuple(n.meta["val"].shape) == tuple(n.args[0].meta["val"].shape)
+            assert "self_attn" in str(n.meta.get("nn_module_stack", "")), n.meta.keys()
+
+
+def test_rotary_with_an_intermediate_read_elsewhere_is_not_fused():
+    import torch.nn as nn
+
+    from autopar.frontend.trace import trace
+
+    def rotate_half(x):
+        return torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+
+    class Net(nn.Module):
+        def __init__(self, leak):
+            super().__init__()
+            self.lin, self.leak = nn.Linear(8, 8), leak
+            cos, sin = _tables(1, 6, 8, torch.float32, "cpu")
+            self.register_buffer("cos", cos[0, 0])
+            self.register_buffer("sin", sin[0, 0])
+
+        def forward(self, x):
+            h = self.lin(x)
+            r = rotate_half(h)
+            y = h * self.cos + r * self.sin
+            return (y.sum() + r.sum()) if self.leak else y.sum()
+
+    x = torch.randn(3, 6, 8)
+    assert trace(Net(False), (x,), kernels=True).fused == {"rotary": 1}
+    assert trace(Net(True), (x,), kernels=True).fused == {}
+
+
+@pytest.mark.parametrize("constraints", [{"tp": 2}, {"tp": 2, "sp": 2, "sp_mode": "megatron"},
+                                         {"sp": 2, "sp_mode": "ulysses"}, {"tp_mode": "2d"}],
+                         ids=["tp", "megatron-sp", "ulysses", "2d"])
+def test_rotary_plans_never_split_the_head_dim(constraints):
+    import autopar
+    devices = 4 if "tp_mode" in constraints else 2
+    model, batch = _hf_llama()
+    plan = autopar.plan(model, batch, autopar.Cluster.preset("dgx-a100", devices=devices), constraints=constraints,
+                        kernels="triton")
+    rot = [o for o in plan.ops if o["target"] == "autopar.rotary.default"]
+    assert len(rot) == 4
+    for o in rot:
+        if "tp_mode" in constraints:
+            assert o["strategy"] == "2d: local", o
+        else:
+            assert o["inputs"][0]["dims"][-1] == [], o   # the head dim whole
+
+
+def test_rotary_plan_saves_what_the_fused_program_saves():
+    """The priced saved bytes of Hugging Face Llama traced with the kernels (one device) equal the
+    bytes autograd keeps running that fused graph (rotary keeps cos and sin, not q and k), and are
+    below the unfused plan's (rotate_half's products keep q, k and their rotations)."""
+    from autopar.cluster import Cluster
+    from autopar.frontend.trace import trace
+    from autopar.mesh import Mesh
+    from autopar.pricing.price import Settings, price
+    from autopar.pricing.saved_probe import saved_bytes
+    from autopar.rules.candidates import candidates
+
+    def predicted(graph):
+        c = candidates(graph, Mesh((1,), ("dp",), devices_per_node=1))
+        P = price(c, Cluster.preset("cpu", devices=1), Settings(optimizer="sgd", precision="fp32"), edges=False)
+        return sum(float(arr[0]) for arr in P.saved.values() if len(arr))
+
+    model, batch = _hf_llama()
+    fused, plain = trace(model, batch, kernels=True), trace(model, batch)
+    names = [n.name for n in fused.gm.graph.nodes if n.op == "placeholder"]
+    params = [fused.value_of(model, fused.param_fqn[n]) for n in names if n in fused.param_fqn]
+    args = params + list(batch)
+    assert len(args) == len(names)
+    meas = saved_bytes(lambda: fused.gm(*args), exclude=params)
+    pred = predicted(fused)
+    assert pred == pytest.approx(meas, rel=0.02), (pred, meas)
+    assert pred < predicted(plain)
+
+
+# ------------------------------------------------------------------------------ training
+def _needs_kernels():
+    import os
+    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
+        pytest.skip("needs the Triton interpreter (tests/runtime/kernels/conftest.py sets it)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, constraints", [(1, {}), (2, {"dp": 2}), (2, {"tp": 2})],
+                         ids=["1-process", "dp", "tp"])
+def test_hugging_face_llama_trains_with_the_rotary_kernel_equal_to_torch_ops(world, constraints):
+    from tests.runtime.kernels.test_kernels_training import _check_equal
+    _needs_kernels()
+    pytest.importorskip("transformers")
+    _check_equal(world, constraints, name="hf_llama", families=("rotary", "rms_norm", "swiglu"))
