@@ -137,12 +137,14 @@ def test_triton_kernels_train_equal_to_torch_ops(constraints):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, families", [("hf_llama", ("rms_norm", "swiglu")), ("hf_gemma2", ("rms_norm", "geglu"))],
+@pytest.mark.parametrize("name, families", [("hf_llama", ("rms_norm", "swiglu", "rotary")),
+                                            ("hf_gemma2", ("rms_norm", "geglu", "rotary"))],
                          ids=["hf_llama", "hf_gemma2"])
 def test_triton_kernels_train_hugging_face_models_equal_to_torch_ops(name, families):
     """transformers' LlamaRMSNorm (fp32 upcast, weight times the cast-back value) and its
-    act_fn(gate) * up MLP are fused (5 norms, 2 SwiGLUs); Gemma 2's norms (x * (1 + weight)) and
-    its tanh-gelu gated MLP too (9 norms, 2 GeGLUs); under tensor parallelism."""
+    act_fn(gate) * up MLP are fused (5 norms, 2 SwiGLUs), and its rotary embedding of q and k (4);
+    Gemma 2's norms (x * (1 + weight)) and
+    its tanh-gelu gated MLP too (9 norms, 2 GeGLUs, 4 rotary); under tensor parallelism."""
     _needs_kernels()
     _check_equal(2, {"tp": 2}, name=name, families=families)
 
@@ -226,7 +228,7 @@ def test_hugging_face_models_trace_with_their_norms_and_gated_mlps_fused():
     from autopar.frontend.trace import trace
     pytest.importorskip("transformers")
     want = {"hf_bert": {"layer_norm": 6}, "hf_gpt2": {"layer_norm": 5}, "hf_bloom": {"layer_norm": 6},
-            "hf_gemma2": {"rms_norm": 9, "geglu": 2}, "hf_t5": {"rms_norm": 12}}
+            "hf_gemma2": {"rms_norm": 9, "geglu": 2, "rotary": 4}, "hf_t5": {"rms_norm": 12}}
     for name, fused in want.items():
         model, batch = HF_ZOO[name]()
         assert trace(model, batch, kernels=True).fused == fused, name
