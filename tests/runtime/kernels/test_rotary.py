@@ -139,7 +139,7 @@ def test_hugging_face_llama_fuses_rotary_on_q_and_k():
             assert "self_attn" in str(n.meta.get("nn_module_stack", "")), n.meta.keys()
 
 
-def test_rotary_with_an_intermediate_read_elsewhere_is_not_fused():
+def test_rotary_fuses_in_any_operand_order_but_not_with_an_intermediate_read_elsewhere():
     import torch.nn as nn
 
     from autopar.frontend.trace import trace
@@ -148,9 +148,9 @@ def test_rotary_with_an_intermediate_read_elsewhere_is_not_fused():
         return torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
 
     class Net(nn.Module):
-        def __init__(self, leak):
+        def __init__(self, leak, swap=False):
             super().__init__()
-            self.lin, self.leak = nn.Linear(8, 8), leak
+            self.lin, self.leak, self.swap = nn.Linear(8, 8), leak, swap
             cos, sin = _tables(1, 6, 8, torch.float32, "cpu")
             self.register_buffer("cos", cos[0, 0])
             self.register_buffer("sin", sin[0, 0])
@@ -158,12 +158,19 @@ def test_rotary_with_an_intermediate_read_elsewhere_is_not_fused():
         def forward(self, x):
             h = self.lin(x)
             r = rotate_half(h)
-            y = h * self.cos + r * self.sin
+            y = (self.sin * r + self.cos * h) if self.swap else (h * self.cos + r * self.sin)
             return (y.sum() + r.sum()) if self.leak else y.sum()
 
     x = torch.randn(3, 6, 8)
     assert trace(Net(False), (x,), kernels=True).fused == {"rotary": 1}
+    assert trace(Net(False, swap=True), (x,), kernels=True).fused == {"rotary": 1}   # operands in any order
     assert trace(Net(True), (x,), kernels=True).fused == {}
+    net = Net(False, swap=True)
+    g = trace(net, (x,), kernels=True)
+    (rot,) = [n for n in g.gm.graph.nodes if str(n.target) == "autopar.rotary.default"]
+    assert rot.args[0].target is torch.ops.aten.linear.default   # x, then cos, then sin
+    assert [a.name for a in rot.args[1:]] == [g.gm.graph.find_nodes(op="placeholder")[i].name
+                                             for i in (2, 3)], rot.args
 
 
 @pytest.mark.parametrize("constraints", [{"tp": 2}, {"tp": 2, "sp": 2, "sp_mode": "megatron"},
