@@ -280,13 +280,15 @@ def _needs_kernels():
                           ("hf_llama", 2, {"tp": 2}, ("rotary", "rms_norm", "swiglu")),
                           ("hf_llama", 2, {"tp": 2, "sp": 2, "sp_mode": "megatron"}, ("rotary",)),
                           ("hf_llama", 2, {"sp": 2, "sp_mode": "ulysses"}, ("rotary",)),
+                          ("hf_llama", 4, {"tp_mode": "2d", "tp_shape": [2, 2]}, ("rotary", "swiglu")),
                           ("hf_gpt_neox", 1, {}, ("rotary", "layer_norm"))],
                          ids=["hf_llama-1-process", "hf_llama-dp", "hf_llama-tp", "hf_llama-megatron-sp",
-                              "hf_llama-ulysses", "hf_gpt_neox-partial-rotary"])
+                              "hf_llama-ulysses", "hf_llama-2d", "hf_gpt_neox-partial-rotary"])
 def test_hugging_face_models_train_with_the_rotary_kernel_equal_to_torch_ops(name, world, constraints, families):
     """Hugging Face Llama (full-head rotary) and GPT-NeoX (rotary_pct 0.25: the kernel on the
     rotated slice of each head) trained with the kernels equal to torch ops; Megatron-SP splits the
-    rotary on heads, Ulysses on the sequence (cos and sin with it)."""
+    rotary on heads, Ulysses on the sequence (cos and sin with it); on the 2D grid (4 ranks) it runs
+    locally on each rank's blocks."""
     from tests.runtime.kernels.test_kernels_training import _check_equal
     _needs_kernels()
     pytest.importorskip("transformers")
