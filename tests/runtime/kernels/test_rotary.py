@@ -228,6 +228,30 @@ def test_rotary_plan_saves_what_the_fused_program_saves(monkeypatch):
     assert pred == pytest.approx(measured(unfused), rel=0.02)
 
 
+def test_fused_rotary_is_priced_as_one_memory_bound_pass(monkeypatch):
+    """One op reading x, cos and sin and writing y (3 flops an element: memory-bound): the plan with
+    rotary fused is faster than the same plan with its seven ops (mul, two slices, neg, cat, mul,
+    add), each a kernel launch and a pass over q or k."""
+    import autopar
+    import autopar.frontend.fuse as fuse_mod
+    from autopar.frontend.trace import trace
+    from autopar.rules.ops_kernels import rotary as rule
+
+    model, batch = _hf_llama(device="meta", seq=256, batch=4, d_model=1024, n_head=16, n_kv_heads=8,
+                             ffn_hidden=2816)
+    cluster = autopar.Cluster.preset("dgx-a100", devices=1)
+    g = trace(model, batch, kernels=True)
+    node = next(n for n in g.gm.graph.nodes if str(n.target) == "autopar.rotary.default")
+    spec = rule(node)
+    x, cos, sin = (a.meta["val"] for a in node.args)
+    assert spec.bytes == 4 * (2 * x.numel() + cos.numel() + sin.numel())   # fp32: x, y, cos, sin
+    assert spec.flops == 3 * x.numel() and spec.unsplittable >= {spec.inputs[0][-1]}
+    fused = autopar.plan(model, batch, cluster, traced=g)
+    monkeypatch.setattr(fuse_mod, "_rotary_match", lambda node: None)
+    unfused = autopar.plan(model, batch, cluster, traced=trace(model, batch, kernels=True))
+    assert fused.step_time < unfused.step_time, (fused.step_time, unfused.step_time)
+
+
 def _rank0_saved(kernels, precision, constraints, devices, **kw):
     """(predicted, measured) activation bytes of rank 0 of a plan of hf_llama on meta, the program
     run under CUDA kernels (tests/helpers/saved_activations.py)."""
