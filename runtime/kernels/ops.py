@@ -242,3 +242,40 @@ def _rotary_backward(ctx, dy):
 torch.library.register_autograd("autopar::rotary", _rotary_backward, setup_context=_rotary_setup)
 
 ROTARY = torch.ops.autopar.rotary.default
+
+
+# ----------------------------------------------------------------------------- rotary_interleaved
+# ``torch.ops.autopar.rotary_interleaved(x, cos, sin)``: GPT-J / Meta Llama's rotary (the zoo's
+# Llama): each pair (x[2i], x[2i + 1]) rotated by cos[..., i], sin[..., i] (tables of width d/2
+# broadcasting to x[..., ::2]). Saves as autopar.rotary: cos and sin, x only for their gradients.
+@torch.library.custom_op("autopar::rotary_interleaved", mutates_args=())
+def _rotary_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    if use_triton(x):
+        from runtime.kernels.rotary import rotary_forward
+        return rotary_forward(x, cos, sin, interleaved=True)
+    from runtime.kernels.rotary import rotary_interleaved_reference
+    return rotary_interleaved_reference(x, cos, sin)
+
+
+@_rotary_interleaved.register_fake
+def _(x, cos, sin):   # contiguous, as the stack + flatten it replaces
+    return x.new_empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype))
+
+
+def _rotary_interleaved_backward(ctx, dy):
+    from runtime.kernels.rotary import interleaved_table_grads
+    x, cos, sin = ctx.saved_tensors
+    if use_triton(dy):
+        from runtime.kernels.rotary import rotary_backward
+        dx = rotary_backward(dy, cos, sin, ctx.x_dtype, interleaved=True)
+    else:   # the transposed rotation of each pair
+        d1, d2 = dy[..., 0::2], dy[..., 1::2]
+        dx = torch.stack((d1 * cos + d2 * sin, d2 * cos - d1 * sin), dim=-1).flatten(-2).to(ctx.x_dtype)
+    dc, ds = interleaved_table_grads(dy, x, cos, sin, *ctx.tables_need_grad) if x is not None else (None, None)
+    return dx, dc, ds
+
+
+torch.library.register_autograd("autopar::rotary_interleaved", _rotary_interleaved_backward,
+                                setup_context=_rotary_setup)
+
+ROTARY_INTERLEAVED = torch.ops.autopar.rotary_interleaved.default
