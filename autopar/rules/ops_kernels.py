@@ -17,6 +17,7 @@ autopar/frontend/fuse.py puts in a traced graph.
   sin broadcast against x as an elementwise op's operands (a size-1 dim of theirs, Hugging Face's
   heads dim, is never split: they are replicated over the heads). One pass reads x, cos and sin
   and writes y; autograd keeps cos and sin, and x only for their gradients.
+  ``autopar.rotary_interleaved`` (GPT-J / Meta Llama's pairs, tables of width d/2) the same.
 """
 from __future__ import annotations
 
@@ -77,6 +78,23 @@ def rotary(node):
     out = lead + rot
     sizes, unsplit = dict(zip(out, xs)), {rot}
     tables = tuple(broadcast_letters(shape(t), out, xs, L, sizes, unsplit) for t in node.args[1:3])
+    return OpSpec("rotary", (out,) + tables, (out,), sizes, unsplittable=frozenset(unsplit),
+                  flops=3.0 * math.prod(xs), bytes=io_bytes(node), partial_inputs=(0,),
+                  saved=(Saved("input", 1), Saved("input", 2), Saved("input", 0, for_grad_of=(1, 2))))
+
+
+@rule(K.ROTARY_INTERLEAVED)
+def rotary_interleaved(node):
+    """``autopar.rotary_interleaved(x, cos, sin)`` (the pairs (2i, 2i + 1), tables of width d/2): as
+    rotary, the tables' last dim a letter of its own (d/2), never split."""
+    xs = shape(node.args[0])
+    L = Letters()
+    lead, rot, half = L.fresh(len(xs) - 1), L.fresh(1), L.fresh(1)
+    out = lead + rot
+    sizes, unsplit = dict(zip(out, xs)), {rot, half}
+    sizes[half] = xs[-1] // 2
+    tshape = (*xs[:-1], xs[-1] // 2)
+    tables = tuple(broadcast_letters(shape(t), lead + half, tshape, L, sizes, unsplit) for t in node.args[1:3])
     return OpSpec("rotary", (out,) + tables, (out,), sizes, unsplittable=frozenset(unsplit),
                   flops=3.0 * math.prod(xs), bytes=io_bytes(node), partial_inputs=(0,),
                   saved=(Saved("input", 1), Saved("input", 2), Saved("input", 0, for_grad_of=(1, 2))))
