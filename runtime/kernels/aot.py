@@ -71,7 +71,8 @@ CASES = {
 }
 
 
-# rotary: x, cos, sin, y of one dtype (Hugging Face casts the tables to x's) or fp32 tables;
+# rotary (Hugging Face's halves and the interleaved pairs): x, cos, sin, y of one dtype (Hugging
+# Face casts the tables to x's) or fp32 tables;
 # head_dim 64 (BLOCK_H 32) and 128 (BLOCK_H 64), rows per program = ELEMENTS / head_dim
 def _rotary_sig(x, tables=None):
     t = tables or x
@@ -80,13 +81,15 @@ def _rotary_sig(x, tables=None):
                 **strides)
 
 
-for _name, _x, _tables, _d, _bwd in (("fwd_bf16_d64", "bf16", None, 64, False),
-                                     ("fwd_bf16_fp32_tables_d128", "bf16", "fp32", 128, False),
-                                     ("bwd_bf16_d128", "bf16", None, 128, True),
-                                     ("fwd_fp32_d128", "fp32", None, 128, False),
-                                     ("bwd_fp32_d64", "fp32", None, 64, True)):
+for _name, _x, _tables, _d, _bwd, _il in (("fwd_bf16_d64", "bf16", None, 64, False, False),
+                                          ("fwd_bf16_fp32_tables_d128", "bf16", "fp32", 128, False, False),
+                                          ("bwd_bf16_d128", "bf16", None, 128, True, False),
+                                          ("fwd_fp32_d128", "fp32", None, 128, False, False),
+                                          ("bwd_fp32_d64", "fp32", None, 64, True, False),
+                                          ("interleaved_fwd_bf16_d128", "bf16", None, 128, False, True),
+                                          ("interleaved_bwd_fp32_d64", "fp32", None, 64, True, True)):
     CASES[f"rotary_{_name}"] = (rotary._rotary, _rotary_sig(_x, _tables),
-                                dict(BACKWARD=_bwd, BLOCK_R=rotary.ELEMENTS // _d, BLOCK_H=_d // 2))
+                                dict(BACKWARD=_bwd, INTERLEAVED=_il, BLOCK_R=rotary.ELEMENTS // _d, BLOCK_H=_d // 2))
 
 
 def _jit(kernel):
