@@ -170,3 +170,23 @@ def test_rotary_cuda(dtype, head_dim):
     dy = torch.randn_like(y)
     torch.testing.assert_close(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(yr, x, dy)[0], **TOL[dtype])
     assert kernel_stats()["rotary"] == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_interleaved_cuda(dtype):
+    """The zoo Llama's form: pairs (2i, 2i + 1), tables [s, d/2]; output contiguous."""
+    from runtime.kernels.ops import ROTARY_INTERLEAVED
+    from runtime.kernels.rotary import rotary_interleaved_reference
+    torch.manual_seed(0)
+    b, s, h, d = 4, 513, 8, 128
+    x = torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    ang = torch.arange(s, device="cuda").float()[:, None] / 10000.0 ** (torch.arange(0, d, 2, device="cuda") / d)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    reset_kernel_stats()
+    y = ROTARY_INTERLEAVED(x, cos, sin)
+    yr = rotary_interleaved_reference(x, cos, sin)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, yr, **TOL[dtype])
+    dy = torch.randn_like(y)
+    torch.testing.assert_close(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(yr, x, dy)[0], **TOL[dtype])
+    assert kernel_stats()["rotary"] == 2

@@ -26,7 +26,7 @@ def test_auto_fuses_on_gpu_clusters_only_and_the_plan_says_so():
     model, batch = _llama()
     gpu = autopar.plan(model, batch, autopar.Cluster.preset("dgx-a100", devices=2))
     cpu = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2))
-    assert gpu.kernels == "triton" and gpu.fused == {"rms_norm": 5, "swiglu": 2}
+    assert gpu.kernels == "triton" and gpu.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4}
     assert cpu.kernels == "torch" and cpu.fused == {}
     targets = {o["target"] for o in gpu.ops}
     assert "autopar.rms_norm.default" in targets and "autopar.swiglu.default" in targets
@@ -173,7 +173,7 @@ def test_fused_ops_run_on_the_grid_not_replicated():
                             kernels="triton")
         kinds = {o["node"]: (o["target"], o["strategy"]) for o in plan.ops}
         fused = [(t, s) for t, s in kinds.values() if t.startswith("autopar.")]
-        assert len(fused) == 7, kinds
+        assert len(fused) == 11, kinds   # 5 norms, 2 SwiGLUs, 4 rotary (interleaved)
         for t, s in fused:
             want = "split rms_norm" if t == "autopar.rms_norm.default" else "local"
             assert s == f"{mode}: {want}", (t, s)

@@ -85,11 +85,51 @@ def test_rotary_rejects_odd_head_dim_and_bad_tables(device):
         rotary(torch.randn(2, 3, 4, device=device), torch.randn(5, 4, device=device), torch.randn(5, 4, device=device))
 
 
+# ------------------------------------------------------------------------------ interleaved form
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, tables", [((2, 16, 4, 64), (16, 32)), ((3, 7, 3, 10), (1, 1, 7, 5))],
+                         ids=["llama-like", "odd"])
+def test_rotary_interleaved_matches_reference(device, dtype, shape, tables):
+    """GPT-J / Meta Llama's pairs (2i, 2i + 1) with tables of width d/2 (the zoo's Llama): x
+    transposed from [b, s, h, d]; output contiguous, as the stack + flatten it replaces; tables
+    with gradients too."""
+    from runtime.kernels import ops
+    from runtime.kernels.rotary import rotary_interleaved_reference
+    torch.manual_seed(4)
+    reset_kernel_stats()
+    x = torch.randn(*shape, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+    cos = torch.randn(*tables, device=device, dtype=dtype, requires_grad=True)
+    sin = torch.randn(*tables, device=device, dtype=dtype, requires_grad=True)
+    y = ops.ROTARY_INTERLEAVED(x, cos, sin)
+    r = rotary_interleaved_reference(x, cos, sin)
+    assert y.dtype == r.dtype and y.shape == r.shape and y.is_contiguous() and r.is_contiguous()
+    torch.testing.assert_close(y, r, **TOL[dtype])
+    dy = torch.randn_like(r)
+    for name, a, b in zip(("dx", "dcos", "dsin"), torch.autograd.grad(y, [x, cos, sin], dy),
+                          torch.autograd.grad(r, [x, cos, sin], dy)):
+        t = TOL[dtype] if name == "dx" or dtype == torch.float32 else dict(rtol=5e-2, atol=1e-1)
+        torch.testing.assert_close(a, b, **t, msg=lambda m: f"{name}: {m}")
+    assert kernel_stats()["rotary"] == 2
+    with torch.no_grad():
+        monkey = ops.ROTARY_INTERLEAVED(x.detach().to("meta"), cos.detach().to("meta"), sin.detach().to("meta"))
+    assert monkey.shape == x.shape and monkey.is_contiguous()
+
+
+def test_zoo_llama_fuses_its_interleaved_rotary():
+    from autopar.frontend.trace import trace
+    from autopar.models import ZOO
+    g = trace(*ZOO["llama"](), kernels=True)
+    assert g.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4}
+    nodes = list(g.gm.graph.nodes)
+    assert sum(str(n.target) == "autopar.rotary_interleaved.default" for n in nodes) == 4
+    assert not any(n.target is torch.ops.aten.stack.default for n in nodes)
+
+
 # ------------------------------------------------------------------------------ the operator
 @pytest.mark.parametrize("triton_body", [True, False])
 def test_rotary_operator_bodies_and_fake(device, monkeypatch, triton_body):
     from runtime.kernels import ops
-    if not triton_body:
+    if not triton_body:   # the plain-torch bodies (meta, a CPU without the interpreter)
         monkeypatch.setattr(ops, "use_triton", lambda x: False)
     torch.manual_seed(3)
     x = torch.randn(2, 7, 3, 16, device=device).transpose(1, 2).requires_grad_()
@@ -305,14 +345,17 @@ def _needs_kernels():
                           ("hf_llama", 2, {"tp": 2, "sp": 2, "sp_mode": "megatron"}, ("rotary",)),
                           ("hf_llama", 2, {"sp": 2, "sp_mode": "ulysses"}, ("rotary",)),
                           ("hf_llama", 4, {"tp_mode": "2d", "tp_shape": [2, 2]}, ("rotary", "swiglu")),
-                          ("hf_gpt_neox", 1, {}, ("rotary", "layer_norm"))],
+                          ("hf_gpt_neox", 1, {}, ("rotary", "layer_norm")),
+                          ("llama", 1, {}, ("rotary", "rms_norm", "swiglu"))],
                          ids=["hf_llama-1-process", "hf_llama-dp", "hf_llama-tp", "hf_llama-megatron-sp",
-                              "hf_llama-ulysses", "hf_llama-2d", "hf_gpt_neox-partial-rotary"])
+                              "hf_llama-ulysses", "hf_llama-2d", "hf_gpt_neox-partial-rotary",
+                              "llama-interleaved"])
 def test_hugging_face_models_train_with_the_rotary_kernel_equal_to_torch_ops(name, world, constraints, families):
     """Hugging Face Llama (full-head rotary) and GPT-NeoX (rotary_pct 0.25: the kernel on the
     rotated slice of each head) trained with the kernels equal to torch ops; Megatron-SP splits the
     rotary on heads, Ulysses on the sequence (cos and sin with it); on the 2D grid (4 ranks) it runs
-    locally on each rank's blocks."""
+    locally on each rank's blocks. The zoo's Llama (interleaved rotary): its plan kinds are trained
+    in test_kernels_training.py; here one process."""
     from tests.runtime.kernels.test_kernels_training import _check_equal
     _needs_kernels()
     pytest.importorskip("transformers")
