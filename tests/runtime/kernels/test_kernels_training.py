@@ -105,7 +105,7 @@ def _train(rank, world, constraints, kernels, optimizer="sgd", name="llama"):
     return losses, state, compiled.kernel_stats(), compiled.plan.kernels
 
 
-def _check_equal(world, constraints, name="llama", families=("rms_norm", "swiglu"), absent=()):
+def _check_equal(world, constraints, name="llama", families=("rms_norm", "swiglu", "rotary"), absent=()):
     ref = run_local(_train, world, (constraints, "torch", "sgd", name), timeout=600)[0]
     got = run_local(_train, world, (constraints, "triton", "sgd", name), timeout=600)
     assert ref[3] == "torch" and got[0][3] == "triton"
@@ -150,10 +150,10 @@ def test_triton_kernels_train_hugging_face_models_equal_to_torch_ops(name, famil
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, name, families, absent", [("2d", "llama", ("swiglu",), ("rms_norm",)),
+@pytest.mark.parametrize("mode, name, families, absent", [("2d", "llama", ("swiglu", "rotary"), ("rms_norm",)),
                                                           ("2d", "geglu_net", ("geglu",), ("layer_norm",)),
                                                           ("2d", "gpt2", (), ("layer_norm",)),
-                                                          ("3d", "llama", ("swiglu",), ("rms_norm",))],
+                                                          ("3d", "llama", ("swiglu", "rotary"), ("rms_norm",))],
                          ids=["2d-llama", "2d-geglu_net", "2d-gpt2", "3d-llama"])
 def test_triton_kernels_train_equal_to_torch_ops_on_the_grid(mode, name, families, absent):
     """2D (SUMMA, 4 ranks) and 3D (8 ranks) tensor parallelism: SwiGLU / GeGLU run their kernels
