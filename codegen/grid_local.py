@@ -17,6 +17,7 @@ import torch
 
 from solver import tp_grid_cost as tc
 from runtime import collectives as C
+from runtime.kernels.ops import ROTARY, ROTARY_INTERLEAVED
 
 aten = torch.ops.aten
 
@@ -182,7 +183,11 @@ class LocalOps:
                 return out, x0[1]
         # an elementwise op (torch's pointwise tag) on values of one split layout; anything else
         # runs replicated (codegen/grid_replicated.py)
-        if t not in _ELEMENTWISE and t is not aten.scaled_dot_product_attention.default and not is_pointwise(t):
+        if t in (ROTARY, ROTARY_INTERLEAVED) and x0 is not None and x0[1].kind in ("act", "hid", "rep", "red") \
+                and x0[0].dim() - 1 in (x0[1].tdim, x0[1].hdim):
+            self._fail(n, "rotary with its rotated (last) dim split")   # elementwise over the other dims
+        if t not in _ELEMENTWISE and t is not aten.scaled_dot_product_attention.default \
+                and t not in (ROTARY, ROTARY_INTERLEAVED) and not is_pointwise(t):
             self._fail(n, "not an elementwise op")
         if any(isinstance(v, torch.fx.Node) for v in n.kwargs.values()):
             self._fail(n, "a tensor keyword argument")

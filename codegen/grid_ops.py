@@ -26,7 +26,8 @@ What each op becomes:
     autopar.rms_norm (fused)   split RMSNorm: the mean square all-reduced over the hidden group, in
                                torch ops (the kernel needs whole rows); autopar.layer_norm the split
                                LayerNorm as ATen's; autopar.swiglu and geglu are tagged pointwise
-                               and run their kernels locally on each rank's blocks
+                               and run their kernels locally on each rank's blocks;
+                               autopar.rotary runs locally too where its last (head) dim is whole
     cross_entropy (mean)       split cross-entropy on split logits; each rank returns its share
                                sum(my tokens' losses) / #targets (replicated over the q ranks
                                that split the classes: the step divides the world sum by q)

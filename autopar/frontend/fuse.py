@@ -15,7 +15,15 @@ of each pattern it fused (patterns it found none of are left out):
   (one output, like the op it replaces); ``aten.native_layer_norm`` the same where only its
   output (item 0) is read;
 * ``geglu``: ``gelu(gate, approximate) * up`` (exact or tanh gelu) with equal shapes and dtypes ->
-  ``autopar.geglu(gate, up, approximate)``.
+  ``autopar.geglu(gate, up, approximate)``;
+* ``rotary``: Hugging Face's rotary position embedding ``x * cos + rotate_half(x) * sin`` with
+  ``rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2], -1)`` (``add(mul(x, cos), mul(cat([neg(slice),
+  slice]), sin))``, either operand order), cos and sin broadcasting to x's shape ->
+  ``autopar.rotary(x, cos, sin)``. Partial rotary (GPT-NeoX's ``rotary_pct``, x a slice of the
+  head dim) is the same pattern on the slice. Also counted as ``rotary``: GPT-J / Meta Llama's
+  interleaved form (the zoo's Llama, autopar/models/llama.py), ``flatten(stack([x1 * cos - x2 *
+  sin, x1 * sin + x2 * cos], -1), -2)`` with ``x1, x2 = x[..., 0::2], x[..., 1::2]`` and tables of
+  width d/2 -> ``autopar.rotary_interleaved(x, cos, sin)``.
 
 A pattern is fused only where its intermediate values have no other use, so nothing the rest of
 the graph reads disappears. The rewrite keeps each replaced output's ``meta["val"]`` and module
@@ -30,7 +38,7 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
-PATTERNS = ("rms_norm", "swiglu", "layer_norm", "geglu")
+PATTERNS = ("rms_norm", "swiglu", "layer_norm", "geglu", "rotary")
 KERNELS = ("auto", "triton", "torch")
 
 
@@ -217,6 +225,16 @@ def fuse(gm: fx.GraphModule) -> dict[str, int]:
         if m is not None:
             _fuse_layer_norm(gm, node, m, ops)
             counts["layer_norm"] += 1
+        m = _rotary_match(node)
+        if m is not None:
+            x, cos, sin, dead = m
+            _replace(gm, node, lambda g, x=x, c=cos, s=sin: g.call_function(ops.ROTARY, (x, c, s)), dead)
+            counts["rotary"] += 1
+        m = _rotary_interleaved_match(node)
+        if m is not None:
+            x, cos, sin, dead = m
+            _replace(gm, node, lambda g, x=x, c=cos, s=sin: g.call_function(ops.ROTARY_INTERLEAVED, (x, c, s)), dead)
+            counts["rotary"] += 1
     gm.graph.lint()
     gm.recompile()
     return {k: v for k, v in counts.items() if v}
@@ -241,3 +259,147 @@ def _fuse_layer_norm(gm: fx.GraphModule, node: fx.Node, match, ops) -> None:
         fused.meta["val"] = _val(node)
         node.replace_all_uses_with(fused)
     gm.graph.erase_node(node)
+
+
+# ----------------------------------------------------------------------------------------- rotary
+_END = 2 ** 63 - 1
+
+
+def _last_dim(dim, ndim: int) -> bool:
+    return isinstance(dim, int) and dim % ndim == ndim - 1
+
+
+def _slice_of(n, x: fx.Node, start: int, end: int, user: fx.Node) -> bool:
+    """``n`` is ``x[..., start:end]`` (last dim, step 1; ``end`` also as past-the-end) used only by ``user``."""
+    if not _is(n, aten.slice.Tensor) or n.args[0] is not x or not _only_use(n, user):
+        return False
+    nd = _val(x).ndim
+    dim, s, e, step = (_arg(n, i, name, d) for i, name, d in
+                       ((1, "dim", 0), (2, "start", None), (3, "end", None), (4, "step", 1)))
+    size = _val(x).shape[-1]
+    return _last_dim(dim, nd) and step == 1 and (s or 0) == start and \
+        (e == end or (end == size and (e is None or e >= size)))
+
+
+def _rotate_half_of(cat: fx.Node, user: fx.Node):
+    """x if ``cat`` is ``cat([-x[..., d/2:], x[..., :d/2]], -1)`` used only by ``user``, else None."""
+    if not _is(cat, aten.cat.default) or not _only_use(cat, user):
+        return None
+    parts, dim = cat.args[0], _arg(cat, 1, "dim", 0)
+    if len(parts) != 2 or not _is(parts[0], aten.neg.default) or not _only_use(parts[0], cat):
+        return None
+    lo = parts[1]
+    x = lo.args[0] if _is(lo, aten.slice.Tensor) else None
+    xv = _val(x)
+    if xv is None or xv.ndim < 1 or not _last_dim(dim, xv.ndim) or xv.shape[-1] % 2 or xv.shape[-1] < 2:
+        return None
+    h = xv.shape[-1] // 2
+    if _slice_of(parts[0].args[0], x, h, xv.shape[-1], parts[0]) and _slice_of(lo, x, 0, h, cat):
+        return x, [parts[0], parts[0].args[0], lo]
+    return None
+
+
+def _broadcasts_to(t, shape) -> bool:
+    v = _val(t)
+    if not isinstance(v, torch.Tensor) or v.ndim > len(shape):
+        return False
+    return all(s in (1, o) for s, o in zip(v.shape[::-1], tuple(shape)[::-1]))
+
+
+def _rotary_match(add: fx.Node):
+    """(x, cos, sin, intermediates) if ``add`` is ``x * cos + rotate_half(x) * sin``, else None."""
+    if not _is(add, aten.add.Tensor) or _arg(add, 2, "alpha", 1) != 1 or len(add.args) < 2:
+        return None
+    out = _val(add)
+    for m1, m2 in (add.args[:2], add.args[1::-1]):
+        if not (_is(m1, aten.mul.Tensor) and _is(m2, aten.mul.Tensor) and _only_use(m1, add) and _only_use(m2, add)):
+            continue
+        for cat, sin in (m2.args[:2], m2.args[1::-1]):
+            r = _rotate_half_of(cat, m2) if isinstance(sin, fx.Node) else None
+            if r is None:
+                continue
+            x, rot_dead = r
+            if x not in m1.args[:2]:
+                continue
+            cos = m1.args[1] if m1.args[0] is x else m1.args[0]
+            xv = _val(x)
+            if not isinstance(cos, fx.Node) or cos is x or out is None or tuple(out.shape) != tuple(xv.shape) \
+                    or not _broadcasts_to(cos, xv.shape) or not _broadcasts_to(sin, xv.shape):
+                continue
+            return x, cos, sin, [m1, m2, cat] + rot_dead
+    return None
+
+
+def _strided_slice(n, start: int) -> fx.Node | None:
+    """x if ``n`` is ``x[..., start::2]`` (last dim), else None."""
+    if not _is(n, aten.slice.Tensor) or _val(n.args[0]) is None:
+        return None
+    x = n.args[0]
+    dim, s, e, step = (_arg(n, i, name, d) for i, name, d in
+                       ((1, "dim", 0), (2, "start", None), (3, "end", None), (4, "step", 1)))
+    size = _val(x).shape[-1]
+    if _last_dim(dim, _val(x).ndim) and step == 2 and (s or 0) == start and (e is None or e >= size):
+        return x
+    return None
+
+
+def _mul_pair(m: fx.Node, user: fx.Node):
+    """(a, b) of ``m = a * b`` used only by ``user``, else None."""
+    if _is(m, aten.mul.Tensor) and _only_use(m, user) and all(isinstance(a, fx.Node) for a in m.args[:2]):
+        return tuple(m.args[:2])
+    return None
+
+
+def _rotary_interleaved_match(flat: fx.Node):
+    """(x, cos, sin, intermediates) if ``flat`` is ``flatten(stack([x1 * cos - x2 * sin,
+    x1 * sin + x2 * cos], -1), -2)`` with ``x1, x2 = x[..., 0::2], x[..., 1::2]``, else None."""
+    if not _is(flat, aten.flatten.using_ints):
+        return None
+    stack = flat.args[0]
+    out = _val(flat)
+    if not _is(stack, aten.stack.default) or not _only_use(stack, flat) or out is None:
+        return None
+    sv = _val(stack)
+    start, end = _arg(flat, 1, "start_dim", 0), _arg(flat, 2, "end_dim", -1)
+    if sv is None or start % sv.ndim != sv.ndim - 2 or end % sv.ndim != sv.ndim - 1:
+        return None
+    parts, sdim = stack.args[0], _arg(stack, 1, "dim", 0)
+    if len(parts) != 2 or sdim % sv.ndim != sv.ndim - 1:
+        return None
+    sub, add = parts
+    if not (_is(sub, aten.sub.Tensor) and _is(add, aten.add.Tensor) and _only_use(sub, stack)
+            and _only_use(add, stack)) or _arg(sub, 2, "alpha", 1) != 1 or _arg(add, 2, "alpha", 1) != 1:
+        return None
+    m1, m2, m3, m4 = (_mul_pair(m, u) for m, u in ((sub.args[0], sub), (sub.args[1], sub),
+                                                   (add.args[0], add), (add.args[1], add)))
+    if None in (m1, m2, m3, m4):
+        return None
+
+    def split(pair, start):   # (x, the slice, the table) of slice * table, either order
+        for sl, t in (pair, pair[::-1]):
+            x = _strided_slice(sl, start)
+            if x is not None:
+                return x, sl, t
+        return None
+
+    a, b = split(m1, 0), split(m2, 1)          # x1 * cos, x2 * sin
+    if a is None or b is None or a[0] is not b[0]:
+        return None
+    x, x1, cos = a
+    _, x2, sin = b
+    for pair in ((m3, m4), (m4, m3)):          # x1 * sin and x2 * cos, either order
+        c, d = split(pair[0], 0), split(pair[1], 1)
+        if c is not None and d is not None and c[1] is x1 and d[1] is x2 and c[2] is sin and d[2] is cos:
+            break
+    else:
+        return None
+    muls = [sub.args[0], sub.args[1], add.args[0], add.args[1]]
+    if set(_users(x1)) | set(_users(x2)) != set(muls) or len(set(muls)) != 4:
+        return None
+    xv = _val(x)
+    if cos is x or sin is x or tuple(out.shape) != tuple(xv.shape) or xv.shape[-1] % 2:
+        return None
+    tshape = (*xv.shape[:-1], xv.shape[-1] // 2)
+    if not _broadcasts_to(cos, tshape) or not _broadcasts_to(sin, tshape):
+        return None
+    return x, cos, sin, [stack, sub, add, *muls, x1, x2]

@@ -12,6 +12,12 @@ autopar/frontend/fuse.py puts in a traced graph.
   leading dims free. One pass reads x, the weight and the bias and writes y; autograd keeps x and
   the weight (the backward recomputes the row statistics).
 * ``autopar.geglu(gate, up, approximate) -> gelu(gate) * up``: elementwise as swiglu.
+* ``autopar.rotary(x, cos, sin) -> x * cos + rotate_half(x) * sin``: x's leading dims (batch,
+  heads, sequence) free, the rotated (head) dim whole on the rank (it pairs i with i + d/2); cos and
+  sin broadcast against x as an elementwise op's operands (a size-1 dim of theirs, Hugging Face's
+  heads dim, is never split: they are replicated over the heads). One pass reads x, cos and sin
+  and writes y; autograd keeps cos and sin, and x only for their gradients.
+  ``autopar.rotary_interleaved`` (GPT-J / Meta Llama's pairs, tables of width d/2) the same.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import math
 
 from runtime.kernels import ops as K
 
+from autopar.rules.ops_matmul import broadcast_letters
 from autopar.rules.spec import OpSpec, Saved
 from autopar.rules.table import Letters, io_bytes, rule, shape
 
@@ -61,3 +68,33 @@ def geglu(node):
     return OpSpec("geglu", (letters, letters), (letters,), dict(zip(letters, xs)),
                   flops=10.0 * math.prod(xs), bytes=io_bytes(node),
                   saved=(Saved("input", 0), Saved("input", 1)))
+
+
+@rule(K.ROTARY)
+def rotary(node):
+    xs = shape(node.args[0])
+    L = Letters()
+    lead, rot = L.fresh(len(xs) - 1), L.fresh(1)
+    out = lead + rot
+    sizes, unsplit = dict(zip(out, xs)), {rot}
+    tables = tuple(broadcast_letters(shape(t), out, xs, L, sizes, unsplit) for t in node.args[1:3])
+    return OpSpec("rotary", (out,) + tables, (out,), sizes, unsplittable=frozenset(unsplit),
+                  flops=3.0 * math.prod(xs), bytes=io_bytes(node), partial_inputs=(0,),
+                  saved=(Saved("input", 1), Saved("input", 2), Saved("input", 0, for_grad_of=(1, 2))))
+
+
+@rule(K.ROTARY_INTERLEAVED)
+def rotary_interleaved(node):
+    """``autopar.rotary_interleaved(x, cos, sin)`` (the pairs (2i, 2i + 1), tables of width d/2): as
+    rotary, the tables' last dim a letter of its own (d/2), never split."""
+    xs = shape(node.args[0])
+    L = Letters()
+    lead, rot, half = L.fresh(len(xs) - 1), L.fresh(1), L.fresh(1)
+    out = lead + rot
+    sizes, unsplit = dict(zip(out, xs)), {rot, half}
+    sizes[half] = xs[-1] // 2
+    tshape = (*xs[:-1], xs[-1] // 2)
+    tables = tuple(broadcast_letters(shape(t), lead + half, tshape, L, sizes, unsplit) for t in node.args[1:3])
+    return OpSpec("rotary", (out,) + tables, (out,), sizes, unsplittable=frozenset(unsplit),
+                  flops=3.0 * math.prod(xs), bytes=io_bytes(node), partial_inputs=(0,),
+                  saved=(Saved("input", 1), Saved("input", 2), Saved("input", 0, for_grad_of=(1, 2))))

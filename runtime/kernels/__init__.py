@@ -1,5 +1,6 @@
 """Triton kernels of the runtime: RMSNorm (with a fused residual add), SwiGLU, LayerNorm, GeGLU,
-fused linear + cross-entropy (vocabulary-parallel too) and a fused AdamW step, each beside its plain-torch
+fused linear + cross-entropy (vocabulary-parallel too), a fused AdamW step and rotary position embedding,
+each beside its plain-torch
 reference; whether they can run here (``available``) and how many times each family launched.
 
 Triton is imported only by the kernel modules, and only if installed: ``import runtime`` and
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import os
 
-FAMILIES = ("rms_norm", "swiglu", "layer_norm", "geglu", "linear_cross_entropy", "adamw")
+FAMILIES = ("rms_norm", "swiglu", "layer_norm", "geglu", "linear_cross_entropy", "adamw",
+            "rotary")
 
 _launches: dict[str, int] = dict.fromkeys(FAMILIES, 0)
 

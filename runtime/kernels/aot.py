@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from runtime.kernels import adamw, geglu, layer_norm, linear_cross_entropy, rms_norm, swiglu
+from runtime.kernels import adamw, geglu, layer_norm, linear_cross_entropy, rms_norm, rotary, swiglu
 
 ARCHS = (80, 90)
 
@@ -69,6 +69,27 @@ CASES = {
         dict(P="*fp32", G="*fp32", M="*fp32", V="*fp32", n="i32", lr="fp32", beta1="fp32", beta2="fp32",
              eps="fp32", decay="fp32", step_size="fp32", bias_correction2_sqrt="fp32"), dict(BLOCK=1024)),
 }
+
+
+# rotary (Hugging Face's halves and the interleaved pairs): x, cos, sin, y of one dtype (Hugging
+# Face casts the tables to x's) or fp32 tables;
+# head_dim 64 (BLOCK_H 32) and 128 (BLOCK_H 64), rows per program = ELEMENTS / head_dim
+def _rotary_sig(x, tables=None):
+    t = tables or x
+    strides = {f"s{a}{i}": "i32" for a in "xcsy" for i in range(4)}
+    return dict(X=f"*{x}", C=f"*{t}", S=f"*{t}", Y=f"*{x}", n_rows="i32", n1="i32", n2="i32", half="i32",
+                **strides)
+
+
+for _name, _x, _tables, _d, _bwd, _il in (("fwd_bf16_d64", "bf16", None, 64, False, False),
+                                          ("fwd_bf16_fp32_tables_d128", "bf16", "fp32", 128, False, False),
+                                          ("bwd_bf16_d128", "bf16", None, 128, True, False),
+                                          ("fwd_fp32_d128", "fp32", None, 128, False, False),
+                                          ("bwd_fp32_d64", "fp32", None, 64, True, False),
+                                          ("interleaved_fwd_bf16_d128", "bf16", None, 128, False, True),
+                                          ("interleaved_bwd_fp32_d64", "fp32", None, 64, True, True)):
+    CASES[f"rotary_{_name}"] = (rotary._rotary, _rotary_sig(_x, _tables),
+                                dict(BACKWARD=_bwd, INTERLEAVED=_il, BLOCK_R=rotary.ELEMENTS // _d, BLOCK_H=_d // 2))
 
 
 def _jit(kernel):

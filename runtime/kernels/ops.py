@@ -199,3 +199,83 @@ RMS_NORM = torch.ops.autopar.rms_norm.default
 SWIGLU = torch.ops.autopar.swiglu.default
 LAYER_NORM = torch.ops.autopar.layer_norm.default
 GEGLU = torch.ops.autopar.geglu.default
+
+
+# ----------------------------------------------------------------------------------------- rotary
+# ``torch.ops.autopar.rotary(x, cos, sin) -> x * cos + rotate_half(x) * sin`` (Hugging Face's
+# rotary position embedding over the last dim; cos and sin broadcast to x). Autograd keeps cos and
+# sin, and x only where cos or sin needs a gradient (the backward is the transposed rotation of dy).
+@torch.library.custom_op("autopar::rotary", mutates_args=())
+def _rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    if use_triton(x):
+        from runtime.kernels.rotary import rotary_forward
+        return rotary_forward(x, cos, sin)
+    from runtime.kernels.rotary import rotary_reference
+    return rotary_reference(x, cos, sin)
+
+
+@_rotary.register_fake
+def _(x, cos, sin):
+    return torch.empty_like(x, dtype=torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype))
+
+
+def _rotary_setup(ctx, inputs, output):
+    x, cos, sin = inputs
+    ctx.tables_need_grad = (cos.requires_grad, sin.requires_grad)
+    ctx.x_dtype = x.dtype
+    ctx.save_for_backward(x if any(ctx.tables_need_grad) else None, cos, sin)
+
+
+def _rotary_backward(ctx, dy):
+    from runtime.kernels.rotary import rotate_half, sum_to, table_grads
+    x, cos, sin = ctx.saved_tensors
+    if use_triton(dy):
+        from runtime.kernels.rotary import rotary_backward
+        dx = rotary_backward(dy, cos, sin, ctx.x_dtype)
+    else:   # the transposed rotation: dy * cos + rotate_half^T(dy * sin), rotate_half^T = -rotate_half
+        dx = (dy * cos - rotate_half(dy * sin)).to(ctx.x_dtype)
+        dx = sum_to(dx, dy.shape)
+    dc, ds = table_grads(dy, x, cos, sin, *ctx.tables_need_grad) if x is not None else (None, None)
+    return dx, dc, ds
+
+
+torch.library.register_autograd("autopar::rotary", _rotary_backward, setup_context=_rotary_setup)
+
+ROTARY = torch.ops.autopar.rotary.default
+
+
+# ----------------------------------------------------------------------------- rotary_interleaved
+# ``torch.ops.autopar.rotary_interleaved(x, cos, sin)``: GPT-J / Meta Llama's rotary (the zoo's
+# Llama): each pair (x[2i], x[2i + 1]) rotated by cos[..., i], sin[..., i] (tables of width d/2
+# broadcasting to x[..., ::2]). Saves as autopar.rotary: cos and sin, x only for their gradients.
+@torch.library.custom_op("autopar::rotary_interleaved", mutates_args=())
+def _rotary_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    if use_triton(x):
+        from runtime.kernels.rotary import rotary_forward
+        return rotary_forward(x, cos, sin, interleaved=True)
+    from runtime.kernels.rotary import rotary_interleaved_reference
+    return rotary_interleaved_reference(x, cos, sin)
+
+
+@_rotary_interleaved.register_fake
+def _(x, cos, sin):   # contiguous, as the stack + flatten it replaces
+    return x.new_empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype))
+
+
+def _rotary_interleaved_backward(ctx, dy):
+    from runtime.kernels.rotary import interleaved_table_grads
+    x, cos, sin = ctx.saved_tensors
+    if use_triton(dy):
+        from runtime.kernels.rotary import rotary_backward
+        dx = rotary_backward(dy, cos, sin, ctx.x_dtype, interleaved=True)
+    else:   # the transposed rotation of each pair
+        d1, d2 = dy[..., 0::2], dy[..., 1::2]
+        dx = torch.stack((d1 * cos + d2 * sin, d2 * cos - d1 * sin), dim=-1).flatten(-2).to(ctx.x_dtype)
+    dc, ds = interleaved_table_grads(dy, x, cos, sin, *ctx.tables_need_grad) if x is not None else (None, None)
+    return dx, dc, ds
+
+
+torch.library.register_autograd("autopar::rotary_interleaved", _rotary_interleaved_backward,
+                                setup_context=_rotary_setup)
+
+ROTARY_INTERLEAVED = torch.ops.autopar.rotary_interleaved.default

@@ -164,7 +164,7 @@ def test_zoo_models_planned_for_cuda(name, precision):
     ("fp32", {"tp": 2, "sp_mode": "megatron", "sp": 2}, 3e-2)],
     ids=["fp32-single", "bf16-single", "fp32-tp2", "bf16-tp2", "fp32-megatron-sp"])
 def test_fused_kernels_saved_bytes_equal_the_prediction(precision, constraints, rel):
-    """With the Triton kernels (fused RMSNorm and SwiGLU, autopar/frontend/fuse.py) the plan's saved
+    """With the Triton kernels (fused RMSNorm, SwiGLU and rotary, autopar/frontend/fuse.py) the plan's saved
     activations equal what rank 0's program saves, run on meta under CUDA kernels."""
     from autopar.models import ZOO
 
@@ -172,7 +172,7 @@ def test_fused_kernels_saved_bytes_equal_the_prediction(precision, constraints, 
     cluster = autopar.Cluster.preset("dgx-a100", devices=constraints.get("tp", 1))
     plan = autopar.plan(model, inputs, cluster, precision=precision, kernels="triton",
                         constraints={**constraints, "checkpoint": "none", "num_micro_batches": 1})
-    assert plan.fused == {"rms_norm": 5, "swiglu": 2}
+    assert plan.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4}
     traced = trace(model, inputs, kernels=True)
     predicted = plan.data["predictions"]["memory_breakdown"]["activations"]
     measured = rank_saved_bytes(model, inputs, plan, traced, rank=0, cuda=True)

@@ -149,3 +149,44 @@ def test_adamw_cuda():
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert kernel_stats()["adamw"] == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_cuda(dtype, head_dim):
+    """q of a Llama-like attention ([b, s, h, d] transposed to [b, h, s, d]), Hugging Face's cos/sin."""
+    from runtime.kernels.rotary import rotary, rotary_reference
+    torch.manual_seed(0)
+    b, s, h = 4, 513, 8
+    x = torch.randn(b, s, h, head_dim, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    inv = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim)
+    ang = torch.cat([torch.arange(s, device="cuda").float()[:, None] * inv] * 2, -1)
+    cos, sin = ang.cos().to(dtype)[None, None], ang.sin().to(dtype)[None, None]
+    reset_kernel_stats()
+    y = rotary(x, cos, sin)
+    yr = rotary_reference(x, cos, sin)
+    assert y.stride() == torch.empty_like(x).stride()   # laid out as x
+    torch.testing.assert_close(y, yr, **TOL[dtype])
+    dy = torch.randn_like(y)
+    torch.testing.assert_close(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(yr, x, dy)[0], **TOL[dtype])
+    assert kernel_stats()["rotary"] == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_interleaved_cuda(dtype):
+    """The zoo Llama's form: pairs (2i, 2i + 1), tables [s, d/2]; output contiguous."""
+    from runtime.kernels.ops import ROTARY_INTERLEAVED
+    from runtime.kernels.rotary import rotary_interleaved_reference
+    torch.manual_seed(0)
+    b, s, h, d = 4, 513, 8, 128
+    x = torch.randn(b, s, h, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+    ang = torch.arange(s, device="cuda").float()[:, None] / 10000.0 ** (torch.arange(0, d, 2, device="cuda") / d)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    reset_kernel_stats()
+    y = ROTARY_INTERLEAVED(x, cos, sin)
+    yr = rotary_interleaved_reference(x, cos, sin)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, yr, **TOL[dtype])
+    dy = torch.randn_like(y)
+    torch.testing.assert_close(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(yr, x, dy)[0], **TOL[dtype])
+    assert kernel_stats()["rotary"] == 2

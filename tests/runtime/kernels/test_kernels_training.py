@@ -26,7 +26,7 @@ def test_auto_fuses_on_gpu_clusters_only_and_the_plan_says_so():
     model, batch = _llama()
     gpu = autopar.plan(model, batch, autopar.Cluster.preset("dgx-a100", devices=2))
     cpu = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2))
-    assert gpu.kernels == "triton" and gpu.fused == {"rms_norm": 5, "swiglu": 2}
+    assert gpu.kernels == "triton" and gpu.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4}
     assert cpu.kernels == "torch" and cpu.fused == {}
     targets = {o["target"] for o in gpu.ops}
     assert "autopar.rms_norm.default" in targets and "autopar.swiglu.default" in targets
@@ -105,7 +105,7 @@ def _train(rank, world, constraints, kernels, optimizer="sgd", name="llama"):
     return losses, state, compiled.kernel_stats(), compiled.plan.kernels
 
 
-def _check_equal(world, constraints, name="llama", families=("rms_norm", "swiglu"), absent=()):
+def _check_equal(world, constraints, name="llama", families=("rms_norm", "swiglu", "rotary"), absent=()):
     ref = run_local(_train, world, (constraints, "torch", "sgd", name), timeout=600)[0]
     got = run_local(_train, world, (constraints, "triton", "sgd", name), timeout=600)
     assert ref[3] == "torch" and got[0][3] == "triton"
@@ -137,21 +137,23 @@ def test_triton_kernels_train_equal_to_torch_ops(constraints):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, families", [("hf_llama", ("rms_norm", "swiglu")), ("hf_gemma2", ("rms_norm", "geglu"))],
+@pytest.mark.parametrize("name, families", [("hf_llama", ("rms_norm", "swiglu", "rotary")),
+                                            ("hf_gemma2", ("rms_norm", "geglu", "rotary"))],
                          ids=["hf_llama", "hf_gemma2"])
 def test_triton_kernels_train_hugging_face_models_equal_to_torch_ops(name, families):
     """transformers' LlamaRMSNorm (fp32 upcast, weight times the cast-back value) and its
-    act_fn(gate) * up MLP are fused (5 norms, 2 SwiGLUs); Gemma 2's norms (x * (1 + weight)) and
-    its tanh-gelu gated MLP too (9 norms, 2 GeGLUs); under tensor parallelism."""
+    act_fn(gate) * up MLP are fused (5 norms, 2 SwiGLUs), and its rotary embedding of q and k (4);
+    Gemma 2's norms (x * (1 + weight)) and
+    its tanh-gelu gated MLP too (9 norms, 2 GeGLUs, 4 rotary); under tensor parallelism."""
     _needs_kernels()
     _check_equal(2, {"tp": 2}, name=name, families=families)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, name, families, absent", [("2d", "llama", ("swiglu",), ("rms_norm",)),
+@pytest.mark.parametrize("mode, name, families, absent", [("2d", "llama", ("swiglu", "rotary"), ("rms_norm",)),
                                                           ("2d", "geglu_net", ("geglu",), ("layer_norm",)),
                                                           ("2d", "gpt2", (), ("layer_norm",)),
-                                                          ("3d", "llama", ("swiglu",), ("rms_norm",))],
+                                                          ("3d", "llama", ("swiglu", "rotary"), ("rms_norm",))],
                          ids=["2d-llama", "2d-geglu_net", "2d-gpt2", "3d-llama"])
 def test_triton_kernels_train_equal_to_torch_ops_on_the_grid(mode, name, families, absent):
     """2D (SUMMA, 4 ranks) and 3D (8 ranks) tensor parallelism: SwiGLU / GeGLU run their kernels
@@ -171,7 +173,7 @@ def test_fused_ops_run_on_the_grid_not_replicated():
                             kernels="triton")
         kinds = {o["node"]: (o["target"], o["strategy"]) for o in plan.ops}
         fused = [(t, s) for t, s in kinds.values() if t.startswith("autopar.")]
-        assert len(fused) == 7, kinds
+        assert len(fused) == 11, kinds   # 5 norms, 2 SwiGLUs, 4 rotary (interleaved)
         for t, s in fused:
             want = "split rms_norm" if t == "autopar.rms_norm.default" else "local"
             assert s == f"{mode}: {want}", (t, s)
@@ -226,7 +228,7 @@ def test_hugging_face_models_trace_with_their_norms_and_gated_mlps_fused():
     from autopar.frontend.trace import trace
     pytest.importorskip("transformers")
     want = {"hf_bert": {"layer_norm": 6}, "hf_gpt2": {"layer_norm": 5}, "hf_bloom": {"layer_norm": 6},
-            "hf_gemma2": {"rms_norm": 9, "geglu": 2}, "hf_t5": {"rms_norm": 12}}
+            "hf_gemma2": {"rms_norm": 9, "geglu": 2, "rotary": 4}, "hf_t5": {"rms_norm": 12}}
     for name, fused in want.items():
         model, batch = HF_ZOO[name]()
         assert trace(model, batch, kernels=True).fused == fused, name
