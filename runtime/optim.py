@@ -122,6 +122,14 @@ class FlatOptimizer:
         self.step(param, grad, state, step_no, segments=segments, reduce_sq_norms=reduce_sq_norms,
                   hparams=hparams)
 
+    def _triton_here(self, param, grad) -> bool:
+        """Whether ``fused`` steps run their Triton kernel on these tensors (runtime/kernels)."""
+        if not getattr(self, "fused", False):
+            return False
+        from runtime.kernels.ops import use_triton
+        return use_triton(param) and grad.dtype == param.dtype == torch.float32 and grad.is_contiguous() \
+            and param.is_contiguous()
+
     def _per_segment(self, param, grad, state, step_no, segments, hparams, update) -> None:
         """Elementwise optimizers: ``update(param, grad, state, step_no, lr, weight_decay)`` on
         each segment with its tensor's settings (one call for the whole buffer without segments)."""
@@ -153,11 +161,7 @@ class Adam(FlatOptimizer):
             self.name = "adamw"
 
     def _fused_here(self, param, grad) -> bool:
-        if not (self.fused and self.decoupled):
-            return False
-        from runtime.kernels.ops import use_triton
-        return use_triton(param) and grad.dtype == param.dtype == torch.float32 and grad.is_contiguous() \
-            and param.is_contiguous()
+        return self.decoupled and self._triton_here(param, grad)
 
     @torch.no_grad()
     def step(self, param, grad, state, step_no, segments=None, reduce_sq_norms=None, hparams=None):
@@ -212,8 +216,9 @@ class SGD(FlatOptimizer):
     name = "sgd"
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False):
+                 weight_decay: float = 0.0, nesterov: bool = False, fused: bool = False):
         super().__init__(lr)
+        self.fused = fused   # one Triton kernel (runtime/kernels/optimizer_steps.py) where it can run
         self.momentum, self.dampening = float(momentum), float(dampening)
         self.weight_decay, self.nesterov = float(weight_decay), nesterov
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -228,6 +233,12 @@ class SGD(FlatOptimizer):
         self._update(param, grad, state, step_no, self.lr_at(step_no), self.weight_decay)
 
     def _update(self, param, grad, state, step_no, lr, weight_decay):
+        if self._triton_here(param, grad):
+            from runtime.kernels.optimizer_steps import sgd_step
+            sgd_step(param, grad, state.get("momentum_buffer"), lr=lr, momentum=self.momentum,
+                     dampening=self.dampening, weight_decay=weight_decay, nesterov=self.nesterov,
+                     first=step_no == 1)
+            return
         if weight_decay != 0:
             grad = grad.add(param, alpha=weight_decay)
         if self.momentum != 0:
@@ -277,6 +288,14 @@ def _add_decay(x: Tensor, param: Tensor, segs: Segments, wd: Optional[list], wei
     return x
 
 
+def _pieces(segs: Segments, wd: Optional[list]):
+    """(start, end, tensor id) of the pieces one decay covers: the whole buffer when every tensor
+    has the optimizer's decay (``wd`` None), else each segment."""
+    if wd is None:
+        return [(0, segs.bounds[-1], segs.ids[0] if segs.ids else 0)]
+    return [(segs.bounds[i], segs.bounds[i + 1], tid) for i, tid in enumerate(segs.ids)]
+
+
 def _wd_norm_term(p_norm: Tensor, wd: Optional[list], weight_decay: float) -> Tensor:
     return p_norm * (weight_decay if wd is None else torch.tensor(wd, dtype=p_norm.dtype, device=p_norm.device))
 
@@ -295,8 +314,9 @@ class LAMB(FlatOptimizer):
 
     def __init__(self, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, bias_correction: bool = True, trust_clip: bool = False,
-                 always_adapt: bool = False):
+                 always_adapt: bool = False, fused: bool = False):
         super().__init__(lr)
+        self.fused = fused   # Triton kernels (runtime/kernels/optimizer_steps.py) where they can run
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay, self.bias_correction = float(eps), float(weight_decay), bias_correction
         self.trust_clip, self.always_adapt = bool(trust_clip), bool(always_adapt)
@@ -307,12 +327,21 @@ class LAMB(FlatOptimizer):
         wd, scale, adapt = _settings(hparams, segs, self.weight_decay, self.always_adapt, param.device)
         b1, b2 = self.beta1, self.beta2
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.mul_(b1).add_(grad, alpha=1 - b1)
-        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
         bc1 = 1 - b1 ** step_no if self.bias_correction else 1.0
         bc2 = 1 - b2 ** step_no if self.bias_correction else 1.0
-        update = (m / bc1) / ((v / bc2).sqrt().add_(self.eps))
-        update = _add_decay(update, param, segs, wd, self.weight_decay)
+        fused = self._triton_here(param, grad)
+        if fused:   # moments and direction in one kernel per tensor's decay (module doc of the kernels)
+            from runtime.kernels.optimizer_steps import lamb_apply, lamb_direction
+            update = torch.empty_like(param)
+            for a, b, tid in _pieces(segs, wd):
+                lamb_direction(param[a:b], grad[a:b], m[a:b], v[a:b], update[a:b], betas=(b1, b2), eps=self.eps,
+                               weight_decay=self.weight_decay if wd is None else wd[tid],
+                               bias_correction1=bc1, bias_correction2=bc2)
+        else:
+            m.mul_(b1).add_(grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            update = (m / bc1) / ((v / bc2).sqrt().add_(self.eps))
+            update = _add_decay(update, param, segs, wd, self.weight_decay)
         norms = segs.sq_norms(param, update)  # [2, num_ids]: ||p||^2, ||u||^2 of the local parts
         if reduce_sq_norms is not None:
             reduce_sq_norms(norms)
@@ -320,6 +349,12 @@ class LAMB(FlatOptimizer):
         if self.trust_clip:
             ratio = ratio.clamp(max=1.0)
         ratio = torch.where(adapt > 0, ratio, torch.ones_like(ratio)) * scale
+        if fused:
+            lr, ratios = self.lr_at(step_no), ratio.tolist()
+            for i, tid in enumerate(segs.ids):
+                a, b = segs.bounds[i], segs.bounds[i + 1]
+                lamb_apply(param[a:b], update[a:b], lr * ratios[tid])
+            return
         segs.scale_(update, ratio)
         param.add_(update, alpha=-self.lr_at(step_no))
 
@@ -336,8 +371,9 @@ class LARS(FlatOptimizer):
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-8, trust_clip: bool = False,
-                 always_adapt: bool = False):
+                 always_adapt: bool = False, fused: bool = False):
         super().__init__(lr)
+        self.fused = fused   # one Triton kernel per tensor (runtime/kernels/optimizer_steps.py) where it can run
         self.momentum, self.weight_decay = float(momentum), float(weight_decay)
         self.trust_coefficient, self.eps = float(trust_coefficient), float(eps)
         self.trust_clip, self.always_adapt = bool(trust_clip), bool(always_adapt)
@@ -356,6 +392,14 @@ class LARS(FlatOptimizer):
         if self.trust_clip:
             local_lr = (local_lr / lr).clamp(max=1.0) if lr > 0 else torch.ones_like(local_lr)
         local_lr = torch.where(adapt > 0, local_lr, torch.ones_like(local_lr)) * scale
+        if self._triton_here(param, grad):
+            from runtime.kernels.optimizer_steps import lars_step
+            buf, scales = state["momentum_buffer"], (local_lr * lr).tolist()
+            for i, tid in enumerate(segs.ids):
+                a, b = segs.bounds[i], segs.bounds[i + 1]
+                lars_step(param[a:b], grad[a:b], buf[a:b], scale=scales[tid], momentum=self.momentum,
+                          weight_decay=self.weight_decay if wd is None else wd[tid])
+            return
         d = _add_decay(grad.clone(), param, segs, wd, self.weight_decay)
         segs.scale_(d, local_lr * lr)
         buf = state["momentum_buffer"]
@@ -365,7 +409,7 @@ class LARS(FlatOptimizer):
 
 def make_optimizer(name: str, lr: float, fused: bool = False, **hparams) -> FlatOptimizer:
     """``name`` in adamw | adam | sgd | lamb | lars; hparams as in the matching class. ``fused``:
-    AdamW's step as one Triton kernel where it can run (the others have none yet)."""
+    the step's Triton kernels where they can run (AdamW, SGD, LAMB, LARS; Adam has none)."""
     key = name.lower()
     if key == "adamw":
         hparams.setdefault("weight_decay", 1e-2)  # torch.optim.AdamW's default
@@ -373,11 +417,11 @@ def make_optimizer(name: str, lr: float, fused: bool = False, **hparams) -> Flat
     if key == "adam":
         return Adam(lr, decoupled=False, **hparams)
     if key == "sgd":
-        return SGD(lr, **hparams)
+        return SGD(lr, fused=fused, **hparams)
     if key == "lamb":
-        return LAMB(lr, **hparams)
+        return LAMB(lr, fused=fused, **hparams)
     if key == "lars":
-        return LARS(lr, **hparams)
+        return LARS(lr, fused=fused, **hparams)
     raise ValueError(f"unknown optimizer {name!r}: expected adamw, adam, sgd, lamb or lars")
 
 

@@ -280,8 +280,10 @@ TRUST_NORM_BYTES_PER_TENSOR = 8             # ||w||^2 and ||u||^2 (LARS: ||g||^2
 
 
 # the fused Triton steps (runtime/kernels): each tensor read once, the updated ones written once
-# (AdamW: param, grad, exp_avg, exp_avg_sq in; param, exp_avg, exp_avg_sq out)
-_FUSED_OPT_BYTES = {"adamw": 28}
+# (AdamW: param, grad, exp_avg, exp_avg_sq in; param, exp_avg, exp_avg_sq out; SGD with momentum:
+# param, grad, buffer in, param, buffer out; LAMB: the direction kernel 16 in, 12 out, the norms
+# 8 in, the apply 8 in, 4 out; LARS: the norms 8 in, the step 12 in, 8 out)
+_FUSED_OPT_BYTES = {"adamw": 28, "sgd": 20, "lamb": 48, "lars": 28}
 
 
 def optimizer_bytes_per_element(optimizer: str, precision: str, fused: bool = False) -> int:

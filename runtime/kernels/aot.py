@@ -14,7 +14,8 @@ import os
 import subprocess
 import sys
 
-from runtime.kernels import adamw, geglu, layer_norm, linear_cross_entropy, rms_norm, rotary, swiglu
+from runtime.kernels import adamw, geglu, layer_norm, linear_cross_entropy, optimizer_steps, rms_norm, rotary, \
+    swiglu
 
 ARCHS = (80, 90)
 
@@ -68,6 +69,19 @@ CASES = {
     "adamw": (adamw._adamw_step,
         dict(P="*fp32", G="*fp32", M="*fp32", V="*fp32", n="i32", lr="fp32", beta1="fp32", beta2="fp32",
              eps="fp32", decay="fp32", step_size="fp32", bias_correction2_sqrt="fp32"), dict(BLOCK=1024)),
+    **{f"sgd_{name}": (optimizer_steps._sgd_step,
+                       dict(P="*fp32", G="*fp32", B="*fp32", n="i32", lr="fp32", momentum="fp32", dampening="fp32",
+                            weight_decay="fp32"),
+                       dict(HAS_MOMENTUM=mom, FIRST=first, NESTEROV=nest, BLOCK=1024))
+       for name, mom, first, nest in (("plain", False, False, False), ("momentum_first", True, True, False),
+                                      ("momentum", True, False, False), ("nesterov", True, False, True))},
+    "lamb_direction": (optimizer_steps._lamb_direction,
+        dict(P="*fp32", G="*fp32", M="*fp32", V="*fp32", U="*fp32", n="i32", beta1="fp32", beta2="fp32",
+             bias_correction1="fp32", bias_correction2="fp32", eps="fp32", weight_decay="fp32"), dict(BLOCK=1024)),
+    "lamb_apply": (optimizer_steps._scaled_sub, dict(P="*fp32", U="*fp32", n="i32", scale="fp32"), dict(BLOCK=1024)),
+    "lars_step": (optimizer_steps._lars_step,
+        dict(P="*fp32", G="*fp32", B="*fp32", n="i32", scale="fp32", momentum="fp32", weight_decay="fp32"),
+        dict(BLOCK=1024)),
 }
 
 

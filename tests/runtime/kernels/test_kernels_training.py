@@ -263,11 +263,29 @@ def test_fused_adamw_trains_like_torch_adamw():
         torch.testing.assert_close(torch.from_numpy(got[1][k]), torch.from_numpy(v), atol=1e-3, rtol=1e-3, msg=k)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["lamb", "lars"])
+def test_fused_trust_ratio_steps_train_like_torch_ops(optimizer):
+    """LAMB and LARS kernels on ZeRO-1 shards of 2 ranks (the trust-ratio norms still summed over
+    the shards): losses equal, parameters within fp32 reordering noise."""
+    _needs_kernels()
+    ref = run_local(_train, 2, ({"dp": 2, "zero": 1}, "torch", optimizer))[0]
+    got = run_local(_train, 2, ({"dp": 2, "zero": 1}, "triton", optimizer))[0]
+    assert got[2][optimizer] > 0 and ref[2][optimizer] == 0
+    for a, b in zip(got[0], ref[0]):
+        assert abs(a - b) < 1e-3 * max(1.0, abs(b)), (got[0], ref[0])
+    for k, v in ref[1].items():
+        torch.testing.assert_close(torch.from_numpy(got[1][k]), torch.from_numpy(v), atol=1e-3, rtol=1e-3, msg=k)
+
+
 def test_fused_adamw_is_priced_as_one_pass():
     from autopar.pricing.cost import optimizer_bytes_per_element
     assert optimizer_bytes_per_element("adamw", "fp32", fused=True) == 28
     assert optimizer_bytes_per_element("adamw", "fp32") == 80
-    assert optimizer_bytes_per_element("sgd", "fp32", fused=True) == optimizer_bytes_per_element("sgd", "fp32")
+    assert optimizer_bytes_per_element("sgd", "fp32", fused=True) == 20 < optimizer_bytes_per_element("sgd", "fp32")
+    assert optimizer_bytes_per_element("lamb", "fp32", fused=True) == 48
+    assert optimizer_bytes_per_element("lars", "fp32", fused=True) == 28
+    assert optimizer_bytes_per_element("adam", "fp32", fused=True) == optimizer_bytes_per_element("adam", "fp32")
 
 
 def test_triton_plan_on_the_cpu_without_the_interpreter_is_refused(monkeypatch):
