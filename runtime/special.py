@@ -125,7 +125,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, wei
     return _VocabParallelCE.apply(logits, target, tuple(axes), int(reduction), int(ignore_index))
 
 
+from runtime.moe import moe_experts_ep  # noqa: E402  (runtime/moe.py: experts split over a mesh axis)
+
 ALGORITHMS = {"vocab_parallel_embedding": vocab_parallel_embedding,
-              "vocab_parallel_ce": vocab_parallel_cross_entropy}
+              "vocab_parallel_ce": vocab_parallel_cross_entropy,
+              "moe_experts_ep": moe_experts_ep}
 
 __all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "ALGORITHMS"]
