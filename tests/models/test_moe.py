@@ -120,3 +120,26 @@ def test_hf_mixtral_trains_like_one_process(kind):
         assert res[0][2].get("tp", 0) > 0
     else:
         assert all(r[3] == full for r in res)
+
+
+def test_rule_splits_tokens_or_experts_only():
+    """On a 2 x 2 mesh (dp, tp): the data axis splits the tokens; the tp axis splits the tokens, the
+    experts (special "moe_experts_ep", output partial on tp) or nothing, never the concatenated
+    gate/up dim, the intermediate or the hidden dim."""
+    from autopar.frontend.trace import trace
+    from autopar.mesh import Mesh
+    from autopar.models import HF_ZOO
+    from autopar.rules import spec_for
+    from autopar.rules.strategy import enumerate_strategies
+    model, batch = HF_ZOO["hf_mixtral"]()
+    g = trace(model, batch)
+    node = next(n for n in g.gm.graph.nodes if str(n.target) == "autopar.moe_experts.default")
+    spec = spec_for(node)
+    assert spec.rule == "moe_experts" and spec.flops > 0
+    T, k, F_, H = 8 * 16, 2, 64, 64
+    assert spec.flops == 2.0 * T * k * (H * 2 * F_ + F_ * H) + 4.0 * T * k * F_
+    mesh = Mesh((2, 2), ("dp", "tp"), 4)
+    splits = {s.splits for s in enumerate_strategies(spec, mesh, frozenset("t"))}
+    assert splits == {("t", None), ("t", "t"), ("t", "e")}, splits
+    ep = next(s for s in enumerate_strategies(spec, mesh, frozenset("t")) if s.splits == ("t", "e"))
+    assert ep.special == ("moe_experts_ep",) and ep.outputs[0].partial == (1,)
