@@ -146,3 +146,27 @@ def test_rule_splits_tokens_or_experts_only():
     assert splits == {("t", None), ("t", "t"), ("t", "e")}, splits
     ep = next(s for s in enumerate_strategies(spec, mesh, frozenset("t")) if s.splits == ("t", "e"))
     assert ep.special == ("moe_experts_ep",) and ep.outputs[0].partial == (1,)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu"])
+def test_activation_derivatives(act):
+    """The backward op's hand-written activation derivatives (it runs below autograd) against autograd."""
+    from runtime.moe import ACTS, _act_grad
+    g = torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    (d,) = torch.autograd.grad(ACTS[act](g).sum(), g)
+    torch.testing.assert_close(_act_grad(act, g.detach()), d)
+
+
+def test_bf16_hidden_with_fp32_router_weights():
+    """Mixed precision as Mixtral runs it: bf16 activations and experts, fp32 routing weights (the
+    router softmaxes in fp32); the output is bf16, the routing weights' gradient fp32."""
+    m, _, x, logits = _experts()
+    w, idx = logits.detach().softmax(-1).topk(2, dim=-1)
+    gu, dn = m.gate_up_proj.detach(), m.down_proj.detach()
+    ref = torch.ops.autopar.moe_experts(x, idx, w, gu, dn, "silu", 0)
+    xb, gub, dnb = (t.bfloat16().requires_grad_(True) for t in (x, gu, dn))
+    wb = w.clone().requires_grad_(True)
+    out = torch.ops.autopar.moe_experts(xb, idx, wb, gub, dnb, "silu", 0)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and wb.grad.dtype == torch.float32 and gub.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
