@@ -170,3 +170,26 @@ def test_bf16_hidden_with_fp32_router_weights():
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and wb.grad.dtype == torch.float32 and gub.grad.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
+
+
+def test_unsupported_experts_fall_back_to_batched_mm_with_a_warning():
+    """Experts the operator cannot run (here a custom gate) run transformers' batched_mm, warned once."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from runtime.moe import register_transformers
+    register_transformers()
+
+    class CustomGate(MixtralExperts):
+        def _apply_gate(self, gate_up_out):
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return self.act_fn(gate) * up * 2
+
+    m, cfg, x, logits = _experts()
+    c = CustomGate(cfg)
+    c.load_state_dict(m.state_dict())
+    w, idx = logits.detach().softmax(-1).topk(2, dim=-1)
+    cfg._experts_implementation = "autopar"
+    with pytest.warns(UserWarning, match="custom gate"):
+        got = c(x, idx, w)
+    cfg._experts_implementation = "batched_mm"
+    torch.testing.assert_close(got, c(x, idx, w))
