@@ -7,7 +7,8 @@ e = top_k_index[t, j] - expert_offset in [0, E),
 ``out[t] += top_k_weights[t, j] * down[e] @ (act(gate) * up)`` with ``gate, up = (gate_up[e] @
 hidden[t]).chunk(2)`` (transformers' concatenated [gate; up] layout, ``MixtralExperts``). Choices
 whose expert is outside [0, E) contribute nothing: the local experts of an expert-parallel rank
-(``expert_offset`` = its first expert), whose output is then a partial sum over the expert axis.
+(``expert_offset`` = its first expert), whose output is then a partial sum over the expert axis
+(runtime/special.py ``moe_experts_ep`` finds the offset from the rank's coordinates).
 
 Inside, tokens are sorted by expert and each expert runs one matmul pair on its own tokens (data
 dependent shapes, which the trace never sees: the fake kernel says [T, O]). Unlike transformers'
@@ -141,16 +142,6 @@ def _backward(ctx, grad):
 
 
 torch.library.register_autograd("autopar::moe_experts", _backward, setup_context=_setup)
-
-
-def moe_experts_ep(hidden, top_k_index, top_k_weights, gate_up, down, act, expert_offset=0, *, axes):
-    """The special algorithm "moe_experts_ep" (runtime/special.py ALGORITHMS): the experts split
-    in contiguous blocks over ``axes``; this rank runs its block (offset = block index × local
-    experts) and returns a partial sum over ``axes``."""
-    from runtime.special import _block
-    block, _ = _block(tuple(axes))
-    return torch.ops.autopar.moe_experts(hidden, top_k_index, top_k_weights, gate_up, down, act,
-                                         expert_offset + block * gate_up.shape[0])
 
 
 # ------------------------------------------------------------------------------ transformers
