@@ -96,7 +96,7 @@ IMAGE = {
 }
 # already factories of the zoo (autopar/models/hf.py), also trained in CI (tests/models/test_hf_suite.py)
 ZOO_ARCHS = ("hf_albert", "hf_gemma2")
-MOE = {"qwen2_moe"}   # transformers' static "batched_mm" experts (the default loops over nonzero())
+MOE = {"qwen2_moe"}   # runtime/moe.py's "autopar" experts (the default loops over nonzero())
 
 # plan name -> (constraints, policy)
 PLANS = {
@@ -114,7 +114,7 @@ def factory(name):
         return HF_ZOO[name]()
     if name in TEXT:
         cfg, cls, kw, attn = TEXT[name]
-        return _make(cfg, cls, kw, 8, 16, V, "cpu", 0, attn, "batched_mm" if name in MOE else None)
+        return _make(cfg, cls, kw, 8, 16, V, "cpu", 0, attn, "autopar" if name in MOE else None)
     cfg, cls, kw, attn = IMAGE[name]
     config = _config(cfg, kw, attn)
     config.problem_type = "single_label_classification"

@@ -13,6 +13,10 @@ autopar/rules/layout.py) and find this rank's block from the execution context (
   (SUM) over ``axes``; the loss is complete (replicated over ``axes``). Backward is local:
   softmax - onehot on my block, scaled by the incoming gradient.
 
+- ``moe_experts_ep(hidden, top_k_index, top_k_weights, gate_up, down, act, expert_offset, axes)``:
+  runtime/moe.py's experts with the experts split over ``axes``; my block's experts only, the
+  output a PARTIAL SUM over ``axes`` (expert parallelism; a later reshard reduces it).
+
 Bytes go to ``COMM_STATS`` under the axis name, kind "all_reduce".
 """
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import context
+from runtime import moe  # noqa: F401  (registers torch.ops.autopar.moe_experts)
 from runtime.collectives import COMM_STATS
 
 
@@ -125,7 +130,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, wei
     return _VocabParallelCE.apply(logits, target, tuple(axes), int(reduction), int(ignore_index))
 
 
-ALGORITHMS = {"vocab_parallel_embedding": vocab_parallel_embedding,
-              "vocab_parallel_ce": vocab_parallel_cross_entropy}
+def moe_experts_ep(hidden, top_k_index, top_k_weights, gate_up, down, act, expert_offset=0, *, axes):
+    """runtime/moe.py's experts with the experts split in contiguous blocks over ``axes``: this rank
+    runs its block (offset = block index × local experts) and returns a partial sum over ``axes``."""
+    block, _ = _block(tuple(axes))
+    return torch.ops.autopar.moe_experts(hidden, top_k_index, top_k_weights, gate_up, down, act,
+                                         expert_offset + block * gate_up.shape[0])
 
-__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "ALGORITHMS"]
+
+ALGORITHMS = {"vocab_parallel_embedding": vocab_parallel_embedding,
+              "vocab_parallel_ce": vocab_parallel_cross_entropy,
+              "moe_experts_ep": moe_experts_ep}
+
+__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "moe_experts_ep", "ALGORITHMS"]

@@ -52,7 +52,10 @@ def _config(config_cls_name, config_kwargs, attn="sdpa", experts=None):
     # "sdpa" keeps attention as one aten.scaled_dot_product_attention node in the traced graph;
     # "eager" is the explicit matmul / softmax / matmul of each model's eager_attention_forward.
     config._attn_implementation = attn
-    if experts is not None:   # MoE: "batched_mm" has static shapes (no nonzero / data-dependent loop)
+    if experts is not None:   # MoE: "autopar" (runtime/moe.py): one opaque op with a static output shape
+        if experts == "autopar":
+            from runtime.moe import register_transformers
+            register_transformers()
         config._experts_implementation = experts
     return config
 
@@ -144,15 +147,16 @@ def hf_bloom(*, n_layer=2, n_head=4, d_model=64, vocab=256, seq=16, batch=8, dro
 def hf_mixtral(*, n_layer=2, n_head=4, n_kv_heads=2, d_model=64, ffn_hidden=64, experts=4, top_k=2,
                vocab=256, seq=16, batch=8, dropout=0.0, device="cpu", seed=0, attn="sdpa"):
     """transformers.MixtralForCausalLM: a sparse MoE MLP (``experts`` experts, top-``top_k``
-    routing) with the "batched_mm" experts implementation (gathers each token's expert weights
-    and runs bmm: static shapes, unlike the default per-expert loop over ``nonzero``)."""
+    routing) with the "autopar" experts implementation (runtime/moe.py: one ``autopar::moe_experts``
+    op with a static output shape, unlike the default per-expert loop over ``nonzero``; transformers'
+    static "batched_mm" copies each token's expert weights)."""
     cfg = dict(num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_heads,
                hidden_size=d_model, intermediate_size=ffn_hidden, vocab_size=vocab,
                num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=seq,
                attention_dropout=dropout, tie_word_embeddings=False, output_router_logits=False,
                sliding_window=None)
     return _make("MixtralConfig", "MixtralForCausalLM", cfg, batch, seq, vocab, device, seed, attn,
-                 experts="batched_mm")
+                 experts="autopar")
 
 
 def hf_gpt_neox(*, n_layer=2, n_head=4, d_model=64, vocab=256, seq=16, batch=8, dropout=0.0,

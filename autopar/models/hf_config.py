@@ -216,7 +216,9 @@ def from_hf_config(config, *, seq: int | None = None, batch: int, task: str | No
         attn = "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
     cfg._attn_implementation = attn
     if any(getattr(cfg, k, None) for k in MOE_KEYS):
-        cfg._experts_implementation = "batched_mm"   # static shapes (hf.py hf_mixtral)
+        from runtime.moe import register_transformers
+        register_transformers()
+        cfg._experts_implementation = "autopar"   # one op, static output shape (runtime/moe.py)
     auto = getattr(tf, TASKS[task])
     wrapper = ImageLossWrapper if image else LossWrapper
 

@@ -7,7 +7,7 @@ Architectures (autopar/models/hf.py, ``HF_ZOO``), each 2 layers, hidden 64, voca
   decoders        hf_gpt2 (tied head), hf_llama (GQA, RoPE), hf_llama_eager (the same with explicit
                   matmul/softmax attention instead of SDPA), hf_mistral (GQA + sliding window 8 < seq),
                   hf_qwen2 (GQA, qkv biases, tied), hf_bloom (ALiBi, fused qkv), hf_mixtral (MoE: 4
-                  experts, top-2, "batched_mm" experts), hf_gpt_neox (parallel attention + MLP
+                  experts, top-2, "autopar" experts), hf_gpt_neox (parallel attention + MLP
                   residual, partial rotary)
                   hf_gemma2 (sliding-window and global layers alternating, tanh soft-capping of
                   attention and final logits, GeGLU, embedding scaled and tied; eager attention)
@@ -18,7 +18,7 @@ Architectures (autopar/models/hf.py, ``HF_ZOO``), each 2 layers, hidden 64, voca
 Not covered, on purpose: MPT (ALiBi is Bloom's), Falcon / GPT-J (parallel attention is GPT-NeoX's),
 Qwen2-MoE (MoE is Mixtral's): the same op patterns, more CI minutes. Mixtral's default experts
 implementation loops over ``nonzero()`` (data-dependent shapes torch.export cannot trace on fake
-tensors); the factory selects transformers' static "batched_mm" one.
+tensors); the factory selects "autopar" (runtime/moe.py: one operator with a static output shape).
 
 Plans (4 processes):
   * every architecture: the automatic plan (micro-batching pinned to 1 to halve the search; it is
