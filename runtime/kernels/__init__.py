@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 
-FAMILIES = ("rms_norm", "swiglu", "layer_norm", "geglu", "linear_cross_entropy", "adamw")
+FAMILIES = ("rms_norm", "swiglu", "layer_norm", "geglu", "linear_cross_entropy", "adamw",
+            "softmax", "dropout_add")
 
 _launches: dict[str, int] = dict.fromkeys(FAMILIES, 0)
 
