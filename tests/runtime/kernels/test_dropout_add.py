@@ -6,8 +6,8 @@ the mask (fp32 outputs exactly, bf16 within 2e-2: the interpreter truncates fp32
 is NOT torch's dropout stream: training with kernels="triton" and dropout active cannot equal
 kernels="torch" (aten.dropout). What is checked instead: on 1 and 2 gloo ranks (dp, tp) the
 Triton plan trains equal to the same fused plan run by the ops' plain-torch bodies (the reference
-mask), tensor-parallel replicas draw the same mask (parameters stay identical), data-parallel ranks
-different ones, the loss decreases, and a region recomputed under activation checkpointing draws
+mask), tensor-parallel replicas draw the same mask (parameters stay identical), the loss
+decreases, and a region recomputed under activation checkpointing draws
 the mask again (the same gradients as without checkpointing)."""
 from __future__ import annotations
 
@@ -192,8 +192,6 @@ def test_training_with_the_kernel_equals_the_reference_mask(world, constraints):
         same = [k for k in got[0][3] if got[0][3][k].shape == got[1][3][k].shape
                 and (got[0][3][k] == got[1][3][k]).all()]
         assert same, "no parameter replicated over tp stayed identical"
-    if constraints.get("dp"):   # dp rows: independent masks, so the ranks' losses (their rows') differ
-        pass
 
 
 @pytest.mark.parametrize("precision,constraints", [("fp32", {"dp": 1, "tp": 1}), ("bf16", {"dp": 1, "tp": 1}),
@@ -214,3 +212,16 @@ def test_saved_bytes_of_fused_softmax_and_dropout_add_equal_the_prediction(preci
     predicted = plan.data["predictions"]["memory_breakdown"]["activations"]
     measured = rank_saved_bytes(model, inputs, plan, traced, rank=0, cuda=True)
     assert predicted == pytest.approx(measured, rel=2e-2)
+
+
+def test_the_grid_refuses_the_fused_dropout_as_it_refuses_atens():
+    """2D tensor parallelism runs no active dropout (each rank would draw its own mask for one
+    value): the fused op is refused alike, not run unseeded."""
+    from codegen.grid_local import GridLoweringError
+    model, batch = _net()
+    with pytest.raises((GridLoweringError, autopar.PlanError), match="random op|dropout"):
+        autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4), constraints={"tp_mode": "2d"},
+                     kernels="triton")
+    with pytest.raises((GridLoweringError, autopar.PlanError), match="random op|dropout"):
+        autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=4), constraints={"tp_mode": "2d"},
+                     kernels="torch")
