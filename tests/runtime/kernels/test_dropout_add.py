@@ -115,18 +115,25 @@ def test_operator_draws_its_seed_from_the_seeded_generator():
     assert op(torch.empty(4, 5, device="meta"), torch.empty(4, 5, device="meta"), 0.1, True).shape == (4, 5)
 
 
+class Block(nn.Module):
+    def __init__(self, d, p):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(torch.relu(self.fc1(x))))
+
+
 class Net(nn.Module):
     """Two residual MLP blocks, each x + dropout(mlp(x)), as a transformer's residual stream."""
 
     def __init__(self, d=32, p=0.2):
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.fc3, self.fc4 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.drop = nn.Dropout(p)
+        self.blocks = nn.ModuleList([Block(d, p) for _ in range(2)])
 
     def forward(self, x, y):
-        x = x + self.drop(self.fc2(torch.relu(self.fc1(x))))
-        x = x + self.drop(self.fc4(torch.relu(self.fc3(x))))
+        for b in self.blocks:
+            x = b(x)
         return (x - y).pow(2).mean()
 
 
@@ -141,7 +148,8 @@ def test_fused_in_the_traced_graph_and_planned():
     traced = trace(model, batch, kernels=True)
     assert traced.fused == {"dropout_add": 2}
     assert not any(n.target is torch.ops.aten.dropout.default for n in traced.gm.graph.nodes)
-    model.drop.p = 0.0   # inactive dropout: nothing to fuse
+    for b in model.blocks:
+        b.drop.p = 0.0   # inactive dropout: nothing to fuse
     assert "dropout_add" not in trace(model, batch, kernels=True).fused
     model, batch = _net()
     plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), constraints={"tp": 2},
@@ -185,6 +193,10 @@ def test_training_with_the_kernel_equals_the_reference_mask(world, constraints):
         for k, v in rs.items():
             torch.testing.assert_close(torch.from_numpy(state[k]), torch.from_numpy(v), atol=1e-5, rtol=1e-5, msg=k)
     if constraints.get("checkpoint"):   # recomputed masks: the same training as without checkpointing
+        model, batch = _net()
+        plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), constraints=constraints,
+                            kernels="triton")
+        assert plan.data["stages"][0]["checkpoint"] == {"blocks": True}
         plain = run_local(_train, world, ({"dp": 2}, "triton"), timeout=600)
         for a, b in zip(got[0][0], plain[0][0]):
             assert abs(a - b) < 1e-5 * max(1.0, abs(b))
