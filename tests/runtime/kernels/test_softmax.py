@@ -121,3 +121,12 @@ def test_training_with_the_softmax_kernel_equals_torch_ops(world, constraints):
             assert abs(a - b) < 1e-4 * max(1.0, abs(b)), (losses, ref[0])
         for k, v in ref[1].items():
             torch.testing.assert_close(torch.from_numpy(state[k]), torch.from_numpy(v), atol=1e-4, rtol=1e-4, msg=k)
+
+
+@pytest.mark.slow
+def test_hf_bloom_eager_attention_trains_with_the_softmax_kernel_equal_to_torch_ops():
+    """BLOOM's eager attention (ALiBi scores, softmax in x's dtype) gets its 2 softmaxes fused."""
+    pytest.importorskip("transformers")
+    from tests.runtime.kernels.test_kernels_training import _check_equal, _needs_kernels
+    _needs_kernels()
+    _check_equal(1, {}, name="hf_bloom", families=("layer_norm", "softmax"))
