@@ -182,6 +182,10 @@ class ReplicatedOps:
             raise GridLoweringError(
                 f"{geo.mode} tensor parallelism cannot run node {n.name} ({t}): a random op run whole on every rank "
                 f"would draw a different value on each; set its probability to 0 (dropout p=0) or use tp_mode '1d'")
+        if str(t) == "autopar.dropout_add.default":   # the fused active dropout (runtime/kernels/dropout_add.py)
+            raise GridLoweringError(
+                f"{geo.mode} tensor parallelism cannot run node {n.name} ({t}): a random op run whole on every rank "
+                f"would draw a different value on each; set its probability to 0 (dropout p=0) or use tp_mode '1d'")
         batched = False
 
         def conv(a):

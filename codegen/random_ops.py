@@ -23,6 +23,12 @@ _DROPOUTS = {
 }
 
 
+def _fused_dropouts():
+    """The fused dropout_add of runtime/kernels/ops.py: active only with p > 0 and train."""
+    from runtime.kernels.ops import DROPOUT_ADD
+    return {DROPOUT_ADD: ((2, "p"), (3, "train"))}
+
+
 def _arg(node: Node, where, default):
     i, name = where
     if len(node.args) > i:
@@ -35,8 +41,8 @@ def is_random(node: Node) -> bool:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return False
-    if target in _DROPOUTS:
-        p_at, train_at = _DROPOUTS[target]
+    if target in _DROPOUTS or target in _fused_dropouts():
+        p_at, train_at = _DROPOUTS.get(target) or _fused_dropouts()[target]
         p = _arg(node, p_at, 0.0)
         train = True if train_at is None else _arg(node, train_at, True)
         return train is not False and bool(p)

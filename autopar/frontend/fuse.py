@@ -24,6 +24,12 @@ of each pattern it fused (patterns it found none of are left out):
   interleaved form (the zoo's Llama, autopar/models/llama.py), ``flatten(stack([x1 * cos - x2 *
   sin, x1 * sin + x2 * cos], -1), -2)`` with ``x1, x2 = x[..., 0::2], x[..., 1::2]`` and tables of
   width d/2 -> ``autopar.rotary_interleaved(x, cos, sin)``.
+* ``softmax``: ``aten.softmax.int(x, -1)`` (no dtype, or x's) or ``aten._softmax(x, -1, False)`` over the
+  last dim (explicit attention's masked scores) -> ``autopar.softmax(x)``;
+* ``dropout_add``: ``residual + aten.dropout(x, p, True)``, p > 0 (either order, no alpha) with x,
+  residual and the sum of one shape and dtype -> ``autopar.dropout_add(x, residual, p, train)``
+  (tagged random as aten.dropout: ranks run it under runtime.rng.seeded; its mask is the kernel's
+  Philox stream, not torch's: see runtime/kernels/dropout_add.py).
 
 A pattern is fused only where its intermediate values have no other use, so nothing the rest of
 the graph reads disappears. The rewrite keeps each replaced output's ``meta["val"]`` and module
@@ -38,7 +44,7 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
-PATTERNS = ("rms_norm", "swiglu", "layer_norm", "geglu", "rotary")
+PATTERNS = ("rms_norm", "swiglu", "layer_norm", "geglu", "rotary", "softmax", "dropout_add")
 KERNELS = ("auto", "triton", "torch")
 
 
@@ -235,6 +241,7 @@ def fuse(gm: fx.GraphModule) -> dict[str, int]:
             x, cos, sin, dead = m
             _replace(gm, node, lambda g, x=x, c=cos, s=sin: g.call_function(ops.ROTARY_INTERLEAVED, (x, c, s)), dead)
             counts["rotary"] += 1
+    _fuse_softmax_dropout_add(gm, ops, counts)
     gm.graph.lint()
     gm.recompile()
     return {k: v for k, v in counts.items() if v}
@@ -403,3 +410,62 @@ def _rotary_interleaved_match(flat: fx.Node):
     if not _broadcasts_to(cos, tshape) or not _broadcasts_to(sin, tshape):
         return None
     return x, cos, sin, [stack, sub, add, *muls, x1, x2]
+
+
+# ------------------------------------------------------------------------- softmax, dropout_add
+def _softmax_match(node: fx.Node):
+    """x if ``node`` is a softmax over the last dim, in x's dtype, the kernel's row fits."""
+    if _is(node, aten.softmax.int):
+        dtype = _arg(node, 2, "dtype", None)
+        if dtype is not None and (_val(node.args[0]) is None or dtype != _val(node.args[0]).dtype):
+            return None
+    elif _is(node, aten._softmax.default):
+        if _arg(node, 2, "half_to_float", False):
+            return None
+    else:
+        return None
+    x = node.args[0]
+    xv, out = _val(x), _val(node)
+    if xv is None or out is None or xv.ndim < 1 or not xv.dtype.is_floating_point or out.dtype != xv.dtype:
+        return None
+    if node.args[1] not in (-1, xv.ndim - 1):
+        return None
+    from runtime.kernels import MAX_HIDDEN
+    return x if xv.shape[-1] <= MAX_HIDDEN else None
+
+
+def _dropout_add_match(add: fx.Node):
+    """(x, residual, p, train, dropout node) if ``add`` is residual + dropout(x) of one shape and dtype."""
+    if not _is(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
+        return None
+    for d, res in (add.args[::-1], add.args):
+        if not _is(d, aten.dropout.default) or not _only_use(d, add) or not isinstance(res, fx.Node):
+            continue
+        x = d.args[0]
+        p, train = float(_arg(d, 1, "p", 0.5)), bool(_arg(d, 2, "train", True))
+        if not train or p <= 0.0:   # inactive: aten.dropout returns x itself, nothing to fuse
+            continue
+        vals = [_val(x), _val(res), _val(add)]
+        if any(v is None or not isinstance(v, torch.Tensor) for v in vals) or not isinstance(x, fx.Node):
+            continue
+        if len({tuple(v.shape) for v in vals}) == 1 and len({v.dtype for v in vals}) == 1 \
+                and vals[0].dtype.is_floating_point:
+            return x, res, p, train, d
+    return None
+
+
+def _fuse_softmax_dropout_add(gm: fx.GraphModule, ops, counts: dict) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.graph is not gm.graph:
+            continue
+        x = _softmax_match(node)
+        if x is not None:
+            _replace(gm, node, lambda g, x=x: g.call_function(ops.SOFTMAX, (x,)), [])
+            counts["softmax"] += 1
+            continue
+        m = _dropout_add_match(node)
+        if m is not None:
+            x, res, p, train, d = m
+            _replace(gm, node, lambda g, x=x, r=res, p=p, t=train: g.call_function(ops.DROPOUT_ADD, (x, r, p, t)),
+                     [d])
+            counts["dropout_add"] += 1

@@ -98,3 +98,28 @@ def rotary_interleaved(node):
     return OpSpec("rotary", (out,) + tables, (out,), sizes, unsplittable=frozenset(unsplit),
                   flops=3.0 * math.prod(xs), bytes=io_bytes(node), partial_inputs=(0,),
                   saved=(Saved("input", 1), Saved("input", 2), Saved("input", 0, for_grad_of=(1, 2))))
+
+
+# softmax, dropout_add (issue 31)
+# * ``autopar.softmax(x) -> y``: over the last dim; that dim whole on the rank, every other free.
+#   One pass reads x and writes y (memory-bound); autograd keeps y only.
+# * ``autopar.dropout_add(x, residual, p, train) -> residual + dropout(x)``: elementwise, every
+#   dim free; reads two tensors, writes one; keeps an 8-byte seed when active (the kernel
+#   regenerates the mask), nothing when inactive (p == 0 or train False).
+@rule(K.SOFTMAX)
+def fused_softmax(node):
+    xs = shape(node.args[0])
+    ls = Letters().fresh(len(xs))
+    return OpSpec("softmax", (ls,), (ls,), dict(zip(ls, xs)), unsplittable=frozenset(ls[-1:]),
+                  flops=5.0 * math.prod(xs), bytes=io_bytes(node), saved=(Saved("output", 0),))
+
+
+@rule(K.DROPOUT_ADD)
+def fused_dropout_add(node):
+    xs = shape(node.args[0])
+    letters = Letters().fresh(len(xs))
+    p = node.args[2] if len(node.args) > 2 else node.kwargs.get("p", 0.0)
+    train = node.args[3] if len(node.args) > 3 else node.kwargs.get("train", True)
+    saved = (Saved("extra", letters="", itemsize=8),) if p and train else ()
+    return OpSpec("dropout_add", (letters, letters), (letters,), dict(zip(letters, xs)),
+                  flops=3.0 * math.prod(xs), bytes=io_bytes(node), saved=saved)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 FAMILIES = ("rms_norm", "swiglu", "layer_norm", "geglu", "linear_cross_entropy", "adamw", "sgd", "lamb", "lars",
-            "rotary")
+            "rotary", "softmax", "dropout_add")
 
 _launches: dict[str, int] = dict.fromkeys(FAMILIES, 0)
 

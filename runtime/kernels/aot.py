@@ -106,6 +106,27 @@ for _name, _x, _tables, _d, _bwd, _il in (("fwd_bf16_d64", "bf16", None, 64, Fal
                                 dict(BACKWARD=_bwd, INTERLEAVED=_il, BLOCK_R=rotary.ELEMENTS // _d, BLOCK_H=_d // 2))
 
 
+# softmax, dropout_add (issue 31)
+from runtime.kernels import dropout_add, softmax  # noqa: E402
+
+CASES.update({
+    "softmax_fwd_bf16": (softmax._softmax_fwd, dict(X="*bf16", Y="*bf16", n_cols="i32"), dict(BLOCK=2048)),
+    "softmax_fwd_fp32": (softmax._softmax_fwd, dict(X="*fp32", Y="*fp32", n_cols="i32"), dict(BLOCK=16)),
+    "softmax_bwd_bf16": (softmax._softmax_bwd, dict(DY="*bf16", Y="*bf16", DX="*bf16", n_cols="i32"),
+                         dict(BLOCK=2048)),
+    "softmax_bwd_fp32": (softmax._softmax_bwd, dict(DY="*fp32", Y="*fp32", DX="*fp32", n_cols="i32"),
+                         dict(BLOCK=128)),
+    "dropout_add_fwd_bf16": (dropout_add._dropout_add_fwd,
+        dict(X="*bf16", R="*bf16", Y="*bf16", SEED="*i64", n="i32", thresh="i32", scale="fp32"), dict(BLOCK=1024)),
+    "dropout_add_fwd_fp32": (dropout_add._dropout_add_fwd,
+        dict(X="*fp32", R="*fp32", Y="*fp32", SEED="*i64", n="i32", thresh="i32", scale="fp32"), dict(BLOCK=1024)),
+    "dropout_add_bwd_bf16": (dropout_add._dropout_add_bwd,
+        dict(DY="*bf16", DX="*bf16", SEED="*i64", n="i32", thresh="i32", scale="fp32"), dict(BLOCK=1024)),
+    "dropout_add_bwd_fp32": (dropout_add._dropout_add_bwd,
+        dict(DY="*fp32", DX="*fp32", SEED="*i64", n="i32", thresh="i32", scale="fp32"), dict(BLOCK=1024)),
+})
+
+
 def _jit(kernel):
     """The compilable function: the kernel itself, or under the interpreter a JITFunction of its source."""
     from triton.runtime.jit import JITFunction

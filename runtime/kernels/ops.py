@@ -279,3 +279,87 @@ torch.library.register_autograd("autopar::rotary_interleaved", _rotary_interleav
                                 setup_context=_rotary_setup)
 
 ROTARY_INTERLEAVED = torch.ops.autopar.rotary_interleaved.default
+
+
+# ---------------------------------------------------------------------------------------- softmax
+# ``torch.ops.autopar.softmax(x) -> y``: softmax over the last dim in fp32 arithmetic, y in x's
+# dtype (explicit attention's scores after the model's mask). Autograd keeps y only. Named
+# "softmax" so autopar/rules/attention_core.py still finds the attention core's anchor in it.
+@torch.library.custom_op("autopar::softmax", mutates_args=())
+def _softmax(x: Tensor) -> Tensor:
+    if use_triton(x):
+        from runtime.kernels.softmax import softmax_forward
+        return softmax_forward(x)
+    return torch.softmax(x.float(), dim=-1).to(x.dtype)
+
+
+@_softmax.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _softmax_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    if use_triton(y):
+        from runtime.kernels.softmax import softmax_backward
+        return softmax_backward(dy, y)
+    yf, df = y.float(), dy.float()
+    return (yf * (df - (df * yf).sum(-1, keepdim=True))).to(y.dtype)
+
+
+torch.library.register_autograd("autopar::softmax", _softmax_backward, setup_context=_softmax_setup)
+
+SOFTMAX = torch.ops.autopar.softmax.default
+
+
+# ------------------------------------------------------------------------------------ dropout_add
+# ``torch.ops.autopar.dropout_add(x, residual, p, train) -> residual + dropout(x, p)`` (x and
+# residual of one shape). Tagged ``nondeterministic_seeded`` like aten.dropout, so a rank's
+# program runs it inside ``runtime.rng.seeded`` (codegen/per_rank.py): its mask comes from a seed
+# drawn from the generator that wrapper seeds per (position, op, block). The mask is Philox of
+# (seed, flat index) (runtime/kernels/dropout_add.py), not torch's dropout stream, the same in
+# the kernel and in the plain-torch body. Autograd keeps the seed only. Inactive (p == 0 or
+# train False) it is residual + x and draws nothing. A CompositeImplicitAutograd op (its body an
+# autograd Function): a custom_op's autograd cannot see a seed drawn inside it.
+_LIB = torch.library.Library("autopar", "FRAGMENT")
+_LIB.define("dropout_add(Tensor x, Tensor residual, float p, bool train) -> Tensor",
+            tags=(torch.Tag.nondeterministic_seeded,))
+
+
+class _DropoutAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, p, seed):
+        from runtime.kernels import dropout_add as D
+        if use_triton(x) and x.device == residual.device:
+            y = D.dropout_add_forward(x, residual, p, seed)
+        else:
+            y = D.dropout_add_reference(x, residual, p, seed)
+        ctx.save_for_backward(seed)
+        ctx.p, ctx.x_dtype, ctx.r_dtype = p, x.dtype, residual.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from runtime.kernels import dropout_add as D
+        (seed,) = ctx.saved_tensors
+        if use_triton(dy):
+            dx = D.dropout_add_backward(dy, ctx.p, seed, ctx.x_dtype)
+        else:
+            dx = D.dropout_add_backward_reference(dy, ctx.p, seed, ctx.x_dtype)
+        return dx, dy.to(ctx.r_dtype), None, None
+
+
+def _dropout_add(x: Tensor, residual: Tensor, p: float, train: bool) -> Tensor:
+    if not train or p == 0.0:
+        return residual + x
+    from runtime.kernels.dropout_add import draw_seed
+    return _DropoutAdd.apply(x, residual, float(p), draw_seed(x.device))
+
+
+_LIB.impl("dropout_add", _dropout_add, "CompositeImplicitAutograd")
+
+DROPOUT_ADD = torch.ops.autopar.dropout_add.default
