@@ -4,15 +4,17 @@ torch.compile of that reference, at Llama-1B/8B sizes, forward + backward.
     python -m benchmarks.kernel_bench
 
 Cases: RMSNorm 8192 rows x hidden 2048 and 4096 (bf16, bf16 weight); SwiGLU 8192 x 5632 (bf16);
-LayerNorm 8192 x 2048 (bf16, bf16 weight and bias); GeGLU (tanh gelu) 8192 x 5632 (bf16);
-linear + cross-entropy N 8192, D 2048, V 128256 (bf16); one AdamW step over 100M fp32 elements
-(also torch.optim.AdamW(fused=True)). A time is the median of REPS runs after WARMUP (CUDA events,
-synchronised), in ms. "max abs diff" compares the variant's outputs and gradients with eager's
-(for AdamW: the parameter after one step from the same state). For linear + cross-entropy the
-peak memory above what was allocated before the run (torch.cuda.max_memory_allocated, reset
-before each variant) is shown, and the Triton / eager ratio. Every variant runs in its own try:
-a failure is that row's note. torch.compile variants are skipped once COMPILE_BUDGET_S seconds
-have passed, to keep the whole run near a minute. Without CUDA it says so and exits 0.
+LayerNorm 8192 x 2048 (bf16, bf16 weight and bias); GeGLU (tanh gelu) 8192 x 5632 (bf16); linear +
+cross-entropy N 8192, D 2048, V 128256 (bf16); one AdamW step over 100M fp32 elements (also
+torch.optim.AdamW(fused=True)); rotary on q of 4 x 32 heads x 2048 x 128 (bf16, Hugging Face's
+transposed layout); softmax over 65536 rows of 1024 (bf16). A time is the median of REPS runs after
+WARMUP (CUDA events, synchronised), in ms. "max abs diff" compares the variant's outputs and
+gradients with eager's (for AdamW: the parameter after one step from the same state). For linear +
+cross-entropy the peak memory above what was allocated before the run
+(torch.cuda.max_memory_allocated, reset before each variant) is shown, and the Triton / eager ratio.
+Every variant runs in its own try: a failure is that row's note. torch.compile variants are skipped
+once COMPILE_BUDGET_S seconds have passed, to keep the whole run near a minute. Without CUDA it says
+so and exits 0.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ from runtime.kernels.geglu import geglu, geglu_reference
 from runtime.kernels.layer_norm import layer_norm, layer_norm_reference
 from runtime.kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from runtime.kernels.rms_norm import rms_norm, rms_norm_reference
+from runtime.kernels.rotary import rotary, rotary_reference
+from runtime.kernels.softmax import softmax, softmax_reference
 from runtime.kernels.swiglu import swiglu, swiglu_reference
 
 WARMUP = 3
@@ -145,7 +149,8 @@ def _empty_cache(device) -> None:
 
 
 LLAMA_SIZES = dict(rms_norm=[(8192, 2048), (8192, 4096)], swiglu=(8192, 5632), layer_norm=(8192, 2048),
-                   geglu=(8192, 5632), linear_cross_entropy=(8192, 2048, 128256), adamw=100_000_000)
+                   geglu=(8192, 5632), linear_cross_entropy=(8192, 2048, 128256), adamw=100_000_000,
+                   rotary=(4, 32, 2048, 128), softmax=(4 * 16 * 1024, 1024))
 
 
 class _Bench:
@@ -229,6 +234,34 @@ def _geglu_case(b: _Bench, rows: int, inter: int, dtype=torch.bfloat16) -> list[
             return (y.detach(), *torch.autograd.grad(y, [g, u], dy))
         return run
     return b.case("geglu", f"{rows}x{inter} bf16 tanh", make, geglu_reference, geglu)
+
+
+def _rotary_case(b: _Bench, batch: int, heads: int, seq: int, head_dim: int, dtype=torch.bfloat16) -> list[dict]:
+    """q of [batch, heads, seq, head_dim] laid out as Hugging Face's (a transposed [B, S, H, D]),
+    the tables [batch, 1, seq, head_dim]."""
+    x = torch.randn(batch, seq, heads, head_dim, device=b.device, dtype=dtype).transpose(1, 2).requires_grad_()
+    ang = torch.rand(batch, 1, seq, head_dim // 2, device=b.device) * 6.28
+    cos, sin = (torch.cat([f(ang)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    dy = torch.randn(batch, heads, seq, head_dim, device=b.device, dtype=dtype)
+
+    def make(f):
+        def run():
+            y = f(x, cos, sin)
+            return y.detach(), *torch.autograd.grad(y, [x], dy)
+        return run
+    return b.case("rotary", f"{batch}x{heads}x{seq}x{head_dim} bf16", make, rotary_reference, rotary)
+
+
+def _softmax_case(b: _Bench, rows: int, cols: int, dtype=torch.bfloat16) -> list[dict]:
+    x = torch.randn(rows, cols, device=b.device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(rows, cols, device=b.device, dtype=dtype)
+
+    def make(f):
+        def run():
+            y = f(x)
+            return y.detach(), *torch.autograd.grad(y, [x], dy)
+        return run
+    return b.case("softmax", f"{rows}x{cols} bf16", make, softmax_reference, softmax)
 
 
 def _lce_case(b: _Bench, n: int, d: int, v: int, dtype=torch.bfloat16) -> list[dict]:
@@ -330,7 +363,9 @@ def bench_kernels(device: str = "cuda", *, sizes: dict | None = None, reps: int 
               ("layer_norm", lambda: _layer_norm_case(b, *sizes["layer_norm"])),
               ("geglu", lambda: _geglu_case(b, *sizes["geglu"])),
               ("linear_cross_entropy", lambda: _lce_case(b, *sizes["linear_cross_entropy"])),
-              ("adamw", lambda: _adamw_case(b, sizes["adamw"]))]
+              ("adamw", lambda: _adamw_case(b, sizes["adamw"])),
+              ("rotary", lambda: _rotary_case(b, *sizes["rotary"])),
+              ("softmax", lambda: _softmax_case(b, *sizes["softmax"]))]
     rows = []
     for name, case in cases:
         t0 = time.monotonic()

@@ -8,13 +8,13 @@ import torch
 from benchmarks import kernel_bench
 
 SMALL = dict(rms_norm=[(33, 67)], swiglu=(17, 130), layer_norm=(33, 67), geglu=(17, 130),
-             linear_cross_entropy=(40, 32, 300), adamw=5000)
+             linear_cross_entropy=(40, 32, 300), adamw=5000, rotary=(2, 3, 7, 16), softmax=(9, 13))
 
 
 def test_kernel_bench_small(device):
     rows = kernel_bench.bench_kernels(device, sizes=SMALL, reps=2, compile=False)
     seen = {(r["kernel"], r["variant"]) for r in rows}
-    for kernel in ("rms_norm", "swiglu", "layer_norm", "geglu", "linear_cross_entropy", "adamw"):
+    for kernel in ("rms_norm", "swiglu", "layer_norm", "geglu", "linear_cross_entropy", "adamw", "rotary", "softmax"):
         assert {(kernel, "eager"), (kernel, "triton")} <= seen
     for r in rows:
         assert r["note"] == "" and r["ms"] is not None, r
