@@ -24,7 +24,9 @@ processes saved it) and continues from its step:
 
 Fault injection (for resume tests): ``AUTOPAR_FAIL_AT_STEP=k AUTOPAR_FAIL_MARKER=FILE`` makes rank 1
 leave after step k once (``fail_once``); under ``torchrun --max-restarts 1 ... --resume`` the
-restarted processes resume from the newest committed checkpoint.
+restarted processes resume from the newest committed checkpoint (autopar.compile connects each
+restart's process group under its own key prefix in torchrun's shared rendezvous store, so a
+restarted rank never reads a dead attempt's address: nothing to set).
 
 Live figures: every ``--log-every`` steps (default 5) the measured step time, tokens/s, TFLOP/s per
 device and MFU, each next to the plan's prediction (``autopar.compile(log_every=..., on_step=...)``).

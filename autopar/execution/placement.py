@@ -27,7 +27,7 @@ def require_process_group(cluster=None):
                                      f"has no CUDA device: use Cluster.preset('cpu', devices=N) to run on the CPU "
                                      f"(gloo), or initialise a gloo process group yourself")
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(GPU_BACKENDS if backend == "nccl" else backend)
+        dist.init_process_group(GPU_BACKENDS if backend == "nccl" else backend, **_restart_safe_store())
         return
     raise ExecutionError("autopar.compile needs an initialised torch.distributed process group: "
                          "run under torchrun or runtime.launch.run_local (for one process, "
@@ -35,6 +35,35 @@ def require_process_group(cluster=None):
 
 
 GPU_BACKENDS = "cpu:gloo,cuda:nccl"
+
+
+def _restart_safe_store() -> dict:
+    """Keyword arguments for ``init_process_group`` that keep a restarted torchrun worker group off
+    the keys of the group before it (issue 30).
+
+    torchrun's c10d rendezvous shares one TCPStore across restarts (``TORCHELASTIC_USE_AGENT_STORE``)
+    and torch connects the workers' group through it without a per-attempt prefix: the group's keys
+    (each gloo rank's listening address, ...) of a dead attempt are still there. A restarted rank that
+    asks for a peer's address before the peer has published its new one reads the dead process's
+    and fails ("Gloo connectFullMesh failed ... Connection refused"); a loaded machine, where the
+    restarted ranks start seconds apart, hits it often. Here the group of attempt
+    ``TORCHELASTIC_RESTART_COUNT`` lives under its own prefix, so only live addresses are read.
+    Nothing changes outside a restarted agent-store torchrun run (empty: torch's env:// defaults)."""
+    import os
+    from datetime import timedelta
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in (None, "", "0"):
+        return {}
+    if not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        return {}
+    from torch.distributed.constants import default_pg_timeout
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=default_pg_timeout.total_seconds()))
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return {"store": dist.PrefixStore(f"/autopar/{run}/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
 def uses_nccl(group=None) -> bool:
