@@ -101,8 +101,8 @@ def cmd_serve(args) -> int:
         if "RANK" in os.environ and not dist.is_initialized():   # torchrun: idle servers wait for requests
             from datetime import timedelta
 
-            from autopar.execution.placement import _restart_safe_store   # a restarted torchrun group: issue 30
-            dist.init_process_group(cluster.backend, timeout=timedelta(days=1), **_restart_safe_store())
+            from autopar.execution.placement import restart_safe_store   # a restarted torchrun group: issue 30
+            dist.init_process_group(cluster.backend, timeout=timedelta(days=1), **restart_safe_store())
         _serve_rank(int(os.environ.get("RANK", 0)), plan.world_size, *run)
         return 0
     from runtime.launch import run_local

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from codegen.boxes import flat_boxes
 from codegen.grid_layout import GRID_MODES, Geometry, geometry_of
 from runtime.grid import take
 from codegen.grid_ops import GridProgram
@@ -99,8 +100,8 @@ def stored_to_full(use, shape, offsets, t: torch.Tensor) -> list[tuple[tuple[int
     holding ``t``, as boxes of ``full``: (offsets in ``full``, a view of ``t`` shaped as that box,
     no copy). A transposed box is a box of the original with its dims swapped (``weight``); the
     QKV column order (``perm``) cuts it into runs of consecutive original columns; a ``conv``
-    weight's rows are a flat range of its [C, kh, kw] dims (checkpoint_io.flat_boxes)."""
-    from autopar.execution.checkpoint_io import flat_boxes
+    weight's rows are a flat range of its [C, kh, kw] dims (codegen/boxes.py)."""
+
 
     offsets = [int(o) for o in offsets]
     boxes = [(offsets, t)]

@@ -27,7 +27,7 @@ def require_process_group(cluster=None):
                                      f"has no CUDA device: use Cluster.preset('cpu', devices=N) to run on the CPU "
                                      f"(gloo), or initialise a gloo process group yourself")
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(GPU_BACKENDS if backend == "nccl" else backend, **_restart_safe_store())
+        dist.init_process_group(GPU_BACKENDS if backend == "nccl" else backend, **restart_safe_store())
         return
     raise ExecutionError("autopar.compile needs an initialised torch.distributed process group: "
                          "run under torchrun or runtime.launch.run_local (for one process, "
@@ -37,7 +37,7 @@ def require_process_group(cluster=None):
 GPU_BACKENDS = "cpu:gloo,cuda:nccl"
 
 
-def _restart_safe_store() -> dict:
+def restart_safe_store() -> dict:
     """Keyword arguments for ``init_process_group`` that keep a restarted torchrun worker group off
     the keys of the group before it (issue 30).
 

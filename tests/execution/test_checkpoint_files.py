@@ -28,7 +28,7 @@ import torch
 import autopar
 from autopar.errors import ExecutionError
 from autopar.execution import checkpoint_atomic
-from autopar.execution.checkpoint_io import flat_boxes
+from codegen.boxes import flat_boxes
 from autopar.models import ZOO
 from runtime.launch import LocalLaunchError, run_local
 

@@ -168,7 +168,7 @@ def test_torchrun_max_restarts_resumes_after_a_killed_rank(tmp_path):
            "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2", "--resume", "--save", str(tmp_path / "a")]
     # one restart, the injected fault's: the restarted gloo group must connect at once. (It used to
     # fail now and then on a loaded machine, a restarted rank reading the dead attempt's address from
-    # torchrun's shared rendezvous store; placement._restart_safe_store, issue 30)
+    # torchrun's shared rendezvous store; placement.restart_safe_store, issue 30)
     a = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env)
     assert a.returncode == 0, a.stderr[-3000:]
     assert marker.exists(), "the fault was not injected"

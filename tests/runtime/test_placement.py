@@ -71,32 +71,32 @@ def test_a_restarted_torchrun_group_connects_under_its_own_store_prefix(monkeypa
 
     import torch.distributed as dist
 
-    from autopar.execution.placement import _restart_safe_store
+    from autopar.execution.placement import restart_safe_store
 
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "RANK": "1", "WORLD_SIZE": "2",
                  "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "r"}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert _restart_safe_store() == {}
+    assert restart_safe_store() == {}
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    kw = _restart_safe_store()
+    kw = restart_safe_store()
     assert kw["rank"] == 1 and kw["world_size"] == 2
     kw["store"].set("0", "addr")
     assert server.get("/autopar/r/attempt_2/0") == b"addr"
     assert not server.check(["0"])
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    assert _restart_safe_store() == {}
+    assert restart_safe_store() == {}
 
 
 _RANK = r"""
 import datetime, os, sys, time
 import torch, torch.distributed as dist
-from autopar.execution.placement import _restart_safe_store
+from autopar.execution.placement import restart_safe_store
 rank, port, delay = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 time.sleep(delay)
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
-kw = _restart_safe_store() or dict(store=dist.TCPStore("127.0.0.1", int(port), 2, is_master=False),
+kw = restart_safe_store() or dict(store=dist.TCPStore("127.0.0.1", int(port), 2, is_master=False),
                                    rank=rank, world_size=2)
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60), **kw)
 x = torch.ones(1)
