@@ -54,10 +54,12 @@ def _inference_plan(args, model, cluster):
     if getattr(args, "plan", None):
         return InferencePlan.load(args.plan)
     dtype = args.dtype or ("fp32" if cluster.backend == "gloo" else "bf16")
-    return plan_inference(model, torch.zeros(args.batch, args.prompt_len, dtype=torch.long), cluster,
-                          max_new_tokens=args.max_new_tokens, slo=_slo_arg(args.slo),
+    trace = getattr(args, "trace", None)
+    new = args.max_new_tokens if args.max_new_tokens is not None or trace else 64
+    return plan_inference(model, None if trace else torch.zeros(args.batch, args.prompt_len, dtype=torch.long),
+                          cluster, max_new_tokens=new, slo=_slo_arg(args.slo),
                           constraints=parse_pairs(args.constraint, "--constraint"), dtype=dtype,
-                          memory_budget=args.memory_budget)
+                          memory_budget=args.memory_budget, trace=trace)
 
 
 def cmd_plan_inference(args) -> int:
@@ -118,7 +120,8 @@ def _inference_args(p) -> None:
     p.add_argument("--devices", type=positive_int("--devices"), default=None, help="devices for the cpu preset")
     p.add_argument("--prompt-len", type=positive_int("--prompt-len"), default=128, help="longest prompt planned for")
     p.add_argument("--batch", type=positive_int("--batch"), default=1, help="prompts in the example batch")
-    p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64)
+    p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=None,
+                   help="default 64, or a --trace's longest output")
     p.add_argument("--slo", help="latency targets, e.g. ttft=2s,tpot=50ms")
     p.add_argument("--constraint", action="append", help="pin tp, pp, dp or batch_size, e.g. tp=2")
     p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: bf16 on GPUs, fp32 on the cpu preset)")
@@ -132,6 +135,9 @@ def add_parsers(sub) -> None:
     """``plan-inference`` and ``serve`` on the `autopar` command's subparsers."""
     pi = sub.add_parser("plan-inference", help="plan generation: tp, dp and batch under latency targets")
     _inference_args(pi)
+    pi.add_argument("--trace", metavar="FILE.csv", help="plan on a request trace (arrived_at, num_prefill_tokens, "
+                                                        "num_decode_tokens), served in simulation: the slo binds "
+                                                        "TTFT at P90 and TPOT at P99 (docs/inference.md)")
     pi.add_argument("-o", "--output")
     pi.set_defaults(fn=cmd_plan_inference)
     sv = sub.add_parser("serve", help="an OpenAI-compatible completions server of a model (loopback by default)")

@@ -92,5 +92,15 @@ def summary(plan: InferencePlan) -> str:
             ("memory per rank", f"{pr['memory_per_rank'] / gib:.2f} GiB of {pr['memory_budget'] / gib:.2f} GiB "
                                 f"(weights {pr['weights_per_rank'] / gib:.2f} GiB)"),
         ]
+    if "trace" in pr:   # planned on a request trace: TTFT is its P90, TPOT its P99 (autopar/inference/trace.py)
+        t, sv = pr["trace"], pr["served"]
+        rows += [
+            ("trace", f"{t['requests']} requests over {t['seconds']:.0f} s ({t['rate']:.2f}/s), prompt p50 "
+                      f"{t['prompt']['p50']:.0f} max {t['prompt']['max']}, output p50 {t['output']['p50']:.0f} "
+                      f"max {t['output']['max']}"),
+            ("served (simulated)", "TTFT p50/p90/p99 " + "/".join(f"{sv['ttft'][q] * 1e3:.0f}" for q in
+                                                                   ("p50", "p90", "p99")) + " ms, TPOT p99 "
+                                   f"{sv['tpot']['p99'] * 1e3:.1f} ms, latency p90 {sv['latency']['p90']:.2f} s"),
+        ]
     width = max(len(k) for k, _ in rows)
     return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)

@@ -11,6 +11,13 @@ The search (every configuration priced by autopar/inference/inference_cost.py):
   shared over the replicas; with ``slo``, every power of two up to what memory holds, and the
   example's share.
 
+With ``trace`` (a RequestTrace or a CSV file of requests: autopar/inference/trace.py) the prompt
+length and new tokens are the trace's longest, batch sizes are searched, and each configuration
+serves the whole trace in simulation (static batches per replica, as autopar's server runs them):
+its TTFT is the trace's P90 (queueing included), its TPOT the P99, its throughput the output tokens
+per second over the trace, its latency the P90 end to end; the plan records the trace's statistics
+and these percentiles.
+
 Each configuration must fit: weights + KV cache + prefill working set per rank under the budget
 (the device's memory unless ``memory_budget``). Objective: with ``slo`` (``{"ttft": "2s", "tpot":
 "50ms"}``), the most tokens/s per device among the configurations meeting both targets (none: a
@@ -28,10 +35,14 @@ from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.inference.inference_cost import ITEMSIZE, Pricer, kv_bytes, weight_bytes
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import ModelShape
+from autopar.inference.trace import RequestTrace, load_trace, simulate
 from autopar.units import parse_bytes, parse_seconds
 
 PINS = ("tp", "pp", "dp", "batch_size")
 SLO_KEYS = ("ttft", "tpot")
+# with a trace the targets bind these percentiles (TTFT P90 under 2 s, time between tokens P99 under
+# 200 ms are the usual service targets)
+TRACE_PERCENTILE = {"ttft": "p90", "tpot": "p99"}
 
 
 def _constraints(constraints) -> dict:
@@ -64,13 +75,22 @@ def _stages(layers: int, pp: int) -> list:
     return out
 
 
-def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: int, slo=None, constraints=None,
-                   dtype: str = "bf16", memory_budget=None) -> InferencePlan:
+def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: int | None = None, slo=None,
+                   constraints=None, dtype: str = "bf16", memory_budget=None, trace=None) -> InferencePlan:
     """The fastest way to generate with ``model`` on ``cluster`` (module doc). ``example_prompt``:
-    token ids [batch, prompt_len]."""
+    token ids [batch, prompt_len]. ``trace`` (a RequestTrace or a CSV file, autopar/inference/
+    trace.py) replaces the example: every configuration serves it in simulation (module doc)."""
     t0 = time.perf_counter()
     if not isinstance(cluster, Cluster):
         raise PlanError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
+    if trace is not None:
+        trace = trace if isinstance(trace, RequestTrace) else load_trace(trace)
+        if max_new_tokens is None:
+            max_new_tokens = int(trace.output_lens.max())
+        if max_new_tokens < int(trace.output_lens.max()):
+            raise PlanError(f"max_new_tokens={max_new_tokens} is less than the trace's longest output "
+                            f"({int(trace.output_lens.max())} tokens)")
+        example_prompt = torch.zeros(1, int(trace.prompt_lens.max()), dtype=torch.long)
     if not isinstance(example_prompt, torch.Tensor) or example_prompt.dim() != 2 or example_prompt.numel() == 0:
         raise PlanError("example_prompt must be a non-empty [batch, prompt_len] tensor of token ids")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -85,7 +105,7 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
     n = cluster.num_devices
     price = Pricer(cluster, m, dtype)
     context = prompt + max_new_tokens
-    best, tried, smallest = None, 0, None
+    best, tried, smallest, closest = None, 0, None, None
     for tp in _tp_choices(m, cluster, pins):
         for pp in ([pins["pp"]] if "pp" in pins else [1]):
             if n % (tp * pp) or m.layers < pp:
@@ -93,7 +113,7 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
             dp = n // (tp * pp)
             if "dp" in pins and pins["dp"] != dp:
                 continue
-            for batch in _batches(rows, dp, pins, bool(targets)):
+            for batch in _batches(rows, dp, pins, bool(targets) or trace is not None):
                 tried += 1
                 kv = max(kv_bytes(m, tp, range(a, b), batch, context, dtype) for a, b in _stages(m.layers, pp))
                 mem = weight_bytes(m, tp, pp, dtype) + kv + price.workspace(tp, batch, prompt)
@@ -105,11 +125,27 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                 tokens_s = dp * batch / tpot
                 cand = dict(tp=tp, pp=pp, dp=dp, batch=batch, kv=kv, mem=mem, ttft=ttft, tpot=tpot,
                             tokens_s=tokens_s, latency=ttft + max_new_tokens * tpot)
+                if trace is not None:   # served in simulation: percentiles replace the batch's figures
+                    served = simulate(trace, lambda b, s, tp=tp, pp=pp: price.prefill(tp, pp, b, s),
+                                      lambda b, c, tp=tp, pp=pp: price.decode(tp, pp, b, c), dp, batch)
+                    cand.update(ttft=served["ttft"][TRACE_PERCENTILE["ttft"]],
+                                tpot=served["tpot"][TRACE_PERCENTILE["tpot"]], tokens_s=served["tokens_per_s"],
+                                latency=served["latency"]["p90"], served=served)
+                if trace is not None and (closest is None or cand["ttft"] < closest["ttft"]):
+                    closest = cand
                 if any(cand[k] > v for k, v in targets.items()):
                     continue
-                key = ((-tokens_s / n, tp, batch) if targets else (cand["latency"], tp, batch))
+                tie = (cand["latency"],) if trace is not None else ()   # a served trace: tokens/s tie often
+                key = ((-cand["tokens_s"] / n, *tie, tp, batch) if targets else (cand["latency"], tp, batch))
                 if best is None or key < best[0]:
                     best = (key, cand)
+    if best is None and closest is not None:   # a trace no configuration serves within the targets
+        c = closest
+        wanted = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in targets.items())
+        raise PlanError(f"no configuration serves the trace within the slo ({wanted}; TTFT at P90, TPOT at "
+                        f"P99): the closest, tp={c['tp']} pp={c['pp']} dp={c['dp']} batch {c['batch']}, reaches "
+                        f"TTFT {c['ttft'] * 1e3:.1f} ms and TPOT {c['tpot'] * 1e3:.2f} ms; relax the targets or "
+                        f"use more devices")
     if best is None:
         _no_plan(m, cluster, pins, targets, smallest, budget, price, rows, prompt, max_new_tokens)
     c = best[1]
@@ -123,7 +159,9 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                      "tokens_per_s_per_device": c["tokens_s"] / n, "latency": c["latency"],
                      "memory_per_rank": c["mem"], "memory_budget": budget,
                      "weights_per_rank": weight_bytes(m, c["tp"], c["pp"], dtype),
-                     "configurations": tried, "seconds": time.perf_counter() - t0})
+                     "configurations": tried, "seconds": time.perf_counter() - t0,
+                     **({"trace": trace.stats(), "served": {k: c["served"][k] for k in ("ttft", "tpot", "latency")}}
+                        if trace is not None else {})})
 
 
 def _tp_choices(m: ModelShape, cluster: Cluster, pins: dict) -> list[int]:

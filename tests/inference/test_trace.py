@@ -1,0 +1,102 @@
+"""Request traces (autopar/inference/trace.py): loading Vidur's CSV format, synthetic traces, the
+serving simulation on cases computed by hand, and the planner and CLI on a trace."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import autopar
+from autopar.cli import main
+from autopar.errors import PlanError
+from autopar.inference.planner import plan_inference
+from autopar.inference.trace import BUCKET, RequestTrace, load_trace, simulate, synthetic_trace
+from autopar.models import hf
+
+
+def _csv(tmp_path, rows, header="arrived_at,num_prefill_tokens,num_decode_tokens"):
+    p = tmp_path / "trace.csv"
+    p.write_text(header + "\n" + "".join(",".join(map(str, r)) + "\n" for r in rows))
+    return p
+
+
+def test_load_trace_reads_vidurs_format_and_refuses_bad_files(tmp_path):
+    t = load_trace(_csv(tmp_path, [(1.5, 100, 20), (2.0, 300, 5), (4.5, 50, 1)]))
+    assert len(t) == 3 and t.arrivals.tolist() == [0.0, 0.5, 3.0]   # from the first arrival
+    assert t.prompt_lens.tolist() == [100, 300, 50] and t.output_lens.tolist() == [20, 5, 1]
+    assert t.stats()["rate"] == pytest.approx(2 / 3.0) and t.stats()["prompt"]["max"] == 300
+    with pytest.raises(PlanError, match="num_decode_tokens"):
+        load_trace(_csv(tmp_path, [(0, 1)], header="arrived_at,num_prefill_tokens"))
+    with pytest.raises(PlanError, match="in order"):
+        load_trace(_csv(tmp_path, [(2, 1, 1), (1, 1, 1)]))
+    with pytest.raises(PlanError, match="at least one token"):
+        load_trace(_csv(tmp_path, [(0, 0, 1)]))
+    with pytest.raises(PlanError, match="cannot read"):
+        load_trace(tmp_path / "missing.csv")
+
+
+def test_synthetic_trace_has_the_rate_and_lengths_asked():
+    t = synthetic_trace(4000, rate=5.0, prompt_lens=[100, 200], output_lens=[10], seed=1)
+    assert t.stats()["rate"] == pytest.approx(5.0, rel=0.05)
+    assert set(t.prompt_lens.tolist()) == {100, 200} and set(t.output_lens.tolist()) == {10}
+
+
+def _flat(prefill_s=1.0, step_s=0.1):
+    calls = []
+
+    def prefill(batch, prompt):
+        calls.append(("prefill", batch, prompt))
+        return prefill_s
+
+    def decode(batch, context):
+        calls.append(("decode", batch, context))
+        return step_s
+    return prefill, decode, calls
+
+
+def test_one_request_waits_only_for_its_prefill():
+    prefill, decode, calls = _flat()
+    out = simulate(RequestTrace(np.array([0.0]), np.array([100]), np.array([11])), prefill, decode, 1, 4)
+    assert out["ttft"]["p50"] == pytest.approx(1.0)
+    assert out["latency"]["p50"] == pytest.approx(1.0 + 10 * 0.1)   # the first token, then 10 steps
+    assert out["tpot"]["p50"] == pytest.approx(0.1)
+    assert ("prefill", 1, BUCKET * 2) in calls   # the prompt priced rounded up to the bucket
+
+
+def test_requests_arriving_together_share_a_batch_and_later_ones_queue():
+    prefill, decode, calls = _flat()
+    t = RequestTrace(np.array([0.0, 0.0, 0.5]), np.array([10, 10, 10]), np.array([1, 1, 1]))
+    out = simulate(t, prefill, decode, replicas=1, batch_size=2)
+    ttft = out["arrays"]["ttft"]
+    assert ttft.tolist() == pytest.approx([1.0, 1.0, 1.5])   # the third waits for the replica: 1.0 - 0.5 + 1.0
+    assert ("prefill", 2, BUCKET) in calls
+    two = simulate(t, prefill, decode, replicas=2, batch_size=1)   # two replicas: the second serves at once
+    assert two["arrays"]["ttft"].tolist() == pytest.approx([1.0, 1.0, 1.5])
+    assert simulate(t, prefill, decode, replicas=3, batch_size=1)["arrays"]["ttft"].tolist() == \
+        pytest.approx([1.0, 1.0, 1.0])
+
+
+def _model():
+    return hf.hf_llama(vocab=64)[0].model
+
+
+def test_plan_on_a_trace_records_its_percentiles_and_refuses_what_it_cannot_serve(tmp_path):
+    cl = autopar.Cluster.preset("dgx-a100", nodes=1)
+    slow = synthetic_trace(200, rate=2.0, prompt_lens=[64, 256], output_lens=[16, 64], seed=0)
+    p = plan_inference(_model(), None, cl, trace=slow, slo={"ttft": "2s", "tpot": "200ms"})
+    assert p.prompt_len == 256 and p.max_new_tokens == 64
+    served = p.predictions["served"]
+    assert p.predictions["ttft"] == served["ttft"]["p90"] <= 2.0 and p.predictions["tpot"] == served["tpot"]["p99"]
+    assert p.predictions["trace"]["requests"] == 200
+    with pytest.raises(PlanError, match="serves the trace"):
+        plan_inference(_model(), None, cl, trace=slow, slo={"ttft": "1us"})
+    with pytest.raises(PlanError, match="longest output"):
+        plan_inference(_model(), None, cl, trace=slow, max_new_tokens=8)
+
+
+def test_plan_inference_cli_takes_a_trace(tmp_path, capsys):
+    rows = [(0.1 * i, 32 + i, 8) for i in range(20)]
+    path = _csv(tmp_path, rows)
+    assert main(["plan-inference", "hf_llama", "--cluster", "dgx-a100", "--trace", str(path),
+                 "--slo", "ttft=2s", "-o", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "20 requests" in out and "served (simulated)" in out
