@@ -8,6 +8,7 @@ from autopar.constraints import Constraints
 from autopar.errors import ClusterError, ConstraintError, ExecutionError, MemoryBudgetError, PlanError, TraceError
 from autopar.plans.plan import Plan
 from autopar.inference.inference_plan import InferencePlan
+from autopar.inference.trace import RequestTrace, load_trace, synthetic_trace
 from autopar.execution.live_stats import StepStats
 
 
@@ -38,4 +39,4 @@ def compile_inference(*args, **kwargs):
 __all__ = ["Cluster", "Constraints", "Plan", "plan", "compile", "plan_inference", "compile_inference",
            "PlanError", "ClusterError", "ConstraintError",
            "MemoryBudgetError", "TraceError", "ExecutionError",
-           "StepStats", "InferencePlan"]
+           "StepStats", "InferencePlan", "RequestTrace", "load_trace", "synthetic_trace"]
