@@ -62,20 +62,24 @@ def _routes(top_k_index: Tensor, n_experts: int, expert_offset: int):
     return slots, slots // k, counts
 
 
+def _per_expert(top_k_index: Tensor, n_experts: int, expert_offset: int):
+    """(local expert, its slots, its tokens) for every expert some token chose, in expert order."""
+    slots, tokens, counts = _routes(top_k_index, n_experts, expert_offset)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            yield e, slots[start:start + c], tokens[start:start + c]
+        start += c
+
+
 @torch.library.custom_op("autopar::moe_experts", mutates_args=())
 def moe_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor, down: Tensor,
                 act: str, expert_offset: int = 0) -> Tensor:
     act_fn = ACTS[act]
     n_exp, n_out = gate_up.shape[0], down.shape[1]
     out = torch.zeros(hidden.shape[0], n_out, dtype=torch.float32, device=hidden.device)
-    slots, tokens, counts = _routes(top_k_index, n_exp, expert_offset)
     w = top_k_weights.reshape(-1)
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        s, t = slots[start:start + c], tokens[start:start + c]
-        start += c
+    for e, s, t in _per_expert(top_k_index, n_exp, expert_offset):
         gate, up = (hidden.index_select(0, t) @ gate_up[e].t()).chunk(2, dim=-1)
         y = (act_fn(gate) * up) @ down[e].t()
         out.index_add_(0, t, (y * w.index_select(0, s).unsqueeze(-1)).float())
@@ -96,14 +100,8 @@ def moe_experts_backward(grad: Tensor, hidden: Tensor, top_k_index: Tensor, top_
     d_w = torch.zeros(top_k_weights.numel(), dtype=torch.float32, device=hidden.device)
     d_gate_up = torch.zeros(gate_up.shape, dtype=torch.float32, device=hidden.device)
     d_down = torch.zeros(down.shape, dtype=torch.float32, device=hidden.device)
-    slots, tokens, counts = _routes(top_k_index, n_exp, expert_offset)
     w = top_k_weights.reshape(-1)
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        s, t = slots[start:start + c], tokens[start:start + c]
-        start += c
+    for e, s, t in _per_expert(top_k_index, n_exp, expert_offset):
         x = hidden.index_select(0, t)
         gate, up = (x @ gate_up[e].t()).chunk(2, dim=-1)
         a = act_fn(gate)
