@@ -128,3 +128,12 @@ def test_a_faster_trace_gets_bigger_batches():
     fast = plan_inference(_model(), None, cl, trace=base.scaled(1000.0), slo=slo)
     assert fast.predictions["ttft"] <= 2.0 and fast.predictions["tpot"] <= 0.2
     assert (slow.dp, slow.batch_size) == (8, 1) and fast.dp == 8 and fast.batch_size > slow.batch_size
+
+
+def test_a_busy_replica_still_waits_batch_wait_like_the_batcher():
+    # the batcher's deadline runs from when it takes the first request (here when the replica frees at 1.0 s)
+    tr = RequestTrace(np.array([0.0, 0.5, 1.02]), np.array([8, 8, 8]), np.array([1, 1, 1]))
+    sim = simulate(tr, lambda b, s: 1.0, lambda b, c: 0.1, 1, 4, batch_wait=0.05)
+    # request 0 waits 50 ms then 1 s of prefill; the replica frees at 1.05 and takes request 1, waits to 1.10,
+    # and request 2 (1.02) joins it
+    assert sim["arrays"]["ttft"].tolist() == pytest.approx([1.05, 1.05 + 0.05 + 1.0 - 0.5, 2.10 - 1.02])
