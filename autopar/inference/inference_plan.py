@@ -102,5 +102,8 @@ def summary(plan: InferencePlan) -> str:
                                                                    ("p50", "p90", "p99")) + " ms, TPOT p99 "
                                    f"{sv['tpot']['p99'] * 1e3:.1f} ms, latency p90 {sv['latency']['p90']:.2f} s"),
         ]
+        if "percentiles" in pr:   # which percentile the ttft/tpot rows above are
+            q = pr["percentiles"]
+            rows.append(("slo binds", f"TTFT {q['ttft'].upper()}, TPOT {q['tpot'].upper()}"))
     width = max(len(k) for k, _ in rows)
     return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)

@@ -26,8 +26,10 @@ batch (TTFT + max_new_tokens x TPOT). Ties go to the smaller tp, then the smalle
 """
 from __future__ import annotations
 
+import re
 import time
 
+import numpy as np
 import torch
 
 from autopar.cluster import Cluster
@@ -55,14 +57,25 @@ def _constraints(constraints) -> dict:
     return pins
 
 
-def _slo(slo) -> dict:
-    out = {}
+def _slo(slo, traced: bool = False) -> tuple[dict, dict]:
+    """Targets in seconds by ttft/tpot, and (with a trace) the percentile each binds: ``ttft_p50``
+    names the P50, plain ``ttft`` the default of TRACE_PERCENTILE."""
+    out, pct = {}, dict(TRACE_PERCENTILE)
     for k, v in (slo or {}).items():
-        if k not in SLO_KEYS:
+        m = re.fullmatch(r"(ttft|tpot)(?:_p(\d{1,2}(?:\.\d+)?))?", str(k))
+        if m is None:
             raise PlanError(f"slo key {k!r} is not known; use ttft (time to first token) and/or tpot "
-                            f"(time per output token), e.g. {{'ttft': '2s', 'tpot': '50ms'}}")
-        out[k] = parse_seconds(v, f"slo {k}")
-    return out
+                            f"(time per output token), e.g. {{'ttft': '2s', 'tpot': '50ms'}}, or with a trace "
+                            f"a percentile such as ttft_p90, tpot_p99")
+        if m.group(2) is not None:
+            if not traced:
+                raise PlanError(f"slo key {k!r}: a percentile applies to a trace's requests; pass trace= or "
+                                f"use {m.group(1)!r}")
+            pct[m.group(1)] = f"p{m.group(2)}"
+        if m.group(1) in out:
+            raise PlanError(f"slo: two targets for {m.group(1)}")
+        out[m.group(1)] = parse_seconds(v, f"slo {k}")
+    return out, pct
 
 
 def _stages(layers: int, pp: int) -> list:
@@ -97,7 +110,7 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
         raise PlanError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if dtype not in ITEMSIZE:
         raise PlanError(f"dtype {dtype!r}: use one of {', '.join(ITEMSIZE)}")
-    pins, targets = _constraints(constraints), _slo(slo)
+    pins, (targets, pct) = _constraints(constraints), _slo(slo, trace is not None)
     rows, prompt = int(example_prompt.shape[0]), int(example_prompt.shape[1])
     m = ModelShape.of(model)
     budget = float(parse_bytes(memory_budget, "memory_budget") if memory_budget is not None
@@ -128,8 +141,8 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                 if trace is not None:   # served in simulation: percentiles replace the batch's figures
                     served = simulate(trace, lambda b, s, tp=tp, pp=pp: price.prefill(tp, pp, b, s),
                                       lambda b, c, tp=tp, pp=pp: price.decode(tp, pp, b, c), dp, batch)
-                    cand.update(ttft=served["ttft"][TRACE_PERCENTILE["ttft"]],
-                                tpot=served["tpot"][TRACE_PERCENTILE["tpot"]], tokens_s=served["tokens_per_s"],
+                    cand.update(ttft=_percentile(served, "ttft", pct["ttft"]),
+                                tpot=_percentile(served, "tpot", pct["tpot"]), tokens_s=served["tokens_per_s"],
                                 latency=served["latency"]["p90"], served=served)
                 if trace is not None and (closest is None or cand["ttft"] < closest["ttft"]):
                     closest = cand
@@ -142,8 +155,9 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
     if best is None and closest is not None:   # a trace no configuration serves within the targets
         c = closest
         wanted = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in targets.items())
-        raise PlanError(f"no configuration serves the trace within the slo ({wanted}; TTFT at P90, TPOT at "
-                        f"P99): the closest, tp={c['tp']} pp={c['pp']} dp={c['dp']} batch {c['batch']}, reaches "
+        raise PlanError(f"no configuration serves the trace within the slo ({wanted}; TTFT at "
+                        f"{pct['ttft'].upper()}, TPOT at {pct['tpot'].upper()}): the closest, "
+                        f"tp={c['tp']} pp={c['pp']} dp={c['dp']} batch {c['batch']}, reaches "
                         f"TTFT {c['ttft'] * 1e3:.1f} ms and TPOT {c['tpot'] * 1e3:.2f} ms; relax the targets or "
                         f"use more devices")
     if best is None:
@@ -160,8 +174,18 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                      "memory_per_rank": c["mem"], "memory_budget": budget,
                      "weights_per_rank": weight_bytes(m, c["tp"], c["pp"], dtype),
                      "configurations": tried, "seconds": time.perf_counter() - t0,
-                     **({"trace": trace.stats(), "served": {k: c["served"][k] for k in ("ttft", "tpot", "latency")}}
+                     **({"trace": trace.stats(), "percentiles": pct,
+                         "served": {k: c["served"][k] for k in ("ttft", "tpot", "latency")}}
                         if trace is not None else {})})
+
+
+def _percentile(served: dict, what: str, p: str) -> float:
+    if p in served[what]:
+        return served[what][p]
+    x = served["arrays"][what]
+    if what == "tpot" and (x > 0).any():
+        x = x[x > 0]   # one-token outputs have no time between tokens
+    return float(np.percentile(x, float(p[1:])))
 
 
 def _tp_choices(m: ModelShape, cluster: Cluster, pins: dict) -> list[int]:

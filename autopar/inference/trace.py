@@ -8,10 +8,11 @@ traces), ``synthetic_trace`` draws Poisson arrivals with lengths resampled from 
 
 ``simulate`` serves a trace the way autopar's server does (autopar/inference/batcher.py): each
 of ``replicas`` takes, when free, up to ``batch_size`` waiting requests in arrival order (waiting
-``batch_wait`` after the first for others to join), pads their prompts to the longest, runs the
-prefill (``prefill(batch, prompt)`` seconds), then decode steps until the batch's longest output is
-done (each ``decode(batch, context)`` seconds, priced at the batch's mean context: the prompt plus
-half its longest output). A request's first token comes at the end of the prefill, its last after
+``batch_wait`` after taking the first for others to join, as the batcher does), pads their prompts
+to the longest, runs the prefill (``prefill(batch, prompt)`` seconds), then decode steps until the
+batch's longest output is done (each ``decode(batch, context)`` seconds, priced at the batch's mean
+context: the prompt plus half its longest output). A request's first token comes at the end of the
+prefill, its last after
 its own output length in steps. Prompt and context lengths are priced rounded up to ``BUCKET``
 tokens, so the prices of a long trace are a few hundred calls. It returns per-request TTFT
 (queueing included), time per output token and end-to-end latency, their percentiles, and the
@@ -118,7 +119,7 @@ def simulate(trace: RequestTrace, prefill, decode, replicas: int, batch_size: in
     i = 0
     while i < n:
         at, r = heapq.heappop(free)
-        deadline = max(at, a[i] + batch_wait)   # the first waits batch_wait for others to join ...
+        deadline = max(at, a[i]) + batch_wait   # taken from the queue, the first waits batch_wait ...
         last = i + batch_size - 1              # ... unless the batch fills before
         start = max(at, a[i], a[last]) if last < n and a[last] <= deadline else deadline
         j = i + 1

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import autopar
 from autopar.cli import main
 from autopar.errors import PlanError
+from autopar.inference.inference_plan import summary
 from autopar.inference.planner import plan_inference
 from autopar.inference.trace import BUCKET, RequestTrace, load_trace, simulate, synthetic_trace
 from autopar.models import hf
@@ -100,3 +102,38 @@ def test_plan_inference_cli_takes_a_trace(tmp_path, capsys):
                  "--slo", "ttft=2s", "-o", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
     assert "20 requests" in out and "served (simulated)" in out
+
+
+def test_slo_percentile_is_configurable_and_needs_a_trace():
+    cl = autopar.Cluster.preset("dgx-a100", nodes=1)
+    tr = synthetic_trace(200, rate=2.0, prompt_lens=[64, 256], output_lens=[16, 64], seed=0)
+    p = plan_inference(_model(), None, cl, trace=tr, slo={"ttft_p50": "2s", "tpot_p90": "200ms"})
+    assert p.predictions["percentiles"] == {"ttft": "p50", "tpot": "p90"}
+    assert p.predictions["ttft"] == p.predictions["served"]["ttft"]["p50"] <= 2.0
+    assert "slo binds" in summary(p) and "TTFT P50" in summary(p)
+    p95 = plan_inference(_model(), None, cl, trace=tr, slo={"ttft_p95": "2s"})   # not precomputed: from the arrays
+    assert p95.predictions["percentiles"]["ttft"] == "p95" and p95.predictions["ttft"] <= 2.0
+    with pytest.raises(PlanError, match="applies to a trace"):
+        plan_inference(_model(), torch.zeros(1, 8, dtype=torch.long), cl, max_new_tokens=4, slo={"ttft_p90": "2s"})
+    with pytest.raises(PlanError, match="not known"):
+        plan_inference(_model(), None, cl, trace=tr, slo={"ttft_q90": "2s"})
+
+
+def test_a_faster_trace_gets_bigger_batches():
+    # the tiny model is served by 8 replicas of tp=1 at any rate; a thousand times the arrivals fill batches
+    cl = autopar.Cluster.preset("dgx-a100", nodes=1)
+    base = synthetic_trace(300, rate=1.0, prompt_lens=[512, 2048], output_lens=[64, 256], seed=1)
+    slo = {"ttft": "2s", "tpot": "200ms"}
+    slow = plan_inference(_model(), None, cl, trace=base, slo=slo)
+    fast = plan_inference(_model(), None, cl, trace=base.scaled(1000.0), slo=slo)
+    assert fast.predictions["ttft"] <= 2.0 and fast.predictions["tpot"] <= 0.2
+    assert (slow.dp, slow.batch_size) == (8, 1) and fast.dp == 8 and fast.batch_size > slow.batch_size
+
+
+def test_a_busy_replica_still_waits_batch_wait_like_the_batcher():
+    # the batcher's deadline runs from when it takes the first request (here when the replica frees at 1.0 s)
+    tr = RequestTrace(np.array([0.0, 0.5, 1.02]), np.array([8, 8, 8]), np.array([1, 1, 1]))
+    sim = simulate(tr, lambda b, s: 1.0, lambda b, c: 0.1, 1, 4, batch_wait=0.05)
+    # request 0 waits 50 ms then 1 s of prefill; the replica frees at 1.05 and takes request 1, waits to 1.10,
+    # and request 2 (1.02) joins it
+    assert sim["arrays"]["ttft"].tolist() == pytest.approx([1.05, 1.05 + 0.05 + 1.0 - 0.5, 2.10 - 1.02])
