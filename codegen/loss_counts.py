@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autopar.rules.layout import Layout
+from autopar.rules.microbatch import TARGET_ARGS
 from autopar.errors import ExecutionError
 from runtime import loss as RL
 
@@ -24,10 +25,11 @@ def global_mean(builder, n: fx.Node, out: fx.Node, args, kwargs, op: dict) -> fx
     """A mean loss run as a local sum: divide by its global denominator, and remember what
     the count program must count (module doc)."""
 
-    target = args[1]
-    weight = _loss_arg(args, kwargs, 2, "weight", None)
-    ignore = _loss_arg(args, kwargs, 4, "ignore_index", -100)
-    tgt_layout = builder.norm(Layout.from_json(op["inputs"][1]))
+    ti, wi, ii = TARGET_ARGS.get(n.target, (1, 2, 4))
+    target = args[ti]
+    weight = None if wi is None else _loss_arg(args, kwargs, wi, "weight", None)
+    ignore = _loss_arg(args, kwargs, ii, "ignore_index", -100)
+    tgt_layout = builder.norm(Layout.from_json(op["inputs"][ti]))
     builder.mean_losses.append((n.name, tuple(sorted(tgt_layout.axes_used()))))
     builder.count_args.append((target, weight, ignore))
     return builder.call(RL.divide, (out, n.name), name=n.name + "_global_mean")

@@ -130,6 +130,32 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, wei
     return _VocabParallelCE.apply(logits, target, tuple(axes), int(reduction), int(ignore_index))
 
 
+def vocab_parallel_lce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                       reduction: int = 1, *, axes: tuple[int, ...]) -> torch.Tensor:
+    """autopar.linear_cross_entropy (runtime/kernels/ops.py) with the weight's rows (the vocabulary)
+    split over ``axes``: my block is rows [block * V_local, (block + 1) * V_local). The loss is
+    complete on every rank; hidden's gradient is a PARTIAL SUM over ``axes`` (the program's conjugate
+    all-reduces it). The kernel over one axis' group; the plain-torch form (this block's logits,
+    vocab-parallel cross-entropy) where the kernel cannot run or the vocabulary spans several axes."""
+    from runtime.kernels import linear_cross_entropy as LCE
+    from runtime.kernels import ops as KO
+    axes = tuple(axes)
+    red = KO.LCE_REDUCTIONS.get(int(reduction))
+    if red is None:
+        raise ValueError(f"vocab-parallel linear_cross_entropy: reduction {reduction!r} not supported (1, 2)")
+    block, _ = _block(axes)
+    if KO._is_fake(hidden) or KO._is_fake(weight):
+        return KO.linear_cross_entropy_meta(hidden, weight)
+    if len(axes) == 1 and KO.use_triton(hidden) and hidden.device == weight.device:
+        ctx = context.current()
+        COMM_STATS.add(ctx.labels[axes[0]], "all_reduce", 3 * 4 * hidden.shape[0])
+        return LCE.linear_cross_entropy(hidden, weight, targets, int(ignore_index), red,
+                                        process_group=ctx.groups[axes[0]], vocab_start=block * weight.shape[0],
+                                        reduce_grad_hidden=False)
+    logits = hidden @ weight.to(hidden.dtype).t()
+    return vocab_parallel_cross_entropy(logits, targets, None, int(reduction), int(ignore_index), axes=axes)
+
+
 def moe_experts_ep(hidden, top_k_index, top_k_weights, gate_up, down, act, expert_offset=0, *, axes):
     """runtime/moe.py's experts with the experts split in contiguous blocks over ``axes``: this rank
     runs its block (offset = block index × local experts) and returns a partial sum over ``axes``."""
@@ -140,6 +166,8 @@ def moe_experts_ep(hidden, top_k_index, top_k_weights, gate_up, down, act, exper
 
 ALGORITHMS = {"vocab_parallel_embedding": vocab_parallel_embedding,
               "vocab_parallel_ce": vocab_parallel_cross_entropy,
+              "vocab_parallel_lce": vocab_parallel_lce,
               "moe_experts_ep": moe_experts_ep}
 
-__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "moe_experts_ep", "ALGORITHMS"]
+__all__ = ["vocab_parallel_embedding", "vocab_parallel_cross_entropy", "vocab_parallel_lce", "moe_experts_ep",
+           "ALGORITHMS"]

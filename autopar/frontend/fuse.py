@@ -31,6 +31,13 @@ of each pattern it fused (patterns it found none of are left out):
   (tagged random as aten.dropout: ranks run it under runtime.rng.seeded; its mask is the kernel's
   Philox stream, not torch's: see runtime/kernels/dropout_add.py).
 
+* ``linear_cross_entropy``: the LM head and its loss, ``aten.cross_entropy_loss(view(linear(h, W),
+  [-1, V]), targets, reduction=mean or sum, ignore_index)`` (no bias, no class weights, no label
+  smoothing; the logits optionally cast) -> ``autopar.linear_cross_entropy(h', W, targets,
+  ignore_index, reduction)`` with ``h' = view(h, [-1, D])`` (a new node, unless h is 2-D): the
+  [N, V] logits are never materialised. The weight may have other uses (GPT-2 ties it to the
+  embedding); the logits may not.
+
 A pattern is fused only where its intermediate values have no other use, so nothing the rest of
 the graph reads disappears. The rewrite keeps each replaced output's ``meta["val"]`` and module
 stack (blocks are found on them).
@@ -44,7 +51,7 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
-PATTERNS = ("rms_norm", "swiglu", "layer_norm", "geglu", "rotary", "softmax", "dropout_add")
+PATTERNS = ("rms_norm", "swiglu", "layer_norm", "geglu", "rotary", "softmax", "dropout_add", "linear_cross_entropy")
 KERNELS = ("auto", "triton", "torch")
 
 
@@ -186,18 +193,20 @@ def _layer_norm_match(node: fx.Node):
     return x, w, b, float(eps)
 
 
-def _replace(gm: fx.GraphModule, old: fx.Node, make, dead: list[fx.Node]) -> None:
+def _replace(gm: fx.GraphModule, old: fx.Node, make, dead: list[fx.Node]) -> fx.Node:
     with gm.graph.inserting_before(old):
         new = make(gm.graph)
     new.meta.update({k: v for k, v in old.meta.items() if k != "val"})
     new.meta["val"] = old.meta["val"]
     old.replace_all_uses_with(new)
     gm.graph.erase_node(old)
+    new_node = new
     for n in dead:   # producer order: an intermediate goes once nothing reads it
         for a in [u for u in n.users if u.target is _ASSERT]:
             gm.graph.erase_node(a)
         if not n.users:
             gm.graph.erase_node(n)
+    return new_node
 
 
 def fuse(gm: fx.GraphModule) -> dict[str, int]:
@@ -242,6 +251,9 @@ def fuse(gm: fx.GraphModule) -> dict[str, int]:
             _replace(gm, node, lambda g, x=x, c=cos, s=sin: g.call_function(ops.ROTARY_INTERLEAVED, (x, c, s)), dead)
             counts["rotary"] += 1
     _fuse_softmax_dropout_add(gm, ops, counts)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and _fuse_linear_cross_entropy(gm, node, ops):
+            counts["linear_cross_entropy"] += 1
     gm.graph.lint()
     gm.recompile()
     return {k: v for k, v in counts.items() if v}
@@ -469,3 +481,55 @@ def _fuse_softmax_dropout_add(gm: fx.GraphModule, ops, counts: dict) -> None:
             _replace(gm, node, lambda g, x=x, r=res, p=p, t=train: g.call_function(ops.DROPOUT_ADD, (x, r, p, t)),
                      [d])
             counts["dropout_add"] += 1
+
+
+# ---------------------------------------------------------------------------- linear_cross_entropy
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _linear_cross_entropy_match(ce: fx.Node):
+    """(hidden, weight, targets, ignore_index, reduction, intermediates) if ``ce`` is the
+    cross-entropy of an LM head's logits (module doc), else None."""
+    if not _is(ce, aten.cross_entropy_loss.default) or len(ce.args) < 2:
+        return None
+    names = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+    _, targets, cw, reduction, ignore, smoothing = (_arg(ce, i, name, d) for i, (name, d) in
+                                                     enumerate(zip(names, (None, None, None, 1, -100, 0.0))))
+    if cw is not None or smoothing or reduction not in (1, 2) or not isinstance(ignore, int):
+        return None
+    view = ce.args[0]
+    lv, tv = _val(view), _val(targets)
+    if not _is(view, *_VIEWS) or not _only_use(view, ce) or lv is None or lv.ndim != 2 or tv is None \
+            or tuple(tv.shape) != (lv.shape[0],) or tv.dtype.is_floating_point:
+        return None
+    lin = _strip_cast(view.args[0], view)
+    cast = view.args[0] if lin is not view.args[0] else None
+    if not _is(lin, aten.linear.default) or not _only_use(lin, cast or view) or _arg(lin, 2, "bias") is not None:
+        return None
+    h, w = lin.args[0], lin.args[1]
+    hv, wv, ov = _val(h), _val(w), _val(lin)
+    if hv is None or wv is None or ov is None or wv.ndim != 2 or hv.ndim < 2 or hv.shape[-1] != wv.shape[1] \
+            or tuple(lv.shape) != (hv.numel() // hv.shape[-1], wv.shape[0]) or not hv.dtype.is_floating_point:
+        return None
+    dead = [view] + ([cast] if cast is not None else []) + [lin]
+    return h, w, targets, ignore, reduction, dead
+
+
+def _fuse_linear_cross_entropy(gm: fx.GraphModule, ce: fx.Node, ops) -> bool:
+    m = _linear_cross_entropy_match(ce)
+    if m is None:
+        return False
+    h, w, targets, ignore, reduction, dead = m
+    lin = dead[-1]
+    hv = _val(h)
+    if hv.ndim != 2:   # [..., D] -> [N, D], where the linear was (its module stack)
+        d = hv.shape[-1]
+        with gm.graph.inserting_before(ce):
+            h = gm.graph.call_function(aten.view.default, (h, [-1, d]))
+        h.meta.update({k: v for k, v in lin.meta.items() if k != "val"})
+        h.meta["val"] = hv.reshape(-1, d)
+    old_name = ce.name
+    new = _replace(gm, ce, lambda g, h=h, w=w, t=targets, i=ignore, r=reduction:
+                   g.call_function(ops.LINEAR_CROSS_ENTROPY, (h, w, t, i, r)), dead)
+    gm.meta.setdefault("autopar_renamed", {})[old_name] = new.name   # the loss (TracedGraph.output_name)
+    return True

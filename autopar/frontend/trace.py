@@ -164,6 +164,7 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
     _drop_unused_tied_placeholders(gm, param_fqn, buffers, tied)
     _drop_metadata_asserts(gm)
     fused = fuse(gm) if kernels else {}
+    output_name = gm.meta.pop("autopar_renamed", {}).get(output_name, output_name)   # a fused loss
     blocks, block_of = find_blocks(gm, model, param_fqn, buffers)
     return TracedGraph(gm=gm, param_fqn=param_fqn, buffers=buffers, tied=tied, input_names=input_names,
                        output_name=output_name, source=source, trace_seconds=seconds,

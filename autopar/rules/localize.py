@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.rules.microbatch import FIXED_MEAN_LOSSES, TARGET_MEAN_LOSSES
+from autopar.rules.microbatch import FIXED_MEAN_LOSSES, TARGET_ARGS, TARGET_MEAN_LOSSES
 from autopar.rules.spec import OpSpec
 from autopar.rules.strategy import Strategy, split_factor
 
@@ -87,7 +87,7 @@ def local_call(node: fx.Node, spec: OpSpec, strategy: Strategy, mesh_shape, micr
     elif target in TARGET_MEAN_LOSSES:   # op -> reduction arg index
         i = TARGET_MEAN_LOSSES[target]
         reduction = _arg(args, kwargs, i, "reduction", 1)
-        target_letters = spec.inputs[1] or ""
+        target_letters = spec.inputs[TARGET_ARGS.get(target, (1,))[0]] or ""
         if reduction == 1 and (micro_batches > 1 or _split_letters(spec, strategy, mesh_shape, target_letters)):
             # local sum / global denominator (module doc); 2 is Reduction::Sum
             if len(args) > i:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.kernels import ops as _K
+
 from autopar.rules.table import spec_for, tensor_inputs
 
 aten = torch.ops.aten
@@ -45,6 +47,11 @@ FIXED_MEAN_LOSSES = {
 }
 # Means over the targets: the count depends on ignore_index / class weights (runtime/loss.py).
 TARGET_MEAN_LOSSES = {aten.cross_entropy_loss.default: 3, aten.nll_loss.default: 3}
+# The fused linear + cross-entropy (runtime/kernels/ops.py) is one too: reduction argument 4.
+TARGET_MEAN_LOSSES[_K.LINEAR_CROSS_ENTROPY] = 4
+# Where a target-mean loss's arguments are: op -> (targets, class weights or None, ignore_index)
+# (default (1, 2, 4), ATen's cross_entropy_loss / nll_loss).
+TARGET_ARGS = {_K.LINEAR_CROSS_ENTROPY: (2, None, 3)}
 _MEANS = {aten.mean.default, aten.mean.dim}
 _SUMS = {aten.sum.default, aten.sum.dim_IntList}
 _ADDITIVE = {aten.add.Tensor, aten.sub.Tensor}
@@ -170,4 +177,4 @@ def loss_scale(decomp: Decomposition, output_name: str) -> bool:
 
 
 __all__ = ["batch_carrying", "decompose", "Decomposition", "loss_scale", "FIXED_MEAN_LOSSES",
-           "TARGET_MEAN_LOSSES"]
+           "TARGET_MEAN_LOSSES", "TARGET_ARGS"]

@@ -123,3 +123,28 @@ def fused_dropout_add(node):
     saved = (Saved("extra", letters="", itemsize=8),) if p and train else ()
     return OpSpec("dropout_add", (letters, letters), (letters,), dict(zip(letters, xs)),
                   flops=3.0 * math.prod(xs), bytes=io_bytes(node), saved=saved)
+
+
+# linear_cross_entropy (issue 31)
+# * ``autopar.linear_cross_entropy(hidden, weight, targets, ignore_index, reduction) -> loss``:
+#   ``"nd, vd, n -> "`` (reduction 1 mean or 2 sum). The rows (n) split freely: the loss is then a
+#   partial sum, a mean run as a local sum over the global count of valid targets as ATen's
+#   cross-entropy (autopar/rules/localize.py). d is whole on the rank. The vocabulary (v, the
+#   weight's rows) split over a model axis is the vocabulary-parallel kernel (special algorithm
+#   "vocab_parallel_lce", runtime/special.py): three all-reduces of one fp32 per row per forward,
+#   as vocab-parallel cross-entropy; hidden's gradient comes back partial over that axis (its
+#   conjugate all-reduces it). Traffic: the inputs and the loss, no logits. Autograd keeps the
+#   gradients the kernel computes in the forward: grad_hidden [n, d] (hidden's dtype) and
+#   grad_weight [v, d] (the weight's), each only where that input needs a gradient.
+@rule(K.LINEAR_CROSS_ENTROPY)
+def linear_cross_entropy(node):
+    from autopar.rules.spec import Comm
+    from autopar.rules.table import val
+    (n, d), (v, _) = shape(node.args[0]), shape(node.args[1])
+    sizes = {"n": n, "d": d, "v": v}
+    special = {"v": ("vocab_parallel_lce", (Comm("all_reduce", "n", 4),) * 3)}
+    hs, ws = (val(a).element_size() for a in node.args[:2])
+    return OpSpec("linear_cross_entropy", ("nd", "vd", "n"), ("",), sizes, unsplittable=frozenset("d"),
+                  special=special, flops=2.0 * n * v * d + 5.0 * n * v, bytes=io_bytes(node),
+                  saved=(Saved("extra", letters="nd", itemsize=hs, act=True, for_grad_of=(0,)),
+                         Saved("extra", letters="vd", itemsize=ws, act=True, for_grad_of=(1,))))

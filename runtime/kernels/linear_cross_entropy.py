@@ -107,7 +107,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index, reduction, chunk_rows, process_group,
-                vocab_start):
+                vocab_start, reduce_grad_hidden=True):
         check_device(hidden, weight)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"linear_cross_entropy: reduction {reduction!r} not supported (mean, sum)")
@@ -181,7 +181,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     else:
                         grad_weight += logits.t() @ h
             del logits
-        if need_dh and process_group is not None:
+        if need_dh and process_group is not None and reduce_grad_hidden:
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=process_group)
         if need_dw:
             grad_weight = grad_weight.to(weight.dtype)   # frees the fp32 accumulator
@@ -194,18 +194,19 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         dh = None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype)
         dw = None if grad_weight is None else grad_weight * grad_output.to(grad_weight.dtype)
-        return dh, dw, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = -100, reduction: str = "mean",
                          chunk_rows: int | None = None, process_group=None,
-                         vocab_start: int | None = None) -> torch.Tensor:
+                         vocab_start: int | None = None, reduce_grad_hidden: bool = True) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T, targets) of hidden [N, D], weight [V, D], targets [N]
     (class ids; ``ignore_index`` rows count for nothing) without the full logits; reduction
     "mean" (over the targets that are not ignored) or "sum". ``chunk_rows`` rows of logits at a
     time (default: about CHUNK_LOGITS_BYTES of them). With ``process_group``, ``weight`` is this
     rank's vocabulary slice starting at ``vocab_start`` (module docstring). The loss is a 0-d
-    tensor in hidden's dtype."""
+    tensor in hidden's dtype. ``reduce_grad_hidden`` False leaves grad_hidden a partial sum over
+    ``process_group`` (a generated program's conjugate all-reduces it in backward)."""
     return LinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, reduction,
-                                            chunk_rows, process_group, vocab_start)
+                                            chunk_rows, process_group, vocab_start, reduce_grad_hidden)

@@ -363,3 +363,63 @@ def _dropout_add(x: Tensor, residual: Tensor, p: float, train: bool) -> Tensor:
 _LIB.impl("dropout_add", _dropout_add, "CompositeImplicitAutograd")
 
 DROPOUT_ADD = torch.ops.autopar.dropout_add.default
+
+
+# --------------------------------------------------------------------------- linear_cross_entropy
+# ``torch.ops.autopar.linear_cross_entropy(hidden, weight, targets, ignore_index, reduction) -> loss``:
+# cross_entropy(hidden @ weight.T, targets) of hidden [N, D], weight [V, D], targets [N] (class ids),
+# ``reduction`` as ATen's (1 mean over the targets that are not ``ignore_index``, 2 sum), a 0-d loss
+# in hidden's dtype, without the [N, V] logits (runtime/kernels/linear_cross_entropy.py: chunked;
+# both gradients computed in the forward, so autograd keeps grad_hidden [N, D] and grad_weight
+# [V, D], nothing of the logits). A CompositeImplicitAutograd op (its body the kernel's autograd
+# Function, which must see which inputs need a gradient); anywhere the kernel cannot run (a CPU
+# without the interpreter, fake and meta tensors) the plain-torch reference. The vocabulary-
+# parallel form (weight split over a model axis) is runtime/special.py's vocab_parallel_lce.
+_LIB.define("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, int ignore_index=-100, "
+            "int reduction=1) -> Tensor")
+
+LCE_REDUCTIONS = {1: "mean", 2: "sum"}
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    return t.is_meta or is_fake(t)
+
+
+class _LinearCrossEntropyMeta(torch.autograd.Function):
+    """Meta / fake tensors: the kernel's shapes and what it keeps for backward (grad_hidden,
+    grad_weight; the saved-activation probes measure programs on meta tensors)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        dw = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(dh, dw)
+        return hidden.new_empty(())
+
+    @staticmethod
+    def backward(ctx, g):
+        dh, dw = ctx.saved_tensors
+        return (None if dh is None else dh * g), (None if dw is None else dw * g)
+
+
+def linear_cross_entropy_meta(hidden: Tensor, weight: Tensor) -> Tensor:
+    return _LinearCrossEntropyMeta.apply(hidden, weight)
+
+
+def _linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100,
+                          reduction: int = 1) -> Tensor:
+    red = LCE_REDUCTIONS.get(int(reduction))
+    if red is None:
+        raise ValueError(f"autopar.linear_cross_entropy: reduction {reduction!r} not supported (1 mean, 2 sum)")
+    from runtime.kernels import linear_cross_entropy as LCE
+    if _is_fake(hidden) or _is_fake(weight):
+        return linear_cross_entropy_meta(hidden, weight)
+    if use_triton(hidden) and hidden.device == weight.device:
+        return LCE.linear_cross_entropy(hidden, weight, targets, int(ignore_index), red)
+    return LCE.linear_cross_entropy_reference(hidden, weight.to(hidden.dtype), targets, int(ignore_index), red)
+
+
+_LIB.impl("linear_cross_entropy", _linear_cross_entropy, "CompositeImplicitAutograd")
+
+LINEAR_CROSS_ENTROPY = torch.ops.autopar.linear_cross_entropy.default

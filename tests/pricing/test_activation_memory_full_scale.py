@@ -172,7 +172,7 @@ def test_fused_kernels_saved_bytes_equal_the_prediction(precision, constraints, 
     cluster = autopar.Cluster.preset("dgx-a100", devices=constraints.get("tp", 1))
     plan = autopar.plan(model, inputs, cluster, precision=precision, kernels="triton",
                         constraints={**constraints, "checkpoint": "none", "num_micro_batches": 1})
-    assert plan.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4}
+    assert plan.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4, "linear_cross_entropy": 1}
     traced = trace(model, inputs, kernels=True)
     predicted = plan.data["predictions"]["memory_breakdown"]["activations"]
     measured = rank_saved_bytes(model, inputs, plan, traced, rank=0, cuda=True)

@@ -219,7 +219,7 @@ def test_saved_bytes_of_fused_softmax_and_dropout_add_equal_the_prediction(preci
     cluster = autopar.Cluster.preset("dgx-a100", devices=constraints.get("tp", 1))
     plan = autopar.plan(model, inputs, cluster, precision=precision, kernels="triton",
                         constraints={**constraints, "checkpoint": "none", "num_micro_batches": 1})
-    assert plan.fused == {"layer_norm": 5, "softmax": 2, "dropout_add": 4}
+    assert plan.fused == {"layer_norm": 5, "softmax": 2, "dropout_add": 4, "linear_cross_entropy": 1}
     traced = trace(model, inputs, kernels=True)
     predicted = plan.data["predictions"]["memory_breakdown"]["activations"]
     measured = rank_saved_bytes(model, inputs, plan, traced, rank=0, cuda=True)

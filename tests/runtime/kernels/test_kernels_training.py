@@ -26,7 +26,7 @@ def test_auto_fuses_on_gpu_clusters_only_and_the_plan_says_so():
     model, batch = _llama()
     gpu = autopar.plan(model, batch, autopar.Cluster.preset("dgx-a100", devices=2))
     cpu = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2))
-    assert gpu.kernels == "triton" and gpu.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4}
+    assert gpu.kernels == "triton" and gpu.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4, "linear_cross_entropy": 1}
     assert cpu.kernels == "torch" and cpu.fused == {}
     targets = {o["target"] for o in gpu.ops}
     assert "autopar.rms_norm.default" in targets and "autopar.swiglu.default" in targets
@@ -166,13 +166,17 @@ def test_triton_kernels_train_equal_to_torch_ops_on_the_grid(mode, name, familie
 
 def test_fused_ops_run_on_the_grid_not_replicated():
     """Under 2d / 2.5d / 3d the fused norm is the split norm and SwiGLU runs locally on blocks:
-    neither falls back to running whole on every rank."""
+    neither falls back to running whole on every rank. The fused LM head + loss
+    (autopar.linear_cross_entropy) has no grid lowering yet: it runs replicated there (known gap)."""
     for mode, n in (("2d", 4), ("3d", 8)):
         model, batch = _llama()
         plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=n), constraints={"tp_mode": mode},
                             kernels="triton")
         kinds = {o["node"]: (o["target"], o["strategy"]) for o in plan.ops}
         fused = [(t, s) for t, s in kinds.values() if t.startswith("autopar.")]
+        lce = [s for t, s in fused if t == "autopar.linear_cross_entropy.default"]
+        assert lce == [f"{mode}: replicated"], lce
+        fused = [(t, s) for t, s in fused if t != "autopar.linear_cross_entropy.default"]
         assert len(fused) == 11, kinds   # 5 norms, 2 SwiGLUs, 4 rotary (interleaved)
         for t, s in fused:
             want = "split rms_norm" if t == "autopar.rms_norm.default" else "local"
@@ -186,7 +190,7 @@ def test_layer_norm_and_geglu_are_fused_and_planned():
     model, batch = ZOO["gpt2"]()
     plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), constraints={"tp": 2},
                         kernels="triton")
-    assert plan.fused == {"layer_norm": 5}
+    assert plan.fused == {"layer_norm": 5, "linear_cross_entropy": 1}
     norms = [o for o in plan.ops if o["target"] == "autopar.layer_norm.default"]
     assert len(norms) == 5 and all("S" not in str(o["inputs"][1:]) for o in norms)
     model, batch = _geglu_net()
@@ -227,8 +231,10 @@ def test_fused_norms_have_one_output_read_directly():
 def test_hugging_face_models_trace_with_their_norms_and_gated_mlps_fused():
     from autopar.frontend.trace import trace
     pytest.importorskip("transformers")
-    want = {"hf_bert": {"layer_norm": 6}, "hf_gpt2": {"layer_norm": 5}, "hf_bloom": {"layer_norm": 6, "softmax": 2},
-            "hf_gemma2": {"rms_norm": 9, "geglu": 2, "rotary": 4, "softmax": 2}, "hf_t5": {"rms_norm": 12}}
+    lce = {"linear_cross_entropy": 1}   # the LM head and its loss (not Gemma 2's: its logits are soft-capped)
+    want = {"hf_bert": {"layer_norm": 6}, "hf_gpt2": {"layer_norm": 5, **lce},
+            "hf_bloom": {"layer_norm": 6, "softmax": 2, **lce},
+            "hf_gemma2": {"rms_norm": 9, "geglu": 2, "rotary": 4, "softmax": 2}, "hf_t5": {"rms_norm": 12, **lce}}
     for name, fused in want.items():
         model, batch = HF_ZOO[name]()
         assert trace(model, batch, kernels=True).fused == fused, name

@@ -119,7 +119,7 @@ def test_zoo_llama_fuses_its_interleaved_rotary():
     from autopar.frontend.trace import trace
     from autopar.models import ZOO
     g = trace(*ZOO["llama"](), kernels=True)
-    assert g.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4}
+    assert g.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4, "linear_cross_entropy": 1}
     nodes = list(g.gm.graph.nodes)
     assert sum(str(n.target) == "autopar.rotary_interleaved.default" for n in nodes) == 4
     assert not any(n.target is torch.ops.aten.stack.default for n in nodes)
@@ -169,7 +169,7 @@ def test_hugging_face_llama_fuses_rotary_on_q_and_k():
     from autopar.frontend.trace import trace
     model, batch = _hf_llama()
     g = trace(model, batch, kernels=True)
-    assert g.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4}   # 2 layers: q and k each
+    assert g.fused == {"rms_norm": 5, "swiglu": 2, "rotary": 4, "linear_cross_entropy": 1}   # 2 layers: q and k each
     aten = torch.ops.aten
     nodes = list(g.gm.graph.nodes)
     assert not any(n.target in (aten.neg.default,) for n in nodes)   # rotate_half is gone

@@ -91,7 +91,7 @@ def test_explicit_attention_softmax_is_fused_and_planned():
     assert "softmax" not in trace(*ZOO["gpt2"](), kernels=True).fused
     plan = autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), constraints={"tp": 2},
                         kernels="triton")
-    assert plan.fused == {"layer_norm": 5, "softmax": 2}
+    assert plan.fused == {"layer_norm": 5, "softmax": 2, "linear_cross_entropy": 1}
     ops = [o for o in plan.ops if o["target"] == "autopar.softmax.default"]
     assert len(ops) == 2
 
