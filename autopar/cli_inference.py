@@ -59,7 +59,8 @@ def _inference_plan(args, model, cluster):
     return plan_inference(model, None if trace else torch.zeros(args.batch, args.prompt_len, dtype=torch.long),
                           cluster, max_new_tokens=new, slo=_slo_arg(args.slo),
                           constraints=parse_pairs(args.constraint, "--constraint"), dtype=dtype,
-                          memory_budget=args.memory_budget, trace=trace)
+                          memory_budget=args.memory_budget, trace=trace,
+                          **({"batching": args.batching} if trace else {}))
 
 
 def cmd_plan_inference(args) -> int:
@@ -138,6 +139,10 @@ def add_parsers(sub) -> None:
     pi.add_argument("--trace", metavar="FILE.csv", help="plan on a request trace (arrived_at, num_prefill_tokens, "
                                                         "num_decode_tokens), served in simulation: the slo binds "
                                                         "TTFT at P90 and TPOT at P99 (docs/inference.md)")
+    pi.add_argument("--batching", choices=("static", "continuous"), default="static",
+                    help="how the --trace is served in simulation: static batches padded to their longest prompt "
+                         "and output (autopar serve's batcher, the default) or continuous batching (requests join "
+                         "and leave the running batch at each step, as vLLM)")
     pi.add_argument("-o", "--output")
     pi.set_defaults(fn=cmd_plan_inference)
     sv = sub.add_parser("serve", help="an OpenAI-compatible completions server of a model (loopback by default)")

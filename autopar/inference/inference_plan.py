@@ -98,8 +98,9 @@ def summary(plan: InferencePlan) -> str:
             ("trace", f"{t['requests']} requests over {t['seconds']:.0f} s ({t['rate']:.2f}/s), prompt p50 "
                       f"{t['prompt']['p50']:.0f} max {t['prompt']['max']}, output p50 {t['output']['p50']:.0f} "
                       f"max {t['output']['max']}"),
-            ("served (simulated)", "TTFT p50/p90/p99 " + "/".join(f"{sv['ttft'][q] * 1e3:.0f}" for q in
-                                                                   ("p50", "p90", "p99")) + " ms, TPOT p99 "
+            ("served (simulated)", (f"{pr['batching']} batching, " if "batching" in pr else "")
+                                   + "TTFT p50/p90/p99 " + "/".join(f"{sv['ttft'][q] * 1e3:.0f}" for q in
+                                                                    ("p50", "p90", "p99")) + " ms, TPOT p99 "
                                    f"{sv['tpot']['p99'] * 1e3:.1f} ms, latency p90 {sv['latency']['p90']:.2f} s"),
         ]
         if "percentiles" in pr:   # which percentile the ttft/tpot rows above are

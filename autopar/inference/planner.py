@@ -13,10 +13,13 @@ The search (every configuration priced by autopar/inference/inference_cost.py):
 
 With ``trace`` (a RequestTrace or a CSV file of requests: autopar/inference/trace.py) the prompt
 length and new tokens are the trace's longest, batch sizes are searched, and each configuration
-serves the whole trace in simulation (static batches per replica, as autopar's server runs them):
-its TTFT is the trace's P90 (queueing included), its TPOT the P99, its throughput the output tokens
-per second over the trace, its latency the P90 end to end; the plan records the trace's statistics
-and these percentiles.
+serves the whole trace in simulation, ``batching="static"`` (batches padded to their longest
+prompt and output, as autopar's server runs them) or ``"continuous"`` (requests join and leave the
+running batch at each step, as vLLM does: autopar/inference/continuous.py; a replica holds up to
+batch_size requests, whose KV cache the memory check reserves at the longest context): its TTFT
+is the trace's P90 (queueing included), its TPOT the P99, its throughput the output tokens per
+second over the trace, its latency the P90 end to end; the plan records the trace's statistics,
+these percentiles and the batching simulated.
 
 Each configuration must fit: weights + KV cache + prefill working set per rank under the budget
 (the device's memory unless ``memory_budget``). Objective: with ``slo`` (``{"ttft": "2s", "tpot":
@@ -34,6 +37,7 @@ import torch
 
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
+from autopar.inference.continuous import simulate_continuous
 from autopar.inference.inference_cost import ITEMSIZE, Pricer, kv_bytes, weight_bytes
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import ModelShape
@@ -45,6 +49,7 @@ SLO_KEYS = ("ttft", "tpot")
 # with a trace the targets bind these percentiles (TTFT P90 under 2 s, time between tokens P99 under
 # 200 ms are the usual service targets)
 TRACE_PERCENTILE = {"ttft": "p90", "tpot": "p99"}
+BATCHING = {"static": simulate, "continuous": simulate_continuous}   # how a trace is served in simulation
 
 
 def _constraints(constraints) -> dict:
@@ -89,11 +94,15 @@ def _stages(layers: int, pp: int) -> list:
 
 
 def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: int | None = None, slo=None,
-                   constraints=None, dtype: str = "bf16", memory_budget=None, trace=None) -> InferencePlan:
+                   constraints=None, dtype: str = "bf16", memory_budget=None, trace=None,
+                   batching: str = "static") -> InferencePlan:
     """The fastest way to generate with ``model`` on ``cluster`` (module doc). ``example_prompt``:
     token ids [batch, prompt_len]. ``trace`` (a RequestTrace or a CSV file, autopar/inference/
-    trace.py) replaces the example: every configuration serves it in simulation (module doc)."""
+    trace.py) replaces the example: every configuration serves it in simulation, batching ``"static"``
+    or ``"continuous"`` (module doc)."""
     t0 = time.perf_counter()
+    if batching not in BATCHING:
+        raise ValueError(f"batching={batching!r} is not known; use one of {', '.join(map(repr, BATCHING))}")
     if not isinstance(cluster, Cluster):
         raise PlanError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
     if trace is not None:
@@ -139,7 +148,7 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                 cand = dict(tp=tp, pp=pp, dp=dp, batch=batch, kv=kv, mem=mem, ttft=ttft, tpot=tpot,
                             tokens_s=tokens_s, latency=ttft + max_new_tokens * tpot)
                 if trace is not None:   # served in simulation: percentiles replace the batch's figures
-                    served = simulate(trace, lambda b, s, tp=tp, pp=pp: price.prefill(tp, pp, b, s),
+                    served = BATCHING[batching](trace, lambda b, s, tp=tp, pp=pp: price.prefill(tp, pp, b, s),
                                       lambda b, c, tp=tp, pp=pp: price.decode(tp, pp, b, c), dp, batch)
                     cand.update(ttft=_percentile(served, "ttft", pct["ttft"]),
                                 tpot=_percentile(served, "tpot", pct["tpot"]), tokens_s=served["tokens_per_s"],
@@ -174,7 +183,7 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                      "memory_per_rank": c["mem"], "memory_budget": budget,
                      "weights_per_rank": weight_bytes(m, c["tp"], c["pp"], dtype),
                      "configurations": tried, "seconds": time.perf_counter() - t0,
-                     **({"trace": trace.stats(), "percentiles": pct,
+                     **({"trace": trace.stats(), "percentiles": pct, "batching": batching,
                          "served": {k: c["served"][k] for k in ("ttft", "tpot", "latency")}}
                         if trace is not None else {})})
 

@@ -102,7 +102,8 @@ def synthetic_trace(n: int, rate: float, prompt_lens, output_lens, seed: int = 0
                     where="synthetic trace")
 
 
-def _bucket(tokens: float) -> int:
+def bucket(tokens: float) -> int:
+    """``tokens`` rounded up to ``BUCKET`` (the lengths prices are asked at)."""
     return int(math.ceil(tokens / BUCKET) * BUCKET)
 
 
@@ -126,15 +127,23 @@ def simulate(trace: RequestTrace, prefill, decode, replicas: int, batch_size: in
         while j < n and j - i < batch_size and a[j] <= start:
             j += 1
         rows = j - i
-        prompt = _bucket(p[i:j].max())
+        prompt = bucket(p[i:j].max())
         longest = int(o[i:j].max())
         first = start + prefill(rows, prompt)
-        step = decode(rows, _bucket(prompt + longest / 2))
+        step = decode(rows, bucket(prompt + longest / 2))
         ttft[i:j] = first - a[i:j]
         done[i:j] = first + (o[i:j] - 1) * step
         tpot[i:j] = np.where(o[i:j] > 1, step, 0.0)
         heapq.heappush(free, (first + (longest - 1) * step, r))
         i = j
+    return served(trace, ttft, tpot, done)
+
+
+def served(trace: RequestTrace, ttft: np.ndarray, tpot: np.ndarray, done: np.ndarray) -> dict:
+    """A simulation's result from each request's TTFT, time per output token and finish time (s):
+    percentiles of ttft, tpot (of outputs longer than one token) and latency, output tokens per
+    second over the trace, and the arrays."""
+    a, o = trace.arrivals, trace.output_lens
     latency = done - a
     span = float(done.max() - a[0]) or 1e-9
 
@@ -144,4 +153,4 @@ def simulate(trace: RequestTrace, prefill, decode, replicas: int, batch_size: in
             "tokens_per_s": float(o.sum()) / span, "arrays": {"ttft": ttft, "tpot": tpot, "latency": latency}}
 
 
-__all__ = ["COLUMNS", "RequestTrace", "load_trace", "simulate", "synthetic_trace"]
+__all__ = ["BUCKET", "COLUMNS", "RequestTrace", "load_trace", "served", "simulate", "synthetic_trace"]

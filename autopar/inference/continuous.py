@@ -1,0 +1,104 @@
+"""Continuous batching in the request-trace simulation: ``simulate_continuous`` serves a trace the
+way vLLM's default (non-chunked) scheduler does, with the same inputs and result as the static
+``simulate`` of autopar/inference/trace.py.
+
+The model. Each of ``replicas`` runs iterations, taking requests from one queue shared by all
+replicas, in arrival order. An iteration starting at time t:
+
+1. admits the waiting requests that arrived by t, in order, while the replica holds fewer than
+   ``batch_size`` requests and, with ``kv_tokens``, while the KV-cache tokens its requests hold stay
+   within that budget (a request holds its prompt plus its whole output from admission: the
+   simulation knows the output lengths, so it never preempts; the first request that does not fit
+   blocks the ones behind it);
+2. runs the admitted requests' prefills, each priced at its own prompt (``prefill(1, prompt)``, no
+   padding), one after the other while the running requests' decoding pauses; an admitted
+   request's first token comes at the end of the prefills (a one-token output ends there);
+3. runs one decode step of every running request, ``decode(batch, context)`` seconds at the number
+   of running requests and their mean context (prompt plus the tokens generated so far). A request
+   leaves after its own output length, freeing its slot and KV tokens for the next iteration.
+
+Iterations in which no request can join or leave are run as one segment of steps priced at the
+segment's mean context; a segment is at most ``BUCKET`` steps, and ends at the first step boundary
+after the next arrival when that request would fit. Prompts and contexts are priced rounded up to
+``BUCKET`` tokens, as in ``simulate``. Time per output token is a request's mean time between
+tokens (the pauses for others' prefills included).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from autopar.errors import PlanError
+from autopar.inference.trace import BUCKET, RequestTrace, bucket, served
+
+
+def simulate_continuous(trace: RequestTrace, prefill, decode, replicas: int, batch_size: int,
+                        kv_tokens: int | None = None) -> dict:
+    """Serve ``trace`` with continuous batching (module doc). ``prefill(batch, prompt)`` and
+    ``decode(batch, context)`` are seconds; ``kv_tokens``: the KV-cache tokens a replica holds (None:
+    only ``batch_size`` limits a batch). Returns what ``simulate`` returns."""
+    prefill, decode = lru_cache(maxsize=None)(prefill), lru_cache(maxsize=None)(decode)
+    n = len(trace)
+    a, p, o = trace.arrivals.tolist(), trace.prompt_lens.tolist(), trace.output_lens.tolist()
+    need = [s + t for s, t in zip(p, o)]   # KV tokens a request holds at its end
+    if kv_tokens is not None and max(need) > kv_tokens:
+        k = need.index(max(need))
+        raise PlanError(f"request {k} needs {need[k]} KV-cache tokens (prompt {p[k]} + output {o[k]}), more "
+                        f"than a replica's kv_tokens={kv_tokens}")
+    budget = math.inf if kv_tokens is None else kv_tokens
+    first, done = [0.0] * n, [0.0] * n
+    # per replica: its running requests as a heap of (the replica's step count at which each ends,
+    # request), decode steps run so far, the sum of the running requests' contexts, the KV tokens held
+    running: list[list] = [[] for _ in range(replicas)]
+    steps_run, contexts, held = [0] * replicas, [0] * replicas, [0] * replicas
+    boundaries = [(0.0, r) for r in range(replicas)]   # (next iteration at, replica)
+    i = 0   # the first request not yet admitted
+    while boundaries:
+        t, r = heapq.heappop(boundaries)
+        run = running[r]
+        admitted = []
+        while i < n and a[i] <= t and len(run) + len(admitted) < batch_size and held[r] + need[i] <= budget:
+            admitted.append(i)   # in order: the first that does not fit blocks the ones behind it
+            held[r] += need[i]
+            i += 1
+        if admitted:
+            t += sum(prefill(1, bucket(p[k])) for k in admitted)
+            for k in admitted:
+                first[k] = t
+                if o[k] == 1:   # the prefill's token was the whole output
+                    done[k] = t
+                    held[r] -= need[k]
+                else:
+                    heapq.heappush(run, (steps_run[r] + o[k] - 1, k))
+                    contexts[r] += p[k] + 1
+        if not run:
+            if i < n:   # idle until the next arrival
+                heapq.heappush(boundaries, (max(t, a[i]), r))
+            continue
+        b = len(run)
+        steps = min(run[0][0] - steps_run[r], BUCKET)
+        step = decode(b, bucket(contexts[r] / b + (steps - 1) / 2))
+        if i < n and b < batch_size and held[r] + need[i] <= budget:   # the next arrival would join
+            cut = max(1, math.ceil((a[i] - t) / step))
+            if cut < steps:
+                steps = cut
+                step = decode(b, bucket(contexts[r] / b + (steps - 1) / 2))
+        t += steps * step
+        steps_run[r] += steps
+        contexts[r] += steps * b
+        while run and run[0][0] == steps_run[r]:
+            _, k = heapq.heappop(run)
+            done[k] = t
+            held[r] -= need[k]
+            contexts[r] -= p[k] + o[k]
+        heapq.heappush(boundaries, (t, r))
+    first, done = np.array(first), np.array(done)
+    o = trace.output_lens
+    tpot = np.where(o > 1, (done - first) / np.maximum(o - 1, 1), 0.0)
+    return served(trace, first - trace.arrivals, tpot, done)
+
+
+__all__ = ["simulate_continuous"]
