@@ -10,6 +10,8 @@ import autopar
 from autopar.cli import main
 from autopar.errors import PlanError
 from autopar.inference.inference_plan import summary
+from autopar.inference.continuous import simulate_continuous
+from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.planner import plan_inference
 from autopar.inference.trace import BUCKET, RequestTrace, load_trace, simulate, synthetic_trace
 from autopar.models import hf
@@ -137,3 +139,91 @@ def test_a_busy_replica_still_waits_batch_wait_like_the_batcher():
     # request 0 waits 50 ms then 1 s of prefill; the replica frees at 1.05 and takes request 1, waits to 1.10,
     # and request 2 (1.02) joins it
     assert sim["arrays"]["ttft"].tolist() == pytest.approx([1.05, 1.05 + 0.05 + 1.0 - 0.5, 2.10 - 1.02])
+
+
+# continuous batching (autopar/inference/continuous.py): prefill 1 s per request, 0.1 s per decode step
+
+
+def test_continuous_a_later_request_joins_at_the_next_iteration():
+    tr = RequestTrace(np.array([0.0, 0.35]), np.array([10, 10]), np.array([11, 3]))
+    sim = simulate_continuous(tr, *_flat()[:2], replicas=1, batch_size=4)
+    # request 0: prefill to 1.0, one decode step to 1.1; request 1 (arrived at 0.35 during the prefill) joins
+    # then: its prefill to 2.1 (request 0 paused), two steps together to 2.3; request 0's last 7 steps to 3.0
+    assert sim["arrays"]["ttft"].tolist() == pytest.approx([1.0, 2.1 - 0.35])
+    assert sim["arrays"]["latency"].tolist() == pytest.approx([3.0, 2.3 - 0.35])
+    assert sim["arrays"]["tpot"].tolist() == pytest.approx([(3.0 - 1.0) / 10, 0.1])
+    static = simulate(tr, *_flat()[:2], replicas=1, batch_size=4)   # request 1 waits for request 0's batch
+    assert static["arrays"]["ttft"].tolist() == pytest.approx([1.0, 2.0 + 1.0 - 0.35])
+
+
+def test_continuous_a_long_request_does_not_hold_short_ones_back():
+    tr = RequestTrace(np.zeros(3), np.array([10, 10, 10]), np.array([101, 2, 2]))
+    prefill, decode, calls = _flat()
+    sim = simulate_continuous(tr, prefill, decode, replicas=1, batch_size=2)
+    # 0 and 1 prefill one after the other (2 s), one step and 1 leaves at 2.1; 2 takes its slot: prefill to
+    # 3.1, one step to 3.2; request 0's other 98 steps end at 13.0
+    assert sim["arrays"]["ttft"].tolist() == pytest.approx([2.0, 2.0, 3.1])
+    assert sim["arrays"]["latency"].tolist() == pytest.approx([13.0, 2.1, 3.2])
+    assert ("prefill", 1, BUCKET) in calls and ("decode", 2, BUCKET) in calls   # own prompts, no padding
+    static = simulate(tr, *_flat()[:2], replicas=1, batch_size=2)   # request 2 waits for the 101-token batch
+    assert static["arrays"]["ttft"][2] == pytest.approx(1.0 + 100 * 0.1 + 1.0)
+
+
+def test_continuous_one_request_is_served_as_static():
+    tr = RequestTrace(np.array([0.0]), np.array([100]), np.array([11]))
+    static = simulate(tr, *_flat()[:2], 1, 4)
+    cont = simulate_continuous(tr, *_flat()[:2], 1, 4)
+    for k in ("ttft", "tpot", "latency"):
+        assert cont[k] == pytest.approx(static[k])
+    assert cont["tokens_per_s"] == pytest.approx(static["tokens_per_s"])
+    one = simulate_continuous(RequestTrace(np.array([0.0]), np.array([8]), np.array([1])), *_flat()[:2], 1, 4)
+    assert one["arrays"]["latency"].tolist() == pytest.approx([1.0]) and one["tpot"]["p50"] == 0.0
+
+
+def test_continuous_shares_one_queue_over_replicas_and_keeps_to_the_kv_budget():
+    tr = RequestTrace(np.array([0.0, 0.0, 0.5]), np.array([10, 10, 10]), np.array([1, 1, 1]))
+    two = simulate_continuous(tr, *_flat()[:2], replicas=2, batch_size=1)   # as static: the third waits to 1.0
+    assert two["arrays"]["ttft"].tolist() == pytest.approx([1.0, 1.0, 1.5])
+    both = RequestTrace(np.zeros(2), np.array([10, 10]), np.array([11, 11]))   # 21 KV tokens each
+    sim = simulate_continuous(both, *_flat()[:2], replicas=1, batch_size=4, kv_tokens=30)
+    assert sim["arrays"]["ttft"].tolist() == pytest.approx([1.0, 3.0])   # the second after the first ends at 2.0
+    assert simulate_continuous(both, *_flat()[:2], 1, 4, kv_tokens=42)["arrays"]["ttft"].tolist() == \
+        pytest.approx([2.0, 2.0])
+    with pytest.raises(PlanError, match="KV-cache tokens"):
+        simulate_continuous(both, *_flat()[:2], 1, 4, kv_tokens=20)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_continuous_ttft_p90_is_no_worse_than_static_on_long_tailed_outputs(seed):
+    rng = np.random.default_rng(seed)
+    outputs = np.minimum(rng.pareto(1.2, 500) * 20 + 1, 2000).astype(int)   # mostly short, a few very long
+    tr = synthetic_trace(600, rate=4.0, prompt_lens=rng.integers(16, 2048, 500), output_lens=outputs, seed=seed)
+
+    def prefill(b, s):
+        return 2e-3 + 2e-6 * b * s
+
+    def decode(b, c):
+        return 8e-3 + 1e-5 * b + 1e-8 * b * c
+    for replicas, batch in ((1, 8), (2, 4), (4, 16)):
+        static = simulate(tr, prefill, decode, replicas, batch)
+        cont = simulate_continuous(tr, prefill, decode, replicas, batch)
+        assert cont["ttft"]["p90"] <= static["ttft"]["p90"]
+        assert cont["latency"]["p90"] <= static["latency"]["p90"]
+
+
+def test_plan_inference_takes_the_batching_policy(tmp_path, capsys):
+    cl = autopar.Cluster.preset("dgx-a100", nodes=1)
+    tr = synthetic_trace(200, rate=2.0, prompt_lens=[64, 256], output_lens=[16, 64], seed=0)
+    slo = {"ttft": "2s", "tpot": "200ms"}
+    static = plan_inference(_model(), None, cl, trace=tr, slo=slo)
+    cont = plan_inference(_model(), None, cl, trace=tr, slo=slo, batching="continuous")
+    assert static.predictions["batching"] == "static" and cont.predictions["batching"] == "continuous"
+    assert cont.predictions["ttft"] == cont.predictions["served"]["ttft"]["p90"] <= 2.0
+    assert "continuous batching" in summary(cont)
+    with pytest.raises(ValueError, match="'static', 'continuous'"):
+        plan_inference(_model(), None, cl, trace=tr, batching="dynamic")
+    path = _csv(tmp_path, [(0.1 * i, 32 + i, 8) for i in range(20)])
+    assert main(["plan-inference", "hf_llama", "--cluster", "dgx-a100", "--trace", str(path),
+                 "--batching", "continuous", "-o", str(tmp_path / "p.json")]) == 0
+    assert "continuous batching" in capsys.readouterr().out
+    assert InferencePlan.load(tmp_path / "p.json").predictions["batching"] == "continuous"
