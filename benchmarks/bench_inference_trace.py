@@ -4,9 +4,11 @@ whole trace in simulation.
 
     PYTHONPATH=. python benchmarks/bench_inference_trace.py --trace PATH.csv [--trace ...]
         [--models Llama-3-8B Llama-3-70B] [--scales 1 2 4] [--slo ttft=2s,tpot=200ms]
+        [--batching static|continuous]
 
 Traces: CSV files of ``arrived_at,num_prefill_tokens,num_decode_tokens`` (e.g. the converted
-Splitwise traces in Vidur's repository, data/processed_traces/). Models: the config.json values of
+Splitwise traces in Vidur's repository, data/processed_traces/). ``--batching``: how each
+configuration serves the trace in simulation (``plan_inference(batching=)``). Models: the config.json values of
 benchmarks/hf_configs.py, built on meta. Everything is a prediction (no GPU here).
 """
 from __future__ import annotations
@@ -31,11 +33,12 @@ def main(argv=None) -> int:
     ap.add_argument("--scales", nargs="*", type=float, default=[1.0, 2.0, 4.0])
     ap.add_argument("--cluster", default="dgx-a100")
     ap.add_argument("--slo", default="ttft=2s,tpot=200ms")
+    ap.add_argument("--batching", choices=("static", "continuous"), default="static")
     args = ap.parse_args(argv)
     slo = dict(kv.split("=") for kv in args.slo.split(","))
     cluster = autopar.Cluster.preset(args.cluster, nodes=1)
     d = tempfile.mkdtemp()
-    print(open("/proc/loadavg").read().strip())
+    print(open("/proc/loadavg").read().strip(), f"batching={args.batching}")
     print("| trace | rate /s | model | chosen | TTFT p50 / p90 / p99 | TPOT p99 | tokens/s | planned in |\n"
           "|---|---|---|---|---|---|---|---|")
     for path in args.trace:
@@ -47,9 +50,9 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 meets = "meets"
                 try:
-                    p = plan_inference(model, None, cluster, trace=t, slo=slo)
+                    p = plan_inference(model, None, cluster, trace=t, slo=slo, batching=args.batching)
                 except PlanError:   # no configuration meets the targets: the least P90 latency instead
-                    p, meets = plan_inference(model, None, cluster, trace=t), "misses"
+                    p, meets = plan_inference(model, None, cluster, trace=t, batching=args.batching), "misses"
                 sv, pr = p.predictions["served"], p.predictions
                 print(f"| {Path(path).stem} | {t.stats()['rate']:.2f} | {name} | tp={p.tp} dp={p.dp} batch "
                       f"{p.batch_size} ({meets} the slo) | "
