@@ -98,6 +98,10 @@ def cmd_serve(args) -> int:
     cluster = cluster_from_args(args)
     model, tokenizer = _inference_model(args, weights_needed=True)
     plan = _inference_plan(args, model, cluster)
+    if plan.predictions.get("batching", "static") != "static":
+        raise PlanError(f"the plan was made for {plan.predictions['batching']} batching, which autopar serve does "
+                        f"not run (it batches statically and preallocates batch_size longest contexts); plan with "
+                        f"plan-inference --batching static")
     run = (model, tokenizer, plan.to_json(), args.host, args.port, args.batch_wait_ms / 1e3, args.factory)
     if plan.world_size == 1 or "RANK" in os.environ:
         import torch.distributed as dist

@@ -16,16 +16,20 @@ length and new tokens are the trace's longest, batch sizes are searched, and eac
 serves the whole trace in simulation, ``batching="static"`` (batches padded to their longest
 prompt and output, as autopar's server runs them) or ``"continuous"`` (requests join and leave the
 running batch at each step, as vLLM does: autopar/inference/continuous.py; a replica holds up to
-batch_size requests, whose KV cache the memory check reserves at the longest context): its TTFT
+batch_size requests and as many KV-cache tokens as its memory holds, ``_kv_pool``): its TTFT
 is the trace's P90 (queueing included), its TPOT the P99, its throughput the output tokens per
 second over the trace, its latency the P90 end to end; the plan records the trace's statistics,
 these percentiles and the batching simulated.
 
 Each configuration must fit: weights + KV cache + prefill working set per rank under the budget
-(the device's memory unless ``memory_budget``). Objective: with ``slo`` (``{"ttft": "2s", "tpot":
-"50ms"}``), the most tokens/s per device among the configurations meeting both targets (none: a
-PlanError naming the best TTFT and TPOT reached); without, the least time to generate the example
-batch (TTFT + max_new_tokens x TPOT). Ties go to the smaller tp, then the smaller batch.
+(the device's memory unless ``memory_budget``); under continuous batching the KV cache is a pool of
+tokens (what the memory left holds, at most batch_size longest contexts, at least the trace's longest
+request) and the prefill's working set is one prompt's (admitted prompts prefill one by one).
+
+Objective: with ``slo`` (``{"ttft": "2s", "tpot": "50ms"}``), the most tokens/s per device among
+the configurations meeting both targets (none: a PlanError naming the best TTFT and TPOT reached);
+without, the least time to generate the example batch (TTFT + max_new_tokens x TPOT). Ties go to
+the smaller tp, then the smaller batch.
 """
 from __future__ import annotations
 
@@ -103,6 +107,8 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
     t0 = time.perf_counter()
     if batching not in BATCHING:
         raise ValueError(f"batching={batching!r} is not known; use one of {', '.join(map(repr, BATCHING))}")
+    if batching != "static" and trace is None:
+        raise PlanError(f"batching={batching!r} applies to serving a trace in simulation; pass trace=")
     if not isinstance(cluster, Cluster):
         raise PlanError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
     if trace is not None:
@@ -137,19 +143,27 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                 continue
             for batch in _batches(rows, dp, pins, bool(targets) or trace is not None):
                 tried += 1
-                kv = max(kv_bytes(m, tp, range(a, b), batch, context, dtype) for a, b in _stages(m.layers, pp))
-                mem = weight_bytes(m, tp, pp, dtype) + kv + price.workspace(tp, batch, prompt)
+                kv_tokens = None
+                if batching == "continuous":
+                    fixed = weight_bytes(m, tp, pp, dtype) + price.workspace(tp, 1, prompt)
+                    kv, kv_tokens, per_token = _kv_pool(m, tp, pp, batch, context, dtype, budget - fixed)
+                    longest = int((trace.prompt_lens + trace.output_lens).max())
+                    mem = fixed + max(kv, longest * per_token)   # over the budget when the longest does not fit
+                else:
+                    kv = max(kv_bytes(m, tp, range(a, b), batch, context, dtype) for a, b in _stages(m.layers, pp))
+                    mem = weight_bytes(m, tp, pp, dtype) + kv + price.workspace(tp, batch, prompt)
                 if mem > budget:
                     smallest = mem if smallest is None else min(smallest, mem)
                     continue
                 ttft = price.prefill(tp, pp, batch, prompt)
                 tpot = price.decode(tp, pp, batch, prompt + max_new_tokens / 2)
                 tokens_s = dp * batch / tpot
-                cand = dict(tp=tp, pp=pp, dp=dp, batch=batch, kv=kv, mem=mem, ttft=ttft, tpot=tpot,
-                            tokens_s=tokens_s, latency=ttft + max_new_tokens * tpot)
+                cand = dict(tp=tp, pp=pp, dp=dp, batch=batch, kv=kv, kv_tokens=kv_tokens, mem=mem, ttft=ttft,
+                            tpot=tpot, tokens_s=tokens_s, latency=ttft + max_new_tokens * tpot)
                 if trace is not None:   # served in simulation: percentiles replace the batch's figures
                     served = BATCHING[batching](trace, lambda b, s, tp=tp, pp=pp: price.prefill(tp, pp, b, s),
-                                      lambda b, c, tp=tp, pp=pp: price.decode(tp, pp, b, c), dp, batch)
+                                      lambda b, c, tp=tp, pp=pp: price.decode(tp, pp, b, c), dp, batch,
+                                      **({"kv_tokens": kv_tokens} if kv_tokens is not None else {}))
                     cand.update(ttft=_percentile(served, "ttft", pct["ttft"]),
                                 tpot=_percentile(served, "tpot", pct["tpot"]), tokens_s=served["tokens_per_s"],
                                 latency=served["latency"]["p90"], served=served)
@@ -183,9 +197,20 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                      "memory_per_rank": c["mem"], "memory_budget": budget,
                      "weights_per_rank": weight_bytes(m, c["tp"], c["pp"], dtype),
                      "configurations": tried, "seconds": time.perf_counter() - t0,
+                     **({"kv_cache_tokens_per_replica": c["kv_tokens"]} if c["kv_tokens"] is not None else {}),
                      **({"trace": trace.stats(), "percentiles": pct, "batching": batching,
                          "served": {k: c["served"][k] for k in ("ttft", "tpot", "latency")}}
                         if trace is not None else {})})
+
+
+def _kv_pool(m: ModelShape, tp: int, pp: int, batch: int, context: int, dtype: str,
+             room: float) -> tuple[float, int, float]:
+    """Continuous batching's KV cache per rank: the tokens ``room`` bytes hold on the stage holding
+    the most layers, priced at every layer's full rate per token (a sliding window's saving is not
+    counted), at most ``batch`` contexts of ``context``. Returns (bytes, tokens, bytes per token)."""
+    per_token = max(kv_bytes(m, tp, range(a, b), 1, 1, dtype) for a, b in _stages(m.layers, pp))
+    tokens = max(0, min(int(room // per_token), batch * context))
+    return tokens * per_token, tokens, per_token
 
 
 def _percentile(served: dict, what: str, p: str) -> float:

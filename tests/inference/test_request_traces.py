@@ -227,3 +227,22 @@ def test_plan_inference_takes_the_batching_policy(tmp_path, capsys):
                  "--batching", "continuous", "-o", str(tmp_path / "p.json")]) == 0
     assert "continuous batching" in capsys.readouterr().out
     assert InferencePlan.load(tmp_path / "p.json").predictions["batching"] == "continuous"
+
+
+def test_continuous_plans_pool_the_kv_cache_and_serve_refuses_them(tmp_path, capsys):
+    # a memory budget that holds few longest contexts: static batches are bounded by them, continuous
+    # batching by the tokens the requests hold
+    cl = autopar.Cluster.preset("dgx-a100", nodes=1)
+    tr = synthetic_trace(300, rate=50.0, prompt_lens=[32] * 9 + [2000], output_lens=[8] * 9 + [500], seed=0)
+    pins = {"tp": 1, "batch_size": 64}
+    budget = "40MiB"
+    with pytest.raises(autopar.errors.MemoryBudgetError):
+        plan_inference(_model(), None, cl, trace=tr, constraints=pins, memory_budget=budget)
+    p = plan_inference(_model(), None, cl, trace=tr, constraints=pins, memory_budget=budget, batching="continuous")
+    tokens = p.predictions["kv_cache_tokens_per_replica"]
+    assert 2500 <= tokens < 64 * 2500 and p.predictions["memory_per_rank"] <= 40 * 2**20
+    with pytest.raises(PlanError, match="applies to serving a trace"):
+        plan_inference(_model(), torch.zeros(1, 8, dtype=torch.long), cl, max_new_tokens=4, batching="continuous")
+    p.save(tmp_path / "p.json")
+    assert main(["serve", "hf_llama", "--cluster", "dgx-a100", "--plan", str(tmp_path / "p.json")]) != 0
+    assert "autopar serve does not run" in capsys.readouterr().err
