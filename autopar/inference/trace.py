@@ -16,7 +16,8 @@ prefill, its last after
 its own output length in steps. Prompt and context lengths are priced rounded up to ``BUCKET``
 tokens, so the prices of a long trace are a few hundred calls. It returns per-request TTFT
 (queueing included), time per output token and end-to-end latency, their percentiles, and the
-output tokens per second over the trace.
+output tokens per second over the trace (``served``). ``simulate_continuous``
+(autopar/inference/continuous.py) serves a trace with continuous batching instead.
 """
 from __future__ import annotations
 
