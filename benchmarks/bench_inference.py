@@ -115,13 +115,16 @@ DISTSERVE_SOURCE = ("LLMServe/DistServe@82831f1604cc6b10bebd360f6c437a07790dde9f
                     "(SLOs, rates)")
 # LLaMA2-70B on Chat-1M (LMSys-Chat-1M, Llama-2 tokenizer, max_seq_len 4096), TTFT P90 < 2 s, TBT P99 < 0.2 s
 VIDUR_CHAT = dict(
-    paper="Vidur-Search, Chat-1M", slo={"ttft": "2s", "tpot": "200ms"}, max_tokens=4096, source="vidur",
+    # longer requests are shortened to 4096 tokens, prompt and output in proportion, as Vidur's
+    # TraceRequestLengthGenerator does
+    paper="Vidur-Search, Chat-1M", slo={"ttft": "2s", "tpot": "200ms"}, max_tokens=4096, fit="clip", source="vidur",
     # 0.20 QPS per dollar / ($4.25 per H100-hour) = 0.85 requests/s per GPU (stats_extractor.py:
     # capacity_per_dollar = qps / (num_gpus x GPU_COSTS))
     rate=0.20 * 4.25, grid=(1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0), pin={"tp": 2, "pp": 2})
 # OPT-66B on ShareGPT (prompt + output < 2048), 8 x A100-SXM-80GB, TTFT 0.4 s and TPOT 0.1 s for 90% of requests
 DISTSERVE_CHAT = dict(
-    paper="DistServe, ShareGPT (OPT-66B)", slo={"ttft_p90": "0.4s", "tpot_p90": "100ms"}, max_tokens=2047,
+    # longer requests are dropped, as DistServe's 0-prepare-dataset.py prunes them
+    paper="DistServe, ShareGPT (OPT-66B)", slo={"ttft_p90": "0.4s", "tpot_p90": "100ms"}, max_tokens=2047, fit="drop",
     # the plots' per-GPU rates are 0.0625-0.75; the grid extends below them
     source="distserve", rate=0.25, grid=(1 / 128, 1 / 64, 1 / 32, 0.0625, 0.125, 0.25, 0.5, 0.75), pin={"tp": 4})
 COMPARE = [   # (setting, model, preset, published configuration or None)
@@ -134,6 +137,18 @@ COMPARE = [   # (setting, model, preset, published configuration or None)
                                                 "vLLM baseline TP4"),
     (DISTSERVE_CHAT, "Llama-3-70B", "dgx-a100", None),
 ]
+
+
+def _fit(prompts, outputs, max_tokens: int, how: str):
+    """Requests over ``max_tokens`` in all dropped (``drop``), or shortened by the excess, prompt and
+    output in proportion, each rounded up and kept at least 1 (``clip``)."""
+    import numpy as np
+    total = prompts + outputs
+    if how == "drop":
+        return prompts[total <= max_tokens], outputs[total <= max_tokens]
+    excess = np.clip(total - max_tokens, 0, None)
+    return (np.maximum(prompts - np.ceil(excess * prompts / total).astype(int), 1),
+            np.maximum(outputs - np.ceil(excess * outputs / total).astype(int), 1))
 
 
 def _served(model, cluster, trace, slo, pin=None):
@@ -175,8 +190,7 @@ def part_compare(conv_trace: str | None, requests: int = 1000):
         t0 = time.perf_counter()
         model, cluster = _model(name), autopar.Cluster.preset(preset)
         n = cluster.num_devices
-        keep = conv.prompt_lens + conv.output_lens <= setting["max_tokens"]
-        prompts, outputs = conv.prompt_lens[keep], conv.output_lens[keep]
+        prompts, outputs = _fit(conv.prompt_lens, conv.output_lens, setting["max_tokens"], setting["fit"])
         pin = setting["pin"]
         pinned = "tp=" + str(pin["tp"]) + (f" pp={pin['pp']}" if "pp" in pin else "")
         if setting["source"] == "distserve":
