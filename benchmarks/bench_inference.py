@@ -1,6 +1,7 @@
 """Inference plans and the serving runtime, against published figures and against themselves.
 
-    PYTHONPATH=. python benchmarks/bench_inference.py [--part plans|published|serve|all]
+    PYTHONPATH=. python benchmarks/bench_inference.py [--part plans|published|compare|serve|all]
+        [--conv-trace splitwise_conv.csv]
 
 - ``plans``: the configuration ``plan_inference`` chooses for Llama-2-70B and Llama-3-70B shapes on
   one DGX-A100 and one DGX-H100 node (prompt 2048, 256 new tokens, 8 prompts), without targets and
@@ -11,6 +12,13 @@
   H200) with tp pinned as vLLM ran them, against vLLM's measured mean. autopar has no H200 preset:
   the rows use dgx-h100 with the H200's memory (141 GB) and HBM bandwidth (4.8 TB/s), on the
   roofline path (no calibration profile for that device).
+- ``compare``: the configurations Vidur-Search and DistServe report for 70B-class models (``PUBLISHED``,
+  with their sources) against the one ``plan_inference`` chooses for the same setting: Llama-2-70B
+  and Llama-3-70B shapes on one dgx-a100 / dgx-h100 node, a Poisson trace whose prompt and output
+  lengths are resampled from the Splitwise conversation trace shipped in Vidur's repository
+  (``--conv-trace``: data/processed_traces/splitwise_conv.csv; the papers' own traces are not
+  bundled), under each paper's SLO. The published configuration is priced too (tp and pp pinned),
+  at the published operating rate and over a grid of rates (the highest rate each meets the SLO).
 - ``serve``: a bounded loopback load test of ``autopar serve`` on the ``cpu`` preset (2 gloo
   ranks, tp=2, a 4-layer Llama of hidden 256), calibrated first (``autopar calibrate``): a fixed
   number of requests at a fixed concurrency; measured TTFT and time per output token (the server's
@@ -98,6 +106,129 @@ def part_published(tmp: Path):
         print(f"| {name} | {tp} | {prompt} | {measured} ms | {pred:.1f} ms | {pred / measured - 1:+.0%} |")
 
 
+VIDUR_SOURCE = ("microsoft/vidur@7d47513363ec447a741ac5e47241580b47724fbf, assets/"
+                "llama70b_Chat1M_ttft_tbt_90_99_2.0_0.2.jpeg (the README's Vidur-Search figure, whose title "
+                "names the best configuration) and vidur/config_optimizer/analyzer/constants.py (H100 at $4.25 "
+                "per GPU-hour)")
+DISTSERVE_SOURCE = ("LLMServe/DistServe@82831f1604cc6b10bebd360f6c437a07790dde9f, evaluation/2-benchmark-serving/"
+                    "2-start-api-server.py (MODEL_TO_PARALLEL_PARAMS) and evaluation/ae-scripts/e2e/_plot.py "
+                    "(SLOs, rates)")
+# LLaMA2-70B on Chat-1M (LMSys-Chat-1M, Llama-2 tokenizer, max_seq_len 4096), TTFT P90 < 2 s, TBT P99 < 0.2 s
+VIDUR_CHAT = dict(
+    # longer requests are shortened to 4096 tokens, prompt and output in proportion, as Vidur's
+    # TraceRequestLengthGenerator does
+    paper="Vidur-Search, Chat-1M", slo={"ttft": "2s", "tpot": "200ms"}, max_tokens=4096, fit="clip", source="vidur",
+    # 0.20 QPS per dollar / ($4.25 per H100-hour) = 0.85 requests/s per GPU (stats_extractor.py:
+    # capacity_per_dollar = qps / (num_gpus x GPU_COSTS))
+    rate=0.20 * 4.25, grid=(1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0), pin={"tp": 2, "pp": 2})
+# OPT-66B on ShareGPT (prompt + output < 2048), 8 x A100-SXM-80GB, TTFT 0.4 s and TPOT 0.1 s for 90% of requests
+DISTSERVE_CHAT = dict(
+    # longer requests are dropped, as DistServe's 0-prepare-dataset.py prunes them
+    paper="DistServe, ShareGPT (OPT-66B)", slo={"ttft_p90": "0.4s", "tpot_p90": "100ms"}, max_tokens=2047, fit="drop",
+    # the plots' per-GPU rates are 0.0625-0.75; the grid extends below them
+    source="distserve", rate=0.25, grid=(1 / 128, 1 / 64, 1 / 32, 0.0625, 0.125, 0.25, 0.5, 0.75), pin={"tp": 4})
+COMPARE = [   # (setting, model, preset, published configuration or None)
+    (VIDUR_CHAT, "Llama-2-70B", "dgx-h100", "TP2 x PP2 replicas (4 GPUs), Sarathi-Serve chunk 512, batch cap 256; "
+                                            "0.20 QPS/$ = 0.85 req/s per GPU"),
+    (VIDUR_CHAT, "Llama-3-70B", "dgx-h100", None),
+    (VIDUR_CHAT, "Llama-2-70B", "dgx-a100", None),
+    (VIDUR_CHAT, "Llama-3-70B", "dgx-a100", None),
+    (DISTSERVE_CHAT, "Llama-2-70B", "dgx-a100", "prefill TP4 PP1 + decode TP2 PP2 (disaggregated, 8 GPUs); "
+                                                "vLLM baseline TP4"),
+    (DISTSERVE_CHAT, "Llama-3-70B", "dgx-a100", None),
+]
+
+
+def _fit(prompts, outputs, max_tokens: int, how: str):
+    """Requests over ``max_tokens`` in all dropped (``drop``), or shortened by the excess, prompt and
+    output in proportion, each rounded up and kept at least 1 (``clip``)."""
+    import numpy as np
+    total = prompts + outputs
+    if how == "drop":
+        return prompts[total <= max_tokens], outputs[total <= max_tokens]
+    excess = np.clip(total - max_tokens, 0, None)
+    return (np.maximum(prompts - np.ceil(excess * prompts / total).astype(int), 1),
+            np.maximum(outputs - np.ceil(excess * outputs / total).astype(int), 1))
+
+
+def _served(model, cluster, trace, slo, pin=None):
+    """The plan for ``trace`` under ``slo`` (``pin``: constraints), and whether it meets the slo; a
+    trace nothing serves within the slo gets the least-P90-latency plan instead."""
+    from autopar.errors import PlanError
+    try:
+        return plan_inference(model, None, cluster, trace=trace, slo=slo, constraints=pin), True
+    except PlanError:
+        return plan_inference(model, None, cluster, trace=trace, constraints=pin), False
+
+
+def _cfg(p) -> str:
+    return f"tp={p.tp} pp={p.pp} dp={p.dp} batch {p.batch_size}"
+
+
+def _pred(p, meets: bool) -> str:
+    pr, pct = p.predictions, p.predictions["percentiles"]
+    return (f"{pr['ttft'] * 1e3:,.0f} ms / {pr['tpot'] * 1e3:.1f} ms / {pr['tokens_per_s_per_device']:.0f} "
+            f"({'meets' if meets else 'misses'}; TTFT {pct['ttft'].upper()}, TPOT {pct['tpot'].upper()})")
+
+
+def part_compare(conv_trace: str | None, requests: int = 1000):
+    """``compare`` (module doc): per setting, autopar's choice and the published configuration
+    pinned, at the published rate, then the highest rate of the grid each meets the SLO."""
+    from autopar.inference.trace import load_trace, synthetic_trace
+    if not conv_trace or not Path(conv_trace).exists():
+        print(f"--part compare needs --conv-trace: the Splitwise conversation trace of Vidur's repository "
+              f"(git show 7d47513:data/processed_traces/splitwise_conv.csv), got {conv_trace!r}")
+        return
+    conv = load_trace(conv_trace)
+    print(f"Sources: Vidur-Search {VIDUR_SOURCE}; DistServe {DISTSERVE_SOURCE}. Lengths resampled from "
+          f"{Path(conv_trace).name} ({len(conv)} requests), {requests} Poisson requests a trace.\n")
+    print("| setting | model | cluster | rate /s per GPU | published configuration | autopar's choice | predicted "
+          "TTFT / TPOT / tokens/s per GPU | published configuration priced by autopar | predicted TTFT / TPOT / "
+          "tokens/s per GPU |\n|---|---|---|---|---|---|---|---|---|")
+    reach = []
+    for setting, name, preset, published in COMPARE:
+        t0 = time.perf_counter()
+        model, cluster = _model(name), autopar.Cluster.preset(preset)
+        n = cluster.num_devices
+        prompts, outputs = _fit(conv.prompt_lens, conv.output_lens, setting["max_tokens"], setting["fit"])
+        pin = setting["pin"]
+        pinned = "tp=" + str(pin["tp"]) + (f" pp={pin['pp']}" if "pp" in pin else "")
+        if setting["source"] == "distserve":
+            pinned += " (the vLLM baseline's)"
+
+        def trace(per_gpu):
+            return synthetic_trace(requests, per_gpu * n, prompts, outputs, seed=0)
+        t = trace(setting["rate"])
+        free, free_ok = _served(model, cluster, t, setting["slo"])
+        fixed, fixed_ok = _served(model, cluster, t, setting["slo"], pin)
+        print(f"| {setting['paper']} | {name} | {preset} | {setting['rate']:.3g} | "
+              f"{published or 'none published (' + pinned + ' priced for reference)'} | {_cfg(free)} | "
+              f"{_pred(free, free_ok)} | {pinned}: {_cfg(fixed)} | {_pred(fixed, fixed_ok)} |", flush=True)
+        best = {"free": None, "pinned": None}
+        for f in setting["grid"]:
+            per_gpu = setting["rate"] * f if setting["source"] == "vidur" else f
+            t = trace(per_gpu)
+            p, ok = _served(model, cluster, t, setting["slo"])
+            if ok:
+                best["free"] = (per_gpu, p)
+            p, ok = _served(model, cluster, t, setting["slo"], pin)
+            if ok:
+                best["pinned"] = (per_gpu, p)
+        reach.append((setting, name, preset, published, pinned, best, time.perf_counter() - t0))
+    print("\nHighest rate of the grid (requests/s per GPU) at which each configuration meets the SLO in "
+          "autopar's simulation (static batches)")
+    print("| setting | model | cluster | published | grid | autopar's choice | published configuration pinned "
+          "| seconds |\n|---|---|---|---|---|---|---|---|")
+    for setting, name, preset, published, pinned, best, secs in reach:
+        grid = [setting["rate"] * f if setting["source"] == "vidur" else f for f in setting["grid"]]
+        claim = (f"{setting['rate']:.3g} req/s per GPU (Vidur-Search capacity)" if setting["source"] == "vidur"
+                 else "rates 0.0625-0.75 per GPU plotted; capacity read from plots only")
+        cells = [f"{b[0]:.3g}: {_cfg(b[1])}, {_pred(b[1], True).split(' (')[0]}" if b else "none of the grid"
+                 for b in (best["free"], best["pinned"])]
+        print(f"| {setting['paper']} | {name} | {preset} | {claim if published else 'none'} | "
+              f"{', '.join(f'{g:.3g}' for g in grid)} | {cells[0]} | {pinned}: {cells[1]} | {secs:.0f} |")
+
+
 SERVE_MODEL = ["hf_llama", "--arg", "n_layer=4", "--arg", "d_model=256", "--arg", "n_head=8", "--arg", "n_kv_heads=4",
                "--arg", "ffn_hidden=704", "--arg", "vocab=2048", "--arg", "seq=128"]
 
@@ -148,13 +279,16 @@ def part_serve(tmp: Path, requests: int = 24, concurrency: int = 4):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("plans", "published", "serve", "all"), default="all")
+    ap.add_argument("--part", choices=("plans", "published", "compare", "serve", "all"), default="all")
+    ap.add_argument("--conv-trace", help="Vidur's data/processed_traces/splitwise_conv.csv, for --part compare")
     ap.add_argument("--tmp", default="/tmp/autopar_bench_inference")
     args = ap.parse_args()
     if args.part in ("plans", "all"):
         part_plans()
     if args.part in ("published", "all"):
         part_published(Path(args.tmp))
+    if args.part in ("compare", "all"):
+        part_compare(args.conv_trace)
     if args.part in ("serve", "all"):
         part_serve(Path(args.tmp))
 
