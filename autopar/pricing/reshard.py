@@ -235,8 +235,11 @@ def _plan_cached(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int
     start = (src.dims, tuple(sorted(src.partial)))
     if start == goal:
         return ReshardPlan((), 0.0)
-    want = [set(axes) for axes in dst.dims]
-    dst_partial = set(dst.partial)
+    # The moves out of each state depend on the shape only through divisibility (``_state_moves``),
+    # shared by every shape alike in that; the bytes they move scale with the tensor's.
+    divisible = divisibility(shape, mesh_shape)
+    graph = _state_moves(dst, divisible, mesh_shape)
+    total = math.prod(shape) * itemsize
     tie = itertools.count()
     # heap entries: (rounded cost, number of steps, insertion order, exact cost, state, steps)
     heap = [(0.0, 0, next(tie), 0.0, start, ())]
@@ -248,22 +251,51 @@ def _plan_cached(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int
         if state == goal:
             return ReshardPlan(tuple(Step(*st) for st in steps), cost)
         done.add(state)
-        dims, partial = state
-        local = []
-        for d, axes in enumerate(dims):
-            f = 1
-            for a in axes:
-                f *= mesh_shape[a]
-            local.append(shape[d] // f)
-        nbytes = float(math.prod(local) * itemsize)
-        for step, ndims, npartial, kind, nb in _moves(dims, partial, local, nbytes, mesh_shape, want, dst_partial):
-            nxt = (ndims, npartial)
+        got = graph.get(state)
+        if got is None:
+            got = graph[state] = _expand(state, dst, divisible, mesh_shape)
+        factor, moves = got
+        nbytes = float(total // factor)
+        for step, nxt, kind, scale in moves:
             if nxt in done:
                 continue
-            c = cost + (float(comm(kind, nb, step[1])) if kind else 0.0)
+            c = cost + (float(comm(kind, nbytes * scale if scale != 1 else nbytes, step[1])) if kind else 0.0)
             heapq.heappush(heap, (_key(c), n + 1, next(tie), c, nxt, steps + (step,)))
     # Unreachable: gather/reduce everything, then slice and make partial, is always a path.
     raise AssertionError(f"no reshard path from {src} to {dst}")  # pragma: no cover
+
+
+def divisibility(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """What the search needs of a shape besides its size: gcd(dim, product of the mesh axes) per
+    dim. A split over any set of axes divides a dim exactly when it divides that gcd (the
+    product of distinct axes' sizes divides the product of all)."""
+    m = math.prod(mesh_shape)
+    return tuple(math.gcd(s, m) for s in shape)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _state_moves(dst: Layout, divisible: tuple[int, ...], mesh_shape: tuple[int, ...]) -> dict:
+    """The search's state graph toward ``dst`` for shapes of one ``divisibility``, filled as states
+    are expanded: state -> (the product of its split factors, its moves as (step, next state,
+    collective kind or None, bytes relative to the state's block))."""
+    return {}
+
+
+def _expand(state, dst: Layout, divisible: tuple[int, ...], mesh_shape: tuple[int, ...]):
+    dims, partial = state
+    local = []
+    factor = 1
+    for d, axes in enumerate(dims):
+        f = 1
+        for a in axes:
+            f *= mesh_shape[a]
+        local.append(divisible[d] // f)
+        factor *= f
+    want = [set(axes) for axes in dst.dims]
+    moves = tuple((step, (ndims, npartial), kind, nb)
+                  for step, ndims, npartial, kind, nb in _moves(dims, partial, local, 1, mesh_shape, want,
+                                                                 set(dst.partial)))
+    return factor, moves
 
 
 def plan_reshard(src: Layout, dst: Layout, shape, itemsize: int, mesh_shape,
