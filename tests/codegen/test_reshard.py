@@ -341,3 +341,43 @@ def test_pair_floor_is_below_the_reshard(case, per_axis, grad):
     floor = pair_floors(need, _split_masks([src]), _split_masks([dst]), 4.0 * math.prod(shape), mesh_shape, lat,
                         lambda b, a, kinds: min(comm(k, b, a) for k in kinds))
     assert floor[0, 0] <= exact * (1 + 1e-9) + 1e-15, (src, dst, plan.describe(), floor[0, 0], exact)
+
+
+def _reference_search(src, dst, shape, itemsize, mesh_shape, comm):
+    """The search written plainly: every state's local block and moves from the real shape."""
+    import heapq
+
+    from autopar.pricing.reshard import _key, _moves
+    goal, start = (dst.dims, tuple(sorted(dst.partial))), (src.dims, tuple(sorted(src.partial)))
+    want, dst_partial, tie = [set(a) for a in dst.dims], set(dst.partial), itertools.count()
+    heap, done = [(0.0, 0, next(tie), 0.0, start, ())], set()
+    while heap:
+        _, n, _, cost, state, steps = heapq.heappop(heap)
+        if state in done:
+            continue
+        if state == goal:
+            return ReshardPlan(tuple(Step(*s) for s in steps), cost)
+        done.add(state)
+        local = [shape[d] // math.prod(mesh_shape[a] for a in axes) for d, axes in enumerate(state[0])]
+        for step, nd, npart, kind, nb in _moves(*state, local, float(math.prod(local) * itemsize), mesh_shape,
+                                                want, dst_partial):
+            if (nd, npart) not in done:
+                c = cost + (float(comm(kind, nb, step[1])) if kind else 0.0)
+                heapq.heappush(heap, (_key(c), n + 1, next(tie), c, (nd, npart), steps + (step,)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_case(), st.booleans())
+def test_moves_shared_by_divisibility_give_the_plain_search_path(case, per_axis):
+    """The search keeps each state's moves per (destination, divisibility, mesh) and shares them
+    between shapes alike in divisibility (reshard.divisibility): the path and its time are those of
+    the search computing every move from the shape itself."""
+    from autopar.pricing.reshard import _plan_cached
+
+    mesh_shape, shape, src, dst = case
+    comm = (AxisComm if per_axis else ToyComm)(mesh_shape)
+    for scale in (1, 3):   # a second shape, alike in divisibility, on the shared moves
+        s = tuple(x * scale ** (d == 0) for d, x in enumerate(shape))
+        if math.gcd(s[0], math.prod(mesh_shape)) != math.gcd(shape[0], math.prod(mesh_shape)):
+            continue
+        assert _plan_cached(src, dst, s, 4, mesh_shape, comm) == _reference_search(src, dst, s, 4, mesh_shape, comm)
