@@ -17,7 +17,9 @@ source Layout to a destination Layout by a sequence of Steps, each acting on one
 pricing each collective with the shared ``comm(kind, nbytes, axis) -> seconds`` convention
 (nbytes: per rank, the larger buffer involved). Times are forward only; the backward of each
 step is its conjugate and moves the same bytes, the caller adds it. Results are memoised, the
-ILP builder asks for thousands of (src, dst) pairs.
+ILP builder asks for thousands of (src, dst) pairs, and so are each state's moves: they depend on
+the shape only through which splits divide it (``divisibility``), so the micro-batch shapes of one
+tensor share them and only the bytes differ.
 
 The search runs on the axes the reshard can need (``reduce_problem``): an axis that source and
 destination place alike is left where it is. That is an axis neither uses, one both are partial
