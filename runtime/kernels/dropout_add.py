@@ -151,19 +151,21 @@ def dropout_add_backward(dy: torch.Tensor, p: float, seed: torch.Tensor, x_dtype
 
 
 class DropoutAddFunction(torch.autograd.Function):
-    """Autograd over the kernels; saves the seed only."""
+    """Autograd over the kernels (``kernels`` True) or their plain-torch bodies, the same mask;
+    saves the seed only."""
 
     @staticmethod
-    def forward(ctx, x, residual, p, seed):
-        y = dropout_add_forward(x, residual, p, seed)
+    def forward(ctx, x, residual, p, seed, kernels=True):
+        y = (dropout_add_forward if kernels else dropout_add_reference)(x, residual, p, seed)
         ctx.save_for_backward(seed)
-        ctx.p, ctx.x_dtype, ctx.r_dtype = p, x.dtype, residual.dtype
+        ctx.p, ctx.x_dtype, ctx.r_dtype, ctx.kernels = p, x.dtype, residual.dtype, kernels
         return y
 
     @staticmethod
     def backward(ctx, dy):
         (seed,) = ctx.saved_tensors
-        return dropout_add_backward(dy, ctx.p, seed, ctx.x_dtype), dy.to(ctx.r_dtype), None, None
+        grad = dropout_add_backward if ctx.kernels else dropout_add_backward_reference
+        return grad(dy, ctx.p, seed, ctx.x_dtype), dy.to(ctx.r_dtype), None, None, None
 
 
 def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, seed: torch.Tensor | None = None) -> torch.Tensor:

@@ -330,34 +330,12 @@ _LIB.define("dropout_add(Tensor x, Tensor residual, float p, bool train) -> Tens
             tags=(torch.Tag.nondeterministic_seeded,))
 
 
-class _DropoutAdd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, p, seed):
-        from runtime.kernels import dropout_add as D
-        if use_triton(x) and x.device == residual.device:
-            y = D.dropout_add_forward(x, residual, p, seed)
-        else:
-            y = D.dropout_add_reference(x, residual, p, seed)
-        ctx.save_for_backward(seed)
-        ctx.p, ctx.x_dtype, ctx.r_dtype = p, x.dtype, residual.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        from runtime.kernels import dropout_add as D
-        (seed,) = ctx.saved_tensors
-        if use_triton(dy):
-            dx = D.dropout_add_backward(dy, ctx.p, seed, ctx.x_dtype)
-        else:
-            dx = D.dropout_add_backward_reference(dy, ctx.p, seed, ctx.x_dtype)
-        return dx, dy.to(ctx.r_dtype), None, None
-
-
 def _dropout_add(x: Tensor, residual: Tensor, p: float, train: bool) -> Tensor:
     if not train or p == 0.0:
         return residual + x
-    from runtime.kernels.dropout_add import draw_seed
-    return _DropoutAdd.apply(x, residual, float(p), draw_seed(x.device))
+    from runtime.kernels.dropout_add import DropoutAddFunction, draw_seed
+    kernels = use_triton(x) and x.device == residual.device
+    return DropoutAddFunction.apply(x, residual, float(p), draw_seed(x.device), kernels)
 
 
 _LIB.impl("dropout_add", _dropout_add, "CompositeImplicitAutograd")
