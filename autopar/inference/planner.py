@@ -4,9 +4,9 @@ The search (every configuration priced by autopar/inference/inference_cost.py):
 
 - ``tp``: divisors of the node's devices that divide the attention heads and the key/value
   heads (tensor parallelism stays inside a node);
-- ``pp``: 1 unless pinned (the engine runs one batch across the stages per step: the stages split
-  the weights and the KV cache but gain no latency; under continuous batching a replica keeps pp
-  micro-batches in flight, below);
+- ``pp``: under continuous batching every divisor of the devices a tp group leaves (a replica
+  keeps pp micro-batches in flight, below); else 1 unless pinned (the engine runs one batch across
+  the stages per step: the stages split the weights and the KV cache but gain no latency);
 - ``dp``: the devices left, each replica an independent copy decoding its own sequences;
 - ``batch_size`` (sequences a replica decodes together): without ``slo``, the example's rows
   shared over the replicas; with ``slo``, every power of two up to what memory holds, and the
@@ -34,7 +34,7 @@ and server run it.
 Objective: with ``slo`` (``{"ttft": "2s", "tpot": "50ms"}``), the most tokens/s per device among
 the configurations meeting both targets (none: a PlanError naming the best TTFT and TPOT reached);
 without, the least time to generate the example batch (TTFT + max_new_tokens x TPOT). Ties go to
-the smaller tp, then the smaller batch.
+the smaller tp, then the fewer stages, then the smaller batch.
 """
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
     context = prompt + max_new_tokens
     best, tried, smallest, closest = None, 0, None, None
     for tp in _tp_choices(m, cluster, pins):
-        for pp in ([pins["pp"]] if "pp" in pins else [1]):
+        for pp in _pp_choices(m.layers, n // tp, pins, batching):
             if n % (tp * pp) or m.layers < pp:
                 continue
             dp = n // (tp * pp)
@@ -173,7 +173,7 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                 if any(cand[k] > v for k, v in targets.items()):
                     continue
                 tie = (cand["latency"],) if trace is not None else ()   # a served trace: tokens/s tie often
-                key = ((-cand["tokens_s"] / n, *tie, tp, batch) if targets else (cand["latency"], tp, batch))
+                key = ((-cand["tokens_s"] / n, *tie, tp, pp, batch) if targets else (cand["latency"], tp, pp, batch))
                 if best is None or key < best[0]:
                     best = (key, cand)
     if best is None and closest is not None:   # a trace no configuration serves within the targets
@@ -222,6 +222,17 @@ def _percentile(served: dict, what: str, p: str) -> float:
     if what == "tpot" and (x > 0).any():
         x = x[x > 0]   # one-token outputs have no time between tokens
     return float(np.percentile(x, float(p[1:])))
+
+
+def _pp_choices(layers: int, per_tp: int, pins: dict, batching: str) -> list[int]:
+    """Pipeline stages to try: the pin; under continuous batching (stages in flight) every divisor
+    of the ``per_tp`` devices a tp group leaves, up to the layers; else 1 (the engine runs one batch
+    across the stages: pp only splits the memory)."""
+    if "pp" in pins:
+        return [pins["pp"]]
+    if batching != "continuous":
+        return [1]
+    return [d for d in range(1, min(per_tp, layers) + 1) if per_tp % d == 0]
 
 
 def _tp_choices(m: ModelShape, cluster: Cluster, pins: dict) -> list[int]:

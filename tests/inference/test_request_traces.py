@@ -293,3 +293,18 @@ def test_continuous_pp2_plan_keeps_stages_in_flight_and_pp1_is_unchanged():
             assert ratio == pytest.approx(1.0) and tpot == pytest.approx(1.0)
         else:   # two micro-batches in flight: twice the tokens, each request's time per token as before
             assert 1.8 < ratio < 2.05 and tpot == pytest.approx(1.0, rel=0.05)
+
+
+def test_continuous_search_takes_stages_where_static_cannot_use_them():
+    # a budget the 2-layer model's tp=1 rank holds only with its layers on two stages: under continuous
+    # batching pp is searched (stages in flight serve), under static batching only a pin sets it
+    cl = autopar.Cluster.preset("dgx-a100", nodes=1)
+    tr = synthetic_trace(200, rate=2.0, prompt_lens=[64, 256], output_lens=[16, 64], seed=0)
+    p = plan_inference(_model(), None, cl, trace=tr, constraints={"tp": 1}, memory_budget="650KiB",
+                       batching="continuous")
+    assert p.pp == 2 and p.dp == 4 and p.stages == [[0, 1], [1, 2]]
+    with pytest.raises(autopar.errors.MemoryBudgetError):
+        plan_inference(_model(), None, cl, trace=tr, constraints={"tp": 1}, memory_budget="650KiB")
+    # with memory to spare, one stage and more replicas serve as many tokens at a lower latency (a tie goes
+    # to the fewer stages)
+    assert plan_inference(_model(), None, cl, trace=tr, constraints={"tp": 1}, batching="continuous").pp == 1
