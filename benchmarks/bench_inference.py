@@ -131,7 +131,7 @@ DISTSERVE_CHAT = dict(
     paper="DistServe, ShareGPT (OPT-66B)", slo={"ttft_p90": "0.4s", "tpot_p90": "100ms"}, max_tokens=2047, fit="drop",
     # the plots' per-GPU rates are 0.0625-0.75; the grid extends below and above them
     source="distserve", rate=0.25, grid=(1 / 128, 1 / 64, 1 / 32, 0.0625, 0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0),
-    pin={"tp": 4})
+    pin={"tp": 4, "pp": 1})
 COMPARE = [   # (setting, model, preset, published configuration or None)
     (VIDUR_CHAT, "Llama-2-70B", "dgx-h100", "TP2 x PP2 replicas (4 GPUs), Sarathi-Serve chunk 512, batch cap 256; "
                                             "0.20 QPS/$ = 0.85 req/s per GPU"),
