@@ -303,6 +303,7 @@ def test_continuous_search_takes_stages_where_static_cannot_use_them():
     p = plan_inference(_model(), None, cl, trace=tr, constraints={"tp": 1}, memory_budget="650KiB",
                        batching="continuous")
     assert p.pp == 2 and p.dp == 4 and p.stages == [[0, 1], [1, 2]]
+    assert "1 sequences per micro-batch, 2 in flight per replica" in summary(p)
     with pytest.raises(autopar.errors.MemoryBudgetError):
         plan_inference(_model(), None, cl, trace=tr, constraints={"tp": 1}, memory_budget="650KiB")
     # with memory to spare, one stage and more replicas serve as many tokens at a lower latency (a tie goes
