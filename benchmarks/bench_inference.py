@@ -1,7 +1,7 @@
 """Inference plans and the serving runtime, against published figures and against themselves.
 
     PYTHONPATH=. python benchmarks/bench_inference.py [--part plans|published|compare|serve|all]
-        [--conv-trace splitwise_conv.csv]
+        [--conv-trace splitwise_conv.csv] [--batching continuous|static]
 
 - ``plans``: the configuration ``plan_inference`` chooses for Llama-2-70B and Llama-3-70B shapes on
   one DGX-A100 and one DGX-H100 node (prompt 2048, 256 new tokens, 8 prompts), without targets and
@@ -19,6 +19,9 @@
   (``--conv-trace``: data/processed_traces/splitwise_conv.csv; the papers' own traces are not
   bundled), under each paper's SLO. The published configuration is priced too (tp and pp pinned),
   at the published operating rate and over a grid of rates (the highest rate each meets the SLO).
+  ``--batching``: how every configuration serves the trace in simulation (``plan_inference(batching=)``);
+  continuous by default, as Vidur's and DistServe's servers batch (a pp-stage replica then keeps pp
+  micro-batches in flight); static is autopar's own server.
 - ``serve``: a bounded loopback load test of ``autopar serve`` on the ``cpu`` preset (2 gloo
   ranks, tp=2, a 4-layer Llama of hidden 256), calibrated first (``autopar calibrate``): a fixed
   number of requests at a fixed concurrency; measured TTFT and time per output token (the server's
@@ -120,13 +123,15 @@ VIDUR_CHAT = dict(
     paper="Vidur-Search, Chat-1M", slo={"ttft": "2s", "tpot": "200ms"}, max_tokens=4096, fit="clip", source="vidur",
     # 0.20 QPS per dollar / ($4.25 per H100-hour) = 0.85 requests/s per GPU (stats_extractor.py:
     # capacity_per_dollar = qps / (num_gpus x GPU_COSTS))
-    rate=0.20 * 4.25, grid=(1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0), pin={"tp": 2, "pp": 2})
+    rate=0.20 * 4.25, grid=(1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0, 1.5, 2.0, 3.0, 4.0),
+    pin={"tp": 2, "pp": 2})
 # OPT-66B on ShareGPT (prompt + output < 2048), 8 x A100-SXM-80GB, TTFT 0.4 s and TPOT 0.1 s for 90% of requests
 DISTSERVE_CHAT = dict(
     # longer requests are dropped, as DistServe's 0-prepare-dataset.py prunes them
     paper="DistServe, ShareGPT (OPT-66B)", slo={"ttft_p90": "0.4s", "tpot_p90": "100ms"}, max_tokens=2047, fit="drop",
-    # the plots' per-GPU rates are 0.0625-0.75; the grid extends below them
-    source="distserve", rate=0.25, grid=(1 / 128, 1 / 64, 1 / 32, 0.0625, 0.125, 0.25, 0.5, 0.75), pin={"tp": 4})
+    # the plots' per-GPU rates are 0.0625-0.75; the grid extends below and above them
+    source="distserve", rate=0.25, grid=(1 / 128, 1 / 64, 1 / 32, 0.0625, 0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0),
+    pin={"tp": 4, "pp": 1})
 COMPARE = [   # (setting, model, preset, published configuration or None)
     (VIDUR_CHAT, "Llama-2-70B", "dgx-h100", "TP2 x PP2 replicas (4 GPUs), Sarathi-Serve chunk 512, batch cap 256; "
                                             "0.20 QPS/$ = 0.85 req/s per GPU"),
@@ -151,14 +156,14 @@ def _fit(prompts, outputs, max_tokens: int, how: str):
             np.maximum(outputs - np.ceil(excess * outputs / total).astype(int), 1))
 
 
-def _served(model, cluster, trace, slo, pin=None):
+def _served(model, cluster, trace, slo, batching, pin=None):
     """The plan for ``trace`` under ``slo`` (``pin``: constraints), and whether it meets the slo; a
     trace nothing serves within the slo gets the least-P90-latency plan instead."""
     from autopar.errors import PlanError
     try:
-        return plan_inference(model, None, cluster, trace=trace, slo=slo, constraints=pin), True
+        return plan_inference(model, None, cluster, trace=trace, slo=slo, constraints=pin, batching=batching), True
     except PlanError:
-        return plan_inference(model, None, cluster, trace=trace, constraints=pin), False
+        return plan_inference(model, None, cluster, trace=trace, constraints=pin, batching=batching), False
 
 
 def _cfg(p) -> str:
@@ -171,7 +176,7 @@ def _pred(p, meets: bool) -> str:
             f"({'meets' if meets else 'misses'}; TTFT {pct['ttft'].upper()}, TPOT {pct['tpot'].upper()})")
 
 
-def part_compare(conv_trace: str | None, requests: int = 1000):
+def part_compare(conv_trace: str | None, batching: str = "continuous", requests: int = 1000):
     """``compare`` (module doc): per setting, autopar's choice and the published configuration
     pinned, at the published rate, then the highest rate of the grid each meets the SLO."""
     from autopar.inference.trace import load_trace, synthetic_trace
@@ -181,7 +186,8 @@ def part_compare(conv_trace: str | None, requests: int = 1000):
         return
     conv = load_trace(conv_trace)
     print(f"Sources: Vidur-Search {VIDUR_SOURCE}; DistServe {DISTSERVE_SOURCE}. Lengths resampled from "
-          f"{Path(conv_trace).name} ({len(conv)} requests), {requests} Poisson requests a trace.\n")
+          f"{Path(conv_trace).name} ({len(conv)} requests), {requests} Poisson requests a trace; "
+          f"{batching} batching simulated.\n")
     print("| setting | model | cluster | rate /s per GPU | published configuration | autopar's choice | predicted "
           "TTFT / TPOT / tokens/s per GPU | published configuration priced by autopar | predicted TTFT / TPOT / "
           "tokens/s per GPU |\n|---|---|---|---|---|---|---|---|---|")
@@ -199,24 +205,27 @@ def part_compare(conv_trace: str | None, requests: int = 1000):
         def trace(per_gpu):
             return synthetic_trace(requests, per_gpu * n, prompts, outputs, seed=0)
         t = trace(setting["rate"])
-        free, free_ok = _served(model, cluster, t, setting["slo"])
-        fixed, fixed_ok = _served(model, cluster, t, setting["slo"], pin)
+        free, free_ok = _served(model, cluster, t, setting["slo"], batching)
+        fixed, fixed_ok = _served(model, cluster, t, setting["slo"], batching, pin)
         print(f"| {setting['paper']} | {name} | {preset} | {setting['rate']:.3g} | "
               f"{published or 'none published (' + pinned + ' priced for reference)'} | {_cfg(free)} | "
               f"{_pred(free, free_ok)} | {pinned}: {_cfg(fixed)} | {_pred(fixed, fixed_ok)} |", flush=True)
         best = {"free": None, "pinned": None}
+        missed = set()   # up the grid, each configuration until the first rate it misses
         for f in setting["grid"]:
             per_gpu = setting["rate"] * f if setting["source"] == "vidur" else f
             t = trace(per_gpu)
-            p, ok = _served(model, cluster, t, setting["slo"])
-            if ok:
-                best["free"] = (per_gpu, p)
-            p, ok = _served(model, cluster, t, setting["slo"], pin)
-            if ok:
-                best["pinned"] = (per_gpu, p)
+            for which, constraints in (("free", None), ("pinned", pin)):
+                if which in missed:
+                    continue
+                p, ok = _served(model, cluster, t, setting["slo"], batching, constraints)
+                if ok:
+                    best[which] = (per_gpu, p)
+                else:
+                    missed.add(which)
         reach.append((setting, name, preset, published, pinned, best, time.perf_counter() - t0))
-    print("\nHighest rate of the grid (requests/s per GPU) at which each configuration meets the SLO in "
-          "autopar's simulation (static batches)")
+    print("\nHighest rate of the grid (requests/s per GPU), going up it until the first miss, at which each "
+          f"configuration meets the SLO in autopar's simulation ({batching} batching)")
     print("| setting | model | cluster | published | grid | autopar's choice | published configuration pinned "
           "| seconds |\n|---|---|---|---|---|---|---|---|")
     for setting, name, preset, published, pinned, best, secs in reach:
@@ -281,6 +290,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("plans", "published", "compare", "serve", "all"), default="all")
     ap.add_argument("--conv-trace", help="Vidur's data/processed_traces/splitwise_conv.csv, for --part compare")
+    ap.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                    help="--part compare: how the trace is served in simulation (plan_inference(batching=))")
     ap.add_argument("--tmp", default="/tmp/autopar_bench_inference")
     args = ap.parse_args()
     if args.part in ("plans", "all"):
@@ -288,7 +299,7 @@ def main():
     if args.part in ("published", "all"):
         part_published(Path(args.tmp))
     if args.part in ("compare", "all"):
-        part_compare(args.conv_trace)
+        part_compare(args.conv_trace, args.batching)
     if args.part in ("serve", "all"):
         part_serve(Path(args.tmp))
 

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
                 except PlanError:   # no configuration meets the targets: the least P90 latency instead
                     p, meets = plan_inference(model, None, cluster, trace=t, batching=args.batching), "misses"
                 sv, pr = p.predictions["served"], p.predictions
-                print(f"| {Path(path).stem} | {t.stats()['rate']:.2f} | {name} | tp={p.tp} dp={p.dp} batch "
+                print(f"| {Path(path).stem} | {t.stats()['rate']:.2f} | {name} | tp={p.tp} pp={p.pp} dp={p.dp} batch "
                       f"{p.batch_size} ({meets} the slo) | "
                       + " / ".join(f"{sv['ttft'][q] * 1e3:.0f}" for q in ("p50", "p90", "p99"))
                       + f" ms | {sv['tpot']['p99'] * 1e3:.1f} ms | {pr['tokens_per_s']:.0f} | "

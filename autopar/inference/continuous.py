@@ -17,6 +17,22 @@ replicas, in arrival order. An iteration starting at time t:
    of running requests and their mean context (prompt plus the tokens generated so far). A request
    leaves after its own output length, freeing its slot and KV tokens for the next iteration.
 
+**Pipeline stages in flight** (``stages`` > 1, a pp-stage replica): the replica keeps ``stages``
+micro-batches in flight, one per stage, as vLLM's pipeline parallelism does: each micro-batch is
+a virtual engine with its own scheduler holding up to ``batch_size`` requests (vLLM's
+``max_num_seqs`` is per virtual engine) and ``kv_tokens // stages`` KV-cache tokens (vLLM divides
+the cache blocks by the pipeline size), and runs the iterations above on its own. So a replica of
+``stages`` stages is simulated as ``stages`` engines taking requests from the shared queue, and
+``prefill``/``decode`` are then a micro-batch's iteration with the others in flight
+(``Pricer.prefill_in_flight``/``decode_in_flight`` of autopar/inference/inference_cost.py: its
+pass through the stages, so a request's time per token is its own pass, while the replica
+completes an iteration every slowest stage's time). This is the stages' time shared out evenly:
+the engines do not wait for each other, so a long prefill in one micro-batch does not hold back
+another's decode at a stage (in a real pipeline it does, for up to that prefill's stage time), and
+a lone request is priced as if the pipeline were full. Vidur instead caps a replica's running
+requests at its batch size and each micro-batch at batch size // stages, over one shared cache: a
+Vidur batch cap of B is ``batch_size`` B / stages here.
+
 Iterations in which no request can join or leave are run as one segment of steps priced at the
 segment's mean context; a segment is at most ``BUCKET`` steps, and ends at the first step boundary
 after the next arrival when that request would fit. Prompts and contexts are priced rounded up to
@@ -36,25 +52,29 @@ from autopar.inference.trace import BUCKET, RequestTrace, bucket, served
 
 
 def simulate_continuous(trace: RequestTrace, prefill, decode, replicas: int, batch_size: int,
-                        kv_tokens: int | None = None) -> dict:
+                        kv_tokens: int | None = None, stages: int = 1) -> dict:
     """Serve ``trace`` with continuous batching (module doc). ``prefill(batch, prompt)`` and
-    ``decode(batch, context)`` are seconds; ``kv_tokens``: the KV-cache tokens a replica holds (None:
-    only ``batch_size`` limits a batch). Returns what ``simulate`` returns."""
+    ``decode(batch, context)`` are seconds (with ``stages`` > 1: a micro-batch's, with the others in
+    flight); ``kv_tokens``: the KV-cache tokens a replica holds (None: only ``batch_size`` limits a
+    batch); ``stages``: the micro-batches a replica keeps in flight, each of up to ``batch_size``
+    requests and ``kv_tokens // stages`` tokens. Returns what ``simulate`` returns."""
     prefill, decode = lru_cache(maxsize=None)(prefill), lru_cache(maxsize=None)(decode)
     n = len(trace)
     a, p, o = trace.arrivals.tolist(), trace.prompt_lens.tolist(), trace.output_lens.tolist()
     need = [s + t for s, t in zip(p, o)]   # KV tokens a request holds at its end
-    if kv_tokens is not None and max(need) > kv_tokens:
+    budget = math.inf if kv_tokens is None else kv_tokens // stages   # per micro-batch
+    if max(need) > budget:
         k = need.index(max(need))
         raise PlanError(f"request {k} needs {need[k]} KV-cache tokens (prompt {p[k]} + output {o[k]}), more "
-                        f"than a replica's kv_tokens={kv_tokens}")
-    budget = math.inf if kv_tokens is None else kv_tokens
+                        f"than a replica's kv_tokens={kv_tokens}"
+                        + (f" shared by its {stages} micro-batches in flight" if stages > 1 else ""))
+    engines = replicas * stages   # each micro-batch in flight runs on its own (module doc)
     first, done = [0.0] * n, [0.0] * n
-    # per replica: its running requests as a heap of (the replica's step count at which each ends,
+    # per engine: its running requests as a heap of (the engine's step count at which each ends,
     # request), decode steps run so far, the sum of the running requests' contexts, the KV tokens held
-    running: list[list] = [[] for _ in range(replicas)]
-    steps_run, contexts, held = [0] * replicas, [0] * replicas, [0] * replicas
-    boundaries = [(0.0, r) for r in range(replicas)]   # (next iteration at, replica)
+    running: list[list] = [[] for _ in range(engines)]
+    steps_run, contexts, held = [0] * engines, [0] * engines, [0] * engines
+    boundaries = [(0.0, r) for r in range(engines)]   # (next iteration at, engine)
     i = 0   # the first request not yet admitted
     while boundaries:
         t, r = heapq.heappop(boundaries)

@@ -18,6 +18,24 @@ vocabulary-parallel with its logits all-gathered when it is not tied to the embe
   layer, the LM head reads its whole weight; every kernel pays the profile's launch overhead.
 - **Memory per rank**: weights (layers / (tp pp) + the rest whole), the KV cache (``kv_bytes``),
   and the prefill's working set (the largest activations of one layer plus the logits in fp32).
+
+**Stages.** A pipelined (pp > 1) configuration splits the layers over ``pp`` stages
+(``stage_layers``); a stage's time for one batch is its layers, plus the LM head on the last stage
+and the point-to-point send of the batch's hidden states on the others (``prefill_stages``,
+``decode_stages``). ``prefill`` and ``decode`` are one batch's pass through all the stages, their
+sum: what autopar's engine runs (one batch crosses the stages per step, autopar/inference/
+pp_stages.py), and a request's own latency in any case.
+
+**Stages in flight** (``prefill_in_flight``, ``decode_in_flight``): a server that keeps one
+micro-batch per stage in flight (vLLM's pipeline-parallel virtual engines, Vidur's replica
+scheduler) starts a micro-batch's iteration whenever the first stage is free. With ``pp``
+micro-batches in flight the replica completes an iteration every slowest stage's time (its send
+included), and each micro-batch's own iteration takes its pass through the stages, or ``pp`` turns
+of the slowest stage when the stages are uneven: ``in_flight_cycle`` = max(sum of the stages, pp x
+the slowest). With even stages that is the pass itself: a request's time per token is unchanged
+and the replica serves pp times the micro-batches, so pp times the tokens per second of one batch
+at a time. The continuous-batching simulation (autopar/inference/continuous.py) prices its
+iterations this way.
 """
 from __future__ import annotations
 
@@ -37,6 +55,25 @@ def kv_bytes(m: ModelShape, tp: int, layers: range, batch: int, context: int, dt
     layer keeps (context, or its sliding window) x kv_heads / tp x head_dim x bytes."""
     positions = sum(m.cache_positions(i, context) for i in layers)
     return 2 * batch * positions * (m.kv_heads // tp) * m.head_dim * ITEMSIZE[dtype]
+
+
+def stage_layers(layers: int, pp: int) -> list[list[int]]:
+    """[first, end) decoder layers of each of ``pp`` stages: as even as can be, the first stages
+    taking one more when ``pp`` does not divide ``layers``."""
+    base, extra = divmod(layers, pp)
+    out, start = [], 0
+    for k in range(pp):
+        end = start + base + (1 if k < extra else 0)
+        out.append([start, end])
+        start = end
+    return out
+
+
+def in_flight_cycle(stage_times) -> float:
+    """One micro-batch's iteration when as many micro-batches as stages are in flight: its own pass
+    (the sum of the stages' times), or, when the stages are uneven, as many turns of the slowest
+    stage as there are stages (each micro-batch waits its turn there)."""
+    return max(sum(stage_times), len(stage_times) * max(stage_times))
 
 
 def experts_touched(m: ModelShape, tokens: float) -> float:
@@ -120,6 +157,30 @@ class Pricer:
         return qkv + o + mlp
 
     def prefill(self, tp: int, pp: int, batch: int, prompt: int) -> float:
+        """Time to first token of one batch of ``batch`` prompts of ``prompt`` tokens: its pass
+        through every stage (module doc)."""
+        return sum(self.prefill_stages(tp, pp, batch, prompt))
+
+    def decode(self, tp: int, pp: int, batch: int, context: float) -> float:
+        """One decode step of one batch (time per output token): its pass through every stage."""
+        return sum(self.decode_stages(tp, pp, batch, context))
+
+    def prefill_in_flight(self, tp: int, pp: int, batch: int, prompt: int) -> float:
+        """A prefill's time when ``pp`` micro-batches are in flight (module doc, "Stages in flight")."""
+        return in_flight_cycle(self.prefill_stages(tp, pp, batch, prompt))
+
+    def decode_in_flight(self, tp: int, pp: int, batch: int, context: float) -> float:
+        """A micro-batch's decode step when ``pp`` micro-batches are in flight (module doc)."""
+        return in_flight_cycle(self.decode_stages(tp, pp, batch, context))
+
+    def _stage_times(self, pp: int, layer: float, head: float, hop: float) -> list[float]:
+        """Each stage's busy time for one batch: its layers, the LM head on the last stage, the
+        send to the next stage on the others; their sum is the batch's pass."""
+        last = pp - 1
+        return [(end - start) * layer + (head if k == last else hop)
+                for k, (start, end) in enumerate(stage_layers(self.m.layers, pp))]
+
+    def prefill_stages(self, tp: int, pp: int, batch: int, prompt: int) -> list[float]:
         m = self.m
         tokens = batch * prompt
         experts_read = experts_touched(m, tokens)
@@ -131,9 +192,9 @@ class Pricer:
                                 intensity=attn_flops / max(attn_bytes, 1), calibration=self.cal)
                  + self.memory_bound(ELEMENTWISE_PASSES * tokens * m.hidden * self.b)
                  + 2 * self.all_reduce(tokens * m.hidden * self.b, tp))
-        return m.layers * layer + self.head(batch, tp) + (pp - 1) * self.hop(tokens * m.hidden * self.b, tp, pp)
+        return self._stage_times(pp, layer, self.head(batch, tp), self.hop(tokens * m.hidden * self.b, tp, pp))
 
-    def decode(self, tp: int, pp: int, batch: int, context: float) -> float:
+    def decode_stages(self, tp: int, pp: int, batch: int, context: float) -> list[float]:
         m = self.m
         experts_read = experts_touched(m, batch)
         context = sum(m.cache_positions(i, context) for i in range(m.layers)) / m.layers
@@ -142,7 +203,7 @@ class Pricer:
                                      flops=4 * batch * (m.heads / tp) * context * m.head_dim)
                  + self.memory_bound(ELEMENTWISE_PASSES * batch * m.hidden * self.b)
                  + 2 * self.all_reduce(batch * m.hidden * self.b, tp))
-        return m.layers * layer + self.head(batch, tp) + (pp - 1) * self.hop(batch * m.hidden * self.b, tp, pp)
+        return self._stage_times(pp, layer, self.head(batch, tp), self.hop(batch * m.hidden * self.b, tp, pp))
 
     def workspace(self, tp: int, batch: int, prompt: int) -> float:
         m = self.m

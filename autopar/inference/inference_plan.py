@@ -71,13 +71,16 @@ def summary(plan: InferencePlan) -> str:
     """The plan as a short text table (``autopar show`` of an inference plan)."""
     pr = plan.predictions
     gib = 2 ** 30
+    in_flight = plan.pp > 1 and pr.get("batching") == "continuous"   # pipeline stages in flight
     rows = [
         ("cluster", f"{plan.cluster.get('name', '?')}: {plan.cluster.get('nodes', '?')} node(s) x "
                     f"{plan.cluster.get('devices_per_node', '?')} {plan.cluster.get('device', '')}"),
         ("model", f"{plan.model.get('params', 0) / 1e9:.2f} B parameters, {plan.model.get('layers', '?')} layers, "
                   f"{plan.dtype}"),
         ("degrees", f"tp={plan.tp} pp={plan.pp} dp={plan.dp} ({plan.world_size} ranks)"),
-        ("batch", f"{plan.batch_size} sequences per replica, prompt {plan.prompt_len}, "
+        ("batch", f"{plan.batch_size} sequences per "
+                  + (f"micro-batch, {plan.pp} in flight per replica" if in_flight else "replica")
+                  + f", prompt {plan.prompt_len}, "
                   f"{plan.max_new_tokens} new tokens"),
         ("stages", ", ".join(f"[{a}, {b})" for a, b in plan.stages)),
         ("KV cache", f"{plan.kv_cache_bytes_per_rank / gib:.3f} GiB per rank"),

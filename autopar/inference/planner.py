@@ -4,8 +4,9 @@ The search (every configuration priced by autopar/inference/inference_cost.py):
 
 - ``tp``: divisors of the node's devices that divide the attention heads and the key/value
   heads (tensor parallelism stays inside a node);
-- ``pp``: 1 unless pinned (the engine runs one batch across the stages per step: the stages split
-  the weights and the KV cache but gain no latency);
+- ``pp``: under continuous batching every divisor of the devices a tp group leaves (a replica
+  keeps pp micro-batches in flight, below); else 1 unless pinned (the engine runs one batch across
+  the stages per step: the stages split the weights and the KV cache but gain no latency);
 - ``dp``: the devices left, each replica an independent copy decoding its own sequences;
 - ``batch_size`` (sequences a replica decodes together): without ``slo``, the example's rows
   shared over the replicas; with ``slo``, every power of two up to what memory holds, and the
@@ -16,20 +17,24 @@ length and new tokens are the trace's longest, batch sizes are searched, and eac
 serves the whole trace in simulation, ``batching="static"`` (batches padded to their longest
 prompt and output, as autopar's server runs them) or ``"continuous"`` (requests join and leave the
 running batch at each step, as vLLM does: autopar/inference/continuous.py; a replica holds up to
-batch_size requests and as many KV-cache tokens as its memory holds, ``_kv_pool``): its TTFT
+batch_size requests and as many KV-cache tokens as its memory holds, ``_kv_pool``; with pp > 1
+it keeps pp micro-batches in flight, one per stage, each of up to batch_size requests and 1/pp of
+the KV tokens, each iteration priced with the others in flight: ``Pricer.decode_in_flight``): its TTFT
 is the trace's P90 (queueing included), its TPOT the P99, its throughput the output tokens per
 second over the trace, its latency the P90 end to end; the plan records the trace's statistics,
 these percentiles and the batching simulated.
 
 Each configuration must fit: weights + KV cache + prefill working set per rank under the budget
 (the device's memory unless ``memory_budget``); under continuous batching the KV cache is a pool of
-tokens (what the memory left holds, at most batch_size longest contexts, at least the trace's longest
-request) and the prefill's working set is one prompt's (admitted prompts prefill one by one).
+tokens (what the memory left holds, at most pp x batch_size longest contexts, at least pp times the
+trace's longest request) and the prefill's working set is one prompt's (admitted prompts prefill
+one by one). Static batching prices one batch crossing the stages at a time, as autopar's engine
+and server run it.
 
 Objective: with ``slo`` (``{"ttft": "2s", "tpot": "50ms"}``), the most tokens/s per device among
 the configurations meeting both targets (none: a PlanError naming the best TTFT and TPOT reached);
 without, the least time to generate the example batch (TTFT + max_new_tokens x TPOT). Ties go to
-the smaller tp, then the smaller batch.
+the smaller tp, then the fewer stages, then the smaller batch.
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ import torch
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.inference.continuous import simulate_continuous
-from autopar.inference.inference_cost import ITEMSIZE, Pricer, kv_bytes, weight_bytes
+from autopar.inference.inference_cost import ITEMSIZE, Pricer, kv_bytes, stage_layers, weight_bytes
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import ModelShape
 from autopar.inference.trace import RequestTrace, load_trace, simulate
@@ -53,7 +58,7 @@ SLO_KEYS = ("ttft", "tpot")
 # with a trace the targets bind these percentiles (TTFT P90 under 2 s, time between tokens P99 under
 # 200 ms are the usual service targets)
 TRACE_PERCENTILE = {"ttft": "p90", "tpot": "p99"}
-BATCHING = {"static": simulate, "continuous": simulate_continuous}   # how a trace is served in simulation
+BATCHING = ("static", "continuous")   # how a trace is served in simulation (module doc)
 
 
 def _constraints(constraints) -> dict:
@@ -85,16 +90,6 @@ def _slo(slo, traced: bool = False) -> tuple[dict, dict]:
             raise PlanError(f"slo: two targets for {m.group(1)}")
         out[m.group(1)] = parse_seconds(v, f"slo {k}")
     return out, pct
-
-
-def _stages(layers: int, pp: int) -> list:
-    base, extra = divmod(layers, pp)
-    out, start = [], 0
-    for k in range(pp):
-        end = start + base + (1 if k < extra else 0)
-        out.append([start, end])
-        start = end
-    return out
 
 
 def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: int | None = None, slo=None,
@@ -135,7 +130,7 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
     context = prompt + max_new_tokens
     best, tried, smallest, closest = None, 0, None, None
     for tp in _tp_choices(m, cluster, pins):
-        for pp in ([pins["pp"]] if "pp" in pins else [1]):
+        for pp in _pp_choices(m.layers, n // tp, pins, batching):
             if n % (tp * pp) or m.layers < pp:
                 continue
             dp = n // (tp * pp)
@@ -148,9 +143,10 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                     fixed = weight_bytes(m, tp, pp, dtype) + price.workspace(tp, 1, prompt)
                     kv, kv_tokens, per_token = _kv_pool(m, tp, pp, batch, context, dtype, budget - fixed)
                     longest = int((trace.prompt_lens + trace.output_lens).max())
-                    mem = fixed + max(kv, longest * per_token)   # over the budget when the longest does not fit
+                    # over the budget when a micro-batch's share of the pool does not hold the longest
+                    mem = fixed + max(kv, pp * longest * per_token)
                 else:
-                    kv = max(kv_bytes(m, tp, range(a, b), batch, context, dtype) for a, b in _stages(m.layers, pp))
+                    kv = max(kv_bytes(m, tp, range(a, b), batch, context, dtype) for a, b in stage_layers(m.layers, pp))
                     mem = weight_bytes(m, tp, pp, dtype) + kv + price.workspace(tp, batch, prompt)
                 if mem > budget:
                     smallest = mem if smallest is None else min(smallest, mem)
@@ -161,9 +157,14 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                 cand = dict(tp=tp, pp=pp, dp=dp, batch=batch, kv=kv, kv_tokens=kv_tokens, mem=mem, ttft=ttft,
                             tpot=tpot, tokens_s=tokens_s, latency=ttft + max_new_tokens * tpot)
                 if trace is not None:   # served in simulation: percentiles replace the batch's figures
-                    served = BATCHING[batching](trace, lambda b, s, tp=tp, pp=pp: price.prefill(tp, pp, b, s),
-                                      lambda b, c, tp=tp, pp=pp: price.decode(tp, pp, b, c), dp, batch,
-                                      **({"kv_tokens": kv_tokens} if kv_tokens is not None else {}))
+                    if batching == "continuous":   # pp micro-batches in flight in each replica
+                        served = simulate_continuous(
+                            trace, lambda b, s, tp=tp, pp=pp: price.prefill_in_flight(tp, pp, b, s),
+                            lambda b, c, tp=tp, pp=pp: price.decode_in_flight(tp, pp, b, c), dp, batch,
+                            kv_tokens=kv_tokens, stages=pp)
+                    else:   # static batches, one crossing the stages at a time
+                        served = simulate(trace, lambda b, s, tp=tp, pp=pp: price.prefill(tp, pp, b, s),
+                                          lambda b, c, tp=tp, pp=pp: price.decode(tp, pp, b, c), dp, batch)
                     cand.update(ttft=_percentile(served, "ttft", pct["ttft"]),
                                 tpot=_percentile(served, "tpot", pct["tpot"]), tokens_s=served["tokens_per_s"],
                                 latency=served["latency"]["p90"], served=served)
@@ -172,7 +173,7 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                 if any(cand[k] > v for k, v in targets.items()):
                     continue
                 tie = (cand["latency"],) if trace is not None else ()   # a served trace: tokens/s tie often
-                key = ((-cand["tokens_s"] / n, *tie, tp, batch) if targets else (cand["latency"], tp, batch))
+                key = ((-cand["tokens_s"] / n, *tie, tp, pp, batch) if targets else (cand["latency"], tp, pp, batch))
                 if best is None or key < best[0]:
                     best = (key, cand)
     if best is None and closest is not None:   # a trace no configuration serves within the targets
@@ -188,7 +189,7 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
     c = best[1]
     return InferencePlan(
         tp=c["tp"], pp=c["pp"], dp=c["dp"], batch_size=c["batch"], prompt_len=prompt, max_new_tokens=max_new_tokens,
-        stages=_stages(m.layers, c["pp"]), kv_cache_bytes_per_rank=int(c["kv"]),
+        stages=stage_layers(m.layers, c["pp"]), kv_cache_bytes_per_rank=int(c["kv"]),
         cluster={"name": cluster.name, "nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
                  "device": cluster.device.name},
         model=m.to_json(), dtype=dtype, slo={k: v for k, v in targets.items()},
@@ -207,9 +208,10 @@ def _kv_pool(m: ModelShape, tp: int, pp: int, batch: int, context: int, dtype: s
              room: float) -> tuple[float, int, float]:
     """Continuous batching's KV cache per rank: the tokens ``room`` bytes hold on the stage holding
     the most layers, priced at every layer's full rate per token (a sliding window's saving is not
-    counted), at most ``batch`` contexts of ``context``. Returns (bytes, tokens, bytes per token)."""
-    per_token = max(kv_bytes(m, tp, range(a, b), 1, 1, dtype) for a, b in _stages(m.layers, pp))
-    tokens = max(0, min(int(room // per_token), batch * context))
+    counted), at most ``batch`` contexts of ``context`` for each of the ``pp`` micro-batches in flight.
+    Returns (bytes, tokens, bytes per token)."""
+    per_token = max(kv_bytes(m, tp, range(a, b), 1, 1, dtype) for a, b in stage_layers(m.layers, pp))
+    tokens = max(0, min(int(room // per_token), pp * batch * context))
     return tokens * per_token, tokens, per_token
 
 
@@ -220,6 +222,17 @@ def _percentile(served: dict, what: str, p: str) -> float:
     if what == "tpot" and (x > 0).any():
         x = x[x > 0]   # one-token outputs have no time between tokens
     return float(np.percentile(x, float(p[1:])))
+
+
+def _pp_choices(layers: int, per_tp: int, pins: dict, batching: str) -> list[int]:
+    """Pipeline stages to try: the pin; under continuous batching (stages in flight) every divisor
+    of the ``per_tp`` devices a tp group leaves, up to the layers; else 1 (the engine runs one batch
+    across the stages: pp only splits the memory)."""
+    if "pp" in pins:
+        return [pins["pp"]]
+    if batching != "continuous":
+        return [1]
+    return [d for d in range(1, min(per_tp, layers) + 1) if per_tp % d == 0]
 
 
 def _tp_choices(m: ModelShape, cluster: Cluster, pins: dict) -> list[int]:

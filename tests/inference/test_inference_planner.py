@@ -7,7 +7,7 @@ import torch
 
 import autopar
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
-from autopar.inference.inference_cost import Pricer
+from autopar.inference.inference_cost import Pricer, in_flight_cycle, stage_layers
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import ModelShape
 from autopar.inference.planner import plan_inference
@@ -109,3 +109,21 @@ def test_bad_inputs_are_clear_errors(tiny):
         plan_inference(tiny, torch.zeros(1, 5, dtype=torch.long), cl, max_new_tokens=0)
     with pytest.raises(PlanError, match="causal LM"):
         plan_inference(torch.nn.Linear(2, 2), torch.zeros(1, 5, dtype=torch.long), cl, max_new_tokens=4)
+
+
+def test_stages_in_flight_cost_a_pass_or_pp_turns_of_the_slowest_stage(llama70b):
+    # hand values: even stages cost their sum, uneven ones pp turns of the slowest
+    assert in_flight_cycle([3.0, 3.0]) == 6.0 and in_flight_cycle([4.0, 2.0]) == 8.0 and in_flight_cycle([5.0]) == 5.0
+    assert stage_layers(80, 2) == [[0, 40], [40, 80]] and stage_layers(10, 3) == [[0, 4], [4, 7], [7, 10]]
+    price = Pricer(autopar.Cluster.preset("dgx-h100"), ModelShape.of(llama70b), "bf16")
+    # pp=1: one stage, the in-flight price is the plain one
+    assert price.decode_stages(4, 1, 8, 2048) == [price.decode(4, 1, 8, 2048)]
+    assert price.decode_in_flight(4, 1, 8, 2048) == price.decode(4, 1, 8, 2048)
+    assert price.prefill_in_flight(4, 1, 1, 1024) == price.prefill(4, 1, 1, 1024)
+    # pp=2: each stage has 40 layers, the last the LM head, the first the send; a micro-batch's iteration
+    # with another in flight is its own pass within the head's and the send's share
+    stages = price.decode_stages(2, 2, 8, 2048)
+    assert len(stages) == 2 and sum(stages) == pytest.approx(price.decode(2, 2, 8, 2048))
+    cycle = price.decode_in_flight(2, 2, 8, 2048)
+    assert price.decode(2, 2, 8, 2048) <= cycle < 1.02 * price.decode(2, 2, 8, 2048)
+    assert cycle == pytest.approx(2 * max(stages))

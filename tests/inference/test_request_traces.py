@@ -246,3 +246,66 @@ def test_continuous_plans_pool_the_kv_cache_and_serve_refuses_them(tmp_path, cap
     p.save(tmp_path / "p.json")
     assert main(["serve", "hf_llama", "--cluster", "dgx-a100", "--plan", str(tmp_path / "p.json")]) != 0
     assert "autopar serve does not run" in capsys.readouterr().err
+
+
+# pipeline stages in flight (simulate_continuous(stages=), Pricer.decode_in_flight)
+
+
+def test_continuous_two_stages_in_flight_serve_twice_the_tokens_at_the_same_time_per_token():
+    # 4 requests at 0, prompt 10, output 11, batch 1; prefill 1 s, 0.1 s a step (a micro-batch's iteration
+    # with the other in flight: its pass through both stages)
+    tr = RequestTrace(np.zeros(4), np.full(4, 10), np.full(4, 11))
+    one = simulate_continuous(tr, *_flat()[:2], replicas=1, batch_size=1)
+    # one batch at a time: each request 1 s prefill + 10 steps, one after the other
+    assert one["arrays"]["ttft"].tolist() == pytest.approx([1.0, 3.0, 5.0, 7.0])
+    assert one["tokens_per_s"] == pytest.approx(44 / 8.0)
+    two = simulate_continuous(tr, *_flat()[:2], replicas=1, batch_size=1, stages=2)
+    # two micro-batches in flight: requests 0 and 1 together to 2.0, then 2 and 3 to 4.0
+    assert two["arrays"]["ttft"].tolist() == pytest.approx([1.0, 1.0, 3.0, 3.0])
+    assert two["arrays"]["latency"].tolist() == pytest.approx([2.0, 2.0, 4.0, 4.0])
+    assert two["tokens_per_s"] == pytest.approx(2 * one["tokens_per_s"])
+    assert two["arrays"]["tpot"].tolist() == pytest.approx(one["arrays"]["tpot"].tolist())   # 0.1 s each
+    # the KV pool is shared out: 21 tokens a request, 42 a replica is 21 a micro-batch
+    assert simulate_continuous(tr, *_flat()[:2], 1, 4, kv_tokens=42, stages=2)["tokens_per_s"] == \
+        pytest.approx(two["tokens_per_s"])
+    with pytest.raises(PlanError, match="shared by its 2 micro-batches"):
+        simulate_continuous(tr, *_flat()[:2], 1, 4, kv_tokens=41, stages=2)
+
+
+def test_continuous_pp2_plan_keeps_stages_in_flight_and_pp1_is_unchanged():
+    from autopar.inference.inference_cost import Pricer
+    from autopar.inference.model_shape import ModelShape
+    from autopar.models.hf_config import from_hf_config
+    from tests.inference.test_inference_planner import LLAMA3_70B
+    model = from_hf_config(dict(LLAMA3_70B), seq=16, batch=1)
+    cl = autopar.Cluster.preset("dgx-h100", nodes=1)
+    price = Pricer(cl, ModelShape.of(model), "bf16")
+    busy = synthetic_trace(300, rate=40.0, prompt_lens=[128, 512], output_lens=[64, 128], seed=0)   # saturating
+    for pp in (1, 2):
+        pins = {"tp": 2, "pp": pp, "batch_size": 8}
+        plan = plan_inference(model, None, cl, trace=busy, constraints=pins, batching="continuous")
+        tokens = plan.predictions["kv_cache_tokens_per_replica"]
+        at_a_time = simulate_continuous(busy, lambda b, s: price.prefill(2, pp, b, s),
+                                        lambda b, c: price.decode(2, pp, b, c), plan.dp, 8, kv_tokens=tokens)
+        ratio = plan.predictions["tokens_per_s"] / at_a_time["tokens_per_s"]
+        tpot = plan.predictions["served"]["tpot"]["p50"] / at_a_time["tpot"]["p50"]
+        if pp == 1:   # one stage: the plan is the one-batch-at-a-time simulation itself
+            assert ratio == pytest.approx(1.0) and tpot == pytest.approx(1.0)
+        else:   # two micro-batches in flight: twice the tokens, each request's time per token as before
+            assert 1.8 < ratio < 2.05 and tpot == pytest.approx(1.0, rel=0.05)
+
+
+def test_continuous_search_takes_stages_where_static_cannot_use_them():
+    # a budget the 2-layer model's tp=1 rank holds only with its layers on two stages: under continuous
+    # batching pp is searched (stages in flight serve), under static batching only a pin sets it
+    cl = autopar.Cluster.preset("dgx-a100", nodes=1)
+    tr = synthetic_trace(200, rate=2.0, prompt_lens=[64, 256], output_lens=[16, 64], seed=0)
+    p = plan_inference(_model(), None, cl, trace=tr, constraints={"tp": 1}, memory_budget="650KiB",
+                       batching="continuous")
+    assert p.pp == 2 and p.dp == 4 and p.stages == [[0, 1], [1, 2]]
+    assert "1 sequences per micro-batch, 2 in flight per replica" in summary(p)
+    with pytest.raises(autopar.errors.MemoryBudgetError):
+        plan_inference(_model(), None, cl, trace=tr, constraints={"tp": 1}, memory_budget="650KiB")
+    # with memory to spare, one stage and more replicas serve as many tokens at a lower latency (a tie goes
+    # to the fewer stages)
+    assert plan_inference(_model(), None, cl, trace=tr, constraints={"tp": 1}, batching="continuous").pp == 1
