@@ -76,7 +76,9 @@ class Segments:
             if b > a:
                 for k, x in enumerate(xs):
                     seg = x[a:b]
-                    out[k, tid] += torch.dot(seg, seg)
+                    # torch's own reduction, not BLAS dot: a CPU BLAS sums by the buffer's alignment,
+                    # so a host copy of the same values (offload) could differ in the last bits
+                    out[k, tid] += seg.square().sum()
         return out
 
     def scale_(self, x: Tensor, per_id: Tensor) -> None:
