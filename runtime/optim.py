@@ -78,7 +78,7 @@ class Segments:
                     seg = x[a:b]
                     # torch's own reduction, not BLAS dot: a CPU BLAS sums by the buffer's alignment,
                     # so a host copy of the same values (offload) could differ in the last bits
-                    out[k, tid] += seg.square().sum()
+                    out[k, tid] += torch.linalg.vector_norm(seg).square()
         return out
 
     def scale_(self, x: Tensor, per_id: Tensor) -> None:
