@@ -30,7 +30,8 @@ import math
 import numpy as np
 
 from autopar.pricing.edge_price import edge_groups, edge_layouts
-from autopar.pricing.price import Priced, mesh_comm
+from autopar.pricing.mesh_comm import mesh_comm
+from autopar.pricing.price import Priced
 from autopar.rules.layout import Layout
 from autopar.pricing.cost import profile_of
 from autopar.pricing.local_bytes import runtime_itemsize

@@ -67,7 +67,7 @@ class Candidates:
     needs_grad: set[str] = field(default_factory=set)
     edge_cache: dict = field(default_factory=dict)      # pricing caches per cluster: collectives, ops, edges
     memo: PricingMemo = field(default_factory=lambda: PricingMemo())   # pricing's per-mesh memos
-    # link family -> reshard traffic (autopar/pricing/price.py ``shared_reshards``): one dict for
+    # link family -> reshard traffic (autopar/pricing/mesh_comm.py ``shared_reshards``): one dict for
     # every mesh the searches of one plan price (autopar/search/context.py ``PlanCaches``)
     reshards: dict = field(default_factory=dict)
     instances_memo: dict | None = None   # rep -> the nodes it stands for (``instances``)

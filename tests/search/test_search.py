@@ -312,7 +312,7 @@ def test_least_collective_price_on_at_least_some_bytes(preset, kw):
     nbytes or more (checked on a dense grid of sizes: the published and calibrated curves are not
     monotone everywhere), and 0 on an axis spanning nodes."""
     from autopar.pricing.edge_floor import COLLECTIVES, _least_from
-    from autopar.pricing.price import mesh_comm
+    from autopar.pricing.mesh_comm import mesh_comm
 
     cluster = autopar.Cluster.preset(preset, **kw)
     mesh = next(m for m in cluster.meshes() if len(m.model_axes()) == 2)
