@@ -421,7 +421,7 @@ def _v100() -> Calibration:
     # vs H100 295): 70.6 FLOP/B.
     knee = 150.0 * (125e12 / 900e9) / (989e12 / 3.35e12)
     # NVLink 2.0 ring (4 GPUs): the A100 ramp's small-message times with a 38 GB/s plateau
-    # (0.76 x 50 GB/s, see cluster.py)
+    # (0.76 x 50 GB/s, see cluster_presets.py)
     intra = LinkCurves((("all_reduce", 4, _same_latency(A100_NVLINK_AR8, 38e9)),), hop_latency=1.9e-6)
     # EDR InfiniBand: 5.6 GB/s per GPU (two 100 Gb/s ports per 4-GPU node x 0.9), same construction
     inter = LinkCurves((("all_reduce", 2, _same_latency(A100_NVLINK_AR8, 5.6e9)),), hop_latency=4.0e-6)

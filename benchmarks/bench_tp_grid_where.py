@@ -9,7 +9,7 @@ Clusters: ``dgx-a100`` (8 GPUs / node) and ``tacc-longhorn`` (4 V100 / node) at 
 each with its own links (NVLink-class) and with slow links (PCIe/Ethernet-class):
   * intra-node PCIe Gen4 x16: 16 GT/s x 16 lanes x 128/130 / 8 = 31.5 GB/s per direction (PCI-SIG,
     PCIe 4.0 base specification); x 0.76 (the A100 preset's measured/nominal bus-bandwidth ratio,
-    autopar/cluster.py) = 24 GB/s ring bus bandwidth;
+    autopar/cluster_presets.py) = 24 GB/s ring bus bandwidth;
   * inter-node 100 Gb Ethernet (IEEE 802.3 100GBASE) = 12.5 GB/s line rate x 0.9 (the presets'
     achieved/line ratio) = 11.25 GB/s, ONE port per node shared by its GPUs (1.4 GB/s per GPU on
     8-GPU nodes, 2.8 on 4-GPU nodes).
@@ -33,7 +33,8 @@ import dataclasses
 import time
 
 import autopar
-from autopar.cluster import Cluster, Link
+from autopar.cluster import Cluster
+from autopar.hardware import Link
 from autopar.pricing.cost import profile_of
 from autopar.errors import PlanError
 from autopar.models.gpt2 import gpt

@@ -213,7 +213,7 @@ def offload(quick: bool) -> None:
     """Section 6 (module doc)."""
     import torch
     import autopar
-    from autopar.cluster import Host
+    from autopar.hardware import Host
     from autopar.errors import MemoryBudgetError
     import dataclasses
     _init_pg()

@@ -75,7 +75,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from autopar.cluster import Cluster, Device, Link
+from autopar.cluster import Cluster
+from autopar.hardware import Device, Link
 from autopar.errors import PlanError
 from autopar.pricing.memory import check_optimizer, check_precision
 from autopar.mesh import Mesh

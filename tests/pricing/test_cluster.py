@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.cluster import PRESETS, Cluster, Device, FrozenMap, Link
+from autopar.cluster import Cluster
+from autopar.cluster_presets import PRESETS
+from autopar.hardware import Device, FrozenMap, Link
 from autopar.units import parse_quantity
 from autopar.errors import ClusterError, PlanError
 

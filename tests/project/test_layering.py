@@ -31,7 +31,8 @@ PACKAGES = ("autopar", "solver", "codegen", "runtime")
 LAYERS = (
     ("runtime", ("runtime",)),            # the ops generated programs call; no planner
     ("solver", ("solver",)),              # the ILP, numpy only
-    ("core", ("autopar.errors", "autopar.units", "autopar.profile", "autopar.mesh", "autopar.cluster",
+    ("core", ("autopar.errors", "autopar.units", "autopar.profile", "autopar.mesh", "autopar.hardware",
+              "autopar.cluster_presets", "autopar.cluster_schema", "autopar.cluster",
               "autopar.constraints")),
     ("models", ("autopar.models",)),      # the zoo: torch modules
     ("frontend", ("autopar.frontend",)),  # tracing, batch dims, blocks

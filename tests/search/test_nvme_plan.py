@@ -10,7 +10,8 @@ import warnings
 import pytest
 
 import autopar
-from autopar.cluster import Cluster, Host, Nvme
+from autopar.cluster import Cluster
+from autopar.hardware import Host, Nvme
 from autopar.errors import ClusterError, ConstraintError
 from autopar.models.llama import llama
 from autopar.pricing.offload import NVME_LATENCY, offload_price

@@ -8,7 +8,8 @@ import warnings
 import pytest
 
 import autopar
-from autopar.cluster import Cluster, Host
+from autopar.cluster import Cluster
+from autopar.hardware import Host
 from autopar.errors import ClusterError, ConstraintError, MemoryBudgetError
 from autopar.models.gpt2 import gpt2
 from autopar.models.llama import llama

@@ -7,7 +7,8 @@ import io
 import pytest
 from rich.console import Console
 
-from autopar.cluster import Cluster, Device, Link
+from autopar.cluster import Cluster
+from autopar.hardware import Device, Link
 from autopar.errors import PlanError
 from autopar.pricing.pipeline_cost import boundary_p2p_time, crosses_nodes, p2p_time
 from runtime.pipeline_orders import SCHEDULES, pipeline_orders, stage_ranks

@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from autopar.cluster import Cluster, Device, FrozenMap, Link
+from autopar.cluster import Cluster
+from autopar.hardware import Device, FrozenMap, Link
 from autopar.pricing.cost import efficiency
 from benchmarks import tp_grid_predict as tp
 from benchmarks.tp_grid_predict import Mode, Setting
