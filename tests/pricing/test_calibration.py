@@ -179,11 +179,12 @@ def test_calibrate_measures_op_floors_on_cpu():
     """``autopar calibrate`` on a CPU writes a floor per chained rule, forward and backward, each
     a positive time of tens of microseconds at most a few milliseconds."""
     import torch
-    from autopar.execution.calibrate import _op_floors, _timed
+    from autopar.execution.calibrate_ops import measure_op_floors
+    from autopar.execution.calibrate_timing import seconds_per_call
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # as calibrate's ranks measure (two threads on a busy 2-core machine: ms per op)
     try:
-        floors = _op_floors(lambda f: _timed(f, 5, lambda: None), torch.float32, torch.device("cpu"))
+        floors = measure_op_floors(lambda f: seconds_per_call(f, 5, lambda: None), torch.float32, torch.device("cpu"))
     finally:
         torch.set_num_threads(threads)
     assert set(floors) >= {"linear", "gelu", "add", "layer_norm", "softmax"}
@@ -243,7 +244,7 @@ def test_collective_curves_never_price_a_smaller_message_slower():
     """A 1 KB all-reduce read 1.4 ms where 8 KB read 0.6 ms (another rank's skew in its loops):
     the fitted curve takes each size's time as the least of its own and every larger size's, so a
     smaller message never costs more; a curve already monotone in time is kept as measured."""
-    from autopar.execution.calibrate import monotone_times
+    from autopar.execution.calibrate_fit import monotone_times
     f = 1.0   # all_reduce over 2 ranks: bus bytes = bytes
     measured = [(1024.0, 1024 / 1.4e-3), (8192.0, 8192 / 0.6e-3), (65536.0, 65536 / 1.4e-3),
                 (524288.0, 524288 / 1.8e-3)]
@@ -277,8 +278,9 @@ def test_calibrate_measures_host_copy_and_cpu_step():
     """The host figures `autopar calibrate` measures on a CPU (one process: what `measure` runs
     on each rank, timed here alone): positive and plausible bytes/s."""
     import torch
-    from autopar.execution.calibrate import _host_rates, _timed
-    copy, cpu = _host_rates(torch.device("cpu"), lambda f: _timed(f, 3, lambda: None))
+    from autopar.execution.calibrate_host import measure_host_rates
+    from autopar.execution.calibrate_timing import seconds_per_call
+    copy, cpu = measure_host_rates(torch.device("cpu"), lambda f: seconds_per_call(f, 3, lambda: None))
     assert 0.1e9 < copy < 1000e9, copy
     assert 0.1e9 < cpu < 1000e9, cpu
 
