@@ -200,7 +200,7 @@ def setup(cm, example_inputs):
         mine = {n for sp in cm.stage_programs if sp.index % cm.pp == cm.stage for n in sp.param_names}
         # A parameter read on stages of several ranks (a tied embedding and head) is a chunk of
         # its own: the same layout on each of them, so ZeRO-2/3 gradient shards can be summed
-        # between the stages (runtime/zero.py shared_groups).
+        # between the stages (runtime/zero_step.py shared_groups).
         cm.tied_stages = {}
         for n in trainable:
             ranks = tuple(sorted({sp.index % cm.pp for sp in cm.stage_programs if n in sp.param_names}))

@@ -8,7 +8,7 @@ full tensors when ranks hold different stages;
 ``full_optimizer_state(cm, local)`` the same for the optimizer's state (save/load);
 ``check_options(cm)`` refuses what does not run under pipelining yet, before any group is made.
 
-Gradient clipping (``compile(grad_clip=...)``) is the sharded optimizer's (runtime/zero.py), with
+Gradient clipping (``compile(grad_clip=...)``) is the sharded optimizer's (runtime/zero_step.py), with
 the pp group among its norm groups: each stage's squared norm (summed over its data and model
 axes) is summed over the stages, and a tied parameter, whose full gradient every one of its k
 stages holds once the copies are summed, is weighted 1/k — the norm of the whole model's gradient,

@@ -61,7 +61,7 @@ LARS 80). Mixed precision adds the gradient's upcast (read 2, write 4) and the m
 (read 4, write 2): +12. tests/pricing/test_cost.py counts them from the optimizers' dispatched ops. A plan
 with the Triton kernels steps AdamW in one kernel (runtime/kernels/adamw.py): 28 B per element
 and one launch per tensor (``_FUSED_OPT_BYTES``).
-LAMB and LARS also all-reduce each chunk's per-tensor squared norms once per step (runtime/zero.py:
+LAMB and LARS also all-reduce each chunk's per-tensor squared norms once per step (runtime/zero_step.py:
 a [2, tensors + 1] fp32 tensor, ``TRUST_NORM_BYTES_PER_TENSOR`` per tensor) over every model axis
 of size > 1 and, under ZeRO 1-3, the data axes (autopar/pricing/price.py ``trust_norm_axes``):
 latency-bound, priced as that all_reduce, each tensor of the chunk paying its share.

@@ -111,7 +111,7 @@ def _chunk_tensors(c: Candidates) -> dict[str, int]:
 
 
 def trust_norm_axes(mesh, zero: int) -> list[int]:
-    """The mesh axes LAMB/LARS sum their per-tensor norms over (runtime/zero.py): every model axis
+    """The mesh axes LAMB/LARS sum their per-tensor norms over (runtime/zero_step.py): every model axis
     of size > 1 (the blocks of a split tensor, replicas masked) and, when ZeRO shards the chunks,
     the data axes of size > 1."""
     return [a for a in mesh.model_axes() if mesh.shape[a] > 1] + \
