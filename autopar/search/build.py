@@ -26,7 +26,7 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
         info = c.nodes[n]
         S = len(info.strategies)
         costs.append(P.compute.get(n, np.zeros(S)) + P.comm.get(n, np.zeros(S)) + P.optimizer.get(n, np.zeros(S)))
-    edges = [Edge(index[u], index[v], m) for (u, v), m in sorted(P.edges.items()) if u in index and v in index]
+    edges = _edges(index, P, None)
     static_terms = []
     for n, st in P.static.items():
         static_terms.append((index[n], device_static(st)))
@@ -160,9 +160,26 @@ def work_problem(c: Candidates, P: Priced) -> Problem:
         keep.append(k)
         costs.append((P.compute[n] + P.comm[n] - P.grad_comm[n] + P.optimizer[n])[k] if n in P.compute
                      else np.zeros(len(k)))
-    edges = [Edge(index[u], index[v], m[np.ix_(keep[index[u]], keep[index[v]])])
-             for (u, v), m in sorted(P.edges.items()) if u in index and v in index]
-    return Problem(node_names=list(reps), costs=costs, edges=edges)
+    return Problem(node_names=list(reps), costs=costs, edges=_edges(index, P, keep))
+
+
+def with_edges(problem: Problem, P: Priced) -> Problem:
+    """``problem`` (a ``build_problem``) with the resharding edges of ``P`` as they are now: the
+    search builds the problem for its memory floor before the edges are priced
+    (autopar/search/visit.py), then gives it the edges once they are."""
+    index = {n: i for i, n in enumerate(problem.node_names)}
+    out = copy.copy(problem)
+    out.edges = _edges(index, P, problem.kept)
+    return out
+
+
+def _edges(index: dict, P: Priced, keep) -> list[Edge]:
+    """The edges of ``P.edges`` between nodes of ``index``, over the strategies ``keep`` (None: all)."""
+    edges = []
+    for (u, v), m in sorted(P.edges.items()):
+        if u in index and v in index:
+            edges.append(Edge(index[u], index[v], m if keep is None else m[np.ix_(keep[index[u]], keep[index[v]])]))
+    return edges
 
 
 def chosen(problem: Problem, solution) -> dict[str, int]:
