@@ -38,17 +38,22 @@ time. The admission budget is the plan's token pool (the planner's accounting), 
 ``torch.Generator`` seeded with its ``seed``, after Hugging Face's temperature, top-k and top-p
 warpers (unset top_k / top_p: the model's generation config, as its ``generate`` does).
 
-One process only (tp = pp = dp = 1): with several ranks, every rank would have to run the same
-admissions each iteration (rank 0 deciding and broadcasting), which is not built; the constructor
-refuses such a plan.
+**Ranks.** With tp > 1 every rank holds its tensor-parallel shard (``from_plan`` builds it as
+``compile_inference`` does) and runs the same iterations: on its own, SPMD, when every rank adds
+the same requests; in the server, ``LeaderIterations`` (rank 0) decides each iteration's admissions
+and broadcasts the requests added since the last step before it, and ``follow_iterations`` (every
+other rank) adds those and steps. One broadcast of Python objects per iteration. pp > 1 and dp > 1
+are not built (``from_plan`` refuses them).
 """
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.inference.engine import check_sampling
@@ -119,10 +124,10 @@ class IterationEngine:
     def from_plan(cls, model, plan, weights: str | None = None) -> "IterationEngine":
         """The engine of a one-process plan: the model built (weights read, dtype) as
         ``compile_inference`` builds it, with the plan's slots, lengths and KV-token pool."""
-        if plan.world_size != 1:
-            raise PlanError(f"continuous batching runs on one process so far (tp=1, pp=1, dp=1); this plan has "
-                            f"tp={plan.tp} pp={plan.pp} dp={plan.dp}: plan with --constraint tp=1 --constraint pp=1 "
-                            f"--constraint dp=1, or with --batching static")
+        if plan.pp != 1 or plan.dp != 1:
+            raise PlanError(f"continuous batching runs with pp=1 and dp=1 so far (tp ranks only); this plan has "
+                            f"tp={plan.tp} pp={plan.pp} dp={plan.dp}: plan with --constraint pp=1 --constraint dp=1, "
+                            f"or with --batching static")
         from autopar.inference.engine import compile_inference
         built = compile_inference(model, plan=plan, weights=weights)
         return cls(built.model, plan.batch_size, plan.prompt_len, plan.max_new_tokens,
@@ -304,9 +309,90 @@ class IterationEngine:
         self.running = [self.running[i] for i in keep]
 
 
+class LeaderIterations:
+    """Rank 0's ``IterationEngine`` when the plan has tp ranks: every ``step`` first broadcasts the
+    requests added since the last one, so every rank admits the same requests in the same order
+    and runs the same iteration (``follow_iterations`` on the other ranks). Requests are checked on
+    rank 0 (``add`` raises there, and nothing is sent). On one process it is the engine itself."""
+
+    def __init__(self, engine: IterationEngine):
+        self.engine = engine
+        self.pending: list[tuple] = []
+        self.lock = threading.Lock()   # a step in the server's worker thread, stop on its main thread
+
+    def __getattr__(self, name):       # running, waiting, iterations, slots, ...
+        return getattr(self.engine, name)
+
+    @property
+    def idle(self) -> bool:
+        return self.engine.idle
+
+    def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
+        seq = self.engine.add(prompt, max_new_tokens, sampling, tag)
+        self.pending.append((seq.prompt, max_new_tokens, sampling))
+        return seq
+
+    def step(self) -> list[Sequence]:
+        with self.lock:
+            _send(("step", self.pending))
+            self.pending = []
+            return self.engine.step()
+
+    def run_until_idle(self) -> list[Sequence]:
+        out = []
+        while not self.idle:
+            out += self.step()
+        return out
+
+    def abort(self) -> list[Sequence]:
+        with self.lock:
+            _send(("abort", []))
+            self.pending = []
+            return self.engine.abort()
+
+    def stop(self) -> None:
+        with self.lock:
+            _send((STOP, []))
+
+
+STOP = "stop"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _send(job: tuple) -> None:
+    if _distributed():
+        dist.broadcast_object_list([job], src=0)
+
+
+def follow_iterations(engine: IterationEngine) -> int:
+    """A rank other than 0: add the requests rank 0 broadcasts and run each of its iterations, until
+    it says stop; returns the number of iterations run. A failed step empties this rank's engine,
+    as rank 0 empties its own."""
+    steps = 0
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        kind, adds = box[0]
+        if kind == STOP:
+            return steps
+        if kind == "abort":
+            engine.abort()
+            continue
+        for prompt, new, sampling in adds:
+            engine.add(prompt, new, sampling)
+        try:
+            engine.step()
+        except Exception:  # noqa: BLE001 - rank 0 fails the same requests and tells the clients
+            engine.abort()
+        steps += 1
+
+
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
     """[rows, heads, length, dim] zero-padded on the left of its length to ``width``."""
     return torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
 
 
-__all__ = ["IterationEngine", "Sequence"]
+__all__ = ["IterationEngine", "LeaderIterations", "Sequence", "follow_iterations"]

@@ -10,7 +10,7 @@
   ``usage`` the token counts. Concurrent requests are batched (autopar/inference/batcher.py) as
   the plan's ``batching`` says: ``"static"`` (the default) runs them as one padded ``generate``
   call; ``"continuous"`` runs an iteration loop where requests join and leave the running batch
-  between decode steps (autopar/inference/iteration_engine.py; one process only so far).
+  between decode steps (autopar/inference/iteration_engine.py; tp ranks only, no pp or dp yet).
   ``finish_reason`` is ``"stop"`` when the output ended at an end-of-sequence token before
   ``max_tokens``.
 - ``GET /v1/models`` (the one model) and ``GET /health``; ``GET /metrics``: requests, batches,
@@ -238,19 +238,24 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
 def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, batching: str = "static",
           **app_options) -> None:
     """Rank 0 serves HTTP until interrupted, then tells the other ranks to stop; every other rank
-    runs rank 0's batches. ``batching="continuous"``: ``engine`` is an IterationEngine, on one
-    process only."""
+    runs rank 0's batches. ``batching="continuous"``: ``engine`` is an IterationEngine (tp ranks
+    only), rank 0 leading each iteration (``LeaderIterations``) and the others following it."""
     import torch.distributed as dist
     import uvicorn
 
     from autopar.inference.rank_jobs import LeaderGenerate, follow
 
-    if batching == "continuous":
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise PlanError("continuous batching is served on one process only so far (tp=1, pp=1, dp=1): "
-                            "the ranks would have to agree on every iteration's admissions, which is not built")
-        uvicorn.run(make_app(engine, limits, batching="continuous", **app_options), host=host, port=port,
-                    log_level="warning")
+    if batching == "continuous":   # rank 0 decides each iteration's admissions, the others follow
+        from autopar.inference.iteration_engine import LeaderIterations, follow_iterations
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            follow_iterations(engine)
+            return
+        leader = LeaderIterations(engine)
+        try:
+            uvicorn.run(make_app(leader, limits, batching="continuous", **app_options), host=host, port=port,
+                        log_level="warning")
+        finally:
+            leader.stop()
         return
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         follow(engine)

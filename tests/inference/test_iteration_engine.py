@@ -1,7 +1,8 @@
 """Continuous batching on a real model (autopar/inference/iteration_engine.py): requests arriving at
 different iterations, with different prompt and output lengths, each get the tokens of Hugging
 Face's ``generate`` on its prompt alone (tiny GPT-2 and Llama, fixed seeds); slots and the KV-token
-pool bound admission; a one-process continuous plan builds the engine, a multi-rank one is refused."""
+pool bound admission; a continuous plan builds the engine, tp=2 ranks run the same iterations (on
+their own, or rank 0 leading and rank 1 following) and a pp or dp one is refused."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +10,11 @@ import torch
 
 import autopar
 from autopar.errors import PlanError
-from autopar.inference.iteration_engine import IterationEngine
+from autopar.inference.inference_plan import InferencePlan
+from autopar.inference.iteration_engine import IterationEngine, LeaderIterations, follow_iterations
 from autopar.inference.planner import plan_inference
 from autopar.models import hf
+from runtime.launch import run_local
 
 torch.set_num_threads(1)
 
@@ -134,7 +137,7 @@ def _continuous_plan(devices, **pins):
                           batching="continuous", constraints=pins, dtype="fp32")
 
 
-def test_a_one_process_continuous_plan_builds_the_engine_and_a_multi_rank_one_is_refused():
+def test_a_one_process_continuous_plan_builds_the_engine_and_a_pp_or_dp_one_is_refused():
     plan = _continuous_plan(1)
     assert plan.predictions["batching"] == "continuous" and plan.world_size == 1
     engine = IterationEngine.from_plan(_model("hf_llama"), plan)
@@ -143,5 +146,40 @@ def test_a_one_process_continuous_plan_builds_the_engine_and_a_multi_rank_one_is
     seq = engine.add([5, 6, 7], 2)
     engine.run_until_idle()
     assert seq.tokens == _alone(_model("hf_llama"), [5, 6, 7], 2)
-    with pytest.raises(PlanError, match="one process so far"):
-        IterationEngine.from_plan(_model("hf_llama"), _continuous_plan(2, tp=2))
+    dp2 = _continuous_plan(2, tp=1, dp=2)
+    assert dp2.dp == 2
+    with pytest.raises(PlanError, match="pp=1 and dp=1 so far"):
+        IterationEngine.from_plan(_model("hf_llama"), dp2)
+
+
+def _tp_rank(rank, world, plan_json, lead):
+    """One rank of a tp=2 continuous engine: SPMD (every rank adds the same requests) or, with
+    ``lead``, rank 0 leading through LeaderIterations and rank 1 following its broadcasts."""
+    plan = InferencePlan.from_json(plan_json)
+    engine = IterationEngine.from_plan(_model("hf_llama"), plan)
+    engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 3, 9, 7, None
+    if lead and rank > 0:
+        return follow_iterations(engine)
+    if lead:
+        leader = LeaderIterations(engine)
+        seqs, log = _serve_staggered(leader, REQUESTS)
+        leader.stop()
+    else:
+        seqs, log = _serve_staggered(engine, REQUESTS)
+    return [s.tokens for s in seqs], engine.iterations, max(r for r, _ in log)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lead", [False, True])
+def test_tp2_ranks_run_the_same_iterations_and_equal_generate_alone(lead):
+    plan = _continuous_plan(2, tp=2)
+    assert (plan.tp, plan.pp, plan.dp) == (2, 1, 1)
+    results = run_local(_tp_rank, 2, args=(plan.to_json(), lead), timeout=300)
+    model = _model("hf_llama")
+    wants = [_alone(model, p, n) for p, n in REQUESTS]
+    tokens, iterations, most = results[0]
+    assert tokens == wants and most == 3
+    if lead:
+        assert results[1] == iterations          # the follower ran every iteration rank 0 ran
+    else:
+        assert results[1] == results[0]

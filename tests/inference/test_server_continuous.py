@@ -2,8 +2,8 @@
 over autopar/inference/iteration_engine.py): concurrent requests arriving at different times, with
 different prompt and output lengths, run in shared iterations and each get Hugging Face's
 ``generate`` of its prompt alone; a bad request is a clear 400 and a failed iteration a 500 for its
-requests, and the server goes on; ``autopar serve`` serves a one-process continuous plan and
-refuses a multi-rank one with the reason."""
+requests, and the server goes on; ``autopar serve`` serves a continuous plan on one process and
+on tp=2 gloo ranks, and refuses a dp=2 one with the reason."""
 from __future__ import annotations
 
 import asyncio
@@ -159,30 +159,37 @@ def _trace(tmp_path):
     return str(path)
 
 
-def test_serve_refuses_a_multi_rank_continuous_plan_with_the_reason(tmp_path, capsys):
+def test_serve_refuses_a_dp_continuous_plan_with_the_reason(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert main(["plan-inference", "hf_llama", "--devices", "2", "--constraint", "tp=2", "--trace", _trace(tmp_path),
-                 "--batching", "continuous", "-o", str(out)]) == 0
+    assert main(["plan-inference", "hf_llama", "--devices", "2", "--constraint", "tp=1", "--constraint", "dp=2",
+                 "--trace", _trace(tmp_path), "--batching", "continuous", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["predictions"]["batching"] == "continuous"
     capsys.readouterr()
     assert main(["serve", "hf_llama", "--devices", "2", "--plan", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "continuous batching on one process only" in err and "tp=2" in err
+    assert "tp ranks only so far (pp=1, dp=1)" in err and "dp=2" in err
+
+
+def _ask_concurrently(url, prompts, new):
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": new},
+                                                  timeout=60).json(), prompts))
 
 
 @pytest.mark.slow
-def test_autopar_serve_runs_a_one_process_continuous_plan(tmp_path):
+@pytest.mark.parametrize("devices, pins", [(1, []), (2, ["--constraint", "tp=2"])])
+def test_autopar_serve_runs_a_continuous_plan(tmp_path, devices, pins):
+    """One process, and tp=2 on two gloo ranks (rank 0 leading each iteration, rank 1 following)."""
     from autopar.inference.serve_process import serve_process
     from autopar.models.hf import hf_llama
     out = tmp_path / "p.json"
-    assert main(["plan-inference", "hf_llama", "--devices", "1", "--trace", _trace(tmp_path),
-                 "--batching", "continuous", "-o", str(out)]) == 0
+    assert main(["plan-inference", "hf_llama", "--devices", str(devices), *pins, "--constraint", "batch_size=4",
+                 "--trace", _trace(tmp_path), "--batching", "continuous", "-o", str(out)]) == 0
     plan = json.loads(out.read_text())
-    with serve_process(["hf_llama", "--devices", "1", "--plan", str(out)]) as url:
+    assert plan["tp"] == devices and plan["batch_size"] == 4
+    with serve_process(["hf_llama", "--devices", str(devices), "--plan", str(out)]) as url:
         prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [1, 2], [4]]
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 4},
-                                                         timeout=60).json(), prompts))
+        answers = _ask_concurrently(url, prompts, 4)
         torch.manual_seed(0)   # the zoo factory's weights: the same seed and config as the server's
         ref_model = hf_llama()[0].model.eval()
         for p, a in zip(prompts, answers):
@@ -190,5 +197,9 @@ def test_autopar_serve_runs_a_one_process_continuous_plan(tmp_path):
             assert a["choices"][0]["token_ids"] == want[0, len(p):].tolist()
         bad = httpx.post(f"{url}/v1/completions", json={"prompt": [1] * (plan["prompt_len"] + 1)}, timeout=30)
         assert bad.status_code == 400 and "prompt length" in bad.json()["error"]["message"]
-        again = httpx.post(f"{url}/v1/completions", json={"prompt": [3, 4], "max_tokens": 2}, timeout=60)
-        assert again.status_code == 200
+        again = _ask_concurrently(url, [[3, 4], [8, 9, 10]], 2)
+        for p, a in zip([[3, 4], [8, 9, 10]], again):
+            want = ref_model.generate(torch.tensor([p]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+            assert a["choices"][0]["token_ids"] == want[0, len(p):].tolist()
+        metrics = httpx.get(f"{url}/metrics", timeout=10).json()
+        assert metrics["requests"] == 6 and metrics["rejected"] == 1
