@@ -183,6 +183,7 @@ class IterationEngine:
             self._prefill(seq)
             if seq.finished:
                 seq.done = seq.first
+                seq.cache = None   # it never joins the batched cache
                 finished.append(seq)
             else:
                 self._join(seq)

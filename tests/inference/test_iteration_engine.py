@@ -130,10 +130,10 @@ def test_what_the_engine_cannot_run_is_a_clear_error():
     assert engine.idle
 
 
-def _continuous_plan(devices, **pins):
+def _continuous_plan(devices, name="hf_llama", **pins):
     from autopar.inference.trace import synthetic_trace
     trace = synthetic_trace(16, rate=4.0, prompt_lens=(2, 8), output_lens=(1, 6), seed=0)
-    return plan_inference(_model("hf_llama"), None, autopar.Cluster.preset("cpu", devices=devices), trace=trace,
+    return plan_inference(_model(name), None, autopar.Cluster.preset("cpu", devices=devices), trace=trace,
                           batching="continuous", constraints=pins, dtype="fp32")
 
 
@@ -152,11 +152,11 @@ def test_a_one_process_continuous_plan_builds_the_engine_and_a_pp_or_dp_one_is_r
         IterationEngine.from_plan(_model("hf_llama"), dp2)
 
 
-def _tp_rank(rank, world, plan_json, lead):
+def _tp_rank(rank, world, plan_json, lead, name):
     """One rank of a tp=2 continuous engine: SPMD (every rank adds the same requests) or, with
     ``lead``, rank 0 leading through LeaderIterations and rank 1 following its broadcasts."""
     plan = InferencePlan.from_json(plan_json)
-    engine = IterationEngine.from_plan(_model("hf_llama"), plan)
+    engine = IterationEngine.from_plan(_model(name), plan)
     engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 3, 9, 7, None
     if lead and rank > 0:
         return follow_iterations(engine)
@@ -170,12 +170,12 @@ def _tp_rank(rank, world, plan_json, lead):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lead", [False, True])
-def test_tp2_ranks_run_the_same_iterations_and_equal_generate_alone(lead):
-    plan = _continuous_plan(2, tp=2)
+@pytest.mark.parametrize("lead, name", [(False, "hf_llama"), (True, "hf_llama"), (True, "hf_gpt2")])
+def test_tp2_ranks_run_the_same_iterations_and_equal_generate_alone(lead, name):
+    plan = _continuous_plan(2, name, tp=2)
     assert (plan.tp, plan.pp, plan.dp) == (2, 1, 1)
-    results = run_local(_tp_rank, 2, args=(plan.to_json(), lead), timeout=300)
-    model = _model("hf_llama")
+    results = run_local(_tp_rank, 2, args=(plan.to_json(), lead, name), timeout=300)
+    model = _model(name)
     wants = [_alone(model, p, n) for p, n in REQUESTS]
     tokens, iterations, most = results[0]
     assert tokens == wants and most == 3
