@@ -23,7 +23,8 @@ holds, sampling parameters out of range, malformed JSON. A failed generate answe
 requests of that batch; the server keeps serving.
 
 ``serve(engine, host, port)`` runs it with uvicorn on rank 0 while every other rank follows rank
-0's batches (autopar/inference/rank_jobs.py). ``autopar serve`` (cli.py) builds the engine first.
+0's batches (autopar/inference/rank_jobs.py), or under continuous batching its iterations
+(``follow_iterations``, autopar/inference/iteration_engine.py). ``autopar serve`` (cli.py) builds the engine first.
 """
 from __future__ import annotations
 
