@@ -81,15 +81,20 @@ def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait
     from autopar.inference.inference_plan import InferencePlan
     from autopar.inference.server import Limits, serve
     plan = InferencePlan.from_json(plan_json)
-    engine = compile_inference(model, plan=plan)
+    batching = plan.predictions.get("batching", "static")
+    if batching == "continuous":
+        from autopar.inference.iteration_engine import IterationEngine
+        engine = IterationEngine.from_plan(model, plan)
+    else:
+        engine = compile_inference(model, plan=plan)
     limits = Limits(plan.prompt_len, plan.max_new_tokens, plan.batch_size * plan.dp,
                     vocab_size=plan.model.get("vocab"))
     if rank == 0:
         print(f"autopar serve: http://{host}:{port}/v1/completions ({world} rank(s), tp={plan.tp} dp={plan.dp}, "
-              f"batch {limits.max_batch}, prompt <= {plan.prompt_len}, max_tokens <= {plan.max_new_tokens})",
-              flush=True)
+              f"{batching} batching, batch {limits.max_batch}, prompt <= {plan.prompt_len}, "
+              f"max_tokens <= {plan.max_new_tokens})", flush=True)
     serve(engine, limits, host=host, port=port, tokenizer=tokenizer, predictions=plan.predictions,
-          batch_wait=batch_wait, model_name=name)
+          batch_wait=batch_wait, model_name=name, batching=batching)
     return rank
 
 
@@ -98,10 +103,14 @@ def cmd_serve(args) -> int:
     cluster = cluster_from_args(args)
     model, tokenizer = _inference_model(args, weights_needed=True)
     plan = _inference_plan(args, model, cluster)
-    if plan.predictions.get("batching", "static") != "static":
-        raise PlanError(f"the plan was made for {plan.predictions['batching']} batching, which autopar serve does "
-                        f"not run (it batches statically and preallocates batch_size longest contexts); plan with "
-                        f"plan-inference --batching static")
+    batching = plan.predictions.get("batching", "static")
+    if batching not in ("static", "continuous"):
+        raise PlanError(f"the plan was made for {batching} batching, which autopar serve does not run; plan with "
+                        f"plan-inference --batching static or continuous")
+    if batching == "continuous" and (plan.pp > 1 or plan.dp > 1):
+        raise PlanError(f"the plan was made for continuous batching with tp={plan.tp} pp={plan.pp} dp={plan.dp}; "
+                        f"autopar serve runs continuous batching with tp ranks only so far (pp=1, dp=1): plan it "
+                        f"with --constraint pp=1 --constraint dp=1, or with --batching static")
     run = (model, tokenizer, plan.to_json(), args.host, args.port, args.batch_wait_ms / 1e3, args.factory)
     if plan.world_size == 1 or "RANK" in os.environ:
         import torch.distributed as dist

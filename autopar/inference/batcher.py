@@ -1,17 +1,20 @@
-"""Continuous request batching for the server: concurrent requests become one ``generate`` call.
+"""Request batching for the server, one class per batching policy of the plan.
 
-A ``Batcher`` owns an asyncio queue of ``Request`` (token ids, tokens wanted). Its loop takes the
+``Batcher`` (static batching): concurrent requests become one ``generate`` call. It owns an asyncio
+queue of ``Request`` (token ids, tokens wanted). Its loop takes the
 first waiting request, waits at most ``batch_wait`` seconds for more (never more than
 ``max_batch`` in one batch, never more tokens than the engine's cache holds), left-pads the
 prompts into one batch with an attention mask, as Hugging Face ``generate`` takes them, and runs
 the engine's ``generate`` in a worker thread (the event loop keeps accepting requests meanwhile).
 Each request gets its own new tokens (the batch decodes the most any of them asked for; each is
 cut to its own count) and the batch's timings. A failed batch fails its requests only: the loop
-goes on with the next one.
+goes on with the next one. Its engine is anything with ``generate(input_ids, max_new_tokens,
+attention_mask=None)`` returning the prompt followed by the new tokens ([batch, prompt + new]);
+``autopar.compile_inference``'s engine is one.
 
-The engine is anything with ``generate(input_ids, max_new_tokens, attention_mask=None)`` returning
-the prompt followed by the new tokens ([batch, prompt + new]); ``autopar.compile_inference``'s
-engine is one.
+``IterationBatcher`` (continuous batching): requests join and leave the running batch between
+iterations of an ``IterationEngine`` (autopar/inference/iteration_engine.py); each is answered
+when its own output ends.
 """
 from __future__ import annotations
 
@@ -132,3 +135,59 @@ class Batcher:
             if not r.future.done():
                 r.future.set_result(Completion(tokens, start - r.arrived, took, len(batch), new,
                                                dict(timing) if timing else None))
+
+
+class IterationBatcher:
+    """Continuous batching for the server: requests join and leave an ``IterationEngine``'s running
+    batch between iterations (autopar/inference/iteration_engine.py).
+
+    Its loop hands every request that arrived to the engine (``engine.add``; one the engine refuses
+    fails alone), runs one ``engine.step()`` in a worker thread (the event loop keeps accepting
+    requests meanwhile), and answers the requests that finished in it; with nothing running or
+    waiting it sleeps until a request arrives. Requests with different sampling options share
+    iterations (each sequence samples on its own). A failed step fails the requests then in the
+    engine and empties it; the loop goes on. Same interface as ``Batcher``: ``start``, ``stop``,
+    ``submit``, and ``batches`` (here: iterations run)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.queue: asyncio.Queue[Request] = asyncio.Queue()
+        self.batches = 0
+        self.task: asyncio.Task | None = None
+
+    start, stop = Batcher.start, Batcher.stop
+
+    async def submit(self, prompt: list[int], max_new_tokens: int, sampling: dict | None = None) -> Completion:
+        req = Request(list(prompt), int(max_new_tokens), dict(sampling or {}),
+                      future=asyncio.get_running_loop().create_future())
+        await self.queue.put(req)
+        return await req.future
+
+    def _add(self, req: Request) -> None:
+        try:
+            self.engine.add(req.prompt, req.max_new_tokens, req.sampling or None, tag=req)
+        except Exception as e:  # noqa: BLE001 - a request the engine refuses fails alone
+            if not req.future.done():
+                req.future.set_exception(e)
+
+    async def run(self) -> None:
+        while True:
+            if self.engine.idle:
+                self._add(await self.queue.get())
+            while not self.queue.empty():
+                self._add(self.queue.get_nowait())
+            if self.engine.idle:
+                continue
+            try:
+                finished = await asyncio.to_thread(self.engine.step)
+            except Exception as e:  # noqa: BLE001 - the requests in the engine get the error; the server goes on
+                for seq in self.engine.abort():
+                    if not seq.tag.future.done():
+                        seq.tag.future.set_exception(e)
+                continue
+            self.batches += 1
+            for seq in finished:
+                r = seq.tag
+                if not r.future.done():
+                    r.future.set_result(Completion(list(seq.tokens), seq.admitted - r.arrived, seq.done - seq.admitted,
+                                                   seq.running_at_admission, len(seq.tokens), seq.timing()))

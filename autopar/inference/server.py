@@ -5,9 +5,14 @@
 - ``POST /v1/completions``: OpenAI's completions request. ``prompt`` is text (needs a tokenizer),
   a list of token ids, or a list of either (one choice per prompt); ``max_tokens`` (default 16, or
   the plan's most if fewer); greedy by default, sampled with ``temperature`` > 0 (``top_p``,
-  ``seed``: requests with the same options share a batch); ``n`` 1, no ``stream``. The answer is
+  ``seed``: under static batching requests with the same options share a batch); ``n`` 1, no ``stream``. The answer is
   OpenAI's ``text_completion`` object; each choice also carries ``token_ids`` (the new tokens), and
-  ``usage`` the token counts. Concurrent requests are batched (autopar/inference/batcher.py).
+  ``usage`` the token counts. Concurrent requests are batched (autopar/inference/batcher.py) as
+  the plan's ``batching`` says: ``"static"`` (the default) runs them as one padded ``generate``
+  call; ``"continuous"`` runs an iteration loop where requests join and leave the running batch
+  between decode steps (autopar/inference/iteration_engine.py; tp ranks only, no pp or dp yet).
+  ``finish_reason`` is ``"stop"`` when the output ended at an end-of-sequence token before
+  ``max_tokens``.
 - ``GET /v1/models`` (the one model) and ``GET /health``; ``GET /metrics``: requests, batches,
   tokens, the mean queue and generate times, and the measured TTFT (queue + the engine's time to
   the first new token) and time per output token next to the plan's predictions.
@@ -18,7 +23,8 @@ holds, sampling parameters out of range, malformed JSON. A failed generate answe
 requests of that batch; the server keeps serving.
 
 ``serve(engine, host, port)`` runs it with uvicorn on rank 0 while every other rank follows rank
-0's batches (autopar/inference/rank_jobs.py). ``autopar serve`` (cli.py) builds the engine first.
+0's batches (autopar/inference/rank_jobs.py), or under continuous batching its iterations
+(``follow_iterations``, autopar/inference/iteration_engine.py). ``autopar serve`` (cli.py) builds the engine first.
 """
 from __future__ import annotations
 
@@ -32,7 +38,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from autopar.inference.batcher import Batcher
+from autopar.errors import PlanError
+from autopar.inference.batcher import Batcher, IterationBatcher
+
+BATCHING = ("static", "continuous")
 
 
 @dataclass
@@ -138,10 +147,21 @@ class Stats:
 
 
 def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", tokenizer=None,
-             predictions: dict | None = None, batch_wait: float = 0.01, pad_id: int = 0) -> FastAPI:
-    """The application. ``engine_generate(input_ids, max_new_tokens, attention_mask)`` runs one
-    batch (``LeaderGenerate(engine)`` on several ranks, ``engine.generate`` on one)."""
-    batcher = Batcher(engine_generate, limits.max_batch, batch_wait, pad_id)
+             predictions: dict | None = None, batch_wait: float = 0.01, pad_id: int = 0,
+             batching: str = "static") -> FastAPI:
+    """The application. ``batching="static"``: ``engine_generate(input_ids, max_new_tokens,
+    attention_mask)`` runs one batch (``LeaderGenerate(engine)`` on several ranks, ``engine.generate``
+    on one); ``batching="continuous"``: ``engine_generate`` is an ``IterationEngine`` (``add`` /
+    ``step``), and ``batch_wait`` does not apply (a request joins at the next iteration)."""
+    if batching not in BATCHING:
+        raise PlanError(f"batching={batching!r} is not served; use one of {', '.join(map(repr, BATCHING))}")
+    if batching == "continuous":
+        if not hasattr(engine_generate, "step"):
+            raise PlanError("continuous batching needs an IterationEngine (autopar/inference/iteration_engine.py), "
+                            f"got {type(engine_generate).__name__}")
+        batcher = IterationBatcher(engine_generate)
+    else:
+        batcher = Batcher(engine_generate, limits.max_batch, batch_wait, pad_id)
     stats = Stats()
 
     @contextlib.asynccontextmanager
@@ -205,7 +225,7 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
             stats.record(done)
             text = tokenizer.decode(done.tokens) if tokenizer is not None else ""
             choices.append({"index": index, "text": text, "token_ids": done.tokens, "logprobs": None,
-                            "finish_reason": "length"})
+                            "finish_reason": "stop" if len(done.tokens) < new else "length"})
             prompt_tokens += len(prompt)
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
@@ -216,14 +236,28 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
     return app
 
 
-def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, **app_options) -> None:
+def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, batching: str = "static",
+          **app_options) -> None:
     """Rank 0 serves HTTP until interrupted, then tells the other ranks to stop; every other rank
-    runs rank 0's batches."""
+    runs rank 0's batches. ``batching="continuous"``: ``engine`` is an IterationEngine (tp ranks
+    only), rank 0 leading each iteration (``LeaderIterations``) and the others following it."""
     import torch.distributed as dist
     import uvicorn
 
     from autopar.inference.rank_jobs import LeaderGenerate, follow
 
+    if batching == "continuous":   # rank 0 decides each iteration's admissions, the others follow
+        from autopar.inference.iteration_engine import LeaderIterations, follow_iterations
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            follow_iterations(engine)
+            return
+        leader = LeaderIterations(engine)
+        try:
+            uvicorn.run(make_app(leader, limits, batching="continuous", **app_options), host=host, port=port,
+                        log_level="warning")
+        finally:
+            leader.stop()
+        return
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         follow(engine)
         return

@@ -1,0 +1,399 @@
+"""Continuous (iteration-level) batching on a real model: ``IterationEngine`` and its ``step``.
+
+The engine holds up to ``slots`` running sequences (the plan's ``batch_size``) and a queue of
+waiting ones (``add``). One ``step()`` is one iteration, as autopar/inference/continuous.py prices
+it:
+
+1. **admit**: waiting sequences join, oldest first, while a slot is free and, when the plan gives
+   ``kv_cache_tokens_per_replica``, while the KV-cache tokens the running sequences hold (each its
+   prompt plus all the tokens it may generate, from admission) stay within that pool; the first that
+   does not fit blocks the ones behind it. Each admitted prompt is prefilled **on its own** (a batch
+   of one, no padding) into a fresh cache, and its first new token sampled; a sequence that wanted
+   one token is finished there. Decoding pauses meanwhile.
+2. **decode**: one forward step of every running sequence together, each at its own position.
+3. **retire**: a sequence that has its ``max_new_tokens``, or has just generated an end-of-sequence
+   token of the model's generation config (kept, as ``generate`` keeps it), leaves; its slot is free for the next
+   iteration. ``step`` returns the sequences finished in this iteration.
+
+**KV layout.** The running sequences share one batched transformers ``DynamicCache``: row ``i`` of
+every layer's keys/values [rows, kv_heads, width, head_dim] is running sequence ``i``'s context,
+right-aligned (its tokens are the last ``length`` columns; the columns before are padding) under a
+[rows, width] attention mask of the real columns. A decode step feeds each row's last token with
+``position_ids`` = that row's own length (so rotary / learned positions are those the sequence would
+have alone), ``cache_position`` = the shared width and the mask extended by one column; the cache
+appends one column to every row. Admission left-pads the newcomer's prefilled cache (or the running
+rows, if its prompt is longer) to the common width and concatenates it as a new row; retirement
+drops the row and trims leading columns that are padding in every remaining row. Padded columns are
+masked to an exact zero weight, so each sequence's tokens are those of the model's ``generate`` on
+its prompt alone (tests/inference/test_iteration_engine.py).
+
+**Cost.** The cache is rows x the longest running context, not the sum of the contexts: a long
+sequence running next to short ones makes them carry padding (a paged pool would not); a
+``DynamicCache`` grows by concatenation (a copy of the cache per step, as Hugging Face's own
+dynamic decoding); admission and retirement copy the cache once more. Prefills run one prompt at a
+time. The admission budget is the plan's token pool (the planner's accounting), not these bytes.
+
+**Sampling.** Greedy unless a sequence's ``sampling`` has ``temperature`` > 0 (``top_p``,
+``top_k``, ``seed``: engine.py ``check_sampling``): each sequence samples from its own
+``torch.Generator`` seeded with its ``seed``, after Hugging Face's temperature, top-k and top-p
+warpers (unset top_k / top_p: the model's generation config, as its ``generate`` does).
+
+**Ranks.** With tp > 1 every rank holds its tensor-parallel shard (``from_plan`` builds it as
+``compile_inference`` does) and runs the same iterations: on its own, SPMD, when every rank adds
+the same requests; in the server, ``LeaderIterations`` (rank 0) decides each iteration's admissions
+and broadcasts the requests added since the last step before it, and ``follow_iterations`` (every
+other rank) adds those and steps. One broadcast of Python objects per iteration. pp > 1 and dp > 1
+are not built (``from_plan`` refuses them).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import PlanError
+from autopar.inference.engine import check_sampling
+from autopar.inference.model_shape import causal_lm
+
+
+@dataclass
+class Sequence:
+    """One request in the engine: its prompt, the new tokens so far, and when things happened."""
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: dict = field(default_factory=dict)
+    tag: object = None                    # the caller's (the server's request)
+    id: int = 0
+    tokens: list[int] = field(default_factory=list)   # new tokens
+    added: float = 0.0
+    admitted: float = 0.0                 # its prefill started
+    first: float = 0.0                    # its first new token
+    done: float = 0.0
+    running_at_admission: int = 0         # sequences running (itself included) when it joined
+    generator: torch.Generator | None = None
+
+    @property
+    def need(self) -> int:
+        """KV-cache tokens it holds from admission (prompt plus every token it may generate)."""
+        return len(self.prompt) + self.max_new_tokens
+
+    stopped: bool = False                 # it generated an end-of-sequence token
+
+    @property
+    def finished(self) -> bool:
+        return self.stopped or len(self.tokens) >= self.max_new_tokens
+
+    def timing(self) -> dict:
+        """The engine's clock for this sequence, as ``InferenceEngine.last_timing`` is for a batch."""
+        return {"prefill_s": self.first - self.admitted, "decode_s": max(self.done - self.first, 0.0),
+                "new_tokens": len(self.tokens)}
+
+
+class IterationEngine:
+    """Continuous batching of ``model`` (module doc). ``slots``: sequences decoded together (the
+    plan's batch_size); ``prompt_len`` / ``max_new_tokens``: the longest prompt and output a
+    sequence may have; ``kv_tokens``: the KV-cache token pool admission respects (None: slots only)."""
+
+    def __init__(self, model, slots: int, prompt_len: int, max_new_tokens: int, kv_tokens: int | None = None):
+        if slots < 1:
+            raise PlanError(f"an iteration engine needs at least one slot, got {slots}")
+        self.model = causal_lm(model)
+        self.slots, self.prompt_len, self.max_new_tokens = slots, prompt_len, max_new_tokens
+        self.kv_tokens = kv_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []     # row i of the cache is running[i]
+        self.cache = None
+        self.mask: torch.Tensor | None = None   # [rows, width] 1 on real columns
+        self.iterations = 0
+        self.ids = itertools.count()
+        gc = getattr(self.model, "generation_config", None)
+        self.default_top_k = getattr(gc, "top_k", None) or 0
+        self.default_top_p = getattr(gc, "top_p", None) or 1.0
+        eos = getattr(gc, "eos_token_id", None)
+        self.eos = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+        try:
+            self.device = next(self.model.parameters()).device
+        except StopIteration:
+            self.device = torch.device("cpu")
+
+    @classmethod
+    def from_plan(cls, model, plan, weights: str | None = None) -> "IterationEngine":
+        """The engine of a one-process plan: the model built (weights read, dtype) as
+        ``compile_inference`` builds it, with the plan's slots, lengths and KV-token pool."""
+        if plan.pp != 1 or plan.dp != 1:
+            raise PlanError(f"continuous batching runs with pp=1 and dp=1 so far (tp ranks only); this plan has "
+                            f"tp={plan.tp} pp={plan.pp} dp={plan.dp}: plan with --constraint pp=1 --constraint dp=1, "
+                            f"or with --batching static")
+        from autopar.inference.engine import compile_inference
+        built = compile_inference(model, plan=plan, weights=weights)
+        return cls(built.model, plan.batch_size, plan.prompt_len, plan.max_new_tokens,
+                   plan.predictions.get("kv_cache_tokens_per_replica"))
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise PlanError("a prompt is empty: give at least one token")
+        if len(prompt) > self.prompt_len:
+            raise PlanError(f"the prompt is {len(prompt)} tokens, more than the plan's prompt length "
+                            f"{self.prompt_len}: plan for longer prompts")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise PlanError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if max_new_tokens > self.max_new_tokens:
+            raise PlanError(f"max_new_tokens={max_new_tokens} is more than the plan's {self.max_new_tokens} "
+                            f"(its KV cache holds no more)")
+        if self.kv_tokens is not None and len(prompt) + max_new_tokens > self.kv_tokens:
+            raise PlanError(f"the request needs {len(prompt) + max_new_tokens} KV-cache tokens, more than the "
+                            f"plan's pool of {self.kv_tokens}")
+
+    def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
+        """Queue a request; it joins at the next ``step`` with room. PlanError for what the plan cannot run."""
+        prompt = [int(t) for t in prompt]
+        self.check(prompt, max_new_tokens)
+        seq = Sequence(prompt, max_new_tokens, check_sampling(sampling), tag, next(self.ids),
+                       added=time.perf_counter())
+        if seq.sampling:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.sampling.get("seed", 0))
+        self.waiting.append(seq)
+        return seq
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def abort(self) -> list[Sequence]:
+        """Drop every running and waiting sequence (after a failed step); returns them."""
+        out = self.running + self.waiting
+        self.running, self.waiting = [], []
+        self.cache = self.mask = None
+        return out
+
+    # --- the iteration ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """One iteration: admit, prefill the admitted, decode the running one token, retire the
+        finished; returns the sequences that finished."""
+        finished = []
+        for seq in self._admissions():
+            self._prefill(seq)
+            if seq.finished:
+                seq.done = seq.first
+                seq.cache = None   # it never joins the batched cache
+                finished.append(seq)
+            else:
+                self._join(seq)
+        if self.running:
+            self._decode()
+            self.iterations += 1
+            now = time.perf_counter()
+            keep = []
+            for row, seq in enumerate(self.running):
+                if seq.finished:
+                    seq.done = now
+                    finished.append(seq)
+                else:
+                    keep.append(row)
+            if len(keep) < len(self.running):
+                self._retire(keep)
+        elif finished:
+            self.iterations += 1
+        return finished
+
+    def run_until_idle(self) -> list[Sequence]:
+        """Step until nothing is running or waiting; the sequences in the order they finished."""
+        out = []
+        while not self.idle:
+            out += self.step()
+        return out
+
+    def _admissions(self) -> list[Sequence]:
+        held = sum(s.need for s in self.running)
+        out = []
+        while self.waiting and len(self.running) + len(out) < self.slots:
+            seq = self.waiting[0]
+            if self.kv_tokens is not None and held + seq.need > self.kv_tokens:
+                break   # in order: the first that does not fit blocks the ones behind it
+            held += seq.need
+            out.append(self.waiting.pop(0))
+        return out
+
+    def _next_token(self, logits: torch.Tensor, seq: Sequence) -> int:
+        """The next token from one row of last-position logits: greedy, or sampled as ``generate``."""
+        logits = logits.float()
+        if not seq.sampling:
+            return int(logits.argmax(-1))
+        from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                            TopPLogitsWarper)
+        scores = logits[None]
+        s = seq.sampling
+        scores = TemperatureLogitsWarper(float(s["temperature"]))(None, scores)
+        top_k = s.get("top_k", self.default_top_k)
+        if top_k:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        top_p = s.get("top_p", self.default_top_p)
+        if top_p < 1.0:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, num_samples=1, generator=seq.generator)[0, 0])
+
+    def _prefill(self, seq: Sequence) -> None:
+        from transformers import DynamicCache
+        seq.admitted = time.perf_counter()
+        seq.running_at_admission = len(self.running) + 1
+        cache = DynamicCache()
+        ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
+        logits = self._forward(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache)
+        self._append(seq, self._next_token(logits[0, -1], seq))
+        seq.first = time.perf_counter()
+        seq.cache = cache
+
+    def _forward(self, cache, **inputs) -> torch.Tensor:
+        """The model's logits, ``cache`` (a DynamicCache) updated in place by the step."""
+        try:
+            out = self.model(**inputs, cache=cache, use_cache=True)
+        except TypeError:   # transformers before the ``cache`` argument
+            out = self.model(**inputs, past_key_values=cache, use_cache=True)
+        return out.logits
+
+    def _join(self, seq: Sequence) -> None:
+        """The newcomer's prefilled cache becomes the last row of the batched cache (module doc)."""
+        new = seq.cache
+        del seq.cache
+        n = len(seq.prompt)
+        if self.cache is None:
+            self.cache = new
+            self.mask = torch.ones(1, n, dtype=torch.long, device=self.device)
+            self.running = [seq]
+            return
+        width = self.mask.shape[1]
+        to = max(width, n)
+        for old, add in zip(self.cache.layers, new.layers):
+            old.keys = torch.cat([_pad_left(old.keys, to), _pad_left(add.keys, to)])
+            old.values = torch.cat([_pad_left(old.values, to), _pad_left(add.values, to)])
+        row = torch.zeros(1, to, dtype=torch.long, device=self.device)
+        row[:, to - n:] = 1
+        self.mask = torch.cat([torch.nn.functional.pad(self.mask, (to - width, 0)), row])
+        self.running.append(seq)
+
+    def _decode(self) -> None:
+        rows, width = self.mask.shape
+        ids = torch.tensor([[s.tokens[-1]] for s in self.running], dtype=torch.long, device=self.device)
+        lengths = self.mask.sum(-1)                       # each row's real tokens: its next position
+        self.mask = torch.cat([self.mask, self.mask.new_ones(rows, 1)], dim=1)
+        logits = self._forward(input_ids=ids, attention_mask=self.mask, position_ids=lengths[:, None],
+                               cache_position=torch.tensor([width], device=self.device), cache=self.cache)[:, -1]
+        for row, seq in enumerate(self.running):
+            self._append(seq, self._next_token(logits[row], seq))
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.tokens.append(token)
+        seq.stopped = token in self.eos
+
+    def _retire(self, keep: list[int]) -> None:
+        if not keep:
+            self.cache = self.mask = None
+            self.running = []
+            return
+        index = torch.tensor(keep, device=self.device)
+        self.mask = self.mask[index]
+        real = self.mask.any(0).nonzero()
+        start = int(real[0]) if len(real) else self.mask.shape[1]   # leading padding in every row goes
+        self.mask = self.mask[:, start:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, start:]
+            layer.values = layer.values[index, :, start:]
+        self.running = [self.running[i] for i in keep]
+
+
+class LeaderIterations:
+    """Rank 0's ``IterationEngine`` when the plan has tp ranks: every ``step`` first broadcasts the
+    requests added since the last one, so every rank admits the same requests in the same order
+    and runs the same iteration (``follow_iterations`` on the other ranks). Requests are checked on
+    rank 0 (``add`` raises there, and nothing is sent). On one process it is the engine itself."""
+
+    def __init__(self, engine: IterationEngine):
+        self.engine = engine
+        self.pending: list[tuple] = []
+        self.lock = threading.Lock()   # a step in the server's worker thread, stop on its main thread
+
+    def __getattr__(self, name):       # running, waiting, iterations, slots, ...
+        return getattr(self.engine, name)
+
+    @property
+    def idle(self) -> bool:
+        return self.engine.idle
+
+    def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
+        seq = self.engine.add(prompt, max_new_tokens, sampling, tag)
+        self.pending.append((seq.prompt, max_new_tokens, sampling))
+        return seq
+
+    def step(self) -> list[Sequence]:
+        with self.lock:
+            _send(("step", self.pending))
+            self.pending = []
+            return self.engine.step()
+
+    def run_until_idle(self) -> list[Sequence]:
+        out = []
+        while not self.idle:
+            out += self.step()
+        return out
+
+    def abort(self) -> list[Sequence]:
+        with self.lock:
+            _send(("abort", []))
+            self.pending = []
+            return self.engine.abort()
+
+    def stop(self) -> None:
+        with self.lock:
+            _send((STOP, []))
+
+
+STOP = "stop"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _send(job: tuple) -> None:
+    if _distributed():
+        dist.broadcast_object_list([job], src=0)
+
+
+def follow_iterations(engine: IterationEngine) -> int:
+    """A rank other than 0: add the requests rank 0 broadcasts and run each of its iterations, until
+    it says stop; returns the number of iterations run. A failed step empties this rank's engine,
+    as rank 0 empties its own."""
+    steps = 0
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        kind, adds = box[0]
+        if kind == STOP:
+            return steps
+        if kind == "abort":
+            engine.abort()
+            continue
+        for prompt, new, sampling in adds:
+            engine.add(prompt, new, sampling)
+        try:
+            engine.step()
+        except Exception:  # noqa: BLE001 - rank 0 fails the same requests and tells the clients
+            engine.abort()
+        steps += 1
+
+
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, heads, length, dim] zero-padded on the left of its length to ``width``."""
+    return torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
+
+
+__all__ = ["IterationEngine", "LeaderIterations", "Sequence", "follow_iterations"]

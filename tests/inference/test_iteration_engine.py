@@ -1,0 +1,185 @@
+"""Continuous batching on a real model (autopar/inference/iteration_engine.py): requests arriving at
+different iterations, with different prompt and output lengths, each get the tokens of Hugging
+Face's ``generate`` on its prompt alone (tiny GPT-2 and Llama, fixed seeds); slots and the KV-token
+pool bound admission; a continuous plan builds the engine, tp=2 ranks run the same iterations (on
+their own, or rank 0 leading and rank 1 following) and a pp or dp one is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import PlanError
+from autopar.inference.inference_plan import InferencePlan
+from autopar.inference.iteration_engine import IterationEngine, LeaderIterations, follow_iterations
+from autopar.inference.planner import plan_inference
+from autopar.models import hf
+from runtime.launch import run_local
+
+torch.set_num_threads(1)
+
+# (prompt, max_new_tokens): prompts of 1 to 9 tokens, outputs of 1 to 7
+REQUESTS = [([5, 6, 7], 6), ([9, 10, 11, 12, 13, 14, 15], 3), ([1, 2], 1), ([40, 41, 42, 43], 5),
+            ([3, 30, 31, 32, 33, 34, 35, 36, 37], 4), ([7, 8], 7), ([60], 2), ([20, 21, 22, 23, 24], 6)]
+
+
+def _model(name):
+    """A tiny model whose weights are spread enough (std 0.2) that greedy tokens vary."""
+    torch.manual_seed(0)
+    m = getattr(hf, name)(vocab=64)[0].model.eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    return m
+
+
+def _alone(model, prompt, new, **sampling):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=new, do_sample=bool(sampling), pad_token_id=0, **sampling)
+    return out[0, len(prompt):].tolist()
+
+
+def _serve_staggered(engine, requests, arrive_every=(0, 0, 1, 0, 2, 0, 1, 1)):
+    """Add the requests a few iterations apart (some together), stepping in between."""
+    seqs, log = [], []
+    for (prompt, new), gap in zip(requests, arrive_every):
+        seqs.append(engine.add(prompt, new))
+        for _ in range(gap):
+            engine.step()
+            log.append((len(engine.running), len(engine.waiting)))
+    engine.run_until_idle()
+    return seqs, log
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
+def test_staggered_requests_equal_generate_alone(name):
+    model = _model(name)
+    engine = IterationEngine(model, slots=3, prompt_len=9, max_new_tokens=7)
+    seqs, log = _serve_staggered(engine, REQUESTS)
+    wants = [_alone(model, p, n) for p, n in REQUESTS]
+    assert len({len(w) for w in wants}) > 3 and len({t for w in wants for t in w}) > 8   # not degenerate
+    for seq, want in zip(seqs, wants):
+        assert seq.tokens == want
+        assert seq.done >= seq.first >= seq.admitted >= seq.added
+    assert engine.idle and engine.cache is None
+    assert max(r for r, _ in log) == 3                   # the slots filled: requests really ran together
+    assert any(w > 0 for _, w in log)                    # and some waited for a slot
+
+
+def test_a_long_request_keeps_running_while_others_join_and_leave():
+    model = _model("hf_llama")
+    engine = IterationEngine(model, slots=2, prompt_len=9, max_new_tokens=12)
+    long = engine.add([3, 30, 31, 32, 33, 34, 35, 36, 37], 12)
+    engine.step()
+    shorts = []
+    for prompt in ([5], [9, 10], [40, 41, 42]):   # shorter prompts join a row with a longer context
+        shorts.append(engine.add(prompt, 2))
+        engine.step()
+        engine.step()
+    engine.run_until_idle()
+    assert long.tokens == _alone(model, long.prompt, 12)
+    for s in shorts:
+        assert s.tokens == _alone(model, s.prompt, 2)
+
+
+def test_sampled_requests_draw_what_generate_alone_draws_with_their_seed():
+    model = _model("hf_llama")
+    engine = IterationEngine(model, slots=4, prompt_len=9, max_new_tokens=7)
+    sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 3}
+    a = engine.add([5, 6, 7], 6, sampled)
+    b = engine.add([9, 10, 11, 12], 5)                       # greedy next to it
+    engine.step()
+    c = engine.add([1, 2], 6, dict(sampled, seed=4, top_k=10))
+    engine.run_until_idle()
+    torch.manual_seed(3)
+    want_a = _alone(model, [5, 6, 7], 6, temperature=0.9, top_p=0.95)
+    torch.manual_seed(4)
+    want_c = _alone(model, [1, 2], 6, temperature=0.9, top_p=0.95, top_k=10)
+    assert a.tokens == want_a and c.tokens == want_c
+    assert b.tokens == _alone(model, [9, 10, 11, 12], 5)
+    assert a.tokens != _alone(model, [5, 6, 7], 6)             # it really sampled
+
+
+def test_the_kv_token_pool_bounds_admission_in_order():
+    model = _model("hf_gpt2")
+    engine = IterationEngine(model, slots=4, prompt_len=9, max_new_tokens=7, kv_tokens=12)
+    a = engine.add([5, 6, 7], 6)          # holds 9 tokens
+    b = engine.add([1, 2], 3)             # 5 more: over 12, waits (and blocks c)
+    c = engine.add([4], 1)
+    engine.step()
+    assert engine.running == [a] and engine.waiting == [b, c]
+    engine.run_until_idle()
+    assert a.tokens == _alone(model, [5, 6, 7], 6) and b.tokens == _alone(model, [1, 2], 3)
+    assert c.tokens == _alone(model, [4], 1)
+    with pytest.raises(PlanError, match="pool of 12"):
+        engine.add([1] * 9, 5)
+
+
+def test_what_the_engine_cannot_run_is_a_clear_error():
+    engine = IterationEngine(_model("hf_llama"), slots=2, prompt_len=4, max_new_tokens=3)
+    with pytest.raises(PlanError, match="prompt length 4"):
+        engine.add([1] * 5, 2)
+    with pytest.raises(PlanError, match="KV cache holds no more"):
+        engine.add([1], 4)
+    with pytest.raises(PlanError, match="empty"):
+        engine.add([], 1)
+    with pytest.raises(PlanError, match="not known"):
+        engine.add([1], 1, {"temp": 1})
+    assert engine.idle
+
+
+def _continuous_plan(devices, name="hf_llama", **pins):
+    from autopar.inference.trace import synthetic_trace
+    trace = synthetic_trace(16, rate=4.0, prompt_lens=(2, 8), output_lens=(1, 6), seed=0)
+    return plan_inference(_model(name), None, autopar.Cluster.preset("cpu", devices=devices), trace=trace,
+                          batching="continuous", constraints=pins, dtype="fp32")
+
+
+def test_a_one_process_continuous_plan_builds_the_engine_and_a_pp_or_dp_one_is_refused():
+    plan = _continuous_plan(1)
+    assert plan.predictions["batching"] == "continuous" and plan.world_size == 1
+    engine = IterationEngine.from_plan(_model("hf_llama"), plan)
+    assert engine.slots == plan.batch_size
+    assert engine.kv_tokens == plan.predictions.get("kv_cache_tokens_per_replica")
+    seq = engine.add([5, 6, 7], 2)
+    engine.run_until_idle()
+    assert seq.tokens == _alone(_model("hf_llama"), [5, 6, 7], 2)
+    dp2 = _continuous_plan(2, tp=1, dp=2)
+    assert dp2.dp == 2
+    with pytest.raises(PlanError, match="pp=1 and dp=1 so far"):
+        IterationEngine.from_plan(_model("hf_llama"), dp2)
+
+
+def _tp_rank(rank, world, plan_json, lead, name):
+    """One rank of a tp=2 continuous engine: SPMD (every rank adds the same requests) or, with
+    ``lead``, rank 0 leading through LeaderIterations and rank 1 following its broadcasts."""
+    plan = InferencePlan.from_json(plan_json)
+    engine = IterationEngine.from_plan(_model(name), plan)
+    engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 3, 9, 7, None
+    if lead and rank > 0:
+        return follow_iterations(engine)
+    if lead:
+        leader = LeaderIterations(engine)
+        seqs, log = _serve_staggered(leader, REQUESTS)
+        leader.stop()
+    else:
+        seqs, log = _serve_staggered(engine, REQUESTS)
+    return [s.tokens for s in seqs], engine.iterations, max(r for r, _ in log)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lead, name", [(False, "hf_llama"), (True, "hf_llama"), (True, "hf_gpt2")])
+def test_tp2_ranks_run_the_same_iterations_and_equal_generate_alone(lead, name):
+    plan = _continuous_plan(2, name, tp=2)
+    assert (plan.tp, plan.pp, plan.dp) == (2, 1, 1)
+    results = run_local(_tp_rank, 2, args=(plan.to_json(), lead, name), timeout=300)
+    model = _model(name)
+    wants = [_alone(model, p, n) for p, n in REQUESTS]
+    tokens, iterations, most = results[0]
+    assert tokens == wants and most == 3
+    if lead:
+        assert results[1] == iterations          # the follower ran every iteration rank 0 ran
+    else:
+        assert results[1] == results[0]
