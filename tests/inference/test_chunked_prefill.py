@@ -160,6 +160,8 @@ def test_chunked_plan_through_the_planner_the_cli_and_the_plan_file(tmp_path, ca
     default = plan_inference(model, None, cl, trace=trace, slo=slo, batching="chunked")
     assert default.predictions["prefill_chunk"] == 512
     assert "prefill_chunk" not in plan_inference(model, None, cl, trace=trace, batching="continuous").predictions
+    staged = plan_inference(model, None, cl, trace=trace, batching="chunked", constraints={"tp": 1, "pp": 2})
+    assert staged.pp == 2 and "per micro-batch, 2 in flight per replica" in summary(staged)   # stages in flight
     path = tmp_path / "trace.csv"
     path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n"
                     + "".join(f"{0.1 * i},{32 + 20 * i},8\n" for i in range(20)))
