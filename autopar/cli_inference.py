@@ -55,12 +55,16 @@ def _inference_plan(args, model, cluster):
         return InferencePlan.load(args.plan)
     dtype = args.dtype or ("fp32" if cluster.backend == "gloo" else "bf16")
     trace = getattr(args, "trace", None)
+    if getattr(args, "prefill_chunk", None) and (not trace or args.batching != "chunked"):
+        raise PlanError(f"--prefill-chunk {args.prefill_chunk} applies to serving a --trace with --batching chunked "
+                        f"(continuous batching with chunked prefill)")
     new = args.max_new_tokens if args.max_new_tokens is not None or trace else 64
     return plan_inference(model, None if trace else torch.zeros(args.batch, args.prompt_len, dtype=torch.long),
                           cluster, max_new_tokens=new, slo=_slo_arg(args.slo),
                           constraints=parse_pairs(args.constraint, "--constraint"), dtype=dtype,
                           memory_budget=args.memory_budget, trace=trace,
-                          **({"batching": args.batching} if trace else {}))
+                          **({"batching": args.batching} if trace else {}),
+                          **({"prefill_chunk": args.prefill_chunk} if getattr(args, "prefill_chunk", None) else {}))
 
 
 def cmd_plan_inference(args) -> int:
@@ -152,10 +156,14 @@ def add_parsers(sub) -> None:
     pi.add_argument("--trace", metavar="FILE.csv", help="plan on a request trace (arrived_at, num_prefill_tokens, "
                                                         "num_decode_tokens), served in simulation: the slo binds "
                                                         "TTFT at P90 and TPOT at P99 (docs/inference.md)")
-    pi.add_argument("--batching", choices=("static", "continuous"), default="static",
+    pi.add_argument("--batching", choices=("static", "continuous", "chunked"), default="static",
                     help="how the --trace is served in simulation: static batches padded to their longest prompt "
-                         "and output (autopar serve's batcher, the default) or continuous batching (requests join "
-                         "and leave the running batch at each step, as vLLM)")
+                         "and output (autopar serve's batcher, the default), continuous batching (requests join "
+                         "and leave the running batch at each step, as vLLM), or chunked: continuous with chunked "
+                         "prefill (Sarathi-Serve; --prefill-chunk tokens an iteration)")
+    pi.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=None, metavar="N",
+                    help="with --batching chunked: tokens an iteration runs, decodes first and prompt chunks in "
+                         "the rest (default 512)")
     pi.add_argument("-o", "--output")
     pi.set_defaults(fn=cmd_plan_inference)
     sv = sub.add_parser("serve", help="an OpenAI-compatible completions server of a model (loopback by default)")

@@ -1,7 +1,8 @@
 """Inference plans and the serving runtime, against published figures and against themselves.
 
     PYTHONPATH=. python benchmarks/bench_inference.py [--part plans|published|compare|serve|all]
-        [--conv-trace splitwise_conv.csv] [--batching continuous|static]
+        [--conv-trace splitwise_conv.csv] [--batching continuous|chunked|static] [--prefill-chunk N]
+        [--rows 0,4]
 
 - ``plans``: the configuration ``plan_inference`` chooses for Llama-2-70B and Llama-3-70B shapes on
   one DGX-A100 and one DGX-H100 node (prompt 2048, 256 new tokens, 8 prompts), without targets and
@@ -21,7 +22,10 @@
   at the published operating rate and over a grid of rates (the highest rate each meets the SLO).
   ``--batching``: how every configuration serves the trace in simulation (``plan_inference(batching=)``);
   continuous by default, as Vidur's and DistServe's servers batch (a pp-stage replica then keeps pp
-  micro-batches in flight); static is autopar's own server.
+  micro-batches in flight); chunked is continuous with chunked prefill (Sarathi-Serve, as Vidur-Search's
+  published configuration runs; ``--prefill-chunk`` tokens an iteration, default 512); static is
+  autopar's own server. ``--rows``: the rows of ``COMPARE`` to run (0: Vidur-Search's Llama-2-70B on
+  H100s), default all.
 - ``serve``: a bounded loopback load test of ``autopar serve`` on the ``cpu`` preset (2 gloo
   ranks, tp=2, a 4-layer Llama of hidden 256), calibrated first (``autopar calibrate``): a fixed
   number of requests at a fixed concurrency; measured TTFT and time per output token (the server's
@@ -156,14 +160,15 @@ def _fit(prompts, outputs, max_tokens: int, how: str):
             np.maximum(outputs - np.ceil(excess * outputs / total).astype(int), 1))
 
 
-def _served(model, cluster, trace, slo, batching, pin=None):
+def _served(model, cluster, trace, slo, batching, pin=None, chunk=None):
     """The plan for ``trace`` under ``slo`` (``pin``: constraints), and whether it meets the slo; a
     trace nothing serves within the slo gets the least-P90-latency plan instead."""
     from autopar.errors import PlanError
+    how = {"batching": batching, **({"prefill_chunk": chunk} if chunk is not None else {})}
     try:
-        return plan_inference(model, None, cluster, trace=trace, slo=slo, constraints=pin, batching=batching), True
+        return plan_inference(model, None, cluster, trace=trace, slo=slo, constraints=pin, **how), True
     except PlanError:
-        return plan_inference(model, None, cluster, trace=trace, constraints=pin, batching=batching), False
+        return plan_inference(model, None, cluster, trace=trace, constraints=pin, **how), False
 
 
 def _cfg(p) -> str:
@@ -176,7 +181,8 @@ def _pred(p, meets: bool) -> str:
             f"({'meets' if meets else 'misses'}; TTFT {pct['ttft'].upper()}, TPOT {pct['tpot'].upper()})")
 
 
-def part_compare(conv_trace: str | None, batching: str = "continuous", requests: int = 1000):
+def part_compare(conv_trace: str | None, batching: str = "continuous", requests: int = 1000, chunk=None,
+                 rows=None):
     """``compare`` (module doc): per setting, autopar's choice and the published configuration
     pinned, at the published rate, then the highest rate of the grid each meets the SLO."""
     from autopar.inference.trace import load_trace, synthetic_trace
@@ -187,12 +193,13 @@ def part_compare(conv_trace: str | None, batching: str = "continuous", requests:
     conv = load_trace(conv_trace)
     print(f"Sources: Vidur-Search {VIDUR_SOURCE}; DistServe {DISTSERVE_SOURCE}. Lengths resampled from "
           f"{Path(conv_trace).name} ({len(conv)} requests), {requests} Poisson requests a trace; "
-          f"{batching} batching simulated.\n")
+          f"{batching} batching simulated" + (f", prefill chunk {chunk or 512} tokens" if batching == "chunked" else "")
+          + ".\n")
     print("| setting | model | cluster | rate /s per GPU | published configuration | autopar's choice | predicted "
           "TTFT / TPOT / tokens/s per GPU | published configuration priced by autopar | predicted TTFT / TPOT / "
           "tokens/s per GPU |\n|---|---|---|---|---|---|---|---|---|")
     reach = []
-    for setting, name, preset, published in COMPARE:
+    for setting, name, preset, published in (COMPARE if rows is None else [COMPARE[k] for k in rows]):
         t0 = time.perf_counter()
         model, cluster = _model(name), autopar.Cluster.preset(preset)
         n = cluster.num_devices
@@ -205,8 +212,8 @@ def part_compare(conv_trace: str | None, batching: str = "continuous", requests:
         def trace(per_gpu):
             return synthetic_trace(requests, per_gpu * n, prompts, outputs, seed=0)
         t = trace(setting["rate"])
-        free, free_ok = _served(model, cluster, t, setting["slo"], batching)
-        fixed, fixed_ok = _served(model, cluster, t, setting["slo"], batching, pin)
+        free, free_ok = _served(model, cluster, t, setting["slo"], batching, chunk=chunk)
+        fixed, fixed_ok = _served(model, cluster, t, setting["slo"], batching, pin, chunk)
         print(f"| {setting['paper']} | {name} | {preset} | {setting['rate']:.3g} | "
               f"{published or 'none published (' + pinned + ' priced for reference)'} | {_cfg(free)} | "
               f"{_pred(free, free_ok)} | {pinned}: {_cfg(fixed)} | {_pred(fixed, fixed_ok)} |", flush=True)
@@ -218,7 +225,7 @@ def part_compare(conv_trace: str | None, batching: str = "continuous", requests:
             for which, constraints in (("free", None), ("pinned", pin)):
                 if which in missed:
                     continue
-                p, ok = _served(model, cluster, t, setting["slo"], batching, constraints)
+                p, ok = _served(model, cluster, t, setting["slo"], batching, constraints, chunk)
                 if ok:
                     best[which] = (per_gpu, p)
                 else:
@@ -290,8 +297,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("plans", "published", "compare", "serve", "all"), default="all")
     ap.add_argument("--conv-trace", help="Vidur's data/processed_traces/splitwise_conv.csv, for --part compare")
-    ap.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+    ap.add_argument("--batching", choices=("continuous", "chunked", "static"), default="continuous",
                     help="--part compare: how the trace is served in simulation (plan_inference(batching=))")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="--part compare with --batching chunked: tokens an iteration runs (default 512)")
+    ap.add_argument("--rows", default=None, help="--part compare: the rows of COMPARE to run, e.g. 0,4 (default all)")
     ap.add_argument("--tmp", default="/tmp/autopar_bench_inference")
     args = ap.parse_args()
     if args.part in ("plans", "all"):
@@ -299,7 +309,8 @@ def main():
     if args.part in ("published", "all"):
         part_published(Path(args.tmp))
     if args.part in ("compare", "all"):
-        part_compare(args.conv_trace, args.batching)
+        part_compare(args.conv_trace, args.batching, chunk=args.prefill_chunk,
+                     rows=[int(k) for k in args.rows.split(",")] if args.rows else None)
     if args.part in ("serve", "all"):
         part_serve(Path(args.tmp))
 

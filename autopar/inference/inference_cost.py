@@ -36,6 +36,21 @@ the slowest). With even stages that is the pass itself: a request's time per tok
 and the replica serves pp times the micro-batches, so pp times the tokens per second of one batch
 at a time. The continuous-batching simulation (autopar/inference/continuous.py) prices its
 iterations this way.
+
+**Mixed iterations** (``mixed``, ``mixed_stages``, ``mixed_in_flight``: chunked prefill,
+``simulate_chunked`` of autopar/inference/continuous.py): one iteration runs prompt chunks (each
+``tokens`` of a prompt whose first ``past`` tokens are already in the KV cache) and the decode step
+of ``decodes`` running requests as one batch of T = chunk tokens + decodes rows, as Sarathi-Serve
+and vLLM's chunked prefill run it. Per layer: the projections and the MLP are GEMMs of [T, H] by
+the rank's slice, so the weights are read once for the whole iteration (a sum of a prefill price
+and a decode price would read them twice: an upper bound); the chunks' attention is compute at
+the prefill's rate, each chunk token against its prompt's past and the causal half of its own
+chunk (``tokens x (past + tokens / 2)`` score pairs), reading the chunk's queries and outputs and
+``past + tokens`` cached keys and values; the decodes' attention reads their KV cache at their
+mean context, as ``decode`` prices it; the memory-bound passes and the two all-reduces are of
+[T, H]; the LM head runs on one position per chunk and per decode; the stage hop sends [T, H]. A
+single chunk of a whole prompt with no decodes is ``prefill(1, prompt)``, no chunk at all is
+``decode(decodes, context)``: the same terms.
 """
 from __future__ import annotations
 
@@ -172,6 +187,47 @@ class Pricer:
     def decode_in_flight(self, tp: int, pp: int, batch: int, context: float) -> float:
         """A micro-batch's decode step when ``pp`` micro-batches are in flight (module doc)."""
         return in_flight_cycle(self.decode_stages(tp, pp, batch, context))
+
+    def mixed(self, tp: int, pp: int, chunks: tuple, decodes: int, context: float) -> float:
+        """One mixed iteration of chunked prefill (module doc, "Mixed iterations"): ``chunks``
+        ((tokens, past) of each prompt chunk) and ``decodes`` decode steps at mean ``context``, its
+        pass through every stage."""
+        return sum(self.mixed_stages(tp, pp, chunks, decodes, context))
+
+    def mixed_in_flight(self, tp: int, pp: int, chunks: tuple, decodes: int, context: float) -> float:
+        """A micro-batch's mixed iteration when ``pp`` micro-batches are in flight (module doc)."""
+        return in_flight_cycle(self.mixed_stages(tp, pp, chunks, decodes, context))
+
+    def mixed_stages(self, tp: int, pp: int, chunks: tuple, decodes: int, context: float) -> list[float]:
+        m, b = self.m, self.b
+        chunk = sum(tokens for tokens, _ in chunks)
+        rows = chunk + decodes
+        memo = self.__dict__.setdefault("_mixed_memo", {})   # the terms of T rows, of a decode context
+        key = ("rows", tp, pp, rows)
+        if key not in memo:   # the GEMMs (the weights read once), memory-bound passes, all-reduces, hop
+            memo[key] = (self.layer_gemms(rows, tp, experts_touched(m, rows))
+                         + self.memory_bound(ELEMENTWISE_PASSES * rows * m.hidden * b)
+                         + 2 * self.all_reduce(rows * m.hidden * b, tp), self.hop(rows * m.hidden * b, tp, pp))
+        layer, hop = memo[key]
+        heads = m.heads / tp
+        if chunks:   # causal attention of each chunk over its prompt's past and itself
+            pairs = sum(tokens * (past + tokens * 0.5) for tokens, past in chunks)
+            keys = sum(past + tokens for tokens, past in chunks)
+            flops = 2 * 2 * heads * pairs * m.head_dim
+            nbytes = b * m.head_dim * (2 * heads * chunk + 2 * m.kv_heads / tp * keys)
+            layer += compute_time(flops, nbytes, self.dtype, self.device, intensity=flops / max(nbytes, 1),
+                                  calibration=self.cal)
+        if decodes:   # the decodes read their KV cache, as decode_stages
+            ckey = ("context", context)
+            if ckey not in memo:
+                memo[ckey] = sum(m.cache_positions(i, context) for i in range(m.layers)) / m.layers
+            ctx = memo[ckey]
+            layer += self.memory_bound(2 * decodes * ctx * (m.kv_heads / tp) * m.head_dim * b,
+                                       flops=4 * decodes * heads * ctx * m.head_dim)
+        hkey = ("head", tp, decodes + len(chunks))
+        if hkey not in memo:
+            memo[hkey] = self.head(decodes + len(chunks), tp)
+        return self._stage_times(pp, layer, memo[hkey], hop)
 
     def _stage_times(self, pp: int, layer: float, head: float, hop: float) -> list[float]:
         """Each stage's busy time for one batch: its layers, the LM head on the last stage, the

@@ -33,7 +33,8 @@ class InferencePlan:
     cluster: dict = field(default_factory=dict)        # name, nodes, devices_per_node, device
     model: dict = field(default_factory=dict)          # layers, heads, kv heads, head dim, hidden, vocab, params
     dtype: str = "bf16"
-    predictions: dict = field(default_factory=dict)    # ttft, tpot, tokens_per_s, memory_per_rank, ...
+    predictions: dict = field(default_factory=dict)    # ttft, tpot, tokens_per_s, memory_per_rank, ...; on a
+    # trace batching ("static", "continuous", "chunked") and, chunked, prefill_chunk (tokens an iteration)
     slo: dict = field(default_factory=dict)
     version: int = INFERENCE_PLAN_VERSION
     kind: str = "inference"
@@ -71,7 +72,7 @@ def summary(plan: InferencePlan) -> str:
     """The plan as a short text table (``autopar show`` of an inference plan)."""
     pr = plan.predictions
     gib = 2 ** 30
-    in_flight = plan.pp > 1 and pr.get("batching") == "continuous"   # pipeline stages in flight
+    in_flight = plan.pp > 1 and pr.get("batching") in ("continuous", "chunked")   # pipeline stages in flight
     rows = [
         ("cluster", f"{plan.cluster.get('name', '?')}: {plan.cluster.get('nodes', '?')} node(s) x "
                     f"{plan.cluster.get('devices_per_node', '?')} {plan.cluster.get('device', '')}"),
@@ -102,6 +103,7 @@ def summary(plan: InferencePlan) -> str:
                       f"{t['prompt']['p50']:.0f} max {t['prompt']['max']}, output p50 {t['output']['p50']:.0f} "
                       f"max {t['output']['max']}"),
             ("served (simulated)", (f"{pr['batching']} batching, " if "batching" in pr else "")
+                                   + (f"prefill chunk {pr['prefill_chunk']} tokens, " if "prefill_chunk" in pr else "")
                                    + "TTFT p50/p90/p99 " + "/".join(f"{sv['ttft'][q] * 1e3:.0f}" for q in
                                                                     ("p50", "p90", "p99")) + " ms, TPOT p99 "
                                    f"{sv['tpot']['p99'] * 1e3:.1f} ms, latency p90 {sv['latency']['p90']:.2f} s"),

@@ -4,9 +4,10 @@ The search (every configuration priced by autopar/inference/inference_cost.py):
 
 - ``tp``: divisors of the node's devices that divide the attention heads and the key/value
   heads (tensor parallelism stays inside a node);
-- ``pp``: under continuous batching every divisor of the devices a tp group leaves (a replica
-  keeps pp micro-batches in flight, below); else 1 unless pinned (the engine runs one batch across
-  the stages per step: the stages split the weights and the KV cache but gain no latency);
+- ``pp``: under continuous batching (chunked or not) every divisor of the devices a tp group
+  leaves (a replica keeps pp micro-batches in flight, below); else 1 unless pinned (the engine runs
+  one batch across the stages per step: the stages split the weights and the KV cache but gain no
+  latency);
 - ``dp``: the devices left, each replica an independent copy decoding its own sequences;
 - ``batch_size`` (sequences a replica decodes together): without ``slo``, the example's rows
   shared over the replicas; with ``slo``, every power of two up to what memory holds, and the
@@ -22,14 +23,19 @@ it keeps pp micro-batches in flight, one per stage, each of up to batch_size req
 the KV tokens, each iteration priced with the others in flight: ``Pricer.decode_in_flight``): its TTFT
 is the trace's P90 (queueing included), its TPOT the P99, its throughput the output tokens per
 second over the trace, its latency the P90 end to end; the plan records the trace's statistics,
-these percentiles and the batching simulated.
+these percentiles and the batching simulated. ``batching="chunked"`` is continuous batching with
+chunked prefill (Sarathi-Serve, vLLM's ``enable_chunked_prefill``; ``simulate_chunked``): each
+iteration runs at most ``prefill_chunk`` tokens (default ``PREFILL_CHUNK``, 512), the running
+requests' decodes first and prompt chunks in the rest, priced as one mixed batch
+(``Pricer.mixed_in_flight``); batch sizes above the chunk are not searched (each decode takes a
+token of the budget), and the plan records the chunk (``predictions["prefill_chunk"]``).
 
 Each configuration must fit: weights + KV cache + prefill working set per rank under the budget
 (the device's memory unless ``memory_budget``); under continuous batching the KV cache is a pool of
 tokens (what the memory left holds, at most pp x batch_size longest contexts, at least pp times the
 trace's longest request) and the prefill's working set is one prompt's (admitted prompts prefill
-one by one). Static batching prices one batch crossing the stages at a time, as autopar's engine
-and server run it.
+one by one), under chunked prefill one chunk's. Static batching prices one batch crossing the
+stages at a time, as autopar's engine and server run it.
 
 Objective: with ``slo`` (``{"ttft": "2s", "tpot": "50ms"}``), the most tokens/s per device among
 the configurations meeting both targets (none: a PlanError naming the best TTFT and TPOT reached);
@@ -46,7 +52,7 @@ import torch
 
 from autopar.cluster import Cluster
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
-from autopar.inference.continuous import simulate_continuous
+from autopar.inference.continuous import simulate_chunked, simulate_continuous
 from autopar.inference.inference_cost import ITEMSIZE, Pricer, kv_bytes, stage_layers, weight_bytes
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import ModelShape
@@ -58,7 +64,9 @@ SLO_KEYS = ("ttft", "tpot")
 # with a trace the targets bind these percentiles (TTFT P90 under 2 s, time between tokens P99 under
 # 200 ms are the usual service targets)
 TRACE_PERCENTILE = {"ttft": "p90", "tpot": "p99"}
-BATCHING = ("static", "continuous")   # how a trace is served in simulation (module doc)
+BATCHING = ("static", "continuous", "chunked")   # how a trace is served in simulation (module doc)
+PREFILL_CHUNK = 512   # tokens an iteration runs under chunked prefill, unless prefill_chunk= (vLLM's and
+# Sarathi-Serve's max_num_batched_tokens; Vidur-Search's best Llama-2-70B configuration uses 512)
 
 
 def _constraints(constraints) -> dict:
@@ -94,14 +102,23 @@ def _slo(slo, traced: bool = False) -> tuple[dict, dict]:
 
 def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: int | None = None, slo=None,
                    constraints=None, dtype: str = "bf16", memory_budget=None, trace=None,
-                   batching: str = "static") -> InferencePlan:
+                   batching: str = "static", prefill_chunk: int | None = None) -> InferencePlan:
     """The fastest way to generate with ``model`` on ``cluster`` (module doc). ``example_prompt``:
     token ids [batch, prompt_len]. ``trace`` (a RequestTrace or a CSV file, autopar/inference/
-    trace.py) replaces the example: every configuration serves it in simulation, batching ``"static"``
-    or ``"continuous"`` (module doc)."""
+    trace.py) replaces the example: every configuration serves it in simulation, batching
+    ``"static"``, ``"continuous"`` or ``"chunked"`` (continuous with chunked prefill,
+    ``prefill_chunk`` tokens an iteration, default ``PREFILL_CHUNK``; module doc)."""
     t0 = time.perf_counter()
     if batching not in BATCHING:
         raise ValueError(f"batching={batching!r} is not known; use one of {', '.join(map(repr, BATCHING))}")
+    if prefill_chunk is not None and batching != "chunked":
+        raise ValueError(f"prefill_chunk={prefill_chunk!r} applies to batching='chunked' (continuous batching with "
+                         f"chunked prefill); got batching={batching!r}")
+    if batching == "chunked":
+        prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
+        if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={prefill_chunk!r} must be a positive integer (tokens an iteration runs, "
+                             f"e.g. {PREFILL_CHUNK})")
     if batching != "static" and trace is None:
         raise PlanError(f"batching={batching!r} applies to serving a trace in simulation; pass trace=")
     if not isinstance(cluster, Cluster):
@@ -121,6 +138,10 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
     if dtype not in ITEMSIZE:
         raise PlanError(f"dtype {dtype!r}: use one of {', '.join(ITEMSIZE)}")
     pins, (targets, pct) = _constraints(constraints), _slo(slo, trace is not None)
+    if batching == "chunked" and pins.get("batch_size", 0) > prefill_chunk:
+        raise ConstraintError(f"batch_size={pins['batch_size']} is more than prefill_chunk={prefill_chunk}: each "
+                              f"running request's decode takes a token of an iteration's budget; pin a batch of at "
+                              f"most {prefill_chunk} or pass a larger prefill_chunk")
     rows, prompt = int(example_prompt.shape[0]), int(example_prompt.shape[1])
     m = ModelShape.of(model)
     budget = float(parse_bytes(memory_budget, "memory_budget") if memory_budget is not None
@@ -137,10 +158,13 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
             if "dp" in pins and pins["dp"] != dp:
                 continue
             for batch in _batches(rows, dp, pins, bool(targets) or trace is not None):
+                if batching == "chunked" and batch > prefill_chunk:
+                    continue   # an iteration's budget holds every running request's decode
                 tried += 1
                 kv_tokens = None
-                if batching == "continuous":
-                    fixed = weight_bytes(m, tp, pp, dtype) + price.workspace(tp, 1, prompt)
+                if batching != "static":   # a pool of KV tokens; one prompt (or chunk) prefills at a time
+                    ahead = prompt if batching == "continuous" else min(prompt, prefill_chunk)
+                    fixed = weight_bytes(m, tp, pp, dtype) + price.workspace(tp, 1, ahead)
                     kv, kv_tokens, per_token = _kv_pool(m, tp, pp, batch, context, dtype, budget - fixed)
                     longest = int((trace.prompt_lens + trace.output_lens).max())
                     # over the budget when a micro-batch's share of the pool does not hold the longest
@@ -162,6 +186,10 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                             trace, lambda b, s, tp=tp, pp=pp: price.prefill_in_flight(tp, pp, b, s),
                             lambda b, c, tp=tp, pp=pp: price.decode_in_flight(tp, pp, b, c), dp, batch,
                             kv_tokens=kv_tokens, stages=pp)
+                    elif batching == "chunked":   # mixed iterations of prompt chunks and decodes
+                        served = simulate_chunked(
+                            trace, lambda ch, d, c, tp=tp, pp=pp: price.mixed_in_flight(tp, pp, ch, d, c), dp,
+                            batch, prefill_chunk, kv_tokens=kv_tokens, stages=pp)
                     else:   # static batches, one crossing the stages at a time
                         served = simulate(trace, lambda b, s, tp=tp, pp=pp: price.prefill(tp, pp, b, s),
                                           lambda b, c, tp=tp, pp=pp: price.decode(tp, pp, b, c), dp, batch)
@@ -199,6 +227,7 @@ def plan_inference(model, example_prompt, cluster: Cluster, *, max_new_tokens: i
                      "weights_per_rank": weight_bytes(m, c["tp"], c["pp"], dtype),
                      "configurations": tried, "seconds": time.perf_counter() - t0,
                      **({"kv_cache_tokens_per_replica": c["kv_tokens"]} if c["kv_tokens"] is not None else {}),
+                     **({"prefill_chunk": prefill_chunk} if batching == "chunked" else {}),
                      **({"trace": trace.stats(), "percentiles": pct, "batching": batching,
                          "served": {k: c["served"][k] for k in ("ttft", "tpot", "latency")}}
                         if trace is not None else {})})
@@ -225,12 +254,12 @@ def _percentile(served: dict, what: str, p: str) -> float:
 
 
 def _pp_choices(layers: int, per_tp: int, pins: dict, batching: str) -> list[int]:
-    """Pipeline stages to try: the pin; under continuous batching (stages in flight) every divisor
-    of the ``per_tp`` devices a tp group leaves, up to the layers; else 1 (the engine runs one batch
-    across the stages: pp only splits the memory)."""
+    """Pipeline stages to try: the pin; under continuous batching, chunked or not (stages in
+    flight), every divisor of the ``per_tp`` devices a tp group leaves, up to the layers; else 1
+    (the engine runs one batch across the stages: pp only splits the memory)."""
     if "pp" in pins:
         return [pins["pp"]]
-    if batching != "continuous":
+    if batching == "static":
         return [1]
     return [d for d in range(1, min(per_tp, layers) + 1) if per_tp % d == 0]
 
