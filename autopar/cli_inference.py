@@ -158,9 +158,9 @@ def add_parsers(sub) -> None:
                                                         "TTFT at P90 and TPOT at P99 (docs/inference.md)")
     pi.add_argument("--batching", choices=("static", "continuous", "chunked"), default="static",
                     help="how the --trace is served in simulation: static batches padded to their longest prompt "
-                         "and output (autopar serve's batcher, the default), continuous batching (requests join "
-                         "and leave the running batch at each step, as vLLM), or chunked: continuous with chunked "
-                         "prefill (Sarathi-Serve; --prefill-chunk tokens an iteration)")
+                         "and output (the default), continuous batching (requests join and leave the running "
+                         "batch at each step, as vLLM; autopar serve runs both), or chunked: continuous with "
+                         "chunked prefill (Sarathi-Serve; --prefill-chunk tokens an iteration)")
     pi.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=None, metavar="N",
                     help="with --batching chunked: tokens an iteration runs, decodes first and prompt chunks in "
                          "the rest (default 512)")
