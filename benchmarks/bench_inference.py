@@ -1,7 +1,7 @@
 """Inference plans and the serving runtime, against published figures and against themselves.
 
-    PYTHONPATH=. python benchmarks/bench_inference.py [--part plans|published|compare|serve|all]
-        [--conv-trace splitwise_conv.csv] [--batching continuous|static]
+    PYTHONPATH=. python benchmarks/bench_inference.py [--part plans|published|compare|serve|continuous|all]
+        [--conv-trace splitwise_conv.csv] [--batching continuous|static] [--requests N --rate R --tps 1,2]
 
 - ``plans``: the configuration ``plan_inference`` chooses for Llama-2-70B and Llama-3-70B shapes on
   one DGX-A100 and one DGX-H100 node (prompt 2048, 256 new tokens, 8 prompts), without targets and
