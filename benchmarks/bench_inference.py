@@ -1,8 +1,8 @@
 """Inference plans and the serving runtime, against published figures and against themselves.
 
-    PYTHONPATH=. python benchmarks/bench_inference.py [--part plans|published|compare|serve|all]
+    PYTHONPATH=. python benchmarks/bench_inference.py [--part plans|published|compare|serve|continuous|all]
         [--conv-trace splitwise_conv.csv] [--batching continuous|chunked|static] [--prefill-chunk N]
-        [--rows 0,4]
+        [--rows 0,4] [--requests N --rate R --tps 1,2]
 
 - ``plans``: the configuration ``plan_inference`` chooses for Llama-2-70B and Llama-3-70B shapes on
   one DGX-A100 and one DGX-H100 node (prompt 2048, 256 new tokens, 8 prompts), without targets and
@@ -30,6 +30,12 @@
   ranks, tp=2, a 4-layer Llama of hidden 256), calibrated first (``autopar calibrate``): a fixed
   number of requests at a fixed concurrency; measured TTFT and time per output token (the server's
   /metrics) against the plan's predictions, calibrated and on the plain preset.
+- ``continuous``: the same model and calibrated preset, served from a request trace
+  (``serve_trace``: a few dozen Poisson arrivals, prompt and output lengths drawn at random):
+  planned on that trace with ``batching="continuous"`` and ``"static"`` (batch size pinned alike,
+  tp=1 on one process and tp=2 on 2 gloo ranks), each plan served by ``autopar serve`` and the
+  trace replayed over loopback at its arrival times (``replay``); the measured TTFT and TPOT
+  percentiles (each answer's ``timing``) next to the simulation's for the same trace and plan.
 """
 from __future__ import annotations
 
@@ -293,9 +299,120 @@ def part_serve(tmp: Path, requests: int = 24, concurrency: int = 4):
               f"{m['measured'][k] / pred[p]:.2f}x | {plain[p] * 1e3:.2f} ms | {m['measured'][k] / plain[p]:.1f}x |")
 
 
+SERVE_FACTORY = dict(n_layer=4, d_model=256, n_head=8, n_kv_heads=4, ffn_hidden=704, vocab=2048, seq=128)
+
+
+def serve_trace(requests: int = 32, rate: float = 6.0, seed: int = 0, prompts=(16, 64), outputs=(8, 32)):
+    """``requests`` Poisson arrivals at ``rate`` per second, prompt and output lengths uniform in the
+    given (inclusive) ranges: a trace where requests arrive while others decode."""
+    import numpy as np
+
+    from autopar.inference.trace import RequestTrace
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, requests))
+    return RequestTrace(arrivals - arrivals[0], rng.integers(prompts[0], prompts[1] + 1, requests),
+                        rng.integers(outputs[0], outputs[1] + 1, requests))
+
+
+def plan_for_trace(trace, tp: int, batching: str, batch_size: int, cluster, model=None):
+    """The plan of the load-test model (``SERVE_FACTORY``) on ``trace``, tp pinned, dp=1, fp32."""
+    from autopar.models.hf import hf_llama
+    model = model if model is not None else hf_llama(**SERVE_FACTORY)[0]
+    return plan_inference(model, None, cluster, trace=trace, batching=batching, dtype="fp32",
+                          constraints={"tp": tp, "pp": 1, "dp": 1, "batch_size": batch_size})
+
+
+def replay(url: str, trace, seed: int = 0, vocab: int = 2048, timeout: float = 120.0) -> list[dict]:
+    """Each request of ``trace`` posted at its arrival time (from now), concurrently; per request its
+    answer's token count and ``timing`` (the server's clock) and the client's end-to-end seconds."""
+    import httpx
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (int(n),), generator=gen).tolist() for n in trace.prompt_lens]
+    t0 = time.perf_counter() + 0.2
+
+    def one(k):
+        time.sleep(max(0.0, t0 + float(trace.arrivals[k]) - time.perf_counter()))
+        sent = time.perf_counter()
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[k], "max_tokens": int(trace.output_lens[k])},
+                       timeout=timeout)
+        took = time.perf_counter() - sent
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        return {"tokens": len(choice["token_ids"]), "finish": choice["finish_reason"], **choice["timing"],
+                "client_s": took, "late_s": sent - t0 - float(trace.arrivals[k])}
+    with ThreadPoolExecutor(len(trace)) as pool:
+        return list(pool.map(one, range(len(trace))))
+
+
+def measured_percentiles(answers: list[dict]) -> dict:
+    """TTFT and TPOT (requests with more than one token) percentiles of ``replay``'s answers, s."""
+    import numpy as np
+
+    def pct(x):
+        return {f"p{q}": float(np.percentile(x, q)) for q in (50, 90, 99)}
+    return {"ttft": pct([a["ttft_s"] for a in answers]),
+            "tpot": pct([a["tpot_s"] for a in answers if a["tpot_s"] is not None])}
+
+
+def _calibrated_cluster(tmp: Path, devices: int):
+    cal = tmp / "cal.yaml"
+    if not cal.exists():
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "-n", "2", "--sweep", "tiny", "--repeats",
+                        "3", "-o", str(cal)], env=env, cwd=ROOT, check=True, capture_output=True)
+    (tmp / f"cpu{devices}.yaml").write_text(f"preset: cpu\ndevices: {devices}\ncalibration: {cal}\n")
+    return autopar.Cluster.from_yaml(tmp / f"cpu{devices}.yaml")
+
+
+def serve_and_replay(plan, path: Path, trace, devices: int) -> list[dict]:
+    """``autopar serve`` of the saved ``plan`` (the load-test model), warmed by two requests, then
+    ``replay`` of ``trace``."""
+    import httpx
+    plan.save(path)
+    args = [*SERVE_MODEL, "--devices", str(devices), "--plan", str(path)]
+    with serve_process(args) as url:
+        for _ in range(2):   # the first forwards pay one-time costs
+            httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 4}, timeout=60)
+        return replay(url, trace)
+
+
+def part_continuous(tmp: Path, requests: int = 32, rate: float = 6.0, tps: str = "1,2", batch_size: int = 4):
+    """``continuous`` (module doc): per tp, the continuous and the static plan of one trace served and
+    replayed; measured percentiles against the plan's simulation of the same trace."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    trace = serve_trace(requests, rate)
+    st = trace.stats()
+    print(f"trace: {requests} Poisson requests at {rate:g}/s over {st['seconds']:.1f} s, prompts 16-64 (p50 "
+          f"{st['prompt']['p50']:.0f}), outputs 8-32 (p50 {st['output']['p50']:.0f}); batch_size {batch_size} "
+          f"pinned, fp32, calibrated cpu preset (autopar calibrate -n 2 --sweep tiny)")
+    rows = []
+    for tp in (int(t) for t in tps.split(",")):
+        cluster = _calibrated_cluster(tmp, tp)
+        for batching in ("continuous", "static"):
+            plan = plan_for_trace(trace, tp, batching, batch_size, cluster)
+            t0 = time.perf_counter()
+            answers = serve_and_replay(plan, tmp / f"plan_{batching}_tp{tp}.json", trace, tp)
+            wall = time.perf_counter() - t0
+            short = sum(a["tokens"] != int(o) for a, o in zip(answers, trace.output_lens))
+            rows.append((tp, batching, measured_percentiles(answers), plan.predictions["served"], short, wall,
+                         max(a["late_s"] for a in answers)))
+    print("\n| tp | batching | quantity | measured p50 / p90 / p99 | simulated p50 / p90 / p99 | "
+          "measured / simulated (p50, p90, p99) |\n|---|---|---|---|---|---|")
+    for tp, batching, meas, pred, short, wall, late in rows:
+        for q in ("ttft", "tpot"):
+            m, p = meas[q], pred[q]
+            cells = [" / ".join(f"{d[k] * 1e3:.1f}" for k in ("p50", "p90", "p99")) + " ms" for d in (m, p)]
+            ratio = ", ".join(f"{m[k] / p[k]:.2f}x" for k in ("p50", "p90", "p99"))
+            print(f"| {tp} | {batching} | {q.upper()} | {cells[0]} | {cells[1]} | {ratio} |")
+    for tp, batching, meas, pred, short, wall, late in rows:
+        print(f"tp={tp} {batching}: {requests - short}/{requests} answered with their output length (the rest "
+              f"stopped at an end-of-sequence token), server up and replay {wall:.0f} s, latest send "
+              f"{late * 1e3:.0f} ms after its arrival time")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("plans", "published", "compare", "serve", "all"), default="all")
+    ap.add_argument("--part", choices=("plans", "published", "compare", "serve", "continuous", "all"), default="all")
     ap.add_argument("--conv-trace", help="Vidur's data/processed_traces/splitwise_conv.csv, for --part compare")
     ap.add_argument("--batching", choices=("continuous", "chunked", "static"), default="continuous",
                     help="--part compare: how the trace is served in simulation (plan_inference(batching=))")
@@ -303,6 +420,9 @@ def main():
                     help="--part compare with --batching chunked: tokens an iteration runs (default 512)")
     ap.add_argument("--rows", default=None, help="--part compare: the rows of COMPARE to run, e.g. 0,4 (default all)")
     ap.add_argument("--tmp", default="/tmp/autopar_bench_inference")
+    ap.add_argument("--requests", type=int, default=32, help="--part continuous: requests in the trace")
+    ap.add_argument("--rate", type=float, default=6.0, help="--part continuous: Poisson arrivals per second")
+    ap.add_argument("--tps", default="1,2", help="--part continuous: the tp degrees served (1: one process)")
     args = ap.parse_args()
     if args.part in ("plans", "all"):
         part_plans()
@@ -313,6 +433,8 @@ def main():
                      rows=[int(k) for k in args.rows.split(",")] if args.rows else None)
     if args.part in ("serve", "all"):
         part_serve(Path(args.tmp))
+    if args.part in ("continuous", "all"):
+        part_continuous(Path(args.tmp), args.requests, args.rate, args.tps)
 
 
 if __name__ == "__main__":

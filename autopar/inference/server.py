@@ -6,8 +6,10 @@
   a list of token ids, or a list of either (one choice per prompt); ``max_tokens`` (default 16, or
   the plan's most if fewer); greedy by default, sampled with ``temperature`` > 0 (``top_p``,
   ``seed``: under static batching requests with the same options share a batch); ``n`` 1, no ``stream``. The answer is
-  OpenAI's ``text_completion`` object; each choice also carries ``token_ids`` (the new tokens), and
-  ``usage`` the token counts. Concurrent requests are batched (autopar/inference/batcher.py) as
+  OpenAI's ``text_completion`` object; each choice also carries ``token_ids`` (the new tokens) and
+  ``timing``: its measured ``ttft_s`` (queue + the engine's time to its first new token),
+  ``tpot_s`` (time per further token; null for one token) and ``queued_s``, for load tests'
+  percentiles; ``usage`` the token counts. Concurrent requests are batched (autopar/inference/batcher.py) as
   the plan's ``batching`` says: ``"static"`` (the default) runs them as one padded ``generate``
   call; ``"continuous"`` runs an iteration loop where requests join and leave the running batch
   between decode steps (autopar/inference/iteration_engine.py; tp ranks only, no pp or dp yet).
@@ -124,6 +126,14 @@ def check_request(body: dict, prompts: list[list[int]], limits: Limits) -> int:
     return new
 
 
+def timing_of(done) -> dict:
+    """One request's measured times (s), from the engine's clock: what ``Stats`` averages."""
+    t = done.timing or {}
+    ttft = done.queued_s + t["prefill_s"] if "prefill_s" in t else None
+    tpot = t["decode_s"] / (t["new_tokens"] - 1) if t.get("new_tokens", 0) > 1 else None
+    return {"queued_s": done.queued_s, "ttft_s": ttft, "tpot_s": tpot}
+
+
 class Stats:
     def __init__(self):
         self.requests = self.failed = self.rejected = self.tokens = 0
@@ -225,7 +235,8 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
             stats.record(done)
             text = tokenizer.decode(done.tokens) if tokenizer is not None else ""
             choices.append({"index": index, "text": text, "token_ids": done.tokens, "logprobs": None,
-                            "finish_reason": "stop" if len(done.tokens) < new else "length"})
+                            "finish_reason": "stop" if len(done.tokens) < new else "length",
+                            "timing": timing_of(done)})
             prompt_tokens += len(prompt)
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
