@@ -26,9 +26,11 @@ stages reaches the incumbent, or (W - O) F / p does, O its optimizer step (at mo
 search (``outer.search``'s ``cutoff`` and ``cutoff_fill_drain``). These estimates are not proofs:
 unequal stages can beat the equal-stage fill and drain, and a stage can compute faster than the
 pp=1 plan (less recomputation). ``PROVEN_BOUNDS`` prunes with bounds that hold for any partition
-instead (the compute floor times the proven fill-and-drain factor, and that factor in the inner
-cutoff); it searches 1.1-2.5x longer, and tests check that it finds the same plans as the
-estimates (tests/search/test_pipeline_bounds.py).
+into chunks of whole blocks instead (``pipeline_bounds.least_pipelined_step`` from the compute and
+block floors; in the inner cutoff the factor that makes it the cut, ``cutoff_factor``); it prunes
+less (interleaving's proven fill and drain is a few blocks, not (p - 1) / (m v) of the work), so
+it searches longer (benchmarks/RESULTS.md section 12), and tests check that it finds the same
+plans as the estimates (tests/search/test_pipeline_bounds.py).
 A ``time_limit`` covers the whole search: pipelined candidates get what pp=1
 left.
 
