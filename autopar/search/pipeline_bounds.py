@@ -17,10 +17,37 @@ T = sum t_k:
 
 i.e. the average work per stage times ``fill_drain_factor`` (>= 1, below the equal-stage
 1 + (p - 1) / m, which unequal stages can beat: tests/search/test_pipeline_bounds.py shows a
-simulated 1F1B step 6% under it). Interleaved stages (v chunks per rank) can put little work in
-the first chunk of each rank, so no fill and drain is proven without the partition: the factor
-is 1 (the stage partition's own bound, ``stage_plan.least_step_time``, uses the fastest block).
-Zero-bubble runs weight gradients after the last input gradient: factor 1.
+simulated 1F1B step 6% under it). Zero-bubble runs weight gradients after the last input gradient:
+factor 1.
+
+**Fill and drain over blocks** (``least_pipelined_step``). Interleaved stages (v chunks per rank,
+chunk k of the p v on rank k mod p) can put little work in the first chunk of each rank, so the
+factor above is 1 for them; but a chunk holds whole blocks, each taking at least b seconds per
+micro-batch (forward + backward). Rank k's first action is a forward of its first chunk (any other
+action of a micro-batch on rank k follows that one), which micro-batch reaches only after its
+forwards through the first chunks of ranks 1..k-1; its last action is a backward of its first
+chunk, after which that micro-batch's backward still goes through the first chunks of ranks
+k-1..1. So with W_k rank k's work per step, for any order of each rank's actions,
+
+    step >= t_1 + ... + t_{k-1} + W_k >= (k - 1) b + W_k      (t_i: the first chunk of rank i)
+
+and rank p's v chunks of >= 1 block each give W_p >= m v b. Over the ranks, with sum W_k = T:
+
+    step >= max(T / p + (p - 1) b / 2,  (p - 1 + m v) b)
+
+the first term the mean of the (k - 1) b + W_k, the second rank p's. This is the least max over
+the W_k and first chunks alone: first chunks of one block each and W_k = C - (k - 1) b reach it
+(one block per chunk: the simulated step equals it). Chains through later chunks (rank k's first
+forward of its chunk j waits for a micro-batch's forwards through all chunks before) add little:
+the partition that minimises them also starts light and ends heavy (a linear program over chunk
+times: at most 1.05 times the mean work on 8 ranks x 2 chunks, 16 micro-batches, against the
+equal-stage 1.22). It holds under 1F1B and GPipe as well (v = 1), beside the factor above (their
+maximum); not under zero-bubble (its last action may be a weight gradient). The
+callers have T / p >= the compute floor below, and b >= ``device_block_floor`` x p / m (the
+block's ops unsplit on one device with the whole batch, over the devices; on a stage's N / p
+devices and per micro-batch, by the same argument as the floor). With uniform blocks the term
+(p - 1) b / 2 is a fraction (p - 1) p / (2 m n) of T / p (n blocks): small beside the equal-stage
+(p - 1) / (m v), which unequal chunks can beat.
 
 **Compute floor** (``device_compute_floor``). Every op priced unsplit on one device with the
 whole global batch (each node at its cheapest strategy), divided by the cluster's devices: no
@@ -40,6 +67,8 @@ from autopar.rules.candidates import candidates
 from autopar.search.pipeline_pins import virtual_stages
 
 FILL_DRAIN_SCHEDULES = ("1f1b", "gpipe")   # the schedules whose fill and drain the factor proves
+# the schedules whose fill and drain over blocks (``least_pipelined_step``) is proven
+BLOCK_FILL_DRAIN_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
 
 def fill_drain_factor(schedule: str, pp: int, m: int) -> float:
@@ -56,22 +85,76 @@ def shared_fill_drain_factor(schedules, pp: int, m: int) -> float:
     return min(fill_drain_factor(s, pp, m) for s in schedules)
 
 
+def least_pipelined_step(schedule: str, pp: int, m: int, work: float, block: float) -> float:
+    """A lower bound on the step of any partition into chunks of >= 1 block (module doc): ``work``
+    a lower bound on the ranks' mean work per step (T / pp), ``block`` on one block's seconds per
+    micro-batch (forward + backward, b) on a stage."""
+    bound = work * fill_drain_factor(schedule, pp, m)
+    if schedule not in BLOCK_FILL_DRAIN_SCHEDULES or pp < 2 or m < 1:
+        return bound
+    return max(bound, work + (pp - 1) * block / 2, (pp - 1 + m * virtual_stages(schedule)) * block)
+
+
+def block_time_floor(block_floor: float, pp: int, m: int) -> float:
+    """b: the least seconds per micro-batch of a block on a stage of pp stages with m micro-batches,
+    from ``device_block_floor`` (its ops unsplit on one device with the whole batch, over the
+    devices): a stage has 1 / pp of the devices and does 1 / m of the batch at a time."""
+    return block_floor * pp / m if m >= 1 else 0.0
+
+
+def cutoff_factor(schedules, pp: int, m: int, beat: float, block: float) -> float:
+    """F for an inner search that ``schedules`` share (outer.search's ``cutoff_fill_drain``): the
+    least over them of beat / w*, w* the least mean work per rank whose ``least_pipelined_step``
+    reaches ``beat``, so that cutting where w F >= beat cuts only what cannot beat it (inf: all)."""
+    out = float("inf")
+    for s in schedules:
+        if least_pipelined_step(s, pp, m, 0.0, block) >= beat:
+            continue   # no work w beats it
+        w = beat / fill_drain_factor(s, pp, m)
+        if s in BLOCK_FILL_DRAIN_SCHEDULES and pp >= 2 and m >= 1:
+            w = min(w, beat - (pp - 1) * block / 2)
+        out = min(out, beat / w)
+    return out
+
+
 def equal_stage_factor(schedule: str, pp: int, m: int) -> float:
     """1 + (pp - 1) / (m v): the fill and drain with equal stages. An estimate (candidates are
     visited in its order), not a bound (module doc)."""
     return 1.0 + (pp - 1) / (m * virtual_stages(schedule))
 
 
-def device_compute_floor(graph, cluster, base, micro_batches: int = 1) -> float:
-    """Seconds of compute per device no plan of ``graph`` on ``cluster`` with ``micro_batches``
-    micro-batches (or more) goes below (module doc)."""
+def _one_device(graph, cluster, base):
+    """Every op of ``graph`` priced unsplit on one device with the whole global batch."""
     one = candidates(graph, Mesh((1,), ("dp",), cluster.devices_per_node))
-    settings = dataclasses.replace(base, zero=0, num_micro_batches=micro_batches, checkpoint="none", offload="none",
+    settings = dataclasses.replace(base, zero=0, num_micro_batches=1, checkpoint="none", offload="none",
                                    offload_all=False)
-    P = price(one, cluster, settings, edges=False)
-    work = sum(float(P.compute[n].min()) for n in one.reps if n in P.compute and len(P.compute[n]))
-    return work / cluster.num_devices
+    return one, price(one, cluster, settings, edges=False)
 
 
-__all__ = ["FILL_DRAIN_SCHEDULES", "device_compute_floor", "equal_stage_factor", "fill_drain_factor",
-           "shared_fill_drain_factor"]
+def device_floors(graph, cluster, base) -> tuple[float, float]:
+    """(``device_compute_floor``, ``device_block_floor``) from one pricing."""
+    one, P = _one_device(graph, cluster, base)
+    least = {n: float(P.compute[n].min()) for n in one.reps if n in P.compute and len(P.compute[n])}
+    groups: dict = {}
+    for n, t in least.items():   # as stage_costs counts a block: its representatives over their repeats
+        if n in graph.block_of and one.nodes[n].kind == "op":
+            g = graph.block_of[n][0]
+            groups[g] = groups.get(g, 0.0) + t / max(1, one.nodes[n].repeats)
+    return sum(least.values()) / cluster.num_devices, min(groups.values(), default=0.0) / cluster.num_devices
+
+
+def device_compute_floor(graph, cluster, base) -> float:
+    """Seconds of compute per device no plan of ``graph`` on ``cluster`` goes below (module doc)."""
+    return device_floors(graph, cluster, base)[0]
+
+
+def device_block_floor(graph, cluster, base) -> float:
+    """The least block's compute in ``device_compute_floor``'s terms: the least over the repeated
+    block groups of one instance's ops, each unsplit on one device at its cheapest with the whole
+    batch, over the devices (module doc; ``block_time_floor`` makes it b)."""
+    return device_floors(graph, cluster, base)[1]
+
+
+__all__ = ["BLOCK_FILL_DRAIN_SCHEDULES", "FILL_DRAIN_SCHEDULES", "block_time_floor", "cutoff_factor",
+           "device_block_floor", "device_compute_floor", "device_floors", "equal_stage_factor",
+           "fill_drain_factor", "least_pipelined_step", "shared_fill_drain_factor"]

@@ -26,9 +26,11 @@ stages reaches the incumbent, or (W - O) F / p does, O its optimizer step (at mo
 search (``outer.search``'s ``cutoff`` and ``cutoff_fill_drain``). These estimates are not proofs:
 unequal stages can beat the equal-stage fill and drain, and a stage can compute faster than the
 pp=1 plan (less recomputation). ``PROVEN_BOUNDS`` prunes with bounds that hold for any partition
-instead (the compute floor times the proven fill-and-drain factor, and that factor in the inner
-cutoff); it searches 1.1-2.5x longer, and tests check that it finds the same plans as the
-estimates (tests/search/test_pipeline_bounds.py).
+into chunks of whole blocks instead (``pipeline_bounds.least_pipelined_step`` from the compute and
+block floors; in the inner cutoff the factor that makes it the cut, ``cutoff_factor``); it prunes
+less (interleaving's proven fill and drain is a few blocks, not (p - 1) / (m v) of the work), so
+it searches longer (benchmarks/RESULTS.md section 12), and tests check that it finds the same
+plans as the estimates (tests/search/test_pipeline_bounds.py).
 A ``time_limit`` covers the whole search: pipelined candidates get what pp=1
 left.
 
@@ -44,8 +46,8 @@ import time
 from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.frontend.batching import global_batch
 from autopar.search.context import CutOff
-from autopar.search.pipeline_bounds import device_compute_floor, equal_stage_factor, fill_drain_factor, \
-    shared_fill_drain_factor
+from autopar.search.pipeline_bounds import block_time_floor, cutoff_factor, device_floors, equal_stage_factor, \
+    least_pipelined_step
 from autopar.search.pipeline import search_pipelined
 from autopar.search.pipeline_forked import fork_workers, run_forked
 from autopar.search.pipeline_pins import stage_cluster
@@ -123,7 +125,7 @@ class Pipelined:
         self.remote_inner: dict = {}   # inner searches run in worker processes: {key: cut off?}
         self.kept: dict = {}   # in a worker: its candidates' (Result, stats, pipe) until fetched
         self.workers = 0   # the most worker processes a visit forked (stats: pipeline_workers)
-        self._floor: float | None = None   # compute_floor, computed on first use
+        self._floors: tuple | None = None   # (compute_floor, block_floor), computed on first use
 
     def with_stats(self, out: tuple) -> tuple:
         """``out`` (Result, stats, pipe) with the pipelined candidates' counters in its stats."""
@@ -148,9 +150,17 @@ class Pipelined:
     @property
     def compute_floor(self) -> float:
         """``pipeline_bounds.device_compute_floor`` of this search's model and cluster (once)."""
-        if self._floor is None:
-            self._floor = device_compute_floor(self.graph, self.cluster, self.base)
-        return self._floor
+        return self._device_floors()[0]
+
+    @property
+    def block_floor(self) -> float:
+        """``pipeline_bounds.device_block_floor`` of this search's model and cluster (once)."""
+        return self._device_floors()[1]
+
+    def _device_floors(self) -> tuple:
+        if self._floors is None:
+            self._floors = device_floors(self.graph, self.cluster, self.base)
+        return self._floors
 
     def candidates(self, base_compute: float, sp_for=None) -> list[tuple]:
         """(bound, pp, schedule index, m, schedule, sp) of every candidate, the bound what prunes
@@ -166,8 +176,9 @@ class Pipelined:
                     for m in micro_batch_counts(p, batch, self.cluster):
                         if "num_micro_batches" in self.flat and self.flat["num_micro_batches"] != m:
                             continue
-                        bound = self.compute_floor * fill_drain_factor(sched, p, m) if PROVEN_BOUNDS else \
-                            base_compute * equal_stage_factor(sched, p, m)
+                        bound = least_pipelined_step(sched, p, m, self.compute_floor,
+                                                     block_time_floor(self.block_floor, p, m)) if PROVEN_BOUNDS \
+                            else base_compute * equal_stage_factor(sched, p, m)
                         out.append((bound, p, self.schedules.index(sched), m, sched, sp or 0))
         return out
 
@@ -215,7 +226,8 @@ class Pipelined:
         kw_left = kw if limit is None else dict(kw, time_limit=max(1.0, limit - (time.perf_counter() - self.t0)))
         if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it
             # with the least fill and drain of the schedules sharing this inner search (module doc)
-            factor = 1.0 if not INNER_FILL_DRAIN else shared_fill_drain_factor(self.schedules, p, m) \
+            factor = 1.0 if not INNER_FILL_DRAIN else \
+                cutoff_factor(self.schedules, p, m, best_time, block_time_floor(self.block_floor, p, m)) \
                 if PROVEN_BOUNDS else min(equal_stage_factor(sched, p, m) for sched in self.schedules)
             kw_left = dict(kw_left, cutoff=best_time * p, cutoff_fill_drain=factor)
         try:

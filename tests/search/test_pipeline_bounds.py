@@ -1,6 +1,7 @@
 """The pipelined search's bounds (autopar/search/pipeline_bounds.py) hold for any stage partition:
-the fill-and-drain factor against the schedule simulation with unequal stages, and the compute
-floor against the plans the search returns."""
+the fill-and-drain factor against the schedule simulation with unequal stages, the fill and drain
+over blocks against it with blocks split into chunks at random, and the compute and block floors
+against the plans the search returns."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,7 +10,8 @@ import autopar
 from autopar.frontend.trace import trace
 from autopar.models import HF_ZOO, ZOO
 from autopar.pricing.price import Settings
-from autopar.search.pipeline_bounds import device_compute_floor, equal_stage_factor, fill_drain_factor
+from autopar.search.pipeline_bounds import block_time_floor, cutoff_factor, device_block_floor, \
+    device_compute_floor, device_floors, equal_stage_factor, fill_drain_factor, least_pipelined_step
 from autopar.search.pipeline_pins import virtual_stages
 from autopar.search.stage_plan import simulate_stages
 
@@ -65,6 +67,81 @@ def test_factor_is_one_without_a_proof_and_between_one_and_the_equal_stage_facto
     assert fill_drain_factor("1f1b", 4, 1) == 4.0   # one micro-batch crosses every stage in turn
 
 
+@st.composite
+def blocked_pipelines(draw):
+    """A schedule, pp, m, and per-block forward / backward seconds split into pp v chunks of >= 1
+    block each at random cuts (a prologue and an epilogue on the first and last chunk)."""
+    schedule = draw(st.sampled_from(["1f1b", "gpipe", "interleaved-1f1b"]))
+    pp = draw(st.integers(2, 6))
+    m = pp * draw(st.integers(1, 4)) + (0 if schedule == "interleaved-1f1b" else draw(st.integers(0, 2)))
+    chunks = pp * virtual_stages(schedule)
+    n = chunks + draw(st.integers(0, 3 * chunks))
+    shape = draw(st.sampled_from(["uniform", "two-level", "geometric"]))
+    if shape == "geometric":
+        q = draw(st.floats(0.7, 1.0))
+        fwd = [q ** k for k in range(n)]
+    elif shape == "two-level":
+        fwd = [draw(st.sampled_from([0.05, 1.0])) for _ in range(n)]
+    else:
+        fwd = [draw(st.floats(0.01, 2.0)) for _ in range(n)]
+    bwd = [f * draw(st.floats(0.5, 3.0)) for f in fwd]
+    cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=chunks - 1, max_size=chunks - 1, unique=True))) \
+        if chunks > 1 else []
+    bounds = [0, *cuts, n]
+    cf = [sum(fwd[i:j]) for i, j in zip(bounds, bounds[1:])]
+    cb = [sum(bwd[i:j]) for i, j in zip(bounds, bounds[1:])]
+    pro, epi = draw(st.sampled_from([0.0, 0.3])), draw(st.sampled_from([0.0, 0.5]))
+    cf[0], cb[0], cf[-1], cb[-1] = cf[0] + pro, cb[0] + 2 * pro, cf[-1] + epi, cb[-1] + 2 * epi
+    block = min(f + b for f, b in zip(fwd, bwd))
+    return schedule, pp, m, cf, cb, block
+
+
+@settings(max_examples=200, deadline=None)
+@given(blocked_pipelines())
+def test_fill_and_drain_over_blocks_is_below_the_simulated_step_for_any_chunks(case):
+    """step >= max(T / pp + (pp - 1) b / 2, (pp - 1 + m v) b), and the 1F1B / GPipe factor beside
+    it, for chunks of >= 1 block at random cuts (b: the fastest block's forward + backward)."""
+    schedule, pp, m, fwd, bwd, block = case
+    step = simulate_stages(schedule, pp, m, fwd, bwd).step_time
+    work = m * (sum(fwd) + sum(bwd)) / pp
+    assert least_pipelined_step(schedule, pp, m, work, block) <= step * (1 + 1e-9)
+
+
+def test_fill_and_drain_over_blocks_is_tight_for_its_argument_and_above_factor_one():
+    """Interleaved, 4 ranks x 2 chunks, 8 micro-batches, 32 uniform blocks: the bound is above the
+    mean work per rank (factor 1 before), below the simulated step of the equal split and of the
+    split it is derived from (one block first on every rank), under the equal-stage estimate."""
+    pp, m, n, b = 4, 8, 32, 3.0
+    work = m * n * b / pp
+    least = least_pipelined_step("interleaved-1f1b", pp, m, work, b)
+    assert least == pytest.approx(work + (pp - 1) * b / 2) and least > 1.005 * work
+    assert least < work * equal_stage_factor("interleaved-1f1b", pp, m)
+    for blocks in ([4] * 8, [1, 1, 1, 1, 7, 7, 7, 7]):   # chunks k on rank k % pp
+        step = simulate_stages("interleaved-1f1b", pp, m, [1.0 * k for k in blocks], [2.0 * k for k in blocks])
+        assert least <= step.step_time
+    # one block per chunk: rank pp's m v blocks after pp - 1 blocks of fill: the equal-stage step
+    least1 = least_pipelined_step("interleaved-1f1b", pp, m, m * 2 * b, b)
+    assert least1 == pytest.approx((pp - 1 + 2 * m) * b)
+    assert least1 == pytest.approx(simulate_stages("interleaved-1f1b", pp, m, [1.0] * 8, [2.0] * 8).step_time)
+    # 1F1B keeps its factor where it is above; zero-bubble gets neither
+    assert least_pipelined_step("1f1b", pp, m, work, b) == pytest.approx(work * fill_drain_factor("1f1b", pp, m))
+    assert least_pipelined_step("zero-bubble", pp, m, work, b) == work
+
+
+def test_cutoff_factor_cuts_exactly_where_the_bound_reaches_the_plan_to_beat():
+    """outer.search cuts a configuration whose mean work per rank w has w F >= beat: with
+    ``cutoff_factor`` that is where ``least_pipelined_step`` of the least-bounded schedule reaches it."""
+    pp, m, b = 4, 8, 0.01
+    schedules = ("1f1b", "interleaved-1f1b")
+    for beat in (1.0, 3.0, 10.0):
+        f = cutoff_factor(schedules, pp, m, beat, b)
+        w = beat / f
+        assert min(least_pipelined_step(s, pp, m, w, b) for s in schedules) == pytest.approx(beat)
+        assert min(least_pipelined_step(s, pp, m, 0.999 * w, b) for s in schedules) < beat
+        assert f > 1.0
+    assert cutoff_factor(schedules, pp, m, 0.1, b) == float("inf")   # (pp - 1 + m v) b >= beat: all cut
+
+
 @pytest.mark.parametrize("pins", [{"dp": 8, "zero": 1}, {"tp": 8}, {"dp": 2, "tp": 4, "checkpoint": "full"},
                                   {"pp": 2}, {"pp": 4, "pp_schedule": "interleaved-1f1b"}])
 def test_compute_floor_is_below_the_compute_of_every_plan(pins):
@@ -77,6 +154,25 @@ def test_compute_floor_is_below_the_compute_of_every_plan(pins):
     plan = autopar.plan(model, batch, cluster, traced=graph, constraints=pins)
     tb = plan.predictions["time_breakdown"]
     assert 0 < floor <= tb["compute"] * (1 + 1e-9), (floor, tb["compute"])
+
+
+@pytest.mark.parametrize("pins", [{"pp": 2}, {"pp": 4, "pp_schedule": "interleaved-1f1b"},
+                                  {"pp": 2, "tp": 2, "checkpoint": "full"}])
+def test_block_floor_is_below_every_block_of_a_pipelined_plan(pins):
+    """Each stage of a pipelined plan takes at least its blocks times b = ``block_time_floor``
+    seconds per micro-batch; the block floor is a share of the compute floor."""
+    model, batch = ZOO["gpt2"](n_layer=8, d_model=256, n_head=8, seq=64, batch=32)
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=1)
+    graph = trace(model, batch)
+    base = Settings(budget=float(cluster.device.memory_bytes))
+    floor, block = device_floors(graph, cluster, base)
+    assert block == device_block_floor(graph, cluster, base) and 0 < 8 * block < floor
+    plan = autopar.plan(model, batch, cluster, traced=graph, constraints=pins)
+    deg = plan.degrees
+    b = block_time_floor(block, deg["pp"], deg["num_micro_batches"])
+    for s in plan.data["stages"]:
+        blocks = s["blocks"][1] - s["blocks"][0]
+        assert blocks >= 1 and s["time"] >= blocks * b * (1 - 1e-9), (s, b)
 
 
 def _free_with(case, proven: bool, monkeypatch, record=None):
