@@ -114,13 +114,7 @@ def simulate_continuous(trace: RequestTrace, prefill, decode, replicas: int, bat
         if admitted:
             t += sum(prefill(1, bucket(p[k])) for k in admitted)
             for k in admitted:
-                first[k] = t
-                if o[k] == 1:   # the prefill's token was the whole output
-                    done[k] = t
-                    held[r] -= need[k]
-                else:
-                    heapq.heappush(run, (steps_run[r] + o[k] - 1, k))
-                    contexts[r] += p[k] + 1
+                _start(run, k, steps_run[r], t, first, done, held, contexts, r, need, p, o)
         if not run:
             if i < n:   # idle until the next arrival
                 heapq.heappush(boundaries, (max(t, a[i]), r))
@@ -211,13 +205,7 @@ def simulate_chunked(trace: RequestTrace, iteration, replicas: int, batch_size: 
             contexts[r] += b
             _leave(run, steps_run[r], t, done, held, contexts, r, need, p, o)
             for k in prefilled:
-                first[k] = t
-                if o[k] == 1:   # the prefill's token was the whole output
-                    done[k] = t
-                    held[r] -= need[k]
-                else:
-                    heapq.heappush(run, (steps_run[r] + o[k] - 1, k))
-                    contexts[r] += p[k] + 1
+                _start(run, k, steps_run[r], t, first, done, held, contexts, r, need, p, o)
             heapq.heappush(boundaries, (t, r))
             continue
         if not run:
@@ -238,6 +226,19 @@ def simulate_chunked(trace: RequestTrace, iteration, replicas: int, batch_size: 
         _leave(run, steps_run[r], t, done, held, contexts, r, need, p, o)
         heapq.heappush(boundaries, (t, r))
     return _served(trace, first, done)
+
+
+def _start(run: list, k: int, steps: int, t: float, first: list, done: list, held: list, contexts: list, r: int,
+           need, p, o) -> None:
+    """Request ``k``'s prefill ended at ``t`` (the engine at step ``steps``): its first token; it
+    leaves there if that was its whole output, else it decodes from the next step."""
+    first[k] = t
+    if o[k] == 1:   # the prefill's token was the whole output
+        done[k] = t
+        held[r] -= need[k]
+    else:
+        heapq.heappush(run, (steps + o[k] - 1, k))
+        contexts[r] += p[k] + 1
 
 
 def _leave(run: list, steps: int, t: float, done: list, held: list, contexts: list, r: int, need, p, o) -> None:
