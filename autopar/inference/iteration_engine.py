@@ -344,6 +344,7 @@ class LeaderIterations:
         self.pending: list[tuple] = []
         self.remote: list[dict] = [{} for _ in range(self.replicas)]   # replica -> id -> Sequence (not 0)
         self.served = [0] * self.replicas
+        self.limbo: list[Sequence] = []   # finished in a failed iteration: handed back by abort
         self.ids = itertools.count()
         self.lock = threading.Lock()   # a step in the server's worker thread, stop on its main thread
 
@@ -420,7 +421,7 @@ class LeaderIterations:
         with self.lock:
             _send(("abort", []))
             self.pending = []
-            out = self.engine.abort() + getattr(self, "limbo", [])
+            out = self.engine.abort() + self.limbo
             self.limbo = []
             for seqs in self.remote:
                 out += list(seqs.values())
@@ -460,11 +461,11 @@ def follow_iterations(engine: IterationEngine) -> int:
         if kind == "abort":
             engine.abort()
             continue
-        for replica, prompt, new, sampling, gid in adds:
-            if replica == engine.replica:
-                engine.add(prompt, new, sampling, tag=gid)
         finished, failed = [], None
         try:
+            for replica, prompt, new, sampling, gid in adds:
+                if replica == engine.replica:
+                    engine.add(prompt, new, sampling, tag=gid)
             finished = engine.step()
         except Exception as e:  # noqa: BLE001 - rank 0 fails the same requests and tells the clients
             engine.abort()
