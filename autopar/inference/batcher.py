@@ -13,8 +13,9 @@ attention_mask=None)`` returning the prompt followed by the new tokens ([batch, 
 ``autopar.compile_inference``'s engine is one.
 
 ``IterationBatcher`` (continuous batching): requests join and leave the running batch between
-iterations of an ``IterationEngine`` (autopar/inference/iteration_engine.py); each is answered
-when its own output ends.
+iterations of an ``IterationEngine`` (autopar/inference/iteration_engine.py), or of the engines of
+every replica behind ``LeaderIterations`` (which picks each request's replica in ``add``); each is
+answered when its own output ends.
 """
 from __future__ import annotations
 

@@ -42,8 +42,23 @@ warpers (unset top_k / top_p: the model's generation config, as its ``generate``
 ``compile_inference`` does) and runs the same iterations: on its own, SPMD, when every rank adds
 the same requests; in the server, ``LeaderIterations`` (rank 0) decides each iteration's admissions
 and broadcasts the requests added since the last step before it, and ``follow_iterations`` (every
-other rank) adds those and steps. One broadcast of Python objects per iteration. pp > 1 and dp > 1
-are not built (``from_plan`` refuses them).
+other rank) adds those and steps. One broadcast of Python objects per iteration.
+
+**Replicas** (dp > 1, pp = 1): replica ``r`` is ranks ``r*tp`` to ``r*tp + tp - 1`` (as
+``compile_inference`` lays them out) and runs its own engine on its own ``slots`` and KV-token pool.
+Rank 0 (replica 0's first rank) checks each new request and assigns it, when it arrives, to the
+replica with the fewest requests running or waiting (its own count: those assigned and not yet
+answered), ties to the lowest index; the request then waits in that replica's queue only. (The
+planner's simulation, autopar/inference/continuous.py, keeps one shared queue that each replica
+takes from in arrival order when it has room: there a request never waits on a busy replica while
+another has a free slot; here it may, until the requests ahead of it on its replica finish.) Each
+iteration every rank of every replica takes part, with nothing to do or not: rank 0 broadcasts the
+new requests with their replicas (the same one broadcast), each replica adds its own and steps (an
+idle engine's step does nothing), and a gather of Python objects over the world group brings the
+finished sequences of every replica's first rank to rank 0: their tokens, whether they stopped, and
+their wait, prefill and decode seconds (rank 0 dates them back from when it received them). A step
+that fails on any replica fails the whole iteration: rank 0 raises after the gather, and its
+``abort`` empties every replica. pp > 1 is not built (``from_plan`` refuses it).
 """
 from __future__ import annotations
 
@@ -110,6 +125,7 @@ class IterationEngine:
         self.mask: torch.Tensor | None = None   # [rows, width] 1 on real columns
         self.iterations = 0
         self.ids = itertools.count()
+        self.replica, self.replicas, self.tp_rank = 0, 1, 0   # from_plan: this rank's place among replicas
         gc = getattr(self.model, "generation_config", None)
         self.default_top_k = getattr(gc, "top_k", None) or 0
         self.default_top_p = getattr(gc, "top_p", None) or 1.0
@@ -122,16 +138,19 @@ class IterationEngine:
 
     @classmethod
     def from_plan(cls, model, plan, weights: str | None = None) -> "IterationEngine":
-        """The engine of a one-process plan: the model built (weights read, dtype) as
-        ``compile_inference`` builds it, with the plan's slots, lengths and KV-token pool."""
-        if plan.pp != 1 or plan.dp != 1:
-            raise PlanError(f"continuous batching runs with pp=1 and dp=1 so far (tp ranks only); this plan has "
-                            f"tp={plan.tp} pp={plan.pp} dp={plan.dp}: plan with --constraint pp=1 --constraint dp=1, "
+        """This rank's engine of a plan: the model built (its tp shard, weights read, dtype) as
+        ``compile_inference`` builds it, with the plan's slots (per replica), lengths and KV-token
+        pool, and this rank's replica (module doc)."""
+        if plan.pp != 1:
+            raise PlanError(f"continuous batching runs with pp=1 so far (tp ranks and dp replicas); this plan has "
+                            f"tp={plan.tp} pp={plan.pp} dp={plan.dp}: plan with --constraint pp=1, "
                             f"or with --batching static")
         from autopar.inference.engine import compile_inference
         built = compile_inference(model, plan=plan, weights=weights)
-        return cls(built.model, plan.batch_size, plan.prompt_len, plan.max_new_tokens,
-                   plan.predictions.get("kv_cache_tokens_per_replica"))
+        engine = cls(built.model, plan.batch_size, plan.prompt_len, plan.max_new_tokens,
+                     plan.predictions.get("kv_cache_tokens_per_replica"))
+        engine.replica, engine.replicas, engine.tp_rank = built.replica, plan.dp, built.tp_rank
+        return engine
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -311,14 +330,22 @@ class IterationEngine:
 
 
 class LeaderIterations:
-    """Rank 0's ``IterationEngine`` when the plan has tp ranks: every ``step`` first broadcasts the
-    requests added since the last one, so every rank admits the same requests in the same order
-    and runs the same iteration (``follow_iterations`` on the other ranks). Requests are checked on
-    rank 0 (``add`` raises there, and nothing is sent). On one process it is the engine itself."""
+    """Rank 0's ``IterationEngine`` when the plan has tp ranks or replicas: every ``step`` first
+    broadcasts the requests added since the last one, with the replica each was assigned to, so the
+    ranks of each replica admit the same requests in the same order and run the same iteration
+    (``follow_iterations`` on the other ranks); with replicas it then gathers every replica's
+    finished sequences (module doc). Requests are checked on rank 0 (``add`` raises there, and
+    nothing is sent). On one process it is the engine itself. ``served[r]``: sequences replica
+    ``r`` finished."""
 
     def __init__(self, engine: IterationEngine):
         self.engine = engine
+        self.replicas = engine.replicas
         self.pending: list[tuple] = []
+        self.remote: list[dict] = [{} for _ in range(self.replicas)]   # replica -> id -> Sequence (not 0)
+        self.served = [0] * self.replicas
+        self.limbo: list[Sequence] = []   # finished in a failed iteration: handed back by abort
+        self.ids = itertools.count()
         self.lock = threading.Lock()   # a step in the server's worker thread, stop on its main thread
 
     def __getattr__(self, name):       # running, waiting, iterations, slots, ...
@@ -326,18 +353,63 @@ class LeaderIterations:
 
     @property
     def idle(self) -> bool:
-        return self.engine.idle
+        return self.engine.idle and not any(self.remote)
+
+    def load(self, replica: int) -> int:
+        """Requests assigned to ``replica`` and not yet finished (running or waiting)."""
+        if replica == 0:
+            return len(self.engine.running) + len(self.engine.waiting)
+        return len(self.remote[replica])
 
     def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
-        seq = self.engine.add(prompt, max_new_tokens, sampling, tag)
-        self.pending.append((seq.prompt, max_new_tokens, sampling))
+        replica = min(range(self.replicas), key=lambda r: (self.load(r), r))
+        if replica == 0:
+            seq = self.engine.add(prompt, max_new_tokens, sampling, tag)
+            self.pending.append((0, seq.prompt, max_new_tokens, sampling, None))
+            return seq
+        prompt = [int(t) for t in prompt]
+        self.engine.check(prompt, max_new_tokens)
+        seq = Sequence(prompt, max_new_tokens, check_sampling(sampling), tag, next(self.ids),
+                       added=time.perf_counter())
+        self.remote[replica][seq.id] = seq
+        self.pending.append((replica, seq.prompt, max_new_tokens, sampling, seq.id))
         return seq
 
     def step(self) -> list[Sequence]:
         with self.lock:
             _send(("step", self.pending))
             self.pending = []
-            return self.engine.step()
+            if self.replicas == 1:
+                finished = self.engine.step()
+                self.served[0] += len(finished)
+                return finished
+            error, finished = None, []
+            try:
+                finished = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - rank 0 still takes part in the gather, then raises
+                error = e
+            self.served[0] += len(finished)
+            reports = [None] * dist.get_world_size()
+            dist.gather_object(None, reports, dst=0)
+            now = time.perf_counter()
+            for report in reports:
+                if report is None:
+                    continue
+                replica, done, failed = report
+                for gid, tokens, stopped, wait, prefill, decode, running in done:
+                    seq = self.remote[replica].pop(gid)
+                    seq.tokens, seq.stopped, seq.running_at_admission = list(tokens), stopped, running
+                    seq.done = now
+                    seq.first = now - decode
+                    seq.admitted = max(seq.first - prefill, seq.added)
+                    finished.append(seq)
+                    self.served[replica] += 1
+                if failed and error is None:
+                    error = RuntimeError(f"replica {replica} failed its step: {failed}")
+            if error is not None:
+                self.limbo = finished   # answered by the abort that follows, with the error
+                raise error
+            return finished
 
     def run_until_idle(self) -> list[Sequence]:
         out = []
@@ -349,7 +421,12 @@ class LeaderIterations:
         with self.lock:
             _send(("abort", []))
             self.pending = []
-            return self.engine.abort()
+            out = self.engine.abort() + self.limbo
+            self.limbo = []
+            for seqs in self.remote:
+                out += list(seqs.values())
+                seqs.clear()
+            return out
 
     def stop(self) -> None:
         with self.lock:
@@ -369,9 +446,11 @@ def _send(job: tuple) -> None:
 
 
 def follow_iterations(engine: IterationEngine) -> int:
-    """A rank other than 0: add the requests rank 0 broadcasts and run each of its iterations, until
-    it says stop; returns the number of iterations run. A failed step empties this rank's engine,
-    as rank 0 empties its own."""
+    """A rank other than 0: add the requests rank 0 broadcasts for this rank's replica and run each
+    of its iterations, until it says stop; returns the number of iterations run. With replicas,
+    each iteration ends in the gather to rank 0 (this replica's first rank reports its finished
+    sequences; the others, nothing). A failed step empties this rank's engine, as rank 0 empties
+    its own."""
     steps = 0
     while True:
         box = [None]
@@ -382,13 +461,23 @@ def follow_iterations(engine: IterationEngine) -> int:
         if kind == "abort":
             engine.abort()
             continue
-        for prompt, new, sampling in adds:
-            engine.add(prompt, new, sampling)
+        finished, failed = [], None
         try:
-            engine.step()
-        except Exception:  # noqa: BLE001 - rank 0 fails the same requests and tells the clients
+            for replica, prompt, new, sampling, gid in adds:
+                if replica == engine.replica:
+                    engine.add(prompt, new, sampling, tag=gid)
+            finished = engine.step()
+        except Exception as e:  # noqa: BLE001 - rank 0 fails the same requests and tells the clients
             engine.abort()
+            failed = f"{type(e).__name__}: {e}"
         steps += 1
+        if engine.replicas > 1:
+            report = None
+            if engine.tp_rank == 0:
+                report = (engine.replica, [(s.tag, s.tokens, s.stopped, s.admitted - s.added, s.first - s.admitted,
+                                            max(s.done - s.first, 0.0), s.running_at_admission) for s in finished],
+                          failed)
+            dist.gather_object(report, None, dst=0)
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:

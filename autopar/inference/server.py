@@ -12,7 +12,9 @@
   percentiles; ``usage`` the token counts. Concurrent requests are batched (autopar/inference/batcher.py) as
   the plan's ``batching`` says: ``"static"`` (the default) runs them as one padded ``generate``
   call; ``"continuous"`` runs an iteration loop where requests join and leave the running batch
-  between decode steps (autopar/inference/iteration_engine.py; tp ranks only, no pp or dp yet).
+  between decode steps (autopar/inference/iteration_engine.py; tp ranks and dp replicas, each
+  replica its own slots, rank 0 assigning each request to the replica with the fewest running or
+  waiting requests; no pp yet).
   ``finish_reason`` is ``"stop"`` when the output ended at an end-of-sequence token before
   ``max_tokens``.
 - ``GET /v1/models`` (the one model) and ``GET /health``; ``GET /metrics``: requests, batches,
@@ -250,8 +252,10 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
 def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, batching: str = "static",
           **app_options) -> None:
     """Rank 0 serves HTTP until interrupted, then tells the other ranks to stop; every other rank
-    runs rank 0's batches. ``batching="continuous"``: ``engine`` is an IterationEngine (tp ranks
-    only), rank 0 leading each iteration (``LeaderIterations``) and the others following it."""
+    runs rank 0's batches. ``batching="continuous"``: ``engine`` is this rank's IterationEngine
+    (``IterationEngine.from_plan``: tp ranks and dp replicas, pp=1), rank 0 leading each iteration
+    (``LeaderIterations``: it assigns each request a replica and gathers the finished ones) and the
+    others following it (``follow_iterations``)."""
     import torch.distributed as dist
     import uvicorn
 

@@ -2,7 +2,9 @@
 different iterations, with different prompt and output lengths, each get the tokens of Hugging
 Face's ``generate`` on its prompt alone (tiny GPT-2 and Llama, fixed seeds); slots and the KV-token
 pool bound admission; a continuous plan builds the engine, tp=2 ranks run the same iterations (on
-their own, or rank 0 leading and rank 1 following) and a pp or dp one is refused."""
+their own, or rank 0 leading and rank 1 following) and a pp one is refused; with dp=2 replicas each
+runs its own iterations on the requests rank 0 assigns it, and every request still gets ``generate``
+alone."""
 from __future__ import annotations
 
 import pytest
@@ -137,7 +139,7 @@ def _continuous_plan(devices, name="hf_llama", **pins):
                           batching="continuous", constraints=pins, dtype="fp32")
 
 
-def test_a_one_process_continuous_plan_builds_the_engine_and_a_pp_or_dp_one_is_refused():
+def test_a_one_process_continuous_plan_builds_the_engine_and_a_pp_one_is_refused():
     plan = _continuous_plan(1)
     assert plan.predictions["batching"] == "continuous" and plan.world_size == 1
     engine = IterationEngine.from_plan(_model("hf_llama"), plan)
@@ -146,10 +148,10 @@ def test_a_one_process_continuous_plan_builds_the_engine_and_a_pp_or_dp_one_is_r
     seq = engine.add([5, 6, 7], 2)
     engine.run_until_idle()
     assert seq.tokens == _alone(_model("hf_llama"), [5, 6, 7], 2)
-    dp2 = _continuous_plan(2, tp=1, dp=2)
-    assert dp2.dp == 2
-    with pytest.raises(PlanError, match="pp=1 and dp=1 so far"):
-        IterationEngine.from_plan(_model("hf_llama"), dp2)
+    pp2 = InferencePlan.from_json(plan.to_json())
+    pp2.pp = 2
+    with pytest.raises(PlanError, match="pp=1 so far"):
+        IterationEngine.from_plan(_model("hf_llama"), pp2)
 
 
 def _tp_rank(rank, world, plan_json, lead, name):
@@ -183,3 +185,95 @@ def test_tp2_ranks_run_the_same_iterations_and_equal_generate_alone(lead, name):
         assert results[1] == iterations          # the follower ran every iteration rank 0 ran
     else:
         assert results[1] == results[0]
+
+
+def _dp_rank(rank, world, plan_json, name):
+    """One rank of a continuous plan with replicas: rank 0 leads (assigns each request a replica),
+    the others follow; rank 0 returns the tokens and how many sequences each replica finished."""
+    plan = InferencePlan.from_json(plan_json)
+    engine = IterationEngine.from_plan(_model(name), plan)
+    engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 2, 9, 7, None
+    if rank > 0:
+        return follow_iterations(engine), engine.replica
+    leader = LeaderIterations(engine)
+    seqs, _ = _serve_staggered(leader, REQUESTS)
+    steps = engine.iterations
+    leader.stop()
+    return [s.tokens for s in seqs], leader.served, [s.done >= s.first >= s.admitted >= s.added for s in seqs], steps
+
+
+def _dp_plan(devices, name, **pins):
+    plan = _continuous_plan(devices, name, **pins)
+    assert (plan.tp, plan.pp, plan.dp) == (pins["tp"], 1, pins["dp"])
+    return plan
+
+
+def test_dp2_replicas_each_run_requests_and_equal_generate_alone():
+    plan = _dp_plan(2, "hf_llama", tp=1, dp=2)
+    results = run_local(_dp_rank, 2, args=(plan.to_json(), "hf_llama"), timeout=300)
+    tokens, served, ordered, _ = results[0]
+    model = _model("hf_llama")
+    assert tokens == [_alone(model, p, n) for p, n in REQUESTS]
+    assert all(ordered)
+    assert sum(served) == len(REQUESTS) and min(served) > 0   # both replicas really ran requests
+    assert results[1][1] == 1 and results[1][0] > 0
+
+
+@pytest.mark.slow
+def test_tp2_dp2_replicas_equal_generate_alone():
+    plan = _dp_plan(4, "hf_gpt2", tp=2, dp=2)
+    results = run_local(_dp_rank, 4, args=(plan.to_json(), "hf_gpt2"), timeout=600)
+    tokens, served, _, _ = results[0]
+    model = _model("hf_gpt2")
+    assert tokens == [_alone(model, p, n) for p, n in REQUESTS]
+    assert sum(served) == len(REQUESTS) and min(served) > 0
+    assert [r[1] for r in results[1:]] == [0, 1, 1]           # ranks 1 | 2, 3: replica 0 | replica 1
+    assert results[2][0] == results[3][0]                     # a replica's tp ranks ran the same iterations
+
+
+class _FailingOnce(IterationEngine):
+    """Fails its second step that has something to do, once."""
+    busy_steps = 0
+
+    def step(self):
+        if not self.idle:
+            self.busy_steps += 1
+            if self.busy_steps == 2:
+                raise RuntimeError("injected failure")
+        return super().step()
+
+
+def _dp_failing_rank(rank, world, plan_json):
+    plan = InferencePlan.from_json(plan_json)
+    engine = (_FailingOnce if rank == 1 else IterationEngine).from_plan(_model("hf_llama"), plan)
+    engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 2, 9, 7, None
+    if rank > 0:
+        return follow_iterations(engine)
+    leader = LeaderIterations(engine)
+    first = [leader.add(p, n) for p, n in REQUESTS[:4]]
+    error, answered = None, []
+    try:
+        while not leader.idle:
+            answered += leader.step()
+    except RuntimeError as e:
+        error = str(e)
+    dropped = leader.abort()
+    assert leader.idle
+    again = [leader.add(p, n) for p, n in REQUESTS[4:]]
+    leader.run_until_idle()
+    leader.stop()
+    handed_back = sorted(id(s) for s in answered + dropped) == sorted(id(s) for s in first)
+    return error, handed_back, len(dropped), [s.tokens for s in again], leader.served
+
+
+def test_a_failed_step_on_one_replica_fails_the_iteration_and_the_replicas_go_on():
+    plan = _dp_plan(2, "hf_llama", tp=1, dp=2)
+    error, handed_back, dropped, tokens, served = run_local(_dp_failing_rank, 2, args=(plan.to_json(),),
+                                                            timeout=300)[0]
+    assert "replica 1 failed its step" in error and "injected failure" in error
+    # each request was answered before the failure or handed back by the abort (finished in the
+    # failed iteration or not), once
+    assert handed_back and dropped >= 2
+    model = _model("hf_llama")
+    assert tokens == [_alone(model, p, n) for p, n in REQUESTS[4:]]
+    assert min(served) > 0
