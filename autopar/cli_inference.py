@@ -111,10 +111,10 @@ def cmd_serve(args) -> int:
     if batching not in ("static", "continuous"):
         raise PlanError(f"the plan was made for {batching} batching, which autopar serve does not run; plan with "
                         f"plan-inference --batching static or continuous")
-    if batching == "continuous" and (plan.pp > 1 or plan.dp > 1):
+    if batching == "continuous" and plan.pp > 1:
         raise PlanError(f"the plan was made for continuous batching with tp={plan.tp} pp={plan.pp} dp={plan.dp}; "
-                        f"autopar serve runs continuous batching with tp ranks only so far (pp=1, dp=1): plan it "
-                        f"with --constraint pp=1 --constraint dp=1, or with --batching static")
+                        f"autopar serve runs continuous batching with pp=1 only so far (tp ranks and dp replicas): "
+                        f"plan it with --constraint pp=1, or with --batching static")
     run = (model, tokenizer, plan.to_json(), args.host, args.port, args.batch_wait_ms / 1e3, args.factory)
     if plan.world_size == 1 or "RANK" in os.environ:
         import torch.distributed as dist

@@ -229,7 +229,7 @@ def test_plan_inference_takes_the_batching_policy(tmp_path, capsys):
     assert InferencePlan.load(tmp_path / "p.json").predictions["batching"] == "continuous"
 
 
-def test_continuous_plans_pool_the_kv_cache_and_serve_refuses_their_replicas(tmp_path, capsys):
+def test_continuous_plans_pool_the_kv_cache():
     # a memory budget that holds few longest contexts: static batches are bounded by them, continuous
     # batching by the tokens the requests hold
     cl = autopar.Cluster.preset("dgx-a100", nodes=1)
@@ -243,11 +243,6 @@ def test_continuous_plans_pool_the_kv_cache_and_serve_refuses_their_replicas(tmp
     assert 2500 <= tokens < 64 * 2500 and p.predictions["memory_per_rank"] <= 40 * 2**20
     with pytest.raises(PlanError, match="applies to serving a trace"):
         plan_inference(_model(), torch.zeros(1, 8, dtype=torch.long), cl, max_new_tokens=4, batching="continuous")
-    p.save(tmp_path / "p.json")
-    # replicas (dp > 1) of a continuous plan: autopar serve runs continuous batching on tp ranks only
-    assert p.dp > 1
-    assert main(["serve", "hf_llama", "--cluster", "dgx-a100", "--plan", str(tmp_path / "p.json")]) != 0
-    assert "autopar serve runs continuous batching with tp ranks only" in capsys.readouterr().err
 
 
 # pipeline stages in flight (simulate_continuous(stages=), Pricer.decode_in_flight)

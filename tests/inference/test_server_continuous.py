@@ -159,15 +159,15 @@ def _trace(tmp_path):
     return str(path)
 
 
-def test_serve_refuses_a_dp_continuous_plan_with_the_reason(tmp_path, capsys):
+def test_serve_refuses_a_pipelined_continuous_plan_with_the_reason(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert main(["plan-inference", "hf_llama", "--devices", "2", "--constraint", "tp=1", "--constraint", "dp=2",
+    assert main(["plan-inference", "hf_llama", "--devices", "2", "--constraint", "tp=1", "--constraint", "pp=2",
                  "--trace", _trace(tmp_path), "--batching", "continuous", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["predictions"]["batching"] == "continuous"
     capsys.readouterr()
     assert main(["serve", "hf_llama", "--devices", "2", "--plan", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "tp ranks only so far (pp=1, dp=1)" in err and "dp=2" in err
+    assert "with pp=1 only so far (tp ranks and dp replicas)" in err and "pp=2" in err
 
 
 def _ask_concurrently(url, prompts, new):
@@ -177,16 +177,18 @@ def _ask_concurrently(url, prompts, new):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices, pins", [(1, []), (2, ["--constraint", "tp=2"])])
-def test_autopar_serve_runs_a_continuous_plan(tmp_path, devices, pins):
-    """One process, and tp=2 on two gloo ranks (rank 0 leading each iteration, rank 1 following)."""
+@pytest.mark.parametrize("devices, pins, tp", [(1, [], 1), (2, ["--constraint", "tp=2"], 2),
+                                               (2, ["--constraint", "tp=1", "--constraint", "dp=2"], 1)])
+def test_autopar_serve_runs_a_continuous_plan(tmp_path, devices, pins, tp):
+    """One process; tp=2 on two gloo ranks (rank 0 leading each iteration, rank 1 following); two
+    replicas (dp=2: rank 0 assigns each request to a replica and gathers the finished ones)."""
     from autopar.inference.serve_process import serve_process
     from autopar.models.hf import hf_llama
     out = tmp_path / "p.json"
     assert main(["plan-inference", "hf_llama", "--devices", str(devices), *pins, "--constraint", "batch_size=4",
                  "--trace", _trace(tmp_path), "--batching", "continuous", "-o", str(out)]) == 0
     plan = json.loads(out.read_text())
-    assert plan["tp"] == devices and plan["batch_size"] == 4
+    assert plan["tp"] == tp and plan["dp"] == devices // tp and plan["batch_size"] == 4
     with serve_process(["hf_llama", "--devices", str(devices), "--plan", str(out)]) as url:
         prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [1, 2], [4]]
         answers = _ask_concurrently(url, prompts, 4)
