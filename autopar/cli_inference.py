@@ -102,6 +102,9 @@ def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait
     return rank
 
 
+BATCH_WAIT_MS = 10.0   # serve --batch-wait-ms default (static batching)
+
+
 def cmd_serve(args) -> int:
     import os
     cluster = cluster_from_args(args)
@@ -115,7 +118,12 @@ def cmd_serve(args) -> int:
         raise PlanError(f"the plan was made for continuous batching with tp={plan.tp} pp={plan.pp} dp={plan.dp}; "
                         f"autopar serve runs continuous batching with pp=1 only so far (tp ranks and dp replicas): "
                         f"plan it with --constraint pp=1, or with --batching static")
-    run = (model, tokenizer, plan.to_json(), args.host, args.port, args.batch_wait_ms / 1e3, args.factory)
+    if batching == "continuous" and args.batch_wait_ms is not None:
+        raise PlanError(f"--batch-wait-ms {args.batch_wait_ms:g} applies to static batching; under the plan's "
+                        f"continuous batching a request joins the running batch at the next iteration: drop it, or "
+                        f"plan with --batching static")
+    wait_ms = BATCH_WAIT_MS if args.batch_wait_ms is None else args.batch_wait_ms
+    run = (model, tokenizer, plan.to_json(), args.host, args.port, wait_ms / 1e3, args.factory)
     if plan.world_size == 1 or "RANK" in os.environ:
         import torch.distributed as dist
         if "RANK" in os.environ and not dist.is_initialized():   # torchrun: idle servers wait for requests
@@ -171,6 +179,8 @@ def add_parsers(sub) -> None:
     sv.add_argument("--plan", help="an inference plan file (autopar plan-inference -o); default: plan here")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=positive_int("--port"), default=8000)
-    sv.add_argument("--batch-wait-ms", type=float, default=10.0,
-                    help="how long a request waits for others to share its batch")
+    sv.add_argument("--batch-wait-ms", type=float, default=None,
+                    help=f"static batching: how long a request waits for others to share its batch (default "
+                         f"{BATCH_WAIT_MS:g}; an error under continuous batching, where requests join at the next "
+                         f"iteration)")
     sv.set_defaults(fn=cmd_serve)

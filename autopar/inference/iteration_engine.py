@@ -225,10 +225,7 @@ class IterationEngine:
 
     def run_until_idle(self) -> list[Sequence]:
         """Step until nothing is running or waiting; the sequences in the order they finished."""
-        out = []
-        while not self.idle:
-            out += self.step()
-        return out
+        return _run_until_idle(self)
 
     def _admissions(self) -> list[Sequence]:
         held = sum(s.need for s in self.running)
@@ -412,10 +409,7 @@ class LeaderIterations:
             return finished
 
     def run_until_idle(self) -> list[Sequence]:
-        out = []
-        while not self.idle:
-            out += self.step()
-        return out
+        return _run_until_idle(self)
 
     def abort(self) -> list[Sequence]:
         with self.lock:
@@ -478,6 +472,14 @@ def follow_iterations(engine: IterationEngine) -> int:
                                             max(s.done - s.first, 0.0), s.running_at_admission) for s in finished],
                           failed)
             dist.gather_object(report, None, dst=0)
+
+
+def _run_until_idle(stepper) -> list[Sequence]:
+    """``stepper.step()`` until ``stepper.idle``; the sequences in the order they finished."""
+    out = []
+    while not stepper.idle:
+        out += stepper.step()
+    return out
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:

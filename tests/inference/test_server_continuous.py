@@ -170,6 +170,15 @@ def test_serve_refuses_a_pipelined_continuous_plan_with_the_reason(tmp_path, cap
     assert "with pp=1 only so far (tp ranks and dp replicas)" in err and "pp=2" in err
 
 
+def test_serve_refuses_batch_wait_under_a_continuous_plan(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["plan-inference", "hf_llama", "--trace", _trace(tmp_path), "--batching", "continuous",
+                 "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["serve", "hf_llama", "--plan", str(out), "--batch-wait-ms", "50"]) == 2
+    assert "--batch-wait-ms 50 applies to static batching" in capsys.readouterr().err
+
+
 def _ask_concurrently(url, prompts, new):
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": new},
