@@ -28,7 +28,7 @@ import torch
 
 from autopar.mesh import Mesh
 from autopar.pricing.cost import Collectives
-from autopar.pricing.price import has_contraction
+from autopar.pricing.op_base import has_contraction
 from autopar.rules.candidates import candidates
 from autopar.search.grid_geometry import grid_batch, grid_geometries
 from autopar.search.grid_price import grid_compute

@@ -34,7 +34,8 @@ from autopar.mesh import Mesh
 from autopar.pricing.cost import (TRUST_NORM_BYTES_PER_TENSOR, TRUST_RATIO_OPTIMIZERS, Collectives, fwd_bwd_compute,
                                   gemm_intensity, optimizer_step_time, profile_of)
 from autopar.pricing.memory import state_bytes, zero_shard
-from autopar.pricing.price import has_contraction, op_bytes_scale, trust_norm_axes
+from autopar.pricing.op_base import has_contraction, op_bytes_scale
+from autopar.pricing.price import trust_norm_axes
 from autopar.rules.table import val as node_val
 from autopar.search.predict import model_flops
 from codegen.grid_layout import Geometry

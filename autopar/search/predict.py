@@ -12,8 +12,8 @@ from autopar.cluster import Cluster
 from autopar.plans.plan_schema import checkpoint_mode_of
 from autopar.pricing.cost import exposed_comm, profile_of
 from autopar.pricing.offload import NVME_MODES, OFFLOAD_BYTES, host_budget, nvme_budget
-from autopar.pricing.price import (DEVICE_STATIC, Priced, Settings, device_static, has_contraction, offload_partial,
-                                   step_host_time)
+from autopar.pricing.op_base import has_contraction
+from autopar.pricing.price import DEVICE_STATIC, Priced, Settings, device_static, offload_partial, step_host_time
 from autopar.rules.attention_core import attention_cores
 from autopar.rules.candidates import Candidates
 from autopar.rules.localize import local_call

@@ -17,7 +17,8 @@ from autopar.pricing.cost import gemm_intensity, profile_of
 from autopar.search.grid_price import grid_compute
 from autopar.mesh import Mesh
 from autopar.models import ZOO
-from autopar.pricing.price import Settings, _local_intensity, price
+from autopar.pricing.op_base import local_intensity
+from autopar.pricing.price import Settings, price
 from autopar.frontend.trace import trace
 from codegen.grid_layout import Geometry
 from codegen.grid_ops import GridProgram
@@ -53,7 +54,7 @@ def test_a_3d_linear_is_priced_as_the_ilp_prices_the_same_local_gemm(setup):
         bias = ["n"] if len([t for t in info.spec.inputs if t]) == 3 else []
         ai = gemm_intensity({"m": m, "k": k, "n": n}, ["mk", "nk", *bias, "mn"], 2)
         same = [j for j, st in enumerate(info.strategies) if abs(st.work_fraction - 1 / 8) < 1e-12
-                and _local_intensity(c, info.spec, info, j, mesh, 1, 2) == pytest.approx(ai, rel=1e-12)]
+                and local_intensity(c, info.spec, info, j, mesh, 1, 2) == pytest.approx(ai, rel=1e-12)]
         assert same, name    # the ILP has a strategy running this very kernel
         for j in same:
             assert grid[name][1] == pytest.approx(P.compute[name][j], rel=1e-12), name
