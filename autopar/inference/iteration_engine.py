@@ -62,10 +62,12 @@ that fails on any replica fails the whole iteration: rank 0 raises after the gat
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -126,6 +128,9 @@ class IterationEngine:
         self.iterations = 0
         self.ids = itertools.count()
         self.replica, self.replicas, self.tp_rank = 0, 1, 0   # from_plan: this rank's place among replicas
+        self.stage, self.bounds = 0, None     # from_plan with pp > 1: this rank's stage and its [first, end) layers
+        self.replica_ranks = 1                # ranks of one replica (tp x pp)
+        self.jobs = None                      # from_plan: the group rank 0's jobs travel on (no collective timeout)
         gc = getattr(self.model, "generation_config", None)
         self.default_top_k = getattr(gc, "top_k", None) or 0
         self.default_top_p = getattr(gc, "top_p", None) or 1.0
@@ -140,16 +145,21 @@ class IterationEngine:
     def from_plan(cls, model, plan, weights: str | None = None) -> "IterationEngine":
         """This rank's engine of a plan: the model built (its tp shard, weights read, dtype) as
         ``compile_inference`` builds it, with the plan's slots (per replica), lengths and KV-token
-        pool, and this rank's replica (module doc)."""
-        if plan.pp != 1:
-            raise PlanError(f"continuous batching runs with pp=1 so far (tp ranks and dp replicas); this plan has "
-                            f"tp={plan.tp} pp={plan.pp} dp={plan.dp}: plan with --constraint pp=1, "
-                            f"or with --batching static")
+        pool, and this rank's replica and stage (module doc). The tensor-parallel and pipeline groups
+        it makes take the default group's timeout (``init_process_group(timeout=...)``: a rank whose
+        peer fails mid-forward fails after it, never waits for ever); rank 0's jobs travel on a group
+        of their own without one (the other ranks wait there, however long the server is idle)."""
         from autopar.inference.engine import compile_inference
-        built = compile_inference(model, plan=plan, weights=weights)
+        with _groups_timeout(default_timeout()):
+            built = compile_inference(model, plan=plan, weights=weights)
         engine = cls(built.model, plan.batch_size, plan.prompt_len, plan.max_new_tokens,
                      plan.predictions.get("kv_cache_tokens_per_replica"))
         engine.replica, engine.replicas, engine.tp_rank = built.replica, plan.dp, built.tp_rank
+        engine.stage, engine.replica_ranks = built.stage, plan.tp * plan.pp
+        if plan.pp > 1:
+            engine.bounds = tuple(plan.stages[built.stage])
+        if _distributed():
+            engine.jobs = dist.new_group(timeout=IDLE_TIMEOUT)
         return engine
 
     # --- requests -----------------------------------------------------------------------------------
@@ -257,11 +267,21 @@ class IterationEngine:
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, num_samples=1, generator=seq.generator)[0, 0])
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _new_cache(self):
+        """An empty DynamicCache; with pp > 1, one entry per layer, those of the other stages'
+        layers pointing at one of this stage's own (pp_stages.py ``share_cache_layers``)."""
         from transformers import DynamicCache
+        if self.bounds is None:
+            return DynamicCache()
+        from autopar.inference.pp_stages import share_cache_layers
+        cache = DynamicCache(config=self.model.config)
+        share_cache_layers(cache, self.model, self.bounds)
+        return cache
+
+    def _prefill(self, seq: Sequence) -> None:
         seq.admitted = time.perf_counter()
         seq.running_at_admission = len(self.running) + 1
-        cache = DynamicCache()
+        cache = self._new_cache()
         ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
         logits = self._forward(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache)
         self._append(seq, self._next_token(logits[0, -1], seq))
@@ -288,7 +308,7 @@ class IterationEngine:
             return
         width = self.mask.shape[1]
         to = max(width, n)
-        for old, add in zip(self.cache.layers, new.layers):
+        for old, add in zip(_own_layers(self.cache), _own_layers(new)):
             old.keys = torch.cat([_pad_left(old.keys, to), _pad_left(add.keys, to)])
             old.values = torch.cat([_pad_left(old.values, to), _pad_left(add.values, to)])
         row = torch.zeros(1, to, dtype=torch.long, device=self.device)
@@ -320,10 +340,17 @@ class IterationEngine:
         real = self.mask.any(0).nonzero()
         start = int(real[0]) if len(real) else self.mask.shape[1]   # leading padding in every row goes
         self.mask = self.mask[:, start:]
-        for layer in self.cache.layers:
+        for layer in _own_layers(self.cache):
             layer.keys = layer.keys[index, :, start:]
             layer.values = layer.values[index, :, start:]
         self.running = [self.running[i] for i in keep]
+
+
+class RanksOutOfStep(RuntimeError):
+    """A step failed where the ranks may no longer run the same collectives (a failed step of a
+    replica of several ranks, or a failed collective): nothing can be served any more; the server
+    answers 503 with this message (server.py)."""
+    http_status = 503
 
 
 class LeaderIterations:
@@ -333,7 +360,8 @@ class LeaderIterations:
     (``follow_iterations`` on the other ranks); with replicas it then gathers every replica's
     finished sequences (module doc). Requests are checked on rank 0 (``add`` raises there, and
     nothing is sent). On one process it is the engine itself. ``served[r]``: sequences replica
-    ``r`` finished."""
+    ``r`` finished. ``broken``: the RanksOutOfStep after which every ``add`` and ``step`` raises it
+    and nothing more is broadcast (module doc, Failures)."""
 
     def __init__(self, engine: IterationEngine):
         self.engine = engine
@@ -344,6 +372,7 @@ class LeaderIterations:
         self.limbo: list[Sequence] = []   # finished in a failed iteration: handed back by abort
         self.ids = itertools.count()
         self.lock = threading.Lock()   # a step in the server's worker thread, stop on its main thread
+        self.broken: RanksOutOfStep | None = None
 
     def __getattr__(self, name):       # running, waiting, iterations, slots, ...
         return getattr(self.engine, name)
@@ -358,7 +387,18 @@ class LeaderIterations:
             return len(self.engine.running) + len(self.engine.waiting)
         return len(self.remote[replica])
 
+    def _check_broken(self) -> None:
+        if self.broken is not None:
+            raise RanksOutOfStep(str(self.broken))
+
+    def _break(self, error: BaseException, what: str) -> RanksOutOfStep:
+        self.broken = RanksOutOfStep(
+            f"the ranks are out of step after {what} (iteration {self.engine.iterations}) failed: "
+            f"{type(error).__name__}: {error}; this server cannot serve any more: restart autopar serve")
+        return self.broken
+
     def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
+        self._check_broken()
         replica = min(range(self.replicas), key=lambda r: (self.load(r), r))
         if replica == 0:
             seq = self.engine.add(prompt, max_new_tokens, sampling, tag)
@@ -374,20 +414,29 @@ class LeaderIterations:
 
     def step(self) -> list[Sequence]:
         with self.lock:
-            _send(("step", self.pending))
+            self._check_broken()
+            try:
+                _send(("step", self.pending), self.engine.jobs)
+            except Exception as e:  # noqa: BLE001 - a failed broadcast: the ranks are out of step
+                raise self._break(e, "broadcasting an iteration's requests") from e
             self.pending = []
-            if self.replicas == 1:
-                finished = self.engine.step()
-                self.served[0] += len(finished)
-                return finished
             error, finished = None, []
             try:
                 finished = self.engine.step()
             except Exception as e:  # noqa: BLE001 - rank 0 still takes part in the gather, then raises
+                if self.engine.replica_ranks > 1 or _collective_error(e):
+                    raise self._break(e, "rank 0's step") from e
                 error = e
             self.served[0] += len(finished)
+            if self.replicas == 1:
+                if error is not None:
+                    raise error
+                return finished
             reports = [None] * dist.get_world_size()
-            dist.gather_object(None, reports, dst=0)
+            try:
+                dist.gather_object(None, reports, dst=0)
+            except Exception as e:  # noqa: BLE001 - a replica's rank failed or is gone
+                raise self._break(e, "gathering the replicas' finished sequences") from e
             now = time.perf_counter()
             for report in reports:
                 if report is None:
@@ -412,8 +461,11 @@ class LeaderIterations:
         return _run_until_idle(self)
 
     def abort(self) -> list[Sequence]:
+        """Empty every replica (after a failed step; broadcast unless the ranks are out of step);
+        returns the sequences dropped."""
         with self.lock:
-            _send(("abort", []))
+            if self.broken is None:
+                _send(("abort", []), self.engine.jobs)
             self.pending = []
             out = self.engine.abort() + self.limbo
             self.limbo = []
@@ -424,31 +476,77 @@ class LeaderIterations:
 
     def stop(self) -> None:
         with self.lock:
-            _send((STOP, []))
+            if self.broken is None:
+                _send((STOP, []), self.engine.jobs)
 
 
 STOP = "stop"
+DEFAULT_TIMEOUT_S = 120.0          # autopar serve --collective-timeout: a collective's longest wait
+IDLE_TIMEOUT = timedelta(days=365)  # rank 0's jobs: the other ranks wait for the next however long
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _send(job: tuple) -> None:
+def _send(job: tuple, group=None) -> None:
     if _distributed():
-        dist.broadcast_object_list([job], src=0)
+        dist.broadcast_object_list([job], src=0, group=group)
+
+
+def default_timeout() -> timedelta | None:
+    """The default process group's timeout (``init_process_group(timeout=...)``), None without one."""
+    if not _distributed():
+        return None
+    from torch.distributed import distributed_c10d as c10d
+    pg = c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or no options
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def _groups_timeout(timeout: timedelta | None):
+    """``dist.new_group`` defaults to ``timeout`` meanwhile (torch's own default is 30 minutes,
+    whatever the default group's): the groups ``compile_inference`` makes fail as fast as it."""
+    if timeout is None:
+        yield
+        return
+    original = dist.new_group
+
+    def new_group(*args, **kwargs):
+        if len(args) < 2:
+            kwargs.setdefault("timeout", timeout)
+        return original(*args, **kwargs)
+    dist.new_group = new_group
+    try:
+        yield
+    finally:
+        dist.new_group = original
+
+
+def _collective_error(e: BaseException) -> bool:
+    """A failed collective or point-to-point transfer (a peer failed, is gone or timed out)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(k in text for k in (
+        "Connection closed by peer", "Connection reset", "Timed out", "timed out", "Gloo", "gloo"))
 
 
 def follow_iterations(engine: IterationEngine) -> int:
     """A rank other than 0: add the requests rank 0 broadcasts for this rank's replica and run each
     of its iterations, until it says stop; returns the number of iterations run. With replicas,
     each iteration ends in the gather to rank 0 (this replica's first rank reports its finished
-    sequences; the others, nothing). A failed step empties this rank's engine, as rank 0 empties
-    its own."""
+    sequences; the others, nothing). A failed step of a one-rank replica empties this rank's
+    engine, as rank 0 empties its own; one of a replica of several ranks (or a failed collective)
+    raises RanksOutOfStep: its peers may be waiting in a collective it will never join (module
+    doc, Failures)."""
     steps = 0
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=engine.jobs)
         kind, adds = box[0]
         if kind == STOP:
             return steps
@@ -463,11 +561,16 @@ def follow_iterations(engine: IterationEngine) -> int:
             finished = engine.step()
         except Exception as e:  # noqa: BLE001 - rank 0 fails the same requests and tells the clients
             engine.abort()
+            if engine.replica_ranks > 1 or _collective_error(e):
+                raise RanksOutOfStep(
+                    f"rank {dist.get_rank()} (replica {engine.replica}, stage {engine.stage}, tp rank "
+                    f"{engine.tp_rank}) failed in iteration {steps}: {type(e).__name__}: {e}; its replica's ranks "
+                    f"may be out of step, so it stops (rank 0 answers 503 from now on)") from e
             failed = f"{type(e).__name__}: {e}"
         steps += 1
         if engine.replicas > 1:
             report = None
-            if engine.tp_rank == 0:
+            if engine.tp_rank == 0 and engine.stage == 0:
                 report = (engine.replica, [(s.tag, s.tokens, s.stopped, s.admitted - s.added, s.first - s.admitted,
                                             max(s.done - s.first, 0.0), s.running_at_admission) for s in finished],
                           failed)
@@ -482,9 +585,19 @@ def _run_until_idle(stepper) -> list[Sequence]:
     return out
 
 
+def _own_layers(cache) -> list:
+    """The cache's layers, each once (with pp > 1 the other stages' entries point at this stage's)."""
+    seen, out = set(), []
+    for layer in cache.layers:
+        if id(layer) not in seen:
+            seen.add(id(layer))
+            out.append(layer)
+    return out
+
+
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
     """[rows, heads, length, dim] zero-padded on the left of its length to ``width``."""
     return torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
 
 
-__all__ = ["IterationEngine", "LeaderIterations", "Sequence", "follow_iterations"]
+__all__ = ["IterationEngine", "LeaderIterations", "RanksOutOfStep", "Sequence", "follow_iterations"]

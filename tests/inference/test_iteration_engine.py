@@ -2,7 +2,7 @@
 different iterations, with different prompt and output lengths, each get the tokens of Hugging
 Face's ``generate`` on its prompt alone (tiny GPT-2 and Llama, fixed seeds); slots and the KV-token
 pool bound admission; a continuous plan builds the engine, tp=2 ranks run the same iterations (on
-their own, or rank 0 leading and rank 1 following) and a pp one is refused; with dp=2 replicas each
+their own, or rank 0 leading and rank 1 following); with dp=2 replicas each
 runs its own iterations on the requests rank 0 assigns it, and every request still gets ``generate``
 alone."""
 from __future__ import annotations
@@ -139,7 +139,7 @@ def _continuous_plan(devices, name="hf_llama", **pins):
                           batching="continuous", constraints=pins, dtype="fp32")
 
 
-def test_a_one_process_continuous_plan_builds_the_engine_and_a_pp_one_is_refused():
+def test_a_one_process_continuous_plan_builds_the_engine():
     plan = _continuous_plan(1)
     assert plan.predictions["batching"] == "continuous" and plan.world_size == 1
     engine = IterationEngine.from_plan(_model("hf_llama"), plan)
@@ -149,8 +149,8 @@ def test_a_one_process_continuous_plan_builds_the_engine_and_a_pp_one_is_refused
     engine.run_until_idle()
     assert seq.tokens == _alone(_model("hf_llama"), [5, 6, 7], 2)
     pp2 = InferencePlan.from_json(plan.to_json())
-    pp2.pp = 2
-    with pytest.raises(PlanError, match="pp=1 so far"):
+    pp2.pp = 2   # pp > 1 runs (tests/inference/test_continuous_pipeline.py), on the plan's ranks only
+    with pytest.raises(PlanError, match="runs on 2 processes"):
         IterationEngine.from_plan(_model("hf_llama"), pp2)
 
 

@@ -1,0 +1,95 @@
+"""Continuous batching with pipeline stages (autopar/inference/iteration_engine.py, pp > 1): every
+rank of a pipeline runs the same iterations (rank 0 leading, the others following its broadcasts),
+each stage holds its layers and the cache entries of its own layers only, and staggered requests
+with different prompt and output lengths each get Hugging Face's ``generate`` of its prompt alone:
+pp=2 on two gloo ranks (tiny Llama and GPT-2), tp=2 x pp=2 on four; ``autopar serve`` on a pp=2
+continuous plan answers requests through the CLI."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from autopar.cli import main
+from autopar.inference.inference_plan import InferencePlan
+from autopar.inference.iteration_engine import IterationEngine, LeaderIterations, follow_iterations
+from runtime.launch import run_local
+
+torch.set_num_threads(1)
+
+from test_iteration_engine import REQUESTS, _alone, _continuous_plan, _model, _serve_staggered  # noqa: E402
+
+
+def _pp_rank(rank, world, plan_json, name):
+    plan = InferencePlan.from_json(plan_json)
+    engine = IterationEngine.from_plan(_model(name), plan)
+    engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 3, 9, 7, None
+    skips = sum(type(m).__name__ == "Skip" for m in engine.model.modules())
+    if rank > 0:
+        return follow_iterations(engine), engine.stage, skips
+    leader = LeaderIterations(engine)
+    seqs, log = _serve_staggered(leader, REQUESTS)
+    leader.stop()
+    return [s.tokens for s in seqs], engine.iterations, max(r for r, _ in log), engine.stage, skips
+
+
+def _check(results, name, ranks):
+    model = _model(name)
+    tokens, iterations, most, stage, skips = results[0]
+    assert tokens == [_alone(model, p, n) for p, n in REQUESTS]
+    assert most == 3 and stage == 0 and skips > 0        # requests ran together; stage 0 holds some layers only
+    for r in range(1, ranks):
+        assert results[r][0] == iterations and results[r][2] > 0   # every rank ran every iteration
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
+def test_pp2_stages_run_the_same_iterations_and_equal_generate_alone(name):
+    plan = _continuous_plan(2, name, tp=1, pp=2)
+    assert (plan.tp, plan.pp, plan.dp) == (1, 2, 1)
+    results = run_local(_pp_rank, 2, args=(plan.to_json(), name), timeout=300)
+    _check(results, name, 2)
+    assert results[1][1] == 1
+
+
+@pytest.mark.slow
+def test_tp2_pp2_equal_generate_alone():
+    plan = _continuous_plan(4, "hf_llama", tp=2, pp=2)
+    assert (plan.tp, plan.pp, plan.dp) == (2, 2, 1)
+    results = run_local(_pp_rank, 4, args=(plan.to_json(), "hf_llama"), timeout=600)
+    _check(results, "hf_llama", 4)
+    assert [r[1] for r in results[1:]] == [0, 1, 1]       # stage-major: ranks 0, 1 | 2, 3
+
+
+def _trace(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n"
+                    + "".join(f"{0.2 * i},{2 + i % 6},{1 + i % 5}\n" for i in range(16)))
+    return str(path)
+
+
+def test_autopar_serve_runs_a_pp2_continuous_plan(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from autopar.inference.serve_process import serve_process
+    from autopar.models.hf import hf_llama
+    out = tmp_path / "p.json"
+    assert main(["plan-inference", "hf_llama", "--devices", "2", "--constraint", "tp=1", "--constraint", "pp=2",
+                 "--constraint", "batch_size=4", "--trace", _trace(tmp_path), "--batching", "continuous",
+                 "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert (plan["tp"], plan["pp"], plan["dp"]) == (1, 2, 1) and plan["predictions"]["batching"] == "continuous"
+    with serve_process(["hf_llama", "--devices", "2", "--plan", str(out)]) as url:
+        prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [1, 2], [4]]
+        news = [4, 2, 3, 1]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda a: httpx.post(f"{url}/v1/completions",
+                                                          json={"prompt": a[0], "max_tokens": a[1]}, timeout=120),
+                                    zip(prompts, news)))
+        torch.manual_seed(0)   # the zoo factory's weights: the same seed and config as the server's
+        ref = hf_llama()[0].model.eval()
+        for p, n, a in zip(prompts, news, answers):
+            assert a.status_code == 200, a.text
+            want = ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+            assert a.json()["choices"][0]["token_ids"] == want[0, len(p):].tolist()
