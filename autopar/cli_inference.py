@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from autopar.cli_args import byte_size, cluster_from_args, load_factory_model, load_hf, parse_pairs, positive_int
-from autopar.errors import PlanError
+from autopar.errors import ExecutionError, PlanError
 
 
 def _inference_model(args, weights_needed: bool = False):
@@ -94,8 +94,8 @@ def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait
     limits = Limits(plan.prompt_len, plan.max_new_tokens, plan.batch_size * plan.dp,
                     vocab_size=plan.model.get("vocab"))
     if rank == 0:
-        print(f"autopar serve: http://{host}:{port}/v1/completions ({world} rank(s), tp={plan.tp} dp={plan.dp}, "
-              f"{batching} batching, batch {limits.max_batch}, prompt <= {plan.prompt_len}, "
+        print(f"autopar serve: http://{host}:{port}/v1/completions ({world} rank(s), tp={plan.tp} pp={plan.pp} "
+              f"dp={plan.dp}, {batching} batching, batch {limits.max_batch}, prompt <= {plan.prompt_len}, "
               f"max_tokens <= {plan.max_new_tokens})", flush=True)
     serve(engine, limits, host=host, port=port, tokenizer=tokenizer, predictions=plan.predictions,
           batch_wait=batch_wait, model_name=name, batching=batching)
@@ -103,6 +103,7 @@ def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait
 
 
 BATCH_WAIT_MS = 10.0   # serve --batch-wait-ms default (static batching)
+DEFAULT_TIMEOUT_S = 120.0   # serve --collective-timeout default (continuous batching)
 
 
 def cmd_serve(args) -> int:
@@ -114,15 +115,21 @@ def cmd_serve(args) -> int:
     if batching not in ("static", "continuous"):
         raise PlanError(f"the plan was made for {batching} batching, which autopar serve does not run; plan with "
                         f"plan-inference --batching static or continuous")
-    if batching == "continuous" and plan.pp > 1:
-        raise PlanError(f"the plan was made for continuous batching with tp={plan.tp} pp={plan.pp} dp={plan.dp}; "
-                        f"autopar serve runs continuous batching with pp=1 only so far (tp ranks and dp replicas): "
-                        f"plan it with --constraint pp=1, or with --batching static")
     if batching == "continuous" and args.batch_wait_ms is not None:
         raise PlanError(f"--batch-wait-ms {args.batch_wait_ms:g} applies to static batching; under the plan's "
                         f"continuous batching a request joins the running batch at the next iteration: drop it, or "
                         f"plan with --batching static")
     wait_ms = BATCH_WAIT_MS if args.batch_wait_ms is None else args.batch_wait_ms
+    if args.collective_timeout is not None and not args.collective_timeout > 0:
+        raise PlanError(f"--collective-timeout must be a positive number of seconds, got {args.collective_timeout:g}")
+    if args.collective_timeout is not None and batching != "continuous":
+        raise PlanError(f"--collective-timeout {args.collective_timeout:g} applies to continuous batching; under "
+                        f"static batching the other ranks wait for rank 0's next batch in a collective: drop it, "
+                        f"or plan with --batching continuous")
+    # continuous: a collective waits at most this long (a rank that failed mid-forward fails its peers
+    # after it); static: the ranks wait for the next batch in a collective, so a day
+    timeout_s = (DEFAULT_TIMEOUT_S if args.collective_timeout is None else args.collective_timeout) \
+        if batching == "continuous" else 24 * 3600
     run = (model, tokenizer, plan.to_json(), args.host, args.port, wait_ms / 1e3, args.factory)
     if plan.world_size == 1 or "RANK" in os.environ:
         import torch.distributed as dist
@@ -130,11 +137,14 @@ def cmd_serve(args) -> int:
             from datetime import timedelta
 
             from autopar.execution.placement import restart_safe_store   # a restarted torchrun group: issue 30
-            dist.init_process_group(cluster.backend, timeout=timedelta(days=1), **restart_safe_store())
+            dist.init_process_group(cluster.backend, timeout=timedelta(seconds=timeout_s), **restart_safe_store())
         _serve_rank(int(os.environ.get("RANK", 0)), plan.world_size, *run)
         return 0
-    from runtime.launch import run_local
-    run_local(_serve_rank, plan.world_size, args=run, timeout=float("inf"), pg_timeout=24 * 3600)
+    from runtime.launch import LocalLaunchError, run_local
+    try:
+        run_local(_serve_rank, plan.world_size, args=run, timeout=float("inf"), pg_timeout=timeout_s)
+    except LocalLaunchError as e:   # a rank failed (e.g. RanksOutOfStep): the server stopped with it
+        raise ExecutionError(f"autopar serve stopped: {e}") from e
     return 0
 
 
@@ -183,4 +193,8 @@ def add_parsers(sub) -> None:
                     help=f"static batching: how long a request waits for others to share its batch (default "
                          f"{BATCH_WAIT_MS:g}; an error under continuous batching, where requests join at the next "
                          f"iteration)")
+    sv.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
+                    help=f"continuous batching on several ranks: the longest a rank waits in a collective (the "
+                         f"process group's timeout, default {DEFAULT_TIMEOUT_S:g}); a rank that fails mid-forward "
+                         f"then fails its peers instead of hanging them, and the server answers 503")
     sv.set_defaults(fn=cmd_serve)

@@ -123,6 +123,7 @@ class IterationEngine:
         self.kv_tokens = kv_tokens
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []     # row i of the cache is running[i]
+        self.admitting: list[Sequence] = []   # admitted by the step under way (abort hands them back too)
         self.cache = None
         self.mask: torch.Tensor | None = None   # [rows, width] 1 on real columns
         self.iterations = 0
@@ -196,8 +197,9 @@ class IterationEngine:
 
     def abort(self) -> list[Sequence]:
         """Drop every running and waiting sequence (after a failed step); returns them."""
-        out = self.running + self.waiting
-        self.running, self.waiting = [], []
+        rows = {id(s) for s in self.running}
+        out = self.running + [s for s in self.admitting if id(s) not in rows] + self.waiting
+        self.running, self.admitting, self.waiting = [], [], []
         self.cache = self.mask = None
         return out
 
@@ -208,7 +210,8 @@ class IterationEngine:
         """One iteration: admit, prefill the admitted, decode the running one token, retire the
         finished; returns the sequences that finished."""
         finished = []
-        for seq in self._admissions():
+        self.admitting = self._admissions()
+        for seq in self.admitting:
             self._prefill(seq)
             if seq.finished:
                 seq.done = seq.first
@@ -231,6 +234,7 @@ class IterationEngine:
                 self._retire(keep)
         elif finished:
             self.iterations += 1
+        self.admitting = []
         return finished
 
     def run_until_idle(self) -> list[Sequence]:
@@ -481,7 +485,6 @@ class LeaderIterations:
 
 
 STOP = "stop"
-DEFAULT_TIMEOUT_S = 120.0          # autopar serve --collective-timeout: a collective's longest wait
 IDLE_TIMEOUT = timedelta(days=365)  # rank 0's jobs: the other ranks wait for the next however long
 
 

@@ -14,7 +14,7 @@
   call; ``"continuous"`` runs an iteration loop where requests join and leave the running batch
   between decode steps (autopar/inference/iteration_engine.py; tp ranks and dp replicas, each
   replica its own slots, rank 0 assigning each request to the replica with the fewest running or
-  waiting requests; no pp yet).
+  waiting requests; pipeline stages, one iteration at a time through them).
   ``finish_reason`` is ``"stop"`` when the output ended at an end-of-sequence token before
   ``max_tokens``.
 - ``GET /v1/models`` (the one model) and ``GET /health``; ``GET /metrics``: requests, batches,
@@ -24,7 +24,11 @@
 Bad requests get HTTP 400 with OpenAI's error object (``{"error": {"message", "type", "param"}}``),
 never a stack trace: a prompt longer than the plan's prompt length, more tokens than its cache
 holds, sampling parameters out of range, malformed JSON. A failed generate answers 500 for the
-requests of that batch; the server keeps serving.
+requests of that batch; the server keeps serving. Under continuous batching on several ranks, a
+step that fails where the ranks may be out of step (a rank of a multi-rank replica failed mid-forward,
+or a collective failed or timed out: the process group's timeout, ``autopar serve
+--collective-timeout``) is a 503 (``service_unavailable``, naming the failure) for the requests in
+flight and every later one, and ``/health`` answers 503: nothing more is broadcast to the other ranks.
 
 ``serve(engine, host, port)`` runs it with uvicorn on rank 0 while every other rank follows rank
 0's batches (autopar/inference/rank_jobs.py), or under continuous batching its iterations
@@ -192,6 +196,9 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
 
     @app.get("/health")
     async def health():
+        broken = getattr(getattr(batcher, "engine", None), "broken", None)
+        if broken is not None:   # the ranks are out of step: nothing more can be served
+            return JSONResponse({"status": "failed", **error_body(str(broken), "service_unavailable")}, 503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -231,7 +238,9 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
         if failed:   # one failed batch is a 500 for its requests, not a dead server
             stats.failed += 1
             e = failed[0]
-            return JSONResponse(error_body(f"generation failed: {type(e).__name__}: {e}", "server_error"), 500)
+            status = getattr(e, "http_status", 500)   # 503: the ranks are out of step (RanksOutOfStep)
+            return JSONResponse(error_body(f"generation failed: {type(e).__name__}: {e}",
+                                           "service_unavailable" if status == 503 else "server_error"), status)
         choices, prompt_tokens = [], 0
         for index, (prompt, done) in enumerate(zip(prompts, results)):
             stats.record(done)
@@ -253,7 +262,7 @@ def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, bat
           **app_options) -> None:
     """Rank 0 serves HTTP until interrupted, then tells the other ranks to stop; every other rank
     runs rank 0's batches. ``batching="continuous"``: ``engine`` is this rank's IterationEngine
-    (``IterationEngine.from_plan``: tp ranks and dp replicas, pp=1), rank 0 leading each iteration
+    (``IterationEngine.from_plan``: tp ranks, pp stages and dp replicas), rank 0 leading each iteration
     (``LeaderIterations``: it assigns each request a replica and gathers the finished ones) and the
     others following it (``follow_iterations``)."""
     import torch.distributed as dist

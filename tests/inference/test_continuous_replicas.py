@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 import torch
 
 from autopar.inference.inference_plan import InferencePlan
@@ -102,3 +103,95 @@ def test_serve_with_dp2_replicas_answers_concurrent_requests_and_goes_on_after_a
     assert box["metrics"]["requests"] == len(PROMPTS) + len(AGAIN) and box["metrics"]["rejected"] == 1
     theirs = results[1][1]
     assert mine > 0 and theirs > 0 and mine + theirs == len(PROMPTS) + len(AGAIN)   # both replicas served
+
+
+# --- a rank that fails mid-forward: no hang, a 503 naming the failure --------------------------------
+
+LONG = [([5, 6, 7], 6), ([20, 21, 22, 23, 24], 5), ([40, 41, 42, 43], 5)]   # none done by iteration 2
+TIMEOUT_S = 4.0   # the process group's timeout here (autopar serve --collective-timeout; 120 s by default)
+
+
+def _failing_client(url, box):
+    """Rank 0's client: three staggered requests while rank ``fail`` raises mid-forward, then a
+    later request and /health; every answer timed; then SIGINT stops the server."""
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+        def ask(request):
+            (prompt, new), delay = request
+            time.sleep(delay)
+            start = time.monotonic()
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": new}, timeout=60)
+            return r.status_code, r.json(), time.monotonic() - start
+
+        with ThreadPoolExecutor(3) as pool:
+            box["first"] = list(pool.map(ask, [(p, 0.02 * i) for i, p in enumerate(LONG)]))
+        box["later"] = ask((([4, 5], 2), 0.0))
+        health = httpx.get(f"{url}/health", timeout=10)
+        box["health"] = (health.status_code, health.json())
+    except Exception as e:  # noqa: BLE001 - reported by rank 0
+        box["error"] = repr(e)
+    finally:
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def _failing_rank(rank, world, plan_json, port, fail):
+    """A tp=2 server whose rank ``fail`` raises in its second decoder layer (between the layers'
+    all-reduces) at its third iteration; rank 0 returns its client's answers, the other rank the
+    error it stopped with."""
+    from autopar.inference.iteration_engine import RanksOutOfStep
+    from autopar.inference.pp_stages import decoder_layers
+    plan = InferencePlan.from_json(plan_json)
+    engine = IterationEngine.from_plan(_model("hf_llama"), plan)
+    engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 2, 9, 7, None
+    if rank == fail:
+        def boom(module, args, output):
+            if engine.iterations == 2:
+                raise RuntimeError(f"injected failure on rank {rank}")
+        decoder_layers(engine.model)[1].register_forward_hook(boom)
+    box = {}
+    if rank == 0:
+        threading.Thread(target=_failing_client, args=(f"http://127.0.0.1:{port}", box), daemon=True).start()
+    start = time.monotonic()
+    try:
+        serve(engine, Limits(9, 7, 2, vocab_size=64), host="127.0.0.1", port=port, batching="continuous")
+    except KeyboardInterrupt:
+        pass
+    except RanksOutOfStep as e:   # a rank other than 0: it stops (autopar serve then stops the server)
+        return str(e), time.monotonic() - start
+    return box
+
+
+@pytest.mark.parametrize("fail", [1, 0])
+def test_a_rank_failing_mid_forward_is_a_503_for_in_flight_and_later_requests_not_a_hang(fail):
+    from autopar.inference.serve_process import free_port
+    plan = _continuous_plan(2, tp=2)
+    assert (plan.tp, plan.pp, plan.dp) == (2, 1, 1)
+    start = time.monotonic()
+    results = run_local(_failing_rank, 2, args=(plan.to_json(), free_port(), fail), timeout=120,
+                        pg_timeout=TIMEOUT_S)
+    took = time.monotonic() - start
+    box, (stopped, _) = results
+    assert "error" not in box, box.get("error")
+    for status, body, seconds in box["first"]:   # in flight when the rank failed
+        assert status == 503, [(s, b.get("choices", [{}])[0].get("token_ids"), t) for s, b, t in box["first"]]
+        assert body["error"]["type"] == "service_unavailable"
+        assert "out of step" in body["error"]["message"] and "restart autopar serve" in body["error"]["message"]
+        assert seconds < 3 * TIMEOUT_S + 10
+    if fail == 0:   # rank 0's own failure is named; rank 1 waited in the all-reduce, then timed out
+        assert any("injected failure on rank 0" in body["error"]["message"] for _, body, _ in box["first"])
+    status, body, seconds = box["later"]
+    assert status == 503 and "out of step" in body["error"]["message"] and seconds < 2
+    assert box["health"][0] == 503 and box["health"][1]["status"] == "failed"
+    assert "RanksOutOfStep" not in stopped and "out of step" in stopped and "rank 1" in stopped
+    if fail == 1:
+        assert "injected failure on rank 1" in stopped
+    assert took < 120

@@ -159,17 +159,6 @@ def _trace(tmp_path):
     return str(path)
 
 
-def test_serve_refuses_a_pipelined_continuous_plan_with_the_reason(tmp_path, capsys):
-    out = tmp_path / "p.json"
-    assert main(["plan-inference", "hf_llama", "--devices", "2", "--constraint", "tp=1", "--constraint", "pp=2",
-                 "--trace", _trace(tmp_path), "--batching", "continuous", "-o", str(out)]) == 0
-    assert json.loads(out.read_text())["predictions"]["batching"] == "continuous"
-    capsys.readouterr()
-    assert main(["serve", "hf_llama", "--devices", "2", "--plan", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "with pp=1 only so far (tp ranks and dp replicas)" in err and "pp=2" in err
-
-
 def test_serve_refuses_batch_wait_under_a_continuous_plan(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(["plan-inference", "hf_llama", "--trace", _trace(tmp_path), "--batching", "continuous",
