@@ -42,9 +42,20 @@ warpers (unset top_k / top_p: the model's generation config, as its ``generate``
 ``compile_inference`` does) and runs the same iterations: on its own, SPMD, when every rank adds
 the same requests; in the server, ``LeaderIterations`` (rank 0) decides each iteration's admissions
 and broadcasts the requests added since the last step before it, and ``follow_iterations`` (every
-other rank) adds those and steps. One broadcast of Python objects per iteration.
+other rank) adds those and steps. One broadcast of Python objects per iteration (on a group of
+its own, ``engine.jobs``, with no timeout: an idle server's ranks wait there for the next).
 
-**Replicas** (dp > 1, pp = 1): replica ``r`` is ranks ``r*tp`` to ``r*tp + tp - 1`` (as
+**Stages** (pp > 1): each rank holds its stage's decoder layers only, the others ``Skip``
+(autopar/inference/pp_stages.py, as the static engine), and hooks pass the hidden states from stage
+to stage and the last stage's logits back to every stage. Every rank of the pipeline runs the same
+iterations as rank 0 says (as tp ranks do), the model's own forward on the same inputs: a prefill
+or decode step is one pass through the stages in order, one iteration at a time (no micro-batches
+in flight: a stage idles while the others run). Each cache (the batched one and a newcomer's
+prefill) has one entry per layer, those of other stages' layers pointing at one of the stage's own
+(``share_cache_layers``), so the lengths and mask sizes the model reads are right on every stage;
+joining and retiring rows touch each of the stage's own layers once.
+
+**Replicas** (dp > 1): replica ``r`` is ranks ``r*tp*pp`` to ``(r+1)*tp*pp - 1``, stage-major (as
 ``compile_inference`` lays them out) and runs its own engine on its own ``slots`` and KV-token pool.
 Rank 0 (replica 0's first rank) checks each new request and assigns it, when it arrives, to the
 replica with the fewest requests running or waiting (its own count: those assigned and not yet
@@ -55,10 +66,23 @@ another has a free slot; here it may, until the requests ahead of it on its repl
 iteration every rank of every replica takes part, with nothing to do or not: rank 0 broadcasts the
 new requests with their replicas (the same one broadcast), each replica adds its own and steps (an
 idle engine's step does nothing), and a gather of Python objects over the world group brings the
-finished sequences of every replica's first rank to rank 0: their tokens, whether they stopped, and
+finished sequences of every replica's first rank (stage 0, tp rank 0) to rank 0: their tokens, whether they stopped, and
 their wait, prefill and decode seconds (rank 0 dates them back from when it received them). A step
 that fails on any replica fails the whole iteration: rank 0 raises after the gather, and its
-``abort`` empties every replica. pp > 1 is not built (``from_plan`` refuses it).
+``abort`` empties every replica.
+
+**Failures.** A step that fails on a replica of one rank (tp = pp = 1) fails that iteration's
+requests and the replicas go on (above). On a replica of several ranks a failure mid-forward
+leaves its peers in a collective the failed rank will never join: the ranks are out of step and
+nothing more can run. So there (and whenever a collective itself fails: a peer gone, or the
+process group's timeout passed) rank 0 raises ``RanksOutOfStep`` and keeps it (``broken``: every
+later ``add`` and ``step`` raises it, nothing more is broadcast; the server answers 503), and a
+following rank raises it out of ``follow_iterations`` (its process ends; ``autopar serve`` then
+stops). The groups ``from_plan`` builds (tp, pipeline) take the default group's timeout
+(``init_process_group(timeout=...)``, ``autopar serve --collective-timeout``, 120 s by default),
+not torch's 30 minutes, so a peer waiting in an all-reduce fails within it: never a hang. A step
+slower than that timeout (on a replica, or rank 0 waiting in the gather for the slowest) is a
+failure too.
 """
 from __future__ import annotations
 
