@@ -53,8 +53,7 @@ def test_pp2_stages_run_the_same_iterations_and_equal_generate_alone(name):
     assert results[1][1] == 1
 
 
-@pytest.mark.slow
-def test_tp2_pp2_equal_generate_alone():
+def test_tp2_pp2_equal_generate_alone():   # about 17 s on 2 cores
     plan = _continuous_plan(4, "hf_llama", tp=2, pp=2)
     assert (plan.tp, plan.pp, plan.dp) == (2, 2, 1)
     results = run_local(_pp_rank, 4, args=(plan.to_json(), "hf_llama"), timeout=600)
