@@ -144,9 +144,9 @@ def _failing_client(url, box):
 
 
 def _failing_rank(rank, world, plan_json, port, fail):
-    """A tp=2 server whose rank ``fail`` raises in its second decoder layer (between the layers'
-    all-reduces) at its third iteration; rank 0 returns its client's answers, the other rank the
-    error it stopped with."""
+    """A two-rank server (tp=2 or pp=2) whose rank ``fail`` raises at its third iteration in its
+    second decoder layer (tp: between the layers' all-reduces) or its stage's first (pp); rank 0
+    returns its client's answers, the other rank the error it stopped with."""
     from autopar.inference.iteration_engine import RanksOutOfStep
     from autopar.inference.pp_stages import decoder_layers
     plan = InferencePlan.from_json(plan_json)
@@ -156,7 +156,7 @@ def _failing_rank(rank, world, plan_json, port, fail):
         def boom(module, args, output):
             if engine.iterations == 2:
                 raise RuntimeError(f"injected failure on rank {rank}")
-        decoder_layers(engine.model)[1].register_forward_hook(boom)
+        decoder_layers(engine.model)[engine.bounds[0] if engine.bounds else 1].register_forward_hook(boom)
     box = {}
     if rank == 0:
         threading.Thread(target=_failing_client, args=(f"http://127.0.0.1:{port}", box), daemon=True).start()
@@ -170,11 +170,11 @@ def _failing_rank(rank, world, plan_json, port, fail):
     return box
 
 
-@pytest.mark.parametrize("fail", [1, 0])
-def test_a_rank_failing_mid_forward_is_a_503_for_in_flight_and_later_requests_not_a_hang(fail):
+@pytest.mark.parametrize("tp, pp, fail", [(2, 1, 1), (2, 1, 0), (1, 2, 1)])
+def test_a_rank_failing_mid_forward_is_a_503_for_in_flight_and_later_requests_not_a_hang(tp, pp, fail):
     from autopar.inference.serve_process import free_port
-    plan = _continuous_plan(2, tp=2)
-    assert (plan.tp, plan.pp, plan.dp) == (2, 1, 1)
+    plan = _continuous_plan(2, tp=tp, pp=pp)
+    assert (plan.tp, plan.pp, plan.dp) == (tp, pp, 1)
     start = time.monotonic()
     results = run_local(_failing_rank, 2, args=(plan.to_json(), free_port(), fail), timeout=120,
                         pg_timeout=TIMEOUT_S)
