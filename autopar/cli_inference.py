@@ -89,8 +89,10 @@ def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait
     if batching == "continuous":
         from autopar.inference.iteration_engine import IterationEngine
         engine = IterationEngine.from_plan(model, plan)
-    else:
-        engine = compile_inference(model, plan=plan)
+    else:   # its tp / pipeline groups take the default group's timeout, as from_plan's
+        from autopar.inference.iteration_engine import default_timeout, groups_timeout
+        with groups_timeout(default_timeout()):
+            engine = compile_inference(model, plan=plan)
     limits = Limits(plan.prompt_len, plan.max_new_tokens, plan.batch_size * plan.dp,
                     vocab_size=plan.model.get("vocab"))
     if rank == 0:
@@ -103,7 +105,7 @@ def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait
 
 
 BATCH_WAIT_MS = 10.0   # serve --batch-wait-ms default (static batching)
-DEFAULT_TIMEOUT_S = 120.0   # serve --collective-timeout default (continuous batching)
+DEFAULT_TIMEOUT_S = 120.0   # serve --collective-timeout default
 
 
 def cmd_serve(args) -> int:
@@ -122,14 +124,9 @@ def cmd_serve(args) -> int:
     wait_ms = BATCH_WAIT_MS if args.batch_wait_ms is None else args.batch_wait_ms
     if args.collective_timeout is not None and not args.collective_timeout > 0:
         raise PlanError(f"--collective-timeout must be a positive number of seconds, got {args.collective_timeout:g}")
-    if args.collective_timeout is not None and batching != "continuous":
-        raise PlanError(f"--collective-timeout {args.collective_timeout:g} applies to continuous batching; under "
-                        f"static batching the other ranks wait for rank 0's next batch in a collective: drop it, "
-                        f"or plan with --batching continuous")
-    # continuous: a collective waits at most this long (a rank that failed mid-forward fails its peers
-    # after it); static: the ranks wait for the next batch in a collective, so a day
-    timeout_s = (DEFAULT_TIMEOUT_S if args.collective_timeout is None else args.collective_timeout) \
-        if batching == "continuous" else 24 * 3600
+    # a collective waits at most this long: a rank that failed mid-forward fails its peers after it
+    # (rank 0's jobs, which idle ranks wait for, travel on a group without a timeout: server.py)
+    timeout_s = DEFAULT_TIMEOUT_S if args.collective_timeout is None else args.collective_timeout
     run = (model, tokenizer, plan.to_json(), args.host, args.port, wait_ms / 1e3, args.factory)
     if plan.world_size == 1 or "RANK" in os.environ:
         import torch.distributed as dist
@@ -194,7 +191,8 @@ def add_parsers(sub) -> None:
                          f"{BATCH_WAIT_MS:g}; an error under continuous batching, where requests join at the next "
                          f"iteration)")
     sv.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
-                    help=f"continuous batching on several ranks: the longest a rank waits in a collective (the "
-                         f"process group's timeout, default {DEFAULT_TIMEOUT_S:g}); a rank that fails mid-forward "
-                         f"then fails its peers instead of hanging them, and the server answers 503")
+                    help=f"several ranks: the longest a rank waits in a collective (the process group's "
+                         f"timeout, default {DEFAULT_TIMEOUT_S:g}; set it above the slowest step or batch); a rank "
+                         f"that fails mid-forward then fails its peers instead of hanging them, and the server "
+                         f"answers 503 and stops")
     sv.set_defaults(fn=cmd_serve)

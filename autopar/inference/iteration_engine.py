@@ -175,7 +175,7 @@ class IterationEngine:
         peer fails mid-forward fails after it, never waits for ever); rank 0's jobs travel on a group
         of their own without one (the other ranks wait there, however long the server is idle)."""
         from autopar.inference.engine import compile_inference
-        with _groups_timeout(default_timeout()):
+        with groups_timeout(default_timeout()):
             built = compile_inference(model, plan=plan, weights=weights)
         engine = cls(built.model, plan.batch_size, plan.prompt_len, plan.max_new_tokens,
                      plan.predictions.get("kv_cache_tokens_per_replica"))
@@ -452,7 +452,7 @@ class LeaderIterations:
             try:
                 finished = self.engine.step()
             except Exception as e:  # noqa: BLE001 - rank 0 still takes part in the gather, then raises
-                if self.engine.replica_ranks > 1 or _collective_error(e):
+                if self.engine.replica_ranks > 1 or collective_error(e):
                     raise self._break(e, "rank 0's step") from e
                 error = e
             self.served[0] += len(finished)
@@ -536,7 +536,7 @@ def default_timeout() -> timedelta | None:
 
 
 @contextlib.contextmanager
-def _groups_timeout(timeout: timedelta | None):
+def groups_timeout(timeout: timedelta | None):
     """``dist.new_group`` defaults to ``timeout`` meanwhile (torch's own default is 30 minutes,
     whatever the default group's): the groups ``compile_inference`` makes fail as fast as it."""
     if timeout is None:
@@ -555,7 +555,7 @@ def _groups_timeout(timeout: timedelta | None):
         dist.new_group = original
 
 
-def _collective_error(e: BaseException) -> bool:
+def collective_error(e: BaseException) -> bool:
     """A failed collective or point-to-point transfer (a peer failed, is gone or timed out)."""
     text = str(e)
     return isinstance(e, dist.DistError) or any(k in text for k in (
@@ -588,7 +588,7 @@ def follow_iterations(engine: IterationEngine) -> int:
             finished = engine.step()
         except Exception as e:  # noqa: BLE001 - rank 0 fails the same requests and tells the clients
             engine.abort()
-            if engine.replica_ranks > 1 or _collective_error(e):
+            if engine.replica_ranks > 1 or collective_error(e):
                 raise RanksOutOfStep(
                     f"rank {dist.get_rank()} (replica {engine.replica}, stage {engine.stage}, tp rank "
                     f"{engine.tp_rank}) failed in iteration {steps}: {type(e).__name__}: {e}; its replica's ranks "
@@ -627,4 +627,5 @@ def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
 
 
-__all__ = ["IterationEngine", "LeaderIterations", "RanksOutOfStep", "Sequence", "follow_iterations"]
+__all__ = ["IterationEngine", "LeaderIterations", "RanksOutOfStep", "Sequence", "collective_error", "default_timeout",
+           "follow_iterations", "groups_timeout"]

@@ -143,26 +143,35 @@ def _failing_client(url, box):
         os.kill(os.getpid(), signal.SIGINT)
 
 
-def _failing_rank(rank, world, plan_json, port, fail):
-    """A two-rank server (tp=2 or pp=2) whose rank ``fail`` raises at its third iteration in its
+def _failing_rank(rank, world, plan_json, port, fail, batching):
+    """A two-rank server (tp=2 or pp=2) whose rank ``fail`` raises at its third forward step in its
     second decoder layer (tp: between the layers' all-reduces) or its stage's first (pp); rank 0
     returns its client's answers, the other rank the error it stopped with."""
-    from autopar.inference.iteration_engine import RanksOutOfStep
+    from autopar.inference.engine import compile_inference
+    from autopar.inference.iteration_engine import RanksOutOfStep, default_timeout, groups_timeout
     from autopar.inference.pp_stages import decoder_layers
     plan = InferencePlan.from_json(plan_json)
-    engine = IterationEngine.from_plan(_model("hf_llama"), plan)
-    engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 2, 9, 7, None
+    if batching == "continuous":
+        engine = IterationEngine.from_plan(_model("hf_llama"), plan)
+        engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 2, 9, 7, None
+    else:   # as autopar serve builds it
+        with groups_timeout(default_timeout()):
+            engine = compile_inference(_model("hf_llama"), plan=plan)
+    first = tuple(plan.stages[rank // plan.tp])[0] if plan.pp > 1 else 1
     if rank == fail:
+        calls = []
+
         def boom(module, args, output):
-            if engine.iterations == 2:
+            calls.append(1)
+            if len(calls) == 3:
                 raise RuntimeError(f"injected failure on rank {rank}")
-        decoder_layers(engine.model)[engine.bounds[0] if engine.bounds else 1].register_forward_hook(boom)
+        decoder_layers(engine.model)[first].register_forward_hook(boom)
     box = {}
     if rank == 0:
         threading.Thread(target=_failing_client, args=(f"http://127.0.0.1:{port}", box), daemon=True).start()
     start = time.monotonic()
     try:
-        serve(engine, Limits(9, 7, 2, vocab_size=64), host="127.0.0.1", port=port, batching="continuous")
+        serve(engine, Limits(9, 7, 2, vocab_size=64), host="127.0.0.1", port=port, batching=batching)
     except KeyboardInterrupt:
         pass
     except RanksOutOfStep as e:   # a rank other than 0: it stops (autopar serve then stops the server)
@@ -170,13 +179,21 @@ def _failing_rank(rank, world, plan_json, port, fail):
     return box
 
 
-@pytest.mark.parametrize("tp, pp, fail", [(2, 1, 1), (2, 1, 0), (1, 2, 1)])
-def test_a_rank_failing_mid_forward_is_a_503_for_in_flight_and_later_requests_not_a_hang(tp, pp, fail):
+@pytest.mark.parametrize("tp, pp, fail, batching", [(2, 1, 1, "continuous"), (2, 1, 0, "continuous"),
+                                                    (1, 2, 1, "continuous"), (2, 1, 1, "static")])
+def test_a_rank_failing_mid_forward_is_a_503_for_in_flight_and_later_requests_not_a_hang(tp, pp, fail, batching):
     from autopar.inference.serve_process import free_port
-    plan = _continuous_plan(2, tp=tp, pp=pp)
+    if batching == "continuous":
+        plan = _continuous_plan(2, tp=tp, pp=pp)
+    else:
+        import autopar
+        from autopar.inference.planner import plan_inference
+        plan = plan_inference(_model("hf_llama"), torch.zeros(2, 9, dtype=torch.long),
+                              autopar.Cluster.preset("cpu", devices=2), max_new_tokens=7,
+                              constraints={"tp": tp, "pp": pp}, dtype="fp32")
     assert (plan.tp, plan.pp, plan.dp) == (tp, pp, 1)
     start = time.monotonic()
-    results = run_local(_failing_rank, 2, args=(plan.to_json(), free_port(), fail), timeout=120,
+    results = run_local(_failing_rank, 2, args=(plan.to_json(), free_port(), fail, batching), timeout=120,
                         pg_timeout=TIMEOUT_S)
     took = time.monotonic() - start
     box, (stopped, _) = results
