@@ -24,11 +24,13 @@
 Bad requests get HTTP 400 with OpenAI's error object (``{"error": {"message", "type", "param"}}``),
 never a stack trace: a prompt longer than the plan's prompt length, more tokens than its cache
 holds, sampling parameters out of range, malformed JSON. A failed generate answers 500 for the
-requests of that batch; the server keeps serving. Under continuous batching on several ranks, a
-step that fails where the ranks may be out of step (a rank of a multi-rank replica failed mid-forward,
+requests of that batch; the server keeps serving. On several ranks (static or continuous), a
+batch or step that fails where the ranks may be out of step (a rank of a multi-rank replica failed mid-forward,
 or a collective failed or timed out: the process group's timeout, ``autopar serve
 --collective-timeout``) is a 503 (``service_unavailable``, naming the failure) for the requests in
-flight and every later one, and ``/health`` answers 503: nothing more is broadcast to the other ranks.
+flight and every later one, and ``/health`` answers 503: nothing more is broadcast to the other ranks,
+which stop (``autopar serve`` then exits). Rank 0's jobs travel on a group without a timeout, so
+idle ranks wait for the next one however long.
 
 ``serve(engine, host, port)`` runs it with uvicorn on rank 0 while every other rank follows rank
 0's batches (autopar/inference/rank_jobs.py), or under continuous batching its iterations
