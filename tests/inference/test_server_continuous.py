@@ -211,3 +211,59 @@ def test_serve_collective_timeout_is_positive(tmp_path, capsys):
     capsys.readouterr()
     assert main(["serve", "hf_llama", "--plan", str(out), "--collective-timeout", "0"]) == 2
     assert "positive number of seconds" in capsys.readouterr().err
+
+
+FAILING_FACTORY = '''
+import torch.distributed as dist
+
+from autopar.inference.model_shape import causal_lm
+from autopar.inference.pp_stages import decoder_layers
+from autopar.models.hf import hf_llama
+
+
+def failing_llama():
+    """The zoo's tiny Llama, whose rank 1 raises in its second decoder layer at its third forward."""
+    module, inputs = hf_llama()
+    calls = []
+
+    def boom(layer, args, output):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected failure on rank 1")
+    decoder_layers(causal_lm(module))[1].register_forward_hook(boom)
+    return module, inputs
+'''
+
+
+def test_autopar_serve_answers_503_then_stops_when_a_rank_fails_mid_forward(tmp_path):
+    """tp=2 continuous through the CLI, with a 3 s --collective-timeout: rank 1 raises mid-forward;
+    the requests in flight and a later one get 503 naming the failure, then the server stops (its
+    launcher stops rank 0 within the timeout plus 5 s): no hang."""
+    from autopar.inference.serve_process import serve_process
+    factory = tmp_path / "failing.py"
+    factory.write_text(FAILING_FACTORY)
+    spec = f"{factory}:failing_llama"
+    out = tmp_path / "p.json"
+    assert main(["plan-inference", spec, "--devices", "2", "--constraint", "tp=2", "--constraint", "batch_size=4",
+                 "--trace", _trace(tmp_path), "--batching", "continuous", "-o", str(out)]) == 0
+    with serve_process([spec, "--devices", "2", "--plan", str(out), "--collective-timeout", "3"]) as url:
+        start = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": 5},
+                                                         timeout=60), [[5, 6, 7], [9, 10], [1, 2, 3, 4]]))
+        assert time.monotonic() - start < 15
+        failed = [a for a in answers if a.status_code == 503]
+        assert failed and all(a.status_code in (200, 503) for a in answers)
+        message = failed[0].json()["error"]["message"]
+        assert "out of step" in message and "restart autopar serve" in message
+        later = httpx.post(f"{url}/v1/completions", json={"prompt": [4, 5], "max_tokens": 2}, timeout=30)
+        assert later.status_code == 503 and "out of step" in later.json()["error"]["message"]
+        deadline, down = time.monotonic() + 30, False
+        while time.monotonic() < deadline and not down:   # the launcher stops the server: 3 + 5 s
+            try:
+                httpx.get(f"{url}/health", timeout=1)
+                time.sleep(0.5)
+            except httpx.HTTPError:
+                down = True
+        assert down, "the server still answers 30 s after a rank failed"
