@@ -96,7 +96,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from autopar.errors import PlanError
+from autopar.errors import ExecutionError, PlanError
 from autopar.inference.engine import check_sampling
 from autopar.inference.model_shape import causal_lm
 
@@ -374,10 +374,11 @@ class IterationEngine:
         self.running = [self.running[i] for i in keep]
 
 
-class RanksOutOfStep(RuntimeError):
+class RanksOutOfStep(ExecutionError, RuntimeError):
     """A step failed where the ranks may no longer run the same collectives (a failed step of a
     replica of several ranks, or a failed collective): nothing can be served any more; the server
-    answers 503 with this message (server.py)."""
+    answers 503 with this message (server.py); on a following rank ``autopar serve`` (under torchrun
+    too) exits with it as its error."""
     http_status = 503
 
 
