@@ -80,19 +80,20 @@ def cmd_plan_inference(args) -> int:
     return 0
 
 
-def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait, name):
+def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait, name, timeout_s):
+    from datetime import timedelta
+
     from autopar.inference.engine import compile_inference
     from autopar.inference.inference_plan import InferencePlan
     from autopar.inference.server import Limits, serve
     plan = InferencePlan.from_json(plan_json)
+    timeout = timedelta(seconds=timeout_s)   # the tp / pipeline groups' collectives, as the default group's
     batching = plan.predictions.get("batching", "static")
     if batching == "continuous":
         from autopar.inference.iteration_engine import IterationEngine
-        engine = IterationEngine.from_plan(model, plan)
-    else:   # its tp / pipeline groups take the default group's timeout, as from_plan's
-        from autopar.inference.iteration_engine import default_timeout, groups_timeout
-        with groups_timeout(default_timeout()):
-            engine = compile_inference(model, plan=plan)
+        engine = IterationEngine.from_plan(model, plan, collective_timeout=timeout)
+    else:
+        engine = compile_inference(model, plan=plan, collective_timeout=timeout)
     limits = Limits(plan.prompt_len, plan.max_new_tokens, plan.batch_size * plan.dp,
                     vocab_size=plan.model.get("vocab"))
     if rank == 0:
@@ -127,7 +128,7 @@ def cmd_serve(args) -> int:
     # a collective waits at most this long: a rank that failed mid-forward fails its peers after it
     # (rank 0's jobs, which idle ranks wait for, travel on a group without a timeout: server.py)
     timeout_s = DEFAULT_TIMEOUT_S if args.collective_timeout is None else args.collective_timeout
-    run = (model, tokenizer, plan.to_json(), args.host, args.port, wait_ms / 1e3, args.factory)
+    run = (model, tokenizer, plan.to_json(), args.host, args.port, wait_ms / 1e3, args.factory, timeout_s)
     if plan.world_size == 1 or "RANK" in os.environ:
         import torch.distributed as dist
         if "RANK" in os.environ and not dist.is_initialized():   # torchrun: idle servers wait for requests

@@ -98,7 +98,7 @@ def fill_buffers(model) -> None:
 
 
 class InferenceEngine:
-    def __init__(self, model, plan: InferencePlan, weights: str | None = None):
+    def __init__(self, model, plan: InferencePlan, weights: str | None = None, collective_timeout=None):
         self.plan = plan
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
@@ -117,13 +117,13 @@ class InferenceEngine:
         self.group = self.pipe_group = None
         if tp > 1:
             for r, s in ((r, s) for r in range(plan.dp) for s in range(pp)):
-                g = dist.new_group([r * tp * pp + s * tp + t for t in range(tp)])
+                g = dist.new_group([r * tp * pp + s * tp + t for t in range(tp)], timeout=collective_timeout)
                 if (r, s) == (self.replica, self.stage):
                     self.group = g
         pipe_ranks = [self.replica * tp * pp + s * tp + self.tp_rank for s in range(pp)]
         if pp > 1:
             for r, t in ((r, t) for r in range(plan.dp) for t in range(tp)):
-                g = dist.new_group([r * tp * pp + s * tp + t for s in range(pp)])
+                g = dist.new_group([r * tp * pp + s * tp + t for s in range(pp)], timeout=collective_timeout)
                 if (r, t) == (self.replica, self.tp_rank):
                     self.pipe_group = g
             keep_stage_layers(self.model, tuple(plan.stages[self.stage]))
@@ -219,12 +219,14 @@ class InferenceEngine:
 
 
 def compile_inference(model, cluster=None, plan: InferencePlan | None = None, weights: str | None = None,
-                      **plan_options) -> InferenceEngine:
+                      collective_timeout=None, **plan_options) -> InferenceEngine:
     """The engine for ``model`` under ``plan`` (an InferencePlan, or a file written by
     ``autopar plan-inference``); without one, ``plan_inference(model, cluster=cluster, **plan_options)``
     plans it (``example_prompt`` and ``max_new_tokens`` then required). ``weights``: a Hugging Face
     safetensors checkpoint directory each rank reads only its shards from (the model may then be
-    built on the meta device, e.g. ``autopar.models.from_hf_config``)."""
+    built on the meta device, e.g. ``autopar.models.from_hf_config``). ``collective_timeout`` (a
+    timedelta): how long the tensor-parallel and pipeline groups' collectives wait for a peer
+    (torch's default when None; ``autopar serve --collective-timeout``)."""
     if isinstance(plan, str):
         plan = InferencePlan.load(plan)
     if plan is None:
@@ -234,4 +236,4 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, we
         plan = plan_inference(causal_lm(model), cluster=cluster, **plan_options)
     elif plan_options:
         raise PlanError(f"{sorted(plan_options)}: planning options are for compile_inference without a plan")
-    return InferenceEngine(model, plan, weights)
+    return InferenceEngine(model, plan, weights, collective_timeout)

@@ -86,7 +86,6 @@ failure too.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import time
@@ -167,16 +166,16 @@ class IterationEngine:
             self.device = torch.device("cpu")
 
     @classmethod
-    def from_plan(cls, model, plan, weights: str | None = None) -> "IterationEngine":
+    def from_plan(cls, model, plan, weights: str | None = None, collective_timeout=None) -> "IterationEngine":
         """This rank's engine of a plan: the model built (its tp shard, weights read, dtype) as
         ``compile_inference`` builds it, with the plan's slots (per replica), lengths and KV-token
         pool, and this rank's replica and stage (module doc). The tensor-parallel and pipeline groups
-        it makes take the default group's timeout (``init_process_group(timeout=...)``: a rank whose
-        peer fails mid-forward fails after it, never waits for ever); rank 0's jobs travel on a group
-        of their own without one (the other ranks wait there, however long the server is idle)."""
+        it makes wait ``collective_timeout`` (a timedelta; ``autopar serve`` passes the default
+        group's): a rank whose peer fails mid-forward fails after it, never waits for ever; rank 0's
+        jobs travel on a group of their own without one (the other ranks wait there, however long
+        the server is idle)."""
         from autopar.inference.engine import compile_inference
-        with groups_timeout(default_timeout()):
-            built = compile_inference(model, plan=plan, weights=weights)
+        built = compile_inference(model, plan=plan, weights=weights, collective_timeout=collective_timeout)
         engine = cls(built.model, plan.batch_size, plan.prompt_len, plan.max_new_tokens,
                      plan.predictions.get("kv_cache_tokens_per_replica"))
         engine.replica, engine.replicas, engine.tp_rank = built.replica, plan.dp, built.tp_rank
@@ -522,40 +521,6 @@ def _send(job: tuple, group=None) -> None:
         dist.broadcast_object_list([job], src=0, group=group)
 
 
-def default_timeout() -> timedelta | None:
-    """The default process group's timeout (``init_process_group(timeout=...)``), None without one."""
-    if not _distributed():
-        return None
-    from torch.distributed import distributed_c10d as c10d
-    pg = c10d._get_default_group()
-    for device in ("cpu", "cuda"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout
-        except Exception:  # noqa: BLE001 - no backend for that device, or no options
-            continue
-    return None
-
-
-@contextlib.contextmanager
-def groups_timeout(timeout: timedelta | None):
-    """``dist.new_group`` defaults to ``timeout`` meanwhile (torch's own default is 30 minutes,
-    whatever the default group's): the groups ``compile_inference`` makes fail as fast as it."""
-    if timeout is None:
-        yield
-        return
-    original = dist.new_group
-
-    def new_group(*args, **kwargs):
-        if len(args) < 2:
-            kwargs.setdefault("timeout", timeout)
-        return original(*args, **kwargs)
-    dist.new_group = new_group
-    try:
-        yield
-    finally:
-        dist.new_group = original
-
-
 def collective_error(e: BaseException) -> bool:
     """A failed collective or point-to-point transfer (a peer failed, is gone or timed out)."""
     text = str(e)
@@ -628,5 +593,5 @@ def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0))
 
 
-__all__ = ["IterationEngine", "LeaderIterations", "RanksOutOfStep", "Sequence", "collective_error", "default_timeout",
-           "follow_iterations", "groups_timeout"]
+__all__ = ["IterationEngine", "LeaderIterations", "RanksOutOfStep", "Sequence", "collective_error",
+           "follow_iterations"]

@@ -7,6 +7,7 @@ the server goes on."""
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 import signal
 import threading
 import time
@@ -148,15 +149,14 @@ def _failing_rank(rank, world, plan_json, port, fail, batching):
     second decoder layer (tp: between the layers' all-reduces) or its stage's first (pp); rank 0
     returns its client's answers, the other rank the error it stopped with."""
     from autopar.inference.engine import compile_inference
-    from autopar.inference.iteration_engine import RanksOutOfStep, default_timeout, groups_timeout
+    from autopar.inference.iteration_engine import RanksOutOfStep
     from autopar.inference.pp_stages import decoder_layers
     plan = InferencePlan.from_json(plan_json)
     if batching == "continuous":
-        engine = IterationEngine.from_plan(_model("hf_llama"), plan)
+        engine = IterationEngine.from_plan(_model("hf_llama"), plan, collective_timeout=timedelta(seconds=TIMEOUT_S))
         engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 2, 9, 7, None
     else:   # as autopar serve builds it
-        with groups_timeout(default_timeout()):
-            engine = compile_inference(_model("hf_llama"), plan=plan)
+        engine = compile_inference(_model("hf_llama"), plan=plan, collective_timeout=timedelta(seconds=TIMEOUT_S))
     first = tuple(plan.stages[rank // plan.tp])[0] if plan.pp > 1 else 1
     if rank == fail:
         calls = []
