@@ -56,6 +56,11 @@ def _dgx(name: str, device: Device, intra: Link, inter: Link, host: tuple = None
     return make
 
 
+# calibrate_forward.measure_forward_overhead() on the 2-core machine of facts.md, 2026-11-29:
+# medians of the engine's decode step, per layer and per forward, at load ~1 (seconds)
+CPU_HOST_OVERHEAD = (1.5e-3, 3.0e-3)
+
+
 def _cpu(nodes: int, devices: int | None) -> dict:
     _check_count("nodes", nodes, "cpu")
     if nodes != 1:
@@ -67,8 +72,13 @@ def _cpu(nodes: int, devices: int | None) -> dict:
     # ~50 GFLOP/s per process for any dtype, 4 GiB per process, ~10 GB/s memory bandwidth.
     # Link: facts.md measured a 4 MB gloo all_reduce at 5 ms on 2 processes (2 shared cores),
     # i.e. ~1 GB/s effective; latency ~50 µs per ring step.
+    # Host work of a Hugging Face decoder's forward (inference pricing only; hardware.Device):
+    # CPU_HOST_OVERHEAD, (per decoder layer, per forward) seconds, as
+    # autopar/execution/calibrate_forward.py measured them on this machine (see there), added to
+    # the kernels' time (one thread runs both).
     device = Device("cpu", FrozenMap({"bf16": 50e9, "fp16": 50e9, "fp32": 50e9}), 4 * 2**30, 10e9,
-                    kernel_overhead=1e-6)
+                    kernel_overhead=1e-6, host_layer_overhead=CPU_HOST_OVERHEAD[0],
+                    host_forward_overhead=CPU_HOST_OVERHEAD[1], host_synchronous=True)
     link = Link(1e9, 5e-5)
     # Host: the same machine's memory (16 GiB assumed for the node) and its ~10 GB/s memory
     # bandwidth, both for "copies" between the two pools and for the CPU optimizer step. NVMe:

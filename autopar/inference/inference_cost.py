@@ -51,6 +51,17 @@ mean context, as ``decode`` prices it; the memory-bound passes and the two all-r
 [T, H]; the LM head runs on one position per chunk and per decode; the stage hop sends [T, H]. A
 single chunk of a whole prompt with no decodes is ``prefill(1, prompt)``, no chunk at all is
 ``decode(decodes, context)``: the same terms.
+
+**Host overhead** (``Pricer.host``): each stage of each iteration (a prefill, a decode step, a
+mixed iteration) is one forward of the model's modules, and the host runs Python for each of
+them: ``host_layer_overhead`` x the stage's decoder layers + ``host_forward_overhead`` (the
+device's figures, autopar/hardware.py). On a CPU (``host_synchronous``) one thread runs both the
+Python and the kernels, so the host's time adds to the kernels'; on a GPU the kernels launch
+asynchronously and the host runs ahead of them, so a stage takes max(host, kernels), the usual
+model of launch-bound steps. The cpu preset's figures are measured on this machine
+(autopar/execution/calibrate_forward.py: a tiny Llama's decode steps in the iteration engine,
+where kernels cost ~nothing); the GPU presets' are 0 (no source measured them for Hugging Face's
+modules on those GPUs; at 0 their prices are what they were).
 """
 from __future__ import annotations
 
@@ -229,12 +240,23 @@ class Pricer:
             memo[hkey] = self.head(decodes + len(chunks), tp)
         return self._stage_times(pp, layer, memo[hkey], hop)
 
+    def host(self, layers: int) -> float:
+        """Host (Python, dispatch) seconds of one stage's forward over ``layers`` decoder layers
+        (module doc, "Host overhead"): the device's per-layer figure x layers + its per-forward one."""
+        return layers * self.device.host_layer_overhead + self.device.host_forward_overhead
+
     def _stage_times(self, pp: int, layer: float, head: float, hop: float) -> list[float]:
         """Each stage's busy time for one batch: its layers, the LM head on the last stage, the
-        send to the next stage on the others; their sum is the batch's pass."""
+        send to the next stage on the others; their sum is the batch's pass. With the host's
+        work of the stage's forward (``host``): added (a synchronous device), or the larger of
+        the two (kernels launched asynchronously, the host running ahead)."""
         last = pp - 1
-        return [(end - start) * layer + (head if k == last else hop)
-                for k, (start, end) in enumerate(stage_layers(self.m.layers, pp))]
+        out = []
+        for k, (start, end) in enumerate(stage_layers(self.m.layers, pp)):
+            kernels = (end - start) * layer + (head if k == last else hop)
+            host = self.host(end - start)
+            out.append(kernels + host if self.device.host_synchronous else max(kernels, host))
+        return out
 
     def prefill_stages(self, tp: int, pp: int, batch: int, prompt: int) -> list[float]:
         m = self.m
