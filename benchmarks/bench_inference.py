@@ -36,6 +36,8 @@
   tp=1 on one process and tp=2 on 2 gloo ranks), each plan served by ``autopar serve`` and the
   trace replayed over loopback at its arrival times (``replay``); the measured TTFT and TPOT
   percentiles (each answer's ``timing``) next to the simulation's for the same trace and plan.
+  The plans are priced with the host's Python overhead per decoder layer and per forward measured
+  first (``--host-overhead``, autopar/execution/calibrate_forward.py); ``--batchings``: the policies.
 """
 from __future__ import annotations
 
@@ -354,14 +356,36 @@ def measured_percentiles(answers: list[dict]) -> dict:
             "tpot": pct([a["tpot_s"] for a in answers if a["tpot_s"] is not None])}
 
 
-def _calibrated_cluster(tmp: Path, devices: int):
+def host_overhead(tmp: Path, how: str = "measure") -> tuple[float, float]:
+    """(per layer, per forward) host seconds the served plans are priced with: measured here once
+    (autopar/execution/calibrate_forward.py, kept in ``tmp``/host.json), the cpu preset's
+    figures, or none (``off``: the prices before the host term)."""
+    import json
+
+    from autopar.cluster_presets import CPU_HOST_OVERHEAD
+    from autopar.execution.calibrate_forward import measure_forward_overhead
+    if how == "off":
+        return 0.0, 0.0
+    if how == "preset":
+        return CPU_HOST_OVERHEAD
+    path = tmp / "host.json"
+    if not path.exists():
+        path.write_text(json.dumps(measure_forward_overhead()))
+    return tuple(json.loads(path.read_text()))
+
+
+def _calibrated_cluster(tmp: Path, devices: int, host: str = "measure"):
+    import dataclasses
     cal = tmp / "cal.yaml"
     if not cal.exists():
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "-n", "2", "--sweep", "tiny", "--repeats",
                         "3", "-o", str(cal)], env=env, cwd=ROOT, check=True, capture_output=True)
     (tmp / f"cpu{devices}.yaml").write_text(f"preset: cpu\ndevices: {devices}\ncalibration: {cal}\n")
-    return autopar.Cluster.from_yaml(tmp / f"cpu{devices}.yaml")
+    cluster = autopar.Cluster.from_yaml(tmp / f"cpu{devices}.yaml")
+    layer, forward = host_overhead(tmp, host)   # (a cluster file does not carry the host figures)
+    return dataclasses.replace(cluster, device=dataclasses.replace(
+        cluster.device, host_layer_overhead=layer, host_forward_overhead=forward, host_synchronous=True))
 
 
 def serve_and_replay(plan, path: Path, trace, devices: int) -> list[dict]:
@@ -376,19 +400,22 @@ def serve_and_replay(plan, path: Path, trace, devices: int) -> list[dict]:
         return replay(url, trace)
 
 
-def part_continuous(tmp: Path, requests: int = 32, rate: float = 6.0, tps: str = "1,2", batch_size: int = 4):
+def part_continuous(tmp: Path, requests: int = 32, rate: float = 6.0, tps: str = "1,2", batch_size: int = 4,
+                    host: str = "measure", batchings: str = "continuous,static"):
     """``continuous`` (module doc): per tp, the continuous and the static plan of one trace served and
     replayed; measured percentiles against the plan's simulation of the same trace."""
     tmp.mkdir(parents=True, exist_ok=True)
     trace = serve_trace(requests, rate)
     st = trace.stats()
+    layer, forward = host_overhead(tmp, host)
     print(f"trace: {requests} Poisson requests at {rate:g}/s over {st['seconds']:.1f} s, prompts 16-64 (p50 "
           f"{st['prompt']['p50']:.0f}), outputs 8-32 (p50 {st['output']['p50']:.0f}); batch_size {batch_size} "
-          f"pinned, fp32, calibrated cpu preset (autopar calibrate -n 2 --sweep tiny)")
+          f"pinned, fp32, calibrated cpu preset (autopar calibrate -n 2 --sweep tiny); host overhead ({host}): "
+          f"{layer * 1e3:.2f} ms per layer + {forward * 1e3:.2f} ms per forward")
     rows = []
     for tp in (int(t) for t in tps.split(",")):
-        cluster = _calibrated_cluster(tmp, tp)
-        for batching in ("continuous", "static"):
+        cluster = _calibrated_cluster(tmp, tp, host)
+        for batching in batchings.split(","):
             plan = plan_for_trace(trace, tp, batching, batch_size, cluster)
             t0 = time.perf_counter()
             answers = serve_and_replay(plan, tmp / f"plan_{batching}_tp{tp}.json", trace, tp)
@@ -423,6 +450,10 @@ def main():
     ap.add_argument("--requests", type=int, default=32, help="--part continuous: requests in the trace")
     ap.add_argument("--rate", type=float, default=6.0, help="--part continuous: Poisson arrivals per second")
     ap.add_argument("--tps", default="1,2", help="--part continuous: the tp degrees served (1: one process)")
+    ap.add_argument("--batchings", default="continuous,static", help="--part continuous: the policies served")
+    ap.add_argument("--host-overhead", choices=("measure", "preset", "off"), default="measure",
+                    help="--part continuous: the host figures the plans are priced with (measure: "
+                         "calibrate_forward.py here, once per --tmp; preset: the cpu preset's; off: none)")
     args = ap.parse_args()
     if args.part in ("plans", "all"):
         part_plans()
@@ -434,7 +465,8 @@ def main():
     if args.part in ("serve", "all"):
         part_serve(Path(args.tmp))
     if args.part in ("continuous", "all"):
-        part_continuous(Path(args.tmp), args.requests, args.rate, args.tps)
+        part_continuous(Path(args.tmp), args.requests, args.rate, args.tps, host=args.host_overhead,
+                        batchings=args.batchings)
 
 
 if __name__ == "__main__":
