@@ -56,9 +56,12 @@ def _dgx(name: str, device: Device, intra: Link, inter: Link, host: tuple = None
     return make
 
 
-# calibrate_forward.measure_forward_overhead() on the 2-core machine of facts.md, 2026-11-29:
-# medians of the engine's decode step, per layer and per forward, at load ~1 (seconds)
-CPU_HOST_OVERHEAD = (1.5e-3, 3.0e-3)
+# autopar/execution/calibrate_forward.py on the 2-core machine of facts.md, 2026-11-29 (medians,
+# one thread): the engine's decode step, per decoder layer and per forward (seconds), 0.62 / 1.05
+# ms at load ~1 (0.8-2.5 ms per layer at load 4-6: the host's work is what load slows); skinny
+# GEMMs over 32 MiB of uncached fp32 weights, 2.4-3.3 GB/s + 9-13 GFLOP/s at load ~4-5.
+CPU_HOST_OVERHEAD = (0.65e-3, 1.1e-3)
+CPU_SKINNY_GEMM = (2.5e9, 12e9)
 
 
 def _cpu(nodes: int, devices: int | None) -> dict:
@@ -72,13 +75,14 @@ def _cpu(nodes: int, devices: int | None) -> dict:
     # ~50 GFLOP/s per process for any dtype, 4 GiB per process, ~10 GB/s memory bandwidth.
     # Link: facts.md measured a 4 MB gloo all_reduce at 5 ms on 2 processes (2 shared cores),
     # i.e. ~1 GB/s effective; latency ~50 µs per ring step.
-    # Host work of a Hugging Face decoder's forward (inference pricing only; hardware.Device):
-    # CPU_HOST_OVERHEAD, (per decoder layer, per forward) seconds, as
-    # autopar/execution/calibrate_forward.py measured them on this machine (see there), added to
-    # the kernels' time (one thread runs both).
+    # Host work of a Hugging Face decoder's forward and skinny GEMMs over uncached weights
+    # (inference pricing only; hardware.Device): CPU_HOST_OVERHEAD, (per decoder layer, per
+    # forward) seconds, added to the kernels' time (one thread runs both), and CPU_SKINNY_GEMM,
+    # (bytes/s, FLOP/s), as autopar/execution/calibrate_forward.py measured them on this machine.
     device = Device("cpu", FrozenMap({"bf16": 50e9, "fp16": 50e9, "fp32": 50e9}), 4 * 2**30, 10e9,
                     kernel_overhead=1e-6, host_layer_overhead=CPU_HOST_OVERHEAD[0],
-                    host_forward_overhead=CPU_HOST_OVERHEAD[1], host_synchronous=True)
+                    host_forward_overhead=CPU_HOST_OVERHEAD[1], host_synchronous=True,
+                    skinny_gemm_bandwidth=CPU_SKINNY_GEMM[0], skinny_gemm_flops=CPU_SKINNY_GEMM[1])
     link = Link(1e9, 5e-5)
     # Host: the same machine's memory (16 GiB assumed for the node) and its ~10 GB/s memory
     # bandwidth, both for "copies" between the two pools and for the CPU optimizer step. NVMe:

@@ -36,8 +36,9 @@
   tp=1 on one process and tp=2 on 2 gloo ranks), each plan served by ``autopar serve`` and the
   trace replayed over loopback at its arrival times (``replay``); the measured TTFT and TPOT
   percentiles (each answer's ``timing``) next to the simulation's for the same trace and plan.
-  The plans are priced with the host's Python overhead per decoder layer and per forward measured
-  first (``--host-overhead``, autopar/execution/calibrate_forward.py); ``--batchings``: the policies.
+  The plans are priced with the host's Python overhead per decoder layer and per forward and the
+  rate of skinny GEMMs over uncached weights measured first (``--host-overhead``,
+  autopar/execution/calibrate_forward.py); ``--batchings``: the policies.
 """
 from __future__ import annotations
 
@@ -356,21 +357,21 @@ def measured_percentiles(answers: list[dict]) -> dict:
             "tpot": pct([a["tpot_s"] for a in answers if a["tpot_s"] is not None])}
 
 
-def host_overhead(tmp: Path, how: str = "measure") -> tuple[float, float]:
-    """(per layer, per forward) host seconds the served plans are priced with: measured here once
-    (autopar/execution/calibrate_forward.py, kept in ``tmp``/host.json), the cpu preset's
-    figures, or none (``off``: the prices before the host term)."""
+def host_overhead(tmp: Path, how: str = "measure") -> tuple[float, float, float, float]:
+    """(seconds per layer, per forward, skinny-GEMM bytes/s, FLOP/s) the served plans are priced
+    with: measured here once (autopar/execution/calibrate_forward.py, kept in ``tmp``/host.json),
+    the cpu preset's figures, or none (``off``: the prices before these terms)."""
     import json
 
-    from autopar.cluster_presets import CPU_HOST_OVERHEAD
-    from autopar.execution.calibrate_forward import measure_forward_overhead
+    from autopar.cluster_presets import CPU_HOST_OVERHEAD, CPU_SKINNY_GEMM
+    from autopar.execution.calibrate_forward import measure_forward_overhead, measure_skinny_gemm
     if how == "off":
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     if how == "preset":
-        return CPU_HOST_OVERHEAD
+        return (*CPU_HOST_OVERHEAD, *CPU_SKINNY_GEMM)
     path = tmp / "host.json"
     if not path.exists():
-        path.write_text(json.dumps(measure_forward_overhead()))
+        path.write_text(json.dumps([*measure_forward_overhead(), *measure_skinny_gemm()]))
     return tuple(json.loads(path.read_text()))
 
 
@@ -383,9 +384,10 @@ def _calibrated_cluster(tmp: Path, devices: int, host: str = "measure"):
                         "3", "-o", str(cal)], env=env, cwd=ROOT, check=True, capture_output=True)
     (tmp / f"cpu{devices}.yaml").write_text(f"preset: cpu\ndevices: {devices}\ncalibration: {cal}\n")
     cluster = autopar.Cluster.from_yaml(tmp / f"cpu{devices}.yaml")
-    layer, forward = host_overhead(tmp, host)   # (a cluster file does not carry the host figures)
+    layer, forward, bw, rate = host_overhead(tmp, host)   # (a cluster file does not carry these figures)
     return dataclasses.replace(cluster, device=dataclasses.replace(
-        cluster.device, host_layer_overhead=layer, host_forward_overhead=forward, host_synchronous=True))
+        cluster.device, host_layer_overhead=layer, host_forward_overhead=forward, host_synchronous=True,
+        skinny_gemm_bandwidth=bw, skinny_gemm_flops=rate))
 
 
 def serve_and_replay(plan, path: Path, trace, devices: int) -> list[dict]:
@@ -407,11 +409,12 @@ def part_continuous(tmp: Path, requests: int = 32, rate: float = 6.0, tps: str =
     tmp.mkdir(parents=True, exist_ok=True)
     trace = serve_trace(requests, rate)
     st = trace.stats()
-    layer, forward = host_overhead(tmp, host)
+    layer, forward, bw, rate = host_overhead(tmp, host)
     print(f"trace: {requests} Poisson requests at {rate:g}/s over {st['seconds']:.1f} s, prompts 16-64 (p50 "
           f"{st['prompt']['p50']:.0f}), outputs 8-32 (p50 {st['output']['p50']:.0f}); batch_size {batch_size} "
           f"pinned, fp32, calibrated cpu preset (autopar calibrate -n 2 --sweep tiny); host overhead ({host}): "
-          f"{layer * 1e3:.2f} ms per layer + {forward * 1e3:.2f} ms per forward")
+          f"{layer * 1e3:.2f} ms per layer + {forward * 1e3:.2f} ms per forward, skinny GEMMs {bw / 1e9:.2f} GB/s + "
+          f"{rate / 1e9:.1f} GFLOP/s")
     rows = []
     for tp in (int(t) for t in tps.split(",")):
         cluster = _calibrated_cluster(tmp, tp, host)

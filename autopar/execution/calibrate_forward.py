@@ -1,6 +1,8 @@
 """The host (Python / dispatch) overhead of one forward of a Hugging Face decoder, as the inference
 pricer adds it to every iteration (autopar/inference/inference_cost.py, "Host overhead"):
-``measure_forward_overhead`` -> (seconds per decoder layer, seconds per forward).
+``measure_forward_overhead`` -> (seconds per decoder layer, seconds per forward); and the rate of
+skinny GEMMs over uncached weights (``measure_skinny_gemm`` -> (bytes/s, FLOP/s)), the floor the
+pricer puts under a decode step's projections on a CPU.
 
 A tiny model's decode step is not spent in its kernels: each decoder layer runs a dozen Python
 modules (norms, projections, rotary, attention, the cache update), each a few torch dispatches,
@@ -16,6 +18,7 @@ see at the load the calibration ran under. About 1-2 s on one core.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -68,10 +71,51 @@ def measure_forward_overhead(reps: int = 30) -> tuple[float, float]:
     return per_layer, max(few - LAYERS[0] * per_layer, 0.0)
 
 
+SKINNY = dict(k=256, n=1024, count=32, rows=(1, 16))   # 32 weights of 1 MiB (fp32): past the caches
+
+
+def measure_skinny_gemm(reps: int = 9) -> tuple[float, float]:
+    """(bytes/s, FLOP/s) of skinny GEMMs over weights that are not in cache, as a decode step's
+    projections read them: the median seconds of a pass of ``count`` fp32 linears [rows, k] x
+    [k, n] over distinct weights (32 MiB in all) at 1 and 16 rows, fitted to t = bytes /
+    bandwidth + FLOPs / rate (the 1-row pass is the weights' streaming, the 16-row one adds the
+    arithmetic). One thread; about 1 s."""
+    import torch
+
+    k, n, count, (r1, r2) = SKINNY["k"], SKINNY["n"], SKINNY["count"], SKINNY["rows"]
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) for _ in range(count)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def pass_seconds(rows: int) -> float:
+        x = torch.randn(rows, k, generator=gen)
+        times = []
+        with torch.inference_mode():
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                for w in weights:
+                    torch.nn.functional.linear(x, w)
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+    try:
+        t1, t2 = pass_seconds(r1), pass_seconds(r2)
+    finally:
+        torch.set_num_threads(threads)
+    params = count * k * n
+    flops = 2 * params * (r2 - r1)
+    rate = flops / (t2 - t1) if t2 > t1 else math.inf
+    stream = t1 - 2 * params * r1 / rate
+    nbytes = 4 * (params + count * r1 * (k + n))
+    bandwidth = nbytes / stream if stream > 0 else nbytes / t1
+    return bandwidth, (rate if math.isfinite(rate) else 0.0)
+
+
 if __name__ == "__main__":
     import autopar.inference.iteration_engine  # noqa: F401  (imports outside the timing)
     import autopar.models.hf  # noqa: F401
     t0 = time.perf_counter()
     layer, forward = measure_forward_overhead()
-    print(f"per layer {layer * 1e6:.0f} us, per forward {forward * 1e6:.0f} us "
-          f"({time.perf_counter() - t0:.1f} s)")
+    bw, rate = measure_skinny_gemm()
+    print(f"per layer {layer * 1e6:.0f} us, per forward {forward * 1e6:.0f} us, skinny GEMMs {bw / 1e9:.2f} GB/s "
+          f"+ {rate / 1e9:.1f} GFLOP/s ({time.perf_counter() - t0:.1f} s)")

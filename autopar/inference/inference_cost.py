@@ -133,14 +133,21 @@ class Pricer:
         """A [rows, k] x [k, n] GEMM. Skinny ones (decode: rows < ``SKINNY_ROWS``) at the roofline:
         their weight's bytes at the memory-bound rate, or their FLOPs at the GEMM curve's best rate
         (the curve's low-intensity end was measured on small square GEMMs, which latency bounds, and
-        prices a GEMV over a large weight several times slower than HBM streams it)."""
+        prices a GEMV over a large weight several times slower than HBM streams it); at least
+        bytes / ``skinny_gemm_bandwidth`` + FLOPs / ``skinny_gemm_flops`` where the device gives
+        them (a CPU's measured pass over uncached weights, autopar/execution/calibrate_forward.py:
+        the memory-bound table, timed on one hot buffer, prices it several times too fast)."""
         if rows <= 0 or k <= 0 or n <= 0:
             return 0.0
         flops = 2.0 * rows * k * n
         nbytes = self.b * (rows * k + k * n + rows * n)
         if rows < SKINNY_ROWS:
             best = max(r for _, r in self.cal.gemm) if self.cal is not None else self.device.peak(self.dtype)
-            return max(self.memory_bound(nbytes), flops / best + self.device.kernel_overhead)
+            t = max(self.memory_bound(nbytes), flops / best + self.device.kernel_overhead)
+            bw, rate = self.device.skinny_gemm_bandwidth, self.device.skinny_gemm_flops
+            if bw > 0:   # the device's measured floor for skinny GEMMs over uncached weights
+                t = max(t, nbytes / bw + (flops / rate if rate > 0 else 0.0))
+            return t
         ai = gemm_intensity({"m": rows, "k": k, "n": n}, ["mk", "kn", "mn"], self.b)
         return compute_time(flops, nbytes, self.dtype, self.device, intensity=ai, calibration=self.cal)
 

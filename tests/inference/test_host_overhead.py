@@ -1,7 +1,7 @@
 """The host (Python / dispatch) overhead term of the inference prices (inference_cost.py, "Host
 overhead"): added to each stage's kernels on a synchronous device, max(host, kernels) otherwise,
 0 for the GPU presets (their prices unchanged), and measured for the cpu preset by
-autopar/execution/calibrate_forward.py."""
+autopar/execution/calibrate_forward.py; and the skinny-GEMM floor measured with it."""
 from __future__ import annotations
 
 import dataclasses
@@ -70,9 +70,24 @@ def test_asynchronous_host_is_hidden_unless_it_is_the_longer(shape):
     assert big.decode_stages(4, 2, 1, 2048) == pytest.approx([0.042, 0.042], rel=1e-12)
 
 
+def test_skinny_gemm_floor_prices_uncached_weights(shape):
+    cl = autopar.Cluster.preset("dgx-h100")
+    base = Pricer(cl, shape, "bf16")
+    dev = dataclasses.replace(cl.device, skinny_gemm_bandwidth=1e9, skinny_gemm_flops=1e12)
+    p = Pricer(dataclasses.replace(cl, device=dev), shape, "bf16")
+    # [4, 8192] x [8192, 1024] in bf16: 2 (4 x 8192 + 8192 x 1024 + 4 x 1024) bytes at 1 GB/s
+    # + 2 x 4 x 8192 x 1024 FLOPs at 1 TFLOP/s: far above the roofline, so the floor is the price
+    nbytes, flops = 2 * (4 * 8192 + 8192 * 1024 + 4 * 1024), 2 * 4 * 8192 * 1024
+    assert p.gemm(4, 8192, 1024) == pytest.approx(nbytes / 1e9 + flops / 1e12, rel=1e-12)
+    assert base.gemm(4, 8192, 1024) < p.gemm(4, 8192, 1024)
+    # GEMMs of SKINNY_ROWS rows or more keep the GEMM curve
+    assert p.gemm(512, 8192, 1024) == base.gemm(512, 8192, 1024)
+
+
 def test_cpu_preset_carries_a_synchronous_host_figure_and_bad_figures_are_refused():
     d = autopar.Cluster.preset("cpu").device
     assert d.host_synchronous and d.host_layer_overhead > 0 and d.host_forward_overhead >= 0
+    assert d.skinny_gemm_bandwidth > 0 and d.skinny_gemm_flops > 0
     with pytest.raises(ClusterError, match="host_layer_overhead"):
         dataclasses.replace(d, host_layer_overhead=-1e-3)
     with pytest.raises(ClusterError, match="host_forward_overhead"):
@@ -84,3 +99,10 @@ def test_calibration_returns_positive_finite_figures():
     layer, forward = measure_forward_overhead(reps=8)
     assert math.isfinite(layer) and math.isfinite(forward)
     assert 0 < layer < 0.1 and 0 <= forward < 0.1
+
+
+def test_skinny_gemm_calibration_returns_positive_finite_rates():
+    from autopar.execution.calibrate_forward import measure_skinny_gemm
+    bandwidth, rate = measure_skinny_gemm(reps=3)
+    assert math.isfinite(bandwidth) and 1e7 < bandwidth < 1e13
+    assert math.isfinite(rate) and 0 <= rate < 1e14
