@@ -409,12 +409,12 @@ def part_continuous(tmp: Path, requests: int = 32, rate: float = 6.0, tps: str =
     tmp.mkdir(parents=True, exist_ok=True)
     trace = serve_trace(requests, rate)
     st = trace.stats()
-    layer, forward, bw, rate = host_overhead(tmp, host)
+    layer, forward, bw, flops = host_overhead(tmp, host)
     print(f"trace: {requests} Poisson requests at {rate:g}/s over {st['seconds']:.1f} s, prompts 16-64 (p50 "
           f"{st['prompt']['p50']:.0f}), outputs 8-32 (p50 {st['output']['p50']:.0f}); batch_size {batch_size} "
           f"pinned, fp32, calibrated cpu preset (autopar calibrate -n 2 --sweep tiny); host overhead ({host}): "
           f"{layer * 1e3:.2f} ms per layer + {forward * 1e3:.2f} ms per forward, skinny GEMMs {bw / 1e9:.2f} GB/s + "
-          f"{rate / 1e9:.1f} GFLOP/s")
+          f"{flops / 1e9:.1f} GFLOP/s")
     rows = []
     for tp in (int(t) for t in tps.split(",")):
         cluster = _calibrated_cluster(tmp, tp, host)

@@ -12,9 +12,10 @@ costs about as much again. The figures are measured where kernels cost ~nothing:
 a Llama of hidden 16 with 1 and ``LAYERS[1]`` decoder layers, two sequences of a few tokens; the
 slope over layers is the per-layer figure, the intercept the per-forward one.
 
-Each figure is the median of ``reps`` steps' seconds (the first steps, which pay one-time costs,
-dropped): the host work is what the machine's load slows, and the median is what the served steps
-see at the load the calibration ran under. About 1-2 s on one core.
+Each figure is a median over steps (the first steps, which pay one-time costs, dropped) and over
+three rounds: the host work is what the machine's load slows, and the median is what the served
+steps see at the load the calibration ran under. About 2-4 s on one core after the imports
+(transformers' imports and a first forward take 5-15 s more in a fresh process).
 """
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def _engine(n_layer: int, steps: int, rows: int = 2):
     return engine
 
 
-def _step_seconds(reps: int) -> list[float]:
-    """Median seconds of a decode step of each model of ``LAYERS``, their steps interleaved (both
-    see the same load)."""
+def _step_seconds(reps: int) -> list[list[float]]:
+    """Seconds of each of ``reps`` decode steps of each model of ``LAYERS``, their steps
+    interleaved (both see the same load)."""
     import torch
 
     engines = [_engine(n, WARMUP + reps) for n in LAYERS]
@@ -53,22 +54,30 @@ def _step_seconds(reps: int) -> list[float]:
                 engine.step()
                 if k >= WARMUP:
                     out.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return times
 
 
-def measure_forward_overhead(reps: int = 30) -> tuple[float, float]:
+def measure_forward_overhead(reps: int = 30, rounds: int = 3) -> tuple[float, float]:
     """(per_layer, per_forward) seconds of host work in one decode step of the engine (module
-    doc); both floored at 0 (noise can make the intercept negative), the per-layer figure > 0."""
+    doc): per round, the slope is the median over steps of (the ``LAYERS[1]``-layer step - the
+    1-layer step taken next to it) / the layers between, the intercept the 1-layer steps' median
+    less one layer; the median over ``rounds`` rounds of each (a step preempted by another process
+    moves one round's figures, not the result). The per-layer figure is floored at 1 ns and the
+    per-forward one at 0 (noise can make the intercept negative)."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # as the server runs (serve_process: OMP_NUM_THREADS=1)
+    slopes, intercepts = [], []
     try:
-        few, many = _step_seconds(reps)
+        for _ in range(rounds):
+            few, many = _step_seconds(reps)
+            slope = statistics.median(b - a for a, b in zip(few, many)) / (LAYERS[1] - LAYERS[0])
+            slopes.append(slope)
+            intercepts.append(statistics.median(few) - LAYERS[0] * slope)
     finally:
         torch.set_num_threads(threads)
-    per_layer = max((many - few) / (LAYERS[1] - LAYERS[0]), 1e-9)
-    return per_layer, max(few - LAYERS[0] * per_layer, 0.0)
+    return max(statistics.median(slopes), 1e-9), max(statistics.median(intercepts), 0.0)
 
 
 SKINNY = dict(k=256, n=1024, count=32, rows=(1, 16))   # 32 weights of 1 MiB (fp32): past the caches

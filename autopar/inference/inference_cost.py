@@ -61,7 +61,10 @@ asynchronously and the host runs ahead of them, so a stage takes max(host, kerne
 model of launch-bound steps. The cpu preset's figures are measured on this machine
 (autopar/execution/calibrate_forward.py: a tiny Llama's decode steps in the iteration engine,
 where kernels cost ~nothing); the GPU presets' are 0 (no source measured them for Hugging Face's
-modules on those GPUs; at 0 their prices are what they were).
+modules on those GPUs; at 0 their prices are what they were). With them the cpu preset gives a
+floor under skinny GEMMs (``skinny_gemm_bandwidth`` / ``skinny_gemm_flops``, ``Pricer.gemm``):
+a decode step's projections read weights that are not in cache, at a few GB/s on this machine,
+where the memory-bound table (an elementwise add over one hot buffer) says ~30.
 """
 from __future__ import annotations
 
