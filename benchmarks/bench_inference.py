@@ -37,7 +37,7 @@
   trace replayed over loopback at its arrival times (``replay``); the measured TTFT and TPOT
   percentiles (each answer's ``timing``) next to the simulation's for the same trace and plan.
   The plans are priced with the host's Python overhead per decoder layer and per forward and the
-  rate of skinny GEMMs over uncached weights measured first (``--host-overhead``,
+  rate of skinny GEMMs over uncached weights measured right before each plan (``--host-overhead``,
   autopar/execution/calibrate_forward.py); ``--batchings``: the policies.
 """
 from __future__ import annotations
@@ -357,10 +357,12 @@ def measured_percentiles(answers: list[dict]) -> dict:
             "tpot": pct([a["tpot_s"] for a in answers if a["tpot_s"] is not None])}
 
 
-def host_overhead(tmp: Path, how: str = "measure") -> tuple[float, float, float, float]:
+def host_overhead(tmp: Path, how: str = "measure", tag: str = "") -> tuple[float, float, float, float]:
     """(seconds per layer, per forward, skinny-GEMM bytes/s, FLOP/s) the served plans are priced
-    with: measured here once (autopar/execution/calibrate_forward.py, kept in ``tmp``/host.json),
-    the cpu preset's figures, or none (``off``: the prices before these terms)."""
+    with: measured here (autopar/execution/calibrate_forward.py), once per ``tag`` (kept in
+    ``tmp``/host{tag}.json), the cpu preset's figures, or none (``off``: the prices before these
+    terms). These figures move with the machine's load (2-4x between load 1 and 5 here), so
+    ``part_continuous`` measures them right before it plans each served configuration."""
     import json
 
     from autopar.cluster_presets import CPU_HOST_OVERHEAD, CPU_SKINNY_GEMM
@@ -369,13 +371,13 @@ def host_overhead(tmp: Path, how: str = "measure") -> tuple[float, float, float,
         return 0.0, 0.0, 0.0, 0.0
     if how == "preset":
         return (*CPU_HOST_OVERHEAD, *CPU_SKINNY_GEMM)
-    path = tmp / "host.json"
+    path = tmp / f"host{tag}.json"
     if not path.exists():
         path.write_text(json.dumps([*measure_forward_overhead(), *measure_skinny_gemm()]))
     return tuple(json.loads(path.read_text()))
 
 
-def _calibrated_cluster(tmp: Path, devices: int, host: str = "measure"):
+def _calibrated_cluster(tmp: Path, devices: int, host: str = "measure", tag: str = ""):
     import dataclasses
     cal = tmp / "cal.yaml"
     if not cal.exists():
@@ -384,7 +386,7 @@ def _calibrated_cluster(tmp: Path, devices: int, host: str = "measure"):
                         "3", "-o", str(cal)], env=env, cwd=ROOT, check=True, capture_output=True)
     (tmp / f"cpu{devices}.yaml").write_text(f"preset: cpu\ndevices: {devices}\ncalibration: {cal}\n")
     cluster = autopar.Cluster.from_yaml(tmp / f"cpu{devices}.yaml")
-    layer, forward, bw, rate = host_overhead(tmp, host)   # (a cluster file does not carry these figures)
+    layer, forward, bw, rate = host_overhead(tmp, host, tag)   # (a cluster file does not carry these figures)
     return dataclasses.replace(cluster, device=dataclasses.replace(
         cluster.device, host_layer_overhead=layer, host_forward_overhead=forward, host_synchronous=True,
         skinny_gemm_bandwidth=bw, skinny_gemm_flops=rate))
@@ -409,16 +411,17 @@ def part_continuous(tmp: Path, requests: int = 32, rate: float = 6.0, tps: str =
     tmp.mkdir(parents=True, exist_ok=True)
     trace = serve_trace(requests, rate)
     st = trace.stats()
-    layer, forward, bw, flops = host_overhead(tmp, host)
     print(f"trace: {requests} Poisson requests at {rate:g}/s over {st['seconds']:.1f} s, prompts 16-64 (p50 "
           f"{st['prompt']['p50']:.0f}), outputs 8-32 (p50 {st['output']['p50']:.0f}); batch_size {batch_size} "
-          f"pinned, fp32, calibrated cpu preset (autopar calibrate -n 2 --sweep tiny); host overhead ({host}): "
-          f"{layer * 1e3:.2f} ms per layer + {forward * 1e3:.2f} ms per forward, skinny GEMMs {bw / 1e9:.2f} GB/s + "
-          f"{flops / 1e9:.1f} GFLOP/s")
+          f"pinned, fp32, calibrated cpu preset (autopar calibrate -n 2 --sweep tiny); host figures: {host}")
     rows = []
     for tp in (int(t) for t in tps.split(",")):
-        cluster = _calibrated_cluster(tmp, tp, host)
         for batching in batchings.split(","):
+            cluster = _calibrated_cluster(tmp, tp, host, f"_{batching}_tp{tp}")
+            d = cluster.device
+            print(f"tp={tp} {batching}: host {d.host_layer_overhead * 1e3:.2f} ms per layer + "
+                  f"{d.host_forward_overhead * 1e3:.2f} ms per forward, skinny GEMMs "
+                  f"{d.skinny_gemm_bandwidth / 1e9:.2f} GB/s + {d.skinny_gemm_flops / 1e9:.1f} GFLOP/s", flush=True)
             plan = plan_for_trace(trace, tp, batching, batch_size, cluster)
             t0 = time.perf_counter()
             answers = serve_and_replay(plan, tmp / f"plan_{batching}_tp{tp}.json", trace, tp)
