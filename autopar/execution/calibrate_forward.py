@@ -7,10 +7,11 @@ pricer puts under a decode step's projections on a CPU.
 A tiny model's decode step is not spent in its kernels: each decoder layer runs a dozen Python
 modules (norms, projections, rotary, attention, the cache update), each a few torch dispatches,
 and the step around them (the model's own set-up, the mask, the LM head, the engine's sampling)
-costs about as much again. The figures are measured where kernels cost ~nothing: an
-``IterationEngine`` decode step (what the server runs, autopar/inference/iteration_engine.py) of
-a Llama of hidden 16 with 1 and ``LAYERS[1]`` decoder layers, two sequences of a few tokens; the
-slope over layers is the per-layer figure, the intercept the per-forward one.
+costs about as much again. The figures are measured where kernels cost ~nothing: the iteration
+engine's decode step (what the server runs, autopar/inference/iteration_engine.py ``_decode``,
+reproduced by ``_Decoder``) of a Llama of hidden 16 with 1 and ``LAYERS[1]`` decoder layers, two
+sequences of a few tokens; the slope over layers is the per-layer figure, the intercept the
+per-forward one.
 
 Each figure is a median over steps (the first steps, which pay one-time costs, dropped) and over
 three rounds: the host work is what the machine's load slows, and the median is what the served
@@ -28,16 +29,41 @@ TINY = dict(d_model=16, n_head=2, n_kv_heads=1, ffn_hidden=32, vocab=32)
 WARMUP = 5
 
 
-def _engine(n_layer: int, steps: int, rows: int = 2):
-    from autopar.inference.iteration_engine import IterationEngine
-    from autopar.models.hf import hf_llama
+class _Decoder:
+    """The iteration engine's decode step (autopar/inference/iteration_engine.py ``_decode``:
+    each row's last token, the attention mask grown by a column, per-row positions, a batched
+    ``DynamicCache``, each row's next token taken greedily) on a tiny Llama of ``n_layer`` layers,
+    ``rows`` prompts of 8 tokens prefilled together. Written here, not imported: calibration sits
+    below the inference package (docs/architecture.md, "Package imports")."""
 
-    model = hf_llama(n_layer=n_layer, seq=8 + steps + 2, **TINY)[0].eval()
-    engine = IterationEngine(model, slots=rows, prompt_len=8, max_new_tokens=steps + 1)
-    for r in range(rows):
-        engine.add([1 + (r + k) % (TINY["vocab"] - 1) for k in range(8)], steps + 1)
-    engine.step()   # admissions: the prefills, then the first decode step
-    return engine
+    def __init__(self, n_layer: int, steps: int, rows: int = 2):
+        import torch
+        from transformers import DynamicCache
+
+        from autopar.models.hf import hf_llama
+
+        self.model = hf_llama(n_layer=n_layer, seq=8 + steps + 2, **TINY)[0].model.eval()
+        ids = torch.tensor([[1 + (r + k) % (TINY["vocab"] - 1) for k in range(8)] for r in range(rows)])
+        self.mask = torch.ones_like(ids)
+        self.cache = DynamicCache()
+        logits = self._forward(input_ids=ids, attention_mask=self.mask)
+        self.tokens = [int(logits[r, -1].argmax(-1)) for r in range(rows)]
+
+    def _forward(self, **inputs):
+        try:
+            return self.model(**inputs, cache=self.cache, use_cache=True).logits
+        except TypeError:   # transformers before the ``cache`` argument
+            return self.model(**inputs, past_key_values=self.cache, use_cache=True).logits
+
+    def step(self) -> None:
+        import torch
+        rows, width = self.mask.shape
+        ids = torch.tensor([[t] for t in self.tokens], dtype=torch.long)
+        lengths = self.mask.sum(-1)
+        self.mask = torch.cat([self.mask, self.mask.new_ones(rows, 1)], dim=1)
+        logits = self._forward(input_ids=ids, attention_mask=self.mask, position_ids=lengths[:, None],
+                               cache_position=torch.tensor([width]))[:, -1]
+        self.tokens = [int(logits[r].float().argmax(-1)) for r in range(rows)]
 
 
 def _step_seconds(reps: int) -> list[list[float]]:
@@ -45,7 +71,8 @@ def _step_seconds(reps: int) -> list[list[float]]:
     interleaved (both see the same load)."""
     import torch
 
-    engines = [_engine(n, WARMUP + reps) for n in LAYERS]
+    with torch.inference_mode():
+        engines = [_Decoder(n, WARMUP + reps) for n in LAYERS]
     times = [[] for _ in engines]
     with torch.inference_mode():
         for k in range(WARMUP + reps):
@@ -121,7 +148,8 @@ def measure_skinny_gemm(reps: int = 9) -> tuple[float, float]:
 
 
 if __name__ == "__main__":
-    import autopar.inference.iteration_engine  # noqa: F401  (imports outside the timing)
+    import transformers  # noqa: F401  (imports outside the timing)
+
     import autopar.models.hf  # noqa: F401
     t0 = time.perf_counter()
     layer, forward = measure_forward_overhead()
