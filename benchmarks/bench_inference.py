@@ -386,10 +386,9 @@ def _calibrated_cluster(tmp: Path, devices: int, host: str = "measure", tag: str
                         "3", "-o", str(cal)], env=env, cwd=ROOT, check=True, capture_output=True)
     (tmp / f"cpu{devices}.yaml").write_text(f"preset: cpu\ndevices: {devices}\ncalibration: {cal}\n")
     cluster = autopar.Cluster.from_yaml(tmp / f"cpu{devices}.yaml")
+    from autopar.cluster_presets import cpu_host_device
     layer, forward, bw, rate = host_overhead(tmp, host, tag)   # (a cluster file does not carry these figures)
-    return dataclasses.replace(cluster, device=dataclasses.replace(
-        cluster.device, host_layer_overhead=layer, host_forward_overhead=forward, host_synchronous=True,
-        skinny_gemm_bandwidth=bw, skinny_gemm_flops=rate))
+    return dataclasses.replace(cluster, device=cpu_host_device(cluster.device, (layer, forward), (bw, rate)))
 
 
 def serve_and_replay(plan, path: Path, trace, devices: int) -> list[dict]:

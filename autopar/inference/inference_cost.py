@@ -58,11 +58,11 @@ them: ``host_layer_overhead`` x the stage's decoder layers + ``host_forward_over
 device's figures, autopar/hardware.py). On a CPU (``host_synchronous``) one thread runs both the
 Python and the kernels, so the host's time adds to the kernels'; on a GPU the kernels launch
 asynchronously and the host runs ahead of them, so a stage takes max(host, kernels), the usual
-model of launch-bound steps. The cpu preset's figures are measured on this machine
-(autopar/execution/calibrate_forward.py: a tiny Llama's decode steps in the iteration engine,
-where kernels cost ~nothing); the GPU presets' are 0 (no source measured them for Hugging Face's
-modules on those GPUs; at 0 their prices are what they were). With them the cpu preset gives a
-floor under skinny GEMMs (``skinny_gemm_bandwidth`` / ``skinny_gemm_flops``, ``Pricer.gemm``):
+model of launch-bound steps. The figures default to 0 (every preset's prices are what they
+were: no source measured Hugging Face's modules' host time on the GPUs, and a cluster file does not
+carry the fields yet); ``cluster_presets.cpu_host_device`` sets a CPU's, measured on this machine
+by autopar/execution/calibrate_forward.py (a tiny Llama's decode steps as the iteration engine
+runs them, where kernels cost ~nothing). With them it sets a floor under skinny GEMMs (``skinny_gemm_bandwidth`` / ``skinny_gemm_flops``, ``Pricer.gemm``):
 a decode step's projections read weights that are not in cache, at a few GB/s on this machine,
 where the memory-bound table (an elementwise add over one hot buffer) says ~30.
 """

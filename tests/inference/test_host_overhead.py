@@ -84,10 +84,13 @@ def test_skinny_gemm_floor_prices_uncached_weights(shape):
     assert p.gemm(512, 8192, 1024) == base.gemm(512, 8192, 1024)
 
 
-def test_cpu_preset_carries_a_synchronous_host_figure_and_bad_figures_are_refused():
-    d = autopar.Cluster.preset("cpu").device
-    assert d.host_synchronous and d.host_layer_overhead > 0 and d.host_forward_overhead >= 0
-    assert d.skinny_gemm_bandwidth > 0 and d.skinny_gemm_flops > 0
+def test_cpu_figures_are_measured_constants_and_bad_figures_are_refused():
+    from autopar.cluster_presets import CPU_HOST_OVERHEAD, CPU_SKINNY_GEMM, cpu_host_device
+    plain = autopar.Cluster.preset("cpu").device   # a preset equals its YAML round trip: no figures yet
+    assert (plain.host_layer_overhead, plain.skinny_gemm_bandwidth, plain.host_synchronous) == (0, 0, False)
+    d = cpu_host_device(plain)
+    assert d.host_synchronous and (d.host_layer_overhead, d.host_forward_overhead) == CPU_HOST_OVERHEAD
+    assert (d.skinny_gemm_bandwidth, d.skinny_gemm_flops) == CPU_SKINNY_GEMM and min(CPU_SKINNY_GEMM) > 0
     with pytest.raises(ClusterError, match="host_layer_overhead"):
         dataclasses.replace(d, host_layer_overhead=-1e-3)
     with pytest.raises(ClusterError, match="host_forward_overhead"):
