@@ -62,9 +62,10 @@ model of launch-bound steps. The figures default to 0 (every preset's prices are
 were: no source measured Hugging Face's modules' host time on the GPUs, and a cluster file does not
 carry the fields yet); ``cluster_presets.cpu_host_device`` sets a CPU's, measured on this machine
 by autopar/execution/calibrate_forward.py (a tiny Llama's decode steps as the iteration engine
-runs them, where kernels cost ~nothing). With them it sets a floor under skinny GEMMs (``skinny_gemm_bandwidth`` / ``skinny_gemm_flops``, ``Pricer.gemm``):
-a decode step's projections read weights that are not in cache, at a few GB/s on this machine,
-where the memory-bound table (an elementwise add over one hot buffer) says ~30.
+runs them, where kernels cost ~nothing). With them it sets a floor under skinny GEMMs
+(``skinny_gemm_bandwidth`` / ``skinny_gemm_flops``, ``Pricer.gemm``): a decode step's projections
+read weights that are not in cache, at a few GB/s on this machine, where the memory-bound table
+(an elementwise add over one hot buffer) says ~30.
 """
 from __future__ import annotations
 
