@@ -7,6 +7,7 @@ builds the cluster, and a YAML file's ``preset:`` starts from the same fields. T
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 
 from autopar.errors import ClusterError
@@ -56,6 +57,22 @@ def _dgx(name: str, device: Device, intra: Link, inter: Link, host: tuple = None
     return make
 
 
+# autopar/execution/calibrate_forward.py on the 2-core machine of facts.md, 2026-11-29 (medians,
+# one thread): the engine's decode step, per decoder layer and per forward (seconds), 0.62 / 1.05
+# ms at load ~1 (0.8-2.5 ms per layer at load 4-6: the host's work is what load slows); skinny
+# GEMMs over 32 MiB of uncached fp32 weights, 2.4-3.3 GB/s + 9-13 GFLOP/s at load ~4-5.
+CPU_HOST_OVERHEAD = (0.65e-3, 1.1e-3)
+CPU_SKINNY_GEMM = (2.5e9, 12e9)
+
+
+def cpu_host_device(device: Device, host=CPU_HOST_OVERHEAD, skinny=CPU_SKINNY_GEMM) -> Device:
+    """``device`` with a CPU's host overhead ((per layer, per forward) seconds, added to the
+    kernels: synchronous) and skinny-GEMM floor ((bytes/s, FLOP/s)) for the inference pricer;
+    by default this machine's figures above."""
+    return dataclasses.replace(device, host_layer_overhead=host[0], host_forward_overhead=host[1],
+                               host_synchronous=True, skinny_gemm_bandwidth=skinny[0], skinny_gemm_flops=skinny[1])
+
+
 def _cpu(nodes: int, devices: int | None) -> dict:
     _check_count("nodes", nodes, "cpu")
     if nodes != 1:
@@ -67,6 +84,9 @@ def _cpu(nodes: int, devices: int | None) -> dict:
     # ~50 GFLOP/s per process for any dtype, 4 GiB per process, ~10 GB/s memory bandwidth.
     # Link: facts.md measured a 4 MB gloo all_reduce at 5 ms on 2 processes (2 shared cores),
     # i.e. ~1 GB/s effective; latency ~50 µs per ring step.
+    # The device's host-overhead and skinny-GEMM fields (inference pricing only) stay at their
+    # defaults here: a cluster file does not carry them yet (cluster_schema.py), and a preset must
+    # equal its YAML round trip. cpu_host_device() sets CPU_HOST_OVERHEAD / CPU_SKINNY_GEMM.
     device = Device("cpu", FrozenMap({"bf16": 50e9, "fp16": 50e9, "fp32": 50e9}), 4 * 2**30, 10e9,
                     kernel_overhead=1e-6)
     link = Link(1e9, 5e-5)

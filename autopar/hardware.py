@@ -68,12 +68,28 @@ class FrozenMap(Mapping):
 @dataclass(frozen=True)
 class Device:
     """One accelerator. ``peak_flops`` maps "bf16"/"fp16"/"fp32" to dense FLOP/s (fp32 means
-    what an fp32 matmul reaches, i.e. TF32 tensor cores on Ampere/Hopper)."""
+    what an fp32 matmul reaches, i.e. TF32 tensor cores on Ampere/Hopper).
+
+    ``host_layer_overhead`` / ``host_forward_overhead``: seconds of host (Python, dispatch) work
+    of one forward of a Hugging Face decoder, per decoder layer and per forward, that the
+    inference pricer adds to each iteration (autopar/inference/inference_cost.py, "Host
+    overhead"); ``host_synchronous``: whether that work adds to the kernels' time (a CPU runs
+    them in the same thread) rather than hiding behind it (a GPU's kernels launch
+    asynchronously: max(host, kernels)). 0 and asynchronous by default: unchanged prices.
+    ``skinny_gemm_bandwidth`` (bytes/s) / ``skinny_gemm_flops`` (FLOP/s): what a pass of GEMMs of
+    few rows over weights that are not in cache reaches (a decode step's projections on a CPU:
+    t = bytes / bandwidth + FLOPs / rate), a floor under the inference pricer's roofline for
+    GEMMs of fewer than 256 rows; 0 (default): not measured, no floor."""
     name: str
     peak_flops: FrozenMap
     memory_bytes: int
     hbm_bandwidth: float
     kernel_overhead: float = DEFAULT_KERNEL_OVERHEAD
+    host_layer_overhead: float = 0.0
+    host_forward_overhead: float = 0.0
+    host_synchronous: bool = False
+    skinny_gemm_bandwidth: float = 0.0
+    skinny_gemm_flops: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.peak_flops, FrozenMap):
@@ -88,6 +104,10 @@ class Device:
         if not (isinstance(self.kernel_overhead, (int, float)) and self.kernel_overhead >= 0):
             raise ClusterError(f"device {self.name!r}: kernel_overhead = {self.kernel_overhead!r}; "
                                "expected seconds >= 0")
+        for what in ("host_layer_overhead", "host_forward_overhead", "skinny_gemm_bandwidth", "skinny_gemm_flops"):
+            v = getattr(self, what)
+            if not (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                raise ClusterError(f"device {self.name!r}: {what} = {v!r}; expected a finite number >= 0")
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype``; a ClusterError names the known dtypes otherwise."""

@@ -36,6 +36,9 @@
   tp=1 on one process and tp=2 on 2 gloo ranks), each plan served by ``autopar serve`` and the
   trace replayed over loopback at its arrival times (``replay``); the measured TTFT and TPOT
   percentiles (each answer's ``timing``) next to the simulation's for the same trace and plan.
+  The plans are priced with the host's Python overhead per decoder layer and per forward and the
+  rate of skinny GEMMs over uncached weights measured right before each plan (``--host-overhead``,
+  autopar/execution/calibrate_forward.py); ``--batchings``: the policies.
 """
 from __future__ import annotations
 
@@ -354,14 +357,38 @@ def measured_percentiles(answers: list[dict]) -> dict:
             "tpot": pct([a["tpot_s"] for a in answers if a["tpot_s"] is not None])}
 
 
-def _calibrated_cluster(tmp: Path, devices: int):
+def host_overhead(tmp: Path, how: str = "measure", tag: str = "") -> tuple[float, float, float, float]:
+    """(seconds per layer, per forward, skinny-GEMM bytes/s, FLOP/s) the served plans are priced
+    with: measured here (autopar/execution/calibrate_forward.py), once per ``tag`` (kept in
+    ``tmp``/host{tag}.json), the cpu preset's figures, or none (``off``: the prices before these
+    terms). These figures move with the machine's load (2-4x between load 1 and 5 here), so
+    ``part_continuous`` measures them right before it plans each served configuration."""
+    import json
+
+    from autopar.cluster_presets import CPU_HOST_OVERHEAD, CPU_SKINNY_GEMM
+    from autopar.execution.calibrate_forward import measure_forward_overhead, measure_skinny_gemm
+    if how == "off":
+        return 0.0, 0.0, 0.0, 0.0
+    if how == "preset":
+        return (*CPU_HOST_OVERHEAD, *CPU_SKINNY_GEMM)
+    path = tmp / f"host{tag}.json"
+    if not path.exists():
+        path.write_text(json.dumps([*measure_forward_overhead(), *measure_skinny_gemm()]))
+    return tuple(json.loads(path.read_text()))
+
+
+def _calibrated_cluster(tmp: Path, devices: int, host: str = "measure", tag: str = ""):
+    import dataclasses
     cal = tmp / "cal.yaml"
     if not cal.exists():
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         subprocess.run([sys.executable, "-m", "autopar.cli", "calibrate", "-n", "2", "--sweep", "tiny", "--repeats",
                         "3", "-o", str(cal)], env=env, cwd=ROOT, check=True, capture_output=True)
     (tmp / f"cpu{devices}.yaml").write_text(f"preset: cpu\ndevices: {devices}\ncalibration: {cal}\n")
-    return autopar.Cluster.from_yaml(tmp / f"cpu{devices}.yaml")
+    cluster = autopar.Cluster.from_yaml(tmp / f"cpu{devices}.yaml")
+    from autopar.cluster_presets import cpu_host_device
+    layer, forward, bw, rate = host_overhead(tmp, host, tag)   # (a cluster file does not carry these figures)
+    return dataclasses.replace(cluster, device=cpu_host_device(cluster.device, (layer, forward), (bw, rate)))
 
 
 def serve_and_replay(plan, path: Path, trace, devices: int) -> list[dict]:
@@ -376,7 +403,8 @@ def serve_and_replay(plan, path: Path, trace, devices: int) -> list[dict]:
         return replay(url, trace)
 
 
-def part_continuous(tmp: Path, requests: int = 32, rate: float = 6.0, tps: str = "1,2", batch_size: int = 4):
+def part_continuous(tmp: Path, requests: int = 32, rate: float = 6.0, tps: str = "1,2", batch_size: int = 4,
+                    host: str = "measure", batchings: str = "continuous,static"):
     """``continuous`` (module doc): per tp, the continuous and the static plan of one trace served and
     replayed; measured percentiles against the plan's simulation of the same trace."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -384,11 +412,15 @@ def part_continuous(tmp: Path, requests: int = 32, rate: float = 6.0, tps: str =
     st = trace.stats()
     print(f"trace: {requests} Poisson requests at {rate:g}/s over {st['seconds']:.1f} s, prompts 16-64 (p50 "
           f"{st['prompt']['p50']:.0f}), outputs 8-32 (p50 {st['output']['p50']:.0f}); batch_size {batch_size} "
-          f"pinned, fp32, calibrated cpu preset (autopar calibrate -n 2 --sweep tiny)")
+          f"pinned, fp32, calibrated cpu preset (autopar calibrate -n 2 --sweep tiny); host figures: {host}")
     rows = []
     for tp in (int(t) for t in tps.split(",")):
-        cluster = _calibrated_cluster(tmp, tp)
-        for batching in ("continuous", "static"):
+        for batching in batchings.split(","):
+            cluster = _calibrated_cluster(tmp, tp, host, f"_{batching}_tp{tp}")
+            d = cluster.device
+            print(f"tp={tp} {batching}: host {d.host_layer_overhead * 1e3:.2f} ms per layer + "
+                  f"{d.host_forward_overhead * 1e3:.2f} ms per forward, skinny GEMMs "
+                  f"{d.skinny_gemm_bandwidth / 1e9:.2f} GB/s + {d.skinny_gemm_flops / 1e9:.1f} GFLOP/s", flush=True)
             plan = plan_for_trace(trace, tp, batching, batch_size, cluster)
             t0 = time.perf_counter()
             answers = serve_and_replay(plan, tmp / f"plan_{batching}_tp{tp}.json", trace, tp)
@@ -423,6 +455,10 @@ def main():
     ap.add_argument("--requests", type=int, default=32, help="--part continuous: requests in the trace")
     ap.add_argument("--rate", type=float, default=6.0, help="--part continuous: Poisson arrivals per second")
     ap.add_argument("--tps", default="1,2", help="--part continuous: the tp degrees served (1: one process)")
+    ap.add_argument("--batchings", default="continuous,static", help="--part continuous: the policies served")
+    ap.add_argument("--host-overhead", choices=("measure", "preset", "off"), default="measure",
+                    help="--part continuous: the host figures the plans are priced with (measure: "
+                         "calibrate_forward.py here, once per --tmp; preset: the cpu preset's; off: none)")
     args = ap.parse_args()
     if args.part in ("plans", "all"):
         part_plans()
@@ -434,7 +470,8 @@ def main():
     if args.part in ("serve", "all"):
         part_serve(Path(args.tmp))
     if args.part in ("continuous", "all"):
-        part_continuous(Path(args.tmp), args.requests, args.rate, args.tps)
+        part_continuous(Path(args.tmp), args.requests, args.rate, args.tps, host=args.host_overhead,
+                        batchings=args.batchings)
 
 
 if __name__ == "__main__":

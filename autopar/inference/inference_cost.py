@@ -51,6 +51,21 @@ mean context, as ``decode`` prices it; the memory-bound passes and the two all-r
 [T, H]; the LM head runs on one position per chunk and per decode; the stage hop sends [T, H]. A
 single chunk of a whole prompt with no decodes is ``prefill(1, prompt)``, no chunk at all is
 ``decode(decodes, context)``: the same terms.
+
+**Host overhead** (``Pricer.host``): each stage of each iteration (a prefill, a decode step, a
+mixed iteration) is one forward of the model's modules, and the host runs Python for each of
+them: ``host_layer_overhead`` x the stage's decoder layers + ``host_forward_overhead`` (the
+device's figures, autopar/hardware.py). On a CPU (``host_synchronous``) one thread runs both the
+Python and the kernels, so the host's time adds to the kernels'; on a GPU the kernels launch
+asynchronously and the host runs ahead of them, so a stage takes max(host, kernels), the usual
+model of launch-bound steps. The figures default to 0 (every preset's prices are what they
+were: no source measured Hugging Face's modules' host time on the GPUs, and a cluster file does not
+carry the fields yet); ``cluster_presets.cpu_host_device`` sets a CPU's, measured on this machine
+by autopar/execution/calibrate_forward.py (a tiny Llama's decode steps as the iteration engine
+runs them, where kernels cost ~nothing). With them it sets a floor under skinny GEMMs
+(``skinny_gemm_bandwidth`` / ``skinny_gemm_flops``, ``Pricer.gemm``): a decode step's projections
+read weights that are not in cache, at a few GB/s on this machine, where the memory-bound table
+(an elementwise add over one hot buffer) says ~30.
 """
 from __future__ import annotations
 
@@ -122,14 +137,21 @@ class Pricer:
         """A [rows, k] x [k, n] GEMM. Skinny ones (decode: rows < ``SKINNY_ROWS``) at the roofline:
         their weight's bytes at the memory-bound rate, or their FLOPs at the GEMM curve's best rate
         (the curve's low-intensity end was measured on small square GEMMs, which latency bounds, and
-        prices a GEMV over a large weight several times slower than HBM streams it)."""
+        prices a GEMV over a large weight several times slower than HBM streams it); at least
+        bytes / ``skinny_gemm_bandwidth`` + FLOPs / ``skinny_gemm_flops`` where the device gives
+        them (a CPU's measured pass over uncached weights, autopar/execution/calibrate_forward.py:
+        the memory-bound table, timed on one hot buffer, prices it several times too fast)."""
         if rows <= 0 or k <= 0 or n <= 0:
             return 0.0
         flops = 2.0 * rows * k * n
         nbytes = self.b * (rows * k + k * n + rows * n)
         if rows < SKINNY_ROWS:
             best = max(r for _, r in self.cal.gemm) if self.cal is not None else self.device.peak(self.dtype)
-            return max(self.memory_bound(nbytes), flops / best + self.device.kernel_overhead)
+            t = max(self.memory_bound(nbytes), flops / best + self.device.kernel_overhead)
+            bw, rate = self.device.skinny_gemm_bandwidth, self.device.skinny_gemm_flops
+            if bw > 0:   # the device's measured floor for skinny GEMMs over uncached weights
+                t = max(t, nbytes / bw + (flops / rate if rate > 0 else 0.0))
+            return t
         ai = gemm_intensity({"m": rows, "k": k, "n": n}, ["mk", "kn", "mn"], self.b)
         return compute_time(flops, nbytes, self.dtype, self.device, intensity=ai, calibration=self.cal)
 
@@ -229,12 +251,23 @@ class Pricer:
             memo[hkey] = self.head(decodes + len(chunks), tp)
         return self._stage_times(pp, layer, memo[hkey], hop)
 
+    def host(self, layers: int) -> float:
+        """Host (Python, dispatch) seconds of one stage's forward over ``layers`` decoder layers
+        (module doc, "Host overhead"): the device's per-layer figure x layers + its per-forward one."""
+        return layers * self.device.host_layer_overhead + self.device.host_forward_overhead
+
     def _stage_times(self, pp: int, layer: float, head: float, hop: float) -> list[float]:
         """Each stage's busy time for one batch: its layers, the LM head on the last stage, the
-        send to the next stage on the others; their sum is the batch's pass."""
+        send to the next stage on the others; their sum is the batch's pass. With the host's
+        work of the stage's forward (``host``): added (a synchronous device), or the larger of
+        the two (kernels launched asynchronously, the host running ahead)."""
         last = pp - 1
-        return [(end - start) * layer + (head if k == last else hop)
-                for k, (start, end) in enumerate(stage_layers(self.m.layers, pp))]
+        out = []
+        for k, (start, end) in enumerate(stage_layers(self.m.layers, pp)):
+            kernels = (end - start) * layer + (head if k == last else hop)
+            host = self.host(end - start)
+            out.append(kernels + host if self.device.host_synchronous else max(kernels, host))
+        return out
 
     def prefill_stages(self, tp: int, pp: int, batch: int, prompt: int) -> list[float]:
         m = self.m
