@@ -84,11 +84,9 @@ def _cpu(nodes: int, devices: int | None) -> dict:
     # ~50 GFLOP/s per process for any dtype, 4 GiB per process, ~10 GB/s memory bandwidth.
     # Link: facts.md measured a 4 MB gloo all_reduce at 5 ms on 2 processes (2 shared cores),
     # i.e. ~1 GB/s effective; latency ~50 µs per ring step.
-    # The device's host-overhead and skinny-GEMM fields (inference pricing only) stay at their
-    # defaults here: a cluster file does not carry them yet (cluster_schema.py), and a preset must
-    # equal its YAML round trip. cpu_host_device() sets CPU_HOST_OVERHEAD / CPU_SKINNY_GEMM.
-    device = Device("cpu", FrozenMap({"bf16": 50e9, "fp16": 50e9, "fp32": 50e9}), 4 * 2**30, 10e9,
-                    kernel_overhead=1e-6)
+    # The inference pricer's host overhead and skinny-GEMM floor: this machine's (above).
+    device = cpu_host_device(Device("cpu", FrozenMap({"bf16": 50e9, "fp16": 50e9, "fp32": 50e9}), 4 * 2**30, 10e9,
+                                    kernel_overhead=1e-6))
     link = Link(1e9, 5e-5)
     # Host: the same machine's memory (16 GiB assumed for the node) and its ~10 GB/s memory
     # bandwidth, both for "copies" between the two pools and for the CPU optimizer step. NVMe:

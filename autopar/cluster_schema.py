@@ -20,6 +20,9 @@ YAML cluster file (``examples/cluster.yaml`` is a complete, commented example)::
         fp32: 156T
       hbm_bandwidth: 2039GB/s   # device memory bandwidth
       kernel_overhead: 5us      # optional: fixed cost of one kernel launch (default 5us)
+      # optional, inference pricing only (hardware.Device; `cpu` preset: calibrate_forward.py):
+      # host_layer_overhead: 0.65ms   host_forward_overhead: 1.1ms   host_synchronous: true
+      # skinny_gemm_bandwidth: 2.5GB/s   skinny_gemm_flops: 12G
     links:
       intra: {bandwidth: 230GB/s, latency: 5us}    # effective (bus) bandwidth per device
       inter: {bandwidth: 200Gb/s, latency: 10us}   # optional when nodes == 1 (then = intra)
@@ -61,7 +64,9 @@ _TOP = ("name", "preset", "nodes", "devices_per_node", "devices", "backend", "de
         "nvme")
 _HOST = ("memory", "copy_bandwidth", "cpu_bandwidth")
 _NVME = ("capacity", "read_bandwidth", "write_bandwidth")
-_DEVICE = ("name", "memory", "peak_flops", "hbm_bandwidth", "kernel_overhead")
+_HOST_PRICES = {"host_layer_overhead": "time", "host_forward_overhead": "time", "skinny_gemm_bandwidth": "bandwidth",
+                "skinny_gemm_flops": "flops"}   # Device fields for the inference pricer, 0 by default
+_DEVICE = ("name", "memory", "peak_flops", "hbm_bandwidth", "kernel_overhead", *_HOST_PRICES, "host_synchronous")
 _LINKS = ("intra", "inter")
 _LINK = ("bandwidth", "latency")
 
@@ -114,6 +119,12 @@ class _Reader:
         if not isinstance(value, str) or not value.strip():
             raise self.fail(path, f"got {_show(value)}; expected a non-empty string")
         return value
+
+
+def _flag(r: _Reader, value, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise r.fail(path, f"got {_show(value)}; expected true or false")
+    return value
 
 
 def _join(path: str, key: str) -> str:
@@ -193,6 +204,8 @@ def parse_cluster(data: Any, source: str) -> dict:
         hbm_bandwidth=r.quantity(dv["hbm_bandwidth"], "device.hbm_bandwidth", "bandwidth"),
         kernel_overhead=r.quantity(dv.get("kernel_overhead", DEFAULT_KERNEL_OVERHEAD), "device.kernel_overhead",
                                    "time", allow_zero=True),
+        **{k: r.quantity(dv[k], f"device.{k}", kind, allow_zero=True) for k, kind in _HOST_PRICES.items() if k in dv},
+        host_synchronous=_flag(r, dv.get("host_synchronous", False), "device.host_synchronous"),
     )
 
     lk = r.mapping(data["links"], "links", _LINKS, required=("intra",) if nodes == 1 else _LINKS)
@@ -250,6 +263,8 @@ def cluster_dict(name: str, nodes: int, devices_per_node: int, device: Device, i
             "peak_flops": {k: float(v) for k, v in d.peak_flops.items()},
             "hbm_bandwidth": float(d.hbm_bandwidth),
             "kernel_overhead": float(d.kernel_overhead),
+            **{k: float(getattr(d, k)) for k in _HOST_PRICES if getattr(d, k)},
+            **({"host_synchronous": True} if d.host_synchronous else {}),
         },
         "links": {
             "intra": {"bandwidth": float(intra_link.bandwidth), "latency": float(intra_link.latency)},

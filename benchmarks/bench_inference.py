@@ -387,7 +387,7 @@ def _calibrated_cluster(tmp: Path, devices: int, host: str = "measure", tag: str
     (tmp / f"cpu{devices}.yaml").write_text(f"preset: cpu\ndevices: {devices}\ncalibration: {cal}\n")
     cluster = autopar.Cluster.from_yaml(tmp / f"cpu{devices}.yaml")
     from autopar.cluster_presets import cpu_host_device
-    layer, forward, bw, rate = host_overhead(tmp, host, tag)   # (a cluster file does not carry these figures)
+    layer, forward, bw, rate = host_overhead(tmp, host, tag)   # measured now: they move with load
     return dataclasses.replace(cluster, device=cpu_host_device(cluster.device, (layer, forward), (bw, rate)))
 
 

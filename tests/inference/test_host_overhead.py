@@ -86,15 +86,33 @@ def test_skinny_gemm_floor_prices_uncached_weights(shape):
 
 def test_cpu_figures_are_measured_constants_and_bad_figures_are_refused():
     from autopar.cluster_presets import CPU_HOST_OVERHEAD, CPU_SKINNY_GEMM, cpu_host_device
-    plain = autopar.Cluster.preset("cpu").device   # a preset equals its YAML round trip: no figures yet
-    assert (plain.host_layer_overhead, plain.skinny_gemm_bandwidth, plain.host_synchronous) == (0, 0, False)
+    cpu = autopar.Cluster.preset("cpu")   # the preset carries this machine's figures
+    plain = dataclasses.replace(cpu.device, host_layer_overhead=0.0, host_forward_overhead=0.0, host_synchronous=False,
+                                skinny_gemm_bandwidth=0.0, skinny_gemm_flops=0.0)
     d = cpu_host_device(plain)
+    assert d == cpu.device
     assert d.host_synchronous and (d.host_layer_overhead, d.host_forward_overhead) == CPU_HOST_OVERHEAD
     assert (d.skinny_gemm_bandwidth, d.skinny_gemm_flops) == CPU_SKINNY_GEMM and min(CPU_SKINNY_GEMM) > 0
     with pytest.raises(ClusterError, match="host_layer_overhead"):
         dataclasses.replace(d, host_layer_overhead=-1e-3)
     with pytest.raises(ClusterError, match="host_forward_overhead"):
         dataclasses.replace(d, host_forward_overhead=math.inf)
+
+
+def test_a_cluster_file_carries_the_figures(tmp_path):
+    """The figures survive the cluster's YAML round trip (plans embed it) and a file may set them."""
+    import yaml
+
+    from autopar.cluster_schema import cluster_dict, read_cluster_file
+    cpu = autopar.Cluster.preset("cpu")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cluster_dict(cpu.name, cpu.nodes, cpu.devices_per_node, cpu.device,
+                                                cpu.intra_link, cpu.inter_link, cpu.backend)))
+    assert read_cluster_file(path)["device"] == cpu.device
+    text = path.read_text().replace("host_synchronous: true", "host_synchronous: 1")
+    path.write_text(text)
+    with pytest.raises(ClusterError, match="host_synchronous"):
+        read_cluster_file(path)
 
 
 def test_calibration_returns_positive_finite_figures():
