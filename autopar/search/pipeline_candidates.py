@@ -47,7 +47,7 @@ from autopar.errors import ConstraintError, MemoryBudgetError, PlanError
 from autopar.frontend.batching import global_batch
 from autopar.search.context import CutOff
 from autopar.search.pipeline_bounds import block_time_floor, cutoff_factor, device_floors, equal_stage_factor, \
-    least_pipelined_step
+    least_pipelined_step, proven_step
 from autopar.search.pipeline import search_pipelined
 from autopar.search.pipeline_forked import fork_workers, run_forked
 from autopar.search.pipeline_pins import stage_cluster
@@ -61,6 +61,7 @@ MEGATRON_MBS = (1, 2)
 INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it changes no plan)
 INNER_FILL_DRAIN = True   # ... with the fill and drain in it (idem)
 PROVEN_BOUNDS = False   # prune with bounds valid for any stage partition, not estimates (module doc)
+ORDER_LP = True   # ... with the schedule order's LP among them (pipeline_bounds.proven_step)
 
 def pp_choices(graph, cluster, constraints: dict) -> list[int]:
     """Every pipeline degree a user could pin (module doc): 2 <= pp <= the model's blocks, stages
@@ -202,6 +203,8 @@ class Pipelined:
         if workers > 1:
             return run_forked(self, order, workers, best, best_stats, best_pipe, best_time)
         for bound, p, _, m, sched, sp in order:
+            if PROVEN_BOUNDS and ORDER_LP and bound < best_time:   # the order LP, only where it may prune
+                bound = proven_step(sched, p, m, self.compute_floor, block_time_floor(self.block_floor, p, m))
             if bound >= best_time:
                 self.pruned += 1
                 continue
@@ -227,7 +230,8 @@ class Pipelined:
         if INNER_CUTOFF and best_time < float("inf"):   # inner plans whose work over p stages cannot beat it
             # with the least fill and drain of the schedules sharing this inner search (module doc)
             factor = 1.0 if not INNER_FILL_DRAIN else \
-                cutoff_factor(self.schedules, p, m, best_time, block_time_floor(self.block_floor, p, m)) \
+                cutoff_factor(self.schedules, p, m, best_time, block_time_floor(self.block_floor, p, m),
+                              order=ORDER_LP) \
                 if PROVEN_BOUNDS else min(equal_stage_factor(sched, p, m) for sched in self.schedules)
             kw_left = dict(kw_left, cutoff=best_time * p, cutoff_fill_drain=factor)
         try:

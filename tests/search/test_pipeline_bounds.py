@@ -11,7 +11,8 @@ from autopar.frontend.trace import trace
 from autopar.models import HF_ZOO, ZOO
 from autopar.pricing.price import Settings
 from autopar.search.pipeline_bounds import block_time_floor, cutoff_factor, device_block_floor, \
-    device_compute_floor, device_floors, equal_stage_factor, fill_drain_factor, least_pipelined_step
+    device_compute_floor, device_floors, equal_stage_factor, fill_drain_factor, least_pipelined_step, \
+    order_lp_step, order_lp_unit, proven_step
 from autopar.search.pipeline_pins import virtual_stages
 from autopar.search.stage_plan import simulate_stages
 
@@ -140,6 +141,53 @@ def test_cutoff_factor_cuts_exactly_where_the_bound_reaches_the_plan_to_beat():
         assert min(least_pipelined_step(s, pp, m, 0.999 * w, b) for s in schedules) < beat
         assert f > 1.0
     assert cutoff_factor(schedules, pp, m, 0.1, b) == float("inf")   # (pp - 1 + m v) b >= beat: all cut
+
+
+@settings(max_examples=120, deadline=None)
+@given(blocked_pipelines())
+def test_order_lp_is_below_the_simulated_step_for_any_chunks(case):
+    """The LP over chunk times on the schedule's own per-rank order (lumped middles, b / w rounded
+    down) is below the simulated step of chunks of >= 1 block at random cuts; and so is
+    ``proven_step``, its maximum with the closed forms."""
+    schedule, pp, m, fwd, bwd, block = case
+    step = simulate_stages(schedule, pp, m, fwd, bwd).step_time
+    work = m * (sum(fwd) + sum(bwd)) / pp
+    assert order_lp_step(schedule, pp, m, work, block) <= step * (1 + 1e-9)
+    assert order_lp_step(schedule, pp, m, work, 0.0) <= step * (1 + 1e-9)
+    assert proven_step(schedule, pp, m, work, block) <= step * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("schedule, pp, m", [("1f1b", 4, 8), ("gpipe", 3, 5), ("interleaved-1f1b", 4, 8),
+                                             ("interleaved-1f1b", 2, 6)])
+def test_order_lp_is_close_to_the_simulated_step_with_one_block_per_chunk(schedule, pp, m):
+    """Equal chunks of one block each (forward 1, backward 2): every chunk is at its floor, so the
+    LP only chooses the forward / backward split; it stays within a few percent of the step."""
+    V = pp * virtual_stages(schedule)
+    step = simulate_stages(schedule, pp, m, [1.0] * V, [2.0] * V).step_time
+    lp = order_lp_step(schedule, pp, m, m * V * 3.0 / pp, 3.0)
+    assert 0.9 * step <= lp <= step * (1 + 1e-9)
+
+
+def test_order_lp_is_tighter_than_the_fill_and_drain_over_blocks_under_interleaving():
+    """8 ranks x 2 chunks, 16 micro-batches, blocks 0.3% of the mean work: the closed form proves
+    1.01 times the mean work, the order LP 1.14 (the equal-stage estimate 1.22): it prunes more."""
+    pp, m, b = 8, 16, 0.003
+    closed = least_pipelined_step("interleaved-1f1b", pp, m, 1.0, b)
+    lp = order_lp_step("interleaved-1f1b", pp, m, 1.0, b)
+    assert closed < 1.02 and lp > 1.1 * closed
+    assert lp < equal_stage_factor("interleaved-1f1b", pp, m)
+    assert order_lp_unit("interleaved-1f1b", pp, m, 0.0) > 1.1   # without the block floor too
+    assert order_lp_unit("zero-bubble", pp, m, 0.0) == 0.0   # not covered: the closed forms only
+
+
+def test_cutoff_factor_with_the_order_lp_cuts_only_where_the_proven_bound_reaches_the_plan_to_beat():
+    pp, m, b = 8, 16, 0.0001
+    schedules = ("1f1b", "interleaved-1f1b")
+    for beat in (1.0, 3.0):
+        f = cutoff_factor(schedules, pp, m, beat, b, order=True)
+        assert f > cutoff_factor(schedules, pp, m, beat, b)   # cuts more
+        w = beat / f
+        assert min(proven_step(s, pp, m, w, b) for s in schedules) >= beat * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("pins", [{"dp": 8, "zero": 1}, {"tp": 8}, {"dp": 2, "tp": 4, "checkpoint": "full"},
