@@ -41,18 +41,22 @@ class CountingEngine(IterationEngine):
         return out
 
 
+def _wait_healthy(url, within: float = 120.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _client(url, box):
     """Rank 0's client thread: waits for the server, asks, then stops it with SIGINT."""
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        _wait_healthy(url)
 
         def ask(request):
             (prompt, new), delay = request
@@ -116,15 +120,7 @@ def _failing_client(url, box):
     """Rank 0's client: three staggered requests while rank ``fail`` raises mid-forward, then a
     later request and /health; every answer timed; then SIGINT stops the server."""
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        _wait_healthy(url)
 
         def ask(request):
             (prompt, new), delay = request
