@@ -38,6 +38,9 @@ LP_BOUND = True
 # of thousands of shortest-path searches, seconds), an LP over the resharding floors is tried
 # when the spanning-tree bound over them did not prune (the LP: about a second on such a mesh).
 FLOOR_LP_PAIRS = 20_000
+# An infeasible LP over the floors prunes the configuration as infeasible before its edges are
+# priced (``_pruned_by_floors``; tests switch it off to check it changes no plan).
+FLOOR_LP_INFEASIBLE = True
 # Before solving a configuration whose LP bound is within this fraction of the plan to beat, the
 # branch and bound over the same bound problem is asked whether its optimum reaches that plan
 # (``solver.ilp.mip_reaches``): on large 2-axis meshes proving a cutoff costs a fraction of a
@@ -141,8 +144,15 @@ def _floors(v: _Visit) -> bool:
     bounds below use them, and a floor prunes nothing they do not."""
     ctx = v.ctx
     if ctx.options.exhaustive or (ctx.best is None and v.cutoff is None) or edges_priced(
-            v.cands, ctx.cluster, v.cfg.settings) or not _pruned_by_floors(
-                v.cfg, v.P, v.cands, ctx.cluster, ctx.best, v.remaining, v.cutoff, v.problem):
+            v.cands, ctx.cluster, v.cfg.settings):
+        return False
+    got = _pruned_by_floors(v.cfg, v.P, v.cands, ctx.cluster, ctx.best, v.remaining, v.cutoff, v.problem)
+    if got is INFEASIBLE:
+        # the floors' LP has no solution: nor has the LP over the priced edges (the edges add
+        # transportation columns any fractional choice satisfies: only the memory rows, the same
+        # in both, decide feasibility), which the exact path would price the edges to find out
+        return v.infeasible()
+    if not got:
         return False
     ctx.stats.pruned += 1
     ctx.stats.pruned_unpriced += 1
@@ -348,13 +358,19 @@ def _with_saved_copies(problem, sol, cands, P, remaining, stats):
     return dataclasses.replace(sol, status="infeasible")
 
 
-def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None, problem=None) -> bool:
+INFEASIBLE = "infeasible"   # _pruned_by_floors' answer when the LP over the floors has no solution
+
+
+def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None, problem=None):
     """Whether the resharding floors (autopar/pricing/edge_floor.py: each matrix entry's fewest
     collectives at their latency, no shortest-path search) already bound this configuration
     above the best plan: first the per-node bound, then the spanning-tree bound over the floors
     (solver/tree_bound.py), then, where pricing the edges would be costly (``FLOOR_LP_PAIRS``),
     the LP relaxation over the floors. Either way no edge is priced. ``problem``: the
-    configuration's ``build_problem`` already made (its edges are replaced by the floors)."""
+    configuration's ``build_problem`` already made (its edges are replaced by the floors).
+    ``INFEASIBLE`` (with ``FLOOR_LP_INFEASIBLE``) when that LP has no solution: the configuration
+    has no plan (Gemma 2's nm=1 and 2 on its three-axis meshes: their edges, 2-3 s each, were
+    priced only for the LP over them to say so)."""
     F = with_edge_floors(P, cands, cluster, cfg.settings)
     target = math.inf if best is None else best.prediction["step_time"]
     if best is not None and step_time_lower_bound(F, edges=True) >= target:
@@ -381,6 +397,8 @@ def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None, prob
         lp = relaxation_bound(relaxed, time_limit=remaining, cutoff=target)
     except SolverTimeout:
         return False
+    if lp == math.inf and FLOOR_LP_INFEASIBLE:
+        return INFEASIBLE
     return lp != math.inf and lp >= target
 
 

@@ -348,3 +348,32 @@ def test_planning_collects_garbage_less_often_and_restores_the_collector(monkeyp
     autopar.plan(model, inputs, autopar.Cluster.preset("cpu", devices=4))
     assert seen and all(t >= g for t, g in zip(seen[0][0], A.GC_THRESHOLDS)) and seen[0][1]
     assert gc.get_threshold() == before
+
+
+@pytest.mark.slow   # three llama searches, two at a tight budget: minutes of CPU
+def test_infeasible_floor_lp_prunes_as_the_priced_path_would(monkeypatch):
+    """An LP over the resharding floors with no solution prunes its configuration as infeasible
+    before its edges are priced (visit.FLOOR_LP_INFEASIBLE): the edges only add transportation
+    columns, so the LP over the priced edges has no solution either. On llama (cpu x4) at 0.6 of
+    its unconstrained plan's peak, the floors' LP is infeasible on the two-model-axis mesh; the plan
+    and the configurations ruled out (infeasible or pruned) equal those with the edges priced."""
+    import autopar.search.visit as V
+    model, inputs = ZOO["llama"]()
+    g = trace(model, inputs)
+    g.batch_dims = infer_batch_dims(input_shapes(g), None)
+    cluster = autopar.Cluster.preset("cpu", devices=4)
+    free, _ = search(g, cluster, _base(cluster), None)
+    budget = 0.6 * free.prediction["peak_memory"]
+    seen = []
+    real = V._pruned_by_floors
+    monkeypatch.setattr(V, "_pruned_by_floors", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    best, stats = search(g, cluster, _base(cluster, budget), None)
+    assert V.INFEASIBLE in seen
+    monkeypatch.setattr(V, "FLOOR_LP_INFEASIBLE", False)
+    ref, ref_stats = search(g, cluster, _base(cluster, budget), None)
+    assert best.config == ref.config
+    assert best.prediction["step_time"] == ref.prediction["step_time"]
+    # the same configurations ruled out; one the priced path prunes by a bound before its LP is
+    # counted infeasible here (its LP over the priced edges would have had no solution either)
+    assert stats["infeasible"] + stats["pruned"] == ref_stats["infeasible"] + ref_stats["pruned"]
+    assert stats["infeasible"] >= ref_stats["infeasible"] and stats["solved"] == ref_stats["solved"]
