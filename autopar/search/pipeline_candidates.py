@@ -234,15 +234,16 @@ class Pipelined:
                               order=ORDER_LP) \
                 if PROVEN_BOUNDS else min(equal_stage_factor(sched, p, m) for sched in self.schedules)
             kw_left = dict(kw_left, cutoff=best_time * p, cutoff_fill_drain=factor)
+        retried = CHECKPOINTED and "checkpoint" not in self.flat and sched != "zero-bubble"
         # a first attempt whose MemoryBudgetError only sends it to the checkpointed retry: that
         # error's smallest peak is never read, so its inner search does not solve for it (its
-        # inner plan, if any, is the same; ``inner_cache`` shares it only with such attempts:
-        # no schedule of this object is zero-bubble)
-        retried = CHECKPOINTED and "checkpoint" not in self.flat and "zero-bubble" not in self.schedules
+        # inner plan, if any, is the same); ``inner_cache`` shares an inner search between the
+        # schedules, so only where every schedule of this object is retried
+        lazy = retried and "zero-bubble" not in self.schedules
         try:
             try:
                 return ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search,
-                                                **(dict(kw_left, min_peak=False) if retried else kw_left)))
+                                                **(dict(kw_left, min_peak=False) if lazy else kw_left)))
             except MemoryBudgetError:
                 if not retried:
                     raise
