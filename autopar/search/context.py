@@ -45,7 +45,8 @@ class SearchOptions:
     whose work bound W reaches it (with ``cutoff_fill_drain`` F > 1, a pipeline's proven fill and
     drain, autopar/search/pipeline_bounds.py: also one whose W minus its optimizer step, bounded
     by ``optimizer_ceiling``, reaches it over F) is not solved, and ``CutOff`` is raised if that
-    leaves no plan; ``before_large(best, lp)``: asked before a large ILP (outer.search's doc)."""
+    leaves no plan; ``before_large(best, lp)``: asked before a large ILP (outer.search's doc);
+    ``min_peak``: whether a MemoryBudgetError states the smallest peak (below)."""
     time_limit: float | None = None
     log: object = None
     policy: str | None = None
@@ -55,6 +56,10 @@ class SearchOptions:
     cutoff: float | None = None
     cutoff_fill_drain: float = 1.0
     before_large: object = None
+    # False: when nothing fits, the MemoryBudgetError carries no smallest peak (no min-peak ILPs,
+    # no edges priced for it): a pipelined candidate's first inner search, whose error only sends
+    # it to its checkpointed retry (autopar/search/pipeline_candidates.py ``_evaluate``)
+    min_peak: bool = True
 
 
 @dataclass

@@ -196,6 +196,10 @@ def _raise_no_plan(ctx: SearchContext):
                             f"{stats.timed_out} of {stats.configs} configurations before finding any plan; "
                             f"raise time_limit or pin more of the degrees (constraints=)")
     grid_floor = stats.grid_min_peak    # grid configurations that lowered but did not fit
+    if (ctx.infeasible or ctx.memory_floors or grid_floor is not None) and not ctx.options.min_peak:
+        # nobody reads the smallest peak (SearchOptions.min_peak): not solved for
+        raise MemoryBudgetError(f"no plan fits in the memory budget of {format_bytes(base.budget)} per device",
+                                min_peak_bytes=None, budget_bytes=int(base.budget))
     if ctx.infeasible or ctx.memory_floors or grid_floor is not None:
         # the true smallest peak (not a bound): solve each configuration for its minimum peak
         for cfg, P in ctx.memory_floors:

@@ -234,12 +234,18 @@ class Pipelined:
                               order=ORDER_LP) \
                 if PROVEN_BOUNDS else min(equal_stage_factor(sched, p, m) for sched in self.schedules)
             kw_left = dict(kw_left, cutoff=best_time * p, cutoff_fill_drain=factor)
+        retried = CHECKPOINTED and "checkpoint" not in self.flat and sched != "zero-bubble"
+        # a first attempt whose MemoryBudgetError only sends it to the checkpointed retry: that
+        # error's smallest peak is never read, so its inner search does not solve for it (its
+        # inner plan, if any, is the same); ``inner_cache`` shares an inner search between the
+        # schedules, so only where every schedule of this object is retried
+        lazy = retried and "zero-bubble" not in self.schedules
         try:
             try:
                 return ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search,
-                                                **kw_left))
+                                                **(dict(kw_left, min_peak=False) if lazy else kw_left)))
             except MemoryBudgetError:
-                if not CHECKPOINTED or "checkpoint" in self.flat or sched == "zero-bubble":
+                if not retried:
                     raise
                 # every block recomputed (the same bound: recomputation only adds work): a pin such
                 # as Megatron-LM's 1T run (pp=64, checkpoint="full") is among the candidates

@@ -377,3 +377,18 @@ def test_infeasible_floor_lp_prunes_as_the_priced_path_would(monkeypatch):
     # counted infeasible here (its LP over the priced edges would have had no solution either)
     assert stats["infeasible"] + stats["pruned"] == ref_stats["infeasible"] + ref_stats["pruned"]
     assert stats["infeasible"] >= ref_stats["infeasible"] and stats["solved"] == ref_stats["solved"]
+
+
+def test_min_peak_off_skips_the_smallest_peak():
+    """SearchOptions.min_peak=False (a pipelined candidate's first attempt, whose error only sends it
+    to its checkpointed retry): the same MemoryBudgetError, without the smallest peak solved for."""
+    model, inputs = ZOO["gpt2"]()
+    g = trace(model, inputs)
+    g.batch_dims = infer_batch_dims(input_shapes(g), None)
+    cluster = autopar.Cluster.preset("cpu", devices=4)
+    with pytest.raises(autopar.MemoryBudgetError) as full:
+        search(g, cluster, _base(cluster, budget=4096))
+    with pytest.raises(autopar.MemoryBudgetError) as lazy:
+        search(g, cluster, _base(cluster, budget=4096), min_peak=False)
+    assert full.value.min_peak_bytes is not None and full.value.min_peak_bytes > 4096
+    assert lazy.value.min_peak_bytes is None and lazy.value.budget_bytes == full.value.budget_bytes
