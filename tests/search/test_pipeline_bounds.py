@@ -226,7 +226,8 @@ def test_block_floor_is_below_every_block_of_a_pipelined_plan(pins):
 def _free_with(case, proven: bool, monkeypatch, record=None):
     """The free plan of ``case`` (model, batch, cluster) pruned by the estimates or, with
     ``proven``, by the bounds valid for any partition (pipeline_candidates.PROVEN_BOUNDS);
-    ``record``: (bound, step) of every pipelined candidate evaluated."""
+    ``record``: (bound, step) of every pipelined candidate evaluated (step None where its inner
+    search was cut off or found nothing that fits)."""
     import autopar.search.pipeline_candidates as pc
     monkeypatch.setattr(pc, "PROVEN_BOUNDS", proven)
     monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
@@ -240,8 +241,7 @@ def _free_with(case, proven: bool, monkeypatch, record=None):
 
         def recorded_evaluate(self, p, m, sched, sp, best_time):
             out = evaluate(self, p, m, sched, sp, best_time)
-            if out[0] == "ok":
-                record.append((bounds[(p, m, sched, sp)], out[3]["step_time"]))
+            record.append((bounds[(p, m, sched, sp)], out[3]["step_time"] if out[0] == "ok" else None))
             return out
         monkeypatch.setattr(pc.Pipelined, "candidates", recorded_candidates)
         monkeypatch.setattr(pc.Pipelined, "_evaluate", recorded_evaluate)
@@ -274,7 +274,8 @@ def test_estimates_prune_no_plan_the_proven_bounds_find(name, monkeypatch):
     estimated = _free_with(case, False, monkeypatch)
     assert estimated.degrees == proven.degrees
     assert estimated.step_time == proven.step_time
-    assert seen and all(bound <= step * (1 + 1e-9) for bound, step in seen), seen   # premise: some evaluated
+    done = [(bound, step) for bound, step in seen if step is not None]
+    assert done and all(bound <= step * (1 + 1e-9) for bound, step in done), seen   # premise: some evaluated
 
 
 @pytest.mark.slow
@@ -287,5 +288,7 @@ def test_estimates_prune_no_plan_on_narayanans_18b_row(monkeypatch):
     seen = []
     proven = _free_with(case, True, monkeypatch, seen)
     estimated = _free_with(case, False, monkeypatch)
-    assert seen and all(bound <= step * (1 + 1e-9) for bound, step in seen), seen
+    # premise: pipelined candidates were searched (the order LP's cutoff may stop each inner search
+    # before it reaches a plan); those that reached one stepped at or above their bound
+    assert seen and all(step is None or bound <= step * (1 + 1e-9) for bound, step in seen), seen
     assert (estimated.degrees, estimated.step_time) == (proven.degrees, proven.step_time)
