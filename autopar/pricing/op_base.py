@@ -22,24 +22,6 @@ from autopar.rules.table import shape as tensor_shape
 from autopar.rules.table import val as node_val
 
 
-@dataclass(frozen=True)
-class Settings:
-    optimizer: str = "adamw"
-    precision: str = "bf16"
-    zero: int = 0
-    num_micro_batches: int = 1
-    budget: float = float("inf")
-    overlap_grad_comm: bool = True
-    # None: the ILP decides per block group; "none" | "selective" | "full": pinned for every group; a
-    # sorted tuple of (block group name, bool | mode): those groups pinned, the others by the ILP.
-    checkpoint: str | tuple | None = None
-    kernels: bool = False   # the plan runs the Triton kernels (autopar/frontend/fuse.py): fused optimizer step
-    offload: str = "none"   # "optimizer": master weights and optimizer state on the host (pricing/offload.py);
-    # "optimizer+params" also ZeRO-3's parameter shards; "optimizer-nvme": the state on NVMe;
-    # "optimizer+params-nvme": both
-    offload_all: bool = False   # offload every chunk (a pin), not the fewest that fit (predict.offload_fraction)
-
-
 def op_bytes_scale(val, precision: str) -> float:
     """What an op's ``spec.bytes`` (counted in the traced dtypes, fp32 for a model traced in
     fp32) is multiplied by at run time: under bf16 mixed precision the kernels move bf16
