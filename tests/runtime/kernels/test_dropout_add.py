@@ -11,7 +11,6 @@ decreases, and a region recomputed under activation checkpointing draws
 the mask again (the same gradients as without checkpointing)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from runtime.kernels import ops as K
 from runtime.kernels.dropout_add import (BLOCK, dropout_add, dropout_add_reference, keep_mask_reference,
                                          philox_reference, scale_of)
 from runtime.launch import run_local
+from tests.helpers.kernels import needs_kernels
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP otherwise
 
@@ -172,17 +172,13 @@ def _train(rank, world, constraints, kernels, reference=False):
     return losses, state, compiled.kernel_stats(), local
 
 
-def _needs_kernels():
-    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
-        pytest.skip("needs the Triton interpreter")
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, constraints", [(1, {}), (2, {"dp": 2}), (2, {"tp": 2}),
                                                 (2, {"dp": 2, "checkpoint": "full"})],
                          ids=["one", "dp", "tp", "dp-checkpoint"])
 def test_training_with_the_kernel_equals_the_reference_mask(world, constraints):
-    _needs_kernels()
+    needs_kernels()
     ref = run_local(_train, world, (constraints, "triton", True), timeout=600)
     got = run_local(_train, world, (constraints, "triton"), timeout=600)
     for (losses, state, stats, _), (rl, rs, rstats, _) in zip(got, ref):

@@ -3,7 +3,6 @@
 Triton interpreter equal to the same plan kind with torch ops, with each kernel family launched."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import autopar
 from autopar.errors import ExecutionError
 from autopar.models import HF_ZOO, ZOO
 from runtime.launch import run_local
+from tests.helpers.kernels import needs_kernels
 
 STEPS = 3
 
@@ -121,10 +121,6 @@ def _check_equal(world, constraints, name="llama", families=("rms_norm", "swiglu
                                        msg=k)
 
 
-def _needs_kernels():
-    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
-        pytest.skip("needs the Triton interpreter (tests/runtime/kernels/conftest.py sets it)")
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("constraints", [{"dp": 2}, {"tp": 2}, {"tp": 2, "sp": 2, "sp_mode": "megatron"},
@@ -132,7 +128,7 @@ def _needs_kernels():
                                          {"dp": 2, "zero": 3}, {"pp": 2}, {"dp": 2, "checkpoint": "full"}],
                          ids=["dp", "tp", "megatron-sp", "ulysses-sp", "ring-sp", "zero3", "pp", "checkpoint"])
 def test_triton_kernels_train_equal_to_torch_ops(constraints):
-    _needs_kernels()
+    needs_kernels()
     _check_equal(2, constraints)
 
 
@@ -145,7 +141,7 @@ def test_triton_kernels_train_hugging_face_models_equal_to_torch_ops(name, famil
     act_fn(gate) * up MLP are fused (5 norms, 2 SwiGLUs), and its rotary embedding of q and k (4);
     Gemma 2's norms (x * (1 + weight)) and
     its tanh-gelu gated MLP too (9 norms, 2 GeGLUs, 4 rotary); under tensor parallelism."""
-    _needs_kernels()
+    needs_kernels()
     _check_equal(2, {"tp": 2}, name=name, families=families)
 
 
@@ -159,7 +155,7 @@ def test_triton_kernels_train_equal_to_torch_ops_on_the_grid(mode, name, familie
     """2D (SUMMA, 4 ranks) and 3D (8 ranks) tensor parallelism: SwiGLU / GeGLU run their kernels
     on each rank's blocks (they are elementwise); the norms' hidden dim is split over the grid, so
     they run as split norms (statistics all-reduced over the hidden group), no norm kernel."""
-    _needs_kernels()
+    needs_kernels()
     world, shape = {"2d": (4, [2, 2]), "3d": (8, [2, 2, 2])}[mode]
     _check_equal(world, {"tp_mode": mode, "tp_shape": shape}, name=name, families=families, absent=absent)
 
@@ -244,14 +240,14 @@ def test_hugging_face_models_trace_with_their_norms_and_gated_mlps_fused():
 @pytest.mark.parametrize("world, constraints", [(1, {}), (2, {"tp": 2, "sp": 2, "sp_mode": "megatron"})],
                          ids=["1-process", "megatron-sp"])
 def test_gpt2_trains_with_the_layer_norm_kernel_equal_to_torch_ops(world, constraints):
-    _needs_kernels()
+    needs_kernels()
     _check_equal(world, constraints, name="gpt2", families=("layer_norm",))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, constraints", [(1, {}), (2, {"tp": 2})], ids=["1-process", "tp"])
 def test_geglu_net_trains_with_the_kernels_equal_to_torch_ops(world, constraints):
-    _needs_kernels()
+    needs_kernels()
     _check_equal(world, constraints, name="geglu_net", families=("layer_norm", "geglu"))
 
 
@@ -259,7 +255,7 @@ def test_geglu_net_trains_with_the_kernels_equal_to_torch_ops(world, constraints
 def test_fused_adamw_trains_like_torch_adamw():
     """AdamW's step as one kernel on the flat shards (ZeRO-1 over 2 ranks): losses equal, parameters
     within Adam's fp32 reordering noise."""
-    _needs_kernels()
+    needs_kernels()
     ref = run_local(_train, 2, ({"dp": 2, "zero": 1}, "torch", "adamw"))[0]
     got = run_local(_train, 2, ({"dp": 2, "zero": 1}, "triton", "adamw"))[0]
     assert got[2]["adamw"] > 0 and ref[2]["adamw"] == 0
@@ -274,7 +270,7 @@ def test_fused_adamw_trains_like_torch_adamw():
 def test_fused_trust_ratio_steps_train_like_torch_ops(optimizer):
     """LAMB and LARS kernels on ZeRO-1 shards of 2 ranks (the trust-ratio norms still summed over
     the shards): losses equal, parameters within fp32 reordering noise."""
-    _needs_kernels()
+    needs_kernels()
     ref = run_local(_train, 2, ({"dp": 2, "zero": 1}, "torch", optimizer))[0]
     got = run_local(_train, 2, ({"dp": 2, "zero": 1}, "triton", optimizer))[0]
     assert got[2][optimizer] > 0 and ref[2][optimizer] == 0

@@ -10,7 +10,7 @@ import autopar
 from autopar.models import HF_ZOO, ZOO
 from runtime.launch import run_local
 
-from tests.runtime.kernels.test_kernels_training import _needs_kernels
+from tests.helpers.kernels import needs_kernels
 
 STEPS = 3
 BIG_VOCAB = 4096   # the CPU cluster's tp=2 plan splits the head on the vocabulary from about here
@@ -93,14 +93,14 @@ def test_tp_plan_splits_the_lm_head_on_the_vocabulary():
 @pytest.mark.parametrize("world, constraints", [(1, {}), (2, {"dp": 2})], ids=["1-process", "dp"])
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_fused_lm_head_trains_equal_to_torch_ops(world, constraints, name):
-    _needs_kernels()
+    needs_kernels()
     _check_equal(world, constraints, name)
 
 
 @pytest.mark.slow
 def test_vocab_parallel_fused_lm_head_trains_equal_to_torch_ops():
     """tp=2 with the head split on the vocabulary: the kernel over the tp group on every rank."""
-    _needs_kernels()
+    needs_kernels()
     assert _check_equal(2, {"tp": 2}, "llama", BIG_VOCAB) == "S(v)@tp [vocab_parallel_lce]"
 
 
@@ -109,7 +109,7 @@ def test_priced_saved_bytes_match_what_the_fused_program_saves(name, monkeypatch
     """One device: the priced saved bytes of the model traced with the kernels equal (within 2%)
     the bytes autograd keeps running that graph, where the fused head keeps grad_hidden and
     grad_weight, no logits; less than the same trace with the head left unfused."""
-    _needs_kernels()
+    needs_kernels()
     import autopar.frontend.fuse as fuse_mod
     from autopar.cluster import Cluster
     from autopar.frontend.trace import trace

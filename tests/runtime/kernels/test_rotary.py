@@ -15,6 +15,7 @@ import torch
 
 from runtime.kernels import kernel_stats, reset_kernel_stats
 from runtime.kernels.rotary import rotary, rotary_reference
+from tests.helpers.kernels import needs_kernels
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -331,11 +332,6 @@ def test_rotary_split_on_the_sequence_adds_no_memory_error():
 
 
 # ------------------------------------------------------------------------------ training
-def _needs_kernels():
-    import os
-    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
-        pytest.skip("needs the Triton interpreter (tests/runtime/kernels/conftest.py sets it)")
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, world, constraints, families",
@@ -357,6 +353,6 @@ def test_hugging_face_models_train_with_the_rotary_kernel_equal_to_torch_ops(nam
     locally on each rank's blocks. The zoo's Llama (interleaved rotary): its plan kinds are trained
     in test_kernels_training.py; here one process."""
     from tests.runtime.kernels.test_kernels_training import _check_equal
-    _needs_kernels()
+    needs_kernels()
     pytest.importorskip("transformers")
     _check_equal(world, constraints, name=name, families=families)

@@ -18,6 +18,7 @@ from runtime.kernels import kernel_stats, reset_kernel_stats
 from runtime.kernels import ops as K
 from runtime.kernels.softmax import softmax, softmax_reference
 from runtime.launch import run_local
+from tests.helpers.kernels import needs_kernels
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP otherwise
 
@@ -111,9 +112,7 @@ def _train(rank, world, constraints, kernels):
 @pytest.mark.slow
 @pytest.mark.parametrize("world, constraints", [(1, {}), (2, {"dp": 2}), (2, {"tp": 2})], ids=["one", "dp", "tp"])
 def test_training_with_the_softmax_kernel_equals_torch_ops(world, constraints):
-    import os
-    if not os.environ.get("TRITON_INTERPRET") and not torch.cuda.is_available():
-        pytest.skip("needs the Triton interpreter")
+    needs_kernels()
     ref = run_local(_train, world, (constraints, "torch"), timeout=600)[0]
     for losses, state, stats in run_local(_train, world, (constraints, "triton"), timeout=600):
         assert stats["softmax"] > 0 and stats["layer_norm"] > 0, stats
@@ -127,6 +126,6 @@ def test_training_with_the_softmax_kernel_equals_torch_ops(world, constraints):
 def test_hf_bloom_eager_attention_trains_with_the_softmax_kernel_equal_to_torch_ops():
     """BLOOM's eager attention (ALiBi scores, softmax in x's dtype) gets its 2 softmaxes fused."""
     pytest.importorskip("transformers")
-    from tests.runtime.kernels.test_kernels_training import _check_equal, _needs_kernels
-    _needs_kernels()
+    from tests.runtime.kernels.test_kernels_training import _check_equal
+    needs_kernels()
     _check_equal(1, {}, name="hf_bloom", families=("layer_norm", "softmax"))
