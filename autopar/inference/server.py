@@ -270,7 +270,7 @@ def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, bat
     import torch.distributed as dist
     import uvicorn
 
-    from autopar.inference.rank_jobs import LeaderGenerate
+    from autopar.inference.rank_jobs import LeaderGenerate, follow
 
     if batching == "continuous":   # rank 0 decides each iteration's admissions, the others follow
         from autopar.inference.iteration_engine import LeaderIterations, follow_iterations
@@ -291,75 +291,12 @@ def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, bat
         jobs = dist.new_group(timeout=IDLE_TIMEOUT)
         several = engine.plan.tp * engine.plan.pp > 1
         if dist.get_rank() != 0:
-            _follow_batches(engine, jobs, several)
+            follow(engine, jobs, several)
             return
-        leader = _LeaderBatches(engine, jobs, several)
+        leader = LeaderGenerate(engine, jobs, several)
     else:
         leader = LeaderGenerate(engine)
     try:
         uvicorn.run(make_app(leader, limits, **app_options), host=host, port=port, log_level="warning")
     finally:
         leader.stop()
-
-
-class _LeaderBatches:
-    """Rank 0's ``generate`` under static batching on several ranks: rank_jobs.py's
-    ``LeaderGenerate`` with its broadcasts on ``jobs`` (no timeout), and a failed batch where the
-    ranks may be out of step (a replica of several ranks, a failed collective) a RanksOutOfStep kept
-    in ``broken``: every later batch raises it, nothing more is broadcast."""
-
-    def __init__(self, engine, jobs, several: bool):
-        import threading
-        self.engine, self.jobs, self.several = engine, jobs, several
-        self.lock = threading.Lock()
-        self.broken = None
-
-    def __call__(self, input_ids, max_new_tokens: int, attention_mask, sampling: dict | None = None):
-        import torch.distributed as dist
-
-        from autopar.inference.iteration_engine import RanksOutOfStep, collective_error
-        with self.lock:
-            if self.broken is not None:
-                raise RanksOutOfStep(str(self.broken))
-            try:
-                dist.broadcast_object_list([("generate", input_ids, int(max_new_tokens), attention_mask, sampling)],
-                                           src=0, group=self.jobs)
-                return self.engine.generate(input_ids, max_new_tokens, attention_mask=attention_mask,
-                                            sampling=sampling)
-            except Exception as e:  # noqa: BLE001 - classified: the batch's failure, or the server's
-                if not (self.several or collective_error(e)):
-                    raise
-                self.broken = RanksOutOfStep(f"the ranks are out of step after a batch failed: {type(e).__name__}: "
-                                             f"{e}; this server cannot serve any more: restart autopar serve")
-                raise self.broken from e
-
-    def stop(self) -> None:
-        import torch.distributed as dist
-
-        from autopar.inference.rank_jobs import STOP
-        with self.lock:
-            if self.broken is None:
-                dist.broadcast_object_list([(STOP, None, 0, None, None)], src=0, group=self.jobs)
-
-
-def _follow_batches(engine, jobs, several: bool) -> int:
-    """A rank other than 0 under static batching: rank_jobs.py's ``follow`` on ``jobs``; a failed
-    batch where the ranks may be out of step raises RanksOutOfStep (this rank stops)."""
-    import torch.distributed as dist
-
-    from autopar.inference.iteration_engine import RanksOutOfStep, collective_error
-    from autopar.inference.rank_jobs import STOP
-    runs = 0
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=jobs)
-        kind, input_ids, new, mask, sampling = box[0]
-        if kind == STOP:
-            return runs
-        try:
-            engine.generate(input_ids, new, attention_mask=mask, sampling=sampling)
-        except Exception as e:  # noqa: BLE001 - rank 0 reports a batch's own failure to the client; keep serving
-            if several or collective_error(e):
-                raise RanksOutOfStep(f"rank {dist.get_rank()} failed in batch {runs}: {type(e).__name__}: {e}; the "
-                                     f"ranks may be out of step, so it stops (rank 0 answers 503 from now on)") from e
-        runs += 1
