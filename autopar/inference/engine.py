@@ -9,7 +9,13 @@ followed by the new tokens, greedy. Decoding is the model's own ``generate`` loo
 modules, whose row-parallel outputs are all-reduced over the replica's tensor-parallel group.
 
 The LM head is vocabulary-parallel when it is not tied to the embeddings (each rank its rows of the
-vocabulary, the logits all-gathered); a tied head stays whole. With ``pp > 1`` each stage holds
+vocabulary); a tied head stays whole. This engine all-gathers the head's whole logits
+[rows, seq, V] over the tensor-parallel group (``gather_last_dim``, a forward hook of the head),
+because Hugging Face's ``generate`` picks tokens from whole logits. The continuous-batching engine
+(autopar/inference/iteration_engine.py) builds this engine with ``local_logits=True`` instead: the
+head returns each rank's slice and tokens are chosen by a distributed argmax / top-k
+(autopar/inference/vocab_parallel.py, ``vocab_shard``), so only a few numbers per row cross the
+group; ``generate`` then refuses to run. With ``pp > 1`` each stage holds
 its layers and passes hidden states on (autopar/inference/pp_stages.py); replicas are then
 consecutive groups of tp x pp ranks, stage-major within.
 ``last_timing`` holds the last call's measured prefill (time to the first new token) and decode
@@ -25,8 +31,9 @@ import torch.distributed as dist
 from autopar.errors import PlanError
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
-from autopar.inference.pp_stages import connect_stages, keep_stage_layers, share_cache_layers
+from autopar.inference.pp_stages import ReceivedLogits, connect_stages, keep_stage_layers, share_cache_layers
 from autopar.inference.tp_shard import shard_for_tp
+from autopar.inference.vocab_parallel import VocabShard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -98,8 +105,10 @@ def fill_buffers(model) -> None:
 
 
 class InferenceEngine:
-    def __init__(self, model, plan: InferencePlan, weights: str | None = None, collective_timeout=None):
+    def __init__(self, model, plan: InferencePlan, weights: str | None = None, collective_timeout=None,
+                 local_logits: bool = False):
         self.plan = plan
+        self.local_logits = local_logits
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         if plan.world_size != self.world:
@@ -129,9 +138,15 @@ class InferenceEngine:
             keep_stage_layers(self.model, tuple(plan.stages[self.stage]))
         self.sharded = shard_for_tp(self.model, self.tp_rank, tp,
                                     lambda t: dist.all_reduce(t, group=self.group), read=self.read,
-                                    all_gather=self.gather_last_dim)
+                                    all_gather=self.gather_last_dim, local_head=local_logits)
+        split = "colwise_gather_output" in self.sharded.values()
+        # the head's logits: this rank's slice of the vocabulary (local_logits), else whole
+        self.vocab_shard = VocabShard(self.tp_rank, tp, self.group) if split and local_logits else VocabShard()
         if pp > 1:
             connect_stages(self.model, self.stage, [tuple(b) for b in plan.stages], pipe_ranks, self.pipe_group)
+            received = self.model.get_output_embeddings()
+            if self.vocab_shard.size > 1 and isinstance(received, ReceivedLogits):   # a stage before the last
+                received.vocab //= tp   # receives its tp rank's slice of the last stage's logits
         fill_buffers(self.model)
         self.model.eval().to(DTYPES.get(plan.dtype, torch.float32))
         from transformers import StaticCache
@@ -174,6 +189,9 @@ class InferenceEngine:
         Greedy, unless ``sampling`` gives ``temperature`` > 0 (with optional ``top_p``, ``top_k`` and
         ``seed``): every rank of a replica then draws the same tokens from the same seeded stream, so
         the result is what one process sampling with that seed draws."""
+        if self.vocab_shard.size > 1:
+            raise PlanError("this engine's LM head returns each rank's slice of the vocabulary "
+                            "(local_logits=True): Hugging Face's generate needs whole logits")
         input_ids = torch.as_tensor(input_ids, dtype=torch.long)
         self.check(input_ids, max_new_tokens)
         self.sampling = check_sampling(sampling)
@@ -219,14 +237,16 @@ class InferenceEngine:
 
 
 def compile_inference(model, cluster=None, plan: InferencePlan | None = None, weights: str | None = None,
-                      collective_timeout=None, **plan_options) -> InferenceEngine:
+                      collective_timeout=None, local_logits: bool = False, **plan_options) -> InferenceEngine:
     """The engine for ``model`` under ``plan`` (an InferencePlan, or a file written by
     ``autopar plan-inference``); without one, ``plan_inference(model, cluster=cluster, **plan_options)``
     plans it (``example_prompt`` and ``max_new_tokens`` then required). ``weights``: a Hugging Face
     safetensors checkpoint directory each rank reads only its shards from (the model may then be
     built on the meta device, e.g. ``autopar.models.from_hf_config``). ``collective_timeout`` (a
     timedelta): how long the tensor-parallel and pipeline groups' collectives wait for a peer
-    (torch's default when None; ``autopar serve --collective-timeout``)."""
+    (torch's default when None; ``autopar serve --collective-timeout``). ``local_logits``: a
+    vocabulary-parallel head returns each rank's slice of the logits, for a caller that chooses
+    tokens with autopar/inference/vocab_parallel.py (the iteration engine; module doc)."""
     if isinstance(plan, str):
         plan = InferencePlan.load(plan)
     if plan is None:
@@ -236,4 +256,4 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, we
         plan = plan_inference(causal_lm(model), cluster=cluster, **plan_options)
     elif plan_options:
         raise PlanError(f"{sorted(plan_options)}: planning options are for compile_inference without a plan")
-    return InferenceEngine(model, plan, weights, collective_timeout)
+    return InferenceEngine(model, plan, weights, collective_timeout, local_logits)
