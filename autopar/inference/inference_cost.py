@@ -7,14 +7,12 @@ of each decoder layer (q/k/v and the MLP's gate/up column-parallel, o and down r
 an all-reduce each, so 2 all-reduces a layer); embeddings whole on every rank; the LM head
 vocabulary-parallel when it is not tied to the embeddings, else whole.
 
-**The vocabulary-parallel head** (``Pricer.head``) is priced as the continuous-batching engine
-(autopar/inference/iteration_engine.py) runs it, greedy: each rank's slice of the logits, then a
-distributed argmax whose all-gather carries 2 float64 numbers (value, index) per row per rank
-(autopar/inference/vocab_parallel.py); sampling with top-k gathers 2 k, which is not priced. The
-static engine (autopar/inference/engine.py) all-gathers the whole logits [rows, V] for Hugging
-Face's ``generate``: ``Pricer(..., gathered_logits=True)`` prices that. The planner builds its
-Pricer with the default for every batching, so a static plan's head is priced as the argmax (its
-all-gather of rows x V is a latency-bound collective at decode, where rows is a few).
+**The vocabulary-parallel head** (``Pricer.head``) is priced as both engines run it greedy (the
+default): each rank's slice of the logits, then a distributed argmax whose all-gather carries 2
+float64 numbers (value, index) per row per rank (autopar/inference/vocab_parallel.py). Sampling
+runs otherwise and is not priced: the continuous-batching engine gathers 2 k numbers per row per
+rank for top-k (the whole row for top_k 0), the static engine all-gathers the whole logits
+[rows, V] for Hugging Face's warpers; ``Pricer(..., gathered_logits=True)`` prices that gather.
 
 - **Prefill** (time to first token): the prompt's forward, one replica's batch B x S tokens. Per
   layer: the four projections and the MLP as GEMMs of [B S, H] by the rank's slice, causal

@@ -41,7 +41,7 @@ chosen from the last position's logits by autopar/inference/vocab_parallel.py ``
 one call for every row of a step, on every rank.
 
 **Vocabulary-parallel head.** With tp > 1 an untied head returns each rank's slice of the
-vocabulary (``compile_inference(local_logits=True)``: no gather of the logits); the ranks choose
+vocabulary (``compile_inference`` builds it so: no gather of the logits); the ranks choose
 each row's greedy token by a distributed argmax (2 numbers per row per rank cross the
 tensor-parallel group) and a sampled one from a distributed top-k (2 k per row per rank), the
 whole last-position row gathered only for sampling with top_k 0. One process (or a tied head,
@@ -188,8 +188,7 @@ class IterationEngine:
         jobs travel on a group of their own without one (the other ranks wait there, however long
         the server is idle)."""
         from autopar.inference.engine import compile_inference
-        built = compile_inference(model, plan=plan, weights=weights, collective_timeout=collective_timeout,
-                                  local_logits=True)
+        built = compile_inference(model, plan=plan, weights=weights, collective_timeout=collective_timeout)
         engine = cls(built.model, plan.batch_size, plan.prompt_len, plan.max_new_tokens,
                      plan.predictions.get("kv_cache_tokens_per_replica"))
         engine.replica, engine.replicas, engine.tp_rank = built.replica, plan.dp, built.tp_rank

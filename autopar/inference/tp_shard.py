@@ -19,10 +19,10 @@ The config is then rewritten to the rank's local head counts (attention reshapes
 cache is allocated from the config), so the model runs its own forward and ``generate`` on local
 heads. Embeddings, norms and routers stay whole. The LM head, when not tied to the embeddings
 and tp divides the vocabulary, is vocabulary-parallel (``colwise_gather_output``: each rank its
-rows of the vocabulary): either its logits are all-gathered by a forward hook (``all_gather``: the
-static engine, whose Hugging Face ``generate`` needs whole logits) or each rank keeps its slice
-(``local_head``: the iteration engine, which chooses tokens with a distributed argmax / top-k,
-autopar/inference/vocab_parallel.py). A tied head stays whole.
+rows of the vocabulary) and its output goes through the caller's ``all_gather`` hook: the engines
+keep each rank's slice of the logits for a distributed argmax / top-k
+(autopar/inference/vocab_parallel.py) and gather them whole only to sample with Hugging Face's
+``generate`` (autopar/inference/engine.py). A tied head stays whole.
 """
 from __future__ import annotations
 
@@ -110,21 +110,19 @@ def _gather_hook(all_gather):
     return hook
 
 
-def shard_for_tp(model, rank: int, tp: int, all_reduce, read=None, all_gather=None,
-                 local_head: bool = False) -> dict[str, str]:
+def shard_for_tp(model, rank: int, tp: int, all_reduce, read=None, all_gather=None) -> dict[str, str]:
     """Slice ``model`` in place for rank ``rank`` of ``tp``; ``all_reduce(t)`` sums ``t`` in place over
     the tensor-parallel group. ``read(fqn, pieces, dim)`` gives the rank's shard of the tensor at
     ``fqn`` (``pieces``: index tuples concatenated along ``dim``); default: the model's own tensors.
-    ``all_gather(t)`` concatenates ``t``'s last dim over the group in rank order (the vocabulary-
-    parallel head's logits; without it the head stays whole). ``local_head``: the vocabulary-parallel
-    head is sliced but returns this rank's slice of the logits, gathered by no one (the caller
-    chooses tokens with autopar/inference/vocab_parallel.py).
+    ``all_gather(t)``: the vocabulary-parallel head's logits ``t`` (this rank's slice of the last
+    dim) as the caller wants them: concatenated over the group in rank order, or the slice as is
+    (without it the head stays whole).
     Parameters left on the meta device (a model built without weights) are then read whole.
     Returns the module paths sharded, with their styles."""
     params = dict(model.named_parameters(remove_duplicate=False))
     if read is None:
         read = read_own(lambda fqn: params[fqn].data)
-    done = _shard(model, rank, tp, all_reduce, read, all_gather, local_head) if tp > 1 else {}
+    done = _shard(model, rank, tp, all_reduce, read, all_gather) if tp > 1 else {}
     filled = {}   # tied aliases stay one tensor
     for fqn, p in model.named_parameters(remove_duplicate=False):
         if p.is_meta:
@@ -135,7 +133,7 @@ def shard_for_tp(model, rank: int, tp: int, all_reduce, read=None, all_gather=No
     return done
 
 
-def _shard(model, rank: int, tp: int, all_reduce, read, all_gather, local_head) -> dict[str, str]:
+def _shard(model, rank: int, tp: int, all_reduce, read, all_gather) -> dict[str, str]:
     cfg = model.config
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
     kv = getattr(cfg, "num_key_value_heads", None) or heads
@@ -158,13 +156,11 @@ def _shard(model, rank: int, tp: int, all_reduce, read, all_gather, local_head) 
             out_dim, in_dim = (1, 0) if _is_conv1d(module) else (0, 1)
             parts = {"packed_colwise": 2, "packed_colwise3": 3}.get(style, 1)
             w = f"{path}.weight"
-            if style == "colwise_gather_output" and ((all_gather is None and not local_head)
-                                                     or module.weight.shape[0] % tp):
+            if style == "colwise_gather_output" and (all_gather is None or module.weight.shape[0] % tp):
                 continue   # the head stays whole: no gather given, or tp does not divide the vocabulary
             if style == "colwise_gather_output":
                 _set(module, "weight", read(w, _pieces(module.weight.shape, out_dim, rank, tp), out_dim))
-                if not local_head:
-                    module.register_forward_hook(_gather_hook(all_gather))
+                module.register_forward_hook(_gather_hook(all_gather))
             elif style in ("colwise", "packed_colwise", "packed_colwise3"):
                 _set(module, "weight", read(w, _pieces(module.weight.shape, out_dim, rank, tp, parts), out_dim))
                 if module.bias is not None:

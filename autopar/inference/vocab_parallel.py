@@ -1,4 +1,4 @@
-"""The next token from vocabulary-parallel logits: ``VocabShard`` and ``next_tokens``.
+"""The next token from vocabulary-parallel logits: ``VocabShard``, ``next_tokens``, ``GreedyOfSlices``.
 
 Under tensor parallelism an untied LM head is vocabulary-parallel (autopar/inference/tp_shard.py):
 rank r of tp holds the head's rows [r V/tp, (r+1) V/tp), so its logits are that slice of every
@@ -18,6 +18,11 @@ gathering the whole logits; only the last position's logits of each row are used
   k are kept: the two differ only on a tie at the k-th value.)
 - **sampling over the whole vocabulary** (top_k 0): the last position's logits are all-gathered
   whole (V numbers per row), then sampled as above.
+
+The continuous-batching engine (autopar/inference/iteration_engine.py) calls ``next_tokens`` for
+every row of a step; the static engine's greedy Hugging Face ``generate`` (autopar/inference/
+engine.py) picks its tokens through ``GreedyOfSlices``, a logits processor (its sampling still
+gathers the whole logits, for Hugging Face's warpers and seeded stream).
 
 One process, or a head kept whole on every rank (tied to the embeddings, or a vocabulary tp does
 not divide), is a shard of one (``VocabShard()``): the same functions with no collective, so tp
@@ -126,9 +131,26 @@ def next_tokens(logits: torch.Tensor, samplings: list[dict], generators: list, s
     return out
 
 
+class GreedyOfSlices:
+    """A Hugging Face logits processor for greedy ``generate`` over a vocabulary-parallel head: from
+    this rank's slice of the last position's logits [rows, V / size], a row of V scores, -inf but
+    0 at the global argmax (``greedy_tokens``), so ``generate``'s own argmax picks that token. It
+    must be the only processor that reads the scores (the static engine decodes greedy with no
+    other: autopar/inference/engine.py)."""
+
+    def __init__(self, shard: VocabShard):
+        self.shard = shard
+
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
+        tokens = greedy_tokens(scores, self.shard)
+        out = torch.full((scores.shape[0], scores.shape[-1] * self.shard.size), float("-inf"),
+                         dtype=scores.dtype, device=scores.device)
+        return out.scatter_(1, tokens[:, None].to(scores.device), 0.0)
+
+
 def _sample(values, index, vocab, sampling, generator, default_top_p) -> int:
     return sample_token(values, index, vocab, sampling["temperature"], sampling.get("top_p", default_top_p),
                         generator)
 
 
-__all__ = ["VocabShard", "greedy_tokens", "next_tokens", "sample_token", "top_candidates"]
+__all__ = ["GreedyOfSlices", "VocabShard", "greedy_tokens", "next_tokens", "sample_token", "top_candidates"]

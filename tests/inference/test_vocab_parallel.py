@@ -2,8 +2,9 @@
 vocab_parallel.py): on a shard of one it is ``torch.argmax`` (ties to the first maximum); ranks
 simulated in one process pick what one process picks, ties across ranks included; on two gloo
 ranks (tiny Llama, untied head) the continuous-batching engine's greedy tokens equal Hugging
-Face's ``generate`` of each prompt alone while 2 numbers per row per rank cross the group, not
-the vocabulary; and sampled tokens (temperature, top-k, top-p, seeds) equal one process's."""
+Face's ``generate`` of each prompt alone, and the static engine's equal ``generate`` of the batch,
+while 2 numbers per row per rank cross the group, not the vocabulary; and the continuous engine's
+sampled tokens (temperature, top-k, top-p, seeds) equal one process's."""
 from __future__ import annotations
 
 import pytest
@@ -180,3 +181,29 @@ def test_tp2_sampling_draws_what_one_process_draws():
     assert results[0][0] == results[1][0] == one
     greedy, _ = _run(IterationEngine(_model(), slots=1, prompt_len=9, max_new_tokens=7), [{}] * len(PROMPTS))
     assert one[0] != greedy[0] or one[3] != greedy[3]    # it really sampled
+
+
+BATCH = torch.tensor([[0, 0, 0, 5, 6, 7], [9, 10, 11, 12, 13, 14], [0, 40, 41, 42, 43, 44]])   # left-padded
+NEW = 5
+
+
+def _static_rank(rank, world, plan_json):
+    from autopar.inference.engine import compile_inference
+    plan = InferencePlan.from_json(plan_json)
+    engine = compile_inference(_model(), plan=plan)
+    out = engine.generate(BATCH, NEW, attention_mask=(BATCH != 0).long())
+    return out.tolist(), engine.vocab_shard.gathered, plan.batch_size
+
+
+@pytest.mark.slow
+def test_tp2_static_generate_equals_hf_generate_with_the_distributed_argmax():
+    plan = plan_inference(_model(), BATCH, autopar.Cluster.preset("cpu", devices=2), max_new_tokens=NEW,
+                          constraints={"tp": 2}, dtype="fp32")
+    assert plan.tp == 2
+    results = run_local(_static_rank, 2, args=(plan.to_json(),), timeout=300)
+    with torch.no_grad():
+        want = _model().generate(BATCH, attention_mask=(BATCH != 0).long(), max_new_tokens=NEW, do_sample=False,
+                                 pad_token_id=0)
+    for out, gathered, batch in results:
+        assert out == want.tolist()
+        assert gathered == 2 * 2 * batch * NEW     # one argmax per new token: 2 x tp per row, not V
