@@ -9,7 +9,14 @@ followed by the new tokens, greedy. Decoding is the model's own ``generate`` loo
 modules, whose row-parallel outputs are all-reduced over the replica's tensor-parallel group.
 
 The LM head is vocabulary-parallel when it is not tied to the embeddings (each rank its rows of the
-vocabulary, the logits all-gathered); a tied head stays whole. With ``pp > 1`` each stage holds
+vocabulary); a tied head stays whole. A split head returns each rank's slice of the logits
+(``head_logits``, its forward hook): greedy ``generate`` picks each row's token by a distributed
+argmax (autopar/inference/vocab_parallel.py ``GreedyOfSlices``, a logits processor of Hugging
+Face's ``generate``: 2 numbers per row per rank cross the tensor-parallel group, not the
+vocabulary), and the continuous-batching engine (autopar/inference/iteration_engine.py) chooses
+its tokens from the slices the same way (``vocab_shard``). Sampling here keeps Hugging Face's
+warpers and seeded stream on whole logits: for a sampled ``generate`` the hook all-gathers them
+([rows, seq, V], ``gather_last_dim``). With ``pp > 1`` each stage holds
 its layers and passes hidden states on (autopar/inference/pp_stages.py); replicas are then
 consecutive groups of tp x pp ranks, stage-major within.
 ``last_timing`` holds the last call's measured prefill (time to the first new token) and decode
@@ -25,8 +32,9 @@ import torch.distributed as dist
 from autopar.errors import PlanError
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
-from autopar.inference.pp_stages import connect_stages, keep_stage_layers, share_cache_layers
+from autopar.inference.pp_stages import ReceivedLogits, connect_stages, keep_stage_layers, share_cache_layers
 from autopar.inference.tp_shard import shard_for_tp
+from autopar.inference.vocab_parallel import GreedyOfSlices, VocabShard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -100,6 +108,7 @@ def fill_buffers(model) -> None:
 class InferenceEngine:
     def __init__(self, model, plan: InferencePlan, weights: str | None = None, collective_timeout=None):
         self.plan = plan
+        self.whole_logits = False   # a split head's logits all-gathered (a sampled generate), else its slice
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         if plan.world_size != self.world:
@@ -129,9 +138,16 @@ class InferenceEngine:
             keep_stage_layers(self.model, tuple(plan.stages[self.stage]))
         self.sharded = shard_for_tp(self.model, self.tp_rank, tp,
                                     lambda t: dist.all_reduce(t, group=self.group), read=self.read,
-                                    all_gather=self.gather_last_dim)
+                                    all_gather=self.head_logits)
+        split = "colwise_gather_output" in self.sharded.values()
+        self.vocab_shard = VocabShard(self.tp_rank, tp, self.group) if split else VocabShard()
+        self.received = None   # a stage before the last: the head receiving the last stage's logits
         if pp > 1:
             connect_stages(self.model, self.stage, [tuple(b) for b in plan.stages], pipe_ranks, self.pipe_group)
+            received = self.model.get_output_embeddings()
+            if isinstance(received, ReceivedLogits):
+                self.received = received
+                received.vocab //= self.vocab_shard.size   # its tp rank's slice of the last stage's logits
         fill_buffers(self.model)
         self.model.eval().to(DTYPES.get(plan.dtype, torch.float32))
         from transformers import StaticCache
@@ -140,6 +156,10 @@ class InferenceEngine:
             share_cache_layers(self.cache, self.model, tuple(plan.stages[self.stage]))
         self.last_timing: dict = {}
         self.cache_batch = None
+
+    def head_logits(self, t: torch.Tensor) -> torch.Tensor:
+        """A split head's output: this rank's slice, or gathered whole with ``whole_logits``."""
+        return self.gather_last_dim(t) if self.whole_logits else t
 
     def gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s last dim concatenated over this replica's tensor-parallel group, in rank order."""
@@ -210,12 +230,26 @@ class InferenceEngine:
         self.cache.reset()
         sample = dict(self.sampling)
         seed = sample.pop("seed", 0)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                      do_sample=bool(sample), **sample, cache=self.cache, pad_token_id=0,
-                                      streamer=clock)
+        from transformers import LogitsProcessorList
+        self._whole_logits(bool(sample))
+        greedy = {} if sample or self.vocab_shard.size == 1 else {
+            "logits_processor": LogitsProcessorList([GreedyOfSlices(self.vocab_shard)])}
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                          do_sample=bool(sample), **sample, cache=self.cache, pad_token_id=0,
+                                          streamer=clock, **greedy)
+        finally:
+            self._whole_logits(False)
         return out[:rows]
+
+    def _whole_logits(self, whole: bool) -> None:
+        """A split head's logits all-gathered (``whole``) or this rank's slice, on every stage."""
+        self.whole_logits = whole
+        if self.received is not None:
+            vocab = self.model.config.vocab_size
+            self.received.vocab = vocab if whole else vocab // self.vocab_shard.size
 
 
 def compile_inference(model, cluster=None, plan: InferencePlan | None = None, weights: str | None = None,

@@ -5,7 +5,14 @@ intensity, memory-bound kernels at its bandwidth, collectives at its bus bandwid
 What is priced is what the engine runs (autopar/inference/engine.py): Megatron tensor parallelism
 of each decoder layer (q/k/v and the MLP's gate/up column-parallel, o and down row-parallel with
 an all-reduce each, so 2 all-reduces a layer); embeddings whole on every rank; the LM head
-vocabulary-parallel with its logits all-gathered when it is not tied to the embeddings, else whole.
+vocabulary-parallel when it is not tied to the embeddings, else whole.
+
+**The vocabulary-parallel head** (``Pricer.head``) is priced as both engines run it greedy (the
+default): each rank's slice of the logits, then a distributed argmax whose all-gather carries 2
+float64 numbers (value, index) per row per rank (autopar/inference/vocab_parallel.py). Sampling
+runs otherwise and is not priced: the continuous-batching engine gathers 2 k numbers per row per
+rank for top-k (the whole row for top_k 0), the static engine all-gathers the whole logits
+[rows, V] for Hugging Face's warpers; ``Pricer(..., gathered_logits=True)`` prices that gather.
 
 - **Prefill** (time to first token): the prompt's forward, one replica's batch B x S tokens. Per
   layer: the four projections and the MLP as GEMMs of [B S, H] by the rank's slice, causal
@@ -77,6 +84,7 @@ from autopar.pricing.pipeline_cost import boundary_p2p_time
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 SKINNY_ROWS = 256         # Pricer.gemm: below, a GEMM is priced at the roofline (decode's GEMV-like shapes)
+ARGMAX_ITEMSIZE = 8       # the distributed argmax's (value, index) pairs cross the group as float64
 ELEMENTWISE_PASSES = 10   # norms, residual adds, rotary, activations: reads + writes of [tokens, H] a layer
 
 
@@ -127,8 +135,9 @@ def weight_bytes(m: ModelShape, tp: int, pp: int, dtype: str) -> float:
 class Pricer:
     """Prices for one cluster and dtype; ``mesh(tp, dp)`` places tp inside a node."""
 
-    def __init__(self, cluster: Cluster, m: ModelShape, dtype: str):
+    def __init__(self, cluster: Cluster, m: ModelShape, dtype: str, gathered_logits: bool = False):
         self.cluster, self.m, self.dtype = cluster, m, dtype
+        self.gathered_logits = gathered_logits   # the head's whole logits all-gathered (module doc)
         self.b = ITEMSIZE[dtype]
         self.cal = profile_of(cluster)
         self.device = cluster.device
@@ -171,13 +180,15 @@ class Pricer:
         return boundary_p2p_time(self.cluster, nbytes, 0, self.cluster.num_devices // pp)
 
     def head(self, rows: float, tp: int) -> float:
-        """The LM head on ``rows`` positions: vocabulary-parallel with the logits all-gathered, or whole."""
+        """The LM head on ``rows`` positions, whole, or vocabulary-parallel followed by the
+        distributed argmax's all-gather of 2 float64 numbers per row per rank (the whole logits,
+        rows x V, with ``gathered_logits``: module doc)."""
         m = self.m
         if not head_split(m, tp):
             return self.gemm(rows, m.hidden, m.vocab)
         mesh = Mesh((self.cluster.num_devices // tp, tp), ("dp", "tp"), self.cluster.devices_per_node)
-        return (self.gemm(rows, m.hidden, m.vocab / tp)
-                + Collectives(self.cluster, mesh)("all_gather", rows * m.vocab * self.b, 1))
+        gathered = rows * m.vocab * self.b if self.gathered_logits else rows * 2 * tp * ARGMAX_ITEMSIZE
+        return self.gemm(rows, m.hidden, m.vocab / tp) + Collectives(self.cluster, mesh)("all_gather", gathered, 1)
 
     def layer_gemms(self, tokens: float, tp: int, experts_read: float) -> float:
         m = self.m

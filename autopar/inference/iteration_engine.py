@@ -36,7 +36,18 @@ time. The admission budget is the plan's token pool (the planner's accounting), 
 **Sampling.** Greedy unless a sequence's ``sampling`` has ``temperature`` > 0 (``top_p``,
 ``top_k``, ``seed``: engine.py ``check_sampling``): each sequence samples from its own
 ``torch.Generator`` seeded with its ``seed``, after Hugging Face's temperature, top-k and top-p
-warpers (unset top_k / top_p: the model's generation config, as its ``generate`` does).
+warpers (unset top_k / top_p: the model's generation config, as its ``generate`` does). Tokens are
+chosen from the last position's logits by autopar/inference/vocab_parallel.py ``next_tokens``,
+one call for every row of a step, on every rank.
+
+**Vocabulary-parallel head.** With tp > 1 an untied head returns each rank's slice of the
+vocabulary (``compile_inference`` builds it so: no gather of the logits); the ranks choose
+each row's greedy token by a distributed argmax (2 numbers per row per rank cross the
+tensor-parallel group) and a sampled one from a distributed top-k (2 k per row per rank), the
+whole last-position row gathered only for sampling with top_k 0. One process (or a tied head,
+whole on every rank) runs the same functions on a shard of one, so tp ranks draw the tokens one
+process draws (tests/inference/test_vocab_parallel.py). ``vocab_shard.gathered`` counts the
+elements gathered.
 
 **Ranks.** With tp > 1 every rank holds its tensor-parallel shard (``from_plan`` builds it as
 ``compile_inference`` does) and runs the same iterations: on its own, SPMD, when every rank adds
@@ -98,6 +109,7 @@ import torch.distributed as dist
 from autopar.errors import ExecutionError, PlanError
 from autopar.inference.engine import check_sampling
 from autopar.inference.model_shape import causal_lm
+from autopar.inference.vocab_parallel import VocabShard, next_tokens
 
 
 @dataclass
@@ -155,6 +167,7 @@ class IterationEngine:
         self.stage, self.bounds = 0, None     # from_plan with pp > 1: this rank's stage and its [first, end) layers
         self.replica_ranks = 1                # ranks of one replica (tp x pp)
         self.jobs = None                      # from_plan: the group rank 0's jobs travel on (no collective timeout)
+        self.vocab_shard = VocabShard()       # from_plan with tp > 1: this rank's slice of the head's vocabulary
         gc = getattr(self.model, "generation_config", None)
         self.default_top_k = getattr(gc, "top_k", None) or 0
         self.default_top_p = getattr(gc, "top_p", None) or 1.0
@@ -180,6 +193,7 @@ class IterationEngine:
                      plan.predictions.get("kv_cache_tokens_per_replica"))
         engine.replica, engine.replicas, engine.tp_rank = built.replica, plan.dp, built.tp_rank
         engine.stage, engine.replica_ranks = built.stage, plan.tp * plan.pp
+        engine.vocab_shard = built.vocab_shard
         if plan.pp > 1:
             engine.bounds = tuple(plan.stages[built.stage])
         if _distributed():
@@ -275,24 +289,11 @@ class IterationEngine:
             out.append(self.waiting.pop(0))
         return out
 
-    def _next_token(self, logits: torch.Tensor, seq: Sequence) -> int:
-        """The next token from one row of last-position logits: greedy, or sampled as ``generate``."""
-        logits = logits.float()
-        if not seq.sampling:
-            return int(logits.argmax(-1))
-        from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                            TopPLogitsWarper)
-        scores = logits[None]
-        s = seq.sampling
-        scores = TemperatureLogitsWarper(float(s["temperature"]))(None, scores)
-        top_k = s.get("top_k", self.default_top_k)
-        if top_k:
-            scores = TopKLogitsWarper(top_k)(None, scores)
-        top_p = s.get("top_p", self.default_top_p)
-        if top_p < 1.0:
-            scores = TopPLogitsWarper(top_p)(None, scores)
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, num_samples=1, generator=seq.generator)[0, 0])
+    def _next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """The next token of each of ``seqs`` from its row of last-position logits ([rows, V / tp]:
+        this rank's slice of the vocabulary): greedy, or sampled as ``generate`` (module doc)."""
+        return next_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs], self.vocab_shard,
+                           self.default_top_k, self.default_top_p)
 
     def _new_cache(self):
         """An empty DynamicCache; with pp > 1, one entry per layer, those of the other stages'
@@ -311,7 +312,7 @@ class IterationEngine:
         cache = self._new_cache()
         ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
         logits = self._forward(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache)
-        self._append(seq, self._next_token(logits[0, -1], seq))
+        self._append(seq, self._next_tokens(logits[:, -1], [seq])[0])
         seq.first = time.perf_counter()
         seq.cache = cache
 
@@ -350,8 +351,8 @@ class IterationEngine:
         self.mask = torch.cat([self.mask, self.mask.new_ones(rows, 1)], dim=1)
         logits = self._forward(input_ids=ids, attention_mask=self.mask, position_ids=lengths[:, None],
                                cache_position=torch.tensor([width], device=self.device), cache=self.cache)[:, -1]
-        for row, seq in enumerate(self.running):
-            self._append(seq, self._next_token(logits[row], seq))
+        for seq, token in zip(self.running, self._next_tokens(logits, self.running)):
+            self._append(seq, token)
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.tokens.append(token)

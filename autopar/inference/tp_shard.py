@@ -17,7 +17,12 @@ styles such as ``colwise``, ``rowwise``, ``packed_colwise``). GPT-2's config has
 
 The config is then rewritten to the rank's local head counts (attention reshapes with -1 and its
 cache is allocated from the config), so the model runs its own forward and ``generate`` on local
-heads. Embeddings, norms, routers and the LM head stay whole.
+heads. Embeddings, norms and routers stay whole. The LM head, when not tied to the embeddings
+and tp divides the vocabulary, is vocabulary-parallel (``colwise_gather_output``: each rank its
+rows of the vocabulary) and its output goes through the caller's ``all_gather`` hook: the engines
+keep each rank's slice of the logits for a distributed argmax / top-k
+(autopar/inference/vocab_parallel.py) and gather them whole only to sample with Hugging Face's
+``generate`` (autopar/inference/engine.py). A tied head stays whole.
 """
 from __future__ import annotations
 
@@ -109,8 +114,9 @@ def shard_for_tp(model, rank: int, tp: int, all_reduce, read=None, all_gather=No
     """Slice ``model`` in place for rank ``rank`` of ``tp``; ``all_reduce(t)`` sums ``t`` in place over
     the tensor-parallel group. ``read(fqn, pieces, dim)`` gives the rank's shard of the tensor at
     ``fqn`` (``pieces``: index tuples concatenated along ``dim``); default: the model's own tensors.
-    ``all_gather(t)`` concatenates ``t``'s last dim over the group in rank order (the vocabulary-
-    parallel head's logits; without it the head stays whole).
+    ``all_gather(t)``: the vocabulary-parallel head's logits ``t`` (this rank's slice of the last
+    dim) as the caller wants them: concatenated over the group in rank order, or the slice as is
+    (without it the head stays whole).
     Parameters left on the meta device (a model built without weights) are then read whole.
     Returns the module paths sharded, with their styles."""
     params = dict(model.named_parameters(remove_duplicate=False))

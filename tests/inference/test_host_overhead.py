@@ -39,10 +39,15 @@ def _with_host(cluster, layer, forward, synchronous):
 def test_gpu_presets_price_as_before(shape, preset):
     cl = autopar.Cluster.preset(preset)
     assert (cl.device.host_layer_overhead, cl.device.host_forward_overhead, cl.device.host_synchronous) == (0, 0, False)
-    p = Pricer(cl, shape, "bf16")
+    # BEFORE was priced with the head's whole logits all-gathered (now gathered_logits=True); the
+    # default prices the distributed argmax's 2 numbers per row per rank: a little less
+    p = Pricer(cl, shape, "bf16", gathered_logits=True)
     got = (p.prefill(4, 2, 1, 1024), p.decode(8, 1, 16, 2048), p.decode_in_flight(2, 2, 8, 2048),
            p.mixed(4, 1, ((256, 0), (128, 512)), 8, 1024))
     assert got == pytest.approx(BEFORE[preset], rel=1e-12)
+    argmax = Pricer(cl, shape, "bf16")
+    assert argmax.decode(8, 1, 16, 2048) < p.decode(8, 1, 16, 2048)
+    assert argmax.decode(8, 1, 16, 2048) == pytest.approx(p.decode(8, 1, 16, 2048), rel=0.01)
 
 
 def test_synchronous_host_adds_per_layer_and_per_forward(shape):
