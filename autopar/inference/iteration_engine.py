@@ -8,7 +8,8 @@ it:
    ``kv_cache_tokens_per_replica``, while the KV-cache tokens the running sequences hold (each its
    prompt plus all the tokens it may generate, from admission) stay within that pool; the first that
    does not fit blocks the ones behind it. Each admitted prompt is prefilled **on its own** (a batch
-   of one, no padding) into a fresh cache, and its first new token sampled; a sequence that wanted
+   of one, no padding) into a fresh cache, the LM head on its last position only (``logits_to_keep``),
+   and its first new token sampled; a sequence that wanted
    one token is finished there. Decoding pauses meanwhile.
 2. **decode**: one forward step of every running sequence together, each at its own position.
 3. **retire**: a sequence that has its ``max_new_tokens``, or has just generated an end-of-sequence
@@ -97,6 +98,7 @@ failure too.
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import time
@@ -177,6 +179,9 @@ class IterationEngine:
             self.device = next(self.model.parameters()).device
         except StopIteration:
             self.device = torch.device("cpu")
+        # a prefill needs the last position's logits only (as ``generate`` asks, and as priced)
+        keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.last_logits = {"logits_to_keep": 1} if keeps else {}
 
     @classmethod
     def from_plan(cls, model, plan, weights: str | None = None, collective_timeout=None) -> "IterationEngine":
@@ -311,7 +316,7 @@ class IterationEngine:
         seq.running_at_admission = len(self.running) + 1
         cache = self._new_cache()
         ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
-        logits = self._forward(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache)
+        logits = self._forward(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **self.last_logits)
         self._append(seq, self._next_tokens(logits[:, -1], [seq])[0])
         seq.first = time.perf_counter()
         seq.cache = cache
