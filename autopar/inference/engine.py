@@ -142,8 +142,10 @@ class InferenceEngine:
         split = "colwise_gather_output" in self.sharded.values()
         self.vocab_shard = VocabShard(self.tp_rank, tp, self.group) if split else VocabShard()
         self.received = None   # a stage before the last: the head receiving the last stage's logits
+        self.stage_link = None   # pp > 1: the stage hooks' link (pp_stages.py)
         if pp > 1:
-            connect_stages(self.model, self.stage, [tuple(b) for b in plan.stages], pipe_ranks, self.pipe_group)
+            self.stage_link = connect_stages(self.model, self.stage, [tuple(b) for b in plan.stages], pipe_ranks,
+                                             self.pipe_group)
             received = self.model.get_output_embeddings()
             if isinstance(received, ReceivedLogits):
                 self.received = received

@@ -147,6 +147,19 @@ class Sequence:
                 "new_tokens": len(self.tokens)}
 
 
+@dataclass
+class VirtualEngine:
+    """One micro-batch of a pipelined replica (module doc, Stages): its running sequences (row i of
+    ``cache``, this stage's layers, is ``running[i]``) under ``mask``, and its turn in flight:
+    ``admitted`` (the sequences it prefills in this turn; None: no turn in flight) with every running
+    row decoding one token. ``turns``: turns it has started."""
+    running: list = field(default_factory=list)
+    cache: object = None
+    mask: torch.Tensor | None = None
+    admitted: list | None = None
+    turns: int = 0
+
+
 class IterationEngine:
     """Continuous batching of ``model`` (module doc). ``slots``: sequences decoded together (the
     plan's batch_size); ``prompt_len`` / ``max_new_tokens``: the longest prompt and output a
@@ -170,6 +183,8 @@ class IterationEngine:
         self.replica_ranks = 1                # ranks of one replica (tp x pp)
         self.jobs = None                      # from_plan: the group rank 0's jobs travel on (no collective timeout)
         self.vocab_shard = VocabShard()       # from_plan with tp > 1: this rank's slice of the head's vocabulary
+        self.pp, self.flights, self.link = 1, [], None   # from_plan with pp > 1: the virtual engines (Stages)
+        self.ticks = self.overlaps = 0        # pp > 1: ticks run; those in which two or more stages worked
         gc = getattr(self.model, "generation_config", None)
         self.default_top_k = getattr(gc, "top_k", None) or 0
         self.default_top_p = getattr(gc, "top_p", None) or 1.0
@@ -201,9 +216,22 @@ class IterationEngine:
         engine.vocab_shard = built.vocab_shard
         if plan.pp > 1:
             engine.bounds = tuple(plan.stages[built.stage])
+            engine._fly(plan.pp, built.stage_link, built.received)
         if _distributed():
             engine.jobs = dist.new_group(timeout=IDLE_TIMEOUT)
         return engine
+
+    def _fly(self, pp: int, link, received) -> None:
+        """Run ``pp`` virtual engines in flight (module doc, Stages), each with ``slots`` and
+        ``kv_tokens // pp`` of the pool; ``link``: this rank's StageLink (pp_stages.py);
+        ``received``: a stage before the last's ReceivedLogits head (None on the last)."""
+        self.pp, self.link = pp, link
+        self.flights = [VirtualEngine() for _ in range(pp)]
+        if self.kv_tokens is not None:
+            self.kv_tokens //= pp
+        self.vocab = received.vocab if received is not None else None
+        self.dtype = self.model.get_input_embeddings().weight.dtype
+        link.in_flight = True
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -220,7 +248,7 @@ class IterationEngine:
                             f"(its KV cache holds no more)")
         if self.kv_tokens is not None and len(prompt) + max_new_tokens > self.kv_tokens:
             raise PlanError(f"the request needs {len(prompt) + max_new_tokens} KV-cache tokens, more than the "
-                            f"plan's pool of {self.kv_tokens}")
+                            f"plan's pool of {self.kv_tokens}" + (" per micro-batch in flight" if self.pp > 1 else ""))
 
     def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
         """Queue a request; it joins at the next ``step`` with room. PlanError for what the plan cannot run."""
@@ -239,6 +267,12 @@ class IterationEngine:
 
     def abort(self) -> list[Sequence]:
         """Drop every running and waiting sequence (after a failed step); returns them."""
+        if self.flights:
+            out = self.running + self.waiting
+            self.flights = [VirtualEngine() for _ in range(self.pp)]
+            self.running, self.waiting = [], []
+            self.link.drop()
+            return out
         rows = {id(s) for s in self.running}
         out = self.running + [s for s in self.admitting if id(s) not in rows] + self.waiting
         self.running, self.admitting, self.waiting = [], [], []
@@ -250,9 +284,11 @@ class IterationEngine:
     @torch.no_grad()
     def step(self) -> list[Sequence]:
         """One iteration: admit, prefill the admitted, decode the running one token, retire the
-        finished; returns the sequences that finished."""
+        finished; returns the sequences that finished. With pp > 1, one tick (module doc, Stages)."""
+        if self.flights:
+            return self._tick()
         finished = []
-        self.admitting = self._admissions()
+        self.admitting = self._admissions(self.running)
         for seq in self.admitting:
             self._prefill(seq)
             if seq.finished:
@@ -283,10 +319,11 @@ class IterationEngine:
         """Step until nothing is running or waiting; the sequences in the order they finished."""
         return _run_until_idle(self)
 
-    def _admissions(self) -> list[Sequence]:
-        held = sum(s.need for s in self.running)
+    def _admissions(self, running: list[Sequence]) -> list[Sequence]:
+        """The waiting sequences that join a batch of ``running`` ones (module doc, admit)."""
+        held = sum(s.need for s in running)
         out = []
-        while self.waiting and len(self.running) + len(out) < self.slots:
+        while self.waiting and len(running) + len(out) < self.slots:
             seq = self.waiting[0]
             if self.kv_tokens is not None and held + seq.need > self.kv_tokens:
                 break   # in order: the first that does not fit blocks the ones behind it
@@ -314,12 +351,16 @@ class IterationEngine:
     def _prefill(self, seq: Sequence) -> None:
         seq.admitted = time.perf_counter()
         seq.running_at_admission = len(self.running) + 1
-        cache = self._new_cache()
-        ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
-        logits = self._forward(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, **self.last_logits)
-        self._append(seq, self._next_tokens(logits[:, -1], [seq])[0])
+        logits = self._prefill_forward(seq)
+        self._append(seq, self._next_tokens(logits, [seq])[0])
         seq.first = time.perf_counter()
-        seq.cache = cache
+
+    def _prefill_forward(self, seq: Sequence) -> torch.Tensor:
+        """``seq``'s prompt alone into a fresh cache (``seq.cache``): its last position's logits [1, V]."""
+        seq.cache = self._new_cache()
+        ids = torch.tensor([seq.prompt], dtype=torch.long, device=self.device)
+        return self._forward(input_ids=ids, attention_mask=torch.ones_like(ids), cache=seq.cache,
+                             **self.last_logits)[:, -1]
 
     def _forward(self, cache, **inputs) -> torch.Tensor:
         """The model's logits, ``cache`` (a DynamicCache) updated in place by the step."""
@@ -329,54 +370,141 @@ class IterationEngine:
             out = self.model(**inputs, past_key_values=cache, use_cache=True)
         return out.logits
 
-    def _join(self, seq: Sequence) -> None:
-        """The newcomer's prefilled cache becomes the last row of the batched cache (module doc)."""
+    def _join(self, seq: Sequence, batch=None) -> None:
+        """The newcomer's prefilled cache becomes the last row of the batched cache (module doc) of
+        ``batch``: the engine, or with pp > 1 a VirtualEngine."""
+        batch = self if batch is None else batch
         new = seq.cache
         del seq.cache
         n = len(seq.prompt)
-        if self.cache is None:
-            self.cache = new
-            self.mask = torch.ones(1, n, dtype=torch.long, device=self.device)
-            self.running = [seq]
+        if batch.cache is None:
+            batch.cache = new
+            batch.mask = torch.ones(1, n, dtype=torch.long, device=self.device)
+            batch.running = [seq]
             return
-        width = self.mask.shape[1]
+        width = batch.mask.shape[1]
         to = max(width, n)
-        for old, add in zip(_own_layers(self.cache), _own_layers(new)):
+        for old, add in zip(_own_layers(batch.cache), _own_layers(new)):
             old.keys = torch.cat([_pad_left(old.keys, to), _pad_left(add.keys, to)])
             old.values = torch.cat([_pad_left(old.values, to), _pad_left(add.values, to)])
         row = torch.zeros(1, to, dtype=torch.long, device=self.device)
         row[:, to - n:] = 1
-        self.mask = torch.cat([torch.nn.functional.pad(self.mask, (to - width, 0)), row])
-        self.running.append(seq)
+        batch.mask = torch.cat([torch.nn.functional.pad(batch.mask, (to - width, 0)), row])
+        batch.running.append(seq)
 
     def _decode(self) -> None:
-        rows, width = self.mask.shape
-        ids = torch.tensor([[s.tokens[-1]] for s in self.running], dtype=torch.long, device=self.device)
-        lengths = self.mask.sum(-1)                       # each row's real tokens: its next position
-        self.mask = torch.cat([self.mask, self.mask.new_ones(rows, 1)], dim=1)
-        logits = self._forward(input_ids=ids, attention_mask=self.mask, position_ids=lengths[:, None],
-                               cache_position=torch.tensor([width], device=self.device), cache=self.cache)[:, -1]
+        logits, self.mask = self._decode_forward(self)
         for seq, token in zip(self.running, self._next_tokens(logits, self.running)):
             self._append(seq, token)
+
+    def _decode_forward(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of ``batch``'s running rows (its cache grows by a column): their
+        last-position logits [rows, V] and the mask extended by that column."""
+        rows, width = batch.mask.shape
+        ids = torch.tensor([[s.tokens[-1]] for s in batch.running], dtype=torch.long, device=self.device)
+        lengths = batch.mask.sum(-1)                       # each row's real tokens: its next position
+        mask = torch.cat([batch.mask, batch.mask.new_ones(rows, 1)], dim=1)
+        logits = self._forward(input_ids=ids, attention_mask=mask, position_ids=lengths[:, None],
+                               cache_position=torch.tensor([width], device=self.device), cache=batch.cache)[:, -1]
+        return logits, mask
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.tokens.append(token)
         seq.stopped = token in self.eos
 
-    def _retire(self, keep: list[int]) -> None:
+    def _retire(self, keep: list[int], batch=None) -> None:
+        """Keep the rows ``keep`` of ``batch`` (the engine, or a VirtualEngine) only."""
+        batch = self if batch is None else batch
         if not keep:
-            self.cache = self.mask = None
-            self.running = []
+            batch.cache = batch.mask = None
+            batch.running = []
             return
         index = torch.tensor(keep, device=self.device)
-        self.mask = self.mask[index]
-        real = self.mask.any(0).nonzero()
-        start = int(real[0]) if len(real) else self.mask.shape[1]   # leading padding in every row goes
-        self.mask = self.mask[:, start:]
-        for layer in _own_layers(self.cache):
+        batch.mask = batch.mask[index]
+        real = batch.mask.any(0).nonzero()
+        start = int(real[0]) if len(real) else batch.mask.shape[1]   # leading padding in every row goes
+        batch.mask = batch.mask[:, start:]
+        for layer in _own_layers(batch.cache):
             layer.keys = layer.keys[index, :, start:]
             layer.values = layer.values[index, :, start:]
-        self.running = [self.running[i] for i in keep]
+        batch.running = [batch.running[i] for i in keep]
+
+    # --- pipeline stages in flight (pp > 1) ---------------------------------------------------------
+
+    def _tick(self) -> list[Sequence]:
+        """One tick (module doc, Stages): the virtual engine whose tokens are known starts its turn
+        at stage 0; this rank's stage works on the turn that has reached it; the last stage's
+        logits of the turn it finished reach every stage, and that turn ends (every rank chooses
+        the same tokens and retires and joins the same rows). Returns the sequences that finished."""
+        pp, t = self.pp, self.ticks
+        self._start_turn(self.flights[t % pp])
+        at = [self.flights[(t - s) % pp] for s in range(pp)]   # the virtual engine at each stage
+        working = sum(ve.admitted is not None for ve in at)
+        if not working:
+            return []
+        self.ticks += 1
+        self.iterations += 1
+        self.overlaps += working > 1
+        mine, end = at[self.stage], at[-1]
+        logits = self._work(mine) if mine.admitted is not None else None
+        self.link.wait_sends()
+        finished = []
+        if end.admitted is not None:
+            rows = len(end.admitted) + len(end.running)
+            finished = self._end_turn(end, self.link.share_logits(logits, rows, self.vocab, self.dtype, self.device))
+        self.running = [s for ve in self.flights for s in ve.running + (ve.admitted or [])]
+        return finished
+
+    def _start_turn(self, ve: VirtualEngine) -> None:
+        """Stage 0's turn of ``ve``: the waiting sequences it admits (shared queue, in order), with
+        its running rows decoding; no turn when it has neither."""
+        admitted = self._admissions(ve.running)
+        now = time.perf_counter()
+        for i, seq in enumerate(admitted):
+            seq.admitted = now
+            seq.running_at_admission = len(ve.running) + i + 1
+        if admitted or ve.running:
+            ve.admitted = admitted
+            ve.turns += 1
+
+    def _work(self, ve: VirtualEngine) -> torch.Tensor:
+        """This stage's forwards of ``ve``'s turn: each newcomer's prefill, one by one, then the
+        decode step of its running rows. Their last-position logits [newcomers + rows, V] (read on
+        the last stage only)."""
+        out = [self._prefill_forward(seq) for seq in ve.admitted]
+        if ve.running:
+            out.append(self._decode_forward(ve)[0])
+        return torch.cat(out)
+
+    def _end_turn(self, ve: VirtualEngine, logits: torch.Tensor) -> list[Sequence]:
+        """``ve``'s turn done on every stage: its newcomers' first tokens and its rows' next ones
+        from ``logits``; finished rows leave, the other newcomers join (their prefilled caches)."""
+        seqs = ve.admitted + ve.running
+        for seq, token in zip(seqs, self._next_tokens(logits, seqs)):
+            self._append(seq, token)
+        now = time.perf_counter()
+        finished = []
+        if ve.running:
+            ve.mask = torch.cat([ve.mask, ve.mask.new_ones(len(ve.running), 1)], dim=1)
+            keep = []
+            for row, seq in enumerate(ve.running):
+                if seq.finished:
+                    seq.done = now
+                    finished.append(seq)
+                else:
+                    keep.append(row)
+            if len(keep) < len(ve.running):
+                self._retire(keep, ve)
+        for seq in ve.admitted:
+            seq.first = now
+            if seq.finished:
+                seq.done = now
+                seq.cache = None
+                finished.append(seq)
+            else:
+                self._join(seq, ve)
+        ve.admitted = None
+        return finished
 
 
 class RanksOutOfStep(ExecutionError, RuntimeError):

@@ -1,8 +1,10 @@
-"""Continuous batching with pipeline stages (autopar/inference/iteration_engine.py, pp > 1): every
-rank of a pipeline runs the same iterations (rank 0 leading, the others following its broadcasts),
-each stage holds its layers and the cache entries of its own layers only, and staggered requests
-with different prompt and output lengths each get Hugging Face's ``generate`` of its prompt alone:
-pp=2 on two gloo ranks (tiny Llama and GPT-2), tp=2 x pp=2 on four; ``autopar serve`` on a pp=2
+"""Continuous batching with pipeline stages in flight (autopar/inference/iteration_engine.py, pp >
+1): every rank of a pipeline runs the same ticks (rank 0 leading, the others following its
+broadcasts), each stage holds its layers and the cache entries of its own layers only, the two
+virtual engines' turns overlap (in a tick stage 0 and stage 1 each work on its own virtual engine),
+and staggered requests with different prompt and output lengths each get Hugging Face's
+``generate`` of its prompt alone: pp=2 on two gloo ranks (tiny Llama and GPT-2), tp=2 x pp=2 on
+four; sampled requests draw what one process draws with their seeds; ``autopar serve`` on a pp=2
 continuous plan answers requests through the CLI."""
 from __future__ import annotations
 
@@ -22,26 +24,62 @@ torch.set_num_threads(1)
 from test_iteration_engine import REQUESTS, _alone, _continuous_plan, _model, _serve_staggered  # noqa: E402
 
 
-def _pp_rank(rank, world, plan_json, name):
+# each request's sampling: greedy, temperature with top-p, temperature with top-k; seeded
+SAMPLINGS = [[{}, {"temperature": 0.9, "top_p": 0.95, "seed": i},
+              {"temperature": 1.2, "top_k": 10, "seed": i}][i % 3] for i in range(len(REQUESTS))]
+
+
+class _Sampled:
+    """An engine whose ``add`` gives each request its sampling of ``samplings``, in order."""
+
+    def __init__(self, engine, samplings):
+        self.engine, self.samplings = engine, iter(samplings)
+
+    def add(self, prompt, new):
+        return self.engine.add(prompt, new, next(self.samplings))
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _worked(engine):
+    """Record, per tick, the virtual engine this rank's stage worked on: [(tick, index)]."""
+    log, work = [], engine._work
+
+    def logged(ve):
+        log.append((engine.ticks - 1, engine.flights.index(ve)))
+        return work(ve)
+    engine._work = logged
+    return log
+
+
+def _pp_rank(rank, world, plan_json, name, samplings=None):
     plan = InferencePlan.from_json(plan_json)
     engine = IterationEngine.from_plan(_model(name), plan)
     engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 3, 9, 7, None
     skips = sum(type(m).__name__ == "Skip" for m in engine.model.modules())
+    worked = _worked(engine)
     if rank > 0:
-        return follow_iterations(engine), engine.stage, skips
+        return follow_iterations(engine), engine.stage, skips, worked
     leader = LeaderIterations(engine)
-    seqs, log = _serve_staggered(leader, REQUESTS)
+    seqs, log = _serve_staggered(_Sampled(leader, samplings or [{}] * len(REQUESTS)), REQUESTS)
     leader.stop()
-    return [s.tokens for s in seqs], engine.iterations, max(r for r, _ in log), engine.stage, skips
+    turns = [ve.turns for ve in engine.flights]
+    return ([s.tokens for s in seqs], engine.iterations, max(r for r, _ in log), engine.stage, skips, worked,
+            engine.overlaps, turns)
 
 
 def _check(results, name, ranks):
     model = _model(name)
-    tokens, iterations, most, stage, skips = results[0]
+    tokens, iterations, most, stage, skips, worked, overlaps, turns = results[0]
     assert tokens == [_alone(model, p, n) for p, n in REQUESTS]
-    assert most == 3 and stage == 0 and skips > 0        # requests ran together; stage 0 holds some layers only
+    assert stage == 0 and skips > 0                     # stage 0 holds some layers only
+    assert most > 3 and overlaps > 0 and min(turns) > 0  # more requests ran than one virtual engine's 3 slots
     for r in range(1, ranks):
-        assert results[r][0] == iterations and results[r][2] > 0   # every rank ran every iteration
+        assert results[r][0] == iterations and results[r][2] > 0   # every rank ran every tick
+    # the premise: in some tick stage 0 and the last stage each worked on its own virtual engine
+    first, last = dict(worked), dict(results[ranks - 1][3])
+    assert any(t in last and last[t] != v for t, v in first.items())
 
 
 @pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
@@ -51,6 +89,18 @@ def test_pp2_stages_run_the_same_iterations_and_equal_generate_alone(name):
     results = run_local(_pp_rank, 2, args=(plan.to_json(), name), timeout=300)
     _check(results, name, 2)
     assert results[1][1] == 1
+
+
+def test_pp2_sampling_draws_what_one_process_draws():
+    plan = _continuous_plan(2, "hf_llama", tp=1, pp=2)
+    results = run_local(_pp_rank, 2, args=(plan.to_json(), "hf_llama", SAMPLINGS), timeout=300)
+    one = IterationEngine(_model("hf_llama"), slots=3, prompt_len=9, max_new_tokens=7)
+    seqs, _ = _serve_staggered(_Sampled(one, SAMPLINGS), REQUESTS)
+    tokens, overlaps = results[0][0], results[0][6]
+    assert tokens == [s.tokens for s in seqs] and overlaps > 0
+    greedy = [_alone(_model("hf_llama"), p, n) for p, n in REQUESTS]
+    assert any(t != g for t, g, s in zip(tokens, greedy, SAMPLINGS) if s)   # it really sampled
+    assert all(t == g for t, g, s in zip(tokens, greedy, SAMPLINGS) if not s)
 
 
 def test_tp2_pp2_equal_generate_alone():   # about 17 s on 2 cores
