@@ -2,7 +2,7 @@
 
 The engine holds up to ``slots`` running sequences (the plan's ``batch_size``) and a queue of
 waiting ones (``add``). One ``step()`` is one iteration, as autopar/inference/continuous.py prices
-it:
+it (with pp > 1, one tick of the stages in flight: **Stages**):
 
 1. **admit**: waiting sequences join, oldest first, while a slot is free and, when the plan gives
    ``kv_cache_tokens_per_replica``, while the KV-cache tokens the running sequences hold (each its
@@ -59,13 +59,35 @@ its own, ``engine.jobs``, with no timeout: an idle server's ranks wait there for
 
 **Stages** (pp > 1): each rank holds its stage's decoder layers only, the others ``Skip``
 (autopar/inference/pp_stages.py, as the static engine), and hooks pass the hidden states from stage
-to stage and the last stage's logits back to every stage. Every rank of the pipeline runs the same
-iterations as rank 0 says (as tp ranks do), the model's own forward on the same inputs: a prefill
-or decode step is one pass through the stages in order, one iteration at a time (no micro-batches
-in flight: a stage idles while the others run). Each cache (the batched one and a newcomer's
-prefill) has one entry per layer, those of other stages' layers pointing at one of the stage's own
-(``share_cache_layers``), so the lengths and mask sizes the model reads are right on every stage;
-joining and retiring rows touch each of the stage's own layers once.
+to stage. The replica keeps ``pp`` micro-batches in flight, one per stage, as the planner prices
+it (autopar/inference/continuous.py, "Pipeline stages in flight"): ``pp`` virtual engines
+(``VirtualEngine``), each with its own running sequences, batched cache of the stage's layers and
+mask, ``slots`` and ``kv_tokens // pp`` of the pool, taking requests from the replica's one
+waiting queue. A ``step()`` is one *tick* t:
+
+1. virtual engine t mod pp, whose tokens are known, starts its *turn* at stage 0: it admits waiting
+   sequences as above (oldest first, the first that does not fit blocking the ones behind it);
+2. stage s works on the turn of virtual engine (t - s) mod pp, if it has one: its newcomers'
+   prefills one by one, then one decode step of its running rows (the forwards of an iteration
+   above, in that order), taking each forward's hidden states from what stage s - 1 sent in the
+   previous tick and sending its own on with ``isend`` (pp_stages.py ``StageLink``, in flight);
+3. each stage waits for its previous tick's sends (the next stage received them in this tick, so
+   no stage waits on the next one within a tick), then the last stage's last-position logits of
+   the turn it finished (virtual engine (t + 1) mod pp) are broadcast over the pipeline, and every
+   rank ends that turn: the same tokens chosen (``next_tokens``), the same rows retired, the
+   newcomers that go on joining the batched cache. Its next turn is the next tick's, at stage 0.
+
+So a virtual engine's turn is one pass through the stages, pp ticks, and the stages work at once
+on different virtual engines. A newcomer's first token is known only at the end of its turn, so it
+decodes from its virtual engine's next turn (with pp = 1 it decodes in the iteration of its
+prefill). Every rank runs the same bookkeeping of all virtual engines (rank 0's broadcast requests
+added in the same order before each tick) and only its own stage's forwards; ``iterations``
+counts the ticks with work, ``overlaps`` those in which two or more stages worked, and a
+virtual engine's ``turns`` its turns. ``running`` is every virtual engine's running and admitted
+sequences. Each cache (the batched one and a newcomer's prefill) has one entry per layer, those of
+other stages' layers pointing at one of the stage's own (``share_cache_layers``), so the lengths
+and mask sizes the model reads are right on every stage; joining and retiring rows touch each of
+the stage's own layers once.
 
 **Replicas** (dp > 1): replica ``r`` is ranks ``r*tp*pp`` to ``(r+1)*tp*pp - 1``, stage-major (as
 ``compile_inference`` lays them out) and runs its own engine on its own ``slots`` and KV-token pool.
