@@ -78,7 +78,9 @@ waiting queue. A ``step()`` is one *tick* t:
    newcomers that go on joining the batched cache. Its next turn is the next tick's, at stage 0.
 
 So a virtual engine's turn is one pass through the stages, pp ticks, and the stages work at once
-on different virtual engines. A newcomer's first token is known only at the end of its turn, so it
+on different virtual engines; a tick lasts as long as its slowest stage's work (the broadcast
+joins the stages), so one stage's long prefill holds the others back (which the simulation leaves
+out). A newcomer's first token is known only at the end of its turn, so it
 decodes from its virtual engine's next turn (with pp = 1 it decodes in the iteration of its
 prefill). Every rank runs the same bookkeeping of all virtual engines (rank 0's broadcast requests
 added in the same order before each tick) and only its own stage's forwards; ``iterations``

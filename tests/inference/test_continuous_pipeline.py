@@ -56,6 +56,9 @@ def _worked(engine):
 def _pp_rank(rank, world, plan_json, name, samplings=None):
     plan = InferencePlan.from_json(plan_json)
     engine = IterationEngine.from_plan(_model(name), plan)
+    pool = plan.predictions.get("kv_cache_tokens_per_replica")
+    assert engine.kv_tokens == (None if pool is None else pool // plan.pp)   # each virtual engine's share
+    assert engine.slots == plan.batch_size and len(engine.flights) == plan.pp
     engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 3, 9, 7, None
     skips = sum(type(m).__name__ == "Skip" for m in engine.model.modules())
     worked = _worked(engine)
