@@ -14,7 +14,7 @@
   call; ``"continuous"`` runs an iteration loop where requests join and leave the running batch
   between decode steps (autopar/inference/iteration_engine.py; tp ranks and dp replicas, each
   replica its own slots, rank 0 assigning each request to the replica with the fewest running or
-  waiting requests; pipeline stages, one iteration at a time through them).
+  waiting requests; pipeline stages with one micro-batch in flight per stage).
   ``finish_reason`` is ``"stop"`` when the output ended at an end-of-sequence token before
   ``max_tokens``.
 - ``GET /v1/models`` (the one model) and ``GET /health``; ``GET /metrics``: requests, batches,
