@@ -34,6 +34,27 @@ sequence running next to short ones makes them carry padding (a paged pool would
 dynamic decoding); admission and retirement copy the cache once more. Prefills run one prompt at a
 time. The admission budget is the plan's token pool (the planner's accounting), not these bytes.
 
+**Chunked prefill** (``prefill_chunk``: a chunked plan's ``predictions["prefill_chunk"]``, as
+autopar/inference/continuous.py ``simulate_chunked`` prices it). An iteration runs at most
+``prefill_chunk`` tokens: the running rows' decode step takes one token each, first; the rest of
+the budget goes to prompt chunks in arrival order: first the sequence part-way through its
+prefill (``filling``), then waiting sequences admitted as above (slots and KV-token pool, counting
+the part-way sequence, which holds its slot and its tokens from admission) while budget is left,
+each taking as many of its prompt's tokens as remain. Each chunk is a forward of that sequence's
+next prompt tokens into its own prefill cache (``seq.cache``, fresh at its first chunk) at their
+own positions (``position_ids`` / ``cache_position`` from the tokens before, the mask all of
+them), so its last chunk's last-position logits are a whole-prompt prefill's; then the sequence
+gets its first token and joins the batched cache, to decode from the next iteration. The
+iteration: the chunks planned, the decode step, the finished rows retired, the chunks run.
+``seq.chunks`` records the tokens of each chunk a sequence ran, ``most_tokens`` the most one
+iteration ran. ``slots`` may not exceed the chunk (each decode takes a token of the budget). With
+pp > 1 each virtual engine's turn has its own budget (the turn's decode step, then its chunks, at
+every stage; the logits shared at its end are the decode rows' and those of the chunks that end
+a prompt). *Known difference:* the planner prices an iteration with chunks as one mixed batch
+(inference_cost.py ``Pricer.mixed``: the weights read once for the chunk tokens and the decodes
+together); the engine runs the decode step and each chunk as separate forwards, so the weights
+are read once per forward.
+
 **Sampling.** Greedy unless a sequence's ``sampling`` has ``temperature`` > 0 (``top_p``,
 ``top_k``, ``seed``: engine.py ``check_sampling``): each sequence samples from its own
 ``torch.Generator`` seeded with its ``seed``, after Hugging Face's temperature, top-k and top-p
