@@ -341,7 +341,6 @@ class IterationEngine:
             return out
         rows = {id(s) for s in self.running}
         out = self.running + [s for s in self.admitting + self.filling if id(s) not in rows] + self.waiting
-        out = list({id(s): s for s in out}.values())
         self.running, self.admitting, self.waiting, self.filling = [], [], [], []
         self.cache = self.mask = None
         return out
