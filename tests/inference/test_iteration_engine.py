@@ -318,6 +318,19 @@ def test_chunked_prefill_splits_prompts_within_the_budget_and_equals_generate_al
     assert max(r for r, _ in log) >= 2 and any(w > 0 for _, w in log)   # they ran together, some waited
 
 
+def test_chunked_prefill_samples_as_generate_and_abort_hands_back_a_prompt_part_way():
+    model = _model("hf_llama")
+    engine = IterationEngine(model, slots=2, prompt_len=12, max_new_tokens=7, prefill_chunk=4)
+    sampled = engine.add(CHUNKED[0][0], 6, {"temperature": 0.9, "top_p": 0.95, "seed": 3})
+    engine.run_until_idle()
+    torch.manual_seed(3)
+    assert sampled.chunks == [4, 3] and sampled.tokens == _alone(model, CHUNKED[0][0], 6, temperature=0.9, top_p=0.95)
+    long = engine.add(CHUNKED[4][0], 2)
+    engine.step()
+    assert engine.filling == [long] and long.chunks == [4] and not engine.running
+    assert engine.abort() == [long] and engine.idle
+
+
 def test_a_chunked_engine_needs_a_chunk_of_at_least_its_slots():
     with pytest.raises(PlanError, match="more than the prefill chunk of 2 tokens"):
         IterationEngine(_model("hf_llama"), slots=3, prompt_len=9, max_new_tokens=3, prefill_chunk=2)
