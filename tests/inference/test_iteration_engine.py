@@ -4,7 +4,9 @@ Face's ``generate`` on its prompt alone (tiny GPT-2 and Llama, fixed seeds); slo
 pool bound admission; a continuous plan builds the engine, tp=2 ranks run the same iterations (on
 their own, or rank 0 leading and rank 1 following); with dp=2 replicas each
 runs its own iterations on the requests rank 0 assigns it, and every request still gets ``generate``
-alone."""
+alone. With chunked prefill (a chunk budget smaller than the prompts, one process, tp=2 and pp=2)
+prompts are prefilled over several iterations, no iteration runs more tokens than the budget, and
+the tokens are still ``generate``'s alone."""
 from __future__ import annotations
 
 import pytest
