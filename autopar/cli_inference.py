@@ -89,7 +89,7 @@ def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait
     plan = InferencePlan.from_json(plan_json)
     timeout = timedelta(seconds=timeout_s)   # the tp / pipeline groups' collectives, as the default group's
     batching = plan.predictions.get("batching", "static")
-    if batching == "continuous":
+    if batching in ("continuous", "chunked"):   # a chunked plan's engine prefills in its chunks
         from autopar.inference.iteration_engine import IterationEngine
         engine = IterationEngine.from_plan(model, plan, collective_timeout=timeout)
     else:
@@ -97,8 +97,10 @@ def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait
     limits = Limits(plan.prompt_len, plan.max_new_tokens, plan.batch_size * plan.dp,
                     vocab_size=plan.model.get("vocab"))
     if rank == 0:
+        how = (f"chunked batching ({plan.predictions['prefill_chunk']} tokens an iteration)" if batching == "chunked"
+               else f"{batching} batching")
         print(f"autopar serve: http://{host}:{port}/v1/completions ({world} rank(s), tp={plan.tp} pp={plan.pp} "
-              f"dp={plan.dp}, {batching} batching, batch {limits.max_batch}, prompt <= {plan.prompt_len}, "
+              f"dp={plan.dp}, {how}, batch {limits.max_batch}, prompt <= {plan.prompt_len}, "
               f"max_tokens <= {plan.max_new_tokens})", flush=True)
     serve(engine, limits, host=host, port=port, tokenizer=tokenizer, predictions=plan.predictions,
           batch_wait=batch_wait, model_name=name, batching=batching)
@@ -115,12 +117,12 @@ def cmd_serve(args) -> int:
     model, tokenizer = _inference_model(args, weights_needed=True)
     plan = _inference_plan(args, model, cluster)
     batching = plan.predictions.get("batching", "static")
-    if batching not in ("static", "continuous"):
+    if batching not in ("static", "continuous", "chunked"):
         raise PlanError(f"the plan was made for {batching} batching, which autopar serve does not run; plan with "
-                        f"plan-inference --batching static or continuous")
-    if batching == "continuous" and args.batch_wait_ms is not None:
+                        f"plan-inference --batching static, continuous or chunked")
+    if batching != "static" and args.batch_wait_ms is not None:
         raise PlanError(f"--batch-wait-ms {args.batch_wait_ms:g} applies to static batching; under the plan's "
-                        f"continuous batching a request joins the running batch at the next iteration: drop it, or "
+                        f"{batching} batching a request joins the running batch at the next iteration: drop it, or "
                         f"plan with --batching static")
     wait_ms = BATCH_WAIT_MS if args.batch_wait_ms is None else args.batch_wait_ms
     if args.collective_timeout is not None and not args.collective_timeout > 0:
@@ -175,8 +177,8 @@ def add_parsers(sub) -> None:
     pi.add_argument("--batching", choices=("static", "continuous", "chunked"), default="static",
                     help="how the --trace is served in simulation: static batches padded to their longest prompt "
                          "and output (the default), continuous batching (requests join and leave the running "
-                         "batch at each step, as vLLM; autopar serve runs both), or chunked: continuous with "
-                         "chunked prefill (Sarathi-Serve; --prefill-chunk tokens an iteration)")
+                         "batch at each step, as vLLM), or chunked: continuous with chunked prefill (Sarathi-Serve; "
+                         "--prefill-chunk tokens an iteration); autopar serve runs all three")
     pi.add_argument("--prefill-chunk", type=positive_int("--prefill-chunk"), default=None, metavar="N",
                     help="with --batching chunked: tokens an iteration runs, decodes first and prompt chunks in "
                          "the rest (default 512)")
@@ -189,8 +191,8 @@ def add_parsers(sub) -> None:
     sv.add_argument("--port", type=positive_int("--port"), default=8000)
     sv.add_argument("--batch-wait-ms", type=float, default=None,
                     help=f"static batching: how long a request waits for others to share its batch (default "
-                         f"{BATCH_WAIT_MS:g}; an error under continuous batching, where requests join at the next "
-                         f"iteration)")
+                         f"{BATCH_WAIT_MS:g}; an error under continuous or chunked batching, where requests join at "
+                         f"the next iteration)")
     sv.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
                     help=f"several ranks: the longest a rank waits in a collective (the process group's "
                          f"timeout, default {DEFAULT_TIMEOUT_S:g}; set it above the slowest step or batch); a rank "

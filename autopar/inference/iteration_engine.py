@@ -34,6 +34,27 @@ sequence running next to short ones makes them carry padding (a paged pool would
 dynamic decoding); admission and retirement copy the cache once more. Prefills run one prompt at a
 time. The admission budget is the plan's token pool (the planner's accounting), not these bytes.
 
+**Chunked prefill** (``prefill_chunk``: a chunked plan's ``predictions["prefill_chunk"]``, as
+autopar/inference/continuous.py ``simulate_chunked`` prices it). An iteration runs at most
+``prefill_chunk`` tokens: the running rows' decode step takes one token each, first; the rest of
+the budget goes to prompt chunks in arrival order: first the sequence part-way through its
+prefill (``filling``), then waiting sequences admitted as above (slots and KV-token pool, counting
+the part-way sequence, which holds its slot and its tokens from admission) while budget is left,
+each taking as many of its prompt's tokens as remain. Each chunk is a forward of that sequence's
+next prompt tokens into its own prefill cache (``seq.cache``, fresh at its first chunk) at their
+own positions (``position_ids`` / ``cache_position`` from the tokens before, the mask all of
+them), so its last chunk's last-position logits are a whole-prompt prefill's; then the sequence
+gets its first token and joins the batched cache, to decode from the next iteration. The
+iteration: the chunks planned, the decode step, the finished rows retired, the chunks run.
+``seq.chunks`` records the tokens of each chunk a sequence ran, ``most_tokens`` the most one
+iteration ran. ``slots`` may not exceed the chunk (each decode takes a token of the budget). With
+pp > 1 each virtual engine's turn has its own budget (the turn's decode step, then its chunks, at
+every stage; the logits shared at its end are the decode rows' and those of the chunks that end
+a prompt). *Known difference:* the planner prices an iteration with chunks as one mixed batch
+(inference_cost.py ``Pricer.mixed``: the weights read once for the chunk tokens and the decodes
+together); the engine runs the decode step and each chunk as separate forwards, so the weights
+are read once per forward.
+
 **Sampling.** Greedy unless a sequence's ``sampling`` has ``temperature`` > 0 (``top_p``,
 ``top_k``, ``seed``: engine.py ``check_sampling``): each sequence samples from its own
 ``torch.Generator`` seeded with its ``seed``, after Hugging Face's temperature, top-k and top-p
@@ -153,6 +174,8 @@ class Sequence:
     done: float = 0.0
     running_at_admission: int = 0         # sequences running (itself included) when it joined
     generator: torch.Generator | None = None
+    prefilled: int = 0                    # chunked prefill: prompt tokens scheduled into its prefill cache
+    chunks: list[int] = field(default_factory=list)   # chunked prefill: the tokens of each chunk it ran
 
     @property
     def need(self) -> int:
@@ -176,22 +199,40 @@ class VirtualEngine:
     """One micro-batch of a pipelined replica (module doc, Stages): its running sequences (row i of
     ``cache``, this stage's layers, is ``running[i]``) under ``mask``, and its turn in flight:
     ``admitted`` (the sequences it prefills in this turn; None: no turn in flight) with every running
-    row decoding one token. ``turns``: turns it has started."""
+    row decoding one token. With a chunk budget, ``chunks``: the turn's prompt chunks (seq, start,
+    end), and ``filling``: the sequence part-way through its prefill (module doc, Chunked prefill).
+    ``turns``: turns it has started."""
     running: list = field(default_factory=list)
     cache: object = None
     mask: torch.Tensor | None = None
     admitted: list | None = None
     turns: int = 0
+    chunks: list = field(default_factory=list)
+    filling: list = field(default_factory=list)
 
 
 class IterationEngine:
     """Continuous batching of ``model`` (module doc). ``slots``: sequences decoded together (the
     plan's batch_size); ``prompt_len`` / ``max_new_tokens``: the longest prompt and output a
-    sequence may have; ``kv_tokens``: the KV-cache token pool admission respects (None: slots only)."""
+    sequence may have; ``kv_tokens``: the KV-cache token pool admission respects (None: slots only);
+    ``prefill_chunk``: tokens an iteration runs, decodes first and prompt chunks in the rest (module
+    doc, Chunked prefill; None: each admitted prompt is prefilled whole)."""
 
-    def __init__(self, model, slots: int, prompt_len: int, max_new_tokens: int, kv_tokens: int | None = None):
+    def __init__(self, model, slots: int, prompt_len: int, max_new_tokens: int, kv_tokens: int | None = None,
+                 prefill_chunk: int | None = None):
         if slots < 1:
             raise PlanError(f"an iteration engine needs at least one slot, got {slots}")
+        if prefill_chunk is not None:
+            if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+                raise PlanError(f"prefill chunk={prefill_chunk!r} must be a positive integer (tokens an "
+                                f"iteration runs)")
+            if slots > prefill_chunk:
+                raise PlanError(f"{slots} slots are more than the prefill chunk of {prefill_chunk} tokens: each "
+                                f"running sequence's decode takes a token of an iteration's budget; use a chunk of "
+                                f"at least {slots} tokens or fewer slots")
+        self.chunk = prefill_chunk
+        self.filling: list[Sequence] = []     # chunked prefill (pp = 1): the sequence part-way through its prefill
+        self.most_tokens = 0                  # chunked prefill: the most tokens one iteration (or turn) ran
         self.model = causal_lm(model)
         self.slots, self.prompt_len, self.max_new_tokens = slots, prompt_len, max_new_tokens
         self.kv_tokens = kv_tokens
@@ -233,8 +274,9 @@ class IterationEngine:
         the server is idle)."""
         from autopar.inference.engine import compile_inference
         built = compile_inference(model, plan=plan, weights=weights, collective_timeout=collective_timeout)
+        chunk = plan.predictions.get("prefill_chunk") if plan.predictions.get("batching") == "chunked" else None
         engine = cls(built.model, plan.batch_size, plan.prompt_len, plan.max_new_tokens,
-                     plan.predictions.get("kv_cache_tokens_per_replica"))
+                     plan.predictions.get("kv_cache_tokens_per_replica"), chunk)
         engine.replica, engine.replicas, engine.tp_rank = built.replica, plan.dp, built.tp_rank
         engine.stage, engine.replica_ranks = built.stage, plan.tp * plan.pp
         engine.vocab_shard = built.vocab_shard
@@ -287,7 +329,7 @@ class IterationEngine:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.filling
 
     def abort(self) -> list[Sequence]:
         """Drop every running and waiting sequence (after a failed step); returns them."""
@@ -298,8 +340,8 @@ class IterationEngine:
             self.link.drop()
             return out
         rows = {id(s) for s in self.running}
-        out = self.running + [s for s in self.admitting if id(s) not in rows] + self.waiting
-        self.running, self.admitting, self.waiting = [], [], []
+        out = self.running + [s for s in self.admitting + self.filling if id(s) not in rows] + self.waiting
+        self.running, self.admitting, self.waiting, self.filling = [], [], [], []
         self.cache = self.mask = None
         return out
 
@@ -311,6 +353,8 @@ class IterationEngine:
         finished; returns the sequences that finished. With pp > 1, one tick (module doc, Stages)."""
         if self.flights:
             return self._tick()
+        if self.chunk is not None:
+            return self._chunked_step()
         finished = []
         self.admitting = self._admissions(self.running)
         for seq in self.admitting:
@@ -343,17 +387,103 @@ class IterationEngine:
         """Step until nothing is running or waiting; the sequences in the order they finished."""
         return _run_until_idle(self)
 
-    def _admissions(self, running: list[Sequence]) -> list[Sequence]:
-        """The waiting sequences that join a batch of ``running`` ones (module doc, admit)."""
+    def _admissions(self, running: list[Sequence], budget: int | None = None) -> list[Sequence]:
+        """The waiting sequences that join a batch of ``running`` ones (module doc, admit); with a
+        ``budget`` of prompt tokens (chunked prefill), only while some of it is left."""
         held = sum(s.need for s in running)
         out = []
-        while self.waiting and len(running) + len(out) < self.slots:
+        while self.waiting and len(running) + len(out) < self.slots and (budget is None or budget > 0):
             seq = self.waiting[0]
             if self.kv_tokens is not None and held + seq.need > self.kv_tokens:
                 break   # in order: the first that does not fit blocks the ones behind it
             held += seq.need
             out.append(self.waiting.pop(0))
+            if budget is not None:
+                budget -= len(seq.prompt)
         return out
+
+    # --- chunked prefill ----------------------------------------------------------------------------
+
+    def _chunk_plan(self, batch) -> tuple[list[Sequence], list[tuple]]:
+        """The prompt chunks of ``batch``'s next iteration (the engine, or with pp > 1 a
+        VirtualEngine's turn; module doc, Chunked prefill): its running rows' decodes take a token
+        each of the budget, the sequence part-way through its prefill continues, then waiting
+        sequences are admitted while budget is left. Returns (the admitted, the chunks as (seq,
+        start, end) of its prompt); each chunk's sequence counts its tokens as scheduled."""
+        left = self.chunk - len(batch.running)
+        holding = batch.running + batch.filling
+        ahead = sum(len(s.prompt) - s.prefilled for s in batch.filling)
+        admitted = self._admissions(holding, left - ahead)
+        now = time.perf_counter()
+        for i, seq in enumerate(admitted):
+            seq.admitted = now
+            seq.running_at_admission = len(holding) + i + 1
+        chunks = []
+        for seq in batch.filling + admitted:
+            if left <= 0:
+                break
+            take = min(len(seq.prompt) - seq.prefilled, left)
+            chunks.append((seq, seq.prefilled, seq.prefilled + take))
+            seq.prefilled += take
+            seq.chunks.append(take)
+            left -= take
+        self.most_tokens = max(self.most_tokens, self.chunk - left)
+        return admitted, chunks
+
+    def _chunk_forward(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Prompt tokens [start, end) of ``seq`` into its prefill cache (``seq.cache``, fresh at
+        start 0) at their own positions, attending to the ``start`` before: its last position's
+        logits [1, V], as a whole-prompt prefill's at that position."""
+        if start == 0:
+            seq.cache = self._new_cache()
+        ids = torch.tensor([seq.prompt[start:end]], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, end, device=self.device)
+        return self._forward(input_ids=ids, attention_mask=torch.ones(1, end, dtype=torch.long, device=self.device),
+                             position_ids=positions[None], cache_position=positions, cache=seq.cache,
+                             **self.last_logits)[:, -1]
+
+    def _chunked_step(self) -> list[Sequence]:
+        """One iteration under a chunk budget (pp = 1; module doc, Chunked prefill): the chunks
+        planned, the running rows' decode step, the finished rows retired, then each chunk's
+        forward; a prompt whose last chunk ran gets its first token and joins the batched cache."""
+        self.admitting, chunks = self._chunk_plan(self)
+        self.iterations += bool(chunks or self.running)
+        finished = []
+        if self.running:
+            self._decode()
+            finished += self._leave(self)
+        for seq, start, end in chunks:
+            logits = self._chunk_forward(seq, start, end)
+            if end == len(seq.prompt):
+                self._append(seq, self._next_tokens(logits, [seq])[0])
+                finished += self._prefilled(seq, time.perf_counter())
+        self.filling = [s for s, _, end in chunks if end < len(s.prompt)]
+        self.admitting = []
+        return finished
+
+    def _leave(self, batch) -> list[Sequence]:
+        """After a decode step of ``batch``'s rows: the finished leave (returned)."""
+        now = time.perf_counter()
+        finished, keep = [], []
+        for row, seq in enumerate(batch.running):
+            if seq.finished:
+                seq.done = now
+                finished.append(seq)
+            else:
+                keep.append(row)
+        if len(keep) < len(batch.running):
+            self._retire(keep, batch)
+        return finished
+
+    def _prefilled(self, seq: Sequence, now: float, batch=None) -> list[Sequence]:
+        """``seq`` has its first token: finished there (returned), or it joins ``batch``'s cache."""
+        seq.first = now
+        if seq.finished:
+            seq.done = now
+            seq.cache = None
+            return [seq]
+        self._join(seq, batch)
+        return []
 
     def _next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """The next token of each of ``seqs`` from its row of last-position logits ([rows, V / tp]:
@@ -474,14 +604,23 @@ class IterationEngine:
         self.link.wait_sends()
         finished = []
         if end.admitted is not None:
-            rows = len(end.admitted) + len(end.running)
-            finished = self._end_turn(end, self.link.share_logits(logits, rows, self.vocab, self.dtype, self.device))
-        self.running = [s for ve in self.flights for s in ve.running + (ve.admitted or [])]
+            rows = len(self._turn_rows(end))
+            shared = self.link.share_logits(logits, rows, self.vocab, self.dtype, self.device) if rows else None
+            finished = self._end_turn(end, shared)
+        self.running = [s for ve in self.flights for s in ve.running + (ve.admitted or []) + ve.filling]
         return finished
 
     def _start_turn(self, ve: VirtualEngine) -> None:
         """Stage 0's turn of ``ve``: the waiting sequences it admits (shared queue, in order), with
-        its running rows decoding; no turn when it has neither."""
+        its running rows decoding (with a chunk budget: its prompt chunks); no turn when it has
+        neither."""
+        if self.chunk is not None:
+            ve.admitted, ve.chunks = self._chunk_plan(ve)
+            if ve.chunks or ve.running:
+                ve.turns += 1
+            else:
+                ve.admitted = None
+            return
         admitted = self._admissions(ve.running)
         now = time.perf_counter()
         for i, seq in enumerate(admitted):
@@ -494,18 +633,46 @@ class IterationEngine:
     def _work(self, ve: VirtualEngine) -> torch.Tensor:
         """This stage's forwards of ``ve``'s turn: each newcomer's prefill, one by one, then the
         decode step of its running rows. Their last-position logits [newcomers + rows, V] (read on
-        the last stage only)."""
+        the last stage only). With a chunk budget: the decode step first, then each chunk; the
+        logits of the decode rows and of the chunks that end a prompt (``_turn_rows``), or None."""
+        if self.chunk is not None:
+            out = [self._decode_forward(ve)[0]] if ve.running else []
+            for seq, start, end in ve.chunks:
+                logits = self._chunk_forward(seq, start, end)
+                if end == len(seq.prompt):
+                    out.append(logits)
+            return torch.cat(out) if out else None
         out = [self._prefill_forward(seq) for seq in ve.admitted]
         if ve.running:
             out.append(self._decode_forward(ve)[0])
         return torch.cat(out)
 
-    def _end_turn(self, ve: VirtualEngine, logits: torch.Tensor) -> list[Sequence]:
+    def _turn_rows(self, ve: VirtualEngine) -> list[Sequence]:
+        """The sequences whose next token ``ve``'s turn gives, in the order of its logits rows."""
+        if self.chunk is not None:
+            return ve.running + [s for s, _, end in ve.chunks if end == len(s.prompt)]
+        return ve.admitted + ve.running
+
+    def _end_turn(self, ve: VirtualEngine, logits: torch.Tensor | None) -> list[Sequence]:
         """``ve``'s turn done on every stage: its newcomers' first tokens and its rows' next ones
-        from ``logits``; finished rows leave, the other newcomers join (their prefilled caches)."""
-        seqs = ve.admitted + ve.running
-        for seq, token in zip(seqs, self._next_tokens(logits, seqs)):
-            self._append(seq, token)
+        from ``logits``; finished rows leave, the other newcomers join (their prefilled caches).
+        With a chunk budget the newcomers are the prompts whose last chunk ran."""
+        seqs = self._turn_rows(ve)
+        if seqs:
+            for seq, token in zip(seqs, self._next_tokens(logits, seqs)):
+                self._append(seq, token)
+        if self.chunk is not None:
+            finished = []
+            if ve.running:
+                ve.mask = torch.cat([ve.mask, ve.mask.new_ones(len(ve.running), 1)], dim=1)
+                finished += self._leave(ve)
+            now = time.perf_counter()
+            for seq, _, end in ve.chunks:
+                if end == len(seq.prompt):
+                    finished += self._prefilled(seq, now, ve)
+            ve.filling = [s for s, _, end in ve.chunks if end < len(s.prompt)]
+            ve.admitted, ve.chunks = None, []
+            return finished
         now = time.perf_counter()
         finished = []
         if ve.running:
@@ -570,7 +737,7 @@ class LeaderIterations:
     def load(self, replica: int) -> int:
         """Requests assigned to ``replica`` and not yet finished (running or waiting)."""
         if replica == 0:
-            return len(self.engine.running) + len(self.engine.waiting)
+            return len(self.engine.running) + len(self.engine.filling) + len(self.engine.waiting)
         return len(self.remote[replica])
 
     def _check_broken(self) -> None:

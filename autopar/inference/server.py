@@ -14,7 +14,9 @@
   call; ``"continuous"`` runs an iteration loop where requests join and leave the running batch
   between decode steps (autopar/inference/iteration_engine.py; tp ranks and dp replicas, each
   replica its own slots, rank 0 assigning each request to the replica with the fewest running or
-  waiting requests; pipeline stages with one micro-batch in flight per stage).
+  waiting requests; pipeline stages with one micro-batch in flight per stage); ``"chunked"`` is
+  that loop with chunked prefill: each iteration runs at most the plan's ``prefill_chunk`` tokens,
+  decodes first and prompt chunks in the rest (the engine built with the plan's chunk).
   ``finish_reason`` is ``"stop"`` when the output ended at an end-of-sequence token before
   ``max_tokens``.
 - ``GET /v1/models`` (the one model) and ``GET /health``; ``GET /metrics``: requests, batches,
@@ -51,7 +53,7 @@ from fastapi.responses import JSONResponse
 from autopar.errors import PlanError
 from autopar.inference.batcher import Batcher, IterationBatcher
 
-BATCHING = ("static", "continuous")
+BATCHING = ("static", "continuous", "chunked")
 
 
 @dataclass
@@ -169,13 +171,14 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
              batching: str = "static") -> FastAPI:
     """The application. ``batching="static"``: ``engine_generate(input_ids, max_new_tokens,
     attention_mask)`` runs one batch (``LeaderGenerate(engine)`` on several ranks, ``engine.generate``
-    on one); ``batching="continuous"``: ``engine_generate`` is an ``IterationEngine`` (``add`` /
-    ``step``), and ``batch_wait`` does not apply (a request joins at the next iteration)."""
+    on one); ``batching="continuous"`` or ``"chunked"``: ``engine_generate`` is an ``IterationEngine``
+    (``add`` / ``step``; chunked: built with the plan's prefill chunk), and ``batch_wait`` does not
+    apply (a request joins at the next iteration)."""
     if batching not in BATCHING:
         raise PlanError(f"batching={batching!r} is not served; use one of {', '.join(map(repr, BATCHING))}")
-    if batching == "continuous":
+    if batching != "static":   # continuous, or chunked: the IterationEngine prefills in its chunks
         if not hasattr(engine_generate, "step"):
-            raise PlanError("continuous batching needs an IterationEngine (autopar/inference/iteration_engine.py), "
+            raise PlanError(f"{batching} batching needs an IterationEngine (autopar/inference/iteration_engine.py), "
                             f"got {type(engine_generate).__name__}")
         batcher = IterationBatcher(engine_generate)
     else:
@@ -263,7 +266,7 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
 def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, batching: str = "static",
           **app_options) -> None:
     """Rank 0 serves HTTP until interrupted, then tells the other ranks to stop; every other rank
-    runs rank 0's batches. ``batching="continuous"``: ``engine`` is this rank's IterationEngine
+    runs rank 0's batches. ``batching="continuous"`` or ``"chunked"``: ``engine`` is this rank's IterationEngine
     (``IterationEngine.from_plan``: tp ranks, pp stages and dp replicas), rank 0 leading each iteration
     (``LeaderIterations``: it assigns each request a replica and gathers the finished ones) and the
     others following it (``follow_iterations``)."""
@@ -272,14 +275,14 @@ def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, bat
 
     from autopar.inference.rank_jobs import LeaderGenerate, follow
 
-    if batching == "continuous":   # rank 0 decides each iteration's admissions, the others follow
+    if batching != "static":   # rank 0 decides each iteration's admissions, the others follow
         from autopar.inference.iteration_engine import LeaderIterations, follow_iterations
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             follow_iterations(engine)
             return
         leader = LeaderIterations(engine)
         try:
-            uvicorn.run(make_app(leader, limits, batching="continuous", **app_options), host=host, port=port,
+            uvicorn.run(make_app(leader, limits, batching=batching, **app_options), host=host, port=port,
                         log_level="warning")
         finally:
             leader.stop()

@@ -174,6 +174,7 @@ def test_chunked_plan_through_the_planner_the_cli_and_the_plan_file(tmp_path, ca
     assert main(["plan-inference", "hf_llama", "--cluster", "dgx-a100", "--trace", str(path),
                  "--prefill-chunk", "64"]) != 0
     assert "--prefill-chunk 64 applies to serving a --trace with --batching chunked" in capsys.readouterr().err
-    # autopar serve does not prefill in chunks: it refuses the plan
-    assert main(["serve", "hf_llama", "--cluster", "dgx-a100", "--plan", str(out)]) != 0
-    assert "made for chunked batching, which autopar serve does not run" in capsys.readouterr().err
+    # autopar serve runs chunked plans (tests/inference/test_server_continuous.py); as under continuous
+    # batching, a request joins at the next iteration, so --batch-wait-ms is refused
+    assert main(["serve", "hf_llama", "--cluster", "dgx-a100", "--plan", str(out), "--batch-wait-ms", "5"]) != 0
+    assert "under the plan's chunked batching a request joins" in capsys.readouterr().err

@@ -4,7 +4,9 @@ Face's ``generate`` on its prompt alone (tiny GPT-2 and Llama, fixed seeds); slo
 pool bound admission; a continuous plan builds the engine, tp=2 ranks run the same iterations (on
 their own, or rank 0 leading and rank 1 following); with dp=2 replicas each
 runs its own iterations on the requests rank 0 assigns it, and every request still gets ``generate``
-alone."""
+alone. With chunked prefill (a chunk budget smaller than the prompts, one process, tp=2 and pp=2)
+prompts are prefilled over several iterations, no iteration runs more tokens than the budget, and
+the tokens are still ``generate``'s alone."""
 from __future__ import annotations
 
 import pytest
@@ -277,3 +279,109 @@ def test_a_failed_step_on_one_replica_fails_the_iteration_and_the_replicas_go_on
     model = _model("hf_llama")
     assert tokens == [_alone(model, p, n) for p, n in REQUESTS[4:]]
     assert min(served) > 0
+
+
+# chunked prefill: prompts of 1 to 12 tokens (most longer than the chunk of 5), outputs of 1 to 7
+CHUNK = 5
+CHUNKED = [([5, 6, 7, 8, 9, 10, 11], 6), ([9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], 3), ([1, 2], 1),
+           ([40, 41, 42, 43, 44, 45], 5), ([3, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 50], 4), ([7, 8], 7), ([60], 2),
+           ([20, 21, 22, 23, 24, 25, 26, 27, 28], 6)]
+
+
+def _count_tokens(engine):
+    """Record the tokens each iteration's (pp > 1: each tick's) forwards of this rank ran:
+    {iteration: tokens}, a decode step's rows and a chunk's prompt tokens."""
+    spent, forward = {}, engine._forward
+
+    def counted(cache, **inputs):
+        spent[engine.iterations] = spent.get(engine.iterations, 0) + inputs["input_ids"].numel()
+        return forward(cache, **inputs)
+    engine._forward = counted
+    return spent
+
+
+def _check_chunked(seqs_chunks, spent, chunk=CHUNK):
+    assert all(sum(c) == len(p) for c, (p, _) in zip(seqs_chunks, CHUNKED))   # each prompt prefilled once, whole
+    assert max(len(c) for c in seqs_chunks) >= 3                              # prompts were split over iterations
+    assert max(spent.values()) == chunk                                        # budgets filled, never passed
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
+def test_chunked_prefill_splits_prompts_within_the_budget_and_equals_generate_alone(name):
+    model = _model(name)
+    engine = IterationEngine(model, slots=3, prompt_len=12, max_new_tokens=7, prefill_chunk=CHUNK)
+    spent = _count_tokens(engine)
+    seqs, log = _serve_staggered(engine, CHUNKED)
+    for seq, (prompt, new) in zip(seqs, CHUNKED):
+        assert seq.tokens == _alone(model, prompt, new)
+        assert seq.done >= seq.first >= seq.admitted >= seq.added
+    _check_chunked([s.chunks for s in seqs], spent)
+    assert engine.most_tokens == CHUNK and engine.idle and engine.cache is None
+    assert max(r for r, _ in log) >= 2 and any(w > 0 for _, w in log)   # they ran together, some waited
+
+
+def test_chunked_prefill_samples_as_generate_and_abort_hands_back_a_prompt_part_way():
+    model = _model("hf_llama")
+    engine = IterationEngine(model, slots=2, prompt_len=12, max_new_tokens=7, prefill_chunk=4)
+    sampled = engine.add(CHUNKED[0][0], 6, {"temperature": 0.9, "top_p": 0.95, "seed": 3})
+    engine.run_until_idle()
+    torch.manual_seed(3)
+    assert sampled.chunks == [4, 3] and sampled.tokens == _alone(model, CHUNKED[0][0], 6, temperature=0.9, top_p=0.95)
+    long = engine.add(CHUNKED[4][0], 2)
+    engine.step()
+    assert engine.filling == [long] and long.chunks == [4] and not engine.running
+    assert engine.abort() == [long] and engine.idle
+
+
+def test_a_chunked_engine_needs_a_chunk_of_at_least_its_slots():
+    with pytest.raises(PlanError, match="more than the prefill chunk of 2 tokens"):
+        IterationEngine(_model("hf_llama"), slots=3, prompt_len=9, max_new_tokens=3, prefill_chunk=2)
+    with pytest.raises(PlanError, match="positive integer"):
+        IterationEngine(_model("hf_llama"), slots=1, prompt_len=9, max_new_tokens=3, prefill_chunk=0)
+
+
+def _chunked_plan(devices, name="hf_llama", **pins):
+    from autopar.inference.trace import synthetic_trace
+    trace = synthetic_trace(16, rate=4.0, prompt_lens=(2, 8), output_lens=(1, 6), seed=0)
+    return plan_inference(_model(name), None, autopar.Cluster.preset("cpu", devices=devices), trace=trace,
+                          batching="chunked", prefill_chunk=8, constraints=pins, dtype="fp32")
+
+
+def test_a_chunked_plan_builds_the_engine_with_its_chunk():
+    plan = _chunked_plan(1)
+    assert plan.predictions["batching"] == "chunked" and plan.predictions["prefill_chunk"] == 8
+    engine = IterationEngine.from_plan(_model("hf_llama"), plan)
+    assert engine.chunk == 8 and engine.slots == plan.batch_size
+    assert IterationEngine.from_plan(_model("hf_llama"), _continuous_plan(1)).chunk is None
+
+
+def _chunked_rank(rank, world, plan_json, name):
+    """One rank of a chunked plan, rank 0 leading and the others following: rank 0 returns the
+    tokens and chunks of each request; every rank the most tokens one of its iterations ran."""
+    plan = InferencePlan.from_json(plan_json)
+    engine = IterationEngine.from_plan(_model(name), plan)
+    assert engine.chunk == plan.predictions["prefill_chunk"]
+    engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens, engine.chunk = 3, 12, 7, None, CHUNK
+    spent = _count_tokens(engine)
+    if rank > 0:
+        return follow_iterations(engine), spent
+    leader = LeaderIterations(engine)
+    seqs, log = _serve_staggered(leader, CHUNKED)
+    leader.stop()
+    return [s.tokens for s in seqs], [s.chunks for s in seqs], spent, engine.iterations, max(r for r, _ in log)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, pins", [("hf_llama", {"tp": 2}), ("hf_gpt2", {"tp": 2}),
+                                        ("hf_llama", {"tp": 1, "pp": 2})])
+def test_chunked_prefill_on_ranks_equals_generate_alone(name, pins):
+    """tp=2: both ranks run the same chunks; pp=2: each virtual engine's turn has its own budget."""
+    plan = _chunked_plan(2, name, **pins)
+    assert (plan.tp, plan.pp) == (pins["tp"], pins.get("pp", 1))
+    results = run_local(_chunked_rank, 2, args=(plan.to_json(), name), timeout=300)
+    tokens, chunks, spent, iterations, most = results[0]
+    model = _model(name)
+    assert tokens == [_alone(model, p, n) for p, n in CHUNKED]
+    _check_chunked(chunks, spent)
+    assert results[1][0] == iterations and max(results[1][1].values()) == CHUNK
+    assert most >= (4 if plan.pp > 1 else 2)   # pp=2: more running than one virtual engine's 3 slots

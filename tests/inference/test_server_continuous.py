@@ -3,7 +3,8 @@ over autopar/inference/iteration_engine.py): concurrent requests arriving at dif
 different prompt and output lengths, run in shared iterations and each get Hugging Face's
 ``generate`` of its prompt alone; a bad request is a clear 400 and a failed iteration a 500 for its
 requests, and the server goes on; ``autopar serve`` serves a continuous plan on one process and
-on tp=2 gloo ranks, and refuses a dp=2 one with the reason."""
+on tp=2 gloo ranks, and refuses a dp=2 one with the reason; it serves a chunked plan (continuous
+batching with chunked prefill) with the plan's chunk, on one process and tp=2 ranks."""
 from __future__ import annotations
 
 import asyncio
@@ -148,8 +149,10 @@ def test_a_failed_iteration_is_a_500_and_the_next_request_is_served(model):
 def test_continuous_batching_needs_an_iteration_engine():
     with pytest.raises(PlanError, match="IterationEngine"):
         make_app(lambda *a: None, _limits(), batching="continuous")
-    with pytest.raises(PlanError, match="not served"):
+    with pytest.raises(PlanError, match="chunked batching needs an IterationEngine"):
         make_app(lambda *a: None, _limits(), batching="chunked")
+    with pytest.raises(PlanError, match="not served"):
+        make_app(lambda *a: None, _limits(), batching="paged")
 
 
 def _trace(tmp_path):
@@ -267,3 +270,53 @@ def test_autopar_serve_answers_503_then_stops_when_a_rank_fails_mid_forward(tmp_
             except httpx.HTTPError:
                 down = True
         assert down, "the server still answers 30 s after a rank failed"
+
+
+def _chunked_plan_file(tmp_path, devices=1, pins=(), chunk=4):
+    out = tmp_path / "chunked.json"
+    assert main(["plan-inference", "hf_llama", "--devices", str(devices), *pins, "--constraint", "batch_size=4",
+                 "--trace", _trace(tmp_path), "--batching", "chunked", "--prefill-chunk", str(chunk),
+                 "-o", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["predictions"]["batching"] == "chunked" and plan["predictions"]["prefill_chunk"] == chunk
+    return out, plan
+
+
+def test_serve_builds_a_chunked_plan_engine_with_its_chunk(tmp_path, capsys, monkeypatch):
+    import autopar.inference.server as server
+    out, _ = _chunked_plan_file(tmp_path)
+    served = {}
+    monkeypatch.setattr(server, "serve", lambda engine, limits, **kw: served.update(engine=engine, **kw))
+    capsys.readouterr()
+    assert main(["serve", "hf_llama", "--plan", str(out)]) == 0
+    assert "chunked batching (4 tokens an iteration)" in capsys.readouterr().out
+    assert served["batching"] == "chunked" and isinstance(served["engine"], IterationEngine)
+    assert served["engine"].chunk == 4 and served["engine"].slots == 4
+    assert main(["serve", "hf_llama", "--plan", str(out), "--batch-wait-ms", "50"]) == 2
+    assert "under the plan's chunked batching a request joins" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices, pins", [(1, []), (2, ["--constraint", "tp=2"])])
+def test_autopar_serve_runs_a_chunked_plan(tmp_path, devices, pins):
+    """Concurrent requests with prompts longer than the chunk of 4 tokens: prefilled over several
+    iterations, each answer Hugging Face's generate of its prompt alone."""
+    from autopar.inference.serve_process import serve_process
+    from autopar.models.hf import hf_llama
+    out, plan = _chunked_plan_file(tmp_path, devices, pins)
+    assert plan["prompt_len"] >= 7
+    with serve_process(["hf_llama", "--devices", str(devices), "--plan", str(out)]) as url:
+        prompts = [[5, 6, 7, 8, 9, 10, 11], [9, 10, 11, 12, 13], [1, 2], [4, 40, 41, 42, 43, 44]]
+        news = [4, 2, 3, 1]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda a: httpx.post(f"{url}/v1/completions",
+                                                          json={"prompt": a[0], "max_tokens": a[1]}, timeout=120),
+                                    zip(prompts, news)))
+        torch.manual_seed(0)   # the zoo factory's weights: the same seed and config as the server's
+        ref_model = hf_llama()[0].model.eval()
+        for p, n, a in zip(prompts, news, answers):
+            assert a.status_code == 200, a.text
+            want = ref_model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+            assert a.json()["choices"][0]["token_ids"] == want[0, len(p):].tolist()
+        metrics = httpx.get(f"{url}/metrics", timeout=10).json()
+        assert metrics["requests"] == 4 and metrics["predicted"]["batching"] == "chunked"
