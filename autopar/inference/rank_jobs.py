@@ -19,13 +19,10 @@ import threading
 import torch
 import torch.distributed as dist
 
-from autopar.inference.iteration_engine import RanksOutOfStep, collective_error
+from autopar.inference.iteration_engine import distributed
+from autopar.inference.iteration_ranks import RanksOutOfStep, collective_error
 
 STOP = "stop"
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class LeaderGenerate:
@@ -42,13 +39,13 @@ class LeaderGenerate:
             if self.broken is not None:
                 raise RanksOutOfStep(str(self.broken))
             try:
-                if _distributed():
+                if distributed():
                     dist.broadcast_object_list([("generate", input_ids, int(max_new_tokens), attention_mask,
                                                  sampling)], src=0, group=self.jobs)
                 return self.engine.generate(input_ids, max_new_tokens, attention_mask=attention_mask,
                                             sampling=sampling)
             except Exception as e:  # noqa: BLE001 - classified: the batch's failure, or the server's
-                if not (_distributed() and (self.several or collective_error(e))):
+                if not (distributed() and (self.several or collective_error(e))):
                     raise
                 self.broken = RanksOutOfStep(f"the ranks are out of step after a batch failed: {type(e).__name__}: "
                                              f"{e}; this server cannot serve any more: restart autopar serve")
@@ -56,7 +53,7 @@ class LeaderGenerate:
 
     def stop(self) -> None:
         with self.lock:
-            if _distributed() and self.broken is None:
+            if distributed() and self.broken is None:
                 dist.broadcast_object_list([(STOP, None, 0, None, None)], src=0, group=self.jobs)
 
 

@@ -276,7 +276,7 @@ def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, bat
     from autopar.inference.rank_jobs import LeaderGenerate, follow
 
     if batching != "static":   # rank 0 decides each iteration's admissions, the others follow
-        from autopar.inference.iteration_engine import LeaderIterations, follow_iterations
+        from autopar.inference.iteration_ranks import LeaderIterations, follow_iterations
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             follow_iterations(engine)
             return

@@ -16,7 +16,8 @@ import torch
 
 from autopar.cli import main
 from autopar.inference.inference_plan import InferencePlan
-from autopar.inference.iteration_engine import IterationEngine, LeaderIterations, follow_iterations
+from autopar.inference.iteration_engine import IterationEngine
+from autopar.inference.iteration_ranks import LeaderIterations, follow_iterations
 from runtime.launch import run_local
 
 torch.set_num_threads(1)

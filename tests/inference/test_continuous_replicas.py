@@ -145,7 +145,7 @@ def _failing_rank(rank, world, plan_json, port, fail, batching):
     second decoder layer (tp: between the layers' all-reduces) or its stage's first (pp); rank 0
     returns its client's answers, the other rank the error it stopped with."""
     from autopar.inference.engine import compile_inference
-    from autopar.inference.iteration_engine import RanksOutOfStep
+    from autopar.inference.iteration_ranks import RanksOutOfStep
     from autopar.inference.pp_stages import decoder_layers
     plan = InferencePlan.from_json(plan_json)
     if batching == "continuous":

@@ -15,7 +15,8 @@ import torch
 import autopar
 from autopar.errors import PlanError
 from autopar.inference.inference_plan import InferencePlan
-from autopar.inference.iteration_engine import IterationEngine, LeaderIterations, follow_iterations
+from autopar.inference.iteration_engine import IterationEngine
+from autopar.inference.iteration_ranks import LeaderIterations, follow_iterations
 from autopar.inference.planner import plan_inference
 from autopar.models import hf
 from runtime.launch import run_local
