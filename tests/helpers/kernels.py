@@ -22,3 +22,21 @@ def needs_kernels() -> None:
 # stay the zoo's.
 TINY = {"batch": 2, "seq": 8}
 TRAIN_STEPS = 2   # the second step's loss and the final state both read the first update
+
+
+_WARM = []
+
+
+def warm_up_planning() -> None:
+    """Plan a tiny model once in this (parent) process, so the forked ranks inherit what a first
+    plan sets up (imports, first traces: about 6 s of a rank's 7 s plan of the tiny LLaMA) instead
+    of each rank of each run paying it again. Single-threaded first: forked ranks deadlock in
+    OpenMP if the parent ran multi-threaded ops."""
+    if _WARM:
+        return
+    import autopar
+    from autopar.models import ZOO
+    torch.set_num_threads(1)
+    model, batch = ZOO["llama"](**TINY)
+    autopar.plan(model, batch, autopar.Cluster.preset("cpu", devices=2), constraints={"dp": 2}, kernels="triton")
+    _WARM.append(True)

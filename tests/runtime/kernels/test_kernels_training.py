@@ -13,7 +13,7 @@ import autopar
 from autopar.errors import ExecutionError
 from autopar.models import HF_ZOO, ZOO
 from runtime.launch import run_local
-from tests.helpers.kernels import TINY, TRAIN_STEPS, needs_kernels
+from tests.helpers.kernels import TINY, TRAIN_STEPS, needs_kernels, warm_up_planning
 
 STEPS = TRAIN_STEPS
 
@@ -111,6 +111,7 @@ def _train(rank, world, constraints, kernels, optimizer="sgd", name="llama", siz
 
 def _check_equal(world, constraints, name="llama", families=("rms_norm", "swiglu", "rotary"), absent=(),
                  sizes=TINY):
+    warm_up_planning()
     ref = run_local(_train, world, (constraints, "torch", "sgd", name, sizes), timeout=600)[0]
     got = run_local(_train, world, (constraints, "triton", "sgd", name, sizes), timeout=600)
     assert len(ref[0]) == len(got[0][0]) == STEPS
@@ -263,6 +264,7 @@ def test_fused_adamw_trains_like_torch_adamw():
     """AdamW's step as one kernel on the flat shards (ZeRO-1 over 2 ranks): losses equal, parameters
     within Adam's fp32 reordering noise."""
     needs_kernels()
+    warm_up_planning()
     ref = run_local(_train, 2, ({"dp": 2, "zero": 1}, "torch", "adamw"))[0]
     got = run_local(_train, 2, ({"dp": 2, "zero": 1}, "triton", "adamw"))[0]
     assert got[2]["adamw"] > 0 and ref[2]["adamw"] == 0
@@ -278,6 +280,7 @@ def test_fused_trust_ratio_steps_train_like_torch_ops(optimizer):
     """LAMB and LARS kernels on ZeRO-1 shards of 2 ranks (the trust-ratio norms still summed over
     the shards): losses equal, parameters within fp32 reordering noise."""
     needs_kernels()
+    warm_up_planning()
     ref = run_local(_train, 2, ({"dp": 2, "zero": 1}, "torch", optimizer))[0]
     got = run_local(_train, 2, ({"dp": 2, "zero": 1}, "triton", optimizer))[0]
     assert got[2][optimizer] > 0 and ref[2][optimizer] == 0
