@@ -10,7 +10,7 @@ import autopar
 from autopar.models import HF_ZOO, ZOO
 from runtime.launch import run_local
 
-from tests.helpers.kernels import TINY, TRAIN_STEPS, needs_kernels
+from tests.helpers.kernels import TINY, TRAIN_STEPS, needs_kernels, warm_up_planning
 
 STEPS = TRAIN_STEPS
 BIG_VOCAB = 4096   # the CPU cluster's tp=2 plan splits the head on the vocabulary from about here
@@ -69,6 +69,7 @@ def _train(rank, world, constraints, kernels, name, vocab, sizes):
 
 def _check_equal(world, constraints, name, vocab=None, sizes=TINY):
     """``sizes``: batch and sequence; each row is a program of the row kernels (TINY: 16 rows)."""
+    warm_up_planning()
     ref = run_local(_train, world, (constraints, "torch", name, vocab, sizes), timeout=600)[0]
     got = run_local(_train, world, (constraints, "triton", name, vocab, sizes), timeout=600)
     assert ref[3] == [] and len(ref[0]) == STEPS
