@@ -18,7 +18,7 @@ from runtime.kernels import kernel_stats, reset_kernel_stats
 from runtime.kernels import ops as K
 from runtime.kernels.softmax import softmax, softmax_reference
 from runtime.launch import run_local
-from tests.helpers.kernels import TINY, TRAIN_STEPS, needs_kernels
+from tests.helpers.kernels import TINY, TRAIN_STEPS, needs_kernels, warm_up_planning
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP otherwise
 
@@ -113,6 +113,7 @@ def _train(rank, world, constraints, kernels):
 @pytest.mark.parametrize("world, constraints", [(1, {}), (2, {"dp": 2}), (2, {"tp": 2})], ids=["one", "dp", "tp"])
 def test_training_with_the_softmax_kernel_equals_torch_ops(world, constraints):
     needs_kernels()
+    warm_up_planning()
     ref = run_local(_train, world, (constraints, "torch"), timeout=600)[0]
     assert len(ref[0]) == TRAIN_STEPS
     for losses, state, stats in run_local(_train, world, (constraints, "triton"), timeout=600):
