@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.iteration_engine import IterationEngine
 from autopar.inference.iteration_ranks import LeaderIterations, follow_iterations
 from runtime.launch import run_local
+from tests.helpers.serving import assert_served_like_generate
 
 torch.set_num_threads(1)
 
@@ -123,10 +123,7 @@ def _trace(tmp_path):
 
 
 def test_autopar_serve_runs_a_pp2_continuous_plan(tmp_path):
-    from concurrent.futures import ThreadPoolExecutor
-
     from autopar.inference.serve_process import serve_process
-    from autopar.models.hf import hf_llama
     out = tmp_path / "p.json"
     assert main(["plan-inference", "hf_llama", "--devices", "2", "--constraint", "tp=1", "--constraint", "pp=2",
                  "--constraint", "batch_size=4", "--trace", _trace(tmp_path), "--batching", "continuous",
@@ -134,15 +131,4 @@ def test_autopar_serve_runs_a_pp2_continuous_plan(tmp_path):
     plan = json.loads(out.read_text())
     assert (plan["tp"], plan["pp"], plan["dp"]) == (1, 2, 1) and plan["predictions"]["batching"] == "continuous"
     with serve_process(["hf_llama", "--devices", "2", "--plan", str(out)]) as url:
-        prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [1, 2], [4]]
-        news = [4, 2, 3, 1]
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            answers = list(pool.map(lambda a: httpx.post(f"{url}/v1/completions",
-                                                          json={"prompt": a[0], "max_tokens": a[1]}, timeout=120),
-                                    zip(prompts, news)))
-        torch.manual_seed(0)   # the zoo factory's weights: the same seed and config as the server's
-        ref = hf_llama()[0].model.eval()
-        for p, n, a in zip(prompts, news, answers):
-            assert a.status_code == 200, a.text
-            want = ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-            assert a.json()["choices"][0]["token_ids"] == want[0, len(p):].tolist()
+        assert_served_like_generate(url, [[5, 6, 7], [9, 10, 11, 12, 13], [1, 2], [4]], [4, 2, 3, 1])

@@ -20,6 +20,7 @@ from autopar.cli import main
 from autopar.errors import PlanError
 from autopar.inference.iteration_engine import IterationEngine
 from autopar.inference.server import Limits, make_app
+from tests.helpers.serving import assert_served_like_generate
 
 torch.set_num_threads(1)
 
@@ -302,21 +303,10 @@ def test_autopar_serve_runs_a_chunked_plan(tmp_path, devices, pins):
     """Concurrent requests with prompts longer than the chunk of 4 tokens: prefilled over several
     iterations, each answer Hugging Face's generate of its prompt alone."""
     from autopar.inference.serve_process import serve_process
-    from autopar.models.hf import hf_llama
     out, plan = _chunked_plan_file(tmp_path, devices, pins)
     assert plan["prompt_len"] >= 7
     with serve_process(["hf_llama", "--devices", str(devices), "--plan", str(out)]) as url:
         prompts = [[5, 6, 7, 8, 9, 10, 11], [9, 10, 11, 12, 13], [1, 2], [4, 40, 41, 42, 43, 44]]
-        news = [4, 2, 3, 1]
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            answers = list(pool.map(lambda a: httpx.post(f"{url}/v1/completions",
-                                                          json={"prompt": a[0], "max_tokens": a[1]}, timeout=120),
-                                    zip(prompts, news)))
-        torch.manual_seed(0)   # the zoo factory's weights: the same seed and config as the server's
-        ref_model = hf_llama()[0].model.eval()
-        for p, n, a in zip(prompts, news, answers):
-            assert a.status_code == 200, a.text
-            want = ref_model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-            assert a.json()["choices"][0]["token_ids"] == want[0, len(p):].tolist()
+        assert_served_like_generate(url, prompts, [4, 2, 3, 1])
         metrics = httpx.get(f"{url}/metrics", timeout=10).json()
         assert metrics["requests"] == 4 and metrics["predicted"]["batching"] == "chunked"
