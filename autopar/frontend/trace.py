@@ -275,7 +275,53 @@ def _via_export(root: nn.Module, inputs: tuple):
                          f"replace BatchNorm by LayerNorm/GroupNorm or remove the in-place update")
     if len(user_out) != 1 or not hasattr(user_out[0].arg, "name"):
         raise _outputs_error(root, len(user_out))
+    _check_no_state_writes(ep.graph_module, param_fqn, input_names)
     return ep.graph_module, param_fqn, buffers, input_names, user_out[0].arg.name, "export", constants
+
+
+def _written_arguments(node: Node) -> list[Node]:
+    """The graph values an in-place ATen op (``add_``, ``index_copy_``, ``copy_``...) writes: its
+    arguments whose schema alias is written."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, Node):
+                out.append(value)
+    return out
+
+
+def _view_base(node: Node) -> Node:
+    """The value ``node`` is a view of: followed back through ops whose result aliases their first
+    argument (slice, select, view, transpose, ...)."""
+    while node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if (schema is None or not schema.returns or schema.returns[0].alias_info is None
+                or not node.args or not isinstance(node.args[0], Node)):
+            break
+        node = node.args[0]
+    return node
+
+
+def _check_no_state_writes(gm: GraphModule, param_fqn: dict[str, str], input_names: list[str]) -> None:
+    """torch.export's training IR keeps in-place writes to buffers, parameters and inputs in the graph
+    without listing them as mutations in its signature (BUFFER_MUTATION): a TraceError names them
+    (autopar plans a pure forward: every rank would apply its own write to its own block)."""
+    state = set(param_fqn) | set(input_names)
+    writes = {}
+    for node in gm.graph.nodes:
+        for value in _written_arguments(node):
+            base = _view_base(value)
+            if base.op == "placeholder" and base.name in state:
+                writes.setdefault(param_fqn.get(base.name, base.name), str(node.target))
+    if writes:
+        what = ", ".join(f"{name} ({op})" for name, op in sorted(writes.items()))
+        raise TraceError(f"the model mutates state in forward: {what}; autopar traces pure training forwards: "
+                         f"replace BatchNorm by LayerNorm/GroupNorm, or remove the in-place update of the "
+                         f"buffer, parameter or input (write to a new tensor instead)")
 
 
 def _via_fx(root: nn.Module, inputs: tuple):
@@ -318,6 +364,7 @@ def _via_fx(root: nn.Module, inputs: tuple):
     outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     if len(outs) != 1 or not isinstance(outs[0], Node):
         raise _outputs_error(root, len(outs))
+    _check_no_state_writes(gm, param_fqn, input_names)
     return gm, param_fqn, buffers, input_names, outs[0].name, "fx", {}
 
 

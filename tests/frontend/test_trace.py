@@ -278,3 +278,44 @@ def test_metadata_asserts_are_not_planned(monkeypatch):
     assert torch.ops.aten._assert_tensor_metadata.default in {n.target for n in kept.gm.graph.nodes}   # the premise
     with_asserts = autopar.plan(model, batch, cluster, traced=kept)
     assert without.step_time < with_asserts.step_time, (without.step_time, with_asserts.step_time)
+
+
+class _WritesState(torch.nn.Module):
+    """A forward that writes a buffer in place, in one of several ways (``how``)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(3, 4))
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.how == "add_":
+            self.cache.add_(1.0)
+        elif self.how == "index_copy_":
+            self.cache.index_copy_(0, torch.tensor([0]), y[:1].detach())
+        elif self.how == "through a view":
+            self.cache[1:2].copy_(y[:1].detach())
+        elif self.how == "input":
+            x.mul_(2.0)
+        elif self.how == "intermediate":
+            y = y.clone()
+            y.add_(1.0)   # a fresh tensor: not state
+        return y.sum() + self.cache.sum()
+
+
+@pytest.mark.parametrize("how", ["add_", "index_copy_", "through a view", "input"])
+def test_a_forward_writing_state_in_place_is_refused_naming_it(how):
+    """torch.export's training IR keeps in-place writes to buffers and inputs in the graph without
+    listing them as mutations: the tracer finds them itself and names the buffer or input."""
+    with pytest.raises(TraceError, match="mutates state in forward") as err:
+        trace(_WritesState(how), (torch.randn(2, 4),))
+    assert ("cache" in str(err.value)) if how != "input" else ("x" in str(err.value))
+
+
+def test_batch_norm_is_refused_and_in_place_ops_on_intermediates_are_not():
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with pytest.raises(TraceError, match="num_batches_tracked"):
+        trace(bn, (torch.randn(8, 4),), loss_fn=lambda out: out.sum())
+    trace(_WritesState("intermediate"), (torch.randn(2, 4),))
