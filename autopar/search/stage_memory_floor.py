@@ -17,23 +17,27 @@ Why it is a lower bound (every step only drops or lowers terms of ``plan_stages`
   the smaller of its saved-floor and its kept-floor (the group's last output) unless
   checkpointing is pinned off.
 * Per rank. Rank r's peak is its stages' static bytes plus its activation peak over time plus a
-  recompute working set (>= 0). Its activation peak is at least alive_k x saved_k for each of its
-  stages k: alive_k, stage k's peak count of micro-batches alive, counts F(k) starts and B(k) ends,
-  all actions of rank r, which runs its actions one at a time in the schedule's fixed order, so it
-  depends on the order only, not on the stage durations (``stage_plan.alive``: the equal-stage
-  simulation; 1F1B and GPipe in closed form, as ``plan_stages`` itself uses them).
+  recompute working set (>= 0). Stage k's count of micro-batches alive moves at F(k) starts and
+  B(k) ends, actions of rank r, which runs its actions one at a time in the schedule's fixed order
+  (positive durations: every chunk holds a block), so the vector of its stages' counts after each
+  action depends on the order only, not on the stage durations: ``rank_alive_vectors`` reads those
+  vectors off the equal-stage simulation (as ``stage_plan.alive`` reads their per-stage peaks), and
+  for each one the rank's activation peak is at least sum_k vec_k x saved_k.
 * Over partitions. ``plan_stages`` cuts the blocks into V = pp x v contiguous chunks (the prologue
-  on chunk 0, the epilogue on chunk V - 1, chunk k on rank k % pp). Then max over ranks of the
-  peak >= max over chunks k of static_k + alive_k saved_k (one chunk of each rank kept: exact for
-  v = 1), and the least of that over all splits into V contiguous, possibly empty, chunks (a
-  superset of the splits ``plan_stages`` chooses) is found by ``_fits``: with non-negative block
-  figures a chunk's cost only grows as it takes more blocks, so giving each chunk in turn as many
-  blocks as fit under a threshold decides whether any split fits under it. Also (interleaving)
-  the average over ranks: (all static + min_k alive_k x all saved / v) / pp.
+  on chunk 0, the epilogue on chunk V - 1, chunk k on rank k % pp). The least over all splits into
+  V contiguous, possibly empty, chunks (a superset of the splits ``plan_stages`` chooses) of:
+  (1) max over chunks k of static_k + alive_k saved_k (one chunk of a rank kept: exact for v = 1),
+  found by ``_fits``: with non-negative block figures a chunk's cost only grows as it takes more
+  blocks, so giving each chunk in turn as many blocks as fit under a threshold decides whether any
+  split fits under it; (2) with v > 1, for weights lambda_r >= 0 summing to 1 and one alive vector
+  per rank, sum_r lambda_r (static_r + vec^r . saved) <= max_r peak_r: a sum over chunks, whose least
+  split a dynamic program over (block, chunk) finds exactly (``_weighted_least``); any weights
+  give a bound, a few multiplicative-weight steps look for a high one.
 """
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 
@@ -42,7 +46,7 @@ import numpy as np
 from autopar.pricing.price import device_static
 from autopar.search.pipeline_pins import virtual_stages
 from autopar.search.stage_costs import _shared_roots
-from autopar.search.stage_plan import alive
+from autopar.search.stage_plan import alive, simulate_stages
 from codegen.stages import pipeline_units
 
 # Schedules whose alive counts depend on the action order alone (``alive``; zero-bubble's stage 0
@@ -149,6 +153,94 @@ def _fits(f: BlockFloors, counts: tuple[int, ...], limit: float) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=128)
+def rank_alive_vectors(schedule: str, pp: int, m: int) -> tuple:
+    """Per rank, the maximal vectors of its stages' (r, r + pp, ...) micro-batch counts alive after
+    one of its actions, read off the equal-stage simulation (module doc: they depend on the order
+    only)."""
+    V = pp * virtual_stages(schedule)
+    sim = simulate_stages(schedule, pp, m, [1.0] * V, [2.0] * V)
+    out = []
+    for r in range(pp):
+        ks = list(range(r, V, pp))
+        events = sorted((t, o, j) for j, k in enumerate(ks) for a, b in sim.alive[k] for t, o in ((a, 1), (b, 0)))
+        cur, seen = [0] * len(ks), set()
+        for _t, o, j in events:   # at equal times a free before an allocation, as the simulation counts
+            cur[j] += 1 if o else -1
+            if o:
+                seen.add(tuple(cur))
+        out.append(tuple(sorted(v for v in seen if not any(w != v and all(x >= y for x, y in zip(w, v))
+                                                           for w in seen))))
+    return tuple(out)
+
+
+def _chunk_sums(f: BlockFloors, V: int):
+    """Per block (static, saved) arrays and the prologue / epilogue as chunk 0's / V - 1's extras."""
+    a, b = np.asarray(f.static, dtype=float), np.asarray(f.saved, dtype=float)
+    xs, xv = np.zeros(V), np.zeros(V)
+    xs[0] += f.pro[0]
+    xv[0] += f.pro[1]
+    xs[V - 1] += f.epi[0]
+    xv[V - 1] += f.epi[1]
+    return a, b, xs, xv
+
+
+def _weighted_least(a, b, xs, xv, mu, mw):
+    """The least over splits of the blocks into len(mu) contiguous, possibly empty, chunks of
+    sum_k (mu_k static_k + mw_k saved_k), and that split's chunk of each block (exact DP)."""
+    V = len(mu)
+    cost = np.outer(a, mu) + np.outer(b, mw)   # block i in chunk k
+    ks = np.arange(V)
+    g = cost[0].copy()
+    back = []
+    for i in range(1, len(a)):
+        best = np.minimum.accumulate(g)
+        back.append(np.maximum.accumulate(np.where(g == best, ks, 0)))   # where each running least is
+        g = best + cost[i]
+    k = int(np.argmin(g))
+    value = float(g[k]) + float(np.dot(mu, xs) + np.dot(mw, xv))
+    chunk = [k]
+    for arr in reversed(back):
+        k = int(arr[k])
+        chunk.append(k)
+    return value, chunk[::-1]
+
+
+def _rank_bound(f: BlockFloors, pp: int, schedule: str, m: int, target: float = math.inf, steps: int = 40) -> float:
+    """Bound (2) of the module doc: weights over (rank, alive vector) pairs, each pair's term
+    static_r + vec . saved_r; the best of a few multiplicative-weight steps (each a valid bound)
+    towards the weights that make it highest; stops once above ``target``, or once a split's
+    floors fit under it (then no weighting proves more)."""
+    V = pp * virtual_stages(schedule)
+    if not f.static:
+        return -math.inf
+    a, b, xs, xv = _chunk_sums(f, V)
+    vecs = rank_alive_vectors(schedule, pp, m)
+    pairs = [(r, vec) for r in range(pp) for vec in vecs[r]]
+    lam = np.full(len(pairs), 1.0 / len(pairs))
+    best = -math.inf
+    for t in range(steps):
+        mu, mw = np.zeros(V), np.zeros(V)
+        for (r, vec), x in zip(pairs, lam):
+            for j, n in enumerate(vec):
+                mu[r + j * pp] += x
+                mw[r + j * pp] += x * n
+        value, chunk = _weighted_least(a, b, xs, xv, mu, mw)
+        best = max(best, value)
+        if best > target:
+            break
+        cs, cv = xs.copy(), xv.copy()   # that split's chunks' (static, saved)
+        np.add.at(cs, chunk, a)
+        np.add.at(cv, chunk, b)
+        load = np.array([sum(cs[r + j * pp] + n * cv[r + j * pp] for j, n in enumerate(vec)) for r, vec in pairs])
+        top = load.max()
+        if top <= 0 or top <= target < math.inf:   # a split whose floors fit: no weighting proves more
+            break
+        lam = lam * np.exp((load / top - 1.0) / math.sqrt(t + 1))
+        lam /= lam.sum()
+    return best
+
+
 def least_peak(f: BlockFloors, pp: int, schedule: str, m: int) -> float:
     """A lower bound (module doc) on the largest rank peak ``plan_stages`` reaches under
     ``schedule`` with ``pp`` ranks and ``m`` micro-batches, for any plan whose per-block figures
@@ -161,20 +253,18 @@ def least_peak(f: BlockFloors, pp: int, schedule: str, m: int) -> float:
     counts = tuple(alive(schedule, k, pp, m) for k in range(V))
     total_static = sum(f.static) + f.pro[0] + f.epi[0]
     total_saved = sum(f.saved) + f.pro[1] + f.epi[1]
-    average = (total_static + min(counts) * total_saved / v) / pp
     hi = total_static + max(counts) * total_saved   # everything in one chunk: every split of it fits
     lo = 0.0
-    if _fits(f, counts, lo):
-        return max(lo, average)
-    for _ in range(60):   # invariant: no split fits under lo, every split fits under hi
-        mid = (lo + hi) / 2
-        if mid <= lo or mid >= hi:
-            break
-        if _fits(f, counts, mid):
-            hi = mid
-        else:
-            lo = mid
-    return max(lo, average)
+    if not _fits(f, counts, lo):
+        for _ in range(60):   # invariant: no split fits under lo, every split fits under hi
+            mid = (lo + hi) / 2
+            if mid <= lo or mid >= hi:
+                break
+            if _fits(f, counts, mid):
+                hi = mid
+            else:
+                lo = mid
+    return max(lo, _rank_bound(f, pp, schedule, m)) if v > 1 else lo
 
 
 def exceeds_budget(spec: StageMemory, graph, cands, P, checkpoint=None) -> bool:
@@ -188,13 +278,13 @@ def exceeds_budget(spec: StageMemory, graph, cands, P, checkpoint=None) -> bool:
         return False
     limit = spec.budget * (1 + 1e-9) + 1.0   # rounding of the sums: a fit at the budget never pruned
     for schedule in spec.schedules:
-        v = virtual_stages(schedule)
-        counts = tuple(alive(schedule, k, spec.pp, spec.num_micro_batches) for k in range(spec.pp * v))
-        total_static = sum(f.static) + f.pro[0] + f.epi[0]
-        total_saved = sum(f.saved) + f.pro[1] + f.epi[1]
-        if (total_static + min(counts) * total_saved / v) / spec.pp <= limit and _fits(f, counts, limit):
+        counts = tuple(alive(schedule, k, spec.pp, spec.num_micro_batches)
+                       for k in range(spec.pp * virtual_stages(schedule)))
+        if _fits(f, counts, limit) and (virtual_stages(schedule) == 1 or
+                                        _rank_bound(f, spec.pp, schedule, spec.num_micro_batches, limit) <= limit):
             return False
     return True
 
 
-__all__ = ["StageMemory", "BlockFloors", "SCHEDULES", "block_floors", "least_peak", "exceeds_budget"]
+__all__ = ["StageMemory", "BlockFloors", "SCHEDULES", "block_floors", "rank_alive_vectors", "least_peak",
+           "exceeds_budget"]
