@@ -81,20 +81,22 @@ def _same(a, b):
 
 
 def test_stage_floor_changes_no_plan_and_prunes(monkeypatch):
-    """GPT-2 (8 layers) on 4 CPU processes at a budget only pipelined plans fit, free and with pp=2
-    pinned: the plan is the same with the floor on and off, and the floor prunes some inner
-    configuration whose ILP would have found a plan no stage partition fits (the premise)."""
+    """GPT-2 (8 layers) on 8 CPU processes at budgets that the first attempt of some pipelined
+    candidates cannot meet: the free plan (a pipelined one, checkpointed) and the plan with pp=2
+    pinned are the same with the floor on and off, and the floor prunes some inner configuration
+    whose ILP would have found a plan no stage partition fits (the premise)."""
     model, batch = ZOO["gpt2"](n_layer=8)
-    cluster = autopar.Cluster.preset("cpu", devices=4)
+    cluster = autopar.Cluster.preset("cpu", devices=8)
     g = trace(model, batch)
-    pins = dict(zero=0, tp=1)
-    p1 = autopar.plan(model, batch, cluster, constraints=dict(pins, pp=1), traced=g)
-    budget = int(0.55 * p1.peak_memory)
+    p1 = autopar.plan(model, batch, cluster, constraints={"pp": 1}, traced=g)
+    cases = [(int(0.6 * p1.peak_memory), {}), (int(0.65 * p1.peak_memory), {"pp": 2})]
     seen = _counting(monkeypatch)
-    on = autopar.plan(model, batch, cluster, memory_budget=budget, constraints=pins, traced=g)
-    on_pp = autopar.plan(model, batch, cluster, memory_budget=budget, constraints=dict(pins, pp=2), traced=g)
-    assert any(seen), "the floor pruned no inner configuration"
-    assert on.degrees["pp"] > 1
+    on = []
+    for budget, pins in cases:
+        seen.clear()
+        on.append(autopar.plan(model, batch, cluster, memory_budget=budget, constraints=pins, traced=g))
+        assert any(seen), ("the floor pruned no inner configuration", pins)
+    assert on[0].degrees["pp"] > 1 and on[1].degrees["pp"] == 2
     monkeypatch.setattr(V, "STAGE_MEMORY_FLOOR", False)
-    _same(on, autopar.plan(model, batch, cluster, memory_budget=budget, constraints=pins, traced=g))
-    _same(on_pp, autopar.plan(model, batch, cluster, memory_budget=budget, constraints=dict(pins, pp=2), traced=g))
+    for (budget, pins), a in zip(cases, on):
+        _same(a, autopar.plan(model, batch, cluster, memory_budget=budget, constraints=pins, traced=g))
