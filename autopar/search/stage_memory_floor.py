@@ -29,10 +29,16 @@ Why it is a lower bound (every step only drops or lowers terms of ``plan_stages`
   (1) max over chunks k of static_k + alive_k saved_k (one chunk of a rank kept: exact for v = 1),
   found by ``_fits``: with non-negative block figures a chunk's cost only grows as it takes more
   blocks, so giving each chunk in turn as many blocks as fit under a threshold decides whether any
-  split fits under it; (2) with v > 1, for weights lambda_r >= 0 summing to 1 and one alive vector
-  per rank, sum_r lambda_r (static_r + vec^r . saved) <= max_r peak_r: a sum over chunks, whose least
-  split a dynamic program over (block, chunk) finds exactly (``_weighted_least``); any weights
-  give a bound, a few multiplicative-weight steps look for a high one.
+  split fits under it; (2) with v > 1, for weights lambda >= 0 summing to 1 over the pairs (rank
+  r, alive vector vec of r), sum lambda (static_r + vec . saved_r) <= max_r peak_r: a sum over
+  chunks, whose least split a dynamic program over (block, chunk) finds exactly
+  (``_weighted_least``); any weights give a bound, a few multiplicative-weight steps look for a
+  high one (``_rank_bound``).
+
+What pruning changes: the inner search returns its fastest configuration not proven to fail, where
+it returned its fastest one. They differ only when that one fails ``plan_stages``' memory check
+(which before sent the candidate to its checkpointed retry): then the next fastest, which may fit
+without recomputation, or the same MemoryBudgetError when every configuration is pruned.
 """
 from __future__ import annotations
 

@@ -100,3 +100,43 @@ def test_stage_floor_changes_no_plan_and_prunes(monkeypatch):
     monkeypatch.setattr(V, "STAGE_MEMORY_FLOOR", False)
     for (budget, pins), a in zip(cases, on):
         _same(a, autopar.plan(model, batch, cluster, memory_budget=budget, constraints=pins, traced=g))
+
+
+def test_floor_is_below_every_split_with_any_stage_durations():
+    """The bound over splits, alone: random per-block figures, random splits into chunks of
+    whole blocks, random stage durations and transfers; each rank's peak as ``plan_stages``
+    computes it (the simulation's activation peak over time for interleaving) is never below
+    ``least_peak``, and each stage's peak count is the order's (``rank_alive_vectors``)."""
+    import random
+
+    from autopar.search.pipeline_pins import virtual_stages
+    from autopar.search.stage_memory_floor import BlockFloors, rank_alive_vectors
+    from autopar.search.stage_plan import alive, simulate_stages
+    rng = random.Random(7)
+    for schedule in ("1f1b", "interleaved-1f1b", "gpipe"):
+        for pp in (2, 3, 4):
+            for m in (pp, 2 * pp, 4 * pp):
+                V = pp * virtual_stages(schedule)
+                vecs = rank_alive_vectors(schedule, pp, m)
+                assert [max(vec[k // pp] for vec in vecs[k % pp]) for k in range(V)] == \
+                    [alive(schedule, k, pp, m) for k in range(V)]
+                for _ in range(3):
+                    n = V + rng.randrange(2 * V)
+                    f = BlockFloors(tuple(rng.uniform(0, 4) for _ in range(n)),
+                                    tuple(rng.uniform(0, 2) for _ in range(n)),
+                                    (rng.uniform(0, 3), rng.uniform(0, 1)), (rng.uniform(0, 3), rng.uniform(0, 1)))
+                    floor = least_peak(f, pp, schedule, m)
+                    for _ in range(4):
+                        cuts = [0, *sorted(rng.sample(range(1, n), V - 1)), n]
+                        static = [sum(f.static[cuts[k]:cuts[k + 1]]) for k in range(V)]
+                        saved = [sum(f.saved[cuts[k]:cuts[k + 1]]) for k in range(V)]
+                        static[0] += f.pro[0]
+                        saved[0] += f.pro[1]
+                        static[-1] += f.epi[0]
+                        saved[-1] += f.epi[1]
+                        fwd = [rng.uniform(0.1, 2) for _ in range(V)]
+                        sim = simulate_stages(schedule, pp, m, fwd, [x * rng.uniform(1, 3) for x in fwd],
+                                              [rng.uniform(0, 0.5) for _ in range(V - 1)])
+                        acts = sim.peak_rank_memory(dict(enumerate(saved)))
+                        peak = max(sum(static[k] for k in range(r, V, pp)) + acts[r] for r in range(pp))
+                        assert floor <= peak * (1 + 1e-9), (schedule, pp, m, floor, peak)
