@@ -60,6 +60,10 @@ class SearchOptions:
     # no edges priced for it): a pipelined candidate's first inner search, whose error only sends
     # it to its checkpointed retry (autopar/search/pipeline_candidates.py ``_evaluate``)
     min_peak: bool = True
+    # a pipelined candidate's inner search (autopar/search/stage_memory_floor.py ``StageMemory``):
+    # its configurations that no stage partition fits are pruned before their ILP (visit.py
+    # ``_stage_memory``); None elsewhere
+    stage_memory: object = None
 
 
 @dataclass
@@ -78,6 +82,7 @@ class SearchStats:
     timed_out: int = 0   # configurations the time limit cut short
     large_ilps: int = 0   # large ILPs that sent the search to the pipelined candidates first
     mip_pruned: int = 0   # pruned by the branch and bound's proof
+    stage_floor_pruned: int = 0   # inner configurations no stage partition fits (visit._stage_memory)
     host_exceeded: int = 0   # offloaded configurations whose host bytes exceed the node's share
     host_min_need: float | None = None   # the least host bytes per rank any of those needed
     solve_seconds: float = 0.0

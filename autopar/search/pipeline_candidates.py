@@ -51,6 +51,7 @@ from autopar.search.pipeline_bounds import block_time_floor, cutoff_factor, devi
 from autopar.search.pipeline import search_pipelined
 from autopar.search.pipeline_forked import fork_workers, run_forked
 from autopar.search.pipeline_pins import stage_cluster
+from autopar.search.stage_memory_floor import StageMemory
 from codegen.stages import pipeline_units
 
 FACTOR_MAX_PP = 16   # degrees above, or not powers of two: the Megatron-style counts only (micro_batch_counts)
@@ -242,8 +243,13 @@ class Pipelined:
         lazy = retried and "zero-bubble" not in self.schedules
         try:
             try:
+                # its configurations that no stage partition fits are pruned before their ILP, under
+                # every schedule sharing the inner search (autopar/search/stage_memory_floor.py)
+                first = dict(kw_left, min_peak=False,
+                             stage_memory=StageMemory(p, m, self.base.budget, tuple(self.schedules))) \
+                    if lazy else kw_left
                 return ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search,
-                                                **(dict(kw_left, min_peak=False) if lazy else kw_left)))
+                                                **first))
             except MemoryBudgetError:
                 if not retried:
                     raise

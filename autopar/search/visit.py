@@ -22,6 +22,7 @@ from autopar.search.configurations import Config
 from autopar.search.context import Incumbent, Result, SearchContext
 from autopar.pricing.offload import NVME_MODES, host_budget, nvme_budget
 from autopar.search.predict import host_bytes_of, predict, static_memory_lower_bound, step_time_lower_bound
+from autopar.search.stage_memory_floor import exceeds_budget as stage_floor_exceeds_budget
 from solver.errors import SolverTimeout
 from solver.ilp import memory_floor_exceeds_budget, mip_reaches, relaxation_bound, solve
 from solver.tree_bound import tree_lower_bound
@@ -41,6 +42,10 @@ FLOOR_LP_PAIRS = 20_000
 # An infeasible LP over the floors prunes the configuration as infeasible before its edges are
 # priced (``_pruned_by_floors``; tests switch it off to check it changes no plan).
 FLOOR_LP_INFEASIBLE = True
+# In a pipelined candidate's inner search, a configuration no stage partition can fit (the proven
+# floor of autopar/search/stage_memory_floor.py) is pruned before its edges are priced and its
+# ILP solved (``_stage_memory``; tests switch it off to check it changes no plan).
+STAGE_MEMORY_FLOOR = True
 # Before solving a configuration whose LP bound is within this fraction of the plan to beat, the
 # branch and bound over the same bound problem is asked whether its optimum reaches that plan
 # (``solver.ilp.mip_reaches``): on large 2-axis meshes proving a cutoff costs a fraction of a
@@ -169,6 +174,26 @@ def _edge_bound(v: _Visit) -> bool:
     return v.beaten(v.edge_lower) or v.cut(lambda: step_time_lower_bound(v.P, edges=True, work_only=True))
 
 
+def _stage_memory(v: _Visit) -> bool:
+    """A pipelined candidate's inner configuration (``SearchOptions.stage_memory``) whose every
+    plan, under every stage partition ``plan_stages`` may choose, puts some rank over the budget
+    (autopar/search/stage_memory_floor.py: each node at its smallest bytes, the schedule's alive
+    micro-batches): its ILP would find a plan the partition then rejects. Only where the search's
+    MemoryBudgetError states no smallest peak (``min_peak`` off: the first attempt, whose error
+    only sends the candidate to its checkpointed retry), as the inner search's own smallest peak
+    is no stage's."""
+    opts = v.ctx.options
+    spec = opts.stage_memory
+    if spec is None or not STAGE_MEMORY_FLOOR or opts.exhaustive or opts.min_peak:
+        return False
+    if not stage_floor_exceeds_budget(spec, v.ctx.graph, v.cands, v.P, v.cfg.settings.checkpoint):
+        return False
+    v.ctx.stats.infeasible += 1
+    v.ctx.stats.stage_floor_pruned += 1
+    v.ctx.memory_floors.append((v.cfg, v.P))   # the search then ends in a MemoryBudgetError
+    return True
+
+
 def _memory_floor(v: _Visit) -> bool:
     """No choice fits (each node at its smallest bytes): HiGHS takes seconds to prove it. The
     memory rows do not depend on resharding, so this runs before the edges are priced (in a
@@ -273,8 +298,8 @@ def _mip_cut(v: _Visit) -> bool:
 
 # The bounds a configuration meets before its ILP, in order (cheapest first); each prunes it
 # (True) or passes it on. The work bounds (no gradient communication) answer search's cutoff.
-BOUNDS = (_work_cutoff, _node_bound, _static_memory, _memory_floor, _floors, _edge_bound, _tree_bound, _lp_bound,
-          _pipelined_first, _mip_cut)
+BOUNDS = (_work_cutoff, _node_bound, _static_memory, _stage_memory, _memory_floor, _floors, _edge_bound, _tree_bound,
+          _lp_bound, _pipelined_first, _mip_cut)
 
 
 def _solve(v: _Visit) -> None:
@@ -402,4 +427,5 @@ def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None, prob
     return lp != math.inf and lp >= target
 
 
-__all__ = ["visit", "BOUNDS", "MIP_GAP", "LP_BOUND", "FLOOR_LP_PAIRS", "MIP_CUT_WINDOW", "LARGE_ILP_SECONDS"]
+__all__ = ["visit", "BOUNDS", "MIP_GAP", "LP_BOUND", "FLOOR_LP_PAIRS", "STAGE_MEMORY_FLOOR", "MIP_CUT_WINDOW",
+           "LARGE_ILP_SECONDS"]
