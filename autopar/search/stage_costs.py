@@ -154,7 +154,7 @@ def stage_costs(result, graph) -> StageCosts:
             t[g] += time / r
             tf[g] += time * fshare / r
             sv[g] += (saved - copies.get(name, 0.0)) / r
-            for root in _shared_roots(cands, graph, name, P.saved_by_root.get(name, {})):
+            for root in shared_roots(cands, graph, name, P.saved_by_root.get(name, {})):
                 b = float(P.saved_by_root[name][root][k])
                 sv[g] -= b / r
                 shared[g][root] = max(shared[g].get(root, 0.0), b)
@@ -232,7 +232,7 @@ def stage_costs(result, graph) -> StageCosts:
                       count_program_bytes(cands, P, pick, nm))
 
 
-def _shared_roots(cands, graph, name: str, charged: dict) -> list:
+def shared_roots(cands, graph, name: str, charged: dict) -> list:
     """The storage roots representative ``name`` is charged for that every instance it stands
     for saves as one storage made outside the blocks (a RoPE table; saved_roots charges such a
     storage once, not once per instance)."""
@@ -260,4 +260,4 @@ def _edge_shares(cands, graph, order, first_block) -> dict:
     return {k: [(place, n / sum(c.values())) for place, n in c.items()] for k, c in count.items()}
 
 
-__all__ = ["StageCosts", "stage_costs"]
+__all__ = ["StageCosts", "shared_roots", "stage_costs"]

@@ -51,7 +51,7 @@ import numpy as np
 
 from autopar.pricing.price import device_static
 from autopar.search.pipeline_pins import virtual_stages
-from autopar.search.stage_costs import _shared_roots
+from autopar.search.stage_costs import shared_roots
 from autopar.search.stage_plan import alive, simulate_stages
 from codegen.stages import pipeline_units
 
@@ -121,7 +121,7 @@ def block_floors(graph, cands, P, checkpoint=None) -> BlockFloors:
         if name in graph.block_of:
             g = graph.block_of[name][0]
             own = saved
-            for root in _shared_roots(cands, graph, name, P.saved_by_root.get(name, {})):
+            for root in shared_roots(cands, graph, name, P.saved_by_root.get(name, {})):
                 own = own - P.saved_by_root[name][root]
             sv[g] += float(np.min(own)) / r
         else:
