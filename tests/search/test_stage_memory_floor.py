@@ -84,7 +84,9 @@ def test_stage_floor_changes_no_plan_and_prunes(monkeypatch):
     """GPT-2 (8 layers) on 8 CPU processes at budgets that the first attempt of some pipelined
     candidates cannot meet: the free plan (a pipelined one, checkpointed) and the plan with pp=2
     pinned are the same with the floor on and off, and the floor prunes some inner configuration
-    whose ILP would have found a plan no stage partition fits (the premise)."""
+    whose ILP would have found a plan no stage partition fits (the premise; one process, so the
+    count sees the candidates' inner searches, which forked workers would run)."""
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
     model, batch = ZOO["gpt2"](n_layer=8)
     cluster = autopar.Cluster.preset("cpu", devices=8)
     g = trace(model, batch)
