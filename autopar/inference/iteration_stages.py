@@ -132,22 +132,23 @@ class StagesInFlight:
             ve.admitted = admitted
             ve.turns += 1
 
-    def _work(self, ve: VirtualEngine) -> torch.Tensor:
+    def _work(self, ve: VirtualEngine) -> torch.Tensor | None:
         """This stage's forwards of ``ve``'s turn: each newcomer's prefill, one by one, then the
-        decode step of its running rows. Their last-position logits [newcomers + rows, V] (read on
-        the last stage only). With a chunk budget: the decode step first, then each chunk; the
-        logits of the decode rows and of the chunks that end a prompt (``_turn_rows``), or None."""
+        decode step of its running rows. Their last-position logits [newcomers + rows, V] on the
+        last stage; None on the others (their heads' outputs are placeholders, never read). With a
+        chunk budget: the decode step first, then each chunk; the logits of the decode rows and of
+        the chunks that end a prompt (``_turn_rows``), or None."""
         if self.chunk is not None:
             out = [self._decode_forward(ve)[0]] if ve.running else []
             for seq, start, end in ve.chunks:
                 logits = self._chunk_forward(seq, start, end)
                 if end == len(seq.prompt):
                     out.append(logits)
-            return torch.cat(out) if out else None
-        out = [self._prefill_forward(seq) for seq in ve.admitted]
-        if ve.running:
-            out.append(self._decode_forward(ve)[0])
-        return torch.cat(out)
+        else:
+            out = [self._prefill_forward(seq) for seq in ve.admitted]
+            if ve.running:
+                out.append(self._decode_forward(ve)[0])
+        return torch.cat(out) if out and self.stage == self.pp - 1 else None
 
     def _turn_rows(self, ve: VirtualEngine) -> list[Sequence]:
         """The sequences whose next token ``ve``'s turn gives, in the order of its logits rows."""
