@@ -233,8 +233,9 @@ class InferenceEngine:
         sample = dict(self.sampling)
         seed = sample.pop("seed", 0)
         from transformers import LogitsProcessorList
-        self._whole_logits(bool(sample))
-        greedy = {} if sample or self.vocab_shard.size == 1 else {
+        whole = bool(sample) or self._processed_scores()
+        self._whole_logits(whole)
+        greedy = {} if whole or self.vocab_shard.size == 1 else {
             "logits_processor": LogitsProcessorList([GreedyOfSlices(self.vocab_shard)])}
         try:
             with torch.random.fork_rng(devices=[]):
@@ -245,6 +246,20 @@ class InferenceEngine:
         finally:
             self._whole_logits(False)
         return out[:rows]
+
+    # generation-config settings under which Hugging Face's greedy generate runs logits processors
+    # over whole rows (indices are the vocabulary's): the split head's slices would be misread
+    WHOLE_ROW_SETTINGS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
+                          "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
+                          "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                          "sequence_bias": None, "encoder_repetition_penalty": 1.0}
+
+    def _processed_scores(self) -> bool:
+        """Whether the model's generation config asks greedy ``generate`` for processors over whole
+        rows of logits (``WHOLE_ROW_SETTINGS`` away from their neutral values): then the split head's
+        logits are gathered whole, as for sampling, instead of the distributed argmax."""
+        gc = getattr(self.model, "generation_config", None)
+        return gc is not None and any(getattr(gc, k, v) not in (v, None) for k, v in self.WHOLE_ROW_SETTINGS.items())
 
     def _whole_logits(self, whole: bool) -> None:
         """A split head's logits all-gathered (``whole``) or this rank's slice, on every stage."""

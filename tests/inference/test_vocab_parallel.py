@@ -207,3 +207,19 @@ def test_tp2_static_generate_equals_hf_generate_with_the_distributed_argmax():
     for out, gathered, batch in results:
         assert out == want.tolist()
         assert gathered == 2 * 2 * batch * NEW     # one argmax per new token: 2 x tp per row, not V
+
+
+def test_static_greedy_gathers_whole_rows_when_the_generation_config_processes_them():
+    """A generation config asking greedy ``generate`` for processors over whole rows (repetition
+    penalty, suppressed tokens, ...) would misread a split head's slices: the static engine then
+    gathers the logits whole instead of the distributed argmax."""
+    from types import SimpleNamespace
+
+    from autopar.inference.engine import InferenceEngine
+    from transformers import GenerationConfig
+    engine = SimpleNamespace(model=SimpleNamespace(generation_config=GenerationConfig()),
+                             WHOLE_ROW_SETTINGS=InferenceEngine.WHOLE_ROW_SETTINGS)
+    assert not InferenceEngine._processed_scores(engine)
+    for setting in ({"repetition_penalty": 1.3}, {"suppress_tokens": [3]}, {"min_new_tokens": 2}):
+        engine.model.generation_config = GenerationConfig(**setting)
+        assert InferenceEngine._processed_scores(engine), setting
