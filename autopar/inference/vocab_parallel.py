@@ -135,8 +135,9 @@ class GreedyOfSlices:
     """A Hugging Face logits processor for greedy ``generate`` over a vocabulary-parallel head: from
     this rank's slice of the last position's logits [rows, V / size], a row of V scores, -inf but
     0 at the global argmax (``greedy_tokens``), so ``generate``'s own argmax picks that token. It
-    must be the only processor that reads the scores (the static engine decodes greedy with no
-    other: autopar/inference/engine.py)."""
+    must be the only processor that reads the scores: the static engine uses it only when the
+    model's generation config asks for no whole-row processor (autopar/inference/engine.py
+    ``WHOLE_ROW_SETTINGS``), else it gathers the logits whole."""
 
     def __init__(self, shard: VocabShard):
         self.shard = shard
