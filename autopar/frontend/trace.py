@@ -14,6 +14,10 @@ about it.
 - If both fail: ``TraceError`` naming the module (FQN and class) and the user source line
   found in the exception's traceback, with what to change.
 
+``trace_step(module, example_inputs) -> TracedGraph``: an inference step returning several
+tensors (logits and the updated KV cache), traced by export with its parameters frozen; every
+output is kept (``TracedGraph.outputs``).
+
 The TracedGraph also carries tied weights, a structural fingerprint and the repeated blocks
 (``autopar/frontend/blocks.py``). The checks made while tracing and the error messages are in
 ``autopar/frontend/trace_checks.py``.
@@ -37,7 +41,8 @@ from autopar.frontend.one_device import on_meta_when_mixed
 from autopar.frontend.trace_checks import (_AutogradFunctionWatch, _backward_matches_forward, _check_arguments,
                                   _quiet_torch_logs, _strip, _trace_error)
 
-__all__ = ["BlockGroup", "TracedGraph", "trace", "fingerprint", "find_blocks", "_backward_matches_forward"]
+__all__ = ["BlockGroup", "TracedGraph", "trace", "trace_step", "fingerprint", "find_blocks",
+           "_backward_matches_forward"]
 
 
 @dataclass
@@ -48,7 +53,7 @@ class TracedGraph:
                                          # constants, frozen parameters (requires_grad=False)
     tied: dict[str, list[str]]           # every FQN of a shared tensor -> all its FQNs (the one in param_fqn first)
     input_names: list[str]               # placeholder names of the user inputs, in order
-    output_name: str                     # node whose value is the scalar loss
+    output_name: str                     # node whose value is the scalar loss (trace_step: its first output)
     source: str                          # "export" | "fx"
     trace_seconds: float
     fingerprint: str
@@ -61,6 +66,9 @@ class TracedGraph:
     frozen: set[str] = field(default_factory=set)   # placeholder names of frozen parameters (also in buffers)
     kernels: bool = False                 # traced for the Triton kernels: patterns fused (autopar/frontend/fuse.py)
     fused: dict[str, int] = field(default_factory=dict)   # pattern -> how many were fused
+    # Every user output's node name, in the forward's order: ``[output_name]`` for a training
+    # trace, all of the step's outputs for ``trace_step``.
+    outputs: list[str] = field(default_factory=list)
     # Memos of what depends on the graph alone (autopar/rules/candidates.py): every mesh's
     # candidates ask for them
     op_specs: dict = field(default_factory=dict, repr=False, compare=False)   # node name -> OpSpec
@@ -170,7 +178,52 @@ def trace(model: nn.Module, example_inputs: tuple, loss_fn=None, *, frontend: st
                        output_name=output_name, source=source, trace_seconds=seconds,
                        fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of,
                        constants=constants, frozen=frozen & set(param_fqn), kernels=kernels,
-                       fused=fused)
+                       fused=fused, outputs=[output_name])
+
+
+def trace_step(module: nn.Module, example_inputs: tuple) -> TracedGraph:
+    """Trace one forward step of ``module`` that returns SEVERAL tensors (an inference step: the
+    logits and the updated KV cache) into a TracedGraph whose ``outputs`` lists every user
+    output's node in order (``output_name`` is the first). Every parameter is traced frozen
+    (``frozen``, stored as a buffer: no gradient, optimizer state or gradient traffic is priced);
+    ``module`` itself is left untouched.
+
+    Export only (``torch.export``, no fx fallback), with ``trace``'s checks: plain-tensor
+    arguments, no state written in place (a cache update must be out of place, e.g.
+    ``cache.index_copy(...)``, and returned), metadata asserts dropped, tied weights and repeated
+    blocks found."""
+    if not isinstance(module, nn.Module):
+        raise TraceError(f"trace_step() needs an nn.Module, got {type(module).__name__}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    _check_arguments(module, example_inputs)
+    t0 = time.perf_counter()
+    with _AutogradFunctionWatch(module, "") as custom, on_meta_when_mixed(module, example_inputs) as inputs:
+        with _quiet_torch_logs():
+            try:
+                gm, param_fqn, buffers, input_names, outputs, constants = _export_graph(module, inputs)
+            except TraceError:
+                raise
+            except Exception as e:
+                raise _trace_error(module, module, [e], "") from e
+    if custom.calls:
+        bad = custom.unverified()
+        if bad:
+            raise custom.error(module, bad)
+    seconds = time.perf_counter() - t0
+    if not outputs or any(o is None for o in outputs):
+        raise TraceError(f"{type(module).__name__}.forward must return tensors (a tuple of them) for "
+                         f"trace_step; got {len(outputs)} outputs, some not tensors computed by the graph")
+    frozen = {n for n in param_fqn if n not in buffers}
+    buffers |= frozen
+    tied = _tied_fqns(module)
+    _drop_unused_tied_placeholders(gm, param_fqn, buffers, tied)
+    _drop_metadata_asserts(gm)
+    blocks, block_of = find_blocks(gm, module, param_fqn, buffers)
+    return TracedGraph(gm=gm, param_fqn=param_fqn, buffers=buffers, tied=tied, input_names=input_names,
+                       output_name=outputs[0], source="export", trace_seconds=seconds,
+                       fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of,
+                       constants=constants, frozen=frozen & set(param_fqn), outputs=list(outputs))
 
 
 def _drop_metadata_asserts(gm: GraphModule) -> None:
@@ -244,6 +297,16 @@ def _no_stack_traces():
 
 
 def _via_export(root: nn.Module, inputs: tuple):
+    gm, param_fqn, buffers, input_names, outputs, constants = _export_graph(root, inputs)
+    if len(outputs) != 1 or outputs[0] is None:
+        raise _outputs_error(root, len(outputs))
+    return gm, param_fqn, buffers, input_names, outputs[0], "export", constants
+
+
+def _export_graph(root: nn.Module, inputs: tuple):
+    """torch.export of ``root`` with its state checks: (graph module, placeholder -> FQN, buffer
+    placeholders, user input names, user output node names (None for an output that is no graph
+    value), lifted constants)."""
     from torch.export.graph_signature import InputKind, OutputKind
 
     with _no_stack_traces():
@@ -273,10 +336,9 @@ def _via_export(root: nn.Module, inputs: tuple):
         raise TraceError(f"the model mutates state in forward ({', '.join(kinds)}: "
                          f"{[s.target for s in others]}); autopar traces pure training forwards: "
                          f"replace BatchNorm by LayerNorm/GroupNorm or remove the in-place update")
-    if len(user_out) != 1 or not hasattr(user_out[0].arg, "name"):
-        raise _outputs_error(root, len(user_out))
     _check_no_state_writes(ep.graph_module, param_fqn, input_names)
-    return ep.graph_module, param_fqn, buffers, input_names, user_out[0].arg.name, "export", constants
+    outputs = [getattr(s.arg, "name", None) for s in user_out]
+    return ep.graph_module, param_fqn, buffers, input_names, outputs, constants
 
 
 def _written_arguments(node: Node) -> list[Node]:
