@@ -5,7 +5,7 @@ them per mesh: layouts (layout.py), strategies (strategy.py), each node's candid
 
 Importing this package registers every rule family (``ops_*`` modules) into ``RULES``.
 """
-from autopar.rules import ops_kernels, ops_matmul, ops_moe, ops_nn, ops_pointwise, ops_shape  # noqa: F401 (registration)
+from autopar.rules import ops_cache, ops_kernels, ops_matmul, ops_moe, ops_nn, ops_pointwise, ops_shape  # noqa: F401 (registration)
 from autopar.rules.spec import Comm, OpSpec, Saved
 from autopar.rules.table import RULES, coverage, rule, spec_for, tensor_inputs
 

@@ -308,6 +308,8 @@ CASES = {
     "index_select": lambda: (aten.index_select.default, (rnd(4, 8, 4), 1, idx(8, 4))),
     "repeat_interleave": lambda: (aten.repeat_interleave.self_int, (rnd(4, 2, 4), 2, 1)),
     "arange": lambda: (aten.arange.default, (8,), {"dtype": torch.float64}),
+    # a KV-cache write: [batch, heads, slots, head_dim] rows written at 2 slots (autopar/rules/ops_cache.py)
+    "index_copy": lambda: (aten.index_copy.default, (rnd(4, 4, 6, 2), 2, torch.tensor([3, 1]), rnd(4, 4, 2, 2))),
 }
 
 
@@ -318,6 +320,18 @@ def test_every_strategy_matches_unsplit(case):
     kwargs = c[2] if len(c) > 2 else {}
     meshes = MESHES if case not in ("conv2d", "sdpa_mask") else MESHES[:3]
     check_op(target, args, kwargs, meshes)
+
+
+def test_index_copy_splits_the_cache_like_its_rows_but_never_the_written_dim():
+    """The premise of a KV cache kept per rank: a tp strategy splits the heads of the cache and of
+    the written rows alike (no gather of the cache), and none splits the slots or the index."""
+    node, env = make_node(aten.index_copy.default, (rnd(4, 4, 6, 2), 2, torch.tensor([3, 1]), rnd(4, 4, 2, 2)))
+    spec = spec_for(node)
+    assert spec.rule == "index_copy"
+    strats = enumerate_strategies(spec, Mesh((2,), ("tp",), 8), spec.inputs[0][:1])
+    heads = [s for s in strats if s.inputs[0] is not None and s.inputs[0].dims[1] == (0,)]
+    assert heads and all(s.inputs[2].dims[1] == (0,) and s.outputs[0].dims[1] == (0,) for s in heads)
+    assert not any(s.inputs[0].dims[2] or s.inputs[1].dims[0] for s in strats if s.inputs[0] is not None)
 
 
 def test_getitem_of_split():
