@@ -33,6 +33,11 @@ axes it is a partial sum. With several micro-batches each micro-batch's program 
 exact share of the step's loss (means over the batch are scaled by 1/num_micro_batches, mean
 losses use global denominators), so the step's loss and gradients are SUMS over micro-batches.
 
+``generate_step(traced, plan, rank, state=..., whole=...) -> StepProgram``: the program of an
+inference step traced by ``trace_step``: it returns every traced output (each in its plan layout,
+or gathered whole) instead of a loss, and takes the ``state`` inputs (a KV cache) as this rank's
+blocks in the layout the step returns them in, so they stay on their rank between steps.
+
 Mixed precision (``compute_dtype`` bf16/fp16) and the rank's device (``device``): dtype and device
 arguments traced in fp32 on the CPU (or meta) are rewritten to the working dtype and the rank's
 device (codegen/retarget.py); with ``None`` they are left as traced.
@@ -55,6 +60,7 @@ the nodes of each instance's attention core, under ``<instance>.attention_core``
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -71,7 +77,7 @@ from autopar.rules.microbatch import decompose, loss_scale
 from autopar.rules.strategy import Strategy
 from codegen.checkpoint import checkpointed_groups, outline_regions
 from codegen.loss_counts import count_program, global_mean
-from codegen.rank_program import RankProgram, block_slices, input_layout, normalize, strategy_of
+from codegen.rank_program import RankProgram, StepProgram, block_slices, input_layout, normalize, strategy_of
 from codegen.reshard_calls import reshard
 from codegen.retarget import retarget, retarget_module
 from codegen.selective import selective_regions
@@ -97,8 +103,9 @@ def _is_float(v) -> bool:
 
 class _Builder:
     def __init__(self, traced, plan, rank: int, zero3_chunks, compute_dtype=None, device=None,
-                 batch_carrying=None):
+                 batch_carrying=None, step=None):
         self.traced, self.plan, self.rank = traced, plan, rank
+        self.step = step   # a StepEnds: every output returned, state inputs taken as blocks (generate_step)
         self.device = None if device is None else torch.device(device)
         self.compute_dtype = compute_dtype if compute_dtype not in (None, torch.float32) else None
         self.mesh = plan.mesh
@@ -201,6 +208,7 @@ class _Builder:
         traced = self.traced
         graph = traced.gm.graph
         nodes = list(graph.nodes)
+        self.nodes_by_name = {n.name: n for n in nodes}
         missing = [n.name for n in nodes if n.op == "call_function" and n.target is not operator.getitem
                    and n.name not in self.ops]
         if missing:
@@ -262,6 +270,8 @@ class _Builder:
             else:
                 v = _val(n)
                 lay = input_layout(v.dim() if isinstance(v, torch.Tensor) else 0, self.mesh, input_bd.get(n.name))
+                if self.step is not None and n.name in self.step.state:
+                    lay = self.step_state_layout(n.name)   # this rank's block, as the step leaves it
                 input_layouts.append(lay)
                 self.layout[n.name] = lay
 
@@ -307,13 +317,16 @@ class _Builder:
         self.region = self.source = None
         self.full_region = False
 
-        # The loss: returned as this rank's local value (partial over loss_layout.partial); with
-        # micro-batches, a loss that does not depend on the batch at all counts 1/nm per micro-batch.
         loss_lay = self.layout[traced.output_name]
-        loss = self.env[traced.output_name]
-        if self.decomp is not None and loss_scale(self.decomp, traced.output_name):
-            loss = self.call(operator.mul, (loss, 1.0 / self.nm), name="loss_per_micro_batch")
-        self.g.output(loss)
+        if self.step is not None:
+            output_layouts = self._step_outputs()
+        else:
+            # The loss: returned as this rank's local value (partial over loss_layout.partial); with
+            # micro-batches, a loss that does not depend on the batch at all counts 1/nm per micro-batch.
+            loss = self.env[traced.output_name]
+            if self.decomp is not None and loss_scale(self.decomp, traced.output_name):
+                loss = self.call(operator.mul, (loss, 1.0 / self.nm), name="loss_per_micro_batch")
+            self.g.output(loss)
         root = torch.nn.Module()
         for name, obj in self.attrs.items():
             setattr(root, name, obj)
@@ -321,14 +334,48 @@ class _Builder:
         # The count program copies nodes of the flat program: build it before regions are outlined.
         count_gm = count_program(self, gm, root) if self.mean_losses else None
         regions = outline_regions(gm, self.region_nodes)
-        return RankProgram(gm=gm, rank=self.rank, coords=self.coords, mesh_shape=self.mesh_shape,
+        kind, extra = RankProgram, {}
+        if self.step is not None:
+            kind = StepProgram
+            extra = dict(output_names=list(traced.outputs), output_layouts=output_layouts,
+                         state=dict(self.step.state),
+                         input_shapes=[tuple(_val(n).shape) if isinstance(_val(n), torch.Tensor) else ()
+                                       for n in nodes if n.op == "placeholder" and n.name in traced.input_names])
+        return kind(gm=gm, rank=self.rank, coords=self.coords, mesh_shape=self.mesh_shape,
                            param_names=param_names, param_fqn=dict(traced.param_fqn), buffers=set(traced.buffers),
                            param_layouts=param_layouts, param_slices=param_slices,
                            input_names=list(traced.input_names), input_layouts=input_layouts,
                            grad_partial_axes={f: tuple(a) for f, a in grad_partial.items()},
                            loss_layout=loss_lay, data_axes=self.data_axes, zero3_chunks=self.zero3,
                            checkpoint_regions=regions, batch_dims=list(self.batch_dims), count_gm=count_gm,
-                           mean_losses=list(self.mean_losses))
+                           mean_losses=list(self.mean_losses), **extra)
+
+    # ------------------------------------------------------------- inference steps (generate_step)
+    def step_state_layout(self, name: str) -> Layout:
+        """The layout a state input arrives in: the plan's layout of the output it was returned as."""
+        out = self.step.state[name]
+        op = self.ops.get(out)
+        if op is None:
+            raise ExecutionError(f"state input {name!r}: its output {out!r} is not computed by an op of the plan")
+        return self.norm(Layout.from_json(op["outputs"][0]))
+
+    def _step_outputs(self) -> list[Layout]:
+        """Returns every traced output, in order: each in its plan layout (this rank's block), or
+        replicated for those named ``whole`` (a state output is never gathered: its input arrives
+        in the output's own layout, ``step_state_layout``)."""
+        outs, layouts = [], []
+        for name in self.traced.outputs:
+            lay, x = self.layout[name], self.env[name]
+            if isinstance(lay, list):
+                raise NotImplementedError(f"step output {name!r} is a tuple; return its tensors one by one")
+            if name in self.step.whole:
+                whole = Layout.replicated(lay.ndim)
+                x = reshard(self, x, lay, whole, _val(self.nodes_by_name[name]), ())   # codegen/reshard_calls.py
+                lay = whole
+            outs.append(x)
+            layouts.append(lay)
+        self.g.output(tuple(outs))
+        return layouts
 
     def _emit_attr(self, n: fx.Node) -> None:
         """A get_attr of the traced graph: a submodule of a higher-order op (e.g. the body of
@@ -450,3 +497,35 @@ def generate(traced, plan, rank: int, zero3_chunks: dict[str, int] | None = None
         raise ValueError(f"rank {rank} is outside the plan's mesh {plan.mesh.describe()} ({plan.mesh.size} ranks)")
     return _Builder(traced, plan, rank, zero3_chunks, compute_dtype, device, batch_carrying).build()
 
+
+
+@dataclass(frozen=True)
+class StepEnds:
+    """How an inference step's program ends (``generate_step``): ``state`` maps a state input
+    (a KV-cache tensor) to the output it is returned as; ``whole`` names outputs returned
+    replicated (e.g. the logits, gathered from a vocabulary-split head)."""
+    state: dict[str, str]
+    whole: frozenset[str] = frozenset()
+
+
+def generate_step(traced, plan, rank: int, state: dict[str, str] | None = None, whole=(),
+                  compute_dtype: torch.dtype | None = None, device=None) -> StepProgram:
+    """The per-rank program of a step traced by ``autopar.frontend.trace.trace_step``: it returns
+    every traced output (``traced.outputs``, in order) instead of a loss, each as this rank's block
+    in the plan's layout (``StepProgram.output_layouts``), or replicated for the outputs named in
+    ``whole``. The inputs named in ``state`` (input name -> the output it is returned as: a KV
+    cache) are taken as this rank's blocks in that output's layout (``StepProgram.input_layouts``),
+    so a step's state outputs are the next step's state inputs with no communication; other user
+    inputs are taken as ``generate`` takes them. No micro-batches, no ZeRO-3."""
+    state = dict(state or {})
+    unknown = sorted(set(state) - set(traced.input_names)) + sorted(set(state.values()) - set(traced.outputs))
+    bad_whole = sorted(set(whole) - set(traced.outputs))
+    if unknown or bad_whole:
+        raise ValueError(f"generate_step: not an input/output of the traced step: {unknown + bad_whole}")
+    if set(whole) & set(state.values()):
+        raise ValueError(f"generate_step: state outputs stay in their layout, not gathered whole: "
+                         f"{sorted(set(whole) & set(state.values()))}")
+    if not 0 <= rank < plan.mesh.size:
+        raise ValueError(f"rank {rank} is outside the plan's mesh {plan.mesh.describe()} ({plan.mesh.size} ranks)")
+    return _Builder(traced, plan, rank, None, compute_dtype, device, None,
+                    step=StepEnds(state, frozenset(whole))).build()

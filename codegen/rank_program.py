@@ -5,7 +5,9 @@ layout helpers both codegen and execution use to place a rank's block of a tenso
 Layouts are normalised before comparing (``normalize``): an axis of size 1 splits nothing, so it
 is dropped. ``block_slices`` is this rank's contiguous block of a tensor (first split axis outer);
 ``input_layout`` the layout of a user input (its batch dim split over the data axes);
-``strategy_of`` a plan op's strategy as a ``Strategy``.
+``strategy_of`` a plan op's strategy as a ``Strategy``. ``StepProgram`` is an inference step's
+program (every output returned with its layout, state inputs taken as blocks); ``block_shape``
+the shape of a rank's block.
 """
 from __future__ import annotations
 
@@ -89,6 +91,29 @@ class RankProgram:
     def code(self) -> str:
         """The program, then the body of each checkpoint region."""
         return program_code(self.gm)
+
+
+@dataclass
+class StepProgram(RankProgram):
+    """An inference step's program (codegen/per_rank.py ``generate_step``): ``gm`` returns every
+    output of the traced step, ``output_layouts[i]`` saying how output i is held (this rank's
+    block of it); the state inputs (``state``: input name -> the output it is returned as) are
+    taken as this rank's blocks in ``input_layouts``. ``input_shapes``: each user input's global
+    shape."""
+    output_names: list[str] = field(default_factory=list)
+    output_layouts: list[Layout] = field(default_factory=list)
+    state: dict[str, str] = field(default_factory=dict)
+    input_shapes: list[tuple[int, ...]] = field(default_factory=list)
+
+    def input_block_shape(self, name: str) -> tuple[int, ...]:
+        """This rank's block shape of user input ``name``."""
+        i = self.input_names.index(name)
+        return block_shape(self.input_layouts[i], self.input_shapes[i], self.mesh_shape)
+
+
+def block_shape(layout: Layout, shape, mesh_shape) -> tuple[int, ...]:
+    """The shape of one rank's block of a tensor of global ``shape`` (every block has it)."""
+    return tuple(size // layout.split_factor(d, mesh_shape) for d, size in enumerate(shape))
 
 
 def normalize(layout: Layout, mesh_shape) -> Layout:
