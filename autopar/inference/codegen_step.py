@@ -1,0 +1,202 @@
+"""A Hugging Face causal LM's prefill and decode steps run as autopar's own per-rank programs:
+traced by ``autopar.frontend.trace.trace_step``, planned by ``autopar.plan``, lowered by
+``codegen.per_rank.generate_step``, with the KV cache as explicit state each rank holds only its
+block of. The engines (engine.py, iteration_engine.py) do not use it yet: they run the model's own
+modules sliced by tp_shard.py.
+
+- ``CacheStep(lm)``: one prefill or decode step over a preallocated cache given as explicit
+  tensors, returning the last position's logits and the updated cache; the cache write traces to
+  an out-of-place ``aten.index_copy`` (rule: autopar/rules/ops_cache.py), so the traced step
+  mutates nothing and the new cache is an ordinary output.
+- ``empty_cache(lm, batch, max_len)``: the whole zero cache k_0, v_0, k_1, ... (one process).
+- ``step_inputs`` / ``plan_cache_step``: a step's example inputs, and its trace and plan
+  (``PlannedStep``) for one (batch, length) shape.
+- ``StepRunner``: one rank's programs (a prefill per padded prompt length, the decode step), its
+  parameter blocks and its cache blocks, allocated in the layout the plan gives the cache;
+  ``generate`` runs greedy generation over a left-padded batch.
+
+The cost model prices a step as a training step whose parameters are all frozen (no gradient or
+optimizer); the strategies are what matter here. No pipeline stages, data parallelism, mixed
+precision or sampling.
+"""
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from autopar.api import plan as make_plan
+from autopar.frontend.trace import TracedGraph, trace_step
+from codegen.per_rank import generate_step
+
+N_STEP_INPUTS = 4   # input_ids, position_ids, cache_position, attention_mask; then the cache tensors
+
+
+def _functional_update(layer, key_states, value_states, *args, **kwargs):
+    """StaticLayer.update without the in-place writes: ``index_copy`` (out of place) at
+    ``cumulative_length`` (here the step's first cache position, a graph input), so the traced
+    step is functional and the updated cache is an ordinary output instead of a mutated input."""
+    pos = torch.arange(key_states.shape[-2], device=key_states.device) + layer.cumulative_length
+    layer.keys = layer.keys.index_copy(2, pos, key_states)
+    layer.values = layer.values.index_copy(2, pos, value_states)
+    return layer.keys, layer.values
+
+
+class CacheStep(nn.Module):
+    """One prefill or decode step of a Hugging Face causal LM over a preallocated KV cache given
+    as explicit tensors::
+
+        forward(input_ids [B, S], position_ids [B, S], cache_position [S], attention_mask [B, max_len],
+                k_0, v_0, k_1, v_1, ...)  ->  (logits of the last position [B, V], k_0', v_0', ...)
+
+    each cache tensor ``[B, kv_heads, max_len, head_dim]``, returned with slots ``cache_position``
+    written. The cache is a transformers StaticCache whose layers hold the input tensors and write
+    with ``index_copy``; the model builds its attention mask from ``attention_mask`` (1 on the
+    slots holding real tokens, left padding 0) and ``cache_position`` over all ``max_len`` slots,
+    and ``position_ids`` are each row's own positions, so one traced program serves every step of
+    its (B, S) shape: S = 1 is the decode program, S = a padded prompt length a prefill program.
+    All rows write the same slots: a left-padded batch, as engine.py's ``generate`` runs."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.n_layers = lm.config.num_hidden_layers
+
+    def forward(self, input_ids, position_ids, cache_position, attention_mask, *kv):
+        from transformers import StaticCache
+
+        cache = StaticCache(config=self.lm.config, max_cache_len=kv[0].shape[2])
+        for i, layer in enumerate(cache.layers):
+            layer.keys, layer.values = kv[2 * i], kv[2 * i + 1]
+            layer.batch_size, layer.num_heads = kv[2 * i].shape[:2]
+            layer.k_head_dim, layer.v_head_dim = kv[2 * i].shape[-1], kv[2 * i + 1].shape[-1]
+            layer.device = kv[2 * i].device
+            layer.cumulative_length = cache_position[0]
+            layer.is_initialized = True
+            layer.update = types.MethodType(_functional_update, layer)
+        out = self.lm(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                      past_key_values=cache, cache_position=cache_position, use_cache=True)
+        news = []
+        for layer in cache.layers:
+            news += [layer.keys, layer.values]
+        return (out.logits[:, -1], *news)
+
+
+def empty_cache(lm: nn.Module, batch: int, max_len: int, dtype=torch.float32) -> list[torch.Tensor]:
+    """The whole (unsplit) preallocated cache of ``lm``: k_0, v_0, k_1, ... all zeros."""
+    cfg = lm.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return [torch.zeros(batch, heads, max_len, head_dim, dtype=dtype) for _ in range(2 * cfg.num_hidden_layers)]
+
+
+def step_inputs(lm: nn.Module, batch: int, seq: int, max_len: int) -> tuple:
+    """Example inputs of a (batch, seq) step over a ``max_len`` cache (any values: the traced
+    program depends on the shapes only)."""
+    mask = torch.zeros(batch, max_len, dtype=torch.long)
+    mask[:, :seq] = 1
+    return (torch.ones(batch, seq, dtype=torch.long), torch.arange(seq).expand(batch, seq).contiguous(),
+            torch.arange(seq), mask, *empty_cache(lm, batch, max_len))
+
+
+@dataclass
+class PlannedStep:
+    """A CacheStep traced and planned for one (batch, seq) shape."""
+    traced: TracedGraph
+    plan: object   # autopar.plans.plan.Plan
+
+    @property
+    def state(self) -> dict[str, str]:
+        """Cache input name -> the output it is returned as."""
+        return dict(zip(self.traced.input_names[N_STEP_INPUTS:], self.traced.outputs[1:]))
+
+
+def plan_cache_step(step: CacheStep, batch: int, seq: int, max_len: int, cluster, **plan_kwargs) -> PlannedStep:
+    """Trace ``step`` at (batch, seq) over a ``max_len`` cache and plan it (``autopar.plan``'s
+    keyword arguments, e.g. ``constraints={"tp": 2}``); the batch dim of every input but
+    ``cache_position`` is dim 0."""
+    inputs = step_inputs(step.lm, batch, seq, max_len)
+    traced = trace_step(step, inputs)
+    plan = make_plan(step, inputs, cluster, traced=traced, batch_dims=(0, 0, None, 0) + (0,) * (len(inputs) - 4),
+                     **plan_kwargs)
+    return PlannedStep(traced, plan)
+
+
+class StepRunner:
+    """One rank's prefill and decode programs of a CacheStep and the cache blocks they share.
+
+    ``steps``: sequence length -> PlannedStep, 1 the decode step, the others prefill lengths
+    (prompts are left-padded to the shortest one that holds them). Every program takes and returns
+    the cache in the same layout (checked), so the blocks stay on this rank between steps. Every
+    rank of the plans' mesh builds its runner and calls ``generate`` with the same prompts (the
+    programs run collectives); ``runtime.context.setup(plan.mesh)`` must have run."""
+
+    def __init__(self, step: CacheStep, steps: dict[int, PlannedStep], rank: int):
+        if 1 not in steps or len(steps) < 2:
+            raise ValueError("StepRunner needs the decode step (length 1) and at least one prefill length")
+        self.step, self.rank = step, rank
+        self.programs, self.params = {}, {}
+        for seq, ps in steps.items():
+            prog = generate_step(ps.traced, ps.plan, rank, state=ps.state, whole=(ps.traced.outputs[0],))
+            self.programs[seq] = prog
+            self.params[seq] = [prog.block_of(prog.param_fqn[n], ps.traced.value_of(step, prog.param_fqn[n]))
+                                for n in prog.param_names]
+        decode = self.programs[1]
+        self.cache_names = decode.input_names[N_STEP_INPUTS:]
+        self.cache_layouts = decode.input_layouts[N_STEP_INPUTS:]
+        self.cache_shapes = decode.input_shapes[N_STEP_INPUTS:]
+        for seq, prog in self.programs.items():
+            if prog.input_layouts[N_STEP_INPUTS:] != self.cache_layouts or prog.input_shapes[N_STEP_INPUTS:] != \
+                    self.cache_shapes:
+                raise ValueError(f"the length-{seq} step holds the cache in another layout or shape than the "
+                                 f"decode step: plan them with the same constraints and cache length")
+        self.batch, _, self.max_len, _ = self.cache_shapes[0]
+        self.dtype = next(n for n in steps[1].traced.gm.graph.nodes
+                          if n.name == self.cache_names[0]).meta["val"].dtype
+        self.cache: list[torch.Tensor] = []
+
+    def new_cache(self) -> list[torch.Tensor]:
+        """This rank's zero cache blocks, in the layout the plans give the cache."""
+        return [torch.zeros(self.programs[1].input_block_shape(n), dtype=self.dtype) for n in self.cache_names]
+
+    def cache_bytes(self) -> int:
+        """Bytes of this rank's cache blocks, as the plan's cache layout says."""
+        mesh = self.programs[1].mesh_shape
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(shape) * itemsize // math.prod(lay.split_factor(d, mesh) for d in range(len(shape)))
+                   for lay, shape in zip(self.cache_layouts, self.cache_shapes))
+
+    def run(self, seq: int, *inputs):
+        """One step of length ``seq``: (whole logits of the last position, *this rank's cache blocks)."""
+        return self.programs[seq].gm(*self.params[seq], *inputs)
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy tokens [B, max_new_tokens] of left-padded ``prompts`` (``attention_mask`` 0 on
+        the padding); the final cache blocks are left in ``self.cache``."""
+        B, P = prompts.shape
+        if B != self.batch:
+            raise ValueError(f"the steps were planned for a batch of {self.batch}, got {B} prompts")
+        lengths = sorted(s for s in self.programs if s > 1 and s >= P)
+        if not lengths:
+            raise ValueError(f"no prefill step holds prompts of {P} tokens (planned: {sorted(self.programs)})")
+        S = lengths[0]
+        if S + max_new_tokens - 1 > self.max_len:
+            raise ValueError(f"{S} prompt slots + {max_new_tokens} new tokens exceed the cache's {self.max_len}")
+        ids = torch.cat([prompts.new_zeros(B, S - P), prompts], 1)
+        mask = torch.cat([attention_mask.new_zeros(B, S - P), attention_mask], 1)
+        slots = torch.zeros(B, self.max_len, dtype=torch.long)
+        slots[:, :S] = mask
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits, *cache = self.run(S, ids, pos, torch.arange(S), slots, *self.new_cache())
+        tokens, last = [logits.argmax(-1)], pos[:, -1:]
+        for t in range(max_new_tokens - 1):
+            slots[:, S + t] = 1
+            last = last + 1
+            logits, *cache = self.run(1, tokens[-1][:, None], last, torch.tensor([S + t]), slots, *cache)
+            tokens.append(logits.argmax(-1))
+        self.cache = cache
+        return torch.stack(tokens, 1)
