@@ -92,7 +92,8 @@ def max_min(node):
     return _elementwise_spec(node, node.target.overloadpacket.__name__, (), (Saved("input", 0), Saved("input", 1)))
 
 
-@rule(aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_and, aten.logical_or)
+@rule(aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_and, aten.logical_or,
+      aten.__and__, aten.__or__, aten.bitwise_and, aten.bitwise_or)
 def compare(node):
     return _elementwise_spec(node, "compare")
 

@@ -308,6 +308,8 @@ CASES = {
     "index_select": lambda: (aten.index_select.default, (rnd(4, 8, 4), 1, idx(8, 4))),
     "repeat_interleave": lambda: (aten.repeat_interleave.self_int, (rnd(4, 2, 4), 2, 1)),
     "arange": lambda: (aten.arange.default, (8,), {"dtype": torch.float64}),
+    # ``&`` of attention masks (Hugging Face's mask functions over a KV cache's slots)
+    "and": lambda: (aten.__and__.Tensor, (idx(4, 4, 1, 8), idx(4, 1, 4, 8))),
     # a KV-cache write: [batch, heads, slots, head_dim] rows written at 2 slots (autopar/rules/ops_cache.py)
     "index_copy": lambda: (aten.index_copy.default, (rnd(4, 4, 6, 2), 2, torch.tensor([3, 1]), rnd(4, 4, 2, 2))),
 }
