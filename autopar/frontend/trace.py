@@ -297,16 +297,14 @@ def _no_stack_traces():
 
 
 def _via_export(root: nn.Module, inputs: tuple):
-    gm, param_fqn, buffers, input_names, outputs, constants = _export_graph(root, inputs)
-    if len(outputs) != 1 or outputs[0] is None:
-        raise _outputs_error(root, len(outputs))
+    gm, param_fqn, buffers, input_names, outputs, constants = _export_graph(root, inputs, one_output=True)
     return gm, param_fqn, buffers, input_names, outputs[0], "export", constants
 
 
-def _export_graph(root: nn.Module, inputs: tuple):
+def _export_graph(root: nn.Module, inputs: tuple, one_output: bool = False):
     """torch.export of ``root`` with its state checks: (graph module, placeholder -> FQN, buffer
     placeholders, user input names, user output node names (None for an output that is no graph
-    value), lifted constants)."""
+    value), lifted constants). ``one_output``: anything but one graph value returned is an error."""
     from torch.export.graph_signature import InputKind, OutputKind
 
     with _no_stack_traces():
@@ -336,6 +334,8 @@ def _export_graph(root: nn.Module, inputs: tuple):
         raise TraceError(f"the model mutates state in forward ({', '.join(kinds)}: "
                          f"{[s.target for s in others]}); autopar traces pure training forwards: "
                          f"replace BatchNorm by LayerNorm/GroupNorm or remove the in-place update")
+    if one_output and (len(user_out) != 1 or not hasattr(user_out[0].arg, "name")):
+        raise _outputs_error(root, len(user_out))
     _check_no_state_writes(ep.graph_module, param_fqn, input_names)
     outputs = [getattr(s.arg, "name", None) for s in user_out]
     return ep.graph_module, param_fqn, buffers, input_names, outputs, constants
