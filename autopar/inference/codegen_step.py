@@ -58,7 +58,8 @@ class CacheStep(nn.Module):
     slots holding real tokens, left padding 0) and ``cache_position`` over all ``max_len`` slots,
     and ``position_ids`` are each row's own positions, so one traced program serves every step of
     its (B, S) shape: S = 1 is the decode program, S = a padded prompt length a prefill program.
-    All rows write the same slots: a left-padded batch, as engine.py's ``generate`` runs."""
+    All rows write the same slots: a left-padded batch, as engine.py's ``generate`` runs. Models
+    whose cache has sliding-window layers (Mistral) are refused: their slots are a ring buffer."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -69,6 +70,10 @@ class CacheStep(nn.Module):
         from transformers import StaticCache
 
         cache = StaticCache(config=self.lm.config, max_cache_len=kv[0].shape[2])
+        ring = sorted({type(layer).__name__ for layer in cache.layers} - {"StaticLayer"})
+        if ring:
+            raise NotImplementedError(f"{type(self.lm).__name__}: cache layers {ring} (a sliding window's "
+                                      f"ring buffer); CacheStep writes every position to its own slot")
         for i, layer in enumerate(cache.layers):
             layer.keys, layer.values = kv[2 * i], kv[2 * i + 1]
             layer.batch_size, layer.num_heads = kv[2 * i].shape[:2]

@@ -90,3 +90,11 @@ def test_tp2_greedy_generation_equals_hf_with_the_cache_split_per_rank(name):
             assert ("reduce_scatter" in code or "all_reduce" in code) and "all_gather" in code
             assert "slice_block(k_" not in code and "slice_block(v_" not in code
             assert "all_gather(index_copy" not in code
+
+
+def test_a_sliding_window_cache_is_refused():
+    lm = _lm("hf_mistral")
+    inputs = (PROMPTS, PROMPTS, torch.arange(PROMPTS.shape[1]), torch.ones(2, MAX_LEN, dtype=torch.long),
+              *empty_cache(lm, 2, MAX_LEN))
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        CacheStep(lm)(*inputs)
