@@ -55,7 +55,7 @@ def _rank(rank, world, step, steps):
     slices = [block_slices(lay, shape, prog.mesh_shape, prog.coords)
               for lay, shape in zip(runner.cache_layouts, runner.cache_shapes)]
     return (tokens, runner.cache, slices, runner.cache_bytes(), runner.cache_layouts,
-            runner.programs[PREFILL].code, prog.code)
+            runner.programs[PREFILL].code, prog.code, runner.cache_names)
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ def test_tp2_greedy_generation_equals_hf_with_the_cache_split_per_rank(name):
     out = run_local(_rank, 2, args=(step, steps), timeout=600)
     whole_bytes = sum(c.numel() * c.element_size() for c in ref_cache)
     for rank in range(2):
-        tokens, cache, slices, plan_bytes, layouts, pre_code, dec_code = out[rank]
+        tokens, cache, slices, plan_bytes, layouts, pre_code, dec_code, names = out[rank]
         assert tokens.tolist() == hf_tokens.tolist()
         assert plan_bytes == whole_bytes // 2                              # the plan splits the cache in two
         assert sum(c.numel() * c.element_size() for c in cache) == plan_bytes   # and this rank holds that
@@ -88,7 +88,8 @@ def test_tp2_greedy_generation_equals_hf_with_the_cache_split_per_rank(name):
             # Megatron row linears reduce, the vocabulary-split head's logits are gathered; the
             # cache is neither gathered nor sliced: it enters and leaves as this rank's block
             assert ("reduce_scatter" in code or "all_reduce" in code) and "all_gather" in code
-            assert "slice_block(k_" not in code and "slice_block(v_" not in code
+            for name in names:
+                assert f"index_copy.default({name}," in code and f"slice_block({name}" not in code
             assert "all_gather(index_copy" not in code
 
 
