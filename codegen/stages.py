@@ -108,18 +108,81 @@ def split_stages(prog, traced, unit_stage: list[int], num_stages: int) -> list[S
     """One StageProgram per stage (module doc)."""
     gm = prog.gm
     trainable = {n for n in prog.param_names if n not in prog.buffers}
-    stage, replicable = assign_stages(gm, traced, unit_stage, trainable)
-    nodes = list(gm.graph.nodes)
-    out_node = nodes[-1]
-    loss = out_node.args[0]
+    stage, _ = assign_stages(gm, traced, unit_stage, trainable)
+    loss = list(gm.graph.nodes)[-1].args[0]
     if not isinstance(loss, fx.Node) or loss not in stage:
         raise ExecutionError("pipeline stages: the program's loss does not depend on any trainable parameter")
+    return _cut(prog, stage, num_stages, {num_stages - 1: [loss]}, bare_last=True)
+
+
+@dataclass
+class StepStageProgram(StageProgram):
+    """One stage of an inference step's program (``split_step_stages``): its GraphModule returns
+    ``(*sent, *results)``, ``outputs`` the indices (into the step program's outputs) of its
+    results in order; ``state_inputs`` the state inputs (a KV cache) it takes, each returned by
+    this same stage."""
+    outputs: list[int] = field(default_factory=list)
+    state_inputs: list[str] = field(default_factory=list)
+
+
+def even_stages(num_units: int, num_stages: int) -> list[int]:
+    """``unit_stage`` of an even cut: unit u on stage ``u * num_stages // num_units`` (the first
+    stages take one unit fewer when they do not divide)."""
+    if not 1 <= num_stages <= num_units:
+        raise ExecutionError(f"pipeline stages: {num_stages} stages for {num_units} blocks")
+    return [u * num_stages // num_units for u in range(num_units)]
+
+
+def split_step_stages(prog, traced, unit_stage: list[int], num_stages: int) -> list[StepStageProgram]:
+    """The stages of an inference step's program (codegen/per_rank.py ``generate_step``, a
+    ``StepProgram``): cut at block boundaries as ``split_stages`` cuts a training program (what
+    depends on a parameter runs on its block's stage, the inputs' own computations are copied into
+    every stage that reads them, the boundary values go from stage k to k + 1), but instead of a
+    loss every stage returns the step outputs computed on it: output i is returned by the stage
+    that computes it (a value computed from the inputs alone: the last stage). A state input must
+    be read by the stage that returns its output (a layer's cache stays on its layer's stage).
+    The step's parameters are frozen: "parameter-dependent" means dependent on a weight (a frozen
+    parameter), not on a buffer."""
+    gm = prog.gm
+    # a step's parameters are frozen (trace_step lists them with the buffers): the weights are
+    # what a stage holds, the true buffers (rotary inv_freq) are copied like the inputs
+    weights = {n for n in prog.param_names if n not in prog.buffers or n in traced.frozen}
+    stage, _ = assign_stages(gm, traced, unit_stage, weights)
+    results = list(gm.graph.nodes)[-1].args[0]
+    last = num_stages - 1
+    finals: dict[int, list[fx.Node]] = {}
+    out_stage = []
+    for r in results:
+        s = stage.get(r, last) if isinstance(r, fx.Node) else last
+        out_stage.append(s)
+        finals.setdefault(s, []).append(r)
+    cut = _cut(prog, stage, num_stages, finals, bare_last=False)
+    out = []
+    for sp in cut:
+        idx = [i for i, s in enumerate(out_stage) if s == sp.index]
+        names = [prog.input_names[p] for p in sp.input_positions]
+        out.append(StepStageProgram(**vars(sp), outputs=idx, state_inputs=[n for n in names if n in prog.state]))
+    for name, o in prog.state.items():
+        s = out_stage[prog.output_names.index(o)]
+        readers = [sp.index for sp in out if name in sp.state_inputs]
+        if readers not in ([], [s]):
+            raise ExecutionError(f"pipeline stages: state input {name!r} is read on stages {readers} but its "
+                                 f"output {o!r} is returned by stage {s}")
+    return out
+
+
+def _cut(prog, stage: dict, num_stages: int, finals: dict[int, list], bare_last: bool) -> list[StageProgram]:
+    """The stage GraphModules of ``prog`` given each parameter-dependent node's stage: stage s
+    returns its boundary values then ``finals[s]`` (``bare_last``: the last stage returns its one
+    final value bare, a training stage's loss)."""
+    gm = prog.gm
+    nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     params = set(prog.param_names)
     inputs = [n for n in placeholders if n.name not in params]
     last = num_stages - 1
 
-    # Where each parameter-dependent value is read (the loss: on the last stage).
+    # Where each parameter-dependent value is read (the finals: on their stage).
     readers: dict[fx.Node, set[int]] = {}
 
     def reads(s: int, n: fx.Node, seen: set) -> None:
@@ -138,7 +201,11 @@ def split_stages(prog, traced, unit_stage: list[int], num_stages: int) -> list[S
             seen: set = set()
             for a in n.all_input_nodes:
                 reads(stage[n], a, seen)
-    readers.setdefault(loss, set()).add(last)
+    for s, ns in finals.items():
+        seen = set()
+        for n in ns:
+            if isinstance(n, fx.Node):
+                reads(s, n, seen)
 
     boundaries = []
     for k in range(last):
@@ -149,9 +216,10 @@ def split_stages(prog, traced, unit_stage: list[int], num_stages: int) -> list[S
     for s in range(num_stages):
         recv = boundaries[s - 1] if s > 0 else []
         mine = [n for n in nodes if stage.get(n) == s]
+        ends = [n for n in finals.get(s, []) if isinstance(n, fx.Node)]
         # replicable values this stage needs (and their replicable ancestors), plus placeholders
         need: set[fx.Node] = set()
-        stack = [a for n in mine for a in n.all_input_nodes] + ([loss] if s == last else [])
+        stack = [a for n in mine for a in n.all_input_nodes] + ends
         if s < last:
             stack += [n for n in boundaries[s]]
         while stack:
@@ -175,12 +243,10 @@ def split_stages(prog, traced, unit_stage: list[int], num_stages: int) -> list[S
                 continue
             if stage.get(n) == s or (n not in stage and n in need):
                 env[n] = g.node_copy(n, lambda a: env[a])
-        if s == last:
-            g.output(env[loss])
-            sent = []
-        else:
-            sent = [n.name for n in boundaries[s]]
-            g.output(tuple(env[n] for n in boundaries[s]))
+        sent = [n.name for n in boundaries[s]] if s < last else []
+        values = [env[n] for n in boundaries[s]] if s < last else []
+        values += [env[n] if isinstance(n, fx.Node) else n for n in finals.get(s, [])]
+        g.output(values[0] if bare_last and s == last else tuple(values))
         sgm = fx.GraphModule(gm, g, class_name=f"Stage{s}Program")
         out.append(StageProgram(index=s, gm=sgm, param_names=[n.name for n in used_params],
                                 input_positions=[inputs.index(n) for n in used_inputs],
@@ -257,4 +323,5 @@ def _maybe_float_tensor(n: fx.Node) -> bool:
     return not isinstance(val, (tuple, list, int, float, bool))
 
 
-__all__ = ["StageProgram", "pipeline_units", "assign_stages", "split_stages", "add_zero3_regions"]
+__all__ = ["StageProgram", "StepStageProgram", "pipeline_units", "assign_stages", "split_stages", "even_stages",
+           "split_step_stages", "add_zero3_regions"]

@@ -1,0 +1,207 @@
+"""A Hugging Face causal LM's prefill and decode steps (``autopar.inference.codegen_step``'s
+``CacheStep``) run as pipeline stages of autopar's per-rank programs on a pp x tp grid of ranks:
+each stage rank runs its decoder layers' part of the step program
+(``codegen.stages.split_step_stages``), holds only its layers' parameter blocks and cache blocks,
+and passes the boundary values (the hidden states) to the same tp position of the next stage by
+point-to-point send / recv; the attention mask and the rotary cos / sin are recomputed by every
+stage from the step inputs, which every rank has.
+
+- ``plan_stage_steps``: each step traced and planned on ONE stage's sub-mesh (tp ranks). The
+  planner does pipeline stages only for training with at least pp micro-batches, so a step is
+  planned without pp and cut at block boundaries here: evenly (``codegen.stages.even_stages``)
+  unless the caller gives ``unit_stage``.
+- ``StageStepRunner``: one rank's stage programs (a prefill per padded prompt length, the decode
+  step), its parameter and cache blocks; ``generate`` runs greedy generation over a left-padded
+  batch. The last stage's tokens (the argmax of its whole logits) are broadcast over the
+  pipeline group, so every rank returns the same tokens.
+
+Ranks: global rank ``s * tp + l`` is tp position ``l`` of stage ``s`` (``runtime.context.setup``
+with ``pp``). No micro-batches: one step runs the stages one after another.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from autopar.cluster import Cluster
+from autopar.inference.codegen_step import N_STEP_INPUTS, CacheStep, PlannedStep, plan_cache_step
+from codegen.per_rank import generate_step
+from codegen.stages import even_stages, pipeline_units, split_step_stages
+from runtime import context as RC
+
+# dtype <-> code of the shape headers sent ahead of a boundary value
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
+HEADER = 8   # dtype code, ndim, up to 6 sizes
+
+
+def plan_stage_steps(step: CacheStep, batch: int, lengths, max_len: int, tp: int = 1, cluster=None,
+                     **plan_kwargs) -> dict[int, PlannedStep]:
+    """Sequence length -> its step planned on one stage's sub-mesh of ``tp`` ranks (1: the decode
+    step); ``cluster`` defaults to ``tp`` CPU devices, ``plan_kwargs`` go to ``autopar.plan``."""
+    cluster = cluster or Cluster.preset("cpu", devices=tp)
+    constraints = dict(plan_kwargs.pop("constraints", {}))
+    constraints.setdefault("dp", 1)
+    if tp > 1:
+        constraints.setdefault("tp", tp)
+    return {s: plan_cache_step(step, batch, s, max_len, cluster, constraints=constraints, **plan_kwargs)
+            for s in sorted(set(lengths) | {1})}
+
+
+class StageStepRunner:
+    """One rank's stage of a CacheStep's prefill and decode programs (module doc).
+
+    ``steps``: sequence length -> PlannedStep on one stage's sub-mesh (``plan_stage_steps``);
+    ``pp``: the stages; ``rank``: this global rank; ``unit_stage``: the stage of each decoder
+    layer (``codegen.stages.pipeline_units`` order; default an even cut).
+    ``runtime.context.setup(plan.mesh, pp=pp)`` must have run on every rank."""
+
+    def __init__(self, step: CacheStep, steps: dict[int, PlannedStep], rank: int, pp: int,
+                 unit_stage: list[int] | None = None):
+        if 1 not in steps or len(steps) < 2:
+            raise ValueError("StageStepRunner needs the decode step (length 1) and at least one prefill length")
+        self.step, self.rank, self.pp = step, rank, pp
+        self.tp = steps[1].plan.mesh.size
+        self.stage, self.local = divmod(rank, self.tp)
+        self.last = self.stage == pp - 1
+        units = len(pipeline_units(steps[1].traced))
+        self.unit_stage = list(unit_stage) if unit_stage is not None else even_stages(units, pp)
+        self.programs, self.stages, self.params = {}, {}, {}
+        blocks: dict[tuple, torch.Tensor] = {}   # (fqn, slices) -> this rank's block, one copy for all programs
+        for seq, ps in steps.items():
+            prog = generate_step(ps.traced, ps.plan, self.local, state=ps.state, whole=(ps.traced.outputs[0],))
+            sp = split_step_stages(prog, ps.traced, self.unit_stage, pp)[self.stage]
+            self.programs[seq], self.stages[seq] = prog, sp
+            self.params[seq] = []
+            for n in sp.param_names:
+                fqn = prog.param_fqn[n]
+                key = (fqn, tuple((s.start, s.stop) for s in prog.param_slices[fqn]))
+                if key not in blocks:
+                    blocks[key] = prog.block_of(fqn, ps.traced.value_of(step, fqn)).detach().clone()
+                self.params[seq].append(blocks[key])
+        self.blocks = list(blocks.values())
+        decode, dsp = self.programs[1], self.stages[1]
+        self.cache_names = list(dsp.state_inputs)
+        idx = [decode.input_names.index(n) for n in self.cache_names]
+        self.cache_layouts = [decode.input_layouts[i] for i in idx]
+        self.cache_shapes = [decode.input_shapes[i] for i in idx]
+        for seq, sp in self.stages.items():
+            prog = self.programs[seq]
+            j = [prog.input_names.index(n) for n in sp.state_inputs]
+            if sp.state_inputs != self.cache_names or [prog.input_layouts[i] for i in j] != self.cache_layouts \
+                    or [prog.input_shapes[i] for i in j] != self.cache_shapes:
+                raise ValueError(f"the length-{seq} step's stage {self.stage} holds other cache tensors, or in "
+                                 f"another layout or shape, than the decode step's")
+            if self.last and 0 not in sp.outputs:
+                raise ValueError("the last stage does not return the logits")
+        self.batch = decode.input_shapes[0][0]
+        self.max_len = decode.input_shapes[N_STEP_INPUTS - 1][1]
+        self.dtype = next(n for n in steps[1].traced.gm.graph.nodes
+                          if n.name == decode.input_names[N_STEP_INPUTS]).meta["val"].dtype
+        self.cache: list[torch.Tensor] = []
+        self.shapes: dict[tuple, list[tuple]] = {}   # (seq, boundary) -> shapes and dtypes, once known
+
+    # ------------------------------------------------------------- blocks this rank holds
+    def new_cache(self) -> list[torch.Tensor]:
+        """This rank's zero cache blocks (its layers' only), in the layout the plans give the cache."""
+        return [torch.zeros(self.programs[1].input_block_shape(n), dtype=self.dtype) for n in self.cache_names]
+
+    def cache_bytes(self) -> int:
+        """Bytes of this rank's cache blocks, as the plan's cache layout says."""
+        mesh = self.programs[1].mesh_shape
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(shape) * itemsize // math.prod(lay.split_factor(d, mesh) for d in range(len(shape)))
+                   for lay, shape in zip(self.cache_layouts, self.cache_shapes))
+
+    def param_bytes(self) -> int:
+        """Bytes of the parameter / buffer blocks this rank holds (every program's, once)."""
+        return sum(b.numel() * b.element_size() for b in self.blocks)
+
+    def param_fqns(self, seq: int = 1) -> list[str]:
+        """FQNs of the parameters / buffers this rank holds blocks of (the length-``seq`` step's)."""
+        prog = self.programs[seq]
+        return [prog.param_fqn[n] for n in self.stages[seq].param_names]
+
+    # ------------------------------------------------------------- point-to-point
+    def _send(self, seq: int, values) -> None:
+        peer = self.rank + self.tp
+        key = (seq, self.stage)
+        if key not in self.shapes:   # first step of this length: the receiver learns the shapes
+            self.shapes[key] = [(tuple(v.shape), v.dtype) for v in values]
+            for v in values:
+                head = torch.zeros(HEADER, dtype=torch.int64)
+                head[0], head[1] = DTYPES.index(v.dtype), v.dim()
+                head[2:2 + v.dim()] = torch.tensor(v.shape, dtype=torch.int64)
+                dist.send(head, peer)
+        for v in values:
+            dist.send(v.contiguous(), peer)
+
+    def _recv(self, seq: int, count: int) -> list[torch.Tensor]:
+        peer = self.rank - self.tp
+        key = (seq, self.stage - 1)
+        if key not in self.shapes:
+            shapes = []
+            for _ in range(count):
+                head = torch.zeros(HEADER, dtype=torch.int64)
+                dist.recv(head, peer)
+                shapes.append((tuple(head[2:2 + int(head[1])].tolist()), DTYPES[int(head[0])]))
+            self.shapes[key] = shapes
+        out = []
+        for shape, dtype in self.shapes[key]:
+            x = torch.empty(shape, dtype=dtype)
+            dist.recv(x, peer)
+            out.append(x)
+        return out
+
+    def run(self, seq: int, inputs: tuple, cache: list[torch.Tensor]):
+        """One step of length ``seq`` on this stage: (the step's tokens, every rank the same;
+        this rank's new cache blocks). ``inputs``: the step inputs before the cache."""
+        sp, prog = self.stages[seq], self.programs[seq]
+        received = self._recv(seq, len(sp.received)) if self.stage > 0 else []
+        whole = dict(zip(prog.input_names, inputs))
+        whole.update(zip(self.cache_names, cache))
+        args = [whole[prog.input_names[p]] for p in sp.input_positions]
+        out = sp.gm(*self.params[seq], *received, *args)
+        n = len(sp.sent)
+        if self.stage < self.pp - 1:
+            self._send(seq, out[:n])
+        results = dict(zip(sp.outputs, out[n:]))
+        new = [results[prog.output_names.index(prog.state[c])] for c in self.cache_names]
+        if self.last:
+            tokens = results[0].argmax(-1)
+        else:
+            tokens = torch.empty(self.batch, dtype=torch.int64)
+        dist.broadcast(tokens, (self.pp - 1) * self.tp + self.local, group=RC.current().extra["pp_group"])
+        return tokens, new
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy tokens [B, max_new_tokens] of left-padded ``prompts`` (``attention_mask`` 0 on
+        the padding), the same on every rank; this rank's final cache blocks are left in ``self.cache``."""
+        B, P = prompts.shape
+        if B != self.batch:
+            raise ValueError(f"the steps were planned for a batch of {self.batch}, got {B} prompts")
+        lengths = sorted(s for s in self.programs if s > 1 and s >= P)
+        if not lengths:
+            raise ValueError(f"no prefill step holds prompts of {P} tokens (planned: {sorted(self.programs)})")
+        S = lengths[0]
+        if S + max_new_tokens - 1 > self.max_len:
+            raise ValueError(f"{S} prompt slots + {max_new_tokens} new tokens exceed the cache's {self.max_len}")
+        ids = torch.cat([prompts.new_zeros(B, S - P), prompts], 1)
+        mask = torch.cat([attention_mask.new_zeros(B, S - P), attention_mask], 1)
+        slots = torch.zeros(B, self.max_len, dtype=torch.long)
+        slots[:, :S] = mask
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        tok, cache = self.run(S, (ids, pos, torch.arange(S), slots), self.new_cache())
+        tokens, last = [tok], pos[:, -1:]
+        for t in range(max_new_tokens - 1):
+            slots[:, S + t] = 1
+            last = last + 1
+            tok, cache = self.run(1, (tokens[-1][:, None], last, torch.tensor([S + t]), slots), cache)
+            tokens.append(tok)
+        self.cache = cache
+        return torch.stack(tokens, 1)
+
+
+__all__ = ["plan_stage_steps", "StageStepRunner"]
