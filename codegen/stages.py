@@ -1,6 +1,7 @@
 """Split one rank's program into pipeline stages: one fx GraphModule per stage.
 
-``split_stages(prog, traced, unit_stage, num_stages) -> list[StageProgram]``
+``split_stages(prog, traced, unit_stage, num_stages) -> list[StageProgram]`` (a training program);
+``split_step_stages(...) -> list[StepStageProgram]`` (an inference step's program)
 
 The units a pipeline partitions are the traced graph's repeated-block instances, in graph order
 (``pipeline_units``); ``unit_stage[u]`` is the stage of unit ``u`` (non-decreasing). Every node of
@@ -23,6 +24,15 @@ inputs it reads (``input_positions`` into the program's inputs). It returns the 
 boundary's values, or the loss on the last stage. A parameter read on several stages (a tied
 embedding and output head) appears in each; its gradient is summed between them at run time
 (runtime/pipeline.py).
+
+Inference steps (``split_step_stages``, a ``StepProgram`` of codegen/per_rank.py
+``generate_step``): the same cut, but the step's parameters are all frozen, so "parameter-
+dependent" means dependent on a weight (a frozen parameter; true buffers such as a rotary
+``inv_freq`` are copied like the inputs, every stage computing its cos / sin and attention mask
+from the step inputs). There is no loss: stage s returns ``(*sent, *results)``, its results being
+the step outputs computed on it (a layer's updated cache on its layer's stage, the logits on the
+last), ``StepStageProgram.outputs`` their indices; each state input (a cache tensor) is read by
+the stage that returns its output. ``even_stages`` is the even cut by blocks.
 
 Activation checkpointing: a checkpointed block instance is one ``checkpoint_region`` call in the
 program (codegen/checkpoint.py), which carries its block's source node, so it goes to its block's

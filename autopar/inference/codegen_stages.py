@@ -9,7 +9,8 @@ stage from the step inputs, which every rank has.
 - ``plan_stage_steps``: each step traced and planned on ONE stage's sub-mesh (tp ranks). The
   planner does pipeline stages only for training with at least pp micro-batches, so a step is
   planned without pp and cut at block boundaries here: evenly (``codegen.stages.even_stages``)
-  unless the caller gives ``unit_stage``.
+  unless the caller gives ``unit_stage`` (``unit_stages_of``: the cut of a pipelined plan of the
+  same step, planned with the micro-batches the planner asks for).
 - ``StageStepRunner``: one rank's stage programs (a prefill per padded prompt length, the decode
   step), its parameter and cache blocks; ``generate`` runs greedy generation over a left-padded
   batch. The last stage's tokens (the argmax of its whole logits) are broadcast over the
@@ -47,6 +48,18 @@ def plan_stage_steps(step: CacheStep, batch: int, lengths, max_len: int, tp: int
         constraints.setdefault("tp", tp)
     return {s: plan_cache_step(step, batch, s, max_len, cluster, constraints=constraints, **plan_kwargs)
             for s in sorted(set(lengths) | {1})}
+
+
+def unit_stages_of(plan) -> list[int]:
+    """The stage of each block (``unit_stage``) in a pipelined plan of the same model (e.g. the
+    step planned with ``{"pp": 2, "pp_schedule": "gpipe"}`` and the micro-batches the planner
+    asks for): its cut, with one stage per rank position (no virtual stages: a step runs its
+    stages once, in order)."""
+    stages = plan.data.get("stages") or []
+    if plan.pp < 2 or len(stages) != plan.pp:
+        raise ValueError(f"unit_stages_of: a plan with {plan.pp} pipeline stage(s) over {len(stages)} stage "
+                         f"entries; pin a schedule with one stage per rank (gpipe, 1f1b)")
+    return [k for k, st in enumerate(stages) for _ in range(*st["blocks"])]
 
 
 class StageStepRunner:
@@ -204,4 +217,4 @@ class StageStepRunner:
         return torch.stack(tokens, 1)
 
 
-__all__ = ["plan_stage_steps", "StageStepRunner"]
+__all__ = ["plan_stage_steps", "unit_stages_of", "StageStepRunner"]

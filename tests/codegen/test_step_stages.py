@@ -11,10 +11,11 @@ import torch
 
 import autopar
 from autopar.errors import ExecutionError
+from autopar.inference.codegen_stages import unit_stages_of
 from autopar.inference.codegen_step import CacheStep, plan_cache_step, step_inputs
 from autopar.models import hf
 from codegen.per_rank import generate_step
-from codegen.stages import even_stages, pipeline_units, split_step_stages
+from codegen.stages import even_stages, pipeline_units, split_stages, split_step_stages
 
 B, MAX_LEN, LAYERS = 2, 12, 4
 
@@ -92,8 +93,17 @@ def test_stages_chained_equal_the_whole_step(llama, seq, pp):
 
 def test_a_training_program_still_needs_its_loss(llama):
     # the step program ends in a tuple of outputs, not a loss: the training split refuses it
-    from codegen.stages import split_stages
-
     ps, prog = _program(llama, 1)
     with pytest.raises(ExecutionError, match="loss"):
         split_stages(prog, ps.traced, even_stages(LAYERS, 2), 2)
+
+
+def test_the_cut_of_a_pipelined_plan_of_the_step(llama):
+    # the planner pipelines a step only with micro-batches (it prices a training step of frozen
+    # parameters); its cut by blocks is what the stage runner can take as unit_stage
+    ps = plan_cache_step(llama, B, 1, MAX_LEN, autopar.Cluster.preset("cpu", devices=2),
+                         constraints={"pp": 2, "pp_schedule": "gpipe", "dp": 1, "tp": 1})
+    cut = unit_stages_of(ps.plan)
+    assert len(cut) == LAYERS and cut[0] == 0 and cut[-1] == 1 and cut == sorted(cut)
+    with pytest.raises(ValueError, match="pipeline stage"):
+        unit_stages_of(_program(llama, 1)[0].plan)
