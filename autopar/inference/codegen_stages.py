@@ -143,6 +143,9 @@ class StageStepRunner:
         if key not in self.shapes:   # first step of this length: the receiver learns the shapes
             self.shapes[key] = [(tuple(v.shape), v.dtype) for v in values]
             for v in values:
+                if v.dim() > HEADER - 2 or v.dtype not in DTYPES:
+                    raise NotImplementedError(f"a boundary value of {v.dim()} dims, {v.dtype}: the shape header "
+                                              f"holds up to {HEADER - 2} dims of {DTYPES}")
                 head = torch.zeros(HEADER, dtype=torch.int64)
                 head[0], head[1] = DTYPES.index(v.dtype), v.dim()
                 head[2:2 + v.dim()] = torch.tensor(v.shape, dtype=torch.int64)
@@ -185,7 +188,8 @@ class StageStepRunner:
             tokens = results[0].argmax(-1)
         else:
             tokens = torch.empty(self.batch, dtype=torch.int64)
-        dist.broadcast(tokens, (self.pp - 1) * self.tp + self.local, group=RC.current().extra["pp_group"])
+        if self.pp > 1:
+            dist.broadcast(tokens, (self.pp - 1) * self.tp + self.local, group=RC.current().extra["pp_group"])
         return tokens, new
 
     @torch.no_grad()
