@@ -24,7 +24,9 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
 
 What this backend refuses, with the backend that runs it: pipeline stages (``pp > 1``),
 data-parallel replicas (``dp > 1``), dtypes other than fp32, sampling, generation-config
-settings that process whole rows of logits, and models whose cache has sliding-window layers.
+settings that process whole rows of logits, models whose cache has sliding-window layers, and
+steps whose plan does not hold the cache the InferencePlan priced per rank (GPT-2 at tp > 1: its
+fused qkv projection leaves the planned cache whole on every rank).
 """
 from __future__ import annotations
 
@@ -120,6 +122,12 @@ class CodegenEngine:
             RC.setup(steps[1].plan.mesh)
         read = None if self.read is None else (lambda fqn, sl: self.read(fqn, [sl], 0))
         self.runner = StepRunner(self.step, steps, self.rank, read=read)
+        held, priced = self.runner.cache_bytes(), plan.kv_cache_bytes_per_rank
+        if priced and held != priced:
+            raise PlanError(f'backend="codegen": the planned steps hold {held} bytes of KV cache per rank, the '
+                            f"InferencePlan priced {priced} (its kv heads split tp={plan.tp} ways): the steps' plan "
+                            f"does not split {type(self.model).__name__}'s cache on its heads (layouts "
+                            f"{sorted({str(lay) for lay in self.runner.cache_layouts})}); use {MODULES}")
         self.last_timing: dict = {}
 
     def planned_steps(self, cluster) -> dict[int, PlannedStep]:

@@ -160,13 +160,14 @@ class StepRunner:
         self.step, self.rank = step, rank
         self.programs, self.params = {}, {}
         read_blocks: dict = {}
+        named = {n for n, _ in step.named_parameters(remove_duplicate=False)}   # not buffers ("lm." + lm's FQN)
         for seq, ps in steps.items():
             prog = generate_step(ps.traced, ps.plan, rank, state=ps.state, whole=(ps.traced.outputs[0],))
             self.programs[seq] = prog
             blocks = []
             for n in prog.param_names:
                 fqn = prog.param_fqn[n]
-                if read is None or n in prog.buffers or not fqn.startswith("lm."):
+                if read is None or fqn not in named:
                     blocks.append(prog.block_of(fqn, ps.traced.value_of(step, fqn)))
                     continue
                 sl = prog.param_slices[fqn]
