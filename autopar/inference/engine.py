@@ -19,6 +19,9 @@ warpers and seeded stream on whole logits: for a sampled ``generate`` the hook a
 ([rows, seq, V], ``gather_last_dim``). With ``pp > 1`` each stage holds
 its layers and passes hidden states on (autopar/inference/pp_stages.py); replicas are then
 consecutive groups of tp x pp ranks, stage-major within.
+``compile_inference(..., backend="codegen")`` runs a plan's generation through autopar's own
+per-rank programs instead (autopar/inference/codegen_engine.py); this module's ``InferenceEngine``
+is the default, ``backend="modules"``.
 ``last_timing`` holds the last call's measured prefill (time to the first new token) and decode
 seconds, which the server's load test compares with the plan's TTFT and TPOT.
 """

@@ -152,3 +152,24 @@ def test_what_the_backend_cannot_run_is_a_clear_error():
     lm.generation_config.repetition_penalty = 1.3
     with pytest.raises(PlanError, match="repetition_penalty"):
         engine.generate(PROMPTS[:1], 2)
+
+
+@pytest.mark.parametrize("eos", [[15, 40], [15, 40, 29]])
+def test_rows_stop_at_end_of_sequence_as_hf_generate(eos):
+    """Rows that chose an end-of-sequence token continue with 0; once all have, generation ends
+    (narrower output): as Hugging Face's ``generate`` and the modules backend."""
+    plan = _plan("hf_llama", 1)
+    outs = []
+    for backend in ("codegen", "modules", None):
+        lm = _model("hf_llama")
+        lm.generation_config.eos_token_id = eos
+        if backend is None:
+            with torch.no_grad():
+                outs.append(lm.generate(PROMPTS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False,
+                                        pad_token_id=0).tolist())
+        else:
+            outs.append(compile_inference(lm, plan=plan, backend=backend).generate(PROMPTS, NEW, attention_mask=MASK)
+                        .tolist())
+    assert outs[0] == outs[1] == outs[2]
+    assert outs[0][0][PROMPTS.shape[1]:][1:] == [0] * (len(outs[0][0]) - PROMPTS.shape[1] - 1)   # row 0 stopped
+    assert len(outs[0][0]) == PROMPTS.shape[1] + (1 if 29 in eos else NEW)
