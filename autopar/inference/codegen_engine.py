@@ -18,9 +18,11 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
   device is then given empty storage to trace over (its rotary buffers computed).
 - **Tokens.** Greedy, as Hugging Face's ``generate``: the prompt followed by the new tokens on
   every rank, rows stopping at the generation config's end-of-sequence tokens (padded with 0) and
-  generation ending once every row has. The programs return the last position's logits whole
-  (a vocabulary-split head's are all-gathered inside the program), and every rank takes the
-  argmax.
+  generation ending once every row has. The programs return the last position's logits whole,
+  and every rank takes the argmax: the step plans make the LM head row-parallel (each rank's
+  logits a partial sum over its share of the hidden dim, all-reduced inside the program), so
+  there are no vocabulary slices for autopar/inference/vocab_parallel.py's distributed argmax;
+  a plan that split the head's vocabulary would have its slices all-gathered inside the program.
 
 What this backend refuses, with the backend that runs it: pipeline stages (``pp > 1``),
 data-parallel replicas (``dp > 1``), dtypes other than fp32, sampling, generation-config
