@@ -115,6 +115,14 @@ def test_one_process_equals_hf_generate():
     _check([(got, modules.tolist())], plan, _reference("hf_llama").tolist(), 2)
 
 
+def test_planned_by_compile_inference_for_what_it_runs():
+    """Without a plan, compile_inference plans one the backend runs: fp32, pp=1, dp=1."""
+    cl = autopar.Cluster.preset("cpu", devices=1)
+    engine = compile_inference(_model("hf_llama"), cl, backend="codegen", example_prompt=PROMPTS, max_new_tokens=NEW)
+    assert (engine.plan.dtype, engine.plan.pp, engine.plan.dp) == ("fp32", 1, 1)
+    assert engine.generate(PROMPTS, NEW, attention_mask=MASK).tolist() == _reference("hf_llama").tolist()
+
+
 def _run_from_dir(rank, world, plan_json, directory):
     from autopar.models.hf_config import from_hf_config
     meta = from_hf_config(directory, seq=16, batch=1)          # parameters on the meta device
