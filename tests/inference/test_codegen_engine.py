@@ -110,9 +110,17 @@ def test_tp4_with_four_kv_heads():
 
 def test_one_process_equals_hf_generate():
     plan = _plan("hf_llama", 1)
-    got = _premise(compile_inference(_model("hf_llama"), plan=plan, backend="codegen"))
+    engine = compile_inference(_model("hf_llama"), plan=plan, backend="codegen")
+    got = _premise(engine)
     modules = compile_inference(_model("hf_llama"), plan=plan).generate(PROMPTS, NEW, attention_mask=MASK)
     _check([(got, modules.tolist())], plan, _reference("hf_llama").tolist(), 2)
+    # again on the same engine: fewer rows than the batch, shorter prompts, fewer new tokens
+    ids, mask = PROMPTS[1:, 2:], MASK[1:, 2:]
+    with torch.no_grad():
+        want = _model("hf_llama").generate(ids, attention_mask=mask, max_new_tokens=NEW - 2, do_sample=False,
+                                           pad_token_id=0)
+    assert engine.generate(ids, NEW - 2, attention_mask=mask).tolist() == want.tolist()
+    assert engine.last_timing["new_tokens"] == NEW - 2
 
 
 def test_planned_by_compile_inference_for_what_it_runs():
