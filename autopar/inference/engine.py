@@ -258,7 +258,8 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, we
     if backend == "codegen":
         from autopar.inference.codegen_engine import CodegenEngine
         if collective_timeout is not None:
-            raise PlanError('collective_timeout is not honoured by backend="codegen" (its programs run on the '
-                            'default process group): leave it unset or use backend="modules"')
+            raise PlanError('collective_timeout is not honoured by backend="codegen" (its programs\' process '
+                            'groups, runtime/context.py, take torch\'s default timeout): leave it unset or use '
+                            'backend="modules"')
         return CodegenEngine(model, plan, weights, cluster)
     return InferenceEngine(model, plan, weights, collective_timeout)

@@ -9,6 +9,8 @@ backend cannot run is a clear error naming what would (GPT-2 at tp=2, whose plan
 whole on every rank, among them)."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -160,6 +162,8 @@ def test_what_the_backend_cannot_run_is_a_clear_error():
         compile_inference(lm, plan=InferencePlan(dp=2, **base), backend="codegen")
     with pytest.raises(PlanError, match='fp32 only.*backend="modules"'):
         compile_inference(lm, plan=InferencePlan(**{**base, "dtype": "bf16"}), backend="codegen")
+    with pytest.raises(PlanError, match='collective_timeout is not honoured.*backend="modules"'):
+        compile_inference(lm, plan=InferencePlan(**base), backend="codegen", collective_timeout=timedelta(seconds=5))
     with pytest.raises(PlanError, match="sliding-window"):
         compile_inference(_model("hf_mistral"), plan=InferencePlan(**base), backend="codegen")
     engine = compile_inference(lm, plan=InferencePlan(**base), backend="codegen")
