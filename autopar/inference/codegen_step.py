@@ -1,19 +1,22 @@
 """A Hugging Face causal LM's prefill and decode steps run as autopar's own per-rank programs:
 traced by ``autopar.frontend.trace.trace_step``, planned by ``autopar.plan``, lowered by
 ``codegen.per_rank.generate_step``, with the KV cache as explicit state each rank holds only its
-block of. The engines (engine.py, iteration_engine.py) do not use it yet: they run the model's own
-modules sliced by tp_shard.py.
+block of. The static engine runs through it under ``compile_inference(..., backend="codegen")``
+(autopar/inference/codegen_engine.py); by default the engines (engine.py, iteration_engine.py) run
+the model's own modules sliced by tp_shard.py.
 
 - ``CacheStep(lm)``: one prefill or decode step over a preallocated cache given as explicit
   tensors, returning the last position's logits and the updated cache; the cache write traces to
   an out-of-place ``aten.index_copy`` (rule: autopar/rules/ops_cache.py), so the traced step
   mutates nothing and the new cache is an ordinary output.
 - ``empty_cache(lm, batch, max_len)``: the whole zero cache k_0, v_0, k_1, ... (one process).
-- ``step_inputs`` / ``plan_cache_step``: a step's example inputs, and its trace and plan
-  (``PlannedStep``) for one (batch, length) shape.
+- ``step_inputs`` / ``trace_cache_step`` / ``plan_cache_step``: a step's example inputs, its
+  trace, and its trace and plan (``PlannedStep``) for one (batch, length) shape.
 - ``StepRunner``: one rank's programs (a prefill per padded prompt length, the decode step), its
   parameter blocks and its cache blocks, allocated in the layout the plan gives the cache;
-  ``generate`` runs greedy generation over a left-padded batch.
+  ``generate`` runs greedy generation over a left-padded batch (stopping rows at end-of-sequence
+  tokens as Hugging Face's ``generate`` does). Its parameter blocks are the model's, or read from
+  a checkpoint block by block (``read``).
 
 The cost model prices a step as a training step whose parameters are all frozen (no gradient or
 optimizer); the strategies are what matter here. No pipeline stages, data parallelism, mixed
@@ -22,6 +25,7 @@ precision or sampling.
 from __future__ import annotations
 
 import math
+import time
 import types
 from dataclasses import dataclass
 
@@ -119,12 +123,19 @@ class PlannedStep:
         return dict(zip(self.traced.input_names[N_STEP_INPUTS:], self.traced.outputs[1:]))
 
 
-def plan_cache_step(step: CacheStep, batch: int, seq: int, max_len: int, cluster, **plan_kwargs) -> PlannedStep:
-    """Trace ``step`` at (batch, seq) over a ``max_len`` cache and plan it (``autopar.plan``'s
-    keyword arguments, e.g. ``constraints={"tp": 2}``); the batch dim of every input but
-    ``cache_position`` is dim 0."""
+def trace_cache_step(step: CacheStep, batch: int, seq: int, max_len: int) -> TracedGraph:
+    """``step`` traced at (batch, seq) over a ``max_len`` cache (deterministic: every rank may trace
+    its own)."""
+    return trace_step(step, step_inputs(step.lm, batch, seq, max_len))
+
+
+def plan_cache_step(step: CacheStep, batch: int, seq: int, max_len: int, cluster, traced: TracedGraph | None = None,
+                    **plan_kwargs) -> PlannedStep:
+    """Trace ``step`` at (batch, seq) over a ``max_len`` cache (or take ``traced``, that trace) and
+    plan it (``autopar.plan``'s keyword arguments, e.g. ``constraints={"tp": 2}``); the batch dim of
+    every input but ``cache_position`` is dim 0."""
     inputs = step_inputs(step.lm, batch, seq, max_len)
-    traced = trace_step(step, inputs)
+    traced = traced if traced is not None else trace_step(step, inputs)
     plan = make_plan(step, inputs, cluster, traced=traced, batch_dims=(0, 0, None, 0) + (0,) * (len(inputs) - 4),
                      **plan_kwargs)
     return PlannedStep(traced, plan)
@@ -137,18 +148,34 @@ class StepRunner:
     (prompts are left-padded to the shortest one that holds them). Every program takes and returns
     the cache in the same layout (checked), so the blocks stay on this rank between steps. Every
     rank of the plans' mesh builds its runner and calls ``generate`` with the same prompts (the
-    programs run collectives); ``runtime.context.setup(plan.mesh)`` must have run."""
+    programs run collectives); ``runtime.context.setup(plan.mesh)`` must have run.
 
-    def __init__(self, step: CacheStep, steps: dict[int, PlannedStep], rank: int):
+    ``read(fqn, slices)``, when given, returns the block ``slices`` of parameter ``fqn`` (an FQN of
+    ``step.lm``) from a checkpoint: the parameter blocks are read (once each, shared by the
+    programs) instead of sliced from the model's tensors; buffers still come from the model."""
+
+    def __init__(self, step: CacheStep, steps: dict[int, PlannedStep], rank: int, read=None):
         if 1 not in steps or len(steps) < 2:
             raise ValueError("StepRunner needs the decode step (length 1) and at least one prefill length")
         self.step, self.rank = step, rank
         self.programs, self.params = {}, {}
+        read_blocks: dict = {}
+        named = {n for n, _ in step.named_parameters(remove_duplicate=False)}   # not buffers ("lm." + lm's FQN)
         for seq, ps in steps.items():
             prog = generate_step(ps.traced, ps.plan, rank, state=ps.state, whole=(ps.traced.outputs[0],))
             self.programs[seq] = prog
-            self.params[seq] = [prog.block_of(prog.param_fqn[n], ps.traced.value_of(step, prog.param_fqn[n]))
-                                for n in prog.param_names]
+            blocks = []
+            for n in prog.param_names:
+                fqn = prog.param_fqn[n]
+                if read is None or fqn not in named:
+                    blocks.append(prog.block_of(fqn, ps.traced.value_of(step, fqn)))
+                    continue
+                sl = prog.param_slices[fqn]
+                key = (fqn, tuple((s.start, s.stop, s.step) for s in sl))
+                if key not in read_blocks:
+                    read_blocks[key] = read(fqn[len("lm."):], sl)
+                blocks.append(read_blocks[key])
+            self.params[seq] = blocks
         decode = self.programs[1]
         self.cache_names = decode.input_names[N_STEP_INPUTS:]
         self.cache_layouts = decode.input_layouts[N_STEP_INPUTS:]
@@ -179,9 +206,13 @@ class StepRunner:
         return self.programs[seq].gm(*self.params[seq], *inputs)
 
     @torch.no_grad()
-    def generate(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def generate(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 eos: tuple = (), pad: int = 0, stamps: list | None = None) -> torch.Tensor:
         """Greedy tokens [B, max_new_tokens] of left-padded ``prompts`` (``attention_mask`` 0 on
-        the padding); the final cache blocks are left in ``self.cache``."""
+        the padding); the final cache blocks are left in ``self.cache``. With ``eos`` token ids, a
+        row that chose one continues with ``pad`` (fed back as its next token) and generation stops
+        once every row has, as Hugging Face's ``generate``: then fewer than ``max_new_tokens``
+        columns. ``stamps`` (a list) gets ``time.perf_counter()`` after each new token."""
         B, P = prompts.shape
         if B != self.batch:
             raise ValueError(f"the steps were planned for a batch of {self.batch}, got {B} prompts")
@@ -196,12 +227,27 @@ class StepRunner:
         slots = torch.zeros(B, self.max_len, dtype=torch.long)
         slots[:, :S] = mask
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
+        live = torch.ones(B, dtype=torch.bool)
+        tokens = []
+
+        def choose(logits):
+            nonlocal live
+            tok = torch.where(live, logits.argmax(-1), pad)
+            tokens.append(tok)
+            live = live & ~torch.isin(tok, eos)
+            if stamps is not None:
+                stamps.append(time.perf_counter())
+
         logits, *cache = self.run(S, ids, pos, torch.arange(S), slots, *self.new_cache())
-        tokens, last = [logits.argmax(-1)], pos[:, -1:]
+        choose(logits)
+        last = pos[:, -1:]
         for t in range(max_new_tokens - 1):
+            if not live.any():
+                break
             slots[:, S + t] = 1
             last = last + 1
             logits, *cache = self.run(1, tokens[-1][:, None], last, torch.tensor([S + t]), slots, *cache)
-            tokens.append(logits.argmax(-1))
+            choose(logits)
         self.cache = cache
         return torch.stack(tokens, 1)

@@ -19,6 +19,9 @@ warpers and seeded stream on whole logits: for a sampled ``generate`` the hook a
 ([rows, seq, V], ``gather_last_dim``). With ``pp > 1`` each stage holds
 its layers and passes hidden states on (autopar/inference/pp_stages.py); replicas are then
 consecutive groups of tp x pp ranks, stage-major within.
+``compile_inference(..., backend="codegen")`` runs a plan's generation through autopar's own
+per-rank programs instead (autopar/inference/codegen_engine.py); this module's ``InferenceEngine``
+is the default, ``backend="modules"``.
 ``last_timing`` holds the last call's measured prefill (time to the first new token) and decode
 seconds, which the server's load test compares with the plan's TTFT and TPOT.
 """
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
+from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, checkpoint_reader
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.pp_stages import ReceivedLogits, connect_stages, keep_stage_layers, share_cache_layers
@@ -37,29 +41,6 @@ from autopar.inference.tp_shard import shard_for_tp
 from autopar.inference.vocab_parallel import GreedyOfSlices, VocabShard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-SAMPLING = ("temperature", "top_p", "top_k", "seed")
-
-
-def check_sampling(sampling: dict | None) -> dict:
-    """The sampling options ``generate`` passes on: {} for greedy (no options, or temperature 0)."""
-    out = dict(sampling or {})
-    unknown = sorted(set(out) - set(SAMPLING))
-    if unknown:
-        raise PlanError(f"sampling option(s) {unknown} are not known; use {', '.join(SAMPLING)}")
-    t = out.get("temperature", 0.0) or 0.0
-    if not isinstance(t, (int, float)) or t < 0:
-        raise PlanError(f"temperature must be a number >= 0, got {t!r}")
-    if t == 0:
-        return {}
-    if not 0 < out.get("top_p", 1.0) <= 1:
-        raise PlanError(f"top_p must be in (0, 1], got {out['top_p']!r}")
-    if not isinstance(out.get("top_k", 0), int) or out.get("top_k", 0) < 0:
-        raise PlanError(f"top_k must be a whole number >= 0, got {out['top_k']!r}")
-    if not isinstance(out.get("seed", 0), int):
-        raise PlanError(f"seed must be an integer, got {out['seed']!r}")
-    return out
 
 
 class _Clock:
@@ -73,28 +54,6 @@ class _Clock:
 
     def end(self):
         pass
-
-
-def checkpoint_reader(model, directory: str):
-    """``read(fqn, pieces, dim)`` of a Hugging Face safetensors checkpoint directory: each rank reads
-    only its blocks (autopar/execution/weights.py ``SafetensorsWeights``); counts what it read."""
-    from types import SimpleNamespace
-
-    from autopar.execution.weights import SafetensorsWeights
-    aliases: dict[int, list[str]] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(fqn)
-    tied = {fqn: names for names in aliases.values() if len(names) > 1 for fqn in names}
-    source = SafetensorsWeights(directory, SimpleNamespace(tied=tied), model)
-    dtypes = dict((n, p.dtype) for n, p in model.named_parameters(remove_duplicate=False))
-
-    def read(fqn: str, pieces: list[tuple], dim: int) -> torch.Tensor:
-        blocks = [source.block(fqn, idx, "cpu") for idx in pieces]
-        read.elements += sum(b.numel() for b in blocks)
-        out = torch.cat(blocks, dim=dim) if len(blocks) > 1 else blocks[0]
-        return out.to(dtypes.get(fqn, out.dtype))
-    read.elements = 0
-    return read
 
 
 def fill_buffers(model) -> None:
@@ -247,12 +206,7 @@ class InferenceEngine:
             self._whole_logits(False)
         return out[:rows]
 
-    # generation-config settings under which Hugging Face's greedy generate runs logits processors
-    # over whole rows (indices are the vocabulary's): the split head's slices would be misread
-    WHOLE_ROW_SETTINGS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
-                          "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
-                          "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-                          "sequence_bias": None, "encoder_repetition_penalty": 1.0}
+    WHOLE_ROW_SETTINGS = WHOLE_ROW_SETTINGS   # engine_inputs.py
 
     def _processed_scores(self) -> bool:
         """Whether the model's generation config asks greedy ``generate`` for processors over whole
@@ -269,22 +223,43 @@ class InferenceEngine:
             self.received.vocab = vocab if whole else vocab // self.vocab_shard.size
 
 
+BACKENDS = ("modules", "codegen")
+
+
 def compile_inference(model, cluster=None, plan: InferencePlan | None = None, weights: str | None = None,
-                      collective_timeout=None, **plan_options) -> InferenceEngine:
+                      collective_timeout=None, backend: str = "modules", **plan_options):
     """The engine for ``model`` under ``plan`` (an InferencePlan, or a file written by
     ``autopar plan-inference``); without one, ``plan_inference(model, cluster=cluster, **plan_options)``
     plans it (``example_prompt`` and ``max_new_tokens`` then required). ``weights``: a Hugging Face
     safetensors checkpoint directory each rank reads only its shards from (the model may then be
     built on the meta device, e.g. ``autopar.models.from_hf_config``). ``collective_timeout`` (a
     timedelta): how long the tensor-parallel and pipeline groups' collectives wait for a peer
-    (torch's default when None; ``autopar serve --collective-timeout``)."""
+    (torch's default when None; ``autopar serve --collective-timeout``). ``backend``: "modules" (this
+    module's ``InferenceEngine``: the model's own modules, sliced) or "codegen" (a ``CodegenEngine``,
+    autopar/inference/codegen_engine.py: the steps planned and lowered to autopar's own programs;
+    tp only, fp32, greedy; planned here, it defaults to dtype="fp32" and pins pp=1, dp=1 unless
+    the options say otherwise)."""
+    if backend not in BACKENDS:
+        raise PlanError(f"backend={backend!r} is not known; use one of {', '.join(map(repr, BACKENDS))}")
     if isinstance(plan, str):
         plan = InferencePlan.load(plan)
     if plan is None:
         from autopar.inference.planner import plan_inference
         if cluster is None:
             raise PlanError("compile_inference needs a plan or a cluster to plan for")
+        if backend == "codegen":   # plan for what it runs: fp32, no stages or replicas (unless pinned)
+            plan_options.setdefault("dtype", "fp32")
+            pins = plan_options.get("constraints")
+            if pins is None or isinstance(pins, dict):
+                plan_options["constraints"] = {"pp": 1, "dp": 1, **(pins or {})}
         plan = plan_inference(causal_lm(model), cluster=cluster, **plan_options)
     elif plan_options:
         raise PlanError(f"{sorted(plan_options)}: planning options are for compile_inference without a plan")
+    if backend == "codegen":
+        from autopar.inference.codegen_engine import CodegenEngine
+        if collective_timeout is not None:
+            raise PlanError('collective_timeout is not honoured by backend="codegen" (its programs\' process '
+                            'groups, runtime/context.py, take torch\'s default timeout): leave it unset or use '
+                            'backend="modules"')
+        return CodegenEngine(model, plan, weights, cluster)
     return InferenceEngine(model, plan, weights, collective_timeout)

@@ -1,0 +1,206 @@
+"""The static engine on autopar's own programs: ``compile_inference(..., backend="codegen")``.
+
+``CodegenEngine`` runs an InferencePlan's generation through autopar/inference/codegen_step.py
+instead of the model's own modules: the model's prefill and decode steps over an explicit KV
+cache (``CacheStep``) are traced and planned by autopar's training planner with the plan's ``tp``
+pinned (Megatron strategies), lowered to this rank's codegen programs and run by a
+``StepRunner`` holding this rank's parameter and cache blocks.
+
+- **Shapes.** The steps are planned for the InferencePlan's ``batch_size``, one prefill program of
+  ``prompt_len`` slots (prompts are left-padded to it; 2 slots for a one-token plan) and the decode
+  program, over a cache of ``prompt_len + max_new_tokens`` positions: the cache the InferencePlan
+  prices, so ``kv_cache_bytes()`` equals ``plan.kv_cache_bytes_per_rank``. Fewer prompts than the
+  batch are padded with copies of the first, as the modules engine does.
+- **Plans.** Every rank traces the steps itself (deterministic); rank 0 alone runs the planner and
+  broadcasts each plan as JSON, so every rank lowers the same plans.
+- **Weights.** The model's own tensors, or with ``weights=DIR`` (a safetensors checkpoint) each
+  rank's parameter blocks are read from the checkpoint block by block; a model built on the meta
+  device is then given empty storage to trace over (its rotary buffers computed).
+- **Tokens.** Greedy, as Hugging Face's ``generate``: the prompt followed by the new tokens on
+  every rank, rows stopping at the generation config's end-of-sequence tokens (padded with 0) and
+  generation ending once every row has. The programs return the last position's logits whole,
+  and every rank takes the argmax: the step plans make the LM head row-parallel (each rank's
+  logits a partial sum over its share of the hidden dim, all-reduced inside the program), so
+  there are no vocabulary slices for autopar/inference/vocab_parallel.py's distributed argmax;
+  a plan that split the head's vocabulary would have its slices all-gathered inside the program.
+
+What this backend refuses, with the backend that runs it: pipeline stages (``pp > 1``),
+data-parallel replicas (``dp > 1``), dtypes other than fp32, sampling, generation-config
+settings that process whole rows of logits, models whose cache has sliding-window layers, and
+steps whose plan does not hold the cache the InferencePlan priced per rank (GPT-2 at tp > 1: its
+fused qkv projection leaves the planned cache whole on every rank).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import PlanError
+from autopar.inference.codegen_step import CacheStep, PlannedStep, StepRunner, plan_cache_step, trace_cache_step
+from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, checkpoint_reader
+from autopar.inference.inference_plan import InferencePlan
+from autopar.inference.model_shape import causal_lm
+
+MODULES = 'backend="modules" (the default)'
+
+
+def step_cluster(plan: InferencePlan, cluster):
+    """The cluster the steps are planned on: ``cluster`` (or the InferencePlan's named preset)
+    cut to one node of ``plan.tp`` devices, the mesh the programs run on."""
+    from autopar.cluster import Cluster
+    if cluster is None:
+        name = plan.cluster.get("name")
+        try:
+            cluster = Cluster.preset(name, devices=plan.tp)
+        except Exception as e:
+            raise PlanError(f'backend="codegen" plans its steps on the plan\'s cluster {name!r}, which is not a '
+                            f"preset ({e}): give compile_inference cluster=") from None
+    if cluster.num_devices != plan.tp:
+        cluster = dataclasses.replace(cluster, nodes=1, devices_per_node=plan.tp)
+    return cluster
+
+
+def check_codegen_plan(plan: InferencePlan) -> None:
+    """A clear error for what the codegen backend cannot run yet, naming what would."""
+    if plan.pp > 1:
+        raise PlanError(f'backend="codegen" does not run pipeline stages yet (the plan has pp={plan.pp}): plan '
+                        f"with pp=1 (constraints={{'pp': 1}}) or use {MODULES}")
+    if plan.dp > 1:
+        raise PlanError(f'backend="codegen" does not run data-parallel replicas yet (the plan has dp={plan.dp}): '
+                        f"plan with dp=1 (constraints={{'dp': 1}}) or use {MODULES}")
+    if plan.dtype != "fp32":
+        raise PlanError(f'backend="codegen" runs fp32 only (the plan is {plan.dtype}): plan with dtype="fp32" '
+                        f"or use {MODULES}")
+
+
+def meta_to_storage(model) -> None:
+    """A model built on the meta device given empty storage on the CPU (its values are read from
+    a checkpoint) with its non-persistent buffers (rotary tables) computed."""
+    from autopar.execution.weights import fill_meta_buffers
+    filled = fill_meta_buffers(model)
+    model.to_empty(device="cpu")
+    for fqn, value in filled.items():
+        owner, _, name = fqn.rpartition(".")
+        model.get_submodule(owner)._buffers[name] = value
+
+
+class CodegenEngine:
+    """``InferenceEngine``'s interface (``generate``, ``kv_cache_bytes``, ``last_timing``) on a
+    ``StepRunner`` (module doc)."""
+
+    backend = "codegen"
+
+    def __init__(self, model, plan: InferencePlan, weights: str | None = None, cluster=None):
+        check_codegen_plan(plan)
+        self.plan = plan
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        if plan.world_size != self.world:
+            raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp}) but {self.world} are "
+                            f"running: launch {plan.world_size}")
+        self.model = causal_lm(model)
+        from transformers import StaticCache
+        ring = sorted({type(layer).__name__ for layer in StaticCache(config=self.model.config, max_cache_len=2).layers}
+                      - {"StaticLayer"})
+        if ring:
+            raise PlanError(f'backend="codegen": {type(self.model).__name__}\'s cache has sliding-window layers '
+                            f"{ring} (a ring buffer CacheStep does not write): use {MODULES}")
+        self.read = checkpoint_reader(self.model, weights) if weights is not None else None
+        if any(p.is_meta for p in self.model.parameters()):
+            if self.read is None:
+                raise PlanError("the model's parameters are on the meta device: give weights=DIR (a Hugging Face "
+                                "safetensors checkpoint directory), or build the model with its weights")
+            meta_to_storage(self.model)
+        self.model.eval()
+        self.step = CacheStep(self.model)
+        self.prefill = max(plan.prompt_len, 2)
+        self.max_len = plan.prompt_len + plan.max_new_tokens
+        steps = self.planned_steps(step_cluster(plan, cluster))
+        if self.world > 1:   # the programs' process groups (one process: no collectives)
+            from runtime import context as RC
+            RC.setup(steps[1].plan.mesh)
+        read = None if self.read is None else (lambda fqn, sl: self.read(fqn, [sl], 0))
+        self.runner = StepRunner(self.step, steps, self.rank, read=read)
+        held, priced = self.runner.cache_bytes(), plan.kv_cache_bytes_per_rank
+        if priced and held != priced:
+            raise PlanError(f'backend="codegen": the planned steps hold {held} bytes of KV cache per rank, the '
+                            f"InferencePlan priced {priced} (its kv heads split tp={plan.tp} ways): the steps' plan "
+                            f"does not split {type(self.model).__name__}'s cache on its heads (layouts "
+                            f"{sorted({str(lay) for lay in self.runner.cache_layouts})}); use {MODULES}")
+        self.last_timing: dict = {}
+
+    def planned_steps(self, cluster) -> dict[int, PlannedStep]:
+        """The decode and prefill steps, traced here and planned on rank 0 (module doc)."""
+        from autopar.plans.plan import Plan
+        lengths = (1, self.prefill)
+        traced = {s: trace_cache_step(self.step, self.plan.batch_size, s, self.max_len) for s in lengths}
+        texts = [None] * len(lengths)
+        if self.rank == 0:
+            texts = [plan_cache_step(self.step, self.plan.batch_size, s, self.max_len, cluster, traced=traced[s],
+                                     constraints={"tp": self.plan.tp, "dp": 1}, policy="megatron").plan.to_json()
+                     for s in lengths]
+        if self.world > 1:
+            dist.broadcast_object_list(texts, src=0)
+        return {s: PlannedStep(traced[s], Plan.from_json(t)) for s, t in zip(lengths, texts)}
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's cache blocks (the plan's layout of the cache)."""
+        return self.runner.cache_bytes()
+
+    def check(self, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+        plan = self.plan
+        if input_ids.dim() != 2:
+            raise PlanError(f"input_ids must be [batch, prompt] token ids, got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[1] > plan.prompt_len:
+            raise PlanError(f"the prompts are {input_ids.shape[1]} tokens, more than the plan's prompt length "
+                            f"{plan.prompt_len}: plan for longer prompts")
+        if max_new_tokens > plan.max_new_tokens:
+            raise PlanError(f"max_new_tokens={max_new_tokens} is more than the plan's {plan.max_new_tokens} "
+                            f"(its KV cache holds no more)")
+        if input_ids.shape[0] > plan.batch_size:
+            raise PlanError(f"{input_ids.shape[0]} prompts are more than the plan decodes at once "
+                            f"({plan.batch_size})")
+
+    def check_generation_config(self) -> None:
+        gc = getattr(self.model, "generation_config", None)
+        odd = sorted(k for k, v in WHOLE_ROW_SETTINGS.items() if gc is not None and getattr(gc, k, v) not in (v, None))
+        if odd:
+            raise PlanError(f'backend="codegen" decodes greedily without logits processors; the model\'s generation '
+                            f"config sets {odd}: use {MODULES}")
+
+    def eos_ids(self) -> tuple:
+        gc = getattr(self.model, "generation_config", None)
+        eos = getattr(gc, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+                 sampling: dict | None = None):
+        """The greedy continuation of left-padded prompts: [batch, prompt + new tokens] on every rank."""
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+        self.check(input_ids, max_new_tokens)
+        if check_sampling(sampling):
+            raise PlanError(f'backend="codegen" decodes greedily only (sampling {sorted(sampling)} asked): '
+                            f"use {MODULES}")
+        self.check_generation_config()
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = torch.as_tensor(attention_mask, dtype=torch.long)
+        rows = input_ids.shape[0]
+        pad = self.plan.batch_size - rows
+        ids, mask = input_ids, attention_mask
+        if pad > 0:   # the programs are planned for the plan's batch: fill it
+            ids = torch.cat([ids, ids[:1].expand(pad, -1)])
+            mask = torch.cat([mask, mask[:1].expand(pad, -1)])
+        stamps: list = []
+        start = time.perf_counter()
+        new = self.runner.generate(ids, mask, max_new_tokens, eos=self.eos_ids(), pad=0, stamps=stamps)
+        first = stamps[0] if stamps else time.perf_counter()
+        self.last_timing = {"prefill_s": first - start, "decode_s": stamps[-1] - first if len(stamps) > 1 else 0.0,
+                            "new_tokens": len(stamps)}
+        return torch.cat([input_ids, new[:rows]], 1)

@@ -1,0 +1,62 @@
+"""What the static engines (engine.py, codegen_engine.py) take from their caller, checked the same
+way: ``check_sampling`` (the sampling options ``generate`` accepts), ``WHOLE_ROW_SETTINGS`` (the
+generation-config settings under which greedy generation processes whole rows of logits) and
+``checkpoint_reader`` (a Hugging Face safetensors directory read block by block).
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar.errors import PlanError
+
+SAMPLING = ("temperature", "top_p", "top_k", "seed")
+
+
+def check_sampling(sampling: dict | None) -> dict:
+    """The sampling options ``generate`` passes on: {} for greedy (no options, or temperature 0)."""
+    out = dict(sampling or {})
+    unknown = sorted(set(out) - set(SAMPLING))
+    if unknown:
+        raise PlanError(f"sampling option(s) {unknown} are not known; use {', '.join(SAMPLING)}")
+    t = out.get("temperature", 0.0) or 0.0
+    if not isinstance(t, (int, float)) or t < 0:
+        raise PlanError(f"temperature must be a number >= 0, got {t!r}")
+    if t == 0:
+        return {}
+    if not 0 < out.get("top_p", 1.0) <= 1:
+        raise PlanError(f"top_p must be in (0, 1], got {out['top_p']!r}")
+    if not isinstance(out.get("top_k", 0), int) or out.get("top_k", 0) < 0:
+        raise PlanError(f"top_k must be a whole number >= 0, got {out['top_k']!r}")
+    if not isinstance(out.get("seed", 0), int):
+        raise PlanError(f"seed must be an integer, got {out['seed']!r}")
+    return out
+
+
+# generation-config settings under which Hugging Face's greedy generate runs logits processors
+# over whole rows (indices are the vocabulary's): the split head's slices would be misread
+WHOLE_ROW_SETTINGS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
+                      "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
+                      "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                      "sequence_bias": None, "encoder_repetition_penalty": 1.0}
+
+
+def checkpoint_reader(model, directory: str):
+    """``read(fqn, pieces, dim)`` of a Hugging Face safetensors checkpoint directory: each rank reads
+    only its blocks (autopar/execution/weights.py ``SafetensorsWeights``); counts what it read."""
+    from types import SimpleNamespace
+
+    from autopar.execution.weights import SafetensorsWeights
+    aliases: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(fqn)
+    tied = {fqn: names for names in aliases.values() if len(names) > 1 for fqn in names}
+    source = SafetensorsWeights(directory, SimpleNamespace(tied=tied), model)
+    dtypes = dict((n, p.dtype) for n, p in model.named_parameters(remove_duplicate=False))
+
+    def read(fqn: str, pieces: list[tuple], dim: int) -> torch.Tensor:
+        blocks = [source.block(fqn, idx, "cpu") for idx in pieces]
+        read.elements += sum(b.numel() for b in blocks)
+        out = torch.cat(blocks, dim=dim) if len(blocks) > 1 else blocks[0]
+        return out.to(dtypes.get(fqn, out.dtype))
+    read.elements = 0
+    return read
