@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
+from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import CacheStep, PlannedStep, StepRunner, plan_cache_step, trace_cache_step
 from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, checkpoint_reader
 from autopar.inference.inference_plan import InferencePlan
@@ -65,9 +66,9 @@ def step_cluster(plan: InferencePlan, cluster):
 
 def check_codegen_plan(plan: InferencePlan) -> None:
     """A clear error for what the codegen backend cannot run yet, naming what would."""
-    if plan.pp > 1:
-        raise PlanError(f'backend="codegen" does not run pipeline stages yet (the plan has pp={plan.pp}): plan '
-                        f"with pp=1 (constraints={{'pp': 1}}) or use {MODULES}")
+    if plan.pp > 1 and len(plan.stages) != plan.pp:
+        raise PlanError(f"the plan has pp={plan.pp} but {len(plan.stages)} stages of layers: plan it again "
+                        f"(autopar.plan_inference)")
     if plan.dp > 1:
         raise PlanError(f'backend="codegen" does not run data-parallel replicas yet (the plan has dp={plan.dp}): '
                         f"plan with dp=1 (constraints={{'dp': 1}}) or use {MODULES}")
@@ -99,8 +100,8 @@ class CodegenEngine:
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         if plan.world_size != self.world:
-            raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp}) but {self.world} are "
-                            f"running: launch {plan.world_size}")
+            raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp}, pp={plan.pp}) but "
+                            f"{self.world} are running: launch {plan.world_size}")
         self.model = causal_lm(model)
         from transformers import StaticCache
         ring = sorted({type(layer).__name__ for layer in StaticCache(config=self.model.config, max_cache_len=2).layers}
@@ -121,14 +122,23 @@ class CodegenEngine:
         steps = self.planned_steps(step_cluster(plan, cluster))
         if self.world > 1:   # the programs' process groups (one process: no collectives)
             from runtime import context as RC
-            RC.setup(steps[1].plan.mesh)
+            RC.setup(steps[1].plan.mesh, pp=plan.pp)
         read = None if self.read is None else (lambda fqn, sl: self.read(fqn, [sl], 0))
-        self.runner = StepRunner(self.step, steps, self.rank, read=read)
-        held, priced = self.runner.cache_bytes(), plan.kv_cache_bytes_per_rank
+        if plan.pp > 1:
+            unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]
+            self.runner = StageStepRunner(self.step, steps, self.rank, plan.pp, unit_stage, read=read)
+            layers = unit_stage.count(self.runner.stage)
+            largest = max(b - a for a, b in plan.stages)
+        else:
+            self.runner = StepRunner(self.step, steps, self.rank, read=read)
+            layers = largest = 1
+        held = self.runner.cache_bytes()
+        priced = plan.kv_cache_bytes_per_rank * layers // largest   # the largest stage's, per layer x this stage's
         if priced and held != priced:
+            stage = f"stage {self.runner.stage}'s {layers} layer(s), " if plan.pp > 1 else ""
             raise PlanError(f'backend="codegen": the planned steps hold {held} bytes of KV cache per rank, the '
-                            f"InferencePlan priced {priced} (its kv heads split tp={plan.tp} ways): the steps' plan "
-                            f"does not split {type(self.model).__name__}'s cache on its heads (layouts "
+                            f"InferencePlan priced {priced} ({stage}its kv heads split tp={plan.tp} ways): the "
+                            f"steps' plan does not split {type(self.model).__name__}'s cache on its heads (layouts "
                             f"{sorted({str(lay) for lay in self.runner.cache_layouts})}); use {MODULES}")
         self.last_timing: dict = {}
 

@@ -20,7 +20,8 @@ the model's own modules sliced by tp_shard.py.
 
 The cost model prices a step as a training step whose parameters are all frozen (no gradient or
 optimizer); the strategies are what matter here. No pipeline stages, data parallelism, mixed
-precision or sampling.
+precision. ``NewTokens`` chooses each step's tokens from the whole logits: the argmax, or a
+sampler the caller gives.
 """
 from __future__ import annotations
 
@@ -141,6 +142,35 @@ def plan_cache_step(step: CacheStep, batch: int, seq: int, max_len: int, cluster
     return PlannedStep(traced, plan)
 
 
+class NewTokens:
+    """The new tokens of one ``generate``, chosen step by step from whole logits [B, V]: the argmax,
+    or ``sample(logits)`` (a callable returning [B] token ids, e.g. Hugging Face's warpers and a
+    seeded ``torch.multinomial``); a row that chose one of ``eos`` continues with ``pad``, and
+    ``done`` once every row has, as Hugging Face's ``generate``. ``stamps`` (a list) gets
+    ``time.perf_counter()`` after each new token. ``pick`` needs the logits (a pipeline's last
+    stage); ``add`` records the step's tokens (every rank)."""
+
+    def __init__(self, batch: int, eos: tuple = (), pad: int = 0, sample=None, stamps: list | None = None):
+        self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
+        self.pad, self.sample, self.stamps = pad, sample, stamps
+        self.live = torch.ones(batch, dtype=torch.bool)
+        self.tokens: list[torch.Tensor] = []
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        tok = self.sample(logits) if self.sample is not None else logits.argmax(-1)
+        return torch.where(self.live, tok, self.pad)
+
+    def add(self, tok: torch.Tensor) -> None:
+        self.tokens.append(tok)
+        self.live = self.live & ~torch.isin(tok, self.eos)
+        if self.stamps is not None:
+            self.stamps.append(time.perf_counter())
+
+    @property
+    def done(self) -> bool:
+        return not bool(self.live.any())
+
+
 class StepRunner:
     """One rank's prefill and decode programs of a CacheStep and the cache blocks they share.
 
@@ -207,9 +237,10 @@ class StepRunner:
 
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                 eos: tuple = (), pad: int = 0, stamps: list | None = None) -> torch.Tensor:
+                 eos: tuple = (), pad: int = 0, stamps: list | None = None, sample=None) -> torch.Tensor:
         """Greedy tokens [B, max_new_tokens] of left-padded ``prompts`` (``attention_mask`` 0 on
-        the padding); the final cache blocks are left in ``self.cache``. With ``eos`` token ids, a
+        the padding), or sampled by ``sample`` (``NewTokens``); the final cache blocks are left in
+        ``self.cache``. With ``eos`` token ids, a
         row that chose one continues with ``pad`` (fed back as its next token) and generation stops
         once every row has, as Hugging Face's ``generate``: then fewer than ``max_new_tokens``
         columns. ``stamps`` (a list) gets ``time.perf_counter()`` after each new token."""
@@ -227,27 +258,16 @@ class StepRunner:
         slots = torch.zeros(B, self.max_len, dtype=torch.long)
         slots[:, :S] = mask
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
-        live = torch.ones(B, dtype=torch.bool)
-        tokens = []
-
-        def choose(logits):
-            nonlocal live
-            tok = torch.where(live, logits.argmax(-1), pad)
-            tokens.append(tok)
-            live = live & ~torch.isin(tok, eos)
-            if stamps is not None:
-                stamps.append(time.perf_counter())
-
+        chosen = NewTokens(B, eos, pad, sample, stamps)
         logits, *cache = self.run(S, ids, pos, torch.arange(S), slots, *self.new_cache())
-        choose(logits)
+        chosen.add(chosen.pick(logits))
         last = pos[:, -1:]
         for t in range(max_new_tokens - 1):
-            if not live.any():
+            if chosen.done:
                 break
             slots[:, S + t] = 1
             last = last + 1
-            logits, *cache = self.run(1, tokens[-1][:, None], last, torch.tensor([S + t]), slots, *cache)
-            choose(logits)
+            logits, *cache = self.run(1, chosen.tokens[-1][:, None], last, torch.tensor([S + t]), slots, *cache)
+            chosen.add(chosen.pick(logits))
         self.cache = cache
-        return torch.stack(tokens, 1)
+        return torch.stack(chosen.tokens, 1)

@@ -16,6 +16,7 @@ import torch
 
 import autopar
 from autopar.errors import PlanError
+from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import StepRunner
 from autopar.inference.engine import compile_inference
 from autopar.inference.inference_plan import InferencePlan
@@ -52,7 +53,9 @@ def _premise(engine):
     out = engine.generate(PROMPTS, NEW, attention_mask=MASK)
     runner = engine.runner
     codes = [p.code for p in runner.programs.values()]
-    return {"tokens": out.tolist(), "kv": engine.kv_cache_bytes(), "runner": isinstance(runner, StepRunner),
+    runs = StageStepRunner if engine.plan.pp > 1 else StepRunner
+    return {"tokens": out.tolist(), "kv": engine.kv_cache_bytes(), "runner": isinstance(runner, runs),
+            "cache_tensors": len(runner.cache), "stage": getattr(runner, "stage", 0),
             "lengths": sorted(runner.programs), "forward_calls": len(calls),
             "held": sum(c.numel() * c.element_size() for c in runner.cache),
             "block_heads": sorted({c.shape[1] for c in runner.cache}),
@@ -156,7 +159,9 @@ def test_what_the_backend_cannot_run_is_a_clear_error():
     base = dict(prompt_len=6, max_new_tokens=2, batch_size=1, dtype="fp32", cluster={"name": "cpu"})
     with pytest.raises(PlanError, match="backend='bogus' is not known"):
         compile_inference(lm, plan=InferencePlan(**base), backend="bogus")
-    with pytest.raises(PlanError, match='pipeline stages.*backend="modules"'):
+    with pytest.raises(PlanError, match="pp=2 but 1 stages"):
+        compile_inference(lm, plan=InferencePlan(pp=2, stages=[[0, 2]], **base), backend="codegen")
+    with pytest.raises(PlanError, match="runs on 2 processes.*launch 2"):
         compile_inference(lm, plan=InferencePlan(pp=2, stages=[[0, 1], [1, 2]], **base), backend="codegen")
     with pytest.raises(PlanError, match='replicas.*backend="modules"'):
         compile_inference(lm, plan=InferencePlan(dp=2, **base), backend="codegen")
@@ -193,3 +198,16 @@ def test_rows_stop_at_end_of_sequence_as_hf_generate(eos):
     assert outs[0] == outs[1] == outs[2]
     assert outs[0][0][PROMPTS.shape[1]:][1:] == [0] * (len(outs[0][0]) - PROMPTS.shape[1] - 1)   # row 0 stopped
     assert len(outs[0][0]) == PROMPTS.shape[1] + (1 if 29 in eos else NEW)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_stages_equal_hf_generate_and_the_modules_backend(tp):
+    """pp=2 (and tp=2 x pp=2): a StageStepRunner per rank, each stage holding its layer's cache
+    (its kv heads' share): the InferencePlan's per-rank bytes; every rank returns the same tokens."""
+    plan = _plan("hf_llama", 2 * tp, tp=tp, pp=2, dp=1)
+    assert (plan.tp, plan.pp, plan.stages) == (tp, 2, [[0, 1], [1, 2]])
+    results = run_local(_run, 2 * tp, args=("hf_llama", plan.to_json(), {}), timeout=900)
+    _check(results, plan, _reference("hf_llama").tolist(), 2)
+    assert [got["stage"] for got, _ in results] == [r // tp for r in range(2 * tp)]
+    assert all(got["cache_tensors"] == 2 for got, _ in results)     # k and v of its one layer
