@@ -88,6 +88,47 @@ def meta_to_storage(model) -> None:
         model.get_submodule(owner)._buffers[name] = value
 
 
+# sampling settings of a generation config besides temperature, top-k and top-p, at their neutral
+# values: away from them Hugging Face's sampled generate runs warpers this backend does not
+OTHER_WARPERS = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
+                 "renormalize_logits": False, "watermarking_config": None}
+# Hugging Face's defaults where neither the options nor the model's generation config set one
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+def sampler(model, options: dict):
+    """``sample(logits [B, V]) -> [B]`` tokens as Hugging Face's sampled ``generate`` draws them
+    (the modules backend's): temperature, top-k and top-p (``options``, else the model's generation
+    config, else Hugging Face's defaults) warp the fp32 logits in that order, then
+    ``torch.multinomial`` over their softmax, from a generator seeded with ``options["seed"]``
+    (default 0), one draw per row of the batch per step."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    gc = getattr(model, "generation_config", None)
+    odd = sorted(k for k, v in OTHER_WARPERS.items() if gc is not None and getattr(gc, k, v) not in (v, None))
+    if odd:
+        raise PlanError(f'backend="codegen" samples with temperature, top_k and top_p only; the model\'s '
+                        f"generation config sets {odd}: use {MODULES}")
+
+    def value(key):
+        for v in (options.get(key), getattr(gc, key, None), SAMPLING_DEFAULTS[key]):
+            if v is not None:
+                return v
+
+    temperature, top_k, top_p = value("temperature"), value("top_k"), value("top_p")
+    warpers = ([TemperatureLogitsWarper(float(temperature))] if temperature != 1.0 else []) \
+        + ([TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1)] if top_k else []) \
+        + ([TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1)] if top_p < 1.0 else [])
+    generator = torch.Generator().manual_seed(options.get("seed", 0))
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        scores = logits.float()
+        for warp in warpers:
+            scores = warp(None, scores)
+        return torch.multinomial(torch.softmax(scores, -1), num_samples=1, generator=generator).squeeze(1)
+
+    return sample
+
+
 class CodegenEngine:
     """``InferenceEngine``'s interface (``generate``, ``kv_cache_bytes``, ``last_timing``) on a
     ``StepRunner`` (module doc)."""
@@ -178,7 +219,7 @@ class CodegenEngine:
         gc = getattr(self.model, "generation_config", None)
         odd = sorted(k for k, v in WHOLE_ROW_SETTINGS.items() if gc is not None and getattr(gc, k, v) not in (v, None))
         if odd:
-            raise PlanError(f'backend="codegen" decodes greedily without logits processors; the model\'s generation '
+            raise PlanError(f'backend="codegen" runs no logits processors over whole rows; the model\'s generation '
                             f"config sets {odd}: use {MODULES}")
 
     def eos_ids(self) -> tuple:
@@ -191,13 +232,14 @@ class CodegenEngine:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
                  sampling: dict | None = None):
-        """The greedy continuation of left-padded prompts: [batch, prompt + new tokens] on every rank."""
+        """The continuation of left-padded prompts: [batch, prompt + new tokens] on every rank.
+        Greedy, unless ``sampling`` gives ``temperature`` > 0 (with optional ``top_p``, ``top_k`` and
+        ``seed``): the tokens the modules backend draws with that seed (``sampler``)."""
         input_ids = torch.as_tensor(input_ids, dtype=torch.long)
         self.check(input_ids, max_new_tokens)
-        if check_sampling(sampling):
-            raise PlanError(f'backend="codegen" decodes greedily only (sampling {sorted(sampling)} asked): '
-                            f"use {MODULES}")
+        options = check_sampling(sampling)
         self.check_generation_config()
+        sample = sampler(self.model, options) if options else None
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         attention_mask = torch.as_tensor(attention_mask, dtype=torch.long)
@@ -209,7 +251,7 @@ class CodegenEngine:
             mask = torch.cat([mask, mask[:1].expand(pad, -1)])
         stamps: list = []
         start = time.perf_counter()
-        new = self.runner.generate(ids, mask, max_new_tokens, eos=self.eos_ids(), pad=0, stamps=stamps)
+        new = self.runner.generate(ids, mask, max_new_tokens, eos=self.eos_ids(), pad=0, stamps=stamps, sample=sample)
         first = stamps[0] if stamps else time.perf_counter()
         self.last_timing = {"prefill_s": first - start, "decode_s": stamps[-1] - first if len(stamps) > 1 else 0.0,
                             "new_tokens": len(stamps)}

@@ -172,8 +172,10 @@ def test_what_the_backend_cannot_run_is_a_clear_error():
     with pytest.raises(PlanError, match="sliding-window"):
         compile_inference(_model("hf_mistral"), plan=InferencePlan(**base), backend="codegen")
     engine = compile_inference(lm, plan=InferencePlan(**base), backend="codegen")
-    with pytest.raises(PlanError, match='greedily only.*backend="modules"'):
+    lm.generation_config.min_p = 0.1
+    with pytest.raises(PlanError, match=r"temperature, top_k and top_p only.*\['min_p'\].*backend=\"modules\""):
         engine.generate(PROMPTS[:1], 2, sampling={"temperature": 0.7, "seed": 1})
+    lm.generation_config.min_p = None
     lm.generation_config.repetition_penalty = 1.3
     with pytest.raises(PlanError, match="repetition_penalty"):
         engine.generate(PROMPTS[:1], 2)
@@ -211,3 +213,54 @@ def test_pipeline_stages_equal_hf_generate_and_the_modules_backend(tp):
     _check(results, plan, _reference("hf_llama").tolist(), 2)
     assert [got["stage"] for got, _ in results] == [r // tp for r in range(2 * tp)]
     assert all(got["cache_tensors"] == 2 for got, _ in results)     # k and v of its one layer
+
+
+SAMPLINGS = [{"temperature": 1.5, "seed": 3}, {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 7}]
+
+
+def _sampled(lm, sampling):
+    """Hugging Face's sampled generate, seeded as the modules backend seeds it."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(sampling.get("seed", 0))
+        opts = {k: v for k, v in sampling.items() if k != "seed"}
+        return lm.generate(PROMPTS, attention_mask=MASK, max_new_tokens=NEW, do_sample=True, pad_token_id=0,
+                           **opts).tolist()
+
+
+def test_one_process_sampled_tokens_equal_the_modules_backend_and_hf():
+    plan = _plan("hf_llama", 1)
+    engine = compile_inference(_model("hf_llama"), plan=plan, backend="codegen")
+    modules = compile_inference(_model("hf_llama"), plan=plan)
+    calls = []
+    engine.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    for sampling in SAMPLINGS:
+        got = engine.generate(PROMPTS, NEW, attention_mask=MASK, sampling=sampling).tolist()
+        assert got == modules.generate(PROMPTS, NEW, attention_mask=MASK, sampling=sampling).tolist()
+        assert got == _sampled(_model("hf_llama"), sampling)
+        assert got != _reference("hf_llama").tolist()                      # sampled, not greedy
+    assert calls == []                                                     # the programs ran, not the model
+    other = engine.generate(PROMPTS, NEW, attention_mask=MASK, sampling={**SAMPLINGS[0], "seed": 4}).tolist()
+    assert other != _sampled(_model("hf_llama"), SAMPLINGS[0])            # the seed is honoured
+
+
+def _run_sampled(rank, world, name, plan_json):
+    plan = InferencePlan.from_json(plan_json)
+    engine = compile_inference(_model(name), plan=plan, backend="codegen")
+    calls = []
+    engine.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    modules = compile_inference(_model(name), plan=plan)
+    return [(engine.generate(PROMPTS, NEW, attention_mask=MASK, sampling=s).tolist(),
+             modules.generate(PROMPTS, NEW, attention_mask=MASK, sampling=s).tolist()) for s in SAMPLINGS], \
+        len(calls), type(engine.runner).__name__
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_sampled_tokens_equal_the_modules_backend(tp, pp):
+    """Sampled at tp=2 (and pp=2): every rank's tokens are the modules backend's for the same seed,
+    and one process's Hugging Face generate."""
+    plan = _plan("hf_llama", tp * pp, tp=tp, pp=pp, dp=1)
+    want = [_sampled(_model("hf_llama"), s) for s in SAMPLINGS]
+    for pairs, calls, runner in run_local(_run_sampled, tp * pp, args=("hf_llama", plan.to_json()), timeout=900):
+        assert [got for got, _ in pairs] == [modules for _, modules in pairs] == want
+        assert calls == 0 and runner == ("StageStepRunner" if pp > 1 else "StepRunner")
