@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.inference.codegen_stages import StageStepRunner
-from autopar.inference.codegen_step import CacheStep, PlannedStep, StepRunner, plan_cache_step, trace_cache_step
+from autopar.inference.codegen_step import (CacheStep, PlannedStep, StepRunner, full_cache_config, plan_cache_step,
+                                            trace_cache_step)
 from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, checkpoint_reader
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
@@ -144,12 +145,14 @@ class CodegenEngine:
             raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp}, pp={plan.pp}) but "
                             f"{self.world} are running: launch {plan.world_size}")
         self.model = causal_lm(model)
-        from transformers import StaticCache
-        ring = sorted({type(layer).__name__ for layer in StaticCache(config=self.model.config, max_cache_len=2).layers}
-                      - {"StaticLayer"})
-        if ring:
-            raise PlanError(f'backend="codegen": {type(self.model).__name__}\'s cache has sliding-window layers '
-                            f"{ring} (a ring buffer CacheStep does not write): use {MODULES}")
+        self.prefill = max(plan.prompt_len, 2)
+        self.max_len = plan.prompt_len + plan.max_new_tokens
+        try:
+            full_cache_config(self.model.config, self.max_len)
+        except NotImplementedError as e:
+            raise PlanError(f'backend="codegen": {type(self.model).__name__}\'s cache of {self.max_len} positions '
+                            f"(prompt_len + max_new_tokens) has {e}: plan for at most the window's positions or "
+                            f"use {MODULES}") from None
         self.read = checkpoint_reader(self.model, weights) if weights is not None else None
         if any(p.is_meta for p in self.model.parameters()):
             if self.read is None:
@@ -158,8 +161,6 @@ class CodegenEngine:
             meta_to_storage(self.model)
         self.model.eval()
         self.step = CacheStep(self.model)
-        self.prefill = max(plan.prompt_len, 2)
-        self.max_len = plan.prompt_len + plan.max_new_tokens
         steps = self.planned_steps(step_cluster(plan, cluster))
         if self.world > 1:   # the programs' process groups (one process: no collectives)
             from runtime import context as RC

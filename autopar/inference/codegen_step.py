@@ -25,6 +25,7 @@ sampler the caller gives.
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 import types
@@ -50,6 +51,30 @@ def _functional_update(layer, key_states, value_states, *args, **kwargs):
     return layer.keys, layer.values
 
 
+def full_cache_config(config, max_len: int):
+    """The config a StaticCache of ``max_len`` positions is built from so that every layer keeps
+    every position in its own slot: ``config`` itself, or, where its sliding window is at least
+    ``max_len`` positions (the window never slides, so those layers attend to everything, as full
+    attention), a copy without the window. Raises NotImplementedError, with the reason, when some
+    layer's cache would still be a ring buffer (a window shorter than the cache, chunked attention)."""
+    from transformers import StaticCache
+
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window >= max_len:
+        config = copy.copy(config)
+        config.sliding_window = None
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = ["full_attention" if t == "sliding_attention" else t for t in config.layer_types]
+    ring = sorted({type(layer).__name__ for layer in StaticCache(config=config, max_cache_len=max_len).layers}
+                  - {"StaticLayer"})
+    if ring:
+        why = (f"a sliding window of {window} positions, shorter than the cache's {max_len}" if window is not None
+               else "not full attention")
+        raise NotImplementedError(f"cache layers {ring} ({why}): a ring buffer, where CacheStep writes every "
+                                  f"position to its own slot")
+    return config
+
+
 class CacheStep(nn.Module):
     """One prefill or decode step of a Hugging Face causal LM over a preallocated KV cache given
     as explicit tensors::
@@ -64,7 +89,8 @@ class CacheStep(nn.Module):
     and ``position_ids`` are each row's own positions, so one traced program serves every step of
     its (B, S) shape: S = 1 is the decode program, S = a padded prompt length a prefill program.
     All rows write the same slots: a left-padded batch, as engine.py's ``generate`` runs. Models
-    whose cache has sliding-window layers (Mistral) are refused: their slots are a ring buffer."""
+    whose cache has sliding-window layers (Mistral) run only when the window is at least the
+    cache (``full_cache_config``); otherwise they are refused: their slots are a ring buffer."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -74,11 +100,11 @@ class CacheStep(nn.Module):
     def forward(self, input_ids, position_ids, cache_position, attention_mask, *kv):
         from transformers import StaticCache
 
-        cache = StaticCache(config=self.lm.config, max_cache_len=kv[0].shape[2])
-        ring = sorted({type(layer).__name__ for layer in cache.layers} - {"StaticLayer"})
-        if ring:
-            raise NotImplementedError(f"{type(self.lm).__name__}: cache layers {ring} (a sliding window's "
-                                      f"ring buffer); CacheStep writes every position to its own slot")
+        try:
+            config = full_cache_config(self.lm.config, kv[0].shape[2])
+        except NotImplementedError as e:
+            raise NotImplementedError(f"{type(self.lm).__name__}: {e}") from None
+        cache = StaticCache(config=config, max_cache_len=kv[0].shape[2])
         for i, layer in enumerate(cache.layers):
             layer.keys, layer.values = kv[2 * i], kv[2 * i + 1]
             layer.batch_size, layer.num_heads = kv[2 * i].shape[:2]

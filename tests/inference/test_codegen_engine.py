@@ -169,8 +169,9 @@ def test_what_the_backend_cannot_run_is_a_clear_error():
         compile_inference(lm, plan=InferencePlan(**{**base, "dtype": "bf16"}), backend="codegen")
     with pytest.raises(PlanError, match='collective_timeout is not honoured.*backend="modules"'):
         compile_inference(lm, plan=InferencePlan(**base), backend="codegen", collective_timeout=timedelta(seconds=5))
-    with pytest.raises(PlanError, match="sliding-window"):
-        compile_inference(_model("hf_mistral"), plan=InferencePlan(**base), backend="codegen")
+    with pytest.raises(PlanError, match=r"cache of 10 positions.*sliding window of 8 positions, shorter than the "
+                                        r"cache's 10.*backend=\"modules\""):
+        compile_inference(_model("hf_mistral"), plan=InferencePlan(**{**base, "max_new_tokens": 4}), backend="codegen")
     engine = compile_inference(lm, plan=InferencePlan(**base), backend="codegen")
     lm.generation_config.min_p = 0.1
     with pytest.raises(PlanError, match=r"temperature, top_k and top_p only.*\['min_p'\].*backend=\"modules\""):
@@ -264,3 +265,22 @@ def test_sampled_tokens_equal_the_modules_backend(tp, pp):
     for pairs, calls, runner in run_local(_run_sampled, tp * pp, args=("hf_llama", plan.to_json()), timeout=900):
         assert [got for got, _ in pairs] == [modules for _, modules in pairs] == want
         assert calls == 0 and runner == ("StageStepRunner" if pp > 1 else "StepRunner")
+
+
+def test_a_sliding_window_as_long_as_the_cache_is_full_attention():
+    """Mistral whose window (11) is the whole cache (6 prompt + 5 new positions): it never slides, so
+    the step is full attention: tokens equal Hugging Face's generate and the modules backend's."""
+    kw = {"window": PROMPTS.shape[1] + NEW}
+    plan = _plan("hf_mistral", 1, kw)
+    assert plan.prompt_len + plan.max_new_tokens == kw["window"]
+    got = _premise(compile_inference(_model("hf_mistral", **kw), plan=plan, backend="codegen"))
+    modules = compile_inference(_model("hf_mistral", **kw), plan=plan).generate(PROMPTS, NEW, attention_mask=MASK)
+    _check([(got, modules.tolist())], plan, _reference("hf_mistral", **kw).tolist(), 2)
+
+
+@pytest.mark.slow
+def test_mistral_tp2_with_a_window_longer_than_the_cache():
+    kw = {"window": 16}
+    plan = _plan("hf_mistral", 2, kw, tp=2, pp=1, dp=1)
+    results = run_local(_run, 2, args=("hf_mistral", plan.to_json(), kw), timeout=600)
+    _check(results, plan, _reference("hf_mistral", **kw).tolist(), 2)
