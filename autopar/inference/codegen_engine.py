@@ -4,31 +4,43 @@
 instead of the model's own modules: the model's prefill and decode steps over an explicit KV
 cache (``CacheStep``) are traced and planned by autopar's training planner with the plan's ``tp``
 pinned (Megatron strategies), lowered to this rank's codegen programs and run by a
-``StepRunner`` holding this rank's parameter and cache blocks.
+``StepRunner`` holding this rank's parameter and cache blocks; with ``pp > 1`` by a
+``StageStepRunner`` (autopar/inference/codegen_stages.py) running this rank's stage of them.
 
 - **Shapes.** The steps are planned for the InferencePlan's ``batch_size``, one prefill program of
   ``prompt_len`` slots (prompts are left-padded to it; 2 slots for a one-token plan) and the decode
   program, over a cache of ``prompt_len + max_new_tokens`` positions: the cache the InferencePlan
-  prices, so ``kv_cache_bytes()`` equals ``plan.kv_cache_bytes_per_rank``. Fewer prompts than the
-  batch are padded with copies of the first, as the modules engine does.
+  prices, so ``kv_cache_bytes()`` equals ``plan.kv_cache_bytes_per_rank`` (under ``pp``, the
+  largest stage's: a stage of fewer layers holds its layers' share). Fewer prompts than the batch
+  are padded with copies of the first, as the modules engine does.
+- **Stages.** With ``pp > 1`` the steps are planned on one stage's ``tp`` ranks and cut at the
+  InferencePlan's ``stages`` (layers per stage); global rank ``s * tp + l`` is tp position ``l`` of
+  stage ``s``, the hidden states go point to point to the next stage, and the last stage's tokens
+  are broadcast, so every rank returns the same tokens.
 - **Plans.** Every rank traces the steps itself (deterministic); rank 0 alone runs the planner and
   broadcasts each plan as JSON, so every rank lowers the same plans.
 - **Weights.** The model's own tensors, or with ``weights=DIR`` (a safetensors checkpoint) each
   rank's parameter blocks are read from the checkpoint block by block; a model built on the meta
   device is then given empty storage to trace over (its rotary buffers computed).
-- **Tokens.** Greedy, as Hugging Face's ``generate``: the prompt followed by the new tokens on
-  every rank, rows stopping at the generation config's end-of-sequence tokens (padded with 0) and
-  generation ending once every row has. The programs return the last position's logits whole,
-  and every rank takes the argmax: the step plans make the LM head row-parallel (each rank's
-  logits a partial sum over its share of the hidden dim, all-reduced inside the program), so
-  there are no vocabulary slices for autopar/inference/vocab_parallel.py's distributed argmax;
-  a plan that split the head's vocabulary would have its slices all-gathered inside the program.
+- **Tokens.** The prompt followed by the new tokens on every rank, rows stopping at the
+  generation config's end-of-sequence tokens (padded with 0) and generation ending once every
+  row has, as Hugging Face's ``generate``. The programs return the last position's logits whole:
+  the step plans make the LM head row-parallel (each rank's logits a partial sum over its share
+  of the hidden dim, all-reduced inside the program), so there are no vocabulary slices for
+  autopar/inference/vocab_parallel.py's distributed argmax; a plan that split the head's
+  vocabulary would have its slices all-gathered inside the program. Greedy takes the argmax;
+  sampling (``sampler``: temperature, top-k, top-p, seed) warps the whole logits with Hugging
+  Face's warpers and draws from a seeded generator, the tokens the modules backend's sampled
+  ``generate`` draws with that seed.
+- **Sliding windows.** A window at least the cache's length never slides: its layers are full
+  attention and run (``codegen_step.full_cache_config``); a shorter window is refused.
 
-What this backend refuses, with the backend that runs it: pipeline stages (``pp > 1``),
-data-parallel replicas (``dp > 1``), dtypes other than fp32, sampling, generation-config
-settings that process whole rows of logits, models whose cache has sliding-window layers, and
-steps whose plan does not hold the cache the InferencePlan priced per rank (GPT-2 at tp > 1: its
-fused qkv projection leaves the planned cache whole on every rank).
+What this backend refuses, with the backend that runs it: data-parallel replicas (``dp > 1``),
+dtypes other than fp32, generation-config settings that process whole rows of logits (e.g.
+``repetition_penalty``) or sample with other warpers (``min_p``, ``typical_p``, ...), caches
+whose sliding window is shorter than the cache (or other ring-buffer layers), and steps whose
+plan does not hold the cache the InferencePlan priced per rank (GPT-2 at tp > 1: its fused qkv
+projection leaves the planned cache whole on every rank).
 """
 from __future__ import annotations
 

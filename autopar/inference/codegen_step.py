@@ -19,9 +19,9 @@ the model's own modules sliced by tp_shard.py.
   a checkpoint block by block (``read``).
 
 The cost model prices a step as a training step whose parameters are all frozen (no gradient or
-optimizer); the strategies are what matter here. No pipeline stages, data parallelism, mixed
-precision. ``NewTokens`` chooses each step's tokens from the whole logits: the argmax, or a
-sampler the caller gives.
+optimizer); the strategies are what matter here. Pipeline stages of these steps are
+autopar/inference/codegen_stages.py's; no data parallelism or mixed precision. ``NewTokens``
+chooses each step's tokens from the whole logits: the argmax, or a sampler the caller gives.
 """
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """compile_inference(..., backend="codegen") (autopar/inference/codegen_engine.py): the static
-engine run as autopar's own per-rank programs. On gloo ranks at tp=2 (Llama, Qwen2, Mixtral)
-and tp=4, and on one process, greedy tokens for prompts of different lengths equal
-Hugging Face's ``generate`` and the modules backend's; the programs really ran (a ``StepRunner``
-with its prefill and decode programs, the model's own forward never called) with each rank
-holding its kv heads of the cache, as many bytes as the InferencePlan's
-``kv_cache_bytes_per_rank``; ``weights=`` reads the parameter blocks from a checkpoint; what the
-backend cannot run is a clear error naming what would (GPT-2 at tp=2, whose planned cache stays
-whole on every rank, among them)."""
+engine run as autopar's own per-rank programs. On gloo ranks at tp=2 (Llama, Qwen2, Mixtral, and
+Mistral whose sliding window is longer than the cache), tp=4, pp=2 and tp=2 x pp=2, and on one
+process, greedy tokens for prompts of different lengths equal Hugging Face's ``generate`` and the
+modules backend's; sampled tokens (tp=2, pp=2, one process) equal the modules backend's for the
+same seed; the programs really ran (a ``StepRunner``, or a ``StageStepRunner`` under pp, with its
+prefill and decode programs, the model's own forward never called) with each rank holding its kv
+heads of its layers' cache, as many bytes as the InferencePlan's ``kv_cache_bytes_per_rank``;
+``weights=`` reads the parameter blocks from a checkpoint; what the backend cannot run is a clear
+error naming what would (GPT-2 at tp=2, whose planned cache stays whole on every rank, and a
+sliding window shorter than the cache, among them)."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -129,7 +131,7 @@ def test_one_process_equals_hf_generate():
 
 
 def test_planned_by_compile_inference_for_what_it_runs():
-    """Without a plan, compile_inference plans one the backend runs: fp32, pp=1, dp=1."""
+    """Without a plan, compile_inference plans one the backend runs: fp32, dp=1."""
     cl = autopar.Cluster.preset("cpu", devices=1)
     engine = compile_inference(_model("hf_llama"), cl, backend="codegen", example_prompt=PROMPTS, max_new_tokens=NEW)
     assert (engine.plan.dtype, engine.plan.pp, engine.plan.dp) == ("fp32", 1, 1)
