@@ -286,3 +286,19 @@ def test_mistral_tp2_with_a_window_longer_than_the_cache():
     plan = _plan("hf_mistral", 2, kw, tp=2, pp=1, dp=1)
     results = run_local(_run, 2, args=("hf_mistral", plan.to_json(), kw), timeout=600)
     _check(results, plan, _reference("hf_mistral", **kw).tolist(), 2)
+
+
+@pytest.mark.slow
+def test_uneven_stages_hold_their_layers_share_of_the_priced_cache():
+    """3 layers on pp=2: the InferencePlan prices the largest stage's cache; the other stage holds
+    its fewer layers' share (as many bytes per layer), and the tokens are still HF's."""
+    kw = {"n_layer": 3}
+    plan = _plan("hf_llama", 2, kw, tp=1, pp=2, dp=1)
+    sizes = [b - a for a, b in plan.stages]
+    assert sorted(sizes) == [1, 2]
+    results = run_local(_run, 2, args=("hf_llama", plan.to_json(), kw), timeout=900)
+    want = _reference("hf_llama", **kw).tolist()
+    for (got, modules), layers in zip(results, sizes):
+        assert got["tokens"] == want == modules and got["runner"] and got["forward_calls"] == 0
+        assert got["cache_tensors"] == 2 * layers
+        assert got["kv"] == got["held"] == plan.kv_cache_bytes_per_rank * layers // 2
