@@ -146,9 +146,11 @@ def _run_from_dir(rank, world, plan_json, directory):
 
 
 @pytest.mark.slow
-def test_weights_from_a_checkpoint_directory(tmp_path):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_weights_from_a_checkpoint_directory(tmp_path, tp, pp):
+    """tp=2, or pp=2 (each stage reading its layers' blocks only)."""
     _model("hf_llama").save_pretrained(tmp_path)
-    plan = _plan("hf_llama", 2, tp=2, pp=1, dp=1)
+    plan = _plan("hf_llama", 2, tp=tp, pp=pp, dp=1)
     results = run_local(_run_from_dir, 2, args=(plan.to_json(), str(tmp_path)), timeout=600)
     total = sum(p.numel() for p in _model("hf_llama").parameters())
     for tokens, elements in results:
