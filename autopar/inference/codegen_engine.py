@@ -4,31 +4,43 @@
 instead of the model's own modules: the model's prefill and decode steps over an explicit KV
 cache (``CacheStep``) are traced and planned by autopar's training planner with the plan's ``tp``
 pinned (Megatron strategies), lowered to this rank's codegen programs and run by a
-``StepRunner`` holding this rank's parameter and cache blocks.
+``StepRunner`` holding this rank's parameter and cache blocks; with ``pp > 1`` by a
+``StageStepRunner`` (autopar/inference/codegen_stages.py) running this rank's stage of them.
 
 - **Shapes.** The steps are planned for the InferencePlan's ``batch_size``, one prefill program of
   ``prompt_len`` slots (prompts are left-padded to it; 2 slots for a one-token plan) and the decode
   program, over a cache of ``prompt_len + max_new_tokens`` positions: the cache the InferencePlan
-  prices, so ``kv_cache_bytes()`` equals ``plan.kv_cache_bytes_per_rank``. Fewer prompts than the
-  batch are padded with copies of the first, as the modules engine does.
+  prices, so ``kv_cache_bytes()`` equals ``plan.kv_cache_bytes_per_rank`` (under ``pp``, the
+  largest stage's: a stage of fewer layers holds its layers' share). Fewer prompts than the batch
+  are padded with copies of the first, as the modules engine does.
+- **Stages.** With ``pp > 1`` the steps are planned on one stage's ``tp`` ranks and cut at the
+  InferencePlan's ``stages`` (layers per stage); global rank ``s * tp + l`` is tp position ``l`` of
+  stage ``s``, the hidden states go point to point to the next stage, and the last stage's tokens
+  are broadcast, so every rank returns the same tokens.
 - **Plans.** Every rank traces the steps itself (deterministic); rank 0 alone runs the planner and
   broadcasts each plan as JSON, so every rank lowers the same plans.
 - **Weights.** The model's own tensors, or with ``weights=DIR`` (a safetensors checkpoint) each
   rank's parameter blocks are read from the checkpoint block by block; a model built on the meta
   device is then given empty storage to trace over (its rotary buffers computed).
-- **Tokens.** Greedy, as Hugging Face's ``generate``: the prompt followed by the new tokens on
-  every rank, rows stopping at the generation config's end-of-sequence tokens (padded with 0) and
-  generation ending once every row has. The programs return the last position's logits whole,
-  and every rank takes the argmax: the step plans make the LM head row-parallel (each rank's
-  logits a partial sum over its share of the hidden dim, all-reduced inside the program), so
-  there are no vocabulary slices for autopar/inference/vocab_parallel.py's distributed argmax;
-  a plan that split the head's vocabulary would have its slices all-gathered inside the program.
+- **Tokens.** The prompt followed by the new tokens on every rank, rows stopping at the
+  generation config's end-of-sequence tokens (padded with 0) and generation ending once every
+  row has, as Hugging Face's ``generate``. The programs return the last position's logits whole:
+  the step plans make the LM head row-parallel (each rank's logits a partial sum over its share
+  of the hidden dim, all-reduced inside the program), so there are no vocabulary slices for
+  autopar/inference/vocab_parallel.py's distributed argmax; a plan that split the head's
+  vocabulary would have its slices all-gathered inside the program. Greedy takes the argmax;
+  sampling (``sampler``: temperature, top-k, top-p, seed) warps the whole logits with Hugging
+  Face's warpers and draws from a seeded generator, the tokens the modules backend's sampled
+  ``generate`` draws with that seed.
+- **Sliding windows.** A window at least the cache's length never slides: its layers are full
+  attention and run (``codegen_step.full_cache_config``); a shorter window is refused.
 
-What this backend refuses, with the backend that runs it: pipeline stages (``pp > 1``),
-data-parallel replicas (``dp > 1``), dtypes other than fp32, sampling, generation-config
-settings that process whole rows of logits, models whose cache has sliding-window layers, and
-steps whose plan does not hold the cache the InferencePlan priced per rank (GPT-2 at tp > 1: its
-fused qkv projection leaves the planned cache whole on every rank).
+What this backend refuses, with the backend that runs it: data-parallel replicas (``dp > 1``),
+dtypes other than fp32, generation-config settings that process whole rows of logits (e.g.
+``repetition_penalty``) or sample with other warpers (``min_p``, ``typical_p``, ...), caches
+whose sliding window is shorter than the cache (or other ring-buffer layers), and steps whose
+plan does not hold the cache the InferencePlan priced per rank (GPT-2 at tp > 1: its fused qkv
+projection leaves the planned cache whole on every rank).
 """
 from __future__ import annotations
 
@@ -39,7 +51,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
-from autopar.inference.codegen_step import CacheStep, PlannedStep, StepRunner, plan_cache_step, trace_cache_step
+from autopar.inference.codegen_stages import StageStepRunner
+from autopar.inference.codegen_step import (CacheStep, PlannedStep, StepRunner, full_cache_config, plan_cache_step,
+                                            trace_cache_step)
 from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, checkpoint_reader
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
@@ -65,9 +79,9 @@ def step_cluster(plan: InferencePlan, cluster):
 
 def check_codegen_plan(plan: InferencePlan) -> None:
     """A clear error for what the codegen backend cannot run yet, naming what would."""
-    if plan.pp > 1:
-        raise PlanError(f'backend="codegen" does not run pipeline stages yet (the plan has pp={plan.pp}): plan '
-                        f"with pp=1 (constraints={{'pp': 1}}) or use {MODULES}")
+    if plan.pp > 1 and len(plan.stages) != plan.pp:
+        raise PlanError(f"the plan has pp={plan.pp} but {len(plan.stages)} stages of layers: plan it again "
+                        f"(autopar.plan_inference)")
     if plan.dp > 1:
         raise PlanError(f'backend="codegen" does not run data-parallel replicas yet (the plan has dp={plan.dp}): '
                         f"plan with dp=1 (constraints={{'dp': 1}}) or use {MODULES}")
@@ -87,6 +101,47 @@ def meta_to_storage(model) -> None:
         model.get_submodule(owner)._buffers[name] = value
 
 
+# sampling settings of a generation config besides temperature, top-k and top-p, at their neutral
+# values: away from them Hugging Face's sampled generate runs warpers this backend does not
+OTHER_WARPERS = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
+                 "renormalize_logits": False, "watermarking_config": None}
+# Hugging Face's defaults where neither the options nor the model's generation config set one
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+def sampler(model, options: dict):
+    """``sample(logits [B, V]) -> [B]`` tokens as Hugging Face's sampled ``generate`` draws them
+    (the modules backend's): temperature, top-k and top-p (``options``, else the model's generation
+    config, else Hugging Face's defaults) warp the fp32 logits in that order, then
+    ``torch.multinomial`` over their softmax, from a generator seeded with ``options["seed"]``
+    (default 0), one draw per row of the batch per step."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    gc = getattr(model, "generation_config", None)
+    odd = sorted(k for k, v in OTHER_WARPERS.items() if gc is not None and getattr(gc, k, v) not in (v, None))
+    if odd:
+        raise PlanError(f'backend="codegen" samples with temperature, top_k and top_p only; the model\'s '
+                        f"generation config sets {odd}: use {MODULES}")
+
+    def value(key):
+        for v in (options.get(key), getattr(gc, key, None), SAMPLING_DEFAULTS[key]):
+            if v is not None:
+                return v
+
+    temperature, top_k, top_p = value("temperature"), value("top_k"), value("top_p")
+    warpers = ([TemperatureLogitsWarper(float(temperature))] if temperature != 1.0 else []) \
+        + ([TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1)] if top_k else []) \
+        + ([TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1)] if top_p < 1.0 else [])
+    generator = torch.Generator().manual_seed(options.get("seed", 0))
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        scores = logits.float()
+        for warp in warpers:
+            scores = warp(None, scores)
+        return torch.multinomial(torch.softmax(scores, -1), num_samples=1, generator=generator).squeeze(1)
+
+    return sample
+
+
 class CodegenEngine:
     """``InferenceEngine``'s interface (``generate``, ``kv_cache_bytes``, ``last_timing``) on a
     ``StepRunner`` (module doc)."""
@@ -99,15 +154,17 @@ class CodegenEngine:
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         if plan.world_size != self.world:
-            raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp}) but {self.world} are "
-                            f"running: launch {plan.world_size}")
+            raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp}, pp={plan.pp}) but "
+                            f"{self.world} are running: launch {plan.world_size}")
         self.model = causal_lm(model)
-        from transformers import StaticCache
-        ring = sorted({type(layer).__name__ for layer in StaticCache(config=self.model.config, max_cache_len=2).layers}
-                      - {"StaticLayer"})
-        if ring:
-            raise PlanError(f'backend="codegen": {type(self.model).__name__}\'s cache has sliding-window layers '
-                            f"{ring} (a ring buffer CacheStep does not write): use {MODULES}")
+        self.prefill = max(plan.prompt_len, 2)
+        self.max_len = plan.prompt_len + plan.max_new_tokens
+        try:
+            full_cache_config(self.model.config, self.max_len)
+        except NotImplementedError as e:
+            raise PlanError(f'backend="codegen": {type(self.model).__name__}\'s cache of {self.max_len} positions '
+                            f"(prompt_len + max_new_tokens) has {e}: plan for at most the window's positions or "
+                            f"use {MODULES}") from None
         self.read = checkpoint_reader(self.model, weights) if weights is not None else None
         if any(p.is_meta for p in self.model.parameters()):
             if self.read is None:
@@ -116,19 +173,26 @@ class CodegenEngine:
             meta_to_storage(self.model)
         self.model.eval()
         self.step = CacheStep(self.model)
-        self.prefill = max(plan.prompt_len, 2)
-        self.max_len = plan.prompt_len + plan.max_new_tokens
         steps = self.planned_steps(step_cluster(plan, cluster))
         if self.world > 1:   # the programs' process groups (one process: no collectives)
             from runtime import context as RC
-            RC.setup(steps[1].plan.mesh)
+            RC.setup(steps[1].plan.mesh, pp=plan.pp)
         read = None if self.read is None else (lambda fqn, sl: self.read(fqn, [sl], 0))
-        self.runner = StepRunner(self.step, steps, self.rank, read=read)
-        held, priced = self.runner.cache_bytes(), plan.kv_cache_bytes_per_rank
+        if plan.pp > 1:
+            unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]
+            self.runner = StageStepRunner(self.step, steps, self.rank, plan.pp, unit_stage, read=read)
+            layers = unit_stage.count(self.runner.stage)
+            largest = max(b - a for a, b in plan.stages)
+        else:
+            self.runner = StepRunner(self.step, steps, self.rank, read=read)
+            layers = largest = 1
+        held = self.runner.cache_bytes()
+        priced = plan.kv_cache_bytes_per_rank * layers // largest   # the largest stage's, per layer x this stage's
         if priced and held != priced:
+            stage = f"stage {self.runner.stage}'s {layers} layer(s), " if plan.pp > 1 else ""
             raise PlanError(f'backend="codegen": the planned steps hold {held} bytes of KV cache per rank, the '
-                            f"InferencePlan priced {priced} (its kv heads split tp={plan.tp} ways): the steps' plan "
-                            f"does not split {type(self.model).__name__}'s cache on its heads (layouts "
+                            f"InferencePlan priced {priced} ({stage}its kv heads split tp={plan.tp} ways): the "
+                            f"steps' plan does not split {type(self.model).__name__}'s cache on its heads (layouts "
                             f"{sorted({str(lay) for lay in self.runner.cache_layouts})}); use {MODULES}")
         self.last_timing: dict = {}
 
@@ -168,7 +232,7 @@ class CodegenEngine:
         gc = getattr(self.model, "generation_config", None)
         odd = sorted(k for k, v in WHOLE_ROW_SETTINGS.items() if gc is not None and getattr(gc, k, v) not in (v, None))
         if odd:
-            raise PlanError(f'backend="codegen" decodes greedily without logits processors; the model\'s generation '
+            raise PlanError(f'backend="codegen" runs no logits processors over whole rows; the model\'s generation '
                             f"config sets {odd}: use {MODULES}")
 
     def eos_ids(self) -> tuple:
@@ -181,13 +245,14 @@ class CodegenEngine:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
                  sampling: dict | None = None):
-        """The greedy continuation of left-padded prompts: [batch, prompt + new tokens] on every rank."""
+        """The continuation of left-padded prompts: [batch, prompt + new tokens] on every rank.
+        Greedy, unless ``sampling`` gives ``temperature`` > 0 (with optional ``top_p``, ``top_k`` and
+        ``seed``): the tokens the modules backend draws with that seed (``sampler``)."""
         input_ids = torch.as_tensor(input_ids, dtype=torch.long)
         self.check(input_ids, max_new_tokens)
-        if check_sampling(sampling):
-            raise PlanError(f'backend="codegen" decodes greedily only (sampling {sorted(sampling)} asked): '
-                            f"use {MODULES}")
+        options = check_sampling(sampling)
         self.check_generation_config()
+        sample = sampler(self.model, options) if options else None
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         attention_mask = torch.as_tensor(attention_mask, dtype=torch.long)
@@ -199,7 +264,7 @@ class CodegenEngine:
             mask = torch.cat([mask, mask[:1].expand(pad, -1)])
         stamps: list = []
         start = time.perf_counter()
-        new = self.runner.generate(ids, mask, max_new_tokens, eos=self.eos_ids(), pad=0, stamps=stamps)
+        new = self.runner.generate(ids, mask, max_new_tokens, eos=self.eos_ids(), pad=0, stamps=stamps, sample=sample)
         first = stamps[0] if stamps else time.perf_counter()
         self.last_timing = {"prefill_s": first - start, "decode_s": stamps[-1] - first if len(stamps) > 1 else 0.0,
                             "new_tokens": len(stamps)}

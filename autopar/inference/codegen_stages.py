@@ -12,9 +12,11 @@ stage from the step inputs, which every rank has.
   unless the caller gives ``unit_stage`` (``unit_stages_of``: the cut of a pipelined plan of the
   same step, planned with the micro-batches the planner asks for).
 - ``StageStepRunner``: one rank's stage programs (a prefill per padded prompt length, the decode
-  step), its parameter and cache blocks; ``generate`` runs greedy generation over a left-padded
-  batch. The last stage's tokens (the argmax of its whole logits) are broadcast over the
-  pipeline group, so every rank returns the same tokens.
+  step), its parameter and cache blocks; ``generate`` runs greedy (or sampled) generation over a
+  left-padded batch, rows stopping at end-of-sequence tokens. The last stage's tokens (chosen
+  from its whole logits) are broadcast over the pipeline group, so every rank returns the same
+  tokens. The static engine runs it for plans with ``pp > 1``
+  (``compile_inference(..., backend="codegen")``, autopar/inference/codegen_engine.py).
 
 Ranks: global rank ``s * tp + l`` is tp position ``l`` of stage ``s`` (``runtime.context.setup``
 with ``pp``). No micro-batches: one step runs the stages one after another.
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import Cluster
-from autopar.inference.codegen_step import N_STEP_INPUTS, CacheStep, PlannedStep, plan_cache_step
+from autopar.inference.codegen_step import N_STEP_INPUTS, CacheStep, NewTokens, PlannedStep, plan_cache_step
 from codegen.per_rank import generate_step
 from codegen.stages import even_stages, pipeline_units, split_step_stages
 from runtime import context as RC
@@ -68,10 +70,12 @@ class StageStepRunner:
     ``steps``: sequence length -> PlannedStep on one stage's sub-mesh (``plan_stage_steps``);
     ``pp``: the stages; ``rank``: this global rank; ``unit_stage``: the stage of each decoder
     layer (``codegen.stages.pipeline_units`` order; default an even cut).
+    ``read(fqn, slices)``, when given, returns the block ``slices`` of parameter ``fqn`` (an FQN of
+    ``step.lm``) from a checkpoint, as ``StepRunner``'s; buffers still come from the model.
     ``runtime.context.setup(plan.mesh, pp=pp)`` must have run on every rank."""
 
     def __init__(self, step: CacheStep, steps: dict[int, PlannedStep], rank: int, pp: int,
-                 unit_stage: list[int] | None = None):
+                 unit_stage: list[int] | None = None, read=None):
         if 1 not in steps or len(steps) < 2:
             raise ValueError("StageStepRunner needs the decode step (length 1) and at least one prefill length")
         self.step, self.rank, self.pp = step, rank, pp
@@ -82,6 +86,7 @@ class StageStepRunner:
         self.unit_stage = list(unit_stage) if unit_stage is not None else even_stages(units, pp)
         self.programs, self.stages, self.params = {}, {}, {}
         blocks: dict[tuple, torch.Tensor] = {}   # (fqn, slices) -> this rank's block, one copy for all programs
+        named = {n for n, _ in step.named_parameters(remove_duplicate=False)}   # not buffers ("lm." + lm's FQN)
         for seq, ps in steps.items():
             prog = generate_step(ps.traced, ps.plan, self.local, state=ps.state, whole=(ps.traced.outputs[0],))
             sp = split_step_stages(prog, ps.traced, self.unit_stage, pp)[self.stage]
@@ -90,7 +95,9 @@ class StageStepRunner:
             for n in sp.param_names:
                 fqn = prog.param_fqn[n]
                 key = (fqn, tuple((s.start, s.stop) for s in prog.param_slices[fqn]))
-                if key not in blocks:
+                if key not in blocks and read is not None and fqn in named:
+                    blocks[key] = read(fqn[len("lm."):], prog.param_slices[fqn])
+                elif key not in blocks:
                     blocks[key] = prog.block_of(fqn, ps.traced.value_of(step, fqn)).detach().clone()
                 self.params[seq].append(blocks[key])
         self.blocks = list(blocks.values())
@@ -170,9 +177,10 @@ class StageStepRunner:
             out.append(x)
         return out
 
-    def run(self, seq: int, inputs: tuple, cache: list[torch.Tensor]):
+    def run(self, seq: int, inputs: tuple, cache: list[torch.Tensor], chosen: NewTokens | None = None):
         """One step of length ``seq`` on this stage: (the step's tokens, every rank the same;
-        this rank's new cache blocks). ``inputs``: the step inputs before the cache."""
+        this rank's new cache blocks). ``inputs``: the step inputs before the cache; ``chosen``
+        picks the tokens from the last stage's logits (default: the argmax)."""
         sp, prog = self.stages[seq], self.programs[seq]
         received = self._recv(seq, len(sp.received)) if self.stage > 0 else []
         whole = dict(zip(prog.input_names, inputs))
@@ -185,7 +193,7 @@ class StageStepRunner:
         results = dict(zip(sp.outputs, out[n:]))
         new = [results[prog.output_names.index(prog.state[c])] for c in self.cache_names]
         if self.last:
-            tokens = results[0].argmax(-1)
+            tokens = chosen.pick(results[0]) if chosen is not None else results[0].argmax(-1)
         else:
             tokens = torch.empty(self.batch, dtype=torch.int64)
         if self.pp > 1:
@@ -193,9 +201,13 @@ class StageStepRunner:
         return tokens, new
 
     @torch.no_grad()
-    def generate(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def generate(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 eos: tuple = (), pad: int = 0, stamps: list | None = None, sample=None) -> torch.Tensor:
         """Greedy tokens [B, max_new_tokens] of left-padded ``prompts`` (``attention_mask`` 0 on
-        the padding), the same on every rank; this rank's final cache blocks are left in ``self.cache``."""
+        the padding), or sampled by ``sample`` on the last stage (``NewTokens``), the same on every
+        rank; this rank's final cache blocks are left in ``self.cache``. ``eos``, ``pad`` and
+        ``stamps`` as ``StepRunner.generate``: rows stop at end-of-sequence tokens, and every rank
+        stops together (the tokens are broadcast)."""
         B, P = prompts.shape
         if B != self.batch:
             raise ValueError(f"the steps were planned for a batch of {self.batch}, got {B} prompts")
@@ -210,15 +222,19 @@ class StageStepRunner:
         slots = torch.zeros(B, self.max_len, dtype=torch.long)
         slots[:, :S] = mask
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        tok, cache = self.run(S, (ids, pos, torch.arange(S), slots), self.new_cache())
-        tokens, last = [tok], pos[:, -1:]
+        chosen = NewTokens(B, eos, pad, sample if self.last else None, stamps)
+        tok, cache = self.run(S, (ids, pos, torch.arange(S), slots), self.new_cache(), chosen)
+        chosen.add(tok)
+        last = pos[:, -1:]
         for t in range(max_new_tokens - 1):
+            if chosen.done:
+                break
             slots[:, S + t] = 1
             last = last + 1
-            tok, cache = self.run(1, (tokens[-1][:, None], last, torch.tensor([S + t]), slots), cache)
-            tokens.append(tok)
+            tok, cache = self.run(1, (chosen.tokens[-1][:, None], last, torch.tensor([S + t]), slots), cache, chosen)
+            chosen.add(tok)
         self.cache = cache
-        return torch.stack(tokens, 1)
+        return torch.stack(chosen.tokens, 1)
 
 
 __all__ = ["plan_stage_steps", "unit_stages_of", "StageStepRunner"]

@@ -19,11 +19,13 @@ the model's own modules sliced by tp_shard.py.
   a checkpoint block by block (``read``).
 
 The cost model prices a step as a training step whose parameters are all frozen (no gradient or
-optimizer); the strategies are what matter here. No pipeline stages, data parallelism, mixed
-precision or sampling.
+optimizer); the strategies are what matter here. Pipeline stages of these steps are
+autopar/inference/codegen_stages.py's; no data parallelism or mixed precision. ``NewTokens``
+chooses each step's tokens from the whole logits: the argmax, or a sampler the caller gives.
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 import types
@@ -49,6 +51,30 @@ def _functional_update(layer, key_states, value_states, *args, **kwargs):
     return layer.keys, layer.values
 
 
+def full_cache_config(config, max_len: int):
+    """The config a StaticCache of ``max_len`` positions is built from so that every layer keeps
+    every position in its own slot: ``config`` itself, or, where its sliding window is at least
+    ``max_len`` positions (the window never slides, so those layers attend to everything, as full
+    attention), a copy without the window. Raises NotImplementedError, with the reason, when some
+    layer's cache would still be a ring buffer (a window shorter than the cache, chunked attention)."""
+    from transformers import StaticCache
+
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window >= max_len:
+        config = copy.copy(config)
+        config.sliding_window = None
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = ["full_attention" if t == "sliding_attention" else t for t in config.layer_types]
+    ring = sorted({type(layer).__name__ for layer in StaticCache(config=config, max_cache_len=max_len).layers}
+                  - {"StaticLayer"})
+    if ring:
+        why = (f"a sliding window of {window} positions, shorter than the cache's {max_len}" if window is not None
+               else "not full attention")
+        raise NotImplementedError(f"cache layers {ring} ({why}): a ring buffer, where CacheStep writes every "
+                                  f"position to its own slot")
+    return config
+
+
 class CacheStep(nn.Module):
     """One prefill or decode step of a Hugging Face causal LM over a preallocated KV cache given
     as explicit tensors::
@@ -63,7 +89,8 @@ class CacheStep(nn.Module):
     and ``position_ids`` are each row's own positions, so one traced program serves every step of
     its (B, S) shape: S = 1 is the decode program, S = a padded prompt length a prefill program.
     All rows write the same slots: a left-padded batch, as engine.py's ``generate`` runs. Models
-    whose cache has sliding-window layers (Mistral) are refused: their slots are a ring buffer."""
+    whose cache has sliding-window layers (Mistral) run only when the window is at least the
+    cache (``full_cache_config``); otherwise they are refused: their slots are a ring buffer."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -73,11 +100,11 @@ class CacheStep(nn.Module):
     def forward(self, input_ids, position_ids, cache_position, attention_mask, *kv):
         from transformers import StaticCache
 
-        cache = StaticCache(config=self.lm.config, max_cache_len=kv[0].shape[2])
-        ring = sorted({type(layer).__name__ for layer in cache.layers} - {"StaticLayer"})
-        if ring:
-            raise NotImplementedError(f"{type(self.lm).__name__}: cache layers {ring} (a sliding window's "
-                                      f"ring buffer); CacheStep writes every position to its own slot")
+        try:
+            config = full_cache_config(self.lm.config, kv[0].shape[2])
+        except NotImplementedError as e:
+            raise NotImplementedError(f"{type(self.lm).__name__}: {e}") from None
+        cache = StaticCache(config=config, max_cache_len=kv[0].shape[2])
         for i, layer in enumerate(cache.layers):
             layer.keys, layer.values = kv[2 * i], kv[2 * i + 1]
             layer.batch_size, layer.num_heads = kv[2 * i].shape[:2]
@@ -139,6 +166,35 @@ def plan_cache_step(step: CacheStep, batch: int, seq: int, max_len: int, cluster
     plan = make_plan(step, inputs, cluster, traced=traced, batch_dims=(0, 0, None, 0) + (0,) * (len(inputs) - 4),
                      **plan_kwargs)
     return PlannedStep(traced, plan)
+
+
+class NewTokens:
+    """The new tokens of one ``generate``, chosen step by step from whole logits [B, V]: the argmax,
+    or ``sample(logits)`` (a callable returning [B] token ids, e.g. Hugging Face's warpers and a
+    seeded ``torch.multinomial``); a row that chose one of ``eos`` continues with ``pad``, and
+    ``done`` once every row has, as Hugging Face's ``generate``. ``stamps`` (a list) gets
+    ``time.perf_counter()`` after each new token. ``pick`` needs the logits (a pipeline's last
+    stage); ``add`` records the step's tokens (every rank)."""
+
+    def __init__(self, batch: int, eos: tuple = (), pad: int = 0, sample=None, stamps: list | None = None):
+        self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
+        self.pad, self.sample, self.stamps = pad, sample, stamps
+        self.live = torch.ones(batch, dtype=torch.bool)
+        self.tokens: list[torch.Tensor] = []
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        tok = self.sample(logits) if self.sample is not None else logits.argmax(-1)
+        return torch.where(self.live, tok, self.pad)
+
+    def add(self, tok: torch.Tensor) -> None:
+        self.tokens.append(tok)
+        self.live = self.live & ~torch.isin(tok, self.eos)
+        if self.stamps is not None:
+            self.stamps.append(time.perf_counter())
+
+    @property
+    def done(self) -> bool:
+        return not bool(self.live.any())
 
 
 class StepRunner:
@@ -207,9 +263,10 @@ class StepRunner:
 
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                 eos: tuple = (), pad: int = 0, stamps: list | None = None) -> torch.Tensor:
+                 eos: tuple = (), pad: int = 0, stamps: list | None = None, sample=None) -> torch.Tensor:
         """Greedy tokens [B, max_new_tokens] of left-padded ``prompts`` (``attention_mask`` 0 on
-        the padding); the final cache blocks are left in ``self.cache``. With ``eos`` token ids, a
+        the padding), or sampled by ``sample`` (``NewTokens``); the final cache blocks are left in
+        ``self.cache``. With ``eos`` token ids, a
         row that chose one continues with ``pad`` (fed back as its next token) and generation stops
         once every row has, as Hugging Face's ``generate``: then fewer than ``max_new_tokens``
         columns. ``stamps`` (a list) gets ``time.perf_counter()`` after each new token."""
@@ -227,27 +284,16 @@ class StepRunner:
         slots = torch.zeros(B, self.max_len, dtype=torch.long)
         slots[:, :S] = mask
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
-        live = torch.ones(B, dtype=torch.bool)
-        tokens = []
-
-        def choose(logits):
-            nonlocal live
-            tok = torch.where(live, logits.argmax(-1), pad)
-            tokens.append(tok)
-            live = live & ~torch.isin(tok, eos)
-            if stamps is not None:
-                stamps.append(time.perf_counter())
-
+        chosen = NewTokens(B, eos, pad, sample, stamps)
         logits, *cache = self.run(S, ids, pos, torch.arange(S), slots, *self.new_cache())
-        choose(logits)
+        chosen.add(chosen.pick(logits))
         last = pos[:, -1:]
         for t in range(max_new_tokens - 1):
-            if not live.any():
+            if chosen.done:
                 break
             slots[:, S + t] = 1
             last = last + 1
-            logits, *cache = self.run(1, tokens[-1][:, None], last, torch.tensor([S + t]), slots, *cache)
-            choose(logits)
+            logits, *cache = self.run(1, chosen.tokens[-1][:, None], last, torch.tensor([S + t]), slots, *cache)
+            chosen.add(chosen.pick(logits))
         self.cache = cache
-        return torch.stack(tokens, 1)
+        return torch.stack(chosen.tokens, 1)

@@ -237,8 +237,8 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, we
     (torch's default when None; ``autopar serve --collective-timeout``). ``backend``: "modules" (this
     module's ``InferenceEngine``: the model's own modules, sliced) or "codegen" (a ``CodegenEngine``,
     autopar/inference/codegen_engine.py: the steps planned and lowered to autopar's own programs;
-    tp only, fp32, greedy; planned here, it defaults to dtype="fp32" and pins pp=1, dp=1 unless
-    the options say otherwise)."""
+    tp and pp, fp32, greedy or sampled; planned here, it defaults to dtype="fp32" and pins dp=1
+    unless the options say otherwise)."""
     if backend not in BACKENDS:
         raise PlanError(f"backend={backend!r} is not known; use one of {', '.join(map(repr, BACKENDS))}")
     if isinstance(plan, str):
@@ -247,11 +247,11 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, we
         from autopar.inference.planner import plan_inference
         if cluster is None:
             raise PlanError("compile_inference needs a plan or a cluster to plan for")
-        if backend == "codegen":   # plan for what it runs: fp32, no stages or replicas (unless pinned)
+        if backend == "codegen":   # plan for what it runs: fp32, no replicas (unless pinned)
             plan_options.setdefault("dtype", "fp32")
             pins = plan_options.get("constraints")
             if pins is None or isinstance(pins, dict):
-                plan_options["constraints"] = {"pp": 1, "dp": 1, **(pins or {})}
+                plan_options["constraints"] = {"dp": 1, **(pins or {})}
         plan = plan_inference(causal_lm(model), cluster=cluster, **plan_options)
     elif plan_options:
         raise PlanError(f"{sorted(plan_options)}: planning options are for compile_inference without a plan")
