@@ -30,15 +30,15 @@ into chunks of whole blocks instead (``pipeline_bounds.least_pipelined_step`` fr
 block floors; in the inner cutoff the factor that makes it the cut, ``cutoff_factor``); it prunes
 less (interleaving's proven fill and drain is a few blocks, not (p - 1) / (m v) of the work), so
 it searches longer (benchmarks/RESULTS.md section 12), and tests check that it finds the same
-plans as the estimates (tests/search/test_pipeline_bounds.py).
-With ``MESH_WORK_FLOOR`` the proven prune
-also tries, where the rest does not prune, ``stage_work_floor``: the candidate's stage sub-mesh
-priced with its micro-batches, each node at its cheapest over the meshes its inner search visits
-(autopar/search/stage_work_floor.py); valid and 1.01-1.02 times the compute floor on Table 1's
-18.4B row, but it prices every mesh of the sub-mesh (about a second a candidate, more than many
-inner searches), so it is off. A checkpointed retry (every block recomputed) is pruned, under either setting, when its
-proven bound with the blocks' recomputation in the work (``pipeline_bounds.device_recompute_floor``,
-about a third of the compute) reaches the incumbent (``retry_bound``, ``RETRY_BOUND``).
+plans as the estimates (tests/search/test_pipeline_bounds.py). With ``MESH_WORK_FLOOR`` the
+proven prune also tries, where the rest does not prune, ``stage_work_floor``: the candidate's
+stage sub-mesh priced with its micro-batches, each node at its cheapest over the meshes its inner
+search visits (autopar/search/stage_work_floor.py); valid and 1.01-1.02 times the compute floor
+on Table 1's 18.4B row, but it prices every mesh of the sub-mesh (about a second a candidate,
+more than many inner searches), so it is off. A checkpointed retry (every block recomputed) is
+pruned, under either setting, when its proven bound with the blocks' recomputation in the work
+(``pipeline_bounds.device_recompute_floor``, about a third of the compute) reaches the incumbent
+(``retry_bound``, ``RETRY_BOUND``).
 A ``time_limit`` covers the whole search: pipelined candidates get what pp=1
 left.
 

@@ -53,3 +53,19 @@ def test_stage_work_floor_prunes_a_candidate_the_compute_floor_keeps():
     plan = autopar.plan(model, batch, cluster, traced=graph,
                         constraints={"pp": p, "pp_schedule": sched, "num_micro_batches": m})
     assert plan.step_time >= best
+
+
+def test_proven_search_with_the_stage_work_floor_finds_the_estimates_plan(monkeypatch):
+    """``MESH_WORK_FLOOR`` on (with the proven bounds) changes no plan, on a case whose pipelined
+    plan wins (premise: pp > 1)."""
+    import autopar.search.pipeline_candidates as pc
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
+    model, batch = ZOO["gpt2"](device="meta", n_layer=6, d_model=16384, n_head=128, seq=2048, batch=6,
+                               vocab=51200)
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=3)
+    estimated = autopar.plan(model, batch, cluster)
+    monkeypatch.setattr(pc, "PROVEN_BOUNDS", True)
+    monkeypatch.setattr(pc, "MESH_WORK_FLOOR", True)
+    proven = autopar.plan(model, batch, cluster)
+    assert estimated.degrees["pp"] > 1
+    assert (proven.degrees, proven.step_time) == (estimated.degrees, estimated.step_time)
