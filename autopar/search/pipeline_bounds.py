@@ -82,6 +82,14 @@ plan's average compute per device goes below it, because the cost model's comput
 so k pieces of an op take at least as long in all as the op whole, and replication, micro-batches
 and recomputation only add. It replaces the pp=1 plan's compute, which a pipelined plan can beat
 (less recomputation, other tensor-parallel degrees).
+
+**Recompute floor** (``device_recompute_floor``). With every block checkpointed (the pipelined
+search's retry of a candidate that does not fit: checkpoint="full"), each block's backward reruns
+its forward (autopar/search/stage_costs.py counts its forward compute and collectives in the
+stage's backward time), so the ranks' work is at least the compute floor plus the blocks' forward
+compute priced the same way (unsplit on one device with the whole batch, over the devices; k
+pieces of a forward kernel take at least as long as it whole). About a third of the compute: a
+checkpointed retry whose bound with it reaches the plan to beat is not searched.
 """
 from __future__ import annotations
 
@@ -164,16 +172,28 @@ def _one_device(graph, cluster, base):
     return one, price(one, cluster, settings, edges=False)
 
 
-def device_floors(graph, cluster, base) -> tuple[float, float]:
-    """(``device_compute_floor``, ``device_block_floor``) from one pricing."""
+def device_floors(graph, cluster, base, recompute: bool = False) -> tuple:
+    """(``device_compute_floor``, ``device_block_floor``) from one pricing; with ``recompute`` also
+    ``device_recompute_floor`` (a third entry)."""
     one, P = _one_device(graph, cluster, base)
     least = {n: float(P.compute[n].min()) for n in one.reps if n in P.compute and len(P.compute[n])}
     groups: dict = {}
+    forward = 0.0
     for n, t in least.items():   # as stage_costs counts a block: its representatives over their repeats
         if n in graph.block_of and one.nodes[n].kind == "op":
             g = graph.block_of[n][0]
             groups[g] = groups.get(g, 0.0) + t / max(1, one.nodes[n].repeats)
-    return sum(least.values()) / cluster.num_devices, min(groups.values(), default=0.0) / cluster.num_devices
+            if n in P.fwd_compute and len(P.fwd_compute[n]):
+                forward += float(P.fwd_compute[n].min())
+    floors = (sum(least.values()) / cluster.num_devices, min(groups.values(), default=0.0) / cluster.num_devices)
+    return (*floors, forward / cluster.num_devices) if recompute else floors
+
+
+def device_recompute_floor(graph, cluster, base) -> float:
+    """Seconds per device that recomputing every block adds at least (module doc, "Recompute
+    floor"): the blocks' forward compute, each op unsplit on one device with the whole batch, over
+    the devices."""
+    return device_floors(graph, cluster, base, recompute=True)[2]
 
 
 def device_compute_floor(graph, cluster, base) -> float:
@@ -339,6 +359,7 @@ def proven_step(schedule: str, pp: int, m: int, work: float, block: float) -> fl
 
 
 __all__ = ["BLOCK_FILL_DRAIN_SCHEDULES", "FILL_DRAIN_SCHEDULES", "ORDER_LP_SCHEDULES", "block_time_floor",
-           "cutoff_factor", "device_block_floor", "device_compute_floor", "device_floors", "equal_stage_factor",
+           "cutoff_factor", "device_block_floor", "device_compute_floor", "device_floors", "device_recompute_floor",
+           "equal_stage_factor",
            "fill_drain_factor", "least_pipelined_step", "order_lp_step", "order_lp_unit", "proven_step",
            "shared_fill_drain_factor"]

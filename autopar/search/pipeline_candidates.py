@@ -30,7 +30,15 @@ into chunks of whole blocks instead (``pipeline_bounds.least_pipelined_step`` fr
 block floors; in the inner cutoff the factor that makes it the cut, ``cutoff_factor``); it prunes
 less (interleaving's proven fill and drain is a few blocks, not (p - 1) / (m v) of the work), so
 it searches longer (benchmarks/RESULTS.md section 12), and tests check that it finds the same
-plans as the estimates (tests/search/test_pipeline_bounds.py).
+plans as the estimates (tests/search/test_pipeline_bounds.py). With ``MESH_WORK_FLOOR`` the
+proven prune also tries, where the rest does not prune, ``stage_work_floor``: the candidate's
+stage sub-mesh priced with its micro-batches, each node at its cheapest over the meshes its inner
+search visits (autopar/search/stage_work_floor.py); valid and 1.01-1.02 times the compute floor
+on Table 1's 18.4B row, but it prices every mesh of the sub-mesh (about a second a candidate,
+more than many inner searches), so it is off. A checkpointed retry (every block recomputed) is
+pruned, under either setting, when its proven bound with the blocks' recomputation in the work
+(``pipeline_bounds.device_recompute_floor``, about a third of the compute) reaches the incumbent
+(``retry_bound``, ``RETRY_BOUND``).
 A ``time_limit`` covers the whole search: pipelined candidates get what pp=1
 left.
 
@@ -52,6 +60,7 @@ from autopar.search.pipeline import search_pipelined
 from autopar.search.pipeline_forked import fork_workers, run_forked
 from autopar.search.pipeline_pins import stage_cluster
 from autopar.search.stage_memory_floor import StageMemory
+from autopar.search.stage_work_floor import stage_work_floor
 from codegen.stages import pipeline_units
 
 FACTOR_MAX_PP = 16   # degrees above, or not powers of two: the Megatron-style counts only (micro_batch_counts)
@@ -63,6 +72,8 @@ INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it cha
 INNER_FILL_DRAIN = True   # ... with the fill and drain in it (idem)
 PROVEN_BOUNDS = False   # prune with bounds valid for any stage partition, not estimates (module doc)
 ORDER_LP = True   # ... with the schedule order's LP among them (pipeline_bounds.proven_step)
+MESH_WORK_FLOOR = False   # with PROVEN_BOUNDS, also the stage sub-mesh's work floor (module doc; off: it costs more)
+RETRY_BOUND = True   # a checkpointed retry is pruned by its proven bound with recomputation (module doc)
 
 def pp_choices(graph, cluster, constraints: dict) -> list[int]:
     """Every pipeline degree a user could pin (module doc): 2 <= pp <= the model's blocks, stages
@@ -127,13 +138,17 @@ class Pipelined:
         self.remote_inner: dict = {}   # inner searches run in worker processes: {key: cut off?}
         self.kept: dict = {}   # in a worker: its candidates' (Result, stats, pipe) until fetched
         self.workers = 0   # the most worker processes a visit forked (stats: pipeline_workers)
-        self._floors: tuple | None = None   # (compute_floor, block_floor), computed on first use
+        self._floors: tuple | None = None   # (compute, block, recompute floors), computed on first use
+        self.retries_pruned = 0   # checkpointed retries not searched (``retry_bound``)
+        self.work_floors: dict = {}   # (pp, m, sp) -> ``stage_work_floor`` (MESH_WORK_FLOOR)
+        self.grid_memo: dict = {}   # grid_bound's memo for those floors
 
     def with_stats(self, out: tuple) -> tuple:
         """``out`` (Result, stats, pipe) with the pipelined candidates' counters in its stats."""
         cut = {**self.remote_inner, **{k: isinstance(r, CutOff) for k, r in self.inner_cache.items()}}
         stats = dict(out[1], pipeline_candidates=self.tried, pipeline_pruned=self.pruned,
                      inner_searches=len(cut), inner_cut_off=sum(cut.values()), pipeline_workers=self.workers,
+                     retries_pruned=self.retries_pruned,
                      pipelined_first=self.first,
                      pipeline_seconds=time.perf_counter() - self.t0)
         return out[0], stats, out[2]
@@ -159,10 +174,33 @@ class Pipelined:
         """``pipeline_bounds.device_block_floor`` of this search's model and cluster (once)."""
         return self._device_floors()[1]
 
+    @property
+    def recompute_floor(self) -> float:
+        """``pipeline_bounds.device_recompute_floor`` of this search's model and cluster (once)."""
+        return self._device_floors()[2]
+
     def _device_floors(self) -> tuple:
         if self._floors is None:
-            self._floors = device_floors(self.graph, self.cluster, self.base)
+            self._floors = device_floors(self.graph, self.cluster, self.base, recompute=True)
         return self._floors
+
+    def mesh_bound(self, p: int, m: int, sched: str, sp) -> float:
+        """``proven_step`` with ``stage_work_floor`` (the candidate's stage sub-mesh priced with its
+        micro-batches) as the ranks' mean work, once per (pp, m, sp) (module doc, pruning)."""
+        key = (p, m, sp)
+        if key not in self.work_floors:
+            self.work_floors[key] = stage_work_floor(self.graph, self.cluster, self.base, p, m, self.flat, sp,
+                                                     self.grid_memo)
+        work = max(self.compute_floor, self.work_floors[key])
+        return proven_step(sched, p, m, work, block_time_floor(self.block_floor, p, m))
+
+    def retry_bound(self, p: int, m: int, sched: str) -> float:
+        """A proven bound on the step of the candidate's checkpointed retry (every block
+        recomputed): ``pipeline_bounds.proven_step`` with the compute floor plus the recompute
+        floor as the ranks' mean work (module doc, pruning)."""
+        block = block_time_floor(self.block_floor, p, m)
+        work = self.compute_floor + self.recompute_floor
+        return proven_step(sched, p, m, work, block) if ORDER_LP else least_pipelined_step(sched, p, m, work, block)
 
     def candidates(self, base_compute: float, sp_for=None) -> list[tuple]:
         """(bound, pp, schedule index, m, schedule, sp) of every candidate, the bound what prunes
@@ -206,6 +244,8 @@ class Pipelined:
         for bound, p, _, m, sched, sp in order:
             if PROVEN_BOUNDS and ORDER_LP and bound < best_time:   # the order LP, only where it may prune
                 bound = proven_step(sched, p, m, self.compute_floor, block_time_floor(self.block_floor, p, m))
+                if MESH_WORK_FLOOR and bound < best_time:
+                    bound = max(bound, self.mesh_bound(p, m, sched, sp))
             if bound >= best_time:
                 self.pruned += 1
                 continue
@@ -253,6 +293,9 @@ class Pipelined:
             except MemoryBudgetError:
                 if not retried:
                     raise
+                if RETRY_BOUND and best_time < float("inf") and self.retry_bound(p, m, sched) >= best_time:
+                    self.retries_pruned += 1   # recomputing every block cannot beat the incumbent
+                    return ("skip",)
                 # every block recomputed (the same bound: recomputation only adds work): a pin such
                 # as Megatron-LM's 1T run (pp=64, checkpoint="full") is among the candidates
                 return ("ok", *search_pipelined(self.graph, self.cluster, self.base, dict(pins, checkpoint="full"),
