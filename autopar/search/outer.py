@@ -22,6 +22,7 @@ from autopar.frontend.trace import TracedGraph
 from autopar.pricing.price import Settings, price, price_edges
 from autopar.rules import sequence
 from autopar.search.build import build_problem, chosen
+from autopar.search import floor_groups
 from autopar.search.configurations import allowed_meshes, check_constraints, configurations, micro_batch_error
 from autopar.search.context import (CutOff, Incumbent, PlanCaches, Result, SearchContext, SearchOptions,
                                     SearchStats)
@@ -128,6 +129,12 @@ def search_configurations(graph: TracedGraph, cluster: Cluster, base: Settings, 
     # incumbent in a fraction of a second, and it prunes the large ones by their bounds. Only
     # the order changes: every configuration is still pruned by a bound or solved.
     queue.sort(key=lambda q: (min(len(q[2].mesh.model_axes()), 2), q[0], q[1]))
+    # The ZeRO / offload variants of each mesh and micro-batch count, for the envelope LP over
+    # their floors that may prune them together (autopar/search/floor_groups.py).
+    groups = None if opts.exhaustive else floor_groups.FloorGroups()
+    if groups is not None:
+        for lower, i, cfg, P, lazy in queue:
+            groups.add(i, cfg, None if lazy else P, lower)
     # (An offloaded configuration's twin is the same mesh, micro-batches and ZeRO stage (ZeRO-0 on
     # one data-parallel rank) without offload: the same compute and communication, an optimizer
     # step priced faster on the device than on the host (autopar/pricing/offload.py), so the
@@ -149,7 +156,7 @@ def search_configurations(graph: TracedGraph, cluster: Cluster, base: Settings, 
         return run
     bar = Progress(len(queue), opts.log, opts.progress)
     try:
-        for pos, (lower, _, cfg, P, lazy) in enumerate(queue):
+        for pos, (lower, i, cfg, P, lazy) in enumerate(queue):
             stats.configs += 1
             if lazy:
                 best = ctx.best
@@ -157,13 +164,17 @@ def search_configurations(graph: TracedGraph, cluster: Cluster, base: Settings, 
                     stats.pruned += 1   # beaten by its twin's bound: never priced
                     bar.update(stats, ctx.best)
                     continue
-                P = price(ctx.candidates(cfg.mesh), cluster, cfg.settings, edges=False)
+                P = groups.priced(i, cfg) if groups is not None else None   # by the envelope (floor_groups)
+                if P is None:
+                    P = price(ctx.candidates(cfg.mesh), cluster, cfg.settings, edges=False)
                 lower = step_time_lower_bound(P)
             hook = ask if opts.before_large is not None and not opts.exhaustive and not asked else None
             cut_at = None if opts.exhaustive or opts.cutoff is None else opts.cutoff
             if cut_at is not None and opts.cutoff_fill_drain > 1:   # step >= (W - O) F / p (pipeline_bounds)
                 cut_at = min(cut_at, opts.cutoff / opts.cutoff_fill_drain + optimizer_ceiling(P))
-            visit(ctx, cfg, P, lower, cut_at, hook)
+            if groups is not None:
+                groups.visiting(i, cfg, P)
+            visit(ctx, cfg, P, lower, cut_at, hook, None if groups is None else (groups, i))
             bar.update(stats, ctx.best)
     finally:
         bar.close()

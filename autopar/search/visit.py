@@ -14,11 +14,12 @@ import math
 from dataclasses import dataclass
 
 from autopar.pricing.edge_floor import edge_pairs, with_edge_floors
-from autopar.pricing.price import edges_priced, price_edges
+from autopar.pricing.price import edges_priced, price, price_edges
 from autopar.pricing.saved_copies import copy_bytes, row_extra, with_copy_terms
 from autopar.rules.candidates import Candidates
 from autopar.search.build import bound_problem, build_problem, chosen, with_edges, work_problem
 from autopar.search.configurations import Config
+from autopar.search import floor_groups
 from autopar.search.context import Incumbent, Result, SearchContext
 from autopar.pricing.offload import NVME_MODES, host_budget, nvme_budget
 from autopar.search.predict import host_bytes_of, predict, static_memory_lower_bound, step_time_lower_bound
@@ -58,10 +59,11 @@ MIP_CUT_WINDOW = 0.8
 LARGE_ILP_SECONDS = 5.0
 
 
-def visit(ctx: SearchContext, cfg, P, lower, cutoff=None, hook=None) -> None:
+def visit(ctx: SearchContext, cfg, P, lower, cutoff=None, hook=None, group=None) -> None:
     """Prune or solve one configuration, updating ``ctx.best``: the bounds in ``BOUNDS`` order,
-    then the ILP. (Warm-starting HiGHS from the last solved configuration on the same mesh was
-    measured: no faster.)"""
+    then the ILP. ``group``: (``floor_groups.FloorGroups``, the configuration's queue index), whose
+    envelope LP may prune it with its ZeRO / offload variants before its own floors' LP. (Warm-starting
+    HiGHS from the last solved configuration on the same mesh was measured: no faster.)"""
     stats, opts = ctx.stats, ctx.options
     elapsed = ctx.elapsed()
     if opts.time_limit is not None and elapsed > opts.time_limit and ctx.best is not None:
@@ -69,7 +71,7 @@ def visit(ctx: SearchContext, cfg, P, lower, cutoff=None, hook=None) -> None:
         return
     v = _Visit(ctx, cfg, P, lower, cutoff, hook,
                remaining=None if opts.time_limit is None else max(1.0, opts.time_limit - elapsed),
-               cands=ctx.candidates(cfg.mesh))
+               cands=ctx.candidates(cfg.mesh), group=group)
     for bound in BOUNDS:
         if bound(v):
             return
@@ -92,6 +94,7 @@ class _Visit:
     relaxed: object = None
     lp: float = -math.inf
     sol: object = None   # a solve's answer already (the large-ILP probe)
+    group: object = None   # (FloorGroups, queue index) or None (``visit``)
 
     def beaten(self, bound: float) -> bool:
         """Pruned: ``bound`` reaches the best plan so far (never in an exhaustive search)."""
@@ -151,7 +154,8 @@ def _floors(v: _Visit) -> bool:
     if ctx.options.exhaustive or (ctx.best is None and v.cutoff is None) or edges_priced(
             v.cands, ctx.cluster, v.cfg.settings):
         return False
-    got = _pruned_by_floors(v.cfg, v.P, v.cands, ctx.cluster, ctx.best, v.remaining, v.cutoff, v.problem)
+    got = _pruned_by_floors(v.cfg, v.P, v.cands, ctx.cluster, ctx.best, v.remaining, v.cutoff, v.problem,
+                            _group_bound(v))
     if got is INFEASIBLE:
         # the floors' LP has no solution: nor has the LP over the priced edges (the edges add
         # transportation columns any fractional choice satisfies: only the memory rows, the same
@@ -386,7 +390,32 @@ def _with_saved_copies(problem, sol, cands, P, remaining, stats):
 INFEASIBLE = "infeasible"   # _pruned_by_floors' answer when the LP over the floors has no solution
 
 
-def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None, problem=None):
+def _group_bound(v: _Visit):
+    """``group(target)``: the envelope LP's answer for the configuration's ZeRO / offload
+    variants (autopar/search/floor_groups.py), solved once per group; None without a group."""
+    if v.group is None or not floor_groups.GROUPED_FLOOR_LP:
+        return None
+    groups, index = v.group
+    ctx = v.ctx
+
+    def make_problem(cfg, P):
+        cands = ctx.candidates(cfg.mesh)
+        F = with_edge_floors(P, cands, ctx.cluster, cfg.settings)
+        return bound_problem(build_problem(cands, F, cfg.settings), F)
+
+    def solve_lp(problem, cutoff):
+        try:
+            return relaxation_bound(problem, time_limit=v.remaining, cutoff=cutoff)
+        except SolverTimeout:
+            return -math.inf
+
+    def price_lazy(cfg):
+        return price(ctx.candidates(cfg.mesh), ctx.cluster, cfg.settings, edges=False)
+
+    return lambda target: groups.bound(index, v.cfg, make_problem, price_lazy, solve_lp, target, ctx.best_time())
+
+
+def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None, problem=None, group=None):
     """Whether the resharding floors (autopar/pricing/edge_floor.py: each matrix entry's fewest
     collectives at their latency, no shortest-path search) already bound this configuration
     above the best plan: first the per-node bound, then the spanning-tree bound over the floors
@@ -414,6 +443,12 @@ def _pruned_by_floors(cfg, P, cands, cluster, best, remaining, cutoff=None, prob
         return True
     if edge_pairs(cands, cluster) < FLOOR_LP_PAIRS:
         return False
+    if group is not None:   # the envelope of its ZeRO / offload variants (autopar/search/floor_groups.py)
+        got = group(target)
+        if got == floor_groups.INFEASIBLE and FLOOR_LP_INFEASIBLE:
+            return INFEASIBLE
+        if isinstance(got, float) and got >= target:
+            return True
     problem = build_problem(cands, F, cfg.settings) if problem is None else with_edges(problem, F)
     if memory_floor_exceeds_budget(problem):
         return False   # the exact path reports it (and keeps the problem for the error message)
