@@ -54,7 +54,7 @@ from autopar.errors import PlanError
 from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import (CacheStep, PlannedStep, StepRunner, full_cache_config, plan_cache_step,
                                             trace_cache_step)
-from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, checkpoint_reader
+from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
 
@@ -215,18 +215,7 @@ class CodegenEngine:
         return self.runner.cache_bytes()
 
     def check(self, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-        plan = self.plan
-        if input_ids.dim() != 2:
-            raise PlanError(f"input_ids must be [batch, prompt] token ids, got shape {tuple(input_ids.shape)}")
-        if input_ids.shape[1] > plan.prompt_len:
-            raise PlanError(f"the prompts are {input_ids.shape[1]} tokens, more than the plan's prompt length "
-                            f"{plan.prompt_len}: plan for longer prompts")
-        if max_new_tokens > plan.max_new_tokens:
-            raise PlanError(f"max_new_tokens={max_new_tokens} is more than the plan's {plan.max_new_tokens} "
-                            f"(its KV cache holds no more)")
-        if input_ids.shape[0] > plan.batch_size:
-            raise PlanError(f"{input_ids.shape[0]} prompts are more than the plan decodes at once "
-                            f"({plan.batch_size})")
+        check_request(self.plan, input_ids, max_new_tokens)
 
     def check_generation_config(self) -> None:
         gc = getattr(self.model, "generation_config", None)

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import Cluster
-from autopar.inference.codegen_step import N_STEP_INPUTS, CacheStep, NewTokens, PlannedStep, plan_cache_step
+from autopar.inference.codegen_step import (N_STEP_INPUTS, CacheStep, NewTokens, PlannedStep, generate_over_steps,
+                                            plan_cache_step)
 from codegen.per_rank import generate_step
 from codegen.stages import even_stages, pipeline_units, split_step_stages
 from runtime import context as RC
@@ -208,33 +209,9 @@ class StageStepRunner:
         rank; this rank's final cache blocks are left in ``self.cache``. ``eos``, ``pad`` and
         ``stamps`` as ``StepRunner.generate``: rows stop at end-of-sequence tokens, and every rank
         stops together (the tokens are broadcast)."""
-        B, P = prompts.shape
-        if B != self.batch:
-            raise ValueError(f"the steps were planned for a batch of {self.batch}, got {B} prompts")
-        lengths = sorted(s for s in self.programs if s > 1 and s >= P)
-        if not lengths:
-            raise ValueError(f"no prefill step holds prompts of {P} tokens (planned: {sorted(self.programs)})")
-        S = lengths[0]
-        if S + max_new_tokens - 1 > self.max_len:
-            raise ValueError(f"{S} prompt slots + {max_new_tokens} new tokens exceed the cache's {self.max_len}")
-        ids = torch.cat([prompts.new_zeros(B, S - P), prompts], 1)
-        mask = torch.cat([attention_mask.new_zeros(B, S - P), attention_mask], 1)
-        slots = torch.zeros(B, self.max_len, dtype=torch.long)
-        slots[:, :S] = mask
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        chosen = NewTokens(B, eos, pad, sample if self.last else None, stamps)
-        tok, cache = self.run(S, (ids, pos, torch.arange(S), slots), self.new_cache(), chosen)
-        chosen.add(tok)
-        last = pos[:, -1:]
-        for t in range(max_new_tokens - 1):
-            if chosen.done:
-                break
-            slots[:, S + t] = 1
-            last = last + 1
-            tok, cache = self.run(1, (chosen.tokens[-1][:, None], last, torch.tensor([S + t]), slots), cache, chosen)
-            chosen.add(tok)
-        self.cache = cache
-        return torch.stack(chosen.tokens, 1)
+        chosen = NewTokens(prompts.shape[0], eos, pad, sample if self.last else None, stamps)
+        return generate_over_steps(self, prompts, attention_mask, max_new_tokens, chosen,
+                                   lambda seq, inputs, cache: self.run(seq, inputs, cache, chosen))
 
 
 __all__ = ["plan_stage_steps", "unit_stages_of", "StageStepRunner"]

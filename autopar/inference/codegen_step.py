@@ -197,6 +197,42 @@ class NewTokens:
         return not bool(self.live.any())
 
 
+def generate_over_steps(runner, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                        chosen: NewTokens, step) -> torch.Tensor:
+    """The generation loop both runners share: left-padded ``prompts`` padded further to the
+    shortest planned prefill length that holds them, one prefill step, then decode steps until
+    ``max_new_tokens`` or every row has stopped (``chosen``). ``runner`` has ``programs`` (keyed by
+    step length), ``batch``, ``max_len`` and ``new_cache()``; ``step(seq, (input_ids,
+    position_ids, cache_position, attention_mask), cache)`` returns (the new tokens [B], the
+    updated cache). The final cache is left in ``runner.cache``."""
+    B, P = prompts.shape
+    if B != runner.batch:
+        raise ValueError(f"the steps were planned for a batch of {runner.batch}, got {B} prompts")
+    lengths = sorted(s for s in runner.programs if s > 1 and s >= P)
+    if not lengths:
+        raise ValueError(f"no prefill step holds prompts of {P} tokens (planned: {sorted(runner.programs)})")
+    S = lengths[0]
+    if S + max_new_tokens - 1 > runner.max_len:
+        raise ValueError(f"{S} prompt slots + {max_new_tokens} new tokens exceed the cache's {runner.max_len}")
+    ids = torch.cat([prompts.new_zeros(B, S - P), prompts], 1)
+    mask = torch.cat([attention_mask.new_zeros(B, S - P), attention_mask], 1)
+    slots = torch.zeros(B, runner.max_len, dtype=torch.long)
+    slots[:, :S] = mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    tok, cache = step(S, (ids, pos, torch.arange(S), slots), runner.new_cache())
+    chosen.add(tok)
+    last = pos[:, -1:]
+    for t in range(max_new_tokens - 1):
+        if chosen.done:
+            break
+        slots[:, S + t] = 1
+        last = last + 1
+        tok, cache = step(1, (chosen.tokens[-1][:, None], last, torch.tensor([S + t]), slots), cache)
+        chosen.add(tok)
+    runner.cache = cache
+    return torch.stack(chosen.tokens, 1)
+
+
 class StepRunner:
     """One rank's prefill and decode programs of a CacheStep and the cache blocks they share.
 
@@ -270,30 +306,10 @@ class StepRunner:
         row that chose one continues with ``pad`` (fed back as its next token) and generation stops
         once every row has, as Hugging Face's ``generate``: then fewer than ``max_new_tokens``
         columns. ``stamps`` (a list) gets ``time.perf_counter()`` after each new token."""
-        B, P = prompts.shape
-        if B != self.batch:
-            raise ValueError(f"the steps were planned for a batch of {self.batch}, got {B} prompts")
-        lengths = sorted(s for s in self.programs if s > 1 and s >= P)
-        if not lengths:
-            raise ValueError(f"no prefill step holds prompts of {P} tokens (planned: {sorted(self.programs)})")
-        S = lengths[0]
-        if S + max_new_tokens - 1 > self.max_len:
-            raise ValueError(f"{S} prompt slots + {max_new_tokens} new tokens exceed the cache's {self.max_len}")
-        ids = torch.cat([prompts.new_zeros(B, S - P), prompts], 1)
-        mask = torch.cat([attention_mask.new_zeros(B, S - P), attention_mask], 1)
-        slots = torch.zeros(B, self.max_len, dtype=torch.long)
-        slots[:, :S] = mask
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        chosen = NewTokens(B, eos, pad, sample, stamps)
-        logits, *cache = self.run(S, ids, pos, torch.arange(S), slots, *self.new_cache())
-        chosen.add(chosen.pick(logits))
-        last = pos[:, -1:]
-        for t in range(max_new_tokens - 1):
-            if chosen.done:
-                break
-            slots[:, S + t] = 1
-            last = last + 1
-            logits, *cache = self.run(1, chosen.tokens[-1][:, None], last, torch.tensor([S + t]), slots, *cache)
-            chosen.add(chosen.pick(logits))
-        self.cache = cache
-        return torch.stack(chosen.tokens, 1)
+        chosen = NewTokens(prompts.shape[0], eos, pad, sample, stamps)
+
+        def step(seq, inputs, cache):
+            logits, *new = self.run(seq, *inputs, *cache)
+            return chosen.pick(logits), new
+
+        return generate_over_steps(self, prompts, attention_mask, max_new_tokens, chosen, step)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
-from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, checkpoint_reader
+from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.pp_stages import ReceivedLogits, connect_stages, keep_stage_layers, share_cache_layers
@@ -135,18 +135,7 @@ class InferenceEngine:
                    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
 
     def check(self, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-        plan = self.plan
-        if input_ids.dim() != 2:
-            raise PlanError(f"input_ids must be [batch, prompt] token ids, got shape {tuple(input_ids.shape)}")
-        if input_ids.shape[1] > plan.prompt_len:
-            raise PlanError(f"the prompts are {input_ids.shape[1]} tokens, more than the plan's prompt length "
-                            f"{plan.prompt_len}: plan for longer prompts")
-        if max_new_tokens > plan.max_new_tokens:
-            raise PlanError(f"max_new_tokens={max_new_tokens} is more than the plan's {plan.max_new_tokens} "
-                            f"(its KV cache holds no more)")
-        if input_ids.shape[0] > plan.batch_size * plan.dp:
-            raise PlanError(f"{input_ids.shape[0]} prompts are more than the plan decodes at once "
-                            f"({plan.batch_size} per replica x {plan.dp} replicas)")
+        check_request(self.plan, input_ids, max_new_tokens)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,

@@ -34,6 +34,23 @@ def check_sampling(sampling: dict | None) -> dict:
 
 # generation-config settings under which Hugging Face's greedy generate runs logits processors
 # over whole rows (indices are the vocabulary's): the split head's slices would be misread
+def check_request(plan, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    """A ``generate`` request against what ``plan`` (an InferencePlan) was planned for: the
+    prompts' shape and length, the new tokens its KV cache holds, and how many rows it decodes at
+    once (its batch on each of its dp replicas)."""
+    if input_ids.dim() != 2:
+        raise PlanError(f"input_ids must be [batch, prompt] token ids, got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] > plan.prompt_len:
+        raise PlanError(f"the prompts are {input_ids.shape[1]} tokens, more than the plan's prompt length "
+                        f"{plan.prompt_len}: plan for longer prompts")
+    if max_new_tokens > plan.max_new_tokens:
+        raise PlanError(f"max_new_tokens={max_new_tokens} is more than the plan's {plan.max_new_tokens} "
+                        f"(its KV cache holds no more)")
+    if input_ids.shape[0] > plan.batch_size * plan.dp:
+        at_once = (f"{plan.batch_size} per replica x {plan.dp} replicas" if plan.dp > 1 else str(plan.batch_size))
+        raise PlanError(f"{input_ids.shape[0]} prompts are more than the plan decodes at once ({at_once})")
+
+
 WHOLE_ROW_SETTINGS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
                       "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
                       "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,

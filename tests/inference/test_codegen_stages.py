@@ -12,10 +12,11 @@ import torch
 import autopar
 
 from autopar.inference.codegen_stages import StageStepRunner, plan_stage_steps, unit_stages_of
-from autopar.inference.codegen_step import CacheStep, empty_cache, plan_cache_step
+from autopar.inference.codegen_step import CacheStep, plan_cache_step
 from autopar.models import hf
 from codegen.rank_program import block_slices
 from runtime.launch import run_local
+from tests.helpers.cache_steps import cache_step_reference
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
 PROMPTS = torch.tensor([[0, 0, 0, 5, 6, 7], [9, 10, 11, 12, 13, 14]])   # left-padded
@@ -29,21 +30,7 @@ def _lm(name="hf_llama"):
 
 
 def _reference(step):
-    """One process: CacheStep's greedy tokens over the whole cache, padded like the runner, and the final cache."""
-    B, P = PROMPTS.shape
-    ids = torch.cat([PROMPTS.new_zeros(B, PREFILL - P), PROMPTS], 1)
-    mask = torch.cat([MASK.new_zeros(B, PREFILL - P), MASK], 1)
-    slots = torch.zeros(B, MAX_LEN, dtype=torch.long)
-    slots[:, :PREFILL] = mask
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits, *cache = step(ids, pos, torch.arange(PREFILL), slots, *empty_cache(step.lm, B, MAX_LEN))
-    tokens, last = [logits.argmax(-1)], pos[:, -1:]
-    for t in range(NEW - 1):
-        slots[:, PREFILL + t] = 1
-        last = last + 1
-        logits, *cache = step(tokens[-1][:, None], last, torch.tensor([PREFILL + t]), slots, *cache)
-        tokens.append(logits.argmax(-1))
-    return torch.stack(tokens, 1), cache
+    return cache_step_reference(step, PROMPTS, MASK, PREFILL, MAX_LEN, NEW)
 
 
 def _rank(rank, world, step, steps, pp, unit_stage):

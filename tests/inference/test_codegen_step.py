@@ -14,6 +14,7 @@ from autopar.inference.codegen_step import CacheStep, StepRunner, empty_cache, p
 from autopar.models import hf
 from codegen.rank_program import block_slices
 from runtime.launch import run_local
+from tests.helpers.cache_steps import cache_step_reference
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
 PROMPTS = torch.tensor([[0, 0, 0, 5, 6, 7], [9, 10, 11, 12, 13, 14]])   # left-padded
@@ -27,22 +28,7 @@ def _lm(name):
 
 
 def _reference(step):
-    """One process: greedy tokens of CacheStep itself over the whole cache, padded to PREFILL
-    like the runner, and the final cache."""
-    B, P = PROMPTS.shape
-    ids = torch.cat([PROMPTS.new_zeros(B, PREFILL - P), PROMPTS], 1)
-    mask = torch.cat([MASK.new_zeros(B, PREFILL - P), MASK], 1)
-    slots = torch.zeros(B, MAX_LEN, dtype=torch.long)
-    slots[:, :PREFILL] = mask
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits, *cache = step(ids, pos, torch.arange(PREFILL), slots, *empty_cache(step.lm, B, MAX_LEN))
-    tokens, last = [logits.argmax(-1)], pos[:, -1:]
-    for t in range(NEW - 1):
-        slots[:, PREFILL + t] = 1
-        last = last + 1
-        logits, *cache = step(tokens[-1][:, None], last, torch.tensor([PREFILL + t]), slots, *cache)
-        tokens.append(logits.argmax(-1))
-    return torch.stack(tokens, 1), cache
+    return cache_step_reference(step, PROMPTS, MASK, PREFILL, MAX_LEN, NEW)
 
 
 def _rank(rank, world, step, steps):
