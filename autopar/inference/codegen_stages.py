@@ -23,14 +23,13 @@ with ``pp``). No micro-batches: one step runs the stages one after another.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
 
 from autopar.cluster import Cluster
-from autopar.inference.codegen_step import (N_STEP_INPUTS, CacheStep, NewTokens, PlannedStep, generate_over_steps,
-                                            plan_cache_step)
+from autopar.inference.codegen_step import (N_STEP_INPUTS, CacheBlocks, CacheStep, NewTokens, PlannedStep,
+                                            generate_over_steps, plan_cache_step)
 from codegen.per_rank import generate_step
 from codegen.stages import even_stages, pipeline_units, split_step_stages
 from runtime import context as RC
@@ -65,7 +64,7 @@ def unit_stages_of(plan) -> list[int]:
     return [k for k, st in enumerate(stages) for _ in range(*st["blocks"])]
 
 
-class StageStepRunner:
+class StageStepRunner(CacheBlocks):
     """One rank's stage of a CacheStep's prefill and decode programs (module doc).
 
     ``steps``: sequence length -> PlannedStep on one stage's sub-mesh (``plan_stage_steps``);
@@ -124,17 +123,6 @@ class StageStepRunner:
         self.shapes: dict[tuple, list[tuple]] = {}   # (seq, boundary) -> shapes and dtypes, once known
 
     # ------------------------------------------------------------- blocks this rank holds
-    def new_cache(self) -> list[torch.Tensor]:
-        """This rank's zero cache blocks (its layers' only), in the layout the plans give the cache."""
-        return [torch.zeros(self.programs[1].input_block_shape(n), dtype=self.dtype) for n in self.cache_names]
-
-    def cache_bytes(self) -> int:
-        """Bytes of this rank's cache blocks, as the plan's cache layout says."""
-        mesh = self.programs[1].mesh_shape
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return sum(math.prod(shape) * itemsize // math.prod(lay.split_factor(d, mesh) for d in range(len(shape)))
-                   for lay, shape in zip(self.cache_layouts, self.cache_shapes))
-
     def param_bytes(self) -> int:
         """Bytes of the parameter / buffer blocks this rank holds (every program's, once)."""
         return sum(b.numel() * b.element_size() for b in self.blocks)

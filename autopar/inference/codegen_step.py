@@ -233,7 +233,24 @@ def generate_over_steps(runner, prompts: torch.Tensor, attention_mask: torch.Ten
     return torch.stack(chosen.tokens, 1)
 
 
-class StepRunner:
+class CacheBlocks:
+    """The cache blocks a runner holds: ``programs`` (keyed by step length; the decode step, 1,
+    gives the layout), ``cache_names``, ``cache_layouts``, ``cache_shapes`` (whole) and ``dtype``
+    set by the runner."""
+
+    def new_cache(self) -> list[torch.Tensor]:
+        """This rank's zero cache blocks, in the layout the plans give the cache."""
+        return [torch.zeros(self.programs[1].input_block_shape(n), dtype=self.dtype) for n in self.cache_names]
+
+    def cache_bytes(self) -> int:
+        """Bytes of this rank's cache blocks, as the plan's cache layout says."""
+        mesh = self.programs[1].mesh_shape
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(shape) * itemsize // math.prod(lay.split_factor(d, mesh) for d in range(len(shape)))
+                   for lay, shape in zip(self.cache_layouts, self.cache_shapes))
+
+
+class StepRunner(CacheBlocks):
     """One rank's prefill and decode programs of a CacheStep and the cache blocks they share.
 
     ``steps``: sequence length -> PlannedStep, 1 the decode step, the others prefill lengths
@@ -281,17 +298,6 @@ class StepRunner:
         self.dtype = next(n for n in steps[1].traced.gm.graph.nodes
                           if n.name == self.cache_names[0]).meta["val"].dtype
         self.cache: list[torch.Tensor] = []
-
-    def new_cache(self) -> list[torch.Tensor]:
-        """This rank's zero cache blocks, in the layout the plans give the cache."""
-        return [torch.zeros(self.programs[1].input_block_shape(n), dtype=self.dtype) for n in self.cache_names]
-
-    def cache_bytes(self) -> int:
-        """Bytes of this rank's cache blocks, as the plan's cache layout says."""
-        mesh = self.programs[1].mesh_shape
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return sum(math.prod(shape) * itemsize // math.prod(lay.split_factor(d, mesh) for d in range(len(shape)))
-                   for lay, shape in zip(self.cache_layouts, self.cache_shapes))
 
     def run(self, seq: int, *inputs):
         """One step of length ``seq``: (whole logits of the last position, *this rank's cache blocks)."""
