@@ -23,3 +23,15 @@ def cache_step_reference(step, prompts: torch.Tensor, mask: torch.Tensor, prefil
         logits, *cache = step(tokens[-1][:, None], last, torch.tensor([prefill + t]), slots, *cache)
         tokens.append(logits.argmax(-1))
     return torch.stack(tokens, 1), cache
+
+
+def reference_checked_against_hf(lm, step, prompts: torch.Tensor, mask: torch.Tensor, prefill: int, max_len: int,
+                                 new: int):
+    """``cache_step_reference``, after checking its tokens equal ``lm.generate``'s greedy ones (so
+    the cache step itself is the model)."""
+    with torch.no_grad():
+        hf_tokens = lm.generate(prompts, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                pad_token_id=0)[:, prompts.shape[1]:]
+        tokens, cache = cache_step_reference(step, prompts, mask, prefill, max_len, new)
+    assert tokens.tolist() == hf_tokens.tolist()
+    return tokens, cache

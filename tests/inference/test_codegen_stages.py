@@ -16,7 +16,7 @@ from autopar.inference.codegen_step import CacheStep, plan_cache_step
 from autopar.models import hf
 from codegen.rank_program import block_slices
 from runtime.launch import run_local
-from tests.helpers.cache_steps import cache_step_reference
+from tests.helpers.cache_steps import reference_checked_against_hf
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
 PROMPTS = torch.tensor([[0, 0, 0, 5, 6, 7], [9, 10, 11, 12, 13, 14]])   # left-padded
@@ -27,10 +27,6 @@ MAX_LEN, NEW, PREFILL, LAYERS = 16, 4, 8, 4
 def _lm(name="hf_llama"):
     torch.manual_seed(0)
     return getattr(hf, name)(seq=32, n_layer=LAYERS)[0].model.eval()
-
-
-def _reference(step):
-    return cache_step_reference(step, PROMPTS, MASK, PREFILL, MAX_LEN, NEW)
 
 
 def _rank(rank, world, step, steps, pp, unit_stage):
@@ -74,11 +70,7 @@ def _check(pp, tp, planner_cut, name="hf_llama"):
     lm = _lm(name)
     step = CacheStep(lm)
     B, P = PROMPTS.shape
-    with torch.no_grad():
-        hf_tokens = lm.generate(PROMPTS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False,
-                                pad_token_id=0)[:, P:]
-        ref_tokens, ref_cache = _reference(step)
-    assert ref_tokens.tolist() == hf_tokens.tolist()   # the cache step itself is the model
+    ref_tokens, ref_cache = reference_checked_against_hf(lm, step, PROMPTS, MASK, PREFILL, MAX_LEN, NEW)
     steps = plan_stage_steps(step, B, (PREFILL,), MAX_LEN, tp=tp, policy="megatron")
     unit_stage = None   # an even cut by layers
     if planner_cut:   # the cut of the step planned with pp (and the micro-batches the planner asks for)
@@ -92,7 +84,7 @@ def _check(pp, tp, planner_cut, name="hf_llama"):
         r = out[rank]
         stage = r["stage"]
         assert stage == rank // tp
-        assert r["tokens"].tolist() == hf_tokens.tolist()
+        assert r["tokens"].tolist() == ref_tokens.tolist()   # = HF generate's
         # only its layers' cache: 2 tensors per layer, its tp share of their bytes, equal to the
         # one-process cache's block
         assert r["unit_stage"] == (unit_stage or [u * pp // LAYERS for u in range(LAYERS)])

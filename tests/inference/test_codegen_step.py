@@ -14,7 +14,7 @@ from autopar.inference.codegen_step import CacheStep, StepRunner, empty_cache, p
 from autopar.models import hf
 from codegen.rank_program import block_slices
 from runtime.launch import run_local
-from tests.helpers.cache_steps import cache_step_reference
+from tests.helpers.cache_steps import reference_checked_against_hf
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
 PROMPTS = torch.tensor([[0, 0, 0, 5, 6, 7], [9, 10, 11, 12, 13, 14]])   # left-padded
@@ -25,10 +25,6 @@ MAX_LEN, NEW, PREFILL = 16, 4, 8   # prompts of 6 tokens run the length-8 prefil
 def _lm(name):
     torch.manual_seed(0)
     return getattr(hf, name)(seq=32)[0].model.eval()
-
-
-def _reference(step):
-    return cache_step_reference(step, PROMPTS, MASK, PREFILL, MAX_LEN, NEW)
 
 
 def _rank(rank, world, step, steps):
@@ -51,11 +47,7 @@ def test_tp2_greedy_generation_equals_hf_with_the_cache_split_per_rank(name):
     assert lm.config.num_key_value_heads == 2 < lm.config.num_attention_heads   # grouped-query attention
     step = CacheStep(lm)
     B, P = PROMPTS.shape
-    with torch.no_grad():
-        hf_tokens = lm.generate(PROMPTS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False,
-                                pad_token_id=0)[:, P:]
-        ref_tokens, ref_cache = _reference(step)
-    assert ref_tokens.tolist() == hf_tokens.tolist()   # the cache step itself is the model
+    ref_tokens, ref_cache = reference_checked_against_hf(lm, step, PROMPTS, MASK, PREFILL, MAX_LEN, NEW)
 
     cluster = autopar.Cluster.preset("cpu", devices=2)
     steps = {s: plan_cache_step(step, B, s, MAX_LEN, cluster, constraints={"tp": 2, "dp": 1}, policy="megatron")
@@ -64,7 +56,7 @@ def test_tp2_greedy_generation_equals_hf_with_the_cache_split_per_rank(name):
     whole_bytes = sum(c.numel() * c.element_size() for c in ref_cache)
     for rank in range(2):
         tokens, cache, slices, plan_bytes, layouts, pre_code, dec_code, names = out[rank]
-        assert tokens.tolist() == hf_tokens.tolist()
+        assert tokens.tolist() == ref_tokens.tolist()   # = HF generate's
         assert plan_bytes == whole_bytes // 2                              # the plan splits the cache in two
         assert sum(c.numel() * c.element_size() for c in cache) == plan_bytes   # and this rank holds that
         for got, want, sl, lay in zip(cache, ref_cache, slices, layouts):
