@@ -1,0 +1,114 @@
+"""autopar.inference.codegen_rows: a step whose rows each write their own cache slots, and a
+minimal continuous loop over it (requests admitted into free rows at different iterations, every
+occupied row decoding at its own length, rows retired and reused): each request's greedy tokens
+equal Hugging Face's ``generate`` for that prompt alone, in one process and as codegen's per-rank
+programs planned tp=2 on two gloo ranks, where each rank holds only its kv heads of the cache (half
+the bytes) and no program gathers or slices the cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.inference.codegen_rows import RowCacheStep, RowRequest, RowRunner, plan_row_step, serve_rows
+from autopar.inference.codegen_step import empty_cache
+from autopar.models import hf
+from codegen.rank_program import block_slices
+from runtime.launch import run_local
+
+torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
+B, MAX_LEN, PREFILL = 2, 16, 8
+# two rows, three requests: "b" joins while "a" is mid-decode, "c" waits for "a"'s row to free
+REQUESTS = [RowRequest("a", torch.tensor([5, 6, 7]), 5, 0), RowRequest("b", torch.tensor([9, 10, 11, 12, 13]), 4, 2),
+            RowRequest("c", torch.tensor([3, 4]), 3, 3)]
+
+
+def _lm(name):
+    torch.manual_seed(0)
+    return getattr(hf, name)(seq=32)[0].model.eval()
+
+
+def _hf_alone(lm, req):
+    with torch.no_grad():
+        out = lm.generate(req.prompt[None], attention_mask=torch.ones(1, len(req.prompt), dtype=torch.long),
+                          max_new_tokens=req.max_new, do_sample=False, pad_token_id=0)
+    return out[0, len(req.prompt):].tolist()
+
+
+def _one_process(lm, log=None):
+    step = RowCacheStep(lm)
+    return serve_rows(lambda seq, *inputs: step(*inputs), empty_cache(lm, B, MAX_LEN), [PREFILL], B, MAX_LEN,
+                      REQUESTS, log=log)
+
+
+def test_each_row_writes_only_its_own_slots_and_unwritten_rows_keep_their_cache():
+    lm = _lm("hf_llama")
+    step = RowCacheStep(lm)
+    torch.manual_seed(1)
+    cache = [torch.randn_like(c) for c in empty_cache(lm, B, MAX_LEN)]
+    mask = torch.ones(B, MAX_LEN, dtype=torch.long)
+    with torch.no_grad():
+        # decode, rows at different lengths: row 0 writes slot 3, row 1 slot 9
+        slots = torch.tensor([[3], [9]])
+        _, *new = step(torch.tensor([[1], [2]]), slots, slots, mask, torch.tensor([True, True]), *cache)
+        for old, got in zip(cache, new):
+            changed = (old != got).any(-1).any(1)   # [B, max_len]: slots whose k/v changed
+            assert changed[0].nonzero().flatten().tolist() == [3] and changed[1].nonzero().flatten().tolist() == [9]
+        # a prefill of row 1 alone (slots 0..3) while row 0 is mid-decode: row 0 unchanged
+        slots = torch.arange(4).expand(B, 4).contiguous()
+        _, *new = step(torch.ones(B, 4, dtype=torch.long), slots, slots, mask, torch.tensor([False, True]), *cache)
+        for old, got in zip(cache, new):
+            assert torch.equal(got[0], old[0])
+            assert torch.equal(got[1, :, 4:], old[1, :, 4:]) and (got[1, :, :4] != old[1, :, :4]).all()
+
+
+def test_rows_admitted_at_different_steps_generate_as_hf_alone():
+    lm = _lm("hf_llama")
+    log = []
+    tokens, _ = _one_process(lm, log)
+    assert (2, "prefill", {1: "b"}) in log and (2, "decode", {0: "a", 1: "b"}) in log   # b joins mid-decode
+    assert (4, "prefill", {0: "c"}) in log   # c takes a's row once a retired
+    for req in REQUESTS:
+        assert tokens[req.rid] == _hf_alone(lm, req)
+
+
+def _rank(rank, world, step, steps):
+    from runtime import context as RC
+
+    RC.setup(steps[1].plan.mesh)
+    runner = RowRunner(step, steps, rank)
+    tokens = runner.serve(REQUESTS)
+    prog = runner.programs[1]
+    slices = [block_slices(lay, shape, prog.mesh_shape, prog.coords)
+              for lay, shape in zip(runner.cache_layouts, runner.cache_shapes)]
+    return (tokens, runner.cache, slices, runner.cache_bytes(), runner.cache_layouts,
+            [p.code for p in runner.programs.values()], runner.cache_names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2"])
+def test_tp2_rows_generate_as_hf_alone_with_the_cache_split_by_kv_heads(name):
+    lm = _lm(name)
+    assert lm.config.num_key_value_heads == 2 < lm.config.num_attention_heads   # grouped-query attention
+    ref_tokens, ref_cache = _one_process(lm)
+    for req in REQUESTS:
+        assert ref_tokens[req.rid] == _hf_alone(lm, req)
+
+    step = RowCacheStep(lm)
+    cluster = autopar.Cluster.preset("cpu", devices=2)
+    steps = {s: plan_row_step(step, B, s, MAX_LEN, cluster, constraints={"tp": 2, "dp": 1}, policy="megatron")
+             for s in (1, PREFILL)}
+    out = run_local(_rank, 2, args=(step, steps), timeout=600)
+    whole_bytes = sum(c.numel() * c.element_size() for c in ref_cache)
+    for rank in range(2):
+        tokens, cache, slices, plan_bytes, layouts, codes, names = out[rank]
+        assert tokens == ref_tokens
+        assert plan_bytes == whole_bytes // 2
+        assert sum(c.numel() * c.element_size() for c in cache) == plan_bytes
+        for got, want, sl, lay in zip(cache, ref_cache, slices, layouts):
+            assert lay.dims[1] and got.shape[1] == want.shape[1] // 2    # split on the kv heads
+            torch.testing.assert_close(got, want[sl], atol=1e-5, rtol=1e-5)
+        for code in codes:
+            for cname in names:   # the cache enters as this rank's block, is scattered into, never gathered
+                assert f"scatter.src({cname}," in code and f"slice_block({cname}" not in code
+            assert "all_gather(scatter" not in code and "all_gather(where" not in code
