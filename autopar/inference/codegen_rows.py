@@ -85,8 +85,8 @@ class RowCacheStep(nn.Module):
             layer.update = types.MethodType(row_update, layer)
         slot = torch.arange(max_len, device=cache_position.device)
         here = cache_position[:, :, None]
-        seen = (attention_mask[:, None, :].bool() & (slot <= here)) | (slot == here)   # [B, S, max_len]
-        mask = torch.where(seen[:, None], 0.0, torch.finfo(kv[0].dtype).min).to(kv[0].dtype)
+        hidden = ((attention_mask[:, None, :] == 0) | (slot > here)) & (slot != here)   # [B, S, max_len]
+        mask = hidden[:, None].to(kv[0].dtype) * torch.finfo(kv[0].dtype).min   # additive: 0 or the minimum
         out = self.lm(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                       past_key_values=cache, cache_position=cache_position[0], use_cache=True)
         news = []
