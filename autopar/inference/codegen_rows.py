@@ -15,8 +15,11 @@ length), where ``CacheStep`` (autopar/inference/codegen_step.py) writes the same
   (so a padding query is never fully masked).
 - ``row_step_inputs`` / ``plan_row_step``: a step's example inputs and its trace and plan
   (``PlannedStep``) for one (batch, length) shape.
+- ``row_chunk``: one row's inputs of a step writing a prompt, or a chunk of one, at its own slots
+  from a given start (no slot wasted on padding: the padding writes slots the row's next tokens
+  overwrite), so a prompt may be prefilled in chunks.
 - ``RowRequest`` / ``serve_rows``: a minimal continuous loop over a fixed number of rows: requests
-  arrive at given iterations, are admitted into free rows by one prefill step (left-padded to the
+  arrive at given iterations, are admitted into free rows by one prefill step (padded to the
   shortest planned prefill length that holds them; the other rows are not written), every
   occupied row decodes one token per iteration at its own slot, and a row retires (its row freed
   for the next request) at its ``max_new`` tokens, an end-of-sequence token or the cache's end.
@@ -115,6 +118,24 @@ def plan_row_step(step: RowCacheStep, batch: int, seq: int, max_len: int, cluste
     return PlannedStep(traced, plan, N_ROW_INPUTS)
 
 
+def row_chunk(tokens: torch.Tensor, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row's (input_ids, position_ids, cache_position), each [seq], of a step that writes
+    ``tokens`` (n <= seq of them: a prompt, or a chunk of one) at slots and positions ``start`` ..
+    ``start + n - 1``: the tokens last (so the step's last-position logits are the last token's),
+    the ``seq - n`` padding before them writing the slots after them (``start + n`` .. ``start +
+    seq - 1``, which must lie in the cache: left unmasked they are never attended to, and the row's
+    next tokens overwrite them). Its ``attention_mask`` row marks slots 0 .. ``start + n - 1``."""
+    n = len(tokens)
+    if n > seq:
+        raise ValueError(f"{n} tokens do not fit a step of {seq}")
+    ids = torch.zeros(seq, dtype=torch.long)
+    ids[seq - n:] = tokens
+    real = torch.arange(start, start + n)
+    pos = torch.cat([torch.zeros(seq - n, dtype=torch.long), real])
+    slots = torch.cat([torch.arange(start + n, start + seq), real])
+    return ids, pos, slots
+
+
 @dataclass
 class RowRequest:
     """One request of ``serve_rows``: ``prompt`` (1-D token ids), admitted at iteration ``arrive``
@@ -167,19 +188,20 @@ def serve_rows(run, cache: list[torch.Tensor], prefill_lengths, batch: int, max_
             ids = torch.zeros(batch, S, dtype=torch.long)
             pos = torch.zeros(batch, S, dtype=torch.long)
             write = torch.zeros(batch, dtype=torch.bool)
+            slots = torch.arange(S).expand(batch, S).contiguous()
+            if S > max_len:
+                raise ValueError(f"a prefill of {S} slots exceeds the cache's {max_len}")
             for b, req in zip(free, due):
-                if S + req.max_new - 1 > max_len:
-                    raise ValueError(f"request {req.rid!r}: {S} prompt slots + {req.max_new} new tokens exceed the "
+                n = len(req.prompt)
+                if n + req.max_new - 1 > max_len:
+                    raise ValueError(f"request {req.rid!r}: {n} prompt tokens + {req.max_new} new tokens exceed the "
                                      f"cache's {max_len}")
                 pending.remove(req)
-                n = len(req.prompt)
                 owner[b], write[b] = req, True
-                ids[b, S - n:] = req.prompt
+                ids[b], pos[b], slots[b] = row_chunk(req.prompt, 0, S)
                 mask[b] = 0
-                mask[b, S - n:S] = 1
-                pos[b] = (mask[b, :S].cumsum(-1) - 1).clamp(min=0)
-                next_slot[b], next_pos[b] = S, pos[b, -1] + 1
-            slots = torch.arange(S).expand(batch, S).contiguous()
+                mask[b, :n] = 1
+                next_slot[b] = next_pos[b] = n
             logits, *cache = run(S, ids, pos, slots, mask, write, *cache)
             tok = pick(logits)
             if log is not None:

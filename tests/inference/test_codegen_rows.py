@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.inference.codegen_rows import RowCacheStep, RowRequest, RowRunner, plan_row_step, serve_rows
+from autopar.inference.codegen_rows import RowCacheStep, RowRequest, RowRunner, plan_row_step, row_chunk, serve_rows
 from autopar.inference.codegen_step import empty_cache
 from autopar.models import hf
 from codegen.rank_program import block_slices
@@ -60,6 +60,30 @@ def test_each_row_writes_only_its_own_slots_and_unwritten_rows_keep_their_cache(
         for old, got in zip(cache, new):
             assert torch.equal(got[0], old[0])
             assert torch.equal(got[1, :, 4:], old[1, :, 4:]) and (got[1, :, :4] != old[1, :, :4]).all()
+
+
+def test_a_prompt_prefilled_in_chunks_at_its_own_slots_is_the_whole_prompt_prefilled():
+    """A row's prompt in two chunks (4 tokens, then 2 padded to 4, the padding writing slots after
+    them) while the other row is not written: the last chunk's logits are the model's on the whole
+    prompt alone, and the row's cache holds the prompt at slots 0..5."""
+    lm = _lm("hf_llama")
+    step = RowCacheStep(lm)
+    prompt = torch.tensor([7, 3, 9, 4, 11, 5])
+    cache = empty_cache(lm, B, MAX_LEN)
+    mask = torch.zeros(B, MAX_LEN, dtype=torch.long)
+    write = torch.tensor([False, True])
+    with torch.no_grad():
+        want = lm(prompt[None]).logits[0, -1]
+        for start, chunk in ((0, prompt[:4]), (4, prompt[4:])):
+            ids, pos, slots = (torch.stack([t, t]) for t in row_chunk(chunk, start, 4))
+            mask[1, :start + len(chunk)] = 1
+            logits, *cache = step(ids, pos, slots, mask, write, *cache)
+        torch.testing.assert_close(logits[1], want, atol=1e-5, rtol=1e-5)
+        assert all(not c[0].any() for c in cache)   # row 0 never written
+        _, *whole = step(prompt[None], torch.arange(6)[None], torch.arange(6)[None], mask[1:], write[1:],
+                         *empty_cache(lm, 1, MAX_LEN))
+        for got, ref in zip(cache, whole):
+            torch.testing.assert_close(got[1, :, :6], ref[0, :, :6], atol=1e-5, rtol=1e-5)
 
 
 def test_rows_admitted_at_different_steps_generate_as_hf_alone():
