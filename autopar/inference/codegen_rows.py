@@ -4,13 +4,17 @@ length), where ``CacheStep`` (autopar/inference/codegen_step.py) writes the same
 
 - ``RowCacheStep(lm)``: one step whose cache write is per row::
 
-      forward(input_ids [B, S], position_ids [B, S], cache_position [B, S], attention_mask [B, max_len],
-              write [B] (bool), k_0, v_0, ...)  ->  (logits of the last position [B, V], k_0', v_0', ...)
+      forward(input_ids [A, S], position_ids [A, S], cache_position [A, S], attention_mask [A, max_len],
+              rows [A], k_0, v_0, ...)  ->  (logits of the last position [A, V], k_0', v_0', ...)
 
-  row ``b`` writes its new k/v at its own slots ``cache_position[b]`` (an out-of-place
-  ``aten.scatter``, rule: autopar/rules/ops_cache.py, so the cache stays split by kv heads), and
-  only where ``write[b]``: a row not written keeps its cache as it was (a prefill admitting some
-  rows while the others are mid-decode). Query ``s`` of row ``b`` attends to the slots
+  over a cache of B >= A rows (each cache tensor [B, kv_heads, max_len, head_dim]). Step row ``a``
+  writes its new k/v at its own slots ``cache_position[a]`` (an out-of-place ``aten.scatter``,
+  rule: autopar/rules/ops_cache.py, so the cache stays split by kv heads) of cache row
+  ``rows[a]``. With A = B, ``rows[b]`` is ``b`` or -1: row ``b`` is written only where it is not
+  -1 (a ``where`` over the cache), and a row not written keeps its cache as it was (a prefill
+  admitting some rows while the others are mid-decode). With A < B (a prefill over the admitted
+  rows only), ``rows`` are the cache rows the step's rows are: selected (``index_select``),
+  written and put back (``index_copy``); the other rows are not touched. Query ``s`` of row ``a`` attends to the slots
   ``attention_mask[b]`` marks that are at most ``cache_position[b, s]``, and always to its own slot
   (so a padding query is never fully masked).
 - ``row_step_inputs`` / ``plan_row_step``: a step's example inputs and its trace and plan
@@ -19,8 +23,9 @@ length), where ``CacheStep`` (autopar/inference/codegen_step.py) writes the same
   from a given start (no slot wasted on padding: the padding writes slots the row's next tokens
   overwrite), so a prompt may be prefilled in chunks.
 - ``RowRequest`` / ``serve_rows``: a minimal continuous loop over a fixed number of rows: requests
-  arrive at given iterations, are admitted into free rows by one prefill step (padded to the
-  shortest planned prefill length that holds them; the other rows are not written), every
+  arrive at given iterations, are admitted into free rows by one prefill step over all rows (the
+  others not written) or steps over a fixed number of rows (padded to the shortest planned
+  prefill length that holds them), every
   occupied row decodes one token per iteration at its own slot, and a row retires (its row freed
   for the next request) at its ``max_new`` tokens, an end-of-sequence token or the cache's end.
 - ``RowRunner``: one rank's programs of a RowCacheStep (a ``StepRunner``: the prefill lengths and
@@ -39,14 +44,23 @@ from autopar.api import plan as make_plan
 from autopar.frontend.trace import TracedGraph, trace_step
 from autopar.inference.codegen_step import PlannedStep, StepRunner, empty_cache, full_cache_config
 
-N_ROW_INPUTS = 5   # input_ids, position_ids, cache_position, attention_mask, write; then the cache tensors
+N_ROW_INPUTS = 5   # input_ids, position_ids, cache_position, attention_mask, rows; then the cache tensors
 
 
 def row_update(layer, key_states, value_states, *args, **kwargs):
     """StaticLayer.update writing row ``b``'s new keys and values at its own slots
     ``layer.row_slots[b]`` (``scatter``, out of place), kept only in the rows ``layer.row_write``
-    marks."""
+    marks; with fewer step rows than cache rows, into the cache rows ``layer.row_index`` (an
+    ``index_select`` of those rows, written, ``index_copy``-ed back): the step's rows' keys and
+    values are returned for attention, the whole cache kept in ``layer.keys`` / ``layer.values``."""
     slots = layer.row_slots[:, None, :, None]
+    if layer.row_index is not None:
+        keys = layer.keys.index_select(0, layer.row_index).scatter(2, slots.expand(key_states.shape), key_states)
+        values = layer.values.index_select(0, layer.row_index).scatter(2, slots.expand(value_states.shape),
+                                                                       value_states)
+        layer.keys = layer.keys.index_copy(0, layer.row_index, keys)
+        layer.values = layer.values.index_copy(0, layer.row_index, values)
+        return keys, values
     keep = layer.row_write[:, None, None, None]
     keys = layer.keys.scatter(2, slots.expand(key_states.shape), key_states)
     values = layer.values.scatter(2, slots.expand(value_states.shape), value_states)
@@ -68,7 +82,7 @@ class RowCacheStep(nn.Module):
         self.lm = lm
         self.n_layers = lm.config.num_hidden_layers
 
-    def forward(self, input_ids, position_ids, cache_position, attention_mask, write, *kv):
+    def forward(self, input_ids, position_ids, cache_position, attention_mask, rows, *kv):
         from transformers import StaticCache
 
         max_len = kv[0].shape[2]
@@ -84,7 +98,11 @@ class RowCacheStep(nn.Module):
             layer.device = kv[2 * i].device
             layer.cumulative_length = cache_position[0, 0]
             layer.is_initialized = True
-            layer.row_slots, layer.row_write = cache_position, write
+            layer.row_slots = cache_position
+            if input_ids.shape[0] == kv[0].shape[0]:
+                layer.row_write, layer.row_index = rows >= 0, None
+            else:
+                layer.row_write, layer.row_index = None, rows
             layer.update = types.MethodType(row_update, layer)
         slot = torch.arange(max_len, device=cache_position.device)
         here = cache_position[:, :, None]
@@ -98,23 +116,27 @@ class RowCacheStep(nn.Module):
         return (out.logits[:, -1], *news)
 
 
-def row_step_inputs(lm: nn.Module, batch: int, seq: int, max_len: int) -> tuple:
-    """Example inputs of a (batch, seq) RowCacheStep over a ``max_len`` cache (any values: the
-    traced program depends on the shapes only)."""
+def row_step_inputs(lm: nn.Module, batch: int, seq: int, max_len: int, cache_rows: int | None = None) -> tuple:
+    """Example inputs of a (batch, seq) RowCacheStep over a ``max_len`` cache of ``cache_rows``
+    rows (default ``batch``; any values: the traced program depends on the shapes only)."""
     mask = torch.zeros(batch, max_len, dtype=torch.long)
     mask[:, :seq] = 1
     slots = torch.arange(seq).expand(batch, seq).contiguous()
     return (torch.ones(batch, seq, dtype=torch.long), slots.clone(), slots, mask,
-            torch.ones(batch, dtype=torch.bool), *empty_cache(lm, batch, max_len))
+            torch.arange(batch), *empty_cache(lm, cache_rows or batch, max_len))
 
 
 def plan_row_step(step: RowCacheStep, batch: int, seq: int, max_len: int, cluster, traced: TracedGraph | None = None,
-                  **plan_kwargs) -> PlannedStep:
-    """Trace ``step`` at (batch, seq) over a ``max_len`` cache (or take ``traced``) and plan it
-    (``autopar.plan``'s keyword arguments); the batch dim of every input is dim 0."""
-    inputs = row_step_inputs(step.lm, batch, seq, max_len)
+                  cache_rows: int | None = None, **plan_kwargs) -> PlannedStep:
+    """Trace ``step`` at (batch, seq) over a ``max_len`` cache of ``cache_rows`` rows (default
+    ``batch``; more: a step over some rows of the cache) or take ``traced``, and plan it
+    (``autopar.plan``'s keyword arguments); the batch dim of every input is dim 0 (of the cache,
+    none when it has other rows than the step)."""
+    inputs = row_step_inputs(step.lm, batch, seq, max_len, cache_rows)
     traced = traced if traced is not None else trace_step(step, inputs)
-    plan = make_plan(step, inputs, cluster, traced=traced, batch_dims=(0,) * len(inputs), **plan_kwargs)
+    cache_dim = 0 if (cache_rows or batch) == batch else None   # a cache of other rows: no batch dim of the step's
+    dims = (0,) * N_ROW_INPUTS + (cache_dim,) * (len(inputs) - N_ROW_INPUTS)
+    plan = make_plan(step, inputs, cluster, traced=traced, batch_dims=dims, **plan_kwargs)
     return PlannedStep(traced, plan, N_ROW_INPUTS)
 
 
@@ -148,16 +170,18 @@ class RowRequest:
 
 @torch.no_grad()
 def serve_rows(run, cache: list[torch.Tensor], prefill_lengths, batch: int, max_len: int, requests, eos: tuple = (),
-               pick=None, log: list | None = None) -> tuple[dict, list[torch.Tensor]]:
+               pick=None, log: list | None = None, prefill_rows: int | None = None) -> tuple[dict, list[torch.Tensor]]:
     """Greedy tokens (or ``pick(logits [B, V]) -> [B]``) of every request, rid -> list of ids,
     and the final cache.
 
-    ``run(seq, input_ids, position_ids, cache_position, attention_mask, write, *cache)`` runs the
-    length-``seq`` step (1: decode) and returns (logits [B, V], *new cache); ``cache`` is the
-    initial cache (zeros). Each iteration admits the requests that have arrived into free rows
-    (one prefill step of the shortest length in ``prefill_lengths`` that holds them all, writing
-    only their rows), then decodes every occupied row one token at its own next slot. ``log``
-    (a list) gets (iteration, "prefill" or "decode", {row: rid}) per step run."""
+    ``run(seq, input_ids, position_ids, cache_position, attention_mask, rows, *cache)`` runs the
+    length-``seq`` step (1: decode) and returns (logits, *new cache); ``cache`` is the initial
+    cache (zeros). Each iteration admits the requests that have arrived into free rows (prefill
+    steps of the shortest length in ``prefill_lengths`` that holds them all: one over all
+    ``batch`` rows writing only theirs, or, with ``prefill_rows`` < ``batch``, one per
+    ``prefill_rows`` of them over those rows only), then decodes every occupied row one token at
+    its own next slot. ``log`` (a list) gets (iteration, "prefill" or "decode", {row: rid}) per
+    step run."""
     pick = pick if pick is not None else (lambda logits: logits.argmax(-1))
     eos_ids = set(eos)
     pending = sorted(requests, key=lambda r: r.arrive)
@@ -185,29 +209,39 @@ def serve_rows(run, cache: list[torch.Tensor], prefill_lengths, batch: int, max_
             if not fits:
                 raise ValueError(f"no prefill step holds a prompt of {P} tokens (planned: {sorted(prefill_lengths)})")
             S = fits[0]
-            ids = torch.zeros(batch, S, dtype=torch.long)
-            pos = torch.zeros(batch, S, dtype=torch.long)
-            write = torch.zeros(batch, dtype=torch.bool)
-            slots = torch.arange(S).expand(batch, S).contiguous()
             if S > max_len:
                 raise ValueError(f"a prefill of {S} slots exceeds the cache's {max_len}")
-            for b, req in zip(free, due):
+            admitted = free[:len(due)]
+            for b, req in zip(admitted, due):
                 n = len(req.prompt)
                 if n + req.max_new - 1 > max_len:
                     raise ValueError(f"request {req.rid!r}: {n} prompt tokens + {req.max_new} new tokens exceed the "
                                      f"cache's {max_len}")
                 pending.remove(req)
-                owner[b], write[b] = req, True
-                ids[b], pos[b], slots[b] = row_chunk(req.prompt, 0, S)
+                owner[b] = req
                 mask[b] = 0
                 mask[b, :n] = 1
                 next_slot[b] = next_pos[b] = n
-            logits, *cache = run(S, ids, pos, slots, mask, write, *cache)
-            tok = pick(logits)
-            if log is not None:
-                log.append((it, "prefill", {b: owner[b].rid for b in free[:len(due)]}))
-            for b in free[:len(due)]:
-                add(b, int(tok[b]))
+            A = prefill_rows or batch
+            # one step over all rows (those not admitted not written), or steps over A rows each,
+            # the last one's spare rows repeating its last admitted row (the same writes twice)
+            groups = [admitted] if A == batch else [admitted[i:i + A] for i in range(0, len(admitted), A)]
+            for group in groups:
+                rows = torch.tensor(group + [group[-1]] * (A - len(group))) if A < batch else \
+                    torch.where(torch.isin(torch.arange(batch), torch.tensor(group)), torch.arange(batch), -1)
+                ids = torch.zeros(A, S, dtype=torch.long)
+                pos = torch.zeros(A, S, dtype=torch.long)
+                slots = torch.arange(S).expand(A, S).contiguous()
+                for a, b in enumerate(rows.tolist()):
+                    if b >= 0:
+                        ids[a], pos[a], slots[a] = row_chunk(owner[b].prompt, 0, S)
+                logits, *cache = run(S, ids, pos, slots, mask if A == batch else mask[rows], rows, *cache)
+                tok = pick(logits)
+                if log is not None:
+                    log.append((it, "prefill", {b: owner[b].rid for b in group}))
+                at = {b: a for a, b in reversed(list(enumerate(rows.tolist())))}   # step row of cache row b
+                for b in group:
+                    add(b, int(tok[at[b]]))
         rows = [b for b in range(batch) if owner[b] is not None]
         if rows:
             write = torch.zeros(batch, dtype=torch.bool)
@@ -215,7 +249,7 @@ def serve_rows(run, cache: list[torch.Tensor], prefill_lengths, batch: int, max_
             slots = torch.where(write, next_slot, 0)
             mask[rows, next_slot[rows]] = 1
             logits, *cache = run(1, last[:, None].clone(), torch.where(write, next_pos, 0)[:, None],
-                                 slots[:, None], mask, write, *cache)
+                                 slots[:, None], mask, torch.where(write, torch.arange(batch), -1), *cache)
             tok = pick(logits)
             if log is not None:
                 log.append((it, "decode", {b: owner[b].rid for b in rows}))
@@ -230,11 +264,17 @@ def serve_rows(run, cache: list[torch.Tensor], prefill_lengths, batch: int, max_
 class RowRunner(StepRunner):
     """One rank's prefill and decode programs of a RowCacheStep (``steps``: sequence length ->
     ``plan_row_step``'s PlannedStep, 1 the decode step) and the cache blocks they share, split as
-    the plans say; ``runtime.context.setup(plan.mesh)`` must have run."""
+    the plans say; the prefill steps may be planned over fewer rows than the cache's
+    (``plan_row_step``'s ``cache_rows``), all over as many. ``runtime.context.setup(plan.mesh)``
+    must have run."""
 
     def serve(self, requests, eos: tuple = (), pick=None, log: list | None = None) -> dict:
         """``serve_rows`` on this rank's programs from a zero cache; the final cache blocks are
         left in ``self.cache``."""
-        tokens, self.cache = serve_rows(self.run, self.new_cache(), [s for s in self.programs if s > 1],
-                                        self.batch, self.max_len, requests, eos, pick, log)
+        prefills = [s for s in self.programs if s > 1]
+        rows = {self.programs[s].input_shapes[0][0] for s in prefills}
+        if len(rows) != 1:
+            raise ValueError(f"the prefill steps are planned over different numbers of rows: {sorted(rows)}")
+        tokens, self.cache = serve_rows(self.run, self.new_cache(), prefills, self.batch, self.max_len, requests,
+                                        eos, pick, log, prefill_rows=rows.pop())
         return tokens

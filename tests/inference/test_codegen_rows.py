@@ -35,10 +35,10 @@ def _hf_alone(lm, req):
     return out[0, len(req.prompt):].tolist()
 
 
-def _one_process(lm, log=None):
+def _one_process(lm, log=None, prefill_rows=None):
     step = RowCacheStep(lm)
     return serve_rows(lambda seq, *inputs: step(*inputs), empty_cache(lm, B, MAX_LEN), [PREFILL], B, MAX_LEN,
-                      REQUESTS, log=log)
+                      REQUESTS, log=log, prefill_rows=prefill_rows)
 
 
 def test_each_row_writes_only_its_own_slots_and_unwritten_rows_keep_their_cache():
@@ -50,16 +50,21 @@ def test_each_row_writes_only_its_own_slots_and_unwritten_rows_keep_their_cache(
     with torch.no_grad():
         # decode, rows at different lengths: row 0 writes slot 3, row 1 slot 9
         slots = torch.tensor([[3], [9]])
-        _, *new = step(torch.tensor([[1], [2]]), slots, slots, mask, torch.tensor([True, True]), *cache)
+        _, *new = step(torch.tensor([[1], [2]]), slots, slots, mask, torch.tensor([0, 1]), *cache)
         for old, got in zip(cache, new):
             changed = (old != got).any(-1).any(1)   # [B, max_len]: slots whose k/v changed
             assert changed[0].nonzero().flatten().tolist() == [3] and changed[1].nonzero().flatten().tolist() == [9]
         # a prefill of row 1 alone (slots 0..3) while row 0 is mid-decode: row 0 unchanged
         slots = torch.arange(4).expand(B, 4).contiguous()
-        _, *new = step(torch.ones(B, 4, dtype=torch.long), slots, slots, mask, torch.tensor([False, True]), *cache)
+        _, *new = step(torch.ones(B, 4, dtype=torch.long), slots, slots, mask, torch.tensor([-1, 1]), *cache)
         for old, got in zip(cache, new):
             assert torch.equal(got[0], old[0])
             assert torch.equal(got[1, :, 4:], old[1, :, 4:]) and (got[1, :, :4] != old[1, :, :4]).all()
+        # the same prefill as a step over that one row of the cache: the same cache
+        _, *one = step(torch.ones(1, 4, dtype=torch.long), slots[:1], slots[:1], mask[:1], torch.tensor([1]), *cache)
+        for got, want in zip(one, new):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            assert torch.equal(got[0], want[0])
 
 
 def test_a_prompt_prefilled_in_chunks_at_its_own_slots_is_the_whole_prompt_prefilled():
@@ -71,7 +76,7 @@ def test_a_prompt_prefilled_in_chunks_at_its_own_slots_is_the_whole_prompt_prefi
     prompt = torch.tensor([7, 3, 9, 4, 11, 5])
     cache = empty_cache(lm, B, MAX_LEN)
     mask = torch.zeros(B, MAX_LEN, dtype=torch.long)
-    write = torch.tensor([False, True])
+    write = torch.tensor([-1, 1])
     with torch.no_grad():
         want = lm(prompt[None]).logits[0, -1]
         for start, chunk in ((0, prompt[:4]), (4, prompt[4:])):
@@ -80,16 +85,18 @@ def test_a_prompt_prefilled_in_chunks_at_its_own_slots_is_the_whole_prompt_prefi
             logits, *cache = step(ids, pos, slots, mask, write, *cache)
         torch.testing.assert_close(logits[1], want, atol=1e-5, rtol=1e-5)
         assert all(not c[0].any() for c in cache)   # row 0 never written
-        _, *whole = step(prompt[None], torch.arange(6)[None], torch.arange(6)[None], mask[1:], write[1:],
+        _, *whole = step(prompt[None], torch.arange(6)[None], torch.arange(6)[None], mask[1:], torch.tensor([0]),
                          *empty_cache(lm, 1, MAX_LEN))
         for got, ref in zip(cache, whole):
             torch.testing.assert_close(got[1, :, :6], ref[0, :, :6], atol=1e-5, rtol=1e-5)
 
 
-def test_rows_admitted_at_different_steps_generate_as_hf_alone():
+@pytest.mark.parametrize("prefill_rows", [None, 1])
+def test_rows_admitted_at_different_steps_generate_as_hf_alone(prefill_rows):
+    """Prefills over all rows (those not admitted not written) or over the admitted row alone."""
     lm = _lm("hf_llama")
     log = []
-    tokens, _ = _one_process(lm, log)
+    tokens, _ = _one_process(lm, log, prefill_rows)
     assert (2, "prefill", {1: "b"}) in log and (2, "decode", {0: "a", 1: "b"}) in log   # b joins mid-decode
     assert (4, "prefill", {0: "c"}) in log   # c takes a's row once a retired
     for req in REQUESTS:
@@ -101,7 +108,9 @@ def _rank(rank, world, step, steps):
 
     RC.setup(steps[1].plan.mesh)
     runner = RowRunner(step, steps, rank)
-    tokens = runner.serve(REQUESTS)
+    log = []
+    tokens = runner.serve(REQUESTS, log=log)
+    assert (2, "prefill", {1: "b"}) in log and (4, "prefill", {0: "c"}) in log
     prog = runner.programs[1]
     slices = [block_slices(lay, shape, prog.mesh_shape, prog.coords)
               for lay, shape in zip(runner.cache_layouts, runner.cache_shapes)]
@@ -110,8 +119,9 @@ def _rank(rank, world, step, steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2"])
-def test_tp2_rows_generate_as_hf_alone_with_the_cache_split_by_kv_heads(name):
+@pytest.mark.parametrize("name,prefill_rows", [("hf_llama", B), ("hf_qwen2", B), ("hf_llama", 1)])
+def test_tp2_rows_generate_as_hf_alone_with_the_cache_split_by_kv_heads(name, prefill_rows):
+    """Prefill steps over all rows, or (``prefill_rows`` 1) over the admitted row alone."""
     lm = _lm(name)
     assert lm.config.num_key_value_heads == 2 < lm.config.num_attention_heads   # grouped-query attention
     ref_tokens, ref_cache = _one_process(lm)
@@ -120,7 +130,8 @@ def test_tp2_rows_generate_as_hf_alone_with_the_cache_split_by_kv_heads(name):
 
     step = RowCacheStep(lm)
     cluster = autopar.Cluster.preset("cpu", devices=2)
-    steps = {s: plan_row_step(step, B, s, MAX_LEN, cluster, constraints={"tp": 2, "dp": 1}, policy="megatron")
+    steps = {s: plan_row_step(step, B if s == 1 else prefill_rows, s, MAX_LEN, cluster, cache_rows=B,
+                              constraints={"tp": 2, "dp": 1}, policy="megatron")
              for s in (1, PREFILL)}
     out = run_local(_rank, 2, args=(step, steps), timeout=600)
     whole_bytes = sum(c.numel() * c.element_size() for c in ref_cache)
@@ -133,6 +144,10 @@ def test_tp2_rows_generate_as_hf_alone_with_the_cache_split_by_kv_heads(name):
             assert lay.dims[1] and got.shape[1] == want.shape[1] // 2    # split on the kv heads
             torch.testing.assert_close(got, want[sl], atol=1e-5, rtol=1e-5)
         for code in codes:
-            for cname in names:   # the cache enters as this rank's block, is scattered into, never gathered
-                assert f"scatter.src({cname}," in code and f"slice_block({cname}" not in code
-            assert "all_gather(scatter" not in code and "all_gather(where" not in code
+            # the cache enters as this rank's block, is scattered into (or its rows selected to be),
+            # never gathered
+            for cname in names:
+                assert f"scatter.src({cname}," in code or f"index_select.default({cname}," in code
+                assert f"slice_block({cname}" not in code
+            for op in ("scatter", "where", "index_select", "index_copy"):
+                assert f"all_gather({op}" not in code
