@@ -151,3 +151,20 @@ def test_tp2_rows_generate_as_hf_alone_with_the_cache_split_by_kv_heads(name, pr
                 assert f"slice_block({cname}" not in code
             for op in ("scatter", "where", "index_select", "index_copy"):
                 assert f"all_gather({op}" not in code
+
+
+def test_a_row_retires_at_an_end_of_sequence_token_and_frees_its_row_for_the_next_request():
+    lm = _lm("hf_llama")
+    step = RowCacheStep(lm)
+    eos = _hf_alone(lm, REQUESTS[1])[0]   # "b"'s first token
+    log = []
+    tokens, _ = serve_rows(lambda seq, *inputs: step(*inputs), empty_cache(lm, B, MAX_LEN), [PREFILL], B, MAX_LEN,
+                           REQUESTS, eos=(eos,), log=log)
+    assert tokens["b"] == [eos]
+    assert (3, "prefill", {1: "c"}) in log   # "c" takes "b"'s row at once
+    for req in REQUESTS:
+        with torch.no_grad():
+            want = lm.generate(req.prompt[None], attention_mask=torch.ones(1, len(req.prompt), dtype=torch.long),
+                               max_new_tokens=req.max_new, do_sample=False, pad_token_id=0,
+                               eos_token_id=eos)[0, len(req.prompt):].tolist()
+        assert tokens[req.rid] == want
