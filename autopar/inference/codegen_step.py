@@ -92,6 +92,8 @@ class CacheStep(nn.Module):
     whose cache has sliding-window layers (Mistral) run only when the window is at least the
     cache (``full_cache_config``); otherwise they are refused: their slots are a ring buffer."""
 
+    n_inputs = N_STEP_INPUTS   # inputs before the cache tensors
+
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
@@ -143,11 +145,12 @@ class PlannedStep:
     """A CacheStep traced and planned for one (batch, seq) shape."""
     traced: TracedGraph
     plan: object   # autopar.plans.plan.Plan
+    n_inputs: int = N_STEP_INPUTS   # the step's inputs before the cache tensors (its ``n_inputs``)
 
     @property
     def state(self) -> dict[str, str]:
         """Cache input name -> the output it is returned as."""
-        return dict(zip(self.traced.input_names[N_STEP_INPUTS:], self.traced.outputs[1:]))
+        return dict(zip(self.traced.input_names[self.n_inputs:], self.traced.outputs[1:]))
 
 
 def trace_cache_step(step: CacheStep, batch: int, seq: int, max_len: int) -> TracedGraph:
@@ -285,13 +288,12 @@ class StepRunner(CacheBlocks):
                     read_blocks[key] = read(fqn[len("lm."):], sl)
                 blocks.append(read_blocks[key])
             self.params[seq] = blocks
-        decode = self.programs[1]
-        self.cache_names = decode.input_names[N_STEP_INPUTS:]
-        self.cache_layouts = decode.input_layouts[N_STEP_INPUTS:]
-        self.cache_shapes = decode.input_shapes[N_STEP_INPUTS:]
+        decode, n = self.programs[1], step.n_inputs
+        self.cache_names = decode.input_names[n:]
+        self.cache_layouts = decode.input_layouts[n:]
+        self.cache_shapes = decode.input_shapes[n:]
         for seq, prog in self.programs.items():
-            if prog.input_layouts[N_STEP_INPUTS:] != self.cache_layouts or prog.input_shapes[N_STEP_INPUTS:] != \
-                    self.cache_shapes:
+            if prog.input_layouts[n:] != self.cache_layouts or prog.input_shapes[n:] != self.cache_shapes:
                 raise ValueError(f"the length-{seq} step holds the cache in another layout or shape than the "
                                  f"decode step: plan them with the same constraints and cache length")
         self.batch, _, self.max_len, _ = self.cache_shapes[0]
