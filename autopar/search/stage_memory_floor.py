@@ -15,7 +15,9 @@ Why it is a lower bound (every step only drops or lowers terms of ``plan_stages`
   plan gives them. Left out (all >= 0): the copies reshards save, the storages a stage's blocks
   share (RoPE tables: ``unit_shared``), the recomputation working set; a checkpointed block keeps
   the smaller of its saved-floor and its kept-floor (the group's last output) unless
-  checkpointing is pinned off.
+  checkpointing is pinned off. Which representatives are charged, and to which block group,
+  prologue or epilogue, depends on the graph and the mesh's candidates only: read once per mesh
+  (``_layout``, kept in ``Candidates.edge_cache``) and shared by its ZeRO / micro-batch variants.
 * Per rank. Rank r's peak is its stages' static bytes plus its activation peak over time plus a
   recompute working set (>= 0). Stage k's count of micro-batches alive moves at F(k) starts and
   B(k) ends, actions of rank r, which runs its actions one at a time in the schedule's fixed order
