@@ -15,7 +15,9 @@ Why it is a lower bound (every step only drops or lowers terms of ``plan_stages`
   plan gives them. Left out (all >= 0): the copies reshards save, the storages a stage's blocks
   share (RoPE tables: ``unit_shared``), the recomputation working set; a checkpointed block keeps
   the smaller of its saved-floor and its kept-floor (the group's last output) unless
-  checkpointing is pinned off.
+  checkpointing is pinned off. Which representatives are charged, and to which block group,
+  prologue or epilogue, depends on the graph and the mesh's candidates only: read once per mesh
+  (``_layout``, kept in ``Candidates.edge_cache``) and shared by its ZeRO / micro-batch variants.
 * Per rank. Rank r's peak is its stages' static bytes plus its activation peak over time plus a
   recompute working set (>= 0). Stage k's count of micro-batches alive moves at F(k) starts and
   B(k) ends, actions of rank r, which runs its actions one at a time in the schedule's fixed order
@@ -82,50 +84,81 @@ class BlockFloors:
     epi: tuple[float, float]
 
 
-def block_floors(graph, cands, P, checkpoint=None) -> BlockFloors:
-    """Each node at its smallest bytes, attributed as ``stage_costs`` attributes them (module doc).
-    ``checkpoint``: the configuration's ``Settings.checkpoint`` ("none": blocks keep what they save)."""
+def _layout(graph, cands) -> tuple:
+    """What ``block_floors`` reads off the graph and the mesh's candidates, not the pricing: the
+    representatives it charges, in ``cands.reps`` order, each (name, kind, repeats, place) with
+    place the block groups of a parameter used only inside blocks or its (prologue?, epilogue?)
+    users outside them, an op's block group or ``"pro"`` / ``"epi"``. Kept in ``cands.edge_cache``
+    (one per mesh, shared by its ZeRO and micro-batch variants)."""
+    key = ("stage memory layout", id(graph))
+    got = cands.edge_cache.get(key)
+    if got is not None and got[0] is graph:
+        return got[1]
     units = pipeline_units(graph)
     order = {n.name: k for k, n in enumerate(graph.gm.graph.nodes)}
     first_block = min(order[graph.blocks[g].instances[i][0]] for g, i in units)
-    groups = {g for g, _ in units}
     users: dict = {}
     for n in graph.gm.graph.nodes:
         for a in n.all_input_nodes:
             users.setdefault(a.name, []).append(n.name)
-    st = {g: 0.0 for g in groups}
-    sv = {g: 0.0 for g in groups}
-    pro, epi = [0.0, 0.0], [0.0, 0.0]
+    rows = []
     for name in cands.reps:
         info = cands.nodes[name]
         if info.repeats == 0:
             continue
         r = max(1, info.repeats)
         if info.kind == "param":
-            arr = device_static(P.static[name]) if name in P.static else None
-            s = float(np.min(arr)) if arr is not None and np.size(arr) else 0.0
             gs = {graph.block_of[u][0] for u in users.get(name, []) if u in graph.block_of}
             if gs and all(u in graph.block_of for u in users.get(name, [])):
-                for g in gs:
-                    st[g] += s / r
+                place = ("blocks", tuple(gs))
             else:
                 where = {order[u] < first_block for u in users.get(name, []) if u not in graph.block_of}
-                if True in where:
+                place = ("outside", True in where, False in where)
+            rows.append((name, "param", r, place))
+        elif info.kind == "op":
+            place = graph.block_of[name][0] if name in graph.block_of else \
+                ("pro" if order[name] < first_block else "epi")
+            rows.append((name, "op", r, place))
+    out = (units, tuple(rows), {})
+    cands.edge_cache[key] = (graph, out)
+    return out
+
+
+def block_floors(graph, cands, P, checkpoint=None) -> BlockFloors:
+    """Each node at its smallest bytes, attributed as ``stage_costs`` attributes them (module doc).
+    ``checkpoint``: the configuration's ``Settings.checkpoint`` ("none": blocks keep what they save)."""
+    units, rows, roots_memo = _layout(graph, cands)
+    groups = {g for g, _ in units}
+    st = {g: 0.0 for g in groups}
+    sv = {g: 0.0 for g in groups}
+    pro, epi = [0.0, 0.0], [0.0, 0.0]
+    for name, kind, r, place in rows:
+        if kind == "param":
+            arr = device_static(P.static[name]) if name in P.static else None
+            s = float(np.min(arr)) if arr is not None and np.size(arr) else 0.0
+            if place[0] == "blocks":
+                for g in place[1]:
+                    st[g] += s / r
+            else:
+                if place[1]:
                     pro[0] += s
-                if False in where:
+                if place[2]:
                     epi[0] += s
             continue
-        if info.kind != "op" or name not in P.saved or not np.size(P.saved[name]):
+        if name not in P.saved or not np.size(P.saved[name]):
             continue
         saved = np.asarray(P.saved[name], dtype=float)
-        if name in graph.block_of:
-            g = graph.block_of[name][0]
+        if place != "pro" and place != "epi":
             own = saved
-            for root in shared_roots(cands, graph, name, P.saved_by_root.get(name, {})):
-                own = own - P.saved_by_root[name][root]
-            sv[g] += float(np.min(own)) / r
+            charged = P.saved_by_root.get(name, {})
+            rkey = (name, tuple(charged))
+            if rkey not in roots_memo:
+                roots_memo[rkey] = shared_roots(cands, graph, name, charged)
+            for root in roots_memo[rkey]:
+                own = own - charged[root]
+            sv[place] += float(np.min(own)) / r
         else:
-            (pro if order[name] < first_block else epi)[1] += float(np.min(saved))
+            (pro if place == "pro" else epi)[1] += float(np.min(saved))
     if checkpoint != "none":   # a checkpointed block keeps its input: the output of its group's last node
         for g in groups:
             last = graph.blocks[g].instances[0][-1]
