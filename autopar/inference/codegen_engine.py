@@ -54,7 +54,8 @@ from autopar.errors import PlanError
 from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import (CacheStep, PlannedStep, StepRunner, full_cache_config, plan_cache_step,
                                             trace_cache_step)
-from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader
+from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
+                                             fill_buffers)
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
 
@@ -96,9 +97,7 @@ def meta_to_storage(model) -> None:
     from autopar.execution.weights import fill_meta_buffers
     filled = fill_meta_buffers(model)
     model.to_empty(device="cpu")
-    for fqn, value in filled.items():
-        owner, _, name = fqn.rpartition(".")
-        model.get_submodule(owner)._buffers[name] = value
+    fill_buffers(model, filled)
 
 
 # sampling settings of a generation config besides temperature, top-k and top-p, at their neutral

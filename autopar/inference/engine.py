@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
-from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader
+from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
+                                             fill_buffers)
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.pp_stages import ReceivedLogits, connect_stages, keep_stage_layers, share_cache_layers
@@ -54,14 +55,6 @@ class _Clock:
 
     def end(self):
         pass
-
-
-def fill_buffers(model) -> None:
-    """Buffers left on the meta device (rotary tables of a model built without weights) computed."""
-    from autopar.execution.weights import fill_meta_buffers
-    for fqn, value in fill_meta_buffers(model).items():
-        owner, _, name = fqn.rpartition(".")
-        model.get_submodule(owner)._buffers[name] = value
 
 
 class InferenceEngine:

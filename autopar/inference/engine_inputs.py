@@ -77,3 +77,15 @@ def checkpoint_reader(model, directory: str):
         return out.to(dtypes.get(fqn, out.dtype))
     read.elements = 0
     return read
+
+
+def fill_buffers(model, values: dict | None = None) -> None:
+    """Buffers left on the meta device (rotary tables of a model built without weights) given
+    their computed values: ``values`` (FQN -> tensor, from ``fill_meta_buffers`` before the model
+    was moved off the meta device), else computed now."""
+    if values is None:
+        from autopar.execution.weights import fill_meta_buffers
+        values = fill_meta_buffers(model)
+    for fqn, value in values.items():
+        owner, _, name = fqn.rpartition(".")
+        model.get_submodule(owner)._buffers[name] = value
