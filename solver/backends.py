@@ -288,3 +288,16 @@ def release_threads() -> None:
     reset = getattr(highspy.Highs, "resetGlobalScheduler", None)
     if reset is not None:
         reset(True)
+
+
+def _release_before_fork() -> None:
+    """Before any ``os.fork`` (multiprocessing's fork start method: runtime.launch.run_local's
+    ranks, the planner's workers): a fork copies HiGHS's global scheduler without its worker
+    threads, and the child's first parallel solve then waits on them forever (measured: a solve
+    in the parent, then a plan in a forked rank, hung past 100 s). Only once highspy is loaded."""
+    if "highspy" in sys.modules:
+        release_threads()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_release_before_fork)
