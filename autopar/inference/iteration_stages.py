@@ -80,8 +80,17 @@ class StagesInFlight:
         link.in_flight = True
 
     def _abort_flights(self) -> list[Sequence]:
-        """Empty every virtual engine and forget the sends in flight; returns what was running or waiting."""
-        out = self.running + self.waiting
+        """Empty every virtual engine and forget the sends in flight; returns what was running or
+        waiting. Taken from the virtual engines themselves, not ``running`` (set at a tick's end):
+        a tick that fails after its turn admitted waiting sequences would otherwise lose them,
+        their requests never answered."""
+        out, seen = [], set()
+        in_flight = [s for ve in self.flights
+                     for s in ve.running + (ve.admitted or []) + ve.filling + [c[0] for c in ve.chunks]]
+        for seq in self.running + in_flight + self.waiting:
+            if id(seq) not in seen:
+                seen.add(id(seq))
+                out.append(seq)
         self.flights = [VirtualEngine() for _ in range(self.pp)]
         self.running, self.waiting = [], []
         self.link.drop()

@@ -132,3 +132,36 @@ def test_autopar_serve_runs_a_pp2_continuous_plan(tmp_path):
     assert (plan["tp"], plan["pp"], plan["dp"]) == (1, 2, 1) and plan["predictions"]["batching"] == "continuous"
     with serve_process(["hf_llama", "--devices", "2", "--plan", str(out)]) as url:
         assert_served_like_generate(url, [[5, 6, 7], [9, 10, 11, 12, 13], [1, 2], [4]], [4, 2, 3, 1])
+
+
+def _abort_rank(rank, world, plan_json):
+    """Both stages run two ticks of one request, then a second request is added and the next
+    tick fails on every rank in its stage's work, after its turn admitted the newcomer; returns the
+    prompts the abort hands back."""
+    plan = InferencePlan.from_json(plan_json)
+    engine = IterationEngine.from_plan(_model("hf_llama"), plan)
+    engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 3, 9, 7, None
+    first = engine.add([5, 6, 7], 6)
+    engine.step()
+    engine.step()
+    second = engine.add([9, 10, 11], 4)
+
+    def boom(ve):
+        raise RuntimeError("a stage failed mid-tick")
+    engine._work = boom
+    try:
+        engine.step()
+    except RuntimeError:
+        pass
+    admitted = [s.prompt for ve in engine.flights for s in (ve.admitted or [])]
+    dropped = engine.abort()
+    return admitted, [s.prompt for s in dropped], first.prompt, second.prompt, engine.idle
+
+
+def test_a_tick_failing_after_its_turn_admitted_a_newcomer_hands_it_back_on_abort():
+    """A server answers every request an abort hands back (503 after a rank failed): one admitted
+    in the failing tick was lost before (its client waited until its own timeout)."""
+    plan = _continuous_plan(2, "hf_llama", tp=1, pp=2)
+    for admitted, dropped, first, second, idle in run_local(_abort_rank, 2, args=(plan.to_json(),), timeout=120):
+        assert second in admitted                      # the premise: the failing tick admitted it
+        assert sorted(dropped) == sorted([first, second]) and idle
