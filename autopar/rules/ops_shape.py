@@ -224,6 +224,19 @@ def creation(node):
     return fallback_spec(node, "creation")
 
 
+@rule(aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+      aten.new_empty_strided.default)
+def new_creation(node):
+    """``x.new_ones(size)`` and kin: made whole on every rank like the creation ops above. ``x``
+    only gives the dtype and device, so it is taken in whatever layout it has (its letters free
+    and its own), never gathered for it (a KV-cache step's ``mask.new_ones(rows, 1)``)."""
+    L = Letters()
+    ls, out = L.fresh(len(shape(node.args[0]))), L.fresh(len(shape(node)))
+    sizes = {**dict(zip(ls, shape(node.args[0]))), **dict(zip(out, shape(node)))}
+    return OpSpec("creation", (ls,), (out,), sizes, unsplittable=frozenset(out), bytes=io_bytes(node),
+                  reduce="ignore")
+
+
 @rule(aten.repeat_interleave.self_int)
 def repeat_interleave(node):
     xs = shape(node.args[0])

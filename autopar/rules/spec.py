@@ -66,7 +66,8 @@ class OpSpec:
     outputs: tuple[str, ...]                  # letters per tensor output
     sizes: dict                               # letter -> global size
     unsplittable: frozenset = frozenset()
-    # reduce: "sum": contracted split letters give a partial sum; "none": may not split them
+    # reduce: "sum": contracted split letters give a partial sum; "none": may not split them;
+    # "ignore": the outputs do not depend on the inputs' values (``x.new_ones``): split, they stay whole
     reduce: str = "sum"
     special: dict = field(default_factory=dict)   # letter -> (algorithm name, tuple[Comm, ...])
     partial_inputs: tuple[int, ...] = ()      # inputs the op is linear in: a partial input gives a partial output

@@ -10,6 +10,8 @@ Conventions: a split contracted letter makes the outputs partial on that axis (r
 unless it is a special letter whose algorithm brings its own collectives (then the algorithm
 leaves the output whole on that axis, e.g. vocab-parallel cross-entropy); a special letter
 without collectives (vocab-parallel embedding) leaves a partial sum that resharding resolves.
+With reduce "ignore" (``x.new_ones``: the outputs never read the inputs' values) the outputs stay
+whole.
 """
 from __future__ import annotations
 
@@ -73,12 +75,12 @@ def _make(spec: OpSpec, mesh: Mesh, splits: tuple) -> Strategy | None:
         if ch in spec.special:
             if spec.special[ch][1]:
                 comm_axes[a] = ch
-        elif contracted and spec.reduce != "sum":
+        elif contracted and spec.reduce == "none":
             return None
     p_axes = tuple(a for a, s in enumerate(splits) if s == "P")
     # axes on which some output becomes partial because a contracted letter is split there
     contracted_axes = {a for a, ch in enumerate(splits)
-                       if ch not in (None, "P") and ch in ins_letters and a not in comm_axes
+                       if spec.reduce == "sum" and ch not in (None, "P") and ch in ins_letters and a not in comm_axes
                        and any(ch not in o for o in spec.outputs)}
     addend_axes = tuple(a for a in contracted_axes if spec.outputs and splits[a] not in spec.outputs[0])
     inputs = []

@@ -308,6 +308,9 @@ CASES = {
     "index_select": lambda: (aten.index_select.default, (rnd(4, 8, 4), 1, idx(8, 4))),
     "repeat_interleave": lambda: (aten.repeat_interleave.self_int, (rnd(4, 2, 4), 2, 1)),
     "arange": lambda: (aten.arange.default, (8,), {"dtype": torch.float64}),
+    # value-free creation from a tensor (its dtype and device only): a step's mask.new_ones(rows, 1)
+    "new_ones": lambda: (aten.new_ones.default, (rnd(4, 8), [4, 1])),
+    "new_full": lambda: (aten.new_full.default, (rnd(4, 4, 8), [2, 3], 1.5)),
     # ``&`` of attention masks (Hugging Face's mask functions over a KV cache's slots)
     "and": lambda: (aten.__and__.Tensor, (idx(4, 4, 1, 8), idx(4, 1, 4, 8))),
     # a KV-cache write: [batch, heads, slots, head_dim] rows written at 2 slots (autopar/rules/ops_cache.py)
