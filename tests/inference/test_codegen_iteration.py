@@ -137,3 +137,17 @@ def test_tp2_codegen_engine_equals_generate_alone(lead):
         assert results[1][1:] == (calls, 0)   # the follower ran every program rank 0 ran
     else:
         assert results[1] == results[0]
+
+
+def test_sampled_tokens_equal_the_modules_engine_with_the_same_seeds():
+    """Each sequence samples from its own seeded generator after the same warpers, as the modules
+    engine's sequences do: the same tokens."""
+    plan = _plan(1)
+    sampling = [{"temperature": 0.8, "top_k": 20, "seed": i} for i in range(len(REQUESTS))]
+    got = []
+    for backend in ("codegen", "modules"):
+        engine = IterationEngine.from_plan(_model(), plan, backend=backend)
+        seqs = [engine.add(p, n, sampling[i]) for i, (p, n, _) in enumerate(REQUESTS)]
+        engine.run_until_idle()
+        got.append([s.tokens for s in seqs])
+    assert got[0] == got[1] and got[0] != [_alone(_model(), p, n) for p, n, _ in REQUESTS]
