@@ -13,6 +13,13 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   strategies), at two shapes: the decode step over all ``slots`` rows, and a prefill of
   ``max(prompt_len, 2)`` tokens over one row of the cache. A ``RowRunner`` holds this rank's
   programs, parameter blocks and cache blocks.
+- **Stages** (``pp > 1``): the steps are planned on one stage's ``tp`` ranks and cut at the plan's
+  ``stages`` (``RowStageRunner``, a ``StageStepRunner`` of codegen_stages.py over the row step's
+  inputs: global rank ``s * tp + l`` is tp position ``l`` of stage ``s``, the hidden states go point
+  to point to the next stage, and the last stage's tokens are broadcast so every rank appends the
+  same tokens). The prefill then runs over every row of the cache (only the admitted row written),
+  as the stages' broadcast tokens are one per cache row. No micro-batches: a step runs the stages
+  one after another (the modules engine keeps a micro-batch in flight per stage).
 - **Cache.** One fixed block per layer, ``[slots, kv_heads, prompt_len + max_new_tokens,
   head_dim]`` split on the kv heads as the plans say; a sequence owns one row of it from admission
   to retirement, its token ``i`` at slot ``i`` (position ``i``), under a ``[slots, max_len]`` mask of
@@ -26,7 +33,7 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   ``vocab_parallel.next_tokens`` runs on a shard of one: greedy, or sampled from each sequence's
   seeded generator, the same on every rank.
 
-Refused (PlanError, naming what runs it): ``pp > 1``, ``dp > 1``, chunked prefill, dtypes other
+Refused (PlanError, naming what runs it): ``dp > 1``, chunked prefill, dtypes other
 than fp32 (``backend="modules"`` runs them all). ``collective_timeout`` is not applied to the
 programs' groups (runtime.context makes them with the default group's timeout).
 """
@@ -42,6 +49,7 @@ from autopar.errors import PlanError
 from autopar.inference.codegen_engine import (MODULES, check_codegen_plan, meta_to_storage, step_cluster)
 from autopar.inference.codegen_rows import N_ROW_INPUTS, RowCacheStep, RowRunner, plan_row_step, row_chunk, \
     row_step_inputs
+from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import PlannedStep, full_cache_config
 from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, checkpoint_reader
 from autopar.inference.model_shape import causal_lm
@@ -49,11 +57,30 @@ from autopar.inference.sequence import Sequence
 from autopar.inference.vocab_parallel import VocabShard, next_tokens
 
 
+class RowStageRunner(StageStepRunner):
+    """One rank's stage of a RowCacheStep's programs: a ``StageStepRunner`` whose cache dtype is
+    read past the row step's inputs (``rows`` included)."""
+
+    def __init__(self, step, steps, rank, pp, unit_stage=None, read=None):
+        super().__init__(step, steps, rank, pp, unit_stage, read)
+        first = self.programs[1].input_names[N_ROW_INPUTS]   # the first cache tensor (not ``rows``)
+        self.dtype = next(n for n in steps[1].traced.gm.graph.nodes if n.name == first).meta["val"].dtype
+
+
+class _StagePick:
+    """The last stage's tokens of a step: the engine's choice for its sequences' rows, 0 elsewhere."""
+
+    def __init__(self, choose, at, rows):
+        self.choose, self.at, self.rows = choose, at, rows
+
+    def pick(self, logits):
+        tokens = torch.zeros(self.rows, dtype=torch.int64)
+        tokens[self.at] = torch.tensor(self.choose(logits), dtype=torch.int64)
+        return tokens
+
+
 def check_iteration_plan(plan) -> None:
     """A clear error for the plans this engine does not run, naming what does."""
-    if plan.pp > 1:
-        raise PlanError(f'backend="codegen" continuous batching runs tp ranks of one stage only (the plan has '
-                        f"pp={plan.pp}): plan with pp=1 (constraints={{'pp': 1}}) or use {MODULES}")
     if plan.predictions.get("batching") == "chunked":
         raise PlanError(f'backend="codegen" continuous batching prefills each prompt whole, not in chunks: plan '
                         f'with batching="continuous" or use {MODULES}')
@@ -77,6 +104,7 @@ class CodegenIterationEngine:
         self.slots, self.prompt_len, self.max_new_tokens = plan.batch_size, plan.prompt_len, plan.max_new_tokens
         self.kv_tokens = plan.predictions.get("kv_cache_tokens_per_replica")
         self.prefill_len = max(plan.prompt_len, 2)
+        self.pp = plan.pp
         self.max_len = plan.prompt_len + plan.max_new_tokens
         try:
             full_cache_config(self.model.config, self.max_len)
@@ -99,13 +127,18 @@ class CodegenIterationEngine:
         steps = self.planned_steps(step_cluster(plan, cluster))
         if self.world > 1:   # the programs' process groups
             from runtime import context as RC
-            RC.setup(steps[1].plan.mesh)
+            RC.setup(steps[1].plan.mesh, pp=plan.pp)
         blocks = None if read is None else (lambda fqn, sl: read(fqn, [sl], 0))
-        self.runner = RowRunner(self.step_module, steps, self.rank, read=blocks)
+        if plan.pp > 1:
+            unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]
+            self.runner = RowStageRunner(self.step_module, steps, self.rank, plan.pp, unit_stage, read=blocks)
+        else:
+            self.runner = RowRunner(self.step_module, steps, self.rank, read=blocks)
         self.calls = {s: 0 for s in steps}       # program runs per step length (1: decode)
-        # the place of this rank, as IterationEngine.from_plan gives it (one replica, one stage)
-        self.replica, self.replicas, self.tp_rank = 0, 1, self.rank
-        self.stage, self.replica_ranks, self.pp, self.chunk = 0, plan.tp, 1, None
+        # the place of this rank, as IterationEngine.from_plan gives it (one replica)
+        self.replica, self.replicas = 0, 1
+        self.stage, self.tp_rank = divmod(self.rank, plan.tp)
+        self.replica_ranks, self.chunk = plan.tp * plan.pp, None
         self.vocab_shard = VocabShard()          # whole logits on every rank
         self.jobs = None
         if self.world > 1:
@@ -134,7 +167,8 @@ class CodegenIterationEngine:
         planned on rank 0 (module doc)."""
         from autopar.frontend.trace import trace_step
         from autopar.plans.plan import Plan
-        shapes = {1: self.slots, self.prefill_len: 1}   # length -> step rows
+        # length -> step rows (pp > 1: the prefill over all rows, as the stages' tokens are [slots])
+        shapes = {1: self.slots, self.prefill_len: self.slots if self.pp > 1 else 1}
         traced = {s: trace_step(self.step_module, row_step_inputs(self.model, b, s, self.max_len, self.slots))
                   for s, b in shapes.items()}
         texts = [None] * len(shapes)
@@ -195,10 +229,15 @@ class CodegenIterationEngine:
 
     # --- the iteration ------------------------------------------------------------------------------
 
-    def _run(self, seq_len: int, *inputs):
+    def _run(self, seq_len: int, seqs: list[Sequence], at: list[int], *inputs) -> list[int]:
+        """The length-``seq_len`` step; the next token of each of ``seqs`` (step rows ``at``)."""
         self.calls[seq_len] += 1
-        logits, *self.cache = self.runner.run(seq_len, *inputs, *self.cache)
-        return logits
+        if self.pp == 1:
+            logits, *self.cache = self.runner.run(seq_len, *inputs, *self.cache)
+            return self._pick(logits[at], seqs)
+        pick = _StagePick(lambda logits: self._pick(logits[at], seqs), at, inputs[0].shape[0])
+        tokens, self.cache = self.runner.run(seq_len, inputs, self.cache, pick)
+        return [int(tokens[a]) for a in at]
 
     def _admissions(self) -> list[Sequence]:
         """The waiting sequences that join: oldest first, while a row is free and the pool allows."""
@@ -230,9 +269,16 @@ class CodegenIterationEngine:
         self.mask[row, :n] = 1
         self.length[row] = n
         ids, pos, slots = row_chunk(torch.tensor(seq.prompt), 0, self.prefill_len)
-        logits = self._run(self.prefill_len, ids[None], pos[None], slots[None], self.mask[row:row + 1].clone(),
-                           torch.tensor([row]))
-        self._append(seq, self._pick(logits, [seq])[0])
+        if self.pp == 1:   # a step over this row of the cache
+            token = self._run(self.prefill_len, [seq], [0], ids[None], pos[None], slots[None],
+                              self.mask[row:row + 1].clone(), torch.tensor([row]))[0]
+        else:              # a step over every row, this one written
+            many = lambda t: t[None].expand(self.slots, -1).contiguous()   # noqa: E731
+            rows = torch.full((self.slots,), -1)
+            rows[row] = row
+            token = self._run(self.prefill_len, [seq], [row], many(ids), many(pos), many(slots), self.mask.clone(),
+                              rows)[0]
+        self._append(seq, token)
         seq.first = time.perf_counter()
         if seq.finished:
             seq.done = seq.first
@@ -251,11 +297,11 @@ class CodegenIterationEngine:
         last = torch.tensor([s.tokens[-1] if s is not None else 0 for s in self.rows])
         held = busy.nonzero().flatten()
         self.mask[held, self.length[held]] = 1
-        logits = self._run(1, last[:, None], at[:, None], at[:, None].clone(), self.mask.clone(),
+        order = [self._row_of(s) for s in self.running]
+        tokens = self._run(1, self.running, order, last[:, None], at[:, None], at[:, None].clone(), self.mask.clone(),
                            torch.where(busy, torch.arange(self.slots), -1))
         self.length[busy] += 1
-        order = [self._row_of(s) for s in self.running]
-        for seq, token in zip(self.running, self._pick(logits[order], self.running)):
+        for seq, token in zip(self.running, tokens):
             self._append(seq, token)
 
     @torch.no_grad()

@@ -1,8 +1,8 @@
 """Continuous batching on autopar's own programs (autopar/inference/codegen_iteration.py,
 ``IterationEngine.from_plan(..., backend="codegen")``): requests of different prompt and output
 lengths admitted at different iterations, rows retired and reused, each get the tokens of Hugging
-Face's ``generate`` on its prompt alone and of the modules IterationEngine, in one process and on
-tp=2 gloo ranks (SPMD, and rank 0 leading through LeaderIterations), while no decoder layer module
+Face's ``generate`` on its prompt alone and of the modules IterationEngine, in one process, on
+tp=2 gloo ranks (SPMD, and rank 0 leading through LeaderIterations) and on pp=2 stages, while no decoder layer module
 of the model ever runs (a forward hook that must not fire) and the generated programs do."""
 from __future__ import annotations
 
@@ -93,14 +93,14 @@ def test_one_process_codegen_engine_equals_generate_alone_and_the_modules_engine
     assert [s.tokens for s in _serve(modules)[0]] == wants
 
 
-def test_backend_is_checked_and_pp_is_refused():
+def test_backend_is_checked():
     plan = _plan(1)
     with pytest.raises(PlanError, match="not an iteration engine backend"):
         IterationEngine.from_plan(_model(), plan, backend="nope")
-    pp2 = InferencePlan.from_json(plan.to_json())
-    pp2.pp, pp2.stages = 2, [[0, 1], [1, 2]]
-    with pytest.raises(PlanError, match="pp=2"):
-        IterationEngine.from_plan(_model(), pp2, backend="codegen")
+    dp2 = InferencePlan.from_json(plan.to_json())
+    dp2.dp = 2
+    with pytest.raises(PlanError, match="dp=2"):
+        IterationEngine.from_plan(_model(), dp2, backend="codegen")
 
 
 def _tp_rank(rank, world, plan_json, lead):
@@ -151,3 +151,25 @@ def test_sampled_tokens_equal_the_modules_engine_with_the_same_seeds():
         engine.run_until_idle()
         got.append([s.tokens for s in seqs])
     assert got[0] == got[1] and got[0] != [_alone(_model(), p, n) for p, n, _ in REQUESTS]
+
+
+def _pp_rank(rank, world, plan_json):
+    plan = InferencePlan.from_json(plan_json)
+    model = _model()
+    engine = IterationEngine.from_plan(model, plan, backend="codegen")
+    fired = _no_module_runs(model)
+    seqs, most = _serve(engine)
+    return [s.tokens for s in seqs], most, engine.calls, len(fired), engine.stage
+
+
+@pytest.mark.slow
+def test_pp2_codegen_engine_equals_generate_alone():
+    """Two pipeline stages, each rank running its stage's layers of the row programs; the last
+    stage's tokens broadcast, so every rank has every sequence's tokens."""
+    plan = _plan(2, pp=2)
+    assert (plan.tp, plan.pp, plan.dp) == (1, 2, 1) and len(plan.stages) == 2
+    results = run_local(_pp_rank, 2, args=(plan.to_json(),), timeout=600)
+    wants = [_alone(_model(), p, n) for p, n, _ in REQUESTS]
+    for rank, (tokens, most, calls, fired, stage) in enumerate(results):
+        assert tokens == wants and most >= 2 and stage == rank
+        assert fired == 0 and calls[1] > 0 and calls[PROMPT_LEN] == len(REQUESTS)   # premise
