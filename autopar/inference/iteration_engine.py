@@ -126,14 +126,23 @@ class IterationEngine(ChunkedPrefill, StagesInFlight):
         self.last_logits = {"logits_to_keep": 1} if keeps else {}
 
     @classmethod
-    def from_plan(cls, model, plan, weights: str | None = None, collective_timeout=None) -> "IterationEngine":
+    def from_plan(cls, model, plan, weights: str | None = None, collective_timeout=None,
+                  backend: str = "modules") -> "IterationEngine":
         """This rank's engine of a plan: the model built (its tp shard, weights read, dtype) as
         ``compile_inference`` builds it, with the plan's slots (per replica), lengths and KV-token
         pool, and this rank's replica and stage (module doc). The tensor-parallel and pipeline groups
         it makes wait ``collective_timeout`` (a timedelta; ``autopar serve`` passes the default
         group's): a rank whose peer fails mid-forward fails after it, never waits for ever; rank 0's
         jobs travel on a group of their own without one (the other ranks wait there, however long
-        the server is idle)."""
+        the server is idle). ``backend="codegen"``: a ``CodegenIterationEngine`` running autopar's
+        own generated programs instead of the model's modules (autopar/inference/codegen_iteration.py;
+        tp and pp, not dp)."""
+        if backend == "codegen":
+            from autopar.inference.codegen_iteration import CodegenIterationEngine
+            return CodegenIterationEngine(model, plan, weights=weights)
+        if backend != "modules":
+            raise PlanError(f'backend={backend!r} is not an iteration engine backend: use "modules" (the model\'s '
+                            f'modules, the default) or "codegen" (autopar\'s generated programs)')
         from autopar.inference.engine import compile_inference
         built = compile_inference(model, plan=plan, weights=weights, collective_timeout=collective_timeout)
         chunk = plan.predictions.get("prefill_chunk") if plan.predictions.get("batching") == "chunked" else None

@@ -1,0 +1,331 @@
+"""Continuous batching on autopar's own programs: ``CodegenIterationEngine``, what
+``IterationEngine.from_plan(..., backend="codegen")`` returns.
+
+It has the interface the server's continuous path uses of an ``IterationEngine``
+(autopar/inference/iteration_engine.py, iteration_ranks.py, batcher.py): ``add`` / ``check`` /
+``step`` / ``abort`` / ``run_until_idle`` / ``idle``, the ``running`` / ``waiting`` / ``filling``
+sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and this rank's place
+(``replica``, ``replicas``, ``tp_rank``, ``stage``, ``replica_ranks``, ``jobs``), so
+``LeaderIterations`` / ``follow_iterations`` drive it unchanged. The model's modules never run:
+
+- **Programs.** A ``RowCacheStep`` (autopar/inference/codegen_rows.py) is traced on every rank and
+  planned on rank 0 (the plans broadcast as JSON) with the plan's ``tp`` pinned (Megatron
+  strategies), at two shapes: the decode step over all ``slots`` rows, and a prefill of
+  ``max(prompt_len, 2)`` tokens over one row of the cache. A ``RowRunner`` holds this rank's
+  programs, parameter blocks and cache blocks.
+- **Stages** (``pp > 1``): the steps are planned on one stage's ``tp`` ranks and cut at the plan's
+  ``stages`` (``RowStageRunner``, a ``StageStepRunner`` of codegen_stages.py over the row step's
+  inputs: global rank ``s * tp + l`` is tp position ``l`` of stage ``s``, the hidden states go point
+  to point to the next stage, and the last stage's tokens are broadcast so every rank appends the
+  same tokens). The prefill then runs over every row of the cache (only the admitted row written),
+  as the stages' broadcast tokens are one per cache row. No micro-batches: a step runs the stages
+  one after another (the modules engine keeps a micro-batch in flight per stage).
+- **Cache.** One fixed block per layer, ``[slots, kv_heads, prompt_len + max_new_tokens,
+  head_dim]`` split on the kv heads as the plans say; a sequence owns one row of it from admission
+  to retirement, its token ``i`` at slot ``i`` (position ``i``), under a ``[slots, max_len]`` mask of
+  its written slots. Nothing is joined, trimmed or copied on admission or retirement.
+- **Iteration.** As ``IterationEngine``'s: admit (oldest first, while a row is free and the KV-token
+  pool allows), prefill each admitted prompt alone into its row (``row_chunk``: the prompt at slots
+  ``0 .. n-1``, the padding writing the slots after it, which its next tokens overwrite) and choose
+  its first token, then one decode step over every row (free rows at ``rows`` -1: not written), then
+  retire the finished (their rows free at the next iteration).
+- **Tokens.** The programs return the last position's logits whole on every rank, so
+  ``vocab_parallel.next_tokens`` runs on a shard of one: greedy, or sampled from each sequence's
+  seeded generator, the same on every rank.
+
+Refused (PlanError, naming what runs it): ``dp > 1``, chunked prefill, dtypes other
+than fp32 (``backend="modules"`` runs them all). ``collective_timeout`` is not applied to the
+programs' groups (runtime.context makes them with the default group's timeout).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import PlanError
+from autopar.inference.codegen_engine import (MODULES, check_codegen_plan, meta_to_storage, step_cluster)
+from autopar.inference.codegen_rows import N_ROW_INPUTS, RowCacheStep, RowRunner, plan_row_step, row_chunk, \
+    row_step_inputs
+from autopar.inference.codegen_stages import StageStepRunner
+from autopar.inference.codegen_step import PlannedStep, full_cache_config
+from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, checkpoint_reader
+from autopar.inference.model_shape import causal_lm
+from autopar.inference.sequence import Sequence
+from autopar.inference.vocab_parallel import VocabShard, next_tokens
+
+
+class RowStageRunner(StageStepRunner):
+    """One rank's stage of a RowCacheStep's programs: a ``StageStepRunner`` whose cache dtype is
+    read past the row step's inputs (``rows`` included)."""
+
+    def __init__(self, step, steps, rank, pp, unit_stage=None, read=None):
+        super().__init__(step, steps, rank, pp, unit_stage, read)
+        first = self.programs[1].input_names[N_ROW_INPUTS]   # the first cache tensor (not ``rows``)
+        self.dtype = next(n for n in steps[1].traced.gm.graph.nodes if n.name == first).meta["val"].dtype
+
+
+class _StagePick:
+    """The last stage's tokens of a step: the engine's choice for its sequences' rows, 0 elsewhere."""
+
+    def __init__(self, choose, at, rows):
+        self.choose, self.at, self.rows = choose, at, rows
+
+    def pick(self, logits):
+        tokens = torch.zeros(self.rows, dtype=torch.int64)
+        tokens[self.at] = torch.tensor(self.choose(logits), dtype=torch.int64)
+        return tokens
+
+
+def check_iteration_plan(plan) -> None:
+    """A clear error for the plans this engine does not run, naming what does."""
+    if plan.predictions.get("batching") == "chunked":
+        raise PlanError(f'backend="codegen" continuous batching prefills each prompt whole, not in chunks: plan '
+                        f'with batching="continuous" or use {MODULES}')
+    check_codegen_plan(plan)
+
+
+class CodegenIterationEngine:
+    """Continuous batching of an InferencePlan on this rank's codegen programs (module doc)."""
+
+    backend = "codegen"
+
+    def __init__(self, model, plan, weights: str | None = None, cluster=None):
+        check_iteration_plan(plan)
+        self.plan = plan
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        if plan.world_size != self.world:
+            raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp}) but {self.world} are "
+                            f"running: launch {plan.world_size}")
+        self.model = causal_lm(model)
+        self.slots, self.prompt_len, self.max_new_tokens = plan.batch_size, plan.prompt_len, plan.max_new_tokens
+        self.kv_tokens = plan.predictions.get("kv_cache_tokens_per_replica")
+        self.prefill_len = max(plan.prompt_len, 2)
+        self.pp = plan.pp
+        self.max_len = plan.prompt_len + plan.max_new_tokens
+        try:
+            full_cache_config(self.model.config, self.max_len)
+        except NotImplementedError as e:
+            raise PlanError(f'backend="codegen": {type(self.model).__name__}\'s cache of {self.max_len} positions '
+                            f"has {e}: use {MODULES}") from None
+        gc = getattr(self.model, "generation_config", None)
+        odd = sorted(k for k, v in WHOLE_ROW_SETTINGS.items() if gc is not None and getattr(gc, k, v) not in (v, None))
+        if odd:
+            raise PlanError(f'backend="codegen" runs no logits processors over whole rows; the model\'s generation '
+                            f"config sets {odd}: use {MODULES}")
+        read = checkpoint_reader(self.model, weights) if weights is not None else None
+        if any(p.is_meta for p in self.model.parameters()):
+            if read is None:
+                raise PlanError("the model's parameters are on the meta device: give weights=DIR (a Hugging Face "
+                                "safetensors checkpoint directory), or build the model with its weights")
+            meta_to_storage(self.model)
+        self.model.eval()
+        self.step_module = RowCacheStep(self.model)
+        steps = self.planned_steps(step_cluster(plan, cluster))
+        if self.world > 1:   # the programs' process groups
+            from runtime import context as RC
+            RC.setup(steps[1].plan.mesh, pp=plan.pp)
+        blocks = None if read is None else (lambda fqn, sl: read(fqn, [sl], 0))
+        if plan.pp > 1:
+            unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]
+            self.runner = RowStageRunner(self.step_module, steps, self.rank, plan.pp, unit_stage, read=blocks)
+        else:
+            self.runner = RowRunner(self.step_module, steps, self.rank, read=blocks)
+        self.calls = {s: 0 for s in steps}       # program runs per step length (1: decode)
+        # the place of this rank, as IterationEngine.from_plan gives it (one replica)
+        self.replica, self.replicas = 0, 1
+        self.stage, self.tp_rank = divmod(self.rank, plan.tp)
+        self.replica_ranks, self.chunk = plan.tp * plan.pp, None
+        self.vocab_shard = VocabShard()          # whole logits on every rank
+        self.jobs = None
+        if self.world > 1:
+            from autopar.inference.iteration_engine import IDLE_TIMEOUT
+            self.jobs = dist.new_group(timeout=IDLE_TIMEOUT)
+        self.default_top_k = getattr(gc, "top_k", None) or 0
+        self.default_top_p = getattr(gc, "top_p", None) or 1.0
+        eos = getattr(gc, "eos_token_id", None)
+        self.eos = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+        self.ids = itertools.count()
+        self.waiting: list[Sequence] = []
+        self.filling: list[Sequence] = []        # chunked prefill only: always empty here
+        self.admitting: list[Sequence] = []
+        self.iterations = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.rows: list[Sequence | None] = [None] * self.slots     # cache row -> its sequence
+        self.running: list[Sequence] = []
+        self.cache = self.runner.new_cache()
+        self.mask = torch.zeros(self.slots, self.max_len, dtype=torch.long)
+        self.length = torch.zeros(self.slots, dtype=torch.long)    # each row's written slots
+
+    def planned_steps(self, cluster) -> dict[int, PlannedStep]:
+        """The decode step (all rows) and the prefill step (one row of the cache), traced here and
+        planned on rank 0 (module doc)."""
+        from autopar.frontend.trace import trace_step
+        from autopar.plans.plan import Plan
+        # length -> step rows (pp > 1: the prefill over all rows, as the stages' tokens are [slots])
+        shapes = {1: self.slots, self.prefill_len: self.slots if self.pp > 1 else 1}
+        traced = {s: trace_step(self.step_module, row_step_inputs(self.model, b, s, self.max_len, self.slots))
+                  for s, b in shapes.items()}
+        texts = [None] * len(shapes)
+        if self.rank == 0:
+            texts = [plan_row_step(self.step_module, b, s, self.max_len, cluster, traced=traced[s],
+                                   cache_rows=self.slots, constraints={"tp": self.plan.tp, "dp": 1},
+                                   policy="megatron").plan.to_json() for s, b in shapes.items()]
+        if self.world > 1:
+            dist.broadcast_object_list(texts, src=0)
+        return {s: PlannedStep(traced[s], Plan.from_json(t), N_ROW_INPUTS) for s, t in zip(shapes, texts)}
+
+    def kv_cache_bytes(self) -> int:
+        return self.runner.cache_bytes()
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise PlanError("a prompt is empty: give at least one token")
+        if len(prompt) > self.prompt_len:
+            raise PlanError(f"the prompt is {len(prompt)} tokens, more than the plan's prompt length "
+                            f"{self.prompt_len}: plan for longer prompts")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise PlanError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if max_new_tokens > self.max_new_tokens:
+            raise PlanError(f"max_new_tokens={max_new_tokens} is more than the plan's {self.max_new_tokens} "
+                            f"(its KV cache holds no more)")
+        if self.kv_tokens is not None and len(prompt) + max_new_tokens > self.kv_tokens:
+            raise PlanError(f"the request needs {len(prompt) + max_new_tokens} KV-cache tokens, more than the "
+                            f"plan's pool of {self.kv_tokens}")
+
+    def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
+        """Queue a request; it joins at the next ``step`` with a free row. PlanError for what the plan cannot run."""
+        prompt = [int(t) for t in prompt]
+        self.check(prompt, max_new_tokens)
+        seq = Sequence(prompt, max_new_tokens, check_sampling(sampling), tag, next(self.ids),
+                       added=time.perf_counter())
+        if seq.sampling:
+            seq.generator = torch.Generator().manual_seed(seq.sampling.get("seed", 0))
+        self.waiting.append(seq)
+        return seq
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def abort(self) -> list[Sequence]:
+        """Drop every running and waiting sequence (after a failed step); returns them."""
+        held = {id(s) for s in self.running}
+        out = self.running + [s for s in self.admitting if id(s) not in held] + self.waiting
+        self.waiting, self.admitting = [], []
+        self._reset()
+        return out
+
+    def run_until_idle(self) -> list[Sequence]:
+        from autopar.inference.iteration_engine import step_until_idle
+        return step_until_idle(self)
+
+    # --- the iteration ------------------------------------------------------------------------------
+
+    def _run(self, seq_len: int, seqs: list[Sequence], at: list[int], *inputs) -> list[int]:
+        """The length-``seq_len`` step; the next token of each of ``seqs`` (step rows ``at``)."""
+        self.calls[seq_len] += 1
+        if self.pp == 1:
+            logits, *self.cache = self.runner.run(seq_len, *inputs, *self.cache)
+            return self._pick(logits[at], seqs)
+        pick = _StagePick(lambda logits: self._pick(logits[at], seqs), at, inputs[0].shape[0])
+        tokens, self.cache = self.runner.run(seq_len, inputs, self.cache, pick)
+        return [int(tokens[a]) for a in at]
+
+    def _admissions(self) -> list[Sequence]:
+        """The waiting sequences that join: oldest first, while a row is free and the pool allows."""
+        held = sum(s.need for s in self.running)
+        out = []
+        while self.waiting and len(self.running) + len(out) < self.slots:
+            seq = self.waiting[0]
+            if self.kv_tokens is not None and held + seq.need > self.kv_tokens:
+                break   # in order: the first that does not fit blocks the ones behind it
+            held += seq.need
+            out.append(self.waiting.pop(0))
+        return out
+
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return next_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs], self.vocab_shard,
+                           self.default_top_k, self.default_top_p)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.tokens.append(token)
+        seq.stopped = token in self.eos
+
+    def _prefill(self, seq: Sequence) -> bool:
+        """``seq``'s prompt alone into a free row, its first token chosen; False if it finished there."""
+        seq.admitted = time.perf_counter()
+        seq.running_at_admission = len(self.running) + 1
+        row = self.rows.index(None)
+        n = len(seq.prompt)
+        self.mask[row] = 0
+        self.mask[row, :n] = 1
+        self.length[row] = n
+        ids, pos, slots = row_chunk(torch.tensor(seq.prompt), 0, self.prefill_len)
+        if self.pp == 1:   # a step over this row of the cache
+            token = self._run(self.prefill_len, [seq], [0], ids[None], pos[None], slots[None],
+                              self.mask[row:row + 1].clone(), torch.tensor([row]))[0]
+        else:              # a step over every row, this one written
+            many = lambda t: t[None].expand(self.slots, -1).contiguous()   # noqa: E731
+            rows = torch.full((self.slots,), -1)
+            rows[row] = row
+            token = self._run(self.prefill_len, [seq], [row], many(ids), many(pos), many(slots), self.mask.clone(),
+                              rows)[0]
+        self._append(seq, token)
+        seq.first = time.perf_counter()
+        if seq.finished:
+            seq.done = seq.first
+            return False
+        self.rows[row] = seq
+        self.running.append(seq)
+        return True
+
+    def _row_of(self, seq: Sequence) -> int:
+        return next(r for r, s in enumerate(self.rows) if s is seq)
+
+    def _decode(self) -> None:
+        """One token of every occupied row, each at its own next slot; free rows not written."""
+        busy = torch.tensor([s is not None for s in self.rows])
+        at = torch.where(busy, self.length, 0)
+        last = torch.tensor([s.tokens[-1] if s is not None else 0 for s in self.rows])
+        held = busy.nonzero().flatten()
+        self.mask[held, self.length[held]] = 1
+        order = [self._row_of(s) for s in self.running]
+        tokens = self._run(1, self.running, order, last[:, None], at[:, None], at[:, None].clone(), self.mask.clone(),
+                           torch.where(busy, torch.arange(self.slots), -1))
+        self.length[busy] += 1
+        for seq, token in zip(self.running, tokens):
+            self._append(seq, token)
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """One iteration: admit, prefill the admitted, decode the running one token, retire the
+        finished; returns the sequences that finished."""
+        finished = []
+        self.admitting = self._admissions()
+        for seq in self.admitting:
+            if not self._prefill(seq):
+                finished.append(seq)
+        if self.running:
+            self._decode()
+            self.iterations += 1
+            now = time.perf_counter()
+            for seq in [s for s in self.running if s.finished]:
+                seq.done = now
+                finished.append(seq)
+                self.rows[self._row_of(seq)] = None
+            self.running = [s for s in self.running if not s.finished]
+        elif finished:
+            self.iterations += 1
+        self.admitting = []
+        return finished
+
+
+__all__ = ["CodegenIterationEngine", "check_iteration_plan"]

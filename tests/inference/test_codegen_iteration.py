@@ -1,0 +1,175 @@
+"""Continuous batching on autopar's own programs (autopar/inference/codegen_iteration.py,
+``IterationEngine.from_plan(..., backend="codegen")``): requests of different prompt and output
+lengths admitted at different iterations, rows retired and reused, each get the tokens of Hugging
+Face's ``generate`` on its prompt alone and of the modules IterationEngine, in one process, on
+tp=2 gloo ranks (SPMD, and rank 0 leading through LeaderIterations) and on pp=2 stages, while no decoder layer module
+of the model ever runs (a forward hook that must not fire) and the generated programs do."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import PlanError
+from autopar.inference.codegen_iteration import CodegenIterationEngine
+from autopar.inference.inference_plan import InferencePlan
+from autopar.inference.iteration_engine import IterationEngine
+from autopar.inference.iteration_ranks import LeaderIterations, follow_iterations
+from autopar.inference.planner import plan_inference
+from autopar.models import hf
+from runtime.launch import run_local
+
+torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
+
+# (prompt, max_new_tokens, iterations stepped after adding it): 3 rows for 6 requests, so rows are
+# reused; some join while others are mid-decode, one wants a single token
+REQUESTS = [([5, 6, 7], 5, 0), ([9, 10, 11, 12, 13, 14], 3, 1), ([1, 2], 1, 0), ([40, 41, 42, 43], 4, 2),
+            ([7, 8], 6, 0), ([60], 2, 1)]
+SLOTS, PROMPT_LEN, MAX_NEW = 3, 6, 6
+
+
+def _model():
+    """A tiny Llama whose weights are spread enough (std 0.2) that greedy tokens vary."""
+    torch.manual_seed(0)
+    m = hf.hf_llama(vocab=64)[0].model.eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    return m
+
+
+def _alone(model, prompt, new):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=new, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _plan(devices, **pins):
+    from autopar.inference.trace import synthetic_trace
+    trace = synthetic_trace(16, rate=4.0, prompt_lens=(2, 6), output_lens=(1, 6), seed=0)
+    plan = plan_inference(_model(), None, autopar.Cluster.preset("cpu", devices=devices), trace=trace,
+                          batching="continuous", constraints=pins, dtype="fp32")
+    plan.batch_size, plan.prompt_len, plan.max_new_tokens = SLOTS, PROMPT_LEN, MAX_NEW   # small programs
+    plan.predictions["kv_cache_tokens_per_replica"] = None
+    return plan
+
+
+def _serve(engine):
+    """Add the requests a few iterations apart, stepping in between; the most rows running at once."""
+    seqs, most = [], 0
+    for prompt, new, gap in REQUESTS:
+        seqs.append(engine.add(prompt, new))
+        for _ in range(gap):
+            engine.step()
+            most = max(most, len(engine.running))
+    while not engine.idle:
+        engine.step()
+        most = max(most, len(engine.running))
+    return seqs, most
+
+
+def _no_module_runs(model):
+    """A forward hook on every decoder layer that counts its runs (must stay 0)."""
+    fired = []
+    for layer in model.model.layers:
+        layer.register_forward_hook(lambda *a: fired.append(1))
+    return fired
+
+
+def test_one_process_codegen_engine_equals_generate_alone_and_the_modules_engine():
+    plan = _plan(1)
+    model = _model()
+    engine = IterationEngine.from_plan(model, plan, backend="codegen")
+    assert isinstance(engine, CodegenIterationEngine)
+    fired = _no_module_runs(model)
+    seqs, most = _serve(engine)
+    assert not fired and engine.calls[1] > 0 and engine.calls[PROMPT_LEN] == len(REQUESTS)   # premise
+    assert most >= 2   # sequences ran together
+    wants = [_alone(_model(), p, n) for p, n, _ in REQUESTS]
+    assert [s.tokens for s in seqs] == wants
+    modules = IterationEngine.from_plan(_model(), plan)
+    assert [s.tokens for s in _serve(modules)[0]] == wants
+
+
+def test_backend_is_checked():
+    plan = _plan(1)
+    with pytest.raises(PlanError, match="not an iteration engine backend"):
+        IterationEngine.from_plan(_model(), plan, backend="nope")
+    dp2 = InferencePlan.from_json(plan.to_json())
+    dp2.dp = 2
+    with pytest.raises(PlanError, match="dp=2"):
+        IterationEngine.from_plan(_model(), dp2, backend="codegen")
+
+
+def _tp_rank(rank, world, plan_json, lead):
+    plan = InferencePlan.from_json(plan_json)
+    model = _model()
+    engine = IterationEngine.from_plan(model, plan, backend="codegen")
+    fired = _no_module_runs(model)
+    if lead and rank > 0:
+        return follow_iterations(engine), engine.calls, len(fired)
+    if lead:
+        leader = LeaderIterations(engine)
+        seqs, most = _serve(leader)
+        leader.stop()
+    else:
+        seqs, most = _serve(engine)
+    return [s.tokens for s in seqs], most, engine.iterations, engine.calls, len(fired), engine.kv_cache_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lead", [False, True])
+def test_tp2_codegen_engine_equals_generate_alone(lead):
+    plan = _plan(2, tp=2)
+    assert (plan.tp, plan.pp, plan.dp) == (2, 1, 1)
+    results = run_local(_tp_rank, 2, args=(plan.to_json(), lead), timeout=600)
+    wants = [_alone(_model(), p, n) for p, n, _ in REQUESTS]
+    tokens, most, iterations, calls, fired, held = results[0]
+    assert tokens == wants and most >= 2
+    assert fired == 0 and 0 < calls[1] <= iterations and calls[PROMPT_LEN] == len(REQUESTS)   # premise
+    model = _model()
+    whole = 2 * model.config.num_hidden_layers * SLOTS * model.config.num_key_value_heads \
+        * (PROMPT_LEN + MAX_NEW) * (model.config.hidden_size // model.config.num_attention_heads) * 4
+    assert held == whole // 2   # each rank holds its kv heads of the cache
+    if lead:
+        assert results[1][1:] == (calls, 0)   # the follower ran every program rank 0 ran
+    else:
+        assert results[1] == results[0]
+
+
+def test_sampled_tokens_equal_the_modules_engine_with_the_same_seeds():
+    """Each sequence samples from its own seeded generator after the same warpers, as the modules
+    engine's sequences do: the same tokens."""
+    plan = _plan(1)
+    sampling = [{"temperature": 0.8, "top_k": 20, "seed": i} for i in range(len(REQUESTS))]
+    got = []
+    for backend in ("codegen", "modules"):
+        engine = IterationEngine.from_plan(_model(), plan, backend=backend)
+        seqs = [engine.add(p, n, sampling[i]) for i, (p, n, _) in enumerate(REQUESTS)]
+        engine.run_until_idle()
+        got.append([s.tokens for s in seqs])
+    assert got[0] == got[1] and got[0] != [_alone(_model(), p, n) for p, n, _ in REQUESTS]
+
+
+def _pp_rank(rank, world, plan_json):
+    plan = InferencePlan.from_json(plan_json)
+    model = _model()
+    engine = IterationEngine.from_plan(model, plan, backend="codegen")
+    fired = _no_module_runs(model)
+    seqs, most = _serve(engine)
+    return [s.tokens for s in seqs], most, engine.calls, len(fired), engine.stage
+
+
+@pytest.mark.slow
+def test_pp2_codegen_engine_equals_generate_alone():
+    """Two pipeline stages, each rank running its stage's layers of the row programs; the last
+    stage's tokens broadcast, so every rank has every sequence's tokens."""
+    plan = _plan(2, pp=2)
+    assert (plan.tp, plan.pp, plan.dp) == (1, 2, 1) and len(plan.stages) == 2
+    results = run_local(_pp_rank, 2, args=(plan.to_json(),), timeout=600)
+    wants = [_alone(_model(), p, n) for p, n, _ in REQUESTS]
+    for rank, (tokens, most, calls, fired, stage) in enumerate(results):
+        assert tokens == wants and most >= 2 and stage == rank
+        assert fired == 0 and calls[1] > 0 and calls[PROMPT_LEN] == len(REQUESTS)   # premise
