@@ -51,7 +51,7 @@ from autopar.inference.codegen_rows import N_ROW_INPUTS, RowCacheStep, RowRunner
     row_step_inputs
 from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import PlannedStep, full_cache_config
-from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, checkpoint_reader
+from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, check_sequence, checkpoint_reader
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.sequence import Sequence
 from autopar.inference.vocab_parallel import VocabShard, next_tokens
@@ -186,19 +186,7 @@ class CodegenIterationEngine:
     # --- requests -----------------------------------------------------------------------------------
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        if not prompt:
-            raise PlanError("a prompt is empty: give at least one token")
-        if len(prompt) > self.prompt_len:
-            raise PlanError(f"the prompt is {len(prompt)} tokens, more than the plan's prompt length "
-                            f"{self.prompt_len}: plan for longer prompts")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise PlanError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if max_new_tokens > self.max_new_tokens:
-            raise PlanError(f"max_new_tokens={max_new_tokens} is more than the plan's {self.max_new_tokens} "
-                            f"(its KV cache holds no more)")
-        if self.kv_tokens is not None and len(prompt) + max_new_tokens > self.kv_tokens:
-            raise PlanError(f"the request needs {len(prompt) + max_new_tokens} KV-cache tokens, more than the "
-                            f"plan's pool of {self.kv_tokens}")
+        check_sequence(prompt, max_new_tokens, self.prompt_len, self.max_new_tokens, self.kv_tokens)
 
     def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
         """Queue a request; it joins at the next ``step`` with a free row. PlanError for what the plan cannot run."""

@@ -51,6 +51,26 @@ def check_request(plan, input_ids: torch.Tensor, max_new_tokens: int) -> None:
         raise PlanError(f"{input_ids.shape[0]} prompts are more than the plan decodes at once ({at_once})")
 
 
+def check_sequence(prompt: list[int], max_new_tokens, prompt_len: int, plan_new_tokens: int,
+                   kv_tokens: int | None, pool: str = "") -> None:
+    """One request of a continuous-batching engine (either backend) against its plan: a prompt of
+    at most ``prompt_len`` tokens, 1 to ``plan_new_tokens`` new ones, and with a KV-token pool
+    (``kv_tokens``; ``pool`` qualifies it in the message) room for both."""
+    if not prompt:
+        raise PlanError("a prompt is empty: give at least one token")
+    if len(prompt) > prompt_len:
+        raise PlanError(f"the prompt is {len(prompt)} tokens, more than the plan's prompt length "
+                        f"{prompt_len}: plan for longer prompts")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise PlanError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if max_new_tokens > plan_new_tokens:
+        raise PlanError(f"max_new_tokens={max_new_tokens} is more than the plan's {plan_new_tokens} "
+                        f"(its KV cache holds no more)")
+    if kv_tokens is not None and len(prompt) + max_new_tokens > kv_tokens:
+        raise PlanError(f"the request needs {len(prompt) + max_new_tokens} KV-cache tokens, more than the "
+                        f"plan's pool of {kv_tokens}" + pool)
+
+
 WHOLE_ROW_SETTINGS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
                       "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
                       "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,

@@ -66,6 +66,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.inference.engine import check_sampling
+from autopar.inference.engine_inputs import check_sequence
 from autopar.inference.iteration_chunks import ChunkedPrefill
 from autopar.inference.iteration_stages import StagesInFlight
 from autopar.inference.model_shape import causal_lm
@@ -161,19 +162,8 @@ class IterationEngine(ChunkedPrefill, StagesInFlight):
     # --- requests -----------------------------------------------------------------------------------
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        if not prompt:
-            raise PlanError("a prompt is empty: give at least one token")
-        if len(prompt) > self.prompt_len:
-            raise PlanError(f"the prompt is {len(prompt)} tokens, more than the plan's prompt length "
-                            f"{self.prompt_len}: plan for longer prompts")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise PlanError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if max_new_tokens > self.max_new_tokens:
-            raise PlanError(f"max_new_tokens={max_new_tokens} is more than the plan's {self.max_new_tokens} "
-                            f"(its KV cache holds no more)")
-        if self.kv_tokens is not None and len(prompt) + max_new_tokens > self.kv_tokens:
-            raise PlanError(f"the request needs {len(prompt) + max_new_tokens} KV-cache tokens, more than the "
-                            f"plan's pool of {self.kv_tokens}" + (" per micro-batch in flight" if self.pp > 1 else ""))
+        check_sequence(prompt, max_new_tokens, self.prompt_len, self.max_new_tokens, self.kv_tokens,
+                       " per micro-batch in flight" if self.pp > 1 else "")
 
     def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
         """Queue a request; it joins at the next ``step`` with room. PlanError for what the plan cannot run."""

@@ -1,5 +1,6 @@
 """Requests sent at once to a running ``autopar serve`` and checked against Hugging Face's
-``generate`` of each prompt alone (the zoo's ``hf_llama`` weights, seed 0, as the server builds them)."""
+``generate`` of each prompt alone (the zoo's ``hf_llama`` weights, seed 0, as the server builds them);
+``spread_model`` and ``generate_alone``, the engines' tests' model and reference."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -22,3 +23,23 @@ def assert_served_like_generate(url: str, prompts: list[list[int]], news: list[i
         assert a.status_code == 200, a.text
         want = ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
         assert a.json()["choices"][0]["token_ids"] == want[0, len(p):].tolist()
+
+
+def spread_model(name: str = "hf_llama", vocab: int = 64):
+    """A tiny zoo model (seed 0) whose weights are spread enough (std 0.2) that greedy tokens vary."""
+    from autopar.models import hf
+    torch.manual_seed(0)
+    m = getattr(hf, name)(vocab=vocab)[0].model.eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    return m
+
+
+def generate_alone(model, prompt: list[int], new: int, **sampling) -> list[int]:
+    """Hugging Face's ``generate`` of ``prompt`` alone: its ``new`` tokens (greedy unless ``sampling``)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=new, do_sample=bool(sampling), pad_token_id=0, **sampling)
+    return out[0, len(prompt):].tolist()

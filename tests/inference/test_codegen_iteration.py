@@ -16,8 +16,8 @@ from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.iteration_engine import IterationEngine
 from autopar.inference.iteration_ranks import LeaderIterations, follow_iterations
 from autopar.inference.planner import plan_inference
-from autopar.models import hf
 from runtime.launch import run_local
+from tests.helpers.serving import generate_alone, spread_model
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
 
@@ -29,21 +29,10 @@ SLOTS, PROMPT_LEN, MAX_NEW = 3, 6, 6
 
 
 def _model():
-    """A tiny Llama whose weights are spread enough (std 0.2) that greedy tokens vary."""
-    torch.manual_seed(0)
-    m = hf.hf_llama(vocab=64)[0].model.eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    return m
+    return spread_model("hf_llama")
 
 
-def _alone(model, prompt, new):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=new, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+_alone = generate_alone
 
 
 def _plan(devices, **pins):

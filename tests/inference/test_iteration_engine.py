@@ -18,8 +18,8 @@ from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.iteration_engine import IterationEngine
 from autopar.inference.iteration_ranks import LeaderIterations, follow_iterations
 from autopar.inference.planner import plan_inference
-from autopar.models import hf
 from runtime.launch import run_local
+from tests.helpers.serving import generate_alone, spread_model
 
 torch.set_num_threads(1)
 
@@ -29,21 +29,11 @@ REQUESTS = [([5, 6, 7], 6), ([9, 10, 11, 12, 13, 14, 15], 3), ([1, 2], 1), ([40,
 
 
 def _model(name):
-    """A tiny model whose weights are spread enough (std 0.2) that greedy tokens vary."""
-    torch.manual_seed(0)
-    m = getattr(hf, name)(vocab=64)[0].model.eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    return m
+    return spread_model(name)
 
 
 def _alone(model, prompt, new, **sampling):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=new, do_sample=bool(sampling), pad_token_id=0, **sampling)
-    return out[0, len(prompt):].tolist()
+    return generate_alone(model, prompt, new, **sampling)
 
 
 def _serve_staggered(engine, requests, arrive_every=(0, 0, 1, 0, 2, 0, 1, 1)):

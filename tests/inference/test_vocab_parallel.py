@@ -16,8 +16,8 @@ from autopar.inference.iteration_engine import IterationEngine
 from autopar.inference.planner import plan_inference
 from autopar.inference.trace import synthetic_trace
 from autopar.inference.vocab_parallel import VocabShard, greedy_tokens, next_tokens, top_candidates
-from autopar.models import hf
 from runtime.launch import run_local
+from tests.helpers.serving import generate_alone, spread_model
 
 torch.set_num_threads(1)
 
@@ -115,22 +115,13 @@ def test_simulated_ranks_pick_what_one_process_picks(size):
 
 
 def _model():
-    """A tiny Llama with an untied head, weights spread enough (std 0.2) that greedy tokens vary."""
-    torch.manual_seed(0)
-    m = hf.hf_llama(vocab=VOCAB)[0].model.eval()
+    """A tiny Llama with an untied head, weights spread (tests/helpers/serving.py)."""
+    m = spread_model("hf_llama", VOCAB)
     assert m.config.tie_word_embeddings is False
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
     return m
 
 
-def _alone(model, prompt, new):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=new, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+_alone = generate_alone
 
 
 def _tp2_plan():
