@@ -192,10 +192,7 @@ class CodegenIterationEngine:
         """Queue a request; it joins at the next ``step`` with a free row. PlanError for what the plan cannot run."""
         prompt = [int(t) for t in prompt]
         self.check(prompt, max_new_tokens)
-        seq = Sequence(prompt, max_new_tokens, check_sampling(sampling), tag, next(self.ids),
-                       added=time.perf_counter())
-        if seq.sampling:
-            seq.generator = torch.Generator().manual_seed(seq.sampling.get("seed", 0))
+        seq = Sequence.queued(prompt, max_new_tokens, check_sampling(sampling), tag, next(self.ids))
         self.waiting.append(seq)
         return seq
 

@@ -169,10 +169,7 @@ class IterationEngine(ChunkedPrefill, StagesInFlight):
         """Queue a request; it joins at the next ``step`` with room. PlanError for what the plan cannot run."""
         prompt = [int(t) for t in prompt]
         self.check(prompt, max_new_tokens)
-        seq = Sequence(prompt, max_new_tokens, check_sampling(sampling), tag, next(self.ids),
-                       added=time.perf_counter())
-        if seq.sampling:
-            seq.generator = torch.Generator(device=self.device).manual_seed(seq.sampling.get("seed", 0))
+        seq = Sequence.queued(prompt, max_new_tokens, check_sampling(sampling), tag, next(self.ids), self.device)
         self.waiting.append(seq)
         return seq
 

@@ -2,6 +2,7 @@
 its prompt, the new tokens so far, its sampling, and when each thing happened."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,16 @@ class Sequence:
     generator: torch.Generator | None = None
     prefilled: int = 0                    # chunked prefill: prompt tokens scheduled into its prefill cache
     chunks: list[int] = field(default_factory=list)   # chunked prefill: the tokens of each chunk it ran
+
+    @classmethod
+    def queued(cls, prompt: list[int], max_new_tokens: int, sampling: dict, tag, seq_id: int,
+               device="cpu") -> "Sequence":
+        """A request as an engine queues it: added now, with its own seeded generator on
+        ``device`` when it samples (``sampling`` already checked)."""
+        seq = cls(prompt, max_new_tokens, sampling, tag, seq_id, added=time.perf_counter())
+        if sampling:
+            seq.generator = torch.Generator(device=device).manual_seed(sampling.get("seed", 0))
+        return seq
 
     @property
     def need(self) -> int:
