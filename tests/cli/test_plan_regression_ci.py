@@ -76,11 +76,12 @@ def _workflow_steps():
     return [s for s in job["steps"] if "run" in s]
 
 
-def _run_recipe(tmp_path, baseline):
-    """The workflow's plan-and-diff step, with autopar run from this checkout."""
+def _run_recipe(tmp_path, baseline, autopar=None):
+    """The workflow's plan-and-diff step, with autopar run from this checkout (or ``autopar``)."""
     (step,) = [s for s in _workflow_steps() if "plan_regression.sh" in s["run"]]
     env = dict(os.environ, **{k: str(v) for k, v in step.get("env", {}).items()})
-    env.update(AUTOPAR=f"{sys.executable} -m autopar.cli", BASELINE=str(baseline), OUT=str(tmp_path / "plan.json"),
+    env.update(AUTOPAR=autopar or f"{sys.executable} -m autopar.cli", BASELINE=str(baseline),
+               OUT=str(tmp_path / "plan.json"),
                PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), AUTOPAR_PLAN_WORKERS="1")
     return subprocess.run(["bash", "-c", step["run"]], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -97,7 +98,15 @@ def test_ci_recipe_passes_on_the_baseline_and_fails_on_a_regression(tmp_path):
     assert "0 of 2 metric(s) regressed" in res.stdout
     assert (json.loads((tmp_path / "plan.json").read_text())["fingerprint"]
             == json.loads(BASELINE.read_text())["fingerprint"])
-    # an injected regression: the baseline promised a 10% faster step
-    res = _run_recipe(tmp_path, _edited(tmp_path, "faster.json", step_time=0.9))
+    # an injected regression: the baseline promised a 10% faster step. The recipe's plan step is the
+    # one just run (plans are deterministic: its fingerprint is the baseline's), so its plan is
+    # reused instead of planned again; the recipe's diff is the real CLI's
+    planned = tmp_path / "planned.json"
+    (tmp_path / "plan.json").rename(planned)
+    cli = f"{sys.executable} -m autopar.cli"
+    wrapper = tmp_path / "autopar.sh"
+    wrapper.write_text(f'if [ "$1" = plan ]; then cp {planned} "${{@: -1}}"; else exec {cli} "$@"; fi\n')
+    res = _run_recipe(tmp_path, _edited(tmp_path, "faster.json", step_time=0.9), autopar=f"bash {wrapper}")
+    assert json.loads((tmp_path / "plan.json").read_text()) == json.loads(planned.read_text())
     assert res.returncode == 1, res.stdout + res.stderr
     assert "step_time" in res.stdout and "REGRESSION" in res.stdout

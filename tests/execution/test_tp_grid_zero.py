@@ -3,7 +3,7 @@
 in chunks padded to dp shards, gradients reduce-scattered over dp, each replica's optimizer
 stepping its shard, the updated shards all-gathered.
 
-Executed (8 gloo processes): GPT-2 on dp=2 x 2D q=2 with zero=1 and zero=2 against one process
+Executed (8 gloo processes): GPT-2 (one block) on dp=2 x 2D q=2 with zero=1 and zero=2 against one process
 (fp32, SGD momentum, 3 steps: losses rel 1e-5, parameters rel 1e-4); bytes per axis (dp
 included) equal the plan's exactly; each rank's momentum buffer holds half the padded chunks. A
 checkpoint saved after step 2 resumes exactly, both on the same plan (fresh ranks' state) and on
@@ -25,6 +25,9 @@ torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran m
 STEPS = 3
 OPT = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
 PIN = {"tp_mode": "2d", "tp_shape": [2, 2], "dp": 2}
+# executed on one GPT-2 block: every grid parameter kind (embedding, QKV, linears, norms) is in it,
+# in ZeRO chunks padded to the dp shards as with two; half of each of the 8 ranks' two compiles
+EXEC = dict(n_layer=1)
 
 
 def _cluster(n):
@@ -32,7 +35,7 @@ def _cluster(n):
 
 
 def _compile(world, plan_json):
-    model, batch = ZOO["gpt2"]()
+    model, batch = ZOO["gpt2"](**EXEC)
     return autopar.compile(model, _cluster(world), example_inputs=batch, plan=autopar.Plan.from_json(plan_json),
                            **OPT), batch
 
@@ -67,7 +70,7 @@ def _resume(rank, world, plan_json, directory):
 def test_dp2_x_2d_with_zero_trains_like_one_process_and_resumes(tmp_path, zero):
     """ZeRO-1 and ZeRO-2 (gradients reduce-scattered into shards too) over the grid's dp replicas,
     by the common ShardedOptimizer."""
-    model, batch = ZOO["gpt2"]()
+    model, batch = ZOO["gpt2"](**EXEC)
     plan = autopar.plan(model, batch, _cluster(8), precision="fp32", constraints={**PIN, "zero": zero})
     assert (plan.degrees["zero"], plan.degrees["dp"], plan.degrees["tp_mode"]) == (zero, 2, "2d")
     ck = str(tmp_path / "ck")
@@ -80,7 +83,7 @@ def test_dp2_x_2d_with_zero_trains_like_one_process_and_resumes(tmp_path, zero):
         assert stats == predicted, f"rank {r}: measured bytes per axis {stats} != plan's {predicted}"
         assert momentum == blocks // 2, (r, momentum, blocks)     # this replica's half of the padded chunks
         torch.testing.assert_close(resumed, ref_losses[-1], rtol=1e-5, atol=1e-6)
-    one = autopar.plan(*ZOO["gpt2"](), _cluster(1), precision="fp32", constraints={"dp": 1, "tp": 1})
+    one = autopar.plan(*ZOO["gpt2"](**EXEC), _cluster(1), precision="fp32", constraints={"dp": 1, "tp": 1})
     (single,) = run_local(_resume, 1, args=(one.to_json(), ck), timeout=300)
     torch.testing.assert_close(single, ref_losses[-1], rtol=1e-5, atol=1e-6)
 

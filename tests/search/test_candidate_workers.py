@@ -8,6 +8,8 @@ import pytest
 
 import autopar
 from autopar.errors import PlanError
+from autopar.frontend.fuse import uses_kernels
+from autopar.frontend.trace import trace
 from autopar.models import HF_ZOO, ZOO
 from autopar.search.candidate_workers import Lanes, worker_count
 
@@ -58,6 +60,7 @@ def test_forked_candidates_pipelined_winner_fetched_from_its_worker(monkeypatch)
     import autopar.search.candidate_workers as CW
     model, batch = ZOO["gpt2_xl"]()
     cluster = autopar.Cluster.preset("dgx-a100", nodes=4)
+    graph = trace(model, batch, kernels=uses_kernels("auto", cluster.backend))   # traced once, for both plans
     monkeypatch.setattr(PF, "FORK_MIN_SECONDS", 0.0)
     # two workers whatever the machine (and whatever threads earlier tests in this process left)
     monkeypatch.setattr(CW, "worker_count", lambda: 2)
@@ -65,11 +68,11 @@ def test_forked_candidates_pipelined_winner_fetched_from_its_worker(monkeypatch)
     calls = []
     evaluate = PC.Pipelined._evaluate
     monkeypatch.setattr(PC.Pipelined, "_evaluate", lambda self, *a: calls.append(os.getpid()) or evaluate(self, *a))
-    forked = autopar.plan(model, batch, cluster)
+    forked = autopar.plan(model, batch, cluster, traced=graph)
     assert forked.stats["pipeline_workers"] == 2 and forked.degrees["pp"] > 1
     assert os.getpid() not in calls   # the winner was fetched, not evaluated again here
     monkeypatch.setattr(PF, "FORK_WORKERS", False)
-    alone = autopar.plan(model, batch, cluster)
+    alone = autopar.plan(model, batch, cluster, traced=graph)
     assert _plan_json(forked) == _plan_json(alone)
 
 

@@ -226,6 +226,7 @@ def test_block_floor_is_below_every_block_of_a_pipelined_plan(pins):
 def _free_with(case, proven: bool, monkeypatch, record=None):
     """The free plan of ``case`` (model, batch, cluster) pruned by the estimates or, with
     ``proven``, by the bounds valid for any partition (pipeline_candidates.PROVEN_BOUNDS);
+    ``case`` may carry its traced graph fourth (``_traced``);
     ``record``: (bound, step) of every pipelined candidate evaluated (step None where its inner
     search was cut off or found nothing that fits)."""
     import autopar.search.pipeline_candidates as pc
@@ -245,10 +246,18 @@ def _free_with(case, proven: bool, monkeypatch, record=None):
             return out
         monkeypatch.setattr(pc.Pipelined, "candidates", recorded_candidates)
         monkeypatch.setattr(pc.Pipelined, "_evaluate", recorded_evaluate)
-    model, batch, cluster = case
-    plan = autopar.plan(model, batch, cluster)
+    model, batch, cluster, *graph = case
+    plan = autopar.plan(model, batch, cluster, traced=graph[0] if graph else None)
     monkeypatch.undo()
     return plan
+
+
+def _traced(case):
+    """``case`` with its graph traced once (as autopar.plan would), for both of its plans: a trace
+    of a large model is a good share of its planning time."""
+    from autopar.frontend.fuse import uses_kernels
+    model, batch, cluster = case
+    return model, batch, cluster, trace(model, batch, kernels=uses_kernels("auto", cluster.backend))
 
 
 def _gpt_on(nodes, **shape):
@@ -268,7 +277,7 @@ def test_estimates_prune_no_plan_the_proven_bounds_find(name, monkeypatch):
     """The estimates the search prunes pipelined candidates with find the plan that bounds valid
     for any stage partition find; and under those bounds, each evaluated candidate's bound is
     below the step it was evaluated to."""
-    case = CASES[name]()
+    case = _traced(CASES[name]())
     seen = []
     proven = _free_with(case, True, monkeypatch, seen)
     estimated = _free_with(case, False, monkeypatch)
@@ -284,7 +293,7 @@ def test_estimates_prune_no_plan_on_narayanans_18b_row(monkeypatch):
     the estimates as by the proven bounds, with a pipelined candidate evaluated under the latter."""
     from benchmarks.bench_never_worse import model_of
     model, batch = model_of(48, 6144, 40, 1024)
-    case = (model, batch, autopar.Cluster.preset("dgx-a100", nodes=32))
+    case = _traced((model, batch, autopar.Cluster.preset("dgx-a100", nodes=32)))
     seen = []
     proven = _free_with(case, True, monkeypatch, seen)
     estimated = _free_with(case, False, monkeypatch)

@@ -56,7 +56,9 @@ def test_bounds_are_below_every_configurations_plan(case):
     from autopar.search.configurations import check_constraints
     cache = {}
     for cfg in configurations(g, cluster, _base(cluster), check_constraints(cons)):
-        c = cache.setdefault(cfg.mesh, candidates(g, cfg.mesh))
+        if cfg.mesh not in cache:   # per mesh (setdefault's argument ran for every configuration)
+            cache[cfg.mesh] = candidates(g, cfg.mesh)
+        c = cache[cfg.mesh]
         P = price(c, cluster, cfg.settings, edges=False)
         node_bound = step_time_lower_bound(P)
         price_edges(c, cluster, cfg.settings, P)
@@ -258,7 +260,9 @@ def test_zero2_relaxation_is_at_most_zero1s(case):
     for cfg in configurations(g, cluster, _base(cluster), check_constraints(cons)):
         if cfg.settings.zero not in (1, 2):
             continue
-        c = cache.setdefault(cfg.mesh, candidates(g, cfg.mesh))
+        if cfg.mesh not in cache:
+            cache[cfg.mesh] = candidates(g, cfg.mesh)
+        c = cache[cfg.mesh]
         P = price(c, cluster, cfg.settings, edges=True)
         relaxed = bound_problem(build_problem(c, P, cfg.settings), P)
         lps[cfg.mesh, cfg.settings.num_micro_batches, cfg.settings.zero] = relaxation_bound(relaxed)

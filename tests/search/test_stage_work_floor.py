@@ -5,6 +5,7 @@ step; and it prunes a candidate against a real incumbent that the compute floor 
 import pytest
 
 import autopar
+from autopar.frontend.fuse import uses_kernels
 from autopar.frontend.trace import trace
 from autopar.models import ZOO
 from autopar.pricing.price import Settings
@@ -63,9 +64,10 @@ def test_proven_search_with_the_stage_work_floor_finds_the_estimates_plan(monkey
     model, batch = ZOO["gpt2"](device="meta", n_layer=6, d_model=16384, n_head=128, seq=2048, batch=6,
                                vocab=51200)
     cluster = autopar.Cluster.preset("dgx-a100", nodes=3)
-    estimated = autopar.plan(model, batch, cluster)
+    graph = trace(model, batch, kernels=uses_kernels("auto", cluster.backend))   # traced once, for both plans
+    estimated = autopar.plan(model, batch, cluster, traced=graph)
     monkeypatch.setattr(pc, "PROVEN_BOUNDS", True)
     monkeypatch.setattr(pc, "MESH_WORK_FLOOR", True)
-    proven = autopar.plan(model, batch, cluster)
+    proven = autopar.plan(model, batch, cluster, traced=graph)
     assert estimated.degrees["pp"] > 1
     assert (proven.degrees, proven.step_time) == (estimated.degrees, estimated.step_time)
