@@ -51,7 +51,7 @@ def _served(plan: str, backend: str) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_serve_backend_codegen_answers_what_modules_answers(tmp_path):
-    """Continuous batching, two servers on one plan (about 110 s here)."""
+    """Continuous batching, two servers on one plan (40-110 s here, as loaded)."""
     plan = _plan(tmp_path, "continuous")
     codegen = _served(plan, "codegen")
     assert all(len(t) == 3 for t in codegen)
