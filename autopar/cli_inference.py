@@ -53,7 +53,12 @@ def _inference_plan(args, model, cluster):
     import torch
     if getattr(args, "plan", None):
         return InferencePlan.load(args.plan)
-    dtype = args.dtype or ("fp32" if cluster.backend == "gloo" else "bf16")
+    codegen = getattr(args, "backend", "modules") == "codegen"
+    # serve --backend codegen runs fp32 and no replicas: plan for that unless told otherwise
+    dtype = args.dtype or ("fp32" if cluster.backend == "gloo" or codegen else "bf16")
+    constraints = parse_pairs(args.constraint, "--constraint")
+    if codegen and isinstance(constraints, dict):
+        constraints.setdefault("dp", 1)
     trace = getattr(args, "trace", None)
     if getattr(args, "prefill_chunk", None) and (not trace or args.batching != "chunked"):
         raise PlanError(f"--prefill-chunk {args.prefill_chunk} applies to serving a --trace with --batching chunked "
@@ -61,7 +66,7 @@ def _inference_plan(args, model, cluster):
     new = args.max_new_tokens if args.max_new_tokens is not None or trace else 64
     return plan_inference(model, None if trace else torch.zeros(args.batch, args.prompt_len, dtype=torch.long),
                           cluster, max_new_tokens=new, slo=_slo_arg(args.slo),
-                          constraints=parse_pairs(args.constraint, "--constraint"), dtype=dtype,
+                          constraints=constraints, dtype=dtype,
                           memory_budget=args.memory_budget, trace=trace,
                           **({"batching": args.batching} if trace else {}),
                           **({"prefill_chunk": args.prefill_chunk} if getattr(args, "prefill_chunk", None) else {}))
@@ -80,7 +85,8 @@ def cmd_plan_inference(args) -> int:
     return 0
 
 
-def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait, name, timeout_s):
+def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait, name, timeout_s,
+                backend="modules"):
     from datetime import timedelta
 
     from autopar.inference.engine import compile_inference
@@ -91,16 +97,16 @@ def _serve_rank(rank, world, model, tokenizer, plan_json, host, port, batch_wait
     batching = plan.predictions.get("batching", "static")
     if batching in ("continuous", "chunked"):   # a chunked plan's engine prefills in its chunks
         from autopar.inference.iteration_engine import IterationEngine
-        engine = IterationEngine.from_plan(model, plan, collective_timeout=timeout)
+        engine = IterationEngine.from_plan(model, plan, collective_timeout=timeout, backend=backend)
     else:
-        engine = compile_inference(model, plan=plan, collective_timeout=timeout)
+        engine = compile_inference(model, plan=plan, collective_timeout=timeout, backend=backend)
     limits = Limits(plan.prompt_len, plan.max_new_tokens, plan.batch_size * plan.dp,
                     vocab_size=plan.model.get("vocab"))
     if rank == 0:
         how = (f"chunked batching ({plan.predictions['prefill_chunk']} tokens an iteration)" if batching == "chunked"
                else f"{batching} batching")
         print(f"autopar serve: http://{host}:{port}/v1/completions ({world} rank(s), tp={plan.tp} pp={plan.pp} "
-              f"dp={plan.dp}, {how}, batch {limits.max_batch}, prompt <= {plan.prompt_len}, "
+              f"dp={plan.dp}, {how}, {backend} backend, batch {limits.max_batch}, prompt <= {plan.prompt_len}, "
               f"max_tokens <= {plan.max_new_tokens})", flush=True)
     serve(engine, limits, host=host, port=port, tokenizer=tokenizer, predictions=plan.predictions,
           batch_wait=batch_wait, model_name=name, batching=batching)
@@ -124,13 +130,17 @@ def cmd_serve(args) -> int:
         raise PlanError(f"--batch-wait-ms {args.batch_wait_ms:g} applies to static batching; under the plan's "
                         f"{batching} batching a request joins the running batch at the next iteration: drop it, or "
                         f"plan with --batching static")
+    if args.backend == "codegen":   # what the codegen engines refuse, refused here before any rank starts
+        from autopar.inference.codegen_engine import check_codegen_plan
+        from autopar.inference.codegen_iteration import check_iteration_plan
+        (check_codegen_plan if batching == "static" else check_iteration_plan)(plan)
     wait_ms = BATCH_WAIT_MS if args.batch_wait_ms is None else args.batch_wait_ms
     if args.collective_timeout is not None and not args.collective_timeout > 0:
         raise PlanError(f"--collective-timeout must be a positive number of seconds, got {args.collective_timeout:g}")
     # a collective waits at most this long: a rank that failed mid-forward fails its peers after it
     # (rank 0's jobs, which idle ranks wait for, travel on a group without a timeout: server.py)
     timeout_s = DEFAULT_TIMEOUT_S if args.collective_timeout is None else args.collective_timeout
-    run = (model, tokenizer, plan.to_json(), args.host, args.port, wait_ms / 1e3, args.factory, timeout_s)
+    run = (model, tokenizer, plan.to_json(), args.host, args.port, wait_ms / 1e3, args.factory, timeout_s, args.backend)
     if plan.world_size == 1 or "RANK" in os.environ:
         import torch.distributed as dist
         if "RANK" in os.environ and not dist.is_initialized():   # torchrun: idle servers wait for requests
@@ -198,4 +208,9 @@ def add_parsers(sub) -> None:
                          f"timeout, default {DEFAULT_TIMEOUT_S:g}; set it above the slowest step or batch); a rank "
                          f"that fails mid-forward then fails its peers instead of hanging them, and the server "
                          f"answers 503 and stops")
+    sv.add_argument("--backend", choices=("modules", "codegen"), default="modules",
+                    help="what runs the generation: modules (the model's own modules, sliced; the default) or "
+                         "codegen (autopar's own generated per-rank programs: tp and pp, fp32, greedy or sampled, "
+                         "static or continuous batching, not chunked or dp; planned here, it plans fp32 with dp=1; "
+                         "docs/inference.md)")
     sv.set_defaults(fn=cmd_serve)

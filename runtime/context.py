@@ -81,23 +81,37 @@ def set_current(ctx: Context | None) -> None:
     _CTX = ctx
 
 
-def setup(mesh, device: str = "cpu", pp: int = 1) -> Context:
+def _timed(group, timeout):
+    """``group`` waiting at most ``timeout`` in a collective. torch's default group (what
+    ``init_device_mesh`` hands back for an axis spanning every rank) is not changed: a group of
+    the same ranks is made in its place."""
+    if timeout is None or group is None:
+        return group
+    if group is dist.group.WORLD:
+        return dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
+    group.set_timeout(timeout)
+    return group
+
+
+def setup(mesh, device: str = "cpu", pp: int = 1, timeout=None) -> Context:
     """Create the process groups of ``mesh`` (collective: every rank must call it) and make them
     the current context. Requires an initialised default process group of ``mesh.size`` ranks,
     or ``pp * mesh.size`` with ``pp`` pipeline stages: then ``mesh`` is one stage's sub-mesh, the
     global mesh is (pp, *mesh) with stage s on ranks [s * mesh.size, (s + 1) * mesh.size), every
     axis group stays inside a stage, and ``extra`` holds ``stage`` and ``pp_group`` (this rank's
-    counterparts on every stage, the pipeline's point-to-point group)."""
+    counterparts on every stage, the pipeline's point-to-point group). ``timeout`` (a
+    ``datetime.timedelta``): the longest a collective on these groups waits for a peer before it
+    raises; None leaves them the default group's."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _guard_exit()
     rank = dist.get_rank()
     if pp > 1:
         dm = init_device_mesh(device, (pp, *mesh.shape), mesh_dim_names=("pp", *mesh.names))
-        groups = {a: dm.get_group(mesh.names[a]) for a in range(mesh.ndim)}
+        groups = {a: _timed(dm.get_group(mesh.names[a]), timeout) for a in range(mesh.ndim)}
     else:
         dm = init_device_mesh(device, tuple(mesh.shape), mesh_dim_names=tuple(mesh.names))
-        groups = {a: dm.get_group(a) for a in range(mesh.ndim)}
+        groups = {a: _timed(dm.get_group(a), timeout) for a in range(mesh.ndim)}
     stage, local = divmod(rank, mesh.size)
     labels = {a: mesh.names[a] for a in range(mesh.ndim)}
     data_axes = [a for a in mesh.data_axes() if mesh.shape[a] > 1]
@@ -115,13 +129,13 @@ def setup(mesh, device: str = "cpu", pp: int = 1) -> Context:
                 c = mesh.coords(r)
                 buckets.setdefault(tuple(c[a] for a in model_axes), []).append(s * mesh.size + r)
             for key in sorted(buckets):
-                g = dist.new_group(buckets[key])
+                g = dist.new_group(buckets[key], timeout=timeout)
                 if s == stage and key == tuple(coords[a] for a in model_axes):
                     data_group = g
     ctx = Context(mesh=mesh, rank=rank, coords=tuple(mesh.coords(local)), groups=groups, labels=labels,
                   data_group=data_group, device_mesh=dm)
     if pp > 1:
-        ctx.extra.update(stage=stage, pp_group=dm.get_group("pp"))
+        ctx.extra.update(stage=stage, pp_group=_timed(dm.get_group("pp"), timeout))
     set_current(ctx)
     return ctx
 

@@ -143,11 +143,13 @@ def sampler(model, options: dict):
 
 class CodegenEngine:
     """``InferenceEngine``'s interface (``generate``, ``kv_cache_bytes``, ``last_timing``) on a
-    ``StepRunner`` (module doc)."""
+    ``StepRunner`` (module doc). ``collective_timeout`` (a timedelta): how long the programs'
+    collectives wait for a peer (runtime.context.setup's groups; the default group's when None)."""
 
     backend = "codegen"
 
-    def __init__(self, model, plan: InferencePlan, weights: str | None = None, cluster=None):
+    def __init__(self, model, plan: InferencePlan, weights: str | None = None, cluster=None,
+                 collective_timeout=None):
         check_codegen_plan(plan)
         self.plan = plan
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -175,7 +177,7 @@ class CodegenEngine:
         steps = self.planned_steps(step_cluster(plan, cluster))
         if self.world > 1:   # the programs' process groups (one process: no collectives)
             from runtime import context as RC
-            RC.setup(steps[1].plan.mesh, pp=plan.pp)
+            RC.setup(steps[1].plan.mesh, pp=plan.pp, timeout=collective_timeout)
         read = None if self.read is None else (lambda fqn, sl: self.read(fqn, [sl], 0))
         if plan.pp > 1:
             unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]

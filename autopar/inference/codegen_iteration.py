@@ -34,8 +34,9 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   seeded generator, the same on every rank.
 
 Refused (PlanError, naming what runs it): ``dp > 1``, chunked prefill, dtypes other
-than fp32 (``backend="modules"`` runs them all). ``collective_timeout`` is not applied to the
-programs' groups (runtime.context makes them with the default group's timeout).
+than fp32 (``backend="modules"`` runs them all). ``collective_timeout`` (a timedelta) is the
+programs' groups' timeout (``runtime.context.setup(..., timeout=)``; the default group's when None);
+the jobs group has none, as ``IterationEngine``'s.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ class CodegenIterationEngine:
 
     backend = "codegen"
 
-    def __init__(self, model, plan, weights: str | None = None, cluster=None):
+    def __init__(self, model, plan, weights: str | None = None, cluster=None, collective_timeout=None):
         check_iteration_plan(plan)
         self.plan = plan
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -127,7 +128,7 @@ class CodegenIterationEngine:
         steps = self.planned_steps(step_cluster(plan, cluster))
         if self.world > 1:   # the programs' process groups
             from runtime import context as RC
-            RC.setup(steps[1].plan.mesh, pp=plan.pp)
+            RC.setup(steps[1].plan.mesh, pp=plan.pp, timeout=collective_timeout)
         blocks = None if read is None else (lambda fqn, sl: read(fqn, [sl], 0))
         if plan.pp > 1:
             unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]

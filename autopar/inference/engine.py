@@ -239,9 +239,5 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, we
         raise PlanError(f"{sorted(plan_options)}: planning options are for compile_inference without a plan")
     if backend == "codegen":
         from autopar.inference.codegen_engine import CodegenEngine
-        if collective_timeout is not None:
-            raise PlanError('collective_timeout is not honoured by backend="codegen" (its programs\' process '
-                            'groups, runtime/context.py, take torch\'s default timeout): leave it unset or use '
-                            'backend="modules"')
-        return CodegenEngine(model, plan, weights, cluster)
+        return CodegenEngine(model, plan, weights, cluster, collective_timeout=collective_timeout)
     return InferenceEngine(model, plan, weights, collective_timeout)

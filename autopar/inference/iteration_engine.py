@@ -140,7 +140,7 @@ class IterationEngine(ChunkedPrefill, StagesInFlight):
         tp and pp, not dp)."""
         if backend == "codegen":
             from autopar.inference.codegen_iteration import CodegenIterationEngine
-            return CodegenIterationEngine(model, plan, weights=weights)
+            return CodegenIterationEngine(model, plan, weights=weights, collective_timeout=collective_timeout)
         if backend != "modules":
             raise PlanError(f'backend={backend!r} is not an iteration engine backend: use "modules" (the model\'s '
                             f'modules, the default) or "codegen" (autopar\'s generated programs)')

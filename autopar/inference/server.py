@@ -21,7 +21,8 @@
   ``max_tokens``.
 - ``GET /v1/models`` (the one model) and ``GET /health``; ``GET /metrics``: requests, batches,
   tokens, the mean queue and generate times, and the measured TTFT (queue + the engine's time to
-  the first new token) and time per output token next to the plan's predictions.
+  the first new token) and time per output token next to the plan's predictions, and the engine's
+  ``backend`` (``"modules"`` or ``"codegen"``).
 
 Bad requests get HTTP 400 with OpenAI's error object (``{"error": {"message", "type", "param"}}``),
 never a stack trace: a prompt longer than the plan's prompt length, more tokens than its cache
@@ -168,12 +169,13 @@ class Stats:
 
 def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", tokenizer=None,
              predictions: dict | None = None, batch_wait: float = 0.01, pad_id: int = 0,
-             batching: str = "static") -> FastAPI:
+             batching: str = "static", backend: str = "modules") -> FastAPI:
     """The application. ``batching="static"``: ``engine_generate(input_ids, max_new_tokens,
     attention_mask)`` runs one batch (``LeaderGenerate(engine)`` on several ranks, ``engine.generate``
     on one); ``batching="continuous"`` or ``"chunked"``: ``engine_generate`` is an ``IterationEngine``
     (``add`` / ``step``; chunked: built with the plan's prefill chunk), and ``batch_wait`` does not
-    apply (a request joins at the next iteration)."""
+    apply (a request joins at the next iteration). ``backend``: what runs the engine ("modules" or
+    "codegen", ``autopar serve --backend``), reported by ``/metrics``."""
     if batching not in BATCHING:
         raise PlanError(f"batching={batching!r} is not served; use one of {', '.join(map(repr, BATCHING))}")
     if batching != "static":   # continuous, or chunked: the IterationEngine prefills in its chunks
@@ -219,7 +221,7 @@ def make_app(engine_generate, limits: Limits, *, model_name: str = "autopar", to
                 "mean_time_per_output_token_s": stats.per_token_s / n,
                 "measured": {"ttft": stats.ttft_s / max(stats.timed, 1), "tpot": stats.tpot_s / max(stats.timed, 1),
                              "prefill": stats.prefill_s / max(stats.timed, 1), "requests_timed": stats.timed},
-                "predicted": predictions or {}}
+                "predicted": predictions or {}, "backend": backend}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -274,6 +276,7 @@ def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, bat
     import uvicorn
 
     from autopar.inference.rank_jobs import LeaderGenerate, follow
+    app_options.setdefault("backend", getattr(engine, "backend", "modules"))   # /metrics: what ran
 
     if batching != "static":   # rank 0 decides each iteration's admissions, the others follow
         from autopar.inference.iteration_ranks import LeaderIterations, follow_iterations
