@@ -54,7 +54,7 @@ from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import PlannedStep, full_cache_config
 from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, check_sequence, checkpoint_reader
 from autopar.inference.model_shape import causal_lm
-from autopar.inference.sequence import Sequence
+from autopar.inference.sequence import IDLE_TIMEOUT, Sequence, step_until_idle
 from autopar.inference.vocab_parallel import VocabShard, next_tokens
 
 
@@ -143,7 +143,6 @@ class CodegenIterationEngine:
         self.vocab_shard = VocabShard()          # whole logits on every rank
         self.jobs = None
         if self.world > 1:
-            from autopar.inference.iteration_engine import IDLE_TIMEOUT
             self.jobs = dist.new_group(timeout=IDLE_TIMEOUT)
         self.default_top_k = getattr(gc, "top_k", None) or 0
         self.default_top_p = getattr(gc, "top_p", None) or 1.0
@@ -210,7 +209,6 @@ class CodegenIterationEngine:
         return out
 
     def run_until_idle(self) -> list[Sequence]:
-        from autopar.inference.iteration_engine import step_until_idle
         return step_until_idle(self)
 
     # --- the iteration ------------------------------------------------------------------------------

@@ -59,7 +59,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -70,7 +69,7 @@ from autopar.inference.engine_inputs import check_sequence
 from autopar.inference.iteration_chunks import ChunkedPrefill
 from autopar.inference.iteration_stages import StagesInFlight
 from autopar.inference.model_shape import causal_lm
-from autopar.inference.sequence import Sequence
+from autopar.inference.sequence import IDLE_TIMEOUT, Sequence, step_until_idle
 from autopar.inference.vocab_parallel import VocabShard, next_tokens
 
 
@@ -353,20 +352,11 @@ class IterationEngine(ChunkedPrefill, StagesInFlight):
             layer.values = layer.values[index, :, start:]
         batch.running = [batch.running[i] for i in keep]
 
-IDLE_TIMEOUT = timedelta(days=365)  # rank 0's jobs: the other ranks wait for the next however long
 
 
 def distributed() -> bool:
     """More than one process in the default group."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def step_until_idle(stepper) -> list[Sequence]:
-    """``stepper.step()`` until ``stepper.idle``; the sequences in the order they finished."""
-    out = []
-    while not stepper.idle:
-        out += stepper.step()
-    return out
 
 
 def _own_layers(cache) -> list:

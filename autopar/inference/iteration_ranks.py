@@ -48,8 +48,8 @@ import torch.distributed as dist
 
 from autopar.errors import ExecutionError
 from autopar.inference.engine import check_sampling
-from autopar.inference.iteration_engine import IterationEngine, distributed, step_until_idle
-from autopar.inference.sequence import Sequence
+from autopar.inference.iteration_engine import IterationEngine, distributed
+from autopar.inference.sequence import Sequence, step_until_idle
 
 
 class RanksOutOfStep(ExecutionError, RuntimeError):

@@ -1,9 +1,11 @@
-"""``Sequence``: one request in the continuous-batching engine (autopar/inference/iteration_engine.py):
-its prompt, the new tokens so far, its sampling, and when each thing happened."""
+"""``Sequence``: one request in a continuous-batching engine (autopar/inference/iteration_engine.py,
+codegen_iteration.py): its prompt, the new tokens so far, its sampling, and when each thing
+happened; and what both engines share: ``step_until_idle`` and ``IDLE_TIMEOUT``."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 
@@ -54,3 +56,14 @@ class Sequence:
 
 
 __all__ = ["Sequence"]
+
+
+IDLE_TIMEOUT = timedelta(days=365)  # rank 0's jobs: the other ranks wait for the next however long
+
+
+def step_until_idle(stepper) -> list[Sequence]:
+    """``stepper.step()`` until ``stepper.idle``; the sequences in the order they finished."""
+    out = []
+    while not stepper.idle:
+        out += stepper.step()
+    return out

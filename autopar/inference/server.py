@@ -293,7 +293,7 @@ def serve(engine, limits: Limits, host: str = "127.0.0.1", port: int = 8000, bat
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # rank 0's batches on a group without a timeout (idle ranks wait there); a failure that may
         # leave the ranks out of step: RanksOutOfStep (503 here, the other ranks stop)
-        from autopar.inference.iteration_engine import IDLE_TIMEOUT
+        from autopar.inference.sequence import IDLE_TIMEOUT
         jobs = dist.new_group(timeout=IDLE_TIMEOUT)
         several = engine.plan.tp * engine.plan.pp > 1
         if dist.get_rank() != 0:
