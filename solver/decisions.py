@@ -25,7 +25,7 @@ import itertools
 import time
 
 from solver.problem import Problem
-from solver.problem_checks import memory_floor_exceeds_budget
+from solver.problem_checks import floor_exceeds_budget, memory_floor_parts
 
 MAX_SPLIT_GROUPS = 4   # free checkpoint groups split into pinned decisions (module doc)
 
@@ -56,7 +56,9 @@ def pinned_problems(problem: Problem) -> list[Problem]:
 def each_pinned(problem: Problem, time_limit: float | None, t0: float):
     """(pinned problem, seconds left of ``time_limit`` since ``t0`` or None) for each allowed
     decision some choice can fit under (``memory_floor_exceeds_budget`` proves the others out
-    without a solver: GPT 18.4B's none and selective)."""
+    without a solver: GPT 18.4B's none and selective). The floors are computed once for all
+    decisions (``memory_floor_parts``: the pins change only which of a group's two is taken)."""
+    parts = memory_floor_parts(problem)
     for sub in pinned_problems(problem):
-        if not memory_floor_exceeds_budget(sub):
+        if not floor_exceeds_budget(parts, sub):
             yield sub, None if time_limit is None else max(0.05, time_limit - (time.perf_counter() - t0))

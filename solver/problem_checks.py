@@ -145,24 +145,48 @@ def _sum_terms(terms, sizes) -> dict[int, np.ndarray]:
     return out
 
 
+def memory_floor_parts(problem: Problem) -> list[tuple[int, float, list[tuple[int, float, float]]]]:
+    """What ``memory_floor_exceeds_budget`` sums, per memory constraint with a finite budget:
+    (its index, its constant plus each node's smallest bytes, per listed checkpoint group (index,
+    smallest saved bytes, smallest kept bytes)). None of it depends on the groups' ``forced``
+    pins, so the pinned decisions of one problem (solver/decisions.py ``each_pinned``) share it;
+    a group's two floors are computed once however many constraints list it."""
+    sizes = [len(c) for c in problem.costs]
+
+    def floor(terms) -> float:
+        return float(sum(float(arr.min()) for arr in _sum_terms(terms, sizes).values() if len(arr)))
+
+    groups: dict[int, tuple[float, float]] = {}
+    parts = []
+    for mi, m in enumerate(problem.memory):
+        if not math.isfinite(m.budget):
+            continue
+        per_group = []
+        for gi in m.groups:
+            if gi not in groups:
+                g = problem.checkpoint_groups[gi]
+                groups[gi] = (floor(g.saved), floor(g.kept))
+            per_group.append((gi, *groups[gi]))
+        parts.append((mi, m.const + floor(m.terms), per_group))
+    return parts
+
+
+def floor_exceeds_budget(parts, problem: Problem) -> bool:
+    """``memory_floor_exceeds_budget`` from ``memory_floor_parts`` (of ``problem`` or of a problem
+    that differs from it in the groups' ``forced`` pins only), under ``problem``'s pins."""
+    for mi, total, per_group in parts:
+        m = problem.memory[mi]
+        for gi, saved, kept in per_group:
+            forced = problem.checkpoint_groups[gi].forced
+            total += saved if forced is False else kept if forced else min(saved, kept)
+        if total > m.budget + _MEM_RTOL * max(1.0, abs(m.budget)):
+            return True
+    return False
+
+
 def memory_floor_exceeds_budget(problem: Problem) -> bool:
     """True when some memory constraint cannot hold whatever the choice: its constant plus each
     node's smallest bytes plus, per checkpoint group, the smaller of its smallest saved and
     kept bytes (recompute working sets taken as 0) is over budget. Pure numpy, a quick
     infeasibility test before the solver spends seconds proving it."""
-    def floor(terms) -> float:
-        return float(sum(float(np.min(arr)) for _, arr in terms if len(arr)))
-
-    for m in problem.memory:
-        if not math.isfinite(m.budget):
-            continue
-        total = m.const + floor(_sum_terms(m.terms, [len(c) for c in problem.costs]).items())
-        for gi in m.groups:
-            g = problem.checkpoint_groups[gi]
-            sizes = [len(c) for c in problem.costs]
-            saved = floor(_sum_terms(g.saved, sizes).items())
-            kept = floor(_sum_terms(g.kept, sizes).items())
-            total += saved if g.forced is False else kept if g.forced else min(saved, kept)
-        if total > m.budget + _MEM_RTOL * max(1.0, abs(m.budget)):
-            return True
-    return False
+    return floor_exceeds_budget(memory_floor_parts(problem), problem)

@@ -50,7 +50,7 @@ def selective_groups(c: Candidates, P: Priced, s: Settings, groups: dict, cgroup
             if mode == "selective":
                 grp.forced = False   # nothing selective to do in this group: none
             continue
-        nodes = {n.name: n for n in c.graph.gm.graph.nodes}
+        nodes = c.memo.nodes_by_name(c.graph)
         inside = set(core)
         ins = [p for n in core for p in nodes[n].all_input_nodes if p.name not in inside]
         outs = [n for n in core if any(u.name not in inside for u in nodes[n].users)]

@@ -51,6 +51,16 @@ class PricingMemo:
     batch_free: dict = field(default_factory=dict)   # storage root -> carries no batch
     grad_numel: int | None = None   # elements of the trained parameters (gradient buckets)
     global_batch: int | None = None
+    # graph node name -> fx node, and block group -> the storage roots its first instance reads
+    # from outside (autopar/search/build.py): built once, not per problem built
+    graph_nodes: dict | None = None
+    block_inputs: dict = field(default_factory=dict)
+
+    def nodes_by_name(self, graph) -> dict:
+        """``{name: fx node}`` of ``graph`` (this memo's candidates' graph)."""
+        if self.graph_nodes is None:
+            self.graph_nodes = {n.name: n for n in graph.gm.graph.nodes}
+        return self.graph_nodes
 
 
 @dataclass

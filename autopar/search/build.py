@@ -33,7 +33,9 @@ def build_problem(c: Candidates, P: Priced, s: Settings, liveness_points: int = 
     # Activation terms: block nodes go to their checkpoint group, the rest are always saved.
     groups: dict[int, CheckpointGroup] = {}
     plain_saved = []
-    block_inputs = {g: _block_input_roots(c, g) for g in range(len(c.graph.blocks))}
+    memo = c.memo.block_inputs   # depends on the graph and storage roots only: once per candidates
+    block_inputs = {g: memo[g] if g in memo else memo.setdefault(g, _block_input_roots(c, g))
+                    for g in range(len(c.graph.blocks))}
     for n in reps:
         if c.nodes[n].kind != "op" or not P.saved[n].any():
             continue
@@ -98,7 +100,7 @@ def _block_input_roots(c: Candidates, g: int) -> set[str]:
     outside itself (parameters and buffers excluded): what a checkpoint region keeps."""
     inst = c.graph.blocks[g].instances[0]
     inside = set(inst)
-    nodes = {n.name: n for n in c.graph.gm.graph.nodes}
+    nodes = c.memo.nodes_by_name(c.graph)
     roots = set()
     for name in inst:
         for p in tensor_inputs(nodes[name]):
