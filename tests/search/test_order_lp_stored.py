@@ -50,3 +50,26 @@ def test_stored_optima_are_below_the_simulated_step(case):
     work = m * (sum(fwd) + sum(bwd)) / pp
     assert (schedule, pp, m) in UNITS
     assert work * UNITS[(schedule, pp, m)] <= step * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("pins", [{"pp": 2, "num_micro_batches": 4}, {"pp": 4, "num_micro_batches": 16},
+                                  {"pp": 2, "num_micro_batches": 8, "pp_schedule": "interleaved-1f1b"},
+                                  {"pp": 4, "num_micro_batches": 16, "pp_schedule": "interleaved-1f1b"}])
+def test_proven_step_with_stored_optima_is_below_pinned_plans(pins):
+    """The planner's proven bound (``proven_step``: the closed forms and the stored order LP, from
+    the compute and block floors) is below the step of plans of the candidate on a small gpt2."""
+    import autopar
+    from autopar.frontend.trace import trace
+    from autopar.models import ZOO
+    from autopar.pricing.price import Settings
+    from autopar.search.pipeline_bounds import block_time_floor, device_floors, proven_step
+    model, batch = ZOO["gpt2"](n_layer=8, d_model=256, n_head=8, seq=64, batch=32)
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=1)
+    graph = trace(model, batch)
+    floor, block = device_floors(graph, cluster, Settings(budget=float(cluster.device.memory_bytes)))
+    schedule, pp, m = pins.get("pp_schedule", "1f1b"), pins["pp"], pins["num_micro_batches"]
+    assert (schedule, pp, m) in UNITS   # premise: the stored optimum is what bounds it
+    bound = proven_step(schedule, pp, m, floor, block_time_floor(block, pp, m))
+    assert bound >= floor * UNITS[(schedule, pp, m)]
+    plan = autopar.plan(model, batch, cluster, traced=graph, constraints=pins)
+    assert 0 < bound <= plan.step_time * (1 + 1e-9), (bound, plan.step_time)
