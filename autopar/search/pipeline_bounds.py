@@ -368,5 +368,5 @@ def proven_step(schedule: str, pp: int, m: int, work: float, block: float) -> fl
 __all__ = ["BLOCK_FILL_DRAIN_SCHEDULES", "FILL_DRAIN_SCHEDULES", "ORDER_LP_SCHEDULES", "block_time_floor",
            "cutoff_factor", "device_block_floor", "device_compute_floor", "device_floors", "device_recompute_floor",
            "equal_stage_factor",
-           "fill_drain_factor", "least_pipelined_step", "order_lp_step", "order_lp_unit", "proven_step", "solve_order_lp",
-           "shared_fill_drain_factor"]
+           "fill_drain_factor", "least_pipelined_step", "order_lp_step", "order_lp_unit", "proven_step",
+           "shared_fill_drain_factor", "solve_order_lp"]

@@ -73,3 +73,11 @@ def test_proven_step_with_stored_optima_is_below_pinned_plans(pins):
     assert bound >= floor * UNITS[(schedule, pp, m)]
     plan = autopar.plan(model, batch, cluster, traced=graph, constraints=pins)
     assert 0 < bound <= plan.step_time * (1 + 1e-9), (bound, plan.step_time)
+
+
+def test_the_module_ends_with_its_table_as_format_table_writes_it():
+    """``write_table`` rewrites the module's end with ``format_table``: the stored text is that."""
+    from autopar.search import order_lp_stored
+    text = open(order_lp_stored.__file__).read()
+    assert text.endswith(order_lp_stored.format_table(UNITS))
+    assert text.count(order_lp_stored.TABLE_MARKER + "\n_ROWS") == 1
