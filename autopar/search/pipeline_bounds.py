@@ -69,7 +69,9 @@ event lasting its actions' total time after the head, with its dependencies on o
 dropped: the real completion times still satisfy every kept constraint (the lump ends when its
 last action does), and dropping constraints only lowers the optimum. Larger orders than
 ``ORDER_LP_EVENTS`` events are not solved (0: the closed forms alone). The solver's optimum is
-scaled down by ``_LP_SAFETY`` against its tolerances. Under 1F1B and GPipe it reaches the
+scaled down by ``_LP_SAFETY`` against its tolerances. At b = 0 the optima of the
+free search's usual (schedule, pp, m) are stored (autopar/search/order_lp_stored.py, ``STORED_ORDER_LP``),
+not solved in each run. Under 1F1B and GPipe it reaches the
 equal-stage fill and drain at small m; under interleaving it sits between the closed form and the
 equal-stage estimate (8 ranks x 2 chunks, 16 micro-batches: 1.14 of the mean work, against 1.01
 and 1.22). Zero-bubble orders (I / W actions) are not covered. It needs ``highspy`` (without it:
@@ -99,6 +101,7 @@ import math
 from autopar.mesh import Mesh
 from autopar.pricing.price import price
 from autopar.rules.candidates import candidates
+from autopar.search.order_lp_stored import stored_unit
 from autopar.search.pipeline_pins import virtual_stages
 
 FILL_DRAIN_SCHEDULES = ("1f1b", "gpipe")   # the schedules whose fill and drain the factor proves
@@ -218,6 +221,7 @@ _RATIO_STEPS = 32   # b / w rounded down to 2^(k / _RATIO_STEPS): the cache's gr
 _LP_SAFETY = 1e-4   # the solver's tolerances (1e-7 per row, summed along a path): its optimum x (1 - this)
 KEEP_PER_STAGE, KEEP_PER_RANK = 1, 0   # a rank's first and last KEEP_PER_STAGE V + KEEP_PER_RANK pp actions kept
 _order_lp_cache: dict = {}
+STORED_ORDER_LP = True   # b = 0: the optima stored in autopar/search/order_lp_stored.py (module doc)
 
 
 def _ratio_down(r: float) -> float:
@@ -251,12 +255,15 @@ def order_lp_unit(schedule: str, pp: int, m: int, ratio: float) -> float:
         return _order_lp_cache[key]
     out = 0.0
     if schedule in ORDER_LP_SCHEDULES and pp >= 2 and m >= 1:
-        out = _solve_order_lp(schedule, pp, m, ratio)
+        stored = stored_unit(schedule, pp, m, (KEEP_PER_STAGE, KEEP_PER_RANK, ORDER_LP_EVENTS)) \
+            if ratio == 0.0 and STORED_ORDER_LP else None
+        out = solve_order_lp(schedule, pp, m, ratio) if stored is None else stored
     _order_lp_cache[key] = out
     return out
 
 
-def _solve_order_lp(schedule: str, pp: int, m: int, ratio: float) -> float:
+def solve_order_lp(schedule: str, pp: int, m: int, ratio: float) -> float:
+    """The order LP (module doc) solved now: ``order_lp_unit`` without its cache or stored optima."""
     import numpy as np
     try:
         import highspy
@@ -362,4 +369,4 @@ __all__ = ["BLOCK_FILL_DRAIN_SCHEDULES", "FILL_DRAIN_SCHEDULES", "ORDER_LP_SCHED
            "cutoff_factor", "device_block_floor", "device_compute_floor", "device_floors", "device_recompute_floor",
            "equal_stage_factor",
            "fill_drain_factor", "least_pipelined_step", "order_lp_step", "order_lp_unit", "proven_step",
-           "shared_fill_drain_factor"]
+           "shared_fill_drain_factor", "solve_order_lp"]
