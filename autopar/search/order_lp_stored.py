@@ -7,8 +7,8 @@ kept (``KEPT``: pipeline_bounds.KEEP_PER_STAGE, KEEP_PER_RANK, ORDER_LP_EVENTS);
 is used only with those settings, and any other key is solved as before. Each value is the
 solver's optimum already scaled down by pipeline_bounds' safety factor, written with ``repr`` (the
 exact float). tests/search/test_order_lp_stored.py solves a sample of them again and checks them
-against simulated steps; ``write_table`` regenerates the table (``python -m
-autopar.search.order_lp_stored``, about 30 CPU s) for ``table_keys``: pp 2-16, each schedule of
+against simulated steps; autopar/search/order_lp_write.py regenerates the table (``python -m
+autopar.search.order_lp_write``, about 30 CPU s) for ``table_keys``: pp 2-16, each schedule of
 ``SCHEDULES``, m = pp x ``FACTORS`` (the free search's pp x MICRO_FACTORS and the Megatron-style
 counts of Table 1's rows); keys whose order is too large for the LP (0) are left out.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 KEPT = (1, 0, 600)   # (KEEP_PER_STAGE, KEEP_PER_RANK, ORDER_LP_EVENTS) the table was solved with
 FACTORS = (1, 2, 4, 7, 8, 14, 16, 32)   # m / pp of the stored keys
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
-TABLE_MARKER = "# --- the stored table (write_table) ---"
+TABLE_MARKER = "# --- the stored table (order_lp_write.write_table) ---"
 UNITS: dict = {}   # (schedule, pp, m) -> order_lp_unit(schedule, pp, m, 0.0); filled at the end
 
 
@@ -31,12 +31,6 @@ def stored_unit(schedule: str, pp: int, m: int, kept: tuple) -> float | None:
 def table_keys() -> list[tuple]:
     """The (schedule, pp, m) the table stores (module doc)."""
     return [(s, pp, pp * f) for s in SCHEDULES for pp in range(2, 17) for f in FACTORS]
-
-
-def solve_units(keys) -> dict:
-    """{key: the order LP's optimum at b = 0}, solved now (no stored value read)."""
-    from autopar.search.pipeline_bounds import solve_order_lp
-    return {k: solve_order_lp(k[0], k[1], k[2], 0.0) for k in keys}
 
 
 def format_table(units: dict) -> str:
@@ -55,20 +49,9 @@ def format_table(units: dict) -> str:
     return "\n".join(out)
 
 
-def write_table(path: str = __file__) -> None:
-    """Solve ``table_keys`` and rewrite the table at the end of this module."""
-    text = open(path).read()
-    with open(path, "w") as f:
-        f.write(text[:text.index(TABLE_MARKER + "\n_ROWS")] + format_table(solve_units(table_keys())))
+__all__ = ["FACTORS", "KEPT", "SCHEDULES", "TABLE_MARKER", "UNITS", "format_table", "stored_unit", "table_keys"]
 
-
-__all__ = ["FACTORS", "KEPT", "SCHEDULES", "TABLE_MARKER", "UNITS", "format_table", "solve_units", "stored_unit",
-           "table_keys", "write_table"]
-
-if __name__ == "__main__":
-    write_table()
-
-# --- the stored table (write_table) ---
+# --- the stored table (order_lp_write.write_table) ---
 _ROWS = {   # (schedule, pp): the optima at m = pp x FACTORS (0: not solved)
     ('1f1b', 2): (
         1.3332, 1.142742857142857, 1.06656, 1.0369333333333333,

@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.search import pipeline_bounds
-from autopar.search.order_lp_stored import FACTORS, KEPT, UNITS, solve_units, stored_unit, table_keys
+from autopar.search.order_lp_stored import FACTORS, KEPT, UNITS, stored_unit, table_keys
+from autopar.search.order_lp_write import solve_units
 from autopar.search.pipeline_bounds import order_lp_unit
 from autopar.search.pipeline_pins import virtual_stages
 from autopar.search.stage_plan import simulate_stages
