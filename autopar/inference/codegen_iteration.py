@@ -17,9 +17,10 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   ``stages`` (``RowStageRunner``, a ``StageStepRunner`` of codegen_stages.py over the row step's
   inputs: global rank ``s * tp + l`` is tp position ``l`` of stage ``s``, the hidden states go point
   to point to the next stage, and the last stage's tokens are broadcast so every rank appends the
-  same tokens). The prefill then runs over every row of the cache (only the admitted row written),
-  as the stages' broadcast tokens are one per cache row. No micro-batches: a step runs the stages
-  one after another (the modules engine keeps a micro-batch in flight per stage).
+  same tokens). The prefill then runs over every row of the cache (only the admitted row written).
+  The stages work in flight, as the modules engine's: ``pp`` virtual engines, each with its own
+  cache block of ``slots`` rows and ``kv_tokens // pp`` of the pool, one turn per stage at a time,
+  a ``step`` one tick of the stages (autopar/inference/codegen_flights.py).
 - **Cache.** One fixed block per layer, ``[slots, kv_heads, prompt_len + max_new_tokens,
   head_dim]`` split on the kv heads as the plans say; a sequence owns one row of it from admission
   to retirement, its token ``i`` at slot ``i`` (position ``i``), under a ``[slots, max_len]`` mask of
@@ -48,6 +49,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.inference.codegen_engine import (MODULES, check_codegen_plan, meta_to_storage, step_cluster)
+from autopar.inference.codegen_flights import RowStagesInFlight
 from autopar.inference.codegen_rows import N_ROW_INPUTS, RowCacheStep, RowRunner, plan_row_step, row_chunk, \
     row_step_inputs
 from autopar.inference.codegen_stages import StageStepRunner
@@ -68,18 +70,6 @@ class RowStageRunner(StageStepRunner):
         self.dtype = next(n for n in steps[1].traced.gm.graph.nodes if n.name == first).meta["val"].dtype
 
 
-class _StagePick:
-    """The last stage's tokens of a step: the engine's choice for its sequences' rows, 0 elsewhere."""
-
-    def __init__(self, choose, at, rows):
-        self.choose, self.at, self.rows = choose, at, rows
-
-    def pick(self, logits):
-        tokens = torch.zeros(self.rows, dtype=torch.int64)
-        tokens[self.at] = torch.tensor(self.choose(logits), dtype=torch.int64)
-        return tokens
-
-
 def check_iteration_plan(plan) -> None:
     """A clear error for the plans this engine does not run, naming what does."""
     if plan.predictions.get("batching") == "chunked":
@@ -88,7 +78,7 @@ def check_iteration_plan(plan) -> None:
     check_codegen_plan(plan)
 
 
-class CodegenIterationEngine:
+class CodegenIterationEngine(RowStagesInFlight):
     """Continuous batching of an InferencePlan on this rank's codegen programs (module doc)."""
 
     backend = "codegen"
@@ -106,6 +96,9 @@ class CodegenIterationEngine:
         self.kv_tokens = plan.predictions.get("kv_cache_tokens_per_replica")
         self.prefill_len = max(plan.prompt_len, 2)
         self.pp = plan.pp
+        if self.pp > 1 and self.kv_tokens is not None:
+            self.kv_tokens //= self.pp   # each virtual engine's (module doc, Stages)
+        self.ticks = self.overlaps = 0   # pp > 1: ticks run; those in which two or more stages worked
         self.max_len = plan.prompt_len + plan.max_new_tokens
         try:
             full_cache_config(self.model.config, self.max_len)
@@ -133,6 +126,7 @@ class CodegenIterationEngine:
         if plan.pp > 1:
             unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]
             self.runner = RowStageRunner(self.step_module, steps, self.rank, plan.pp, unit_stage, read=blocks)
+            self.runner.in_flight = True
         else:
             self.runner = RowRunner(self.step_module, steps, self.rank, read=blocks)
         self.calls = {s: 0 for s in steps}       # program runs per step length (1: decode)
@@ -156,8 +150,11 @@ class CodegenIterationEngine:
         self._reset()
 
     def _reset(self) -> None:
-        self.rows: list[Sequence | None] = [None] * self.slots     # cache row -> its sequence
         self.running: list[Sequence] = []
+        if self.pp > 1:   # the virtual engines' rows (codegen_flights.py)
+            self._new_flights()
+            return
+        self.rows: list[Sequence | None] = [None] * self.slots     # cache row -> its sequence
         self.cache = self.runner.new_cache()
         self.mask = torch.zeros(self.slots, self.max_len, dtype=torch.long)
         self.length = torch.zeros(self.slots, dtype=torch.long)    # each row's written slots
@@ -181,12 +178,13 @@ class CodegenIterationEngine:
         return {s: PlannedStep(traced[s], Plan.from_json(t), N_ROW_INPUTS) for s, t in zip(shapes, texts)}
 
     def kv_cache_bytes(self) -> int:
-        return self.runner.cache_bytes()
+        return self.runner.cache_bytes() * (self.pp if self.pp > 1 else 1)
 
     # --- requests -----------------------------------------------------------------------------------
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        check_sequence(prompt, max_new_tokens, self.prompt_len, self.max_new_tokens, self.kv_tokens)
+        check_sequence(prompt, max_new_tokens, self.prompt_len, self.max_new_tokens, self.kv_tokens,
+                       " per micro-batch in flight" if self.pp > 1 else "")
 
     def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
         """Queue a request; it joins at the next ``step`` with a free row. PlanError for what the plan cannot run."""
@@ -202,6 +200,8 @@ class CodegenIterationEngine:
 
     def abort(self) -> list[Sequence]:
         """Drop every running and waiting sequence (after a failed step); returns them."""
+        if self.pp > 1:
+            return self._abort_flights()
         held = {id(s) for s in self.running}
         out = self.running + [s for s in self.admitting if id(s) not in held] + self.waiting
         self.waiting, self.admitting = [], []
@@ -216,18 +216,16 @@ class CodegenIterationEngine:
     def _run(self, seq_len: int, seqs: list[Sequence], at: list[int], *inputs) -> list[int]:
         """The length-``seq_len`` step; the next token of each of ``seqs`` (step rows ``at``)."""
         self.calls[seq_len] += 1
-        if self.pp == 1:
-            logits, *self.cache = self.runner.run(seq_len, *inputs, *self.cache)
-            return self._pick(logits[at], seqs)
-        pick = _StagePick(lambda logits: self._pick(logits[at], seqs), at, inputs[0].shape[0])
-        tokens, self.cache = self.runner.run(seq_len, inputs, self.cache, pick)
-        return [int(tokens[a]) for a in at]
+        logits, *self.cache = self.runner.run(seq_len, *inputs, *self.cache)
+        return self._pick(logits[at], seqs)
 
-    def _admissions(self) -> list[Sequence]:
-        """The waiting sequences that join: oldest first, while a row is free and the pool allows."""
-        held = sum(s.need for s in self.running)
+    def _admissions(self, running: list[Sequence] | None = None) -> list[Sequence]:
+        """The waiting sequences that join ``running`` (default the engine's; with pp > 1 a virtual
+        engine's): oldest first, while a row is free and the pool allows."""
+        running = self.running if running is None else running
+        held = sum(s.need for s in running)
         out = []
-        while self.waiting and len(self.running) + len(out) < self.slots:
+        while self.waiting and len(running) + len(out) < self.slots:
             seq = self.waiting[0]
             if self.kv_tokens is not None and held + seq.need > self.kv_tokens:
                 break   # in order: the first that does not fit blocks the ones behind it
@@ -253,15 +251,8 @@ class CodegenIterationEngine:
         self.mask[row, :n] = 1
         self.length[row] = n
         ids, pos, slots = row_chunk(torch.tensor(seq.prompt), 0, self.prefill_len)
-        if self.pp == 1:   # a step over this row of the cache
-            token = self._run(self.prefill_len, [seq], [0], ids[None], pos[None], slots[None],
-                              self.mask[row:row + 1].clone(), torch.tensor([row]))[0]
-        else:              # a step over every row, this one written
-            many = lambda t: t[None].expand(self.slots, -1).contiguous()   # noqa: E731
-            rows = torch.full((self.slots,), -1)
-            rows[row] = row
-            token = self._run(self.prefill_len, [seq], [row], many(ids), many(pos), many(slots), self.mask.clone(),
-                              rows)[0]
+        token = self._run(self.prefill_len, [seq], [0], ids[None], pos[None], slots[None],
+                          self.mask[row:row + 1].clone(), torch.tensor([row]))[0]   # a step over this row
         self._append(seq, token)
         seq.first = time.perf_counter()
         if seq.finished:
@@ -291,7 +282,10 @@ class CodegenIterationEngine:
     @torch.no_grad()
     def step(self) -> list[Sequence]:
         """One iteration: admit, prefill the admitted, decode the running one token, retire the
-        finished; returns the sequences that finished."""
+        finished; returns the sequences that finished. With pp > 1, one tick of the stages in
+        flight (codegen_flights.py)."""
+        if self.pp > 1:
+            return self._tick()
         finished = []
         self.admitting = self._admissions()
         for seq in self.admitting:

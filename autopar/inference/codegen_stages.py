@@ -19,7 +19,11 @@ stage from the step inputs, which every rank has.
   (``compile_inference(..., backend="codegen")``, autopar/inference/codegen_engine.py).
 
 Ranks: global rank ``s * tp + l`` is tp position ``l`` of stage ``s`` (``runtime.context.setup``
-with ``pp``). No micro-batches: one step runs the stages one after another.
+with ``pp``). No micro-batches: one step (``run``) runs the stages one after another. In flight
+(``in_flight`` set: the continuous engine's virtual engines, autopar/inference/codegen_flights.py)
+``forward`` runs one forward of this stage and sends its boundary values with ``isend``, waited on
+by ``wait_sends`` at the end of the next tick, and ``share_tokens`` broadcasts the last stage's
+tokens of a turn.
 """
 from __future__ import annotations
 
@@ -121,6 +125,9 @@ class StageStepRunner(CacheBlocks):
                           if n.name == decode.input_names[N_STEP_INPUTS]).meta["val"].dtype
         self.cache: list[torch.Tensor] = []
         self.shapes: dict[tuple, list[tuple]] = {}   # (seq, boundary) -> shapes and dtypes, once known
+        self.in_flight = False     # sends by isend (module doc)
+        self.sends: list = []      # in flight: this tick's (work, tensor) isends
+        self.sending: list = []    # in flight: the previous tick's, waited on by ``wait_sends``
 
     # ------------------------------------------------------------- blocks this rank holds
     def param_bytes(self) -> int:
@@ -145,9 +152,33 @@ class StageStepRunner(CacheBlocks):
                 head = torch.zeros(HEADER, dtype=torch.int64)
                 head[0], head[1] = DTYPES.index(v.dtype), v.dim()
                 head[2:2 + v.dim()] = torch.tensor(v.shape, dtype=torch.int64)
-                dist.send(head, peer)
+                self._post(head, peer)
         for v in values:
-            dist.send(v.contiguous(), peer)
+            self._post(v.contiguous(), peer)
+
+    def _post(self, value: torch.Tensor, peer: int) -> None:
+        if self.in_flight:
+            self.sends.append((dist.isend(value, peer), value))
+        else:
+            dist.send(value, peer)
+
+    def wait_sends(self) -> None:
+        """In flight, the end of a tick: wait for the previous tick's sends (the next stage received
+        them in this tick); this tick's are waited on at the end of the next."""
+        for work, _ in self.sending:
+            work.wait()
+        self.sending, self.sends = self.sends, []
+
+    def drop(self) -> None:
+        """Forget the sends in flight (after a failed step: the pipeline is out of step)."""
+        self.sends, self.sending = [], []
+
+    def share_tokens(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor:
+        """The last stage's ``tokens`` ([count] int64) on every rank of this rank's pipeline (the
+        other stages pass None)."""
+        out = tokens.to(torch.int64).contiguous() if self.last else torch.empty(count, dtype=torch.int64)
+        dist.broadcast(out, (self.pp - 1) * self.tp + self.local, group=RC.current().extra["pp_group"])
+        return out
 
     def _recv(self, seq: int, count: int) -> list[torch.Tensor]:
         peer = self.rank - self.tp
@@ -170,6 +201,19 @@ class StageStepRunner(CacheBlocks):
         """One step of length ``seq`` on this stage: (the step's tokens, every rank the same;
         this rank's new cache blocks). ``inputs``: the step inputs before the cache; ``chosen``
         picks the tokens from the last stage's logits (default: the argmax)."""
+        logits, new = self.forward(seq, inputs, cache)
+        if self.last:
+            tokens = chosen.pick(logits) if chosen is not None else logits.argmax(-1)
+        else:
+            tokens = torch.empty(self.batch, dtype=torch.int64)
+        if self.pp > 1:
+            dist.broadcast(tokens, (self.pp - 1) * self.tp + self.local, group=RC.current().extra["pp_group"])
+        return tokens, new
+
+    def forward(self, seq: int, inputs: tuple, cache: list[torch.Tensor]):
+        """This stage's part of one step of length ``seq``: the boundary values received from the
+        previous stage, its program run, its boundary values sent to the next; (the last-position
+        logits on the last stage, None on the others; this rank's new cache blocks)."""
         sp, prog = self.stages[seq], self.programs[seq]
         received = self._recv(seq, len(sp.received)) if self.stage > 0 else []
         whole = dict(zip(prog.input_names, inputs))
@@ -181,13 +225,7 @@ class StageStepRunner(CacheBlocks):
             self._send(seq, out[:n])
         results = dict(zip(sp.outputs, out[n:]))
         new = [results[prog.output_names.index(prog.state[c])] for c in self.cache_names]
-        if self.last:
-            tokens = chosen.pick(results[0]) if chosen is not None else results[0].argmax(-1)
-        else:
-            tokens = torch.empty(self.batch, dtype=torch.int64)
-        if self.pp > 1:
-            dist.broadcast(tokens, (self.pp - 1) * self.tp + self.local, group=RC.current().extra["pp_group"])
-        return tokens, new
+        return (results[0] if self.last else None), new
 
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
