@@ -2,8 +2,10 @@
 ``IterationEngine.from_plan(..., backend="codegen")``): requests of different prompt and output
 lengths admitted at different iterations, rows retired and reused, each get the tokens of Hugging
 Face's ``generate`` on its prompt alone and of the modules IterationEngine, in one process, on
-tp=2 gloo ranks (SPMD, and rank 0 leading through LeaderIterations) and on pp=2 stages, while no decoder layer module
-of the model ever runs (a forward hook that must not fire) and the generated programs do."""
+tp=2 gloo ranks (SPMD, and rank 0 leading through LeaderIterations) and on pp=2 stages in flight (two virtual
+engines, the stages working at once), while no decoder layer module of the model ever runs (a forward hook that must
+not fire) and the generated programs do; a pp=2 tick failing after its turn admitted a newcomer hands it back on
+abort."""
 from __future__ import annotations
 
 import pytest
@@ -148,17 +150,62 @@ def _pp_rank(rank, world, plan_json):
     engine = IterationEngine.from_plan(model, plan, backend="codegen")
     fired = _no_module_runs(model)
     seqs, most = _serve(engine)
-    return [s.tokens for s in seqs], most, engine.calls, len(fired), engine.stage
+    return ([s.tokens for s in seqs], most, engine.calls, len(fired), engine.stage, engine.overlaps,
+            [ve.turns for ve in engine.flights], engine.iterations)
 
 
 @pytest.mark.slow
 def test_pp2_codegen_engine_equals_generate_alone():
-    """Two pipeline stages, each rank running its stage's layers of the row programs; the last
-    stage's tokens broadcast, so every rank has every sequence's tokens."""
+    """Two pipeline stages in flight, each rank running its stage's layers of the row programs for
+    two virtual engines (each its own cache rows); the last stage's tokens of each turn broadcast,
+    so every rank has every sequence's tokens. Premise: both virtual engines had turns and the
+    stages worked at once."""
     plan = _plan(2, pp=2)
     assert (plan.tp, plan.pp, plan.dp) == (1, 2, 1) and len(plan.stages) == 2
     results = run_local(_pp_rank, 2, args=(plan.to_json(),), timeout=600)
     wants = [_alone(_model(), p, n) for p, n, _ in REQUESTS]
-    for rank, (tokens, most, calls, fired, stage) in enumerate(results):
+    for rank, (tokens, most, calls, fired, stage, overlaps, turns, iterations) in enumerate(results):
         assert tokens == wants and most >= 2 and stage == rank
         assert fired == 0 and calls[1] > 0 and calls[PROMPT_LEN] == len(REQUESTS)   # premise
+        assert len(turns) == 2 and min(turns) > 0 and 0 < overlaps < iterations   # premise: stages in flight
+    assert results[1][5:] == results[0][5:]   # every rank ran the same ticks
+
+
+def _abort_rank(rank, world, plan_json):
+    """Both stages run two ticks of one request, then a second request is added and the next tick
+    fails on every rank in its stage's work, after its turn admitted the newcomer; returns the
+    prompts the abort hands back, and the tokens of a request served after it."""
+    plan = InferencePlan.from_json(plan_json)
+    engine = IterationEngine.from_plan(_model(), plan, backend="codegen")
+    first = engine.add([5, 6, 7], 6)
+    engine.step()
+    engine.step()
+    second = engine.add([9, 10, 11], 4)
+
+    def boom(ve):
+        raise RuntimeError("a stage failed mid-tick")
+    engine._work = boom
+    try:
+        engine.step()
+    except RuntimeError:
+        pass
+    admitted = [s.prompt for ve in engine.flights for s in (ve.admitted or [])]
+    dropped = engine.abort()
+    idle = engine.idle
+    del engine._work
+    after = engine.add([1, 2], 3)
+    engine.run_until_idle()
+    return admitted, [s.prompt for s in dropped], first.prompt, second.prompt, idle, after.tokens
+
+
+@pytest.mark.slow
+def test_a_pp2_tick_failing_after_its_turn_admitted_a_newcomer_hands_it_back_on_abort():
+    """A server answers every request an abort hands back: one admitted in the failing tick (in a
+    virtual engine's turn, not yet ``running``) too; the engine serves on after the abort."""
+    plan = _plan(2, pp=2)
+    want = _alone(_model(), [1, 2], 3)
+    for admitted, dropped, first, second, idle, after in run_local(_abort_rank, 2, args=(plan.to_json(),),
+                                                                   timeout=300):
+        assert second in admitted                      # the premise: the failing tick admitted it
+        assert sorted(dropped) == sorted([first, second]) and idle
+        assert after == want
