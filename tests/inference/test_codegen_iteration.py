@@ -144,28 +144,38 @@ def test_sampled_tokens_equal_the_modules_engine_with_the_same_seeds():
     assert got[0] == got[1] and got[0] != [_alone(_model(), p, n) for p, n, _ in REQUESTS]
 
 
-def _pp_rank(rank, world, plan_json):
+def _pp_rank(rank, world, plan_json, lead):
     plan = InferencePlan.from_json(plan_json)
     model = _model()
     engine = IterationEngine.from_plan(model, plan, backend="codegen")
     fired = _no_module_runs(model)
-    seqs, most = _serve(engine)
-    return ([s.tokens for s in seqs], most, engine.calls, len(fired), engine.stage, engine.overlaps,
-            [ve.turns for ve in engine.flights], engine.iterations)
+    flights = lambda: (engine.overlaps, [ve.turns for ve in engine.flights], engine.iterations)   # noqa: E731
+    if lead and rank > 0:
+        follow_iterations(engine)
+        return None, None, engine.calls, len(fired), engine.stage, *flights()
+    if lead:
+        leader = LeaderIterations(engine)
+        seqs, most = _serve(leader)
+        leader.stop()
+    else:
+        seqs, most = _serve(engine)
+    return [s.tokens for s in seqs], most, engine.calls, len(fired), engine.stage, *flights()
 
 
 @pytest.mark.slow
-def test_pp2_codegen_engine_equals_generate_alone():
+@pytest.mark.parametrize("lead", [False, True])
+def test_pp2_codegen_engine_equals_generate_alone(lead):
     """Two pipeline stages in flight, each rank running its stage's layers of the row programs for
     two virtual engines (each its own cache rows); the last stage's tokens of each turn broadcast,
-    so every rank has every sequence's tokens. Premise: both virtual engines had turns and the
-    stages worked at once."""
+    so every rank has every sequence's tokens (``lead``: rank 0 leading, as the server runs it).
+    Premise: both virtual engines had turns and the stages worked at once."""
     plan = _plan(2, pp=2)
     assert (plan.tp, plan.pp, plan.dp) == (1, 2, 1) and len(plan.stages) == 2
-    results = run_local(_pp_rank, 2, args=(plan.to_json(),), timeout=600)
+    results = run_local(_pp_rank, 2, args=(plan.to_json(), lead), timeout=600)
     wants = [_alone(_model(), p, n) for p, n, _ in REQUESTS]
     for rank, (tokens, most, calls, fired, stage, overlaps, turns, iterations) in enumerate(results):
-        assert tokens == wants and most >= 2 and stage == rank
+        assert (tokens == wants and most >= 2) if rank == 0 or not lead else tokens is None
+        assert stage == rank
         assert fired == 0 and calls[1] > 0 and calls[PROMPT_LEN] == len(REQUESTS)   # premise
         assert len(turns) == 2 and min(turns) > 0 and 0 < overlaps < iterations   # premise: stages in flight
     assert results[1][5:] == results[0][5:]   # every rank ran the same ticks
