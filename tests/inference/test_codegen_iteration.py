@@ -130,11 +130,14 @@ def test_tp2_codegen_engine_equals_generate_alone(lead):
         assert results[1] == results[0]
 
 
+SAMPLING = [{"temperature": 0.8, "top_k": 20, "seed": i} for i in range(len(REQUESTS))]
+
+
 def test_sampled_tokens_equal_the_modules_engine_with_the_same_seeds():
     """Each sequence samples from its own seeded generator after the same warpers, as the modules
     engine's sequences do: the same tokens."""
     plan = _plan(1)
-    sampling = [{"temperature": 0.8, "top_k": 20, "seed": i} for i in range(len(REQUESTS))]
+    sampling = SAMPLING
     got = []
     for backend in ("codegen", "modules"):
         engine = IterationEngine.from_plan(_model(), plan, backend=backend)
@@ -159,6 +162,9 @@ def _pp_rank(rank, world, plan_json, lead):
         leader.stop()
     else:
         seqs, most = _serve(engine)
+        sampled = [engine.add(p, n, s) for (p, n, _), s in zip(REQUESTS, SAMPLING)]
+        engine.run_until_idle()
+        seqs += sampled
     return [s.tokens for s in seqs], most, engine.calls, len(fired), engine.stage, *flights()
 
 
@@ -167,16 +173,22 @@ def _pp_rank(rank, world, plan_json, lead):
 def test_pp2_codegen_engine_equals_generate_alone(lead):
     """Two pipeline stages in flight, each rank running its stage's layers of the row programs for
     two virtual engines (each its own cache rows); the last stage's tokens of each turn broadcast,
-    so every rank has every sequence's tokens (``lead``: rank 0 leading, as the server runs it).
-    Premise: both virtual engines had turns and the stages worked at once."""
+    so every rank has every sequence's tokens (``lead``: rank 0 leading, as the server runs it;
+    without, sampled requests after the greedy ones draw one process's tokens). Premise: both
+    virtual engines had turns and the stages worked at once."""
     plan = _plan(2, pp=2)
     assert (plan.tp, plan.pp, plan.dp) == (1, 2, 1) and len(plan.stages) == 2
     results = run_local(_pp_rank, 2, args=(plan.to_json(), lead), timeout=600)
     wants = [_alone(_model(), p, n) for p, n, _ in REQUESTS]
+    if not lead:
+        one = IterationEngine.from_plan(_model(), _plan(1), backend="codegen")
+        sampled = [one.add(p, n, s) for (p, n, _), s in zip(REQUESTS, SAMPLING)]
+        one.run_until_idle()
+        wants += [s.tokens for s in sampled]
     for rank, (tokens, most, calls, fired, stage, overlaps, turns, iterations) in enumerate(results):
         assert (tokens == wants and most >= 2) if rank == 0 or not lead else tokens is None
         assert stage == rank
-        assert fired == 0 and calls[1] > 0 and calls[PROMPT_LEN] == len(REQUESTS)   # premise
+        assert fired == 0 and calls[1] > 0 and calls[PROMPT_LEN] == len(REQUESTS) * (1 if lead else 2)   # premise
         assert len(turns) == 2 and min(turns) > 0 and 0 < overlaps < iterations   # premise: stages in flight
     assert results[1][5:] == results[0][5:]   # every rank ran the same ticks
 
