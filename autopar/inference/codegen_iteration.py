@@ -17,15 +17,19 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   ``stages`` (``RowStageRunner``, a ``StageStepRunner`` of codegen_stages.py over the row step's
   inputs: global rank ``s * tp + l`` is tp position ``l`` of stage ``s``, the hidden states go point
   to point to the next stage, and the last stage's tokens are broadcast so every rank appends the
-  same tokens). The prefill then runs over every row of the cache (only the admitted row written).
+  same tokens). The prefill step is then planned over every row of the cache (only the admitted
+  row written: ``rows`` -1 elsewhere).
   The stages work in flight, as the modules engine's: ``pp`` virtual engines, each with its own
   cache block of ``slots`` rows and ``kv_tokens // pp`` of the pool, one turn per stage at a time,
   a ``step`` one tick of the stages (autopar/inference/codegen_flights.py).
 - **Cache.** One fixed block per layer, ``[slots, kv_heads, prompt_len + max_new_tokens,
   head_dim]`` split on the kv heads as the plans say; a sequence owns one row of it from admission
   to retirement, its token ``i`` at slot ``i`` (position ``i``), under a ``[slots, max_len]`` mask of
-  its written slots. Nothing is joined, trimmed or copied on admission or retirement.
-- **Iteration.** As ``IterationEngine``'s: admit (oldest first, while a row is free and the KV-token
+  its written slots (with pp > 1, one block, mask and set of rows per virtual engine). Nothing is
+  joined, trimmed or copied on admission or retirement.
+- **Iteration** (pp = 1; with pp > 1 a step is one tick of the stages in flight, each virtual
+  engine's turn these forwards but for the newcomers' decode, which waits for its next turn). As
+  ``IterationEngine``'s: admit (oldest first, while a row is free and the KV-token
   pool allows), prefill each admitted prompt alone into its row (``row_chunk``: the prompt at slots
   ``0 .. n-1``, the padding writing the slots after it, which its next tokens overwrite) and choose
   its first token, then one decode step over every row (free rows at ``rows`` -1: not written), then
