@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autopar.inference.codegen_rows import row_chunk
+from autopar.inference.iteration_stages import begin_tick
 from autopar.inference.sequence import Sequence
 
 
@@ -94,16 +95,10 @@ class RowStagesInFlight:
 
     def _tick(self) -> list[Sequence]:
         """One tick (module doc); returns the sequences that finished."""
-        pp, t = self.pp, self.ticks
-        self._start_turn(self.flights[t % pp])
-        at = [self.flights[(t - s) % pp] for s in range(pp)]   # the virtual engine at each stage
-        working = sum(ve.admitted is not None for ve in at)
-        if not working:
+        at = begin_tick(self)
+        if at is None:
             return []
-        self.ticks += 1
-        self.iterations += 1
-        self.overlaps += working > 1
-        mine, end = at[self.stage], at[-1]
+        mine, end = at
         if mine.admitted is not None:
             self._work(mine)
         self.runner.wait_sends()

@@ -58,7 +58,7 @@ from autopar.inference.codegen_rows import N_ROW_INPUTS, RowCacheStep, RowRunner
     row_step_inputs
 from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import PlannedStep, full_cache_config
-from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, check_sampling, check_sequence, checkpoint_reader
+from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, RequestQueue, checkpoint_reader
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.sequence import IDLE_TIMEOUT, Sequence, step_until_idle
 from autopar.inference.vocab_parallel import VocabShard, next_tokens
@@ -82,7 +82,7 @@ def check_iteration_plan(plan) -> None:
     check_codegen_plan(plan)
 
 
-class CodegenIterationEngine(RowStagesInFlight):
+class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
     """Continuous batching of an InferencePlan on this rank's codegen programs (module doc)."""
 
     backend = "codegen"
@@ -185,18 +185,6 @@ class CodegenIterationEngine(RowStagesInFlight):
         return self.runner.cache_bytes() * (self.pp if self.pp > 1 else 1)
 
     # --- requests -----------------------------------------------------------------------------------
-
-    def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        check_sequence(prompt, max_new_tokens, self.prompt_len, self.max_new_tokens, self.kv_tokens,
-                       " per micro-batch in flight" if self.pp > 1 else "")
-
-    def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
-        """Queue a request; it joins at the next ``step`` with a free row. PlanError for what the plan cannot run."""
-        prompt = [int(t) for t in prompt]
-        self.check(prompt, max_new_tokens)
-        seq = Sequence.queued(prompt, max_new_tokens, check_sampling(sampling), tag, next(self.ids))
-        self.waiting.append(seq)
-        return seq
 
     @property
     def idle(self) -> bool:

@@ -1,13 +1,16 @@
 """What the static engines (engine.py, codegen_engine.py) take from their caller, checked the same
 way: ``check_sampling`` (the sampling options ``generate`` accepts), ``WHOLE_ROW_SETTINGS`` (the
 generation-config settings under which greedy generation processes whole rows of logits) and
-``checkpoint_reader`` (a Hugging Face safetensors directory read block by block).
+``checkpoint_reader`` (a Hugging Face safetensors directory read block by block); and for the
+continuous-batching engines (iteration_engine.py, codegen_iteration.py) ``check_sequence`` and
+``RequestQueue``, their ``check`` and ``add``.
 """
 from __future__ import annotations
 
 import torch
 
 from autopar.errors import PlanError
+from autopar.inference.sequence import Sequence
 
 SAMPLING = ("temperature", "top_p", "top_k", "seed")
 
@@ -30,6 +33,26 @@ def check_sampling(sampling: dict | None) -> dict:
     if not isinstance(out.get("seed", 0), int):
         raise PlanError(f"seed must be an integer, got {out['seed']!r}")
     return out
+
+
+class RequestQueue:
+    """``check`` and ``add`` of a continuous-batching engine (either backend): a request checked
+    against the plan (``check_sequence``: ``prompt_len``, ``max_new_tokens``, ``kv_tokens``, per
+    micro-batch in flight when ``pp`` > 1) and queued in ``waiting`` as a ``Sequence`` numbered by
+    ``ids``, sampling with its own generator on ``device`` (cpu when the engine has none)."""
+
+    def check(self, prompt: list[int], max_new_tokens: int) -> None:
+        check_sequence(prompt, max_new_tokens, self.prompt_len, self.max_new_tokens, self.kv_tokens,
+                       " per micro-batch in flight" if self.pp > 1 else "")
+
+    def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
+        """Queue a request; it joins at a later ``step`` with room. PlanError for what the plan cannot run."""
+        prompt = [int(t) for t in prompt]
+        self.check(prompt, max_new_tokens)
+        seq = Sequence.queued(prompt, max_new_tokens, check_sampling(sampling), tag, next(self.ids),
+                              getattr(self, "device", "cpu"))
+        self.waiting.append(seq)
+        return seq
 
 
 # generation-config settings under which Hugging Face's greedy generate runs logits processors

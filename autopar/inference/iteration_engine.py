@@ -64,8 +64,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
-from autopar.inference.engine import check_sampling
-from autopar.inference.engine_inputs import check_sequence
+from autopar.inference.engine_inputs import RequestQueue
 from autopar.inference.iteration_chunks import ChunkedPrefill
 from autopar.inference.iteration_stages import StagesInFlight
 from autopar.inference.model_shape import causal_lm
@@ -73,7 +72,7 @@ from autopar.inference.sequence import IDLE_TIMEOUT, Sequence, step_until_idle
 from autopar.inference.vocab_parallel import VocabShard, next_tokens
 
 
-class IterationEngine(ChunkedPrefill, StagesInFlight):
+class IterationEngine(RequestQueue, ChunkedPrefill, StagesInFlight):
     """Continuous batching of ``model`` (module doc). ``slots``: sequences decoded together (the
     plan's batch_size); ``prompt_len`` / ``max_new_tokens``: the longest prompt and output a
     sequence may have; ``kv_tokens``: the KV-cache token pool admission respects (None: slots only);
@@ -159,18 +158,6 @@ class IterationEngine(ChunkedPrefill, StagesInFlight):
         return engine
 
     # --- requests -----------------------------------------------------------------------------------
-
-    def check(self, prompt: list[int], max_new_tokens: int) -> None:
-        check_sequence(prompt, max_new_tokens, self.prompt_len, self.max_new_tokens, self.kv_tokens,
-                       " per micro-batch in flight" if self.pp > 1 else "")
-
-    def add(self, prompt, max_new_tokens: int, sampling: dict | None = None, tag=None) -> Sequence:
-        """Queue a request; it joins at the next ``step`` with room. PlanError for what the plan cannot run."""
-        prompt = [int(t) for t in prompt]
-        self.check(prompt, max_new_tokens)
-        seq = Sequence.queued(prompt, max_new_tokens, check_sampling(sampling), tag, next(self.ids), self.device)
-        self.waiting.append(seq)
-        return seq
 
     @property
     def idle(self) -> bool:

@@ -63,6 +63,24 @@ class VirtualEngine:
     filling: list = field(default_factory=list)
 
 
+def begin_tick(engine):
+    """The start of tick t of ``engine`` (its ``pp`` virtual engines ``flights``, either backend):
+    virtual engine t mod pp starts its turn at stage 0 (``engine._start_turn``); returns (the
+    virtual engine at this rank's stage, the one at the last stage), or None when no stage has a
+    turn to work on; counts the tick in ``ticks`` and ``iterations``, and in ``overlaps`` when two or
+    more stages work."""
+    pp, t = engine.pp, engine.ticks
+    engine._start_turn(engine.flights[t % pp])
+    at = [engine.flights[(t - s) % pp] for s in range(pp)]   # the virtual engine at each stage
+    working = sum(ve.admitted is not None for ve in at)
+    if not working:
+        return None
+    engine.ticks += 1
+    engine.iterations += 1
+    engine.overlaps += working > 1
+    return at[engine.stage], at[-1]
+
+
 class StagesInFlight:
     """``IterationEngine``'s pp > 1 steps (module doc): ``_fly`` sets the virtual engines up,
     ``step`` runs ``_tick``, ``abort`` ``_abort_flights``."""
@@ -101,16 +119,10 @@ class StagesInFlight:
         at stage 0; this rank's stage works on the turn that has reached it; the last stage's
         logits of the turn it finished reach every stage, and that turn ends (every rank chooses
         the same tokens and retires and joins the same rows). Returns the sequences that finished."""
-        pp, t = self.pp, self.ticks
-        self._start_turn(self.flights[t % pp])
-        at = [self.flights[(t - s) % pp] for s in range(pp)]   # the virtual engine at each stage
-        working = sum(ve.admitted is not None for ve in at)
-        if not working:
+        at = begin_tick(self)
+        if at is None:
             return []
-        self.ticks += 1
-        self.iterations += 1
-        self.overlaps += working > 1
-        mine, end = at[self.stage], at[-1]
+        mine, end = at
         logits = self._work(mine) if mine.admitted is not None else None
         self.link.wait_sends()
         finished = []
@@ -196,4 +208,4 @@ class StagesInFlight:
         return finished
 
 
-__all__ = ["StagesInFlight", "VirtualEngine"]
+__all__ = ["StagesInFlight", "VirtualEngine", "begin_tick"]
