@@ -94,6 +94,17 @@ def test_backend_is_checked():
         IterationEngine.from_plan(_model(), dp2, backend="codegen")
 
 
+def _serve_as(engine, lead):
+    """Rank 0's requests (``_serve``): through ``LeaderIterations`` when ``lead`` (the server's path,
+    the other ranks following), else on the engine itself (every rank adding them)."""
+    if not lead:
+        return _serve(engine)
+    leader = LeaderIterations(engine)
+    out = _serve(leader)
+    leader.stop()
+    return out
+
+
 def _tp_rank(rank, world, plan_json, lead):
     plan = InferencePlan.from_json(plan_json)
     model = _model()
@@ -101,12 +112,7 @@ def _tp_rank(rank, world, plan_json, lead):
     fired = _no_module_runs(model)
     if lead and rank > 0:
         return follow_iterations(engine), engine.calls, len(fired)
-    if lead:
-        leader = LeaderIterations(engine)
-        seqs, most = _serve(leader)
-        leader.stop()
-    else:
-        seqs, most = _serve(engine)
+    seqs, most = _serve_as(engine, lead)
     return [s.tokens for s in seqs], most, engine.iterations, engine.calls, len(fired), engine.kv_cache_bytes()
 
 
@@ -156,12 +162,8 @@ def _pp_rank(rank, world, plan_json, lead):
     if lead and rank > 0:
         follow_iterations(engine)
         return None, None, engine.calls, len(fired), engine.stage, *flights()
-    if lead:
-        leader = LeaderIterations(engine)
-        seqs, most = _serve(leader)
-        leader.stop()
-    else:
-        seqs, most = _serve(engine)
+    seqs, most = _serve_as(engine, lead)
+    if not lead:
         sampled = [engine.add(p, n, s) for (p, n, _), s in zip(REQUESTS, SAMPLING)]
         engine.run_until_idle()
         seqs += sampled

@@ -14,8 +14,9 @@ from autopar.models import HF_ZOO, ZOO
 from autopar.search.candidate_workers import Lanes, worker_count
 
 
-def _plan_json(plan) -> str:
-    return json.dumps(plan.data, sort_keys=True, default=str)
+def _plan_json(plan, *solver_fields_left_out) -> str:
+    data = dict(plan.data, solver={k: v for k, v in plan.data["solver"].items() if k not in solver_fields_left_out})
+    return json.dumps(data, sort_keys=True, default=str)
 
 
 def _forced(monkeypatch, workers=2):
@@ -45,7 +46,7 @@ def test_forked_candidates_give_the_plan_of_one_process(monkeypatch, capsys):
     forked = autopar.plan(model, batch, cluster, verbose=True)
     assert forked.stats["pipeline_workers"] == 2   # the premise: the candidates ran in workers
     assert forked.stats["inner_searches"] == alone.stats["inner_searches"] >= 2
-    assert _plan_json(forked) == _plan_json(alone)
+    assert _plan_json(forked, "pruned") == _plan_json(alone, "pruned")   # not pruned: it depends on the lanes' timing
     # the planner's own progress line while the workers run (theirs go to their own stdout)
     assert "[pipeline] pipelined candidates" in capsys.readouterr().out
 
@@ -54,7 +55,7 @@ def test_forked_candidates_give_the_plan_of_one_process(monkeypatch, capsys):
 def test_forked_candidates_pipelined_winner_fetched_from_its_worker(monkeypatch):
     """GPT-2 XL on 4 DGX nodes: pipelined candidates over two pipeline degrees (a lane each) and a
     pipelined winner, whose plan crosses back from its worker (its candidates rebuilt here): the
-    plan of one process to the last field."""
+    plan of one process to the last field but the count of pruned candidates."""
     import autopar.search.pipeline_candidates as PC
     import autopar.search.pipeline_forked as PF
     import autopar.search.candidate_workers as CW
@@ -73,7 +74,9 @@ def test_forked_candidates_pipelined_winner_fetched_from_its_worker(monkeypatch)
     assert os.getpid() not in calls   # the winner was fetched, not evaluated again here
     monkeypatch.setattr(PF, "FORK_WORKERS", False)
     alone = autopar.plan(model, batch, cluster, traced=graph)
-    assert _plan_json(forked) == _plan_json(alone)
+    # every field but the count of pruned candidates: with two lanes it depends on the order their
+    # answers arrive in (an incumbent that arrives earlier prunes more; CI saw 13 against 14)
+    assert _plan_json(forked, "pruned") == _plan_json(alone, "pruned")
 
 
 def test_a_worker_that_dies_leaves_its_candidates_to_the_planner(monkeypatch):
@@ -93,7 +96,7 @@ def test_a_worker_that_dies_leaves_its_candidates_to_the_planner(monkeypatch):
     monkeypatch.setattr(PF, "remote", dies)
     forked = autopar.plan(model, batch, cluster)
     assert forked.stats["pipeline_workers"] == 2
-    assert _plan_json(forked) == _plan_json(alone)
+    assert _plan_json(forked, "pruned") == _plan_json(alone, "pruned")   # not pruned: it depends on the lanes' timing
 
 
 def test_a_worker_that_fails_names_the_candidate(monkeypatch):
