@@ -137,6 +137,10 @@ def setup(mesh, device: str = "cpu", pp: int = 1, timeout=None) -> Context:
     if pp > 1:
         ctx.extra.update(stage=stage, pp_group=_timed(dm.get_group("pp"), timeout))
     set_current(ctx)
+    # Every rank leaves only when all have made their groups: a rank that stops right after (an
+    # engine refusing its plan on every rank) would otherwise take the store it serves (rank 0)
+    # away from a peer still connecting one ("Broken pipe" in that peer's new_group).
+    dist.barrier()
     return ctx
 
 
