@@ -127,12 +127,22 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
             from runtime import context as RC
             RC.setup(steps[1].plan.mesh, pp=plan.pp, timeout=collective_timeout)
         blocks = None if read is None else (lambda fqn, sl: read(fqn, [sl], 0))
-        if plan.pp > 1:
-            unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]
-            self.runner = RowStageRunner(self.step_module, steps, self.rank, plan.pp, unit_stage, read=blocks)
-            self.runner.in_flight = True
-        else:
-            self.runner = RowRunner(self.step_module, steps, self.rank, read=blocks)
+        try:   # a runner refuses steps whose plans hold the cache in different layouts
+            if plan.pp > 1:
+                unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]
+                self.runner = RowStageRunner(self.step_module, steps, self.rank, plan.pp, unit_stage, read=blocks)
+                self.runner.in_flight = True
+            else:
+                self.runner = RowRunner(self.step_module, steps, self.rank, read=blocks)
+        except ValueError as e:
+            raise PlanError(f'backend="codegen" cannot run {type(self.model).__name__}\'s planned row steps: {e}; '
+                            f"use {MODULES}") from None
+        if plan.tp > 1 and self.runner.cache_bytes() * plan.tp != self.runner.whole_cache_bytes():
+            raise PlanError(f'backend="codegen": the planned row steps do not split {type(self.model).__name__}\'s '
+                            f"cache on its kv heads tp={plan.tp} ways (this rank would hold "
+                            f"{self.runner.cache_bytes()} of its {self.runner.whole_cache_bytes()} bytes, layouts "
+                            f"{sorted({str(lay) for lay in self.runner.cache_layouts})}), more than the plan priced; "
+                            f"use {MODULES}")
         self.calls = {s: 0 for s in steps}       # program runs per step length (1: decode)
         # the place of this rank, as IterationEngine.from_plan gives it (one replica)
         self.replica, self.replicas = 0, 1

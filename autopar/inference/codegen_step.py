@@ -253,6 +253,12 @@ class CacheBlocks:
                    for lay, shape in zip(self.cache_layouts, self.cache_shapes))
 
 
+    def whole_cache_bytes(self) -> int:
+        """Bytes of the cache blocks unsplit (what each rank would hold if the plan kept them whole)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(shape) * itemsize for shape in self.cache_shapes)
+
+
 class StepRunner(CacheBlocks):
     """One rank's prefill and decode programs of a CacheStep and the cache blocks they share.
 

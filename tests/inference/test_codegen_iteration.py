@@ -233,3 +233,25 @@ def test_a_pp2_tick_failing_after_its_turn_admitted_a_newcomer_hands_it_back_on_
         assert second in admitted                      # the premise: the failing tick admitted it
         assert sorted(dropped) == sorted([first, second]) and idle
         assert after == want
+
+
+def _iteration_error(rank, world, plan_json):
+    try:
+        IterationEngine.from_plan(spread_model("hf_gpt2"), InferencePlan.from_json(plan_json), backend="codegen")
+    except PlanError as e:
+        return str(e)
+
+
+@pytest.mark.slow
+def test_a_row_cache_the_steps_plan_keeps_whole_is_refused():
+    """GPT-2 at tp=2: its fused qkv projection leaves the row steps' cache unsplit on the kv heads
+    (the decode step's plan holds it in another layout than the prefill's, or whole): refused on
+    every rank with a PlanError naming the modules backend, not a ValueError from the runner."""
+    from autopar.inference.trace import synthetic_trace
+    trace = synthetic_trace(16, rate=4.0, prompt_lens=(2, 6), output_lens=(1, 6), seed=0)
+    plan = plan_inference(spread_model("hf_gpt2"), None, autopar.Cluster.preset("cpu", devices=2), trace=trace,
+                          batching="continuous", constraints={"tp": 2, "pp": 1, "dp": 1}, dtype="fp32")
+    plan.batch_size, plan.prompt_len, plan.max_new_tokens = SLOTS, PROMPT_LEN, MAX_NEW
+    plan.predictions["kv_cache_tokens_per_replica"] = None
+    for msg in run_local(_iteration_error, 2, args=(plan.to_json(),), timeout=600):
+        assert msg is not None and ("do not split" in msg or "another layout" in msg) and 'backend="modules"' in msg
