@@ -55,7 +55,7 @@ from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import (CacheStep, PlannedStep, StepRunner, full_cache_config, plan_cache_step,
                                             trace_cache_step)
 from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
-                                             fill_buffers)
+                                             eos_token_ids, fill_buffers)
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
 
@@ -226,11 +226,7 @@ class CodegenEngine:
                             f"config sets {odd}: use {MODULES}")
 
     def eos_ids(self) -> tuple:
-        gc = getattr(self.model, "generation_config", None)
-        eos = getattr(gc, "eos_token_id", None)
-        if eos is None:
-            return ()
-        return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        return eos_token_ids(self.model)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,

@@ -58,7 +58,7 @@ from autopar.inference.codegen_rows import N_ROW_INPUTS, RowCacheStep, RowRunner
     row_step_inputs
 from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import PlannedStep, full_cache_config
-from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, RequestQueue, checkpoint_reader
+from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, RequestQueue, checkpoint_reader, eos_token_ids
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.sequence import IDLE_TIMEOUT, Sequence, step_until_idle
 from autopar.inference.vocab_parallel import VocabShard, next_tokens
@@ -154,8 +154,7 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
             self.jobs = dist.new_group(timeout=IDLE_TIMEOUT)
         self.default_top_k = getattr(gc, "top_k", None) or 0
         self.default_top_p = getattr(gc, "top_p", None) or 1.0
-        eos = getattr(gc, "eos_token_id", None)
-        self.eos = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+        self.eos = set(eos_token_ids(self.model))
         self.ids = itertools.count()
         self.waiting: list[Sequence] = []
         self.filling: list[Sequence] = []        # chunked prefill only: always empty here

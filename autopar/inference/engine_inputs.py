@@ -35,6 +35,14 @@ def check_sampling(sampling: dict | None) -> dict:
     return out
 
 
+def eos_token_ids(model) -> tuple[int, ...]:
+    """The end-of-sequence token ids of ``model``'s generation config (none: ())."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
 class RequestQueue:
     """``check`` and ``add`` of a continuous-batching engine (either backend): a request checked
     against the plan (``check_sequence``: ``prompt_len``, ``max_new_tokens``, ``kv_tokens``, per

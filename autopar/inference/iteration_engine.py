@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
-from autopar.inference.engine_inputs import RequestQueue
+from autopar.inference.engine_inputs import RequestQueue, eos_token_ids
 from autopar.inference.iteration_chunks import ChunkedPrefill
 from autopar.inference.iteration_stages import StagesInFlight
 from autopar.inference.model_shape import causal_lm
@@ -114,8 +114,7 @@ class IterationEngine(RequestQueue, ChunkedPrefill, StagesInFlight):
         gc = getattr(self.model, "generation_config", None)
         self.default_top_k = getattr(gc, "top_k", None) or 0
         self.default_top_p = getattr(gc, "top_p", None) or 1.0
-        eos = getattr(gc, "eos_token_id", None)
-        self.eos = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+        self.eos = set(eos_token_ids(self.model))
         try:
             self.device = next(self.model.parameters()).device
         except StopIteration:
