@@ -43,3 +43,26 @@ def generate_alone(model, prompt: list[int], new: int, **sampling) -> list[int]:
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=new, do_sample=bool(sampling), pad_token_id=0, **sampling)
     return out[0, len(prompt):].tolist()
+
+
+def fail_a_tick_after_admitting(engine) -> tuple:
+    """On a pp > 1 iteration engine (either backend): two ticks of one request, then a second
+    request added and the next tick failing in this rank's stage work after its turn admitted it.
+    Returns (prompts the failing tick admitted, prompts the abort handed back, the two requests'
+    prompts, whether the engine is idle after the abort); the engine's work is restored."""
+    first = engine.add([5, 6, 7], 6)
+    engine.step()
+    engine.step()
+    second = engine.add([9, 10, 11], 4)
+
+    def boom(ve):
+        raise RuntimeError("a stage failed mid-tick")
+    engine._work = boom
+    try:
+        engine.step()
+    except RuntimeError:
+        pass
+    admitted = [s.prompt for ve in engine.flights for s in (ve.admitted or [])]
+    dropped = engine.abort()
+    del engine._work
+    return admitted, [s.prompt for s in dropped], first.prompt, second.prompt, engine.idle

@@ -19,7 +19,7 @@ from autopar.inference.iteration_engine import IterationEngine
 from autopar.inference.iteration_ranks import LeaderIterations, follow_iterations
 from autopar.inference.planner import plan_inference
 from runtime.launch import run_local
-from tests.helpers.serving import generate_alone, spread_model
+from tests.helpers.serving import fail_a_tick_after_admitting, generate_alone, spread_model
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
 
@@ -201,25 +201,10 @@ def _abort_rank(rank, world, plan_json):
     prompts the abort hands back, and the tokens of a request served after it."""
     plan = InferencePlan.from_json(plan_json)
     engine = IterationEngine.from_plan(_model(), plan, backend="codegen")
-    first = engine.add([5, 6, 7], 6)
-    engine.step()
-    engine.step()
-    second = engine.add([9, 10, 11], 4)
-
-    def boom(ve):
-        raise RuntimeError("a stage failed mid-tick")
-    engine._work = boom
-    try:
-        engine.step()
-    except RuntimeError:
-        pass
-    admitted = [s.prompt for ve in engine.flights for s in (ve.admitted or [])]
-    dropped = engine.abort()
-    idle = engine.idle
-    del engine._work
+    admitted, dropped, first, second, idle = fail_a_tick_after_admitting(engine)
     after = engine.add([1, 2], 3)
     engine.run_until_idle()
-    return admitted, [s.prompt for s in dropped], first.prompt, second.prompt, idle, after.tokens
+    return admitted, dropped, first, second, idle, after.tokens
 
 
 @pytest.mark.slow

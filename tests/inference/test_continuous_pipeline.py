@@ -18,7 +18,7 @@ from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.iteration_engine import IterationEngine
 from autopar.inference.iteration_ranks import LeaderIterations, follow_iterations
 from runtime.launch import run_local
-from tests.helpers.serving import assert_served_like_generate
+from tests.helpers.serving import assert_served_like_generate, fail_a_tick_after_admitting
 
 torch.set_num_threads(1)
 
@@ -141,21 +141,7 @@ def _abort_rank(rank, world, plan_json):
     plan = InferencePlan.from_json(plan_json)
     engine = IterationEngine.from_plan(_model("hf_llama"), plan)
     engine.slots, engine.prompt_len, engine.max_new_tokens, engine.kv_tokens = 3, 9, 7, None
-    first = engine.add([5, 6, 7], 6)
-    engine.step()
-    engine.step()
-    second = engine.add([9, 10, 11], 4)
-
-    def boom(ve):
-        raise RuntimeError("a stage failed mid-tick")
-    engine._work = boom
-    try:
-        engine.step()
-    except RuntimeError:
-        pass
-    admitted = [s.prompt for ve in engine.flights for s in (ve.admitted or [])]
-    dropped = engine.abort()
-    return admitted, [s.prompt for s in dropped], first.prompt, second.prompt, engine.idle
+    return fail_a_tick_after_admitting(engine)
 
 
 def test_a_tick_failing_after_its_turn_admitted_a_newcomer_hands_it_back_on_abort():
