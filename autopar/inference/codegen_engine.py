@@ -55,7 +55,7 @@ from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import (CacheStep, PlannedStep, StepRunner, full_cache_config, plan_cache_step,
                                             trace_cache_step)
 from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
-                                             eos_token_ids, fill_buffers)
+                                             eos_token_ids, fill_buffers, plan_ranks)
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
 
@@ -152,11 +152,7 @@ class CodegenEngine:
                  collective_timeout=None):
         check_codegen_plan(plan)
         self.plan = plan
-        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.rank = dist.get_rank() if self.world > 1 else 0
-        if plan.world_size != self.world:
-            raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp}, pp={plan.pp}) but "
-                            f"{self.world} are running: launch {plan.world_size}")
+        self.world, self.rank = plan_ranks(plan)
         self.model = causal_lm(model)
         self.prefill = max(plan.prompt_len, 2)
         self.max_len = plan.prompt_len + plan.max_new_tokens

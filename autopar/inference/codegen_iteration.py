@@ -58,7 +58,8 @@ from autopar.inference.codegen_rows import N_ROW_INPUTS, RowCacheStep, RowRunner
     row_step_inputs
 from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import PlannedStep, full_cache_config
-from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, RequestQueue, checkpoint_reader, eos_token_ids
+from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, RequestQueue, checkpoint_reader, eos_token_ids, \
+    plan_ranks
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.sequence import IDLE_TIMEOUT, Sequence, step_until_idle
 from autopar.inference.vocab_parallel import VocabShard, next_tokens
@@ -90,11 +91,7 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
     def __init__(self, model, plan, weights: str | None = None, cluster=None, collective_timeout=None):
         check_iteration_plan(plan)
         self.plan = plan
-        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.rank = dist.get_rank() if self.world > 1 else 0
-        if plan.world_size != self.world:
-            raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp}) but {self.world} are "
-                            f"running: launch {plan.world_size}")
+        self.world, self.rank = plan_ranks(plan)
         self.model = causal_lm(model)
         self.slots, self.prompt_len, self.max_new_tokens = plan.batch_size, plan.prompt_len, plan.max_new_tokens
         self.kv_tokens = plan.predictions.get("kv_cache_tokens_per_replica")

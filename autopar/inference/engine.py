@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
-                                             fill_buffers)
+                                             fill_buffers, plan_ranks)
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.pp_stages import ReceivedLogits, connect_stages, keep_stage_layers, share_cache_layers
@@ -61,11 +61,7 @@ class InferenceEngine:
     def __init__(self, model, plan: InferencePlan, weights: str | None = None, collective_timeout=None):
         self.plan = plan
         self.whole_logits = False   # a split head's logits all-gathered (a sampled generate), else its slice
-        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.rank = dist.get_rank() if self.world > 1 else 0
-        if plan.world_size != self.world:
-            raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp} x pp={plan.pp} x "
-                            f"dp={plan.dp}) but {self.world} are running: launch {plan.world_size}")
+        self.world, self.rank = plan_ranks(plan)
         self.model = causal_lm(model)
         self.read = checkpoint_reader(self.model, weights) if weights is not None else None
         if self.read is None and any(p.is_meta for p in self.model.parameters()):

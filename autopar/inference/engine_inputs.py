@@ -35,6 +35,17 @@ def check_sampling(sampling: dict | None) -> dict:
     return out
 
 
+def plan_ranks(plan) -> tuple[int, int]:
+    """(world size, this rank) of the running process group (1, 0 without one), checked against
+    the processes ``plan`` (an InferencePlan) runs on."""
+    import torch.distributed as dist
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if plan.world_size != world:
+        raise PlanError(f"the plan runs on {plan.world_size} processes (tp={plan.tp} x pp={plan.pp} x "
+                        f"dp={plan.dp}) but {world} are running: launch {plan.world_size}")
+    return world, (dist.get_rank() if world > 1 else 0)
+
+
 def eos_token_ids(model) -> tuple[int, ...]:
     """The end-of-sequence token ids of ``model``'s generation config (none: ())."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
