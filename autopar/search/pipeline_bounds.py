@@ -269,12 +269,16 @@ def solve_order_lp(schedule: str, pp: int, m: int, ratio: float) -> float:
         import highspy
     except ImportError:   # the optional solver (pyproject's "highs" extra): the closed forms only
         return 0.0
+    from autopar.errors import ConstraintError
     from autopar.search.stage_plan import orders_for
     V = pp * virtual_stages(schedule)
     keep = KEEP_PER_STAGE * V + KEEP_PER_RANK * pp
     if pp * (sum(_kept_actions(2 * m * V // pp, keep)) + 1) > ORDER_LP_EVENTS:
         return 0.0   # too large (each rank runs a forward and a backward per micro-batch and chunk)
-    orders = orders_for(schedule, pp, m)
+    try:
+        orders = orders_for(schedule, pp, m)
+    except ConstraintError:   # torch's schedule rejects (pp, m): no order, the closed forms only
+        return 0.0
     spans = {r: _kept_actions(len(acts), keep) for r, acts in orders.items()}
     if sum(h + t for h, t in spans.values()) + len(spans) > ORDER_LP_EVENTS:
         return 0.0

@@ -190,6 +190,16 @@ def test_cutoff_factor_with_the_order_lp_cuts_only_where_the_proven_bound_reache
         assert min(proven_step(s, pp, m, w, b) for s in schedules) >= beat * (1 - 1e-9)
 
 
+def test_cutoff_factor_with_the_order_lp_takes_a_schedule_torch_rejects_at_this_m_as_unproven():
+    """pp=2, 9 micro-batches: torch's interleaved 1F1B needs a multiple of 4, so it has no order
+    (its LP proves nothing: the closed forms only), while 1F1B sharing the inner search keeps its
+    order LP; neither raises (145.6B's free search raised here with the proven bounds on)."""
+    assert order_lp_unit("interleaved-1f1b", 2, 9, 0.0) == 0.0
+    assert order_lp_unit("1f1b", 2, 9, 0.0) > 1.0
+    f = cutoff_factor(("1f1b", "interleaved-1f1b"), 2, 9, 1.0, 1e-4, order=True)
+    assert 1.0 <= f <= cutoff_factor(("interleaved-1f1b",), 2, 9, 1.0, 1e-4, order=True) + 1e-12
+
+
 @pytest.mark.parametrize("pins", [{"dp": 8, "zero": 1}, {"tp": 8}, {"dp": 2, "tp": 4, "checkpoint": "full"},
                                   {"pp": 2}, {"pp": 4, "pp_schedule": "interleaved-1f1b"}])
 def test_compute_floor_is_below_the_compute_of_every_plan(pins):
