@@ -4,7 +4,7 @@ to it in place (an fp32 model, or one already in it), and each rank holds bf16 c
 many bytes as the plan's ``kv_cache_bytes_per_rank``. Greedy tokens equal the modules backend's on
 the same plan and model, and Hugging Face's ``generate`` on the model cast to the dtype: on one
 process (static, fp16 too), on 2 gloo ranks at tp=2 (static, and the continuous engine's staggered
-requests against each prompt generated alone)."""
+requests against each prompt generated alone) and at pp=2 (static)."""
 from __future__ import annotations
 
 import pytest
@@ -72,9 +72,12 @@ def _static_rank(rank, world, plan_json):
 
 
 @pytest.mark.slow
-def test_tp2_bf16_equals_the_modules_backend_and_hf():
-    plan = _plan(2, tp=2, pp=1, dp=1)
-    assert (plan.tp, plan.dtype) == (2, "bf16")
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_2_ranks_bf16_equals_the_modules_backend_and_hf(tp, pp):
+    """tp=2 (the row-parallel matmuls all-reduced in bf16) and pp=2 (bf16 hidden states sent
+    between the stages; each stage's cache blocks its layers', as priced)."""
+    plan = _plan(2, tp=tp, pp=pp, dp=1)
+    assert (plan.tp, plan.pp, plan.dtype) == (tp, pp, "bf16")
     for got in run_local(_static_rank, 2, args=(plan.to_json(),), timeout=600):
         _check_static(got, plan, "bf16")
 
@@ -113,3 +116,17 @@ def test_tp2_continuous_bf16_equals_the_modules_engine_and_generate_alone():
         assert tokens == modules == wants and most >= 2
         assert calls[1] > 0 and calls[PROMPT_LEN] == len(REQUESTS)   # premise: the programs ran
         assert dtypes == {torch.bfloat16} and held == whole // 2      # each rank its kv heads, in bf16
+
+
+def test_a_meta_model_reads_an_fp32_checkpoint_into_bf16_blocks(tmp_path):
+    """A model built on the meta device, its parameter blocks read from an fp32 checkpoint: cast
+    to the plan's bf16 as they are read (and its rotary buffers, computed, too)."""
+    from autopar.models.hf_config import from_hf_config
+    _model("hf_llama").save_pretrained(tmp_path)
+    plan = _plan(1)
+    meta = from_hf_config(str(tmp_path), seq=16, batch=1)
+    engine = compile_inference(meta, plan=plan, weights=str(tmp_path), backend="codegen")
+    assert engine.generate(PROMPTS, NEW, attention_mask=MASK).tolist() == _reference("bf16")
+    assert {c.dtype for c in engine.runner.cache} == {torch.bfloat16}
+    assert {b.dtype for blocks in engine.runner.params.values() for b in blocks if b.is_floating_point()} \
+        == {torch.bfloat16}
