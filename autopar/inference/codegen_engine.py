@@ -22,6 +22,12 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
 - **Weights.** The model's own tensors, or with ``weights=DIR`` (a safetensors checkpoint) each
   rank's parameter blocks are read from the checkpoint block by block; a model built on the meta
   device is then given empty storage to trace over (its rotary buffers computed).
+- **Dtype.** The model is cast in place to the plan's dtype (fp32, bf16 or fp16), as the modules
+  backend casts it (``cast_to_plan``); the steps are traced, planned (the planner's precision: bf16
+  for both 16-bit dtypes) and run in it and the cache blocks held in it, so ``kv_cache_bytes()``
+  prices as the plan does. A 16-bit step's reductions (the row-parallel matmuls' all-reduces at
+  tp > 1) round in another order than the whole model's, so its logits may differ from the
+  modules backend's in the last bf16 bits.
 - **Tokens.** The prompt followed by the new tokens on every rank, rows stopping at the
   generation config's end-of-sequence tokens (padded with 0) and generation ending once every
   row has, as Hugging Face's ``generate``. The programs return the last position's logits whole:
@@ -36,7 +42,7 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
   attention and run (``codegen_step.full_cache_config``); a shorter window is refused.
 
 What this backend refuses, with the backend that runs it: data-parallel replicas (``dp > 1``),
-dtypes other than fp32, generation-config settings that process whole rows of logits (e.g.
+dtypes other than fp32, bf16 and fp16, generation-config settings that process whole rows of logits (e.g.
 ``repetition_penalty``) or sample with other warpers (``min_p``, ``typical_p``, ...), caches
 whose sliding window is shorter than the cache (or other ring-buffer layers), and steps whose
 plan does not hold the cache the InferencePlan priced per rank (GPT-2 at tp > 1: its fused qkv
@@ -52,8 +58,8 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.inference.codegen_stages import StageStepRunner
-from autopar.inference.codegen_step import (CacheStep, PlannedStep, StepRunner, full_cache_config, plan_cache_step,
-                                            trace_cache_step)
+from autopar.inference.codegen_step import (STEP_DTYPES, CacheStep, PlannedStep, StepRunner, full_cache_config,
+                                            plan_cache_step, trace_cache_step)
 from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
                                              eos_token_ids, fill_buffers, plan_ranks)
 from autopar.inference.inference_plan import InferencePlan
@@ -86,9 +92,15 @@ def check_codegen_plan(plan: InferencePlan) -> None:
     if plan.dp > 1:
         raise PlanError(f'backend="codegen" does not run data-parallel replicas yet (the plan has dp={plan.dp}): '
                         f"plan with dp=1 (constraints={{'dp': 1}}) or use {MODULES}")
-    if plan.dtype != "fp32":
-        raise PlanError(f'backend="codegen" runs fp32 only (the plan is {plan.dtype}): plan with dtype="fp32" '
-                        f"or use {MODULES}")
+    if plan.dtype not in STEP_DTYPES:
+        raise PlanError(f'backend="codegen" runs {", ".join(STEP_DTYPES)} (the plan is {plan.dtype}): plan with '
+                        f"one of them or use {MODULES}")
+
+
+def cast_to_plan(model, plan: InferencePlan) -> None:
+    """``model`` cast in place to the plan's dtype (``STEP_DTYPES``), as the modules backend casts
+    it: its steps are traced, planned and run in that dtype, its cache blocks held in it."""
+    model.to(STEP_DTYPES[plan.dtype][0])
 
 
 def meta_to_storage(model) -> None:
@@ -162,12 +174,14 @@ class CodegenEngine:
             raise PlanError(f'backend="codegen": {type(self.model).__name__}\'s cache of {self.max_len} positions '
                             f"(prompt_len + max_new_tokens) has {e}: plan for at most the window's positions or "
                             f"use {MODULES}") from None
+        cast_to_plan(self.model, plan)   # first: the checkpoint's blocks are read in the parameters' dtypes
         self.read = checkpoint_reader(self.model, weights) if weights is not None else None
         if any(p.is_meta for p in self.model.parameters()):
             if self.read is None:
                 raise PlanError("the model's parameters are on the meta device: give weights=DIR (a Hugging Face "
                                 "safetensors checkpoint directory), or build the model with its weights")
             meta_to_storage(self.model)
+            cast_to_plan(self.model, plan)   # the buffers computed
         self.model.eval()
         self.step = CacheStep(self.model)
         steps = self.planned_steps(step_cluster(plan, cluster))
@@ -201,7 +215,8 @@ class CodegenEngine:
         texts = [None] * len(lengths)
         if self.rank == 0:
             texts = [plan_cache_step(self.step, self.plan.batch_size, s, self.max_len, cluster, traced=traced[s],
-                                     constraints={"tp": self.plan.tp, "dp": 1}, policy="megatron").plan.to_json()
+                                     constraints={"tp": self.plan.tp, "dp": 1}, policy="megatron",
+                                     precision=STEP_DTYPES[self.plan.dtype][1]).plan.to_json()
                      for s in lengths]
         if self.world > 1:
             dist.broadcast_object_list(texts, src=0)

@@ -26,7 +26,9 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   head_dim]`` split on the kv heads as the plans say; a sequence owns one row of it from admission
   to retirement, its token ``i`` at slot ``i`` (position ``i``), under a ``[slots, max_len]`` mask of
   its written slots (with pp > 1, one block, mask and set of rows per virtual engine). Nothing is
-  joined, trimmed or copied on admission or retirement.
+  joined, trimmed or copied on admission or retirement. The model is cast in place to the plan's
+  dtype (fp32, bf16 or fp16: ``codegen_engine.cast_to_plan``), the steps traced, planned and run
+  in it and the cache blocks held in it.
 - **Iteration** (pp = 1; with pp > 1 a step is one tick of the stages in flight, each virtual
   engine's turn these forwards but for the newcomers' decode, which waits for its next turn). As
   ``IterationEngine``'s: admit (oldest first, while a row is free and the KV-token
@@ -39,7 +41,7 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   seeded generator, the same on every rank.
 
 Refused (PlanError, naming what runs it): ``dp > 1``, chunked prefill, dtypes other
-than fp32 (``backend="modules"`` runs them all). ``collective_timeout`` (a timedelta) is the
+than fp32, bf16 and fp16 (``backend="modules"`` runs them all). ``collective_timeout`` (a timedelta) is the
 programs' groups' timeout (``runtime.context.setup(..., timeout=)``; the default group's when None);
 the jobs group has none, as ``IterationEngine``'s.
 """
@@ -52,12 +54,12 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import PlanError
-from autopar.inference.codegen_engine import (MODULES, check_codegen_plan, meta_to_storage, step_cluster)
+from autopar.inference.codegen_engine import MODULES, cast_to_plan, check_codegen_plan, meta_to_storage, step_cluster
 from autopar.inference.codegen_flights import RowStagesInFlight
 from autopar.inference.codegen_rows import N_ROW_INPUTS, RowCacheStep, RowRunner, plan_row_step, row_chunk, \
     row_step_inputs
 from autopar.inference.codegen_stages import StageStepRunner
-from autopar.inference.codegen_step import PlannedStep, full_cache_config
+from autopar.inference.codegen_step import STEP_DTYPES, PlannedStep, full_cache_config
 from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, RequestQueue, checkpoint_reader, eos_token_ids, \
     plan_ranks
 from autopar.inference.model_shape import causal_lm
@@ -111,12 +113,14 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
         if odd:
             raise PlanError(f'backend="codegen" runs no logits processors over whole rows; the model\'s generation '
                             f"config sets {odd}: use {MODULES}")
+        cast_to_plan(self.model, plan)   # first: the checkpoint's blocks are read in the parameters' dtypes
         read = checkpoint_reader(self.model, weights) if weights is not None else None
         if any(p.is_meta for p in self.model.parameters()):
             if read is None:
                 raise PlanError("the model's parameters are on the meta device: give weights=DIR (a Hugging Face "
                                 "safetensors checkpoint directory), or build the model with its weights")
             meta_to_storage(self.model)
+            cast_to_plan(self.model, plan)   # the buffers computed
         self.model.eval()
         self.step_module = RowCacheStep(self.model)
         steps = self.planned_steps(step_cluster(plan, cluster))
@@ -182,7 +186,8 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
         if self.rank == 0:
             texts = [plan_row_step(self.step_module, b, s, self.max_len, cluster, traced=traced[s],
                                    cache_rows=self.slots, constraints={"tp": self.plan.tp, "dp": 1},
-                                   policy="megatron").plan.to_json() for s, b in shapes.items()]
+                                   policy="megatron", precision=STEP_DTYPES[self.plan.dtype][1]).plan.to_json()
+                     for s, b in shapes.items()]
         if self.world > 1:
             dist.broadcast_object_list(texts, src=0)
         return {s: PlannedStep(traced[s], Plan.from_json(t), N_ROW_INPUTS) for s, t in zip(shapes, texts)}

@@ -9,7 +9,9 @@ the model's own modules sliced by tp_shard.py.
   tensors, returning the last position's logits and the updated cache; the cache write traces to
   an out-of-place ``aten.index_copy`` (rule: autopar/rules/ops_cache.py), so the traced step
   mutates nothing and the new cache is an ordinary output.
-- ``empty_cache(lm, batch, max_len)``: the whole zero cache k_0, v_0, k_1, ... (one process).
+- ``empty_cache(lm, batch, max_len)``: the whole zero cache k_0, v_0, k_1, ... (one process), in
+  the model's dtype: a step is traced, planned and run in the dtype of the model it is given
+  (``STEP_DTYPES``: an InferencePlan's dtype, the model's cast to it, the planner's precision).
 - ``step_inputs`` / ``trace_cache_step`` / ``plan_cache_step``: a step's example inputs, its
   trace, and its trace and plan (``PlannedStep``) for one (batch, length) shape.
 - ``StepRunner``: one rank's programs (a prefill per padded prompt length, the decode step), its
@@ -20,8 +22,9 @@ the model's own modules sliced by tp_shard.py.
 
 The cost model prices a step as a training step whose parameters are all frozen (no gradient or
 optimizer); the strategies are what matter here. Pipeline stages of these steps are
-autopar/inference/codegen_stages.py's; no data parallelism or mixed precision. ``NewTokens``
-chooses each step's tokens from the whole logits: the argmax, or a sampler the caller gives.
+autopar/inference/codegen_stages.py's; no data parallelism or mixed precision (a bf16 model's step
+runs in bf16 throughout, as its modules do). ``NewTokens`` chooses each step's tokens from the
+whole logits: the argmax, or a sampler the caller gives.
 """
 from __future__ import annotations
 
@@ -123,8 +126,19 @@ class CacheStep(nn.Module):
         return (out.logits[:, -1], *news)
 
 
-def empty_cache(lm: nn.Module, batch: int, max_len: int, dtype=torch.float32) -> list[torch.Tensor]:
-    """The whole (unsplit) preallocated cache of ``lm``: k_0, v_0, k_1, ... all zeros."""
+# an InferencePlan's dtype -> (the torch dtype its steps are traced and run in, ``autopar.plan``'s precision)
+STEP_DTYPES = {"fp32": (torch.float32, "fp32"), "bf16": (torch.bfloat16, "bf16"), "fp16": (torch.float16, "bf16")}
+
+
+def model_dtype(lm: nn.Module) -> torch.dtype:
+    """The dtype of ``lm``'s floating parameters (fp32 when it has none)."""
+    return next((p.dtype for p in lm.parameters() if p.is_floating_point()), torch.float32)
+
+
+def empty_cache(lm: nn.Module, batch: int, max_len: int, dtype=None) -> list[torch.Tensor]:
+    """The whole (unsplit) preallocated cache of ``lm``: k_0, v_0, k_1, ... all zeros, in ``dtype``
+    (default: ``lm``'s parameters' dtype, as its attention writes the cache)."""
+    dtype = dtype or model_dtype(lm)
     cfg = lm.config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
