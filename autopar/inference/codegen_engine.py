@@ -45,8 +45,10 @@ What this backend refuses, with the backend that runs it: data-parallel replicas
 dtypes other than fp32, bf16 and fp16, generation-config settings that process whole rows of logits (e.g.
 ``repetition_penalty``) or sample with other warpers (``min_p``, ``typical_p``, ...), caches
 whose sliding window is shorter than the cache (or other ring-buffer layers), and steps whose
-plan does not hold the cache the InferencePlan priced per rank (GPT-2 at tp > 1: its fused qkv
-projection leaves the planned cache whole on every rank).
+plan does not hold the cache the InferencePlan priced per rank (a fused qkv projection the steps
+do not split by heads leaves the planned cache whole on every rank). GPT-2's own fused ``c_attn``
+runs split by heads: the step traces a view of the model with q, k and v as three projections and
+its parameter blocks are read from the fused tensors (autopar/inference/fused_qkv.py).
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ from autopar.inference.codegen_step import (STEP_DTYPES, CacheStep, PlannedStep,
                                             plan_cache_step, trace_cache_step)
 from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
                                              eos_token_ids, fill_buffers, plan_ranks)
+from autopar.inference.fused_qkv import mapped_read
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
 
@@ -188,7 +191,9 @@ class CodegenEngine:
         if self.world > 1:   # the programs' process groups (one process: no collectives)
             from runtime import context as RC
             RC.setup(steps[1].plan.mesh, pp=plan.pp, timeout=collective_timeout)
-        read = None if self.read is None else (lambda fqn, sl: self.read(fqn, [sl], 0))
+        # GPT-2's split q, k, v blocks read from its fused c_attn (fused_qkv.py)
+        read = mapped_read(None if self.read is None else (lambda fqn, sl: self.read(fqn, [sl], 0)),
+                           self.step.qkv_columns)
         if plan.pp > 1:
             unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]
             self.runner = StageStepRunner(self.step, steps, self.rank, plan.pp, unit_stage, read=read)

@@ -41,7 +41,9 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   seeded generator, the same on every rank.
 
 Refused (PlanError, naming what runs it): ``dp > 1``, chunked prefill, dtypes other
-than fp32, bf16 and fp16 (``backend="modules"`` runs them all). ``collective_timeout`` (a timedelta) is the
+than fp32, bf16 and fp16, and steps whose plans do not split the cache on its kv heads (a fused
+qkv projection autopar/inference/fused_qkv.py does not split; GPT-2's own it splits by heads)
+(``backend="modules"`` runs them all). ``collective_timeout`` (a timedelta) is the
 programs' groups' timeout (``runtime.context.setup(..., timeout=)``; the default group's when None);
 the jobs group has none, as ``IterationEngine``'s.
 """
@@ -57,11 +59,12 @@ from autopar.errors import PlanError
 from autopar.inference.codegen_engine import MODULES, cast_to_plan, check_codegen_plan, meta_to_storage, step_cluster
 from autopar.inference.codegen_flights import RowStagesInFlight
 from autopar.inference.codegen_rows import N_ROW_INPUTS, RowCacheStep, RowRunner, plan_row_step, row_chunk, \
-    row_step_inputs
+    trace_row_step
 from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import STEP_DTYPES, PlannedStep, full_cache_config
 from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, RequestQueue, checkpoint_reader, eos_token_ids, \
     plan_ranks
+from autopar.inference.fused_qkv import mapped_read
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.sequence import IDLE_TIMEOUT, Sequence, step_until_idle
 from autopar.inference.vocab_parallel import VocabShard, next_tokens
@@ -127,7 +130,9 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
         if self.world > 1:   # the programs' process groups
             from runtime import context as RC
             RC.setup(steps[1].plan.mesh, pp=plan.pp, timeout=collective_timeout)
-        blocks = None if read is None else (lambda fqn, sl: read(fqn, [sl], 0))
+        # GPT-2's split q, k, v blocks read from its fused c_attn (fused_qkv.py)
+        blocks = mapped_read(None if read is None else (lambda fqn, sl: read(fqn, [sl], 0)),
+                             self.step_module.qkv_columns)
         try:   # a runner refuses steps whose plans hold the cache in different layouts
             if plan.pp > 1:
                 unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]
@@ -176,12 +181,10 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
     def planned_steps(self, cluster) -> dict[int, PlannedStep]:
         """The decode step (all rows) and the prefill step (one row of the cache), traced here and
         planned on rank 0 (module doc)."""
-        from autopar.frontend.trace import trace_step
         from autopar.plans.plan import Plan
         # length -> step rows (pp > 1: the prefill over all rows, as the stages' tokens are [slots])
         shapes = {1: self.slots, self.prefill_len: self.slots if self.pp > 1 else 1}
-        traced = {s: trace_step(self.step_module, row_step_inputs(self.model, b, s, self.max_len, self.slots))
-                  for s, b in shapes.items()}
+        traced = {s: trace_row_step(self.step_module, b, s, self.max_len, self.slots) for s, b in shapes.items()}
         texts = [None] * len(shapes)
         if self.rank == 0:
             texts = [plan_row_step(self.step_module, b, s, self.max_len, cluster, traced=traced[s],

@@ -17,8 +17,9 @@ length), where ``CacheStep`` (autopar/inference/codegen_step.py) writes the same
   written and put back (``index_copy``); the other rows are not touched. Query ``s`` of row ``a`` attends to the slots
   ``attention_mask[b]`` marks that are at most ``cache_position[b, s]``, and always to its own slot
   (so a padding query is never fully masked).
-- ``row_step_inputs`` / ``plan_row_step``: a step's example inputs and its trace and plan
-  (``PlannedStep``) for one (batch, length) shape.
+- ``row_step_inputs`` / ``trace_row_step`` / ``plan_row_step``: a step's example inputs, its trace,
+  and its trace and plan (``PlannedStep``) for one (batch, length) shape. GPT-2's fused qkv
+  projection is split by heads for them (autopar/inference/fused_qkv.py), as ``CacheStep``'s.
 - ``row_chunk``: one row's inputs of a step writing a prompt, or a chunk of one, at its own slots
   from a given start (no slot wasted on padding: the padding writes slots the row's next tokens
   overwrite), so a prompt may be prefilled in chunks.
@@ -43,6 +44,7 @@ import torch.nn as nn
 from autopar.api import plan as make_plan
 from autopar.frontend.trace import TracedGraph, trace_step
 from autopar.inference.codegen_step import PlannedStep, StepRunner, empty_cache, full_cache_config
+from autopar.inference.fused_qkv import fold_cat_split, split_fused_qkv
 
 N_ROW_INPUTS = 5   # input_ids, position_ids, cache_position, attention_mask, rows; then the cache tensors
 
@@ -79,7 +81,7 @@ class RowCacheStep(nn.Module):
 
     def __init__(self, lm: nn.Module):
         super().__init__()
-        self.lm = lm
+        self.lm, self.qkv_columns = split_fused_qkv(lm)   # GPT-2's fused qkv as q, k, v (fused_qkv.py)
         self.n_layers = lm.config.num_hidden_layers
 
     def forward(self, input_ids, position_ids, cache_position, attention_mask, rows, *kv):
@@ -126,6 +128,13 @@ def row_step_inputs(lm: nn.Module, batch: int, seq: int, max_len: int, cache_row
             torch.arange(batch), *empty_cache(lm, cache_rows or batch, max_len))
 
 
+def trace_row_step(step: RowCacheStep, batch: int, seq: int, max_len: int,
+                   cache_rows: int | None = None) -> TracedGraph:
+    """``step`` traced at (batch, seq) over a ``max_len`` cache of ``cache_rows`` rows (default
+    ``batch``), a split of a concatenation into its own pieces folded (``fused_qkv.fold_cat_split``)."""
+    return fold_cat_split(trace_step(step, row_step_inputs(step.lm, batch, seq, max_len, cache_rows)), step)
+
+
 def plan_row_step(step: RowCacheStep, batch: int, seq: int, max_len: int, cluster, traced: TracedGraph | None = None,
                   cache_rows: int | None = None, **plan_kwargs) -> PlannedStep:
     """Trace ``step`` at (batch, seq) over a ``max_len`` cache of ``cache_rows`` rows (default
@@ -133,7 +142,7 @@ def plan_row_step(step: RowCacheStep, batch: int, seq: int, max_len: int, cluste
     (``autopar.plan``'s keyword arguments); the batch dim of every input is dim 0 (of the cache,
     none when it has other rows than the step)."""
     inputs = row_step_inputs(step.lm, batch, seq, max_len, cache_rows)
-    traced = traced if traced is not None else trace_step(step, inputs)
+    traced = traced if traced is not None else trace_row_step(step, batch, seq, max_len, cache_rows)
     cache_dim = 0 if (cache_rows or batch) == batch else None   # a cache of other rows: no batch dim of the step's
     dims = (0,) * N_ROW_INPUTS + (cache_dim,) * (len(inputs) - N_ROW_INPUTS)
     plan = make_plan(step, inputs, cluster, traced=traced, batch_dims=dims, **plan_kwargs)

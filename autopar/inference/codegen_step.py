@@ -8,7 +8,8 @@ the model's own modules sliced by tp_shard.py.
 - ``CacheStep(lm)``: one prefill or decode step over a preallocated cache given as explicit
   tensors, returning the last position's logits and the updated cache; the cache write traces to
   an out-of-place ``aten.index_copy`` (rule: autopar/rules/ops_cache.py), so the traced step
-  mutates nothing and the new cache is an ordinary output.
+  mutates nothing and the new cache is an ordinary output. GPT-2's fused qkv projection is traced
+  as three (autopar/inference/fused_qkv.py), so a tp plan splits its cache by heads.
 - ``empty_cache(lm, batch, max_len)``: the whole zero cache k_0, v_0, k_1, ... (one process), in
   the model's dtype: a step is traced, planned and run in the dtype of the model it is given
   (``STEP_DTYPES``: an InferencePlan's dtype, the model's cast to it, the planner's precision).
@@ -39,6 +40,7 @@ import torch.nn as nn
 
 from autopar.api import plan as make_plan
 from autopar.frontend.trace import TracedGraph, trace_step
+from autopar.inference.fused_qkv import fold_cat_split, split_fused_qkv
 from codegen.per_rank import generate_step
 
 N_STEP_INPUTS = 4   # input_ids, position_ids, cache_position, attention_mask; then the cache tensors
@@ -93,13 +95,15 @@ class CacheStep(nn.Module):
     its (B, S) shape: S = 1 is the decode program, S = a padded prompt length a prefill program.
     All rows write the same slots: a left-padded batch, as engine.py's ``generate`` runs. Models
     whose cache has sliding-window layers (Mistral) run only when the window is at least the
-    cache (``full_cache_config``); otherwise they are refused: their slots are a ring buffer."""
+    cache (``full_cache_config``); otherwise they are refused: their slots are a ring buffer.
+    ``lm`` is traced through ``fused_qkv.split_fused_qkv``'s view (GPT-2's fused qkv as three
+    projections, ``qkv_columns`` mapping their parameters to the model's); ``lm`` is unchanged."""
 
     n_inputs = N_STEP_INPUTS   # inputs before the cache tensors
 
     def __init__(self, lm: nn.Module):
         super().__init__()
-        self.lm = lm
+        self.lm, self.qkv_columns = split_fused_qkv(lm)   # GPT-2's fused qkv as q, k, v (fused_qkv.py)
         self.n_layers = lm.config.num_hidden_layers
 
     def forward(self, input_ids, position_ids, cache_position, attention_mask, *kv):
@@ -169,8 +173,8 @@ class PlannedStep:
 
 def trace_cache_step(step: CacheStep, batch: int, seq: int, max_len: int) -> TracedGraph:
     """``step`` traced at (batch, seq) over a ``max_len`` cache (deterministic: every rank may trace
-    its own)."""
-    return trace_step(step, step_inputs(step.lm, batch, seq, max_len))
+    its own), a split of a concatenation into its own pieces folded (``fused_qkv.fold_cat_split``)."""
+    return fold_cat_split(trace_step(step, step_inputs(step.lm, batch, seq, max_len)), step)
 
 
 def plan_cache_step(step: CacheStep, batch: int, seq: int, max_len: int, cluster, traced: TracedGraph | None = None,
@@ -179,7 +183,7 @@ def plan_cache_step(step: CacheStep, batch: int, seq: int, max_len: int, cluster
     plan it (``autopar.plan``'s keyword arguments, e.g. ``constraints={"tp": 2}``); the batch dim of
     every input but ``cache_position`` is dim 0."""
     inputs = step_inputs(step.lm, batch, seq, max_len)
-    traced = traced if traced is not None else trace_step(step, inputs)
+    traced = traced if traced is not None else fold_cat_split(trace_step(step, inputs), step)
     plan = make_plan(step, inputs, cluster, traced=traced, batch_dims=(0, 0, None, 0) + (0,) * (len(inputs) - 4),
                      **plan_kwargs)
     return PlannedStep(traced, plan)
@@ -283,8 +287,10 @@ class StepRunner(CacheBlocks):
     programs run collectives); ``runtime.context.setup(plan.mesh)`` must have run.
 
     ``read(fqn, slices)``, when given, returns the block ``slices`` of parameter ``fqn`` (an FQN of
-    ``step.lm``) from a checkpoint: the parameter blocks are read (once each, shared by the
-    programs) instead of sliced from the model's tensors; buffers still come from the model."""
+    ``step.lm``, the traced view: ``fused_qkv.mapped_read(read, step.qkv_columns)`` reads a
+    checkpoint of the model's own FQNs) from a checkpoint: the parameter blocks are read (once each,
+    shared by the programs) instead of sliced from the model's tensors; buffers still come from the
+    model."""
 
     def __init__(self, step: CacheStep, steps: dict[int, PlannedStep], rank: int, read=None):
         if 1 not in steps or len(steps) < 2:

@@ -7,8 +7,9 @@ same seed; the programs really ran (a ``StepRunner``, or a ``StageStepRunner`` u
 prefill and decode programs, the model's own forward never called) with each rank holding its kv
 heads of its layers' cache, as many bytes as the InferencePlan's ``kv_cache_bytes_per_rank``;
 ``weights=`` reads the parameter blocks from a checkpoint; what the backend cannot run is a clear
-error naming what would (GPT-2 at tp=2, whose planned cache stays whole on every rank, and a
-sliding window shorter than the cache, among them)."""
+error naming what would (a fused qkv projection the steps do not split by heads, whose planned
+cache stays whole on every rank, and a sliding window shorter than the cache, among them); GPT-2's
+own fused qkv is tests/inference/test_codegen_gpt2.py's."""
 from __future__ import annotations
 
 
@@ -89,17 +90,31 @@ def test_tp2_equals_hf_generate_and_the_modules_backend(name):
     _check(results, plan, _reference(name).tolist(), getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
 
 
+def linear_qkv(gpt2):
+    """``gpt2`` with each fused ``c_attn`` Conv1D an ``nn.Linear`` computing the same: a fused qkv
+    projection autopar/inference/fused_qkv.py does not split (it proves only GPT-2's Conv1D)."""
+    for block in gpt2.transformer.h:
+        conv = block.attn.c_attn
+        linear = torch.nn.Linear(*conv.weight.shape)
+        with torch.no_grad():
+            linear.weight.copy_(conv.weight.t())
+            linear.bias.copy_(conv.bias)
+        block.attn.c_attn = linear
+    return gpt2
+
+
 def _compile_error(rank, world, name, plan_json):
     try:
-        compile_inference(_model(name), plan=InferencePlan.from_json(plan_json), backend="codegen")
+        compile_inference(linear_qkv(_model(name)), plan=InferencePlan.from_json(plan_json), backend="codegen")
     except PlanError as e:
         return str(e)
 
 
 @pytest.mark.slow
 def test_a_cache_the_steps_plan_keeps_whole_is_refused():
-    """GPT-2 at tp=2: its fused qkv projection leaves the planned cache whole on every rank, twice
-    what the InferencePlan priced: refused, naming the modules backend (which splits its heads)."""
+    """A fused qkv projection the steps do not split (GPT-2 whose ``c_attn`` is an ``nn.Linear``) at
+    tp=2 leaves the planned cache whole on every rank, twice what the InferencePlan priced: refused,
+    naming the modules backend (which splits its heads)."""
     plan = _plan("hf_gpt2", 2, tp=2, pp=1, dp=1)
     for msg in run_local(_compile_error, 2, args=("hf_gpt2", plan.to_json()), timeout=600):
         assert f"hold {2 * plan.kv_cache_bytes_per_rank} bytes" in msg and 'backend="modules"' in msg

@@ -20,6 +20,7 @@ from autopar.inference.iteration_ranks import LeaderIterations, follow_iteration
 from autopar.inference.planner import plan_inference
 from runtime.launch import run_local
 from tests.helpers.serving import fail_a_tick_after_admitting, generate_alone, spread_model
+from tests.inference.test_codegen_engine import linear_qkv
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
 
@@ -222,14 +223,16 @@ def test_a_pp2_tick_failing_after_its_turn_admitted_a_newcomer_hands_it_back_on_
 
 def _iteration_error(rank, world, plan_json):
     try:
-        IterationEngine.from_plan(spread_model("hf_gpt2"), InferencePlan.from_json(plan_json), backend="codegen")
+        IterationEngine.from_plan(linear_qkv(spread_model("hf_gpt2")), InferencePlan.from_json(plan_json),
+                                  backend="codegen")
     except PlanError as e:
         return str(e)
 
 
 @pytest.mark.slow
 def test_a_row_cache_the_steps_plan_keeps_whole_is_refused():
-    """GPT-2 at tp=2: its fused qkv projection leaves the row steps' cache unsplit on the kv heads
+    """A fused qkv projection the steps do not split (GPT-2 whose ``c_attn`` is an ``nn.Linear``,
+    ``linear_qkv``) at tp=2 leaves the row steps' cache unsplit on the kv heads
     (the decode step's plan holds it in another layout than the prefill's, or whole): refused on
     every rank with a PlanError naming the modules backend, not a ValueError from the runner."""
     from autopar.inference.trace import synthetic_trace
