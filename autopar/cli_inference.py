@@ -54,8 +54,8 @@ def _inference_plan(args, model, cluster):
     if getattr(args, "plan", None):
         return InferencePlan.load(args.plan)
     codegen = getattr(args, "backend", "modules") == "codegen"
-    # serve --backend codegen runs fp32 and no replicas: plan for that unless told otherwise
-    dtype = args.dtype or ("fp32" if cluster.backend == "gloo" or codegen else "bf16")
+    # serve --backend codegen runs no replicas: plan for that unless told otherwise
+    dtype = args.dtype or ("fp32" if cluster.backend == "gloo" else "bf16")
     constraints = parse_pairs(args.constraint, "--constraint")
     if codegen and isinstance(constraints, dict):
         constraints.setdefault("dp", 1)
@@ -210,7 +210,7 @@ def add_parsers(sub) -> None:
                          f"answers 503 and stops")
     sv.add_argument("--backend", choices=("modules", "codegen"), default="modules",
                     help="what runs the generation: modules (the model's own modules, sliced; the default) or "
-                         "codegen (autopar's own generated per-rank programs: tp and pp, fp32, greedy or sampled, "
-                         "static or continuous batching, not chunked or dp; planned here, it plans fp32 with dp=1; "
+                         "codegen (autopar's own generated per-rank programs: tp and pp, fp32 / bf16 / fp16, greedy or "
+                         "sampled, static or continuous batching, not chunked or dp; planned here, it plans dp=1; "
                          "docs/inference.md)")
     sv.set_defaults(fn=cmd_serve)

@@ -215,8 +215,8 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, we
     (torch's default when None; ``autopar serve --collective-timeout``). ``backend``: "modules" (this
     module's ``InferenceEngine``: the model's own modules, sliced) or "codegen" (a ``CodegenEngine``,
     autopar/inference/codegen_engine.py: the steps planned and lowered to autopar's own programs;
-    tp and pp, fp32, greedy or sampled; planned here, it defaults to dtype="fp32" and pins dp=1
-    unless the options say otherwise)."""
+    tp and pp, fp32 / bf16 / fp16, greedy or sampled; planned here, it pins dp=1, and fp32 on a gloo
+    cluster, unless the options say otherwise)."""
     if backend not in BACKENDS:
         raise PlanError(f"backend={backend!r} is not known; use one of {', '.join(map(repr, BACKENDS))}")
     if isinstance(plan, str):
@@ -225,8 +225,9 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, we
         from autopar.inference.planner import plan_inference
         if cluster is None:
             raise PlanError("compile_inference needs a plan or a cluster to plan for")
-        if backend == "codegen":   # plan for what it runs: fp32, no replicas (unless pinned)
-            plan_options.setdefault("dtype", "fp32")
+        if backend == "codegen":   # plan for what it runs: no replicas (unless pinned), fp32 on gloo
+            if cluster.backend == "gloo":
+                plan_options.setdefault("dtype", "fp32")
             pins = plan_options.get("constraints")
             if pins is None or isinstance(pins, dict):
                 plan_options["constraints"] = {"dp": 1, **(pins or {})}
