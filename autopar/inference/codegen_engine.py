@@ -24,14 +24,17 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
   device is then given empty storage to trace over (its rotary buffers computed).
 - **Tokens.** The prompt followed by the new tokens on every rank, rows stopping at the
   generation config's end-of-sequence tokens (padded with 0) and generation ending once every
-  row has, as Hugging Face's ``generate``. The programs return the last position's logits whole:
-  the step plans make the LM head row-parallel (each rank's logits a partial sum over its share
-  of the hidden dim, all-reduced inside the program), so there are no vocabulary slices for
-  autopar/inference/vocab_parallel.py's distributed argmax; a plan that split the head's
-  vocabulary would have its slices all-gathered inside the program. Greedy takes the argmax;
-  sampling (``sampler``: temperature, top-k, top-p, seed) warps the whole logits with Hugging
-  Face's warpers and draws from a seeded generator, the tokens the modules backend's sampled
-  ``generate`` draws with that seed.
+  row has, as Hugging Face's ``generate``. With ``tp > 1`` (and ``pp`` 1) an untied LM head is
+  vocabulary-parallel, as the modules backend's: the planned steps' head is made column-parallel
+  (``codegen_step.split_vocabulary``) and the programs return each rank's ``V / tp`` slice of the
+  last position's logits, from which autopar/inference/vocab_parallel.py chooses the tokens over
+  the tp group (``runner.vocab_shard``): greedy gathers 2 numbers per row per rank (the global
+  argmax), sampling (``sampler``: temperature, top-k, top-p, seed) the top-k candidates (2 k per
+  row per rank; top_k 0: the whole rows), drawing from a seeded generator the tokens the modules
+  backend's sampled ``generate`` draws with that seed. A head not split so (tied to the
+  embeddings, a vocabulary tp does not divide) keeps the plan's own layout of the logits where
+  that is a vocabulary slice (``codegen_step.logits_split``), else the programs gather them whole
+  (a shard of one), as with one process or pipeline stages: the same tokens.
 - **Sliding windows.** A window at least the cache's length never slides: its layers are full
   attention and run (``codegen_step.full_cache_config``); a shorter window is refused.
 
@@ -53,11 +56,12 @@ import torch.distributed as dist
 from autopar.errors import PlanError
 from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import (CacheStep, PlannedStep, StepRunner, full_cache_config, plan_cache_step,
-                                            trace_cache_step)
+                                            split_vocabulary, trace_cache_step)
 from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
                                              eos_token_ids, fill_buffers, plan_ranks)
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
+from autopar.inference.vocab_parallel import VocabShard, sample_rows
 
 MODULES = 'backend="modules" (the default)'
 
@@ -109,12 +113,12 @@ SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 
 def sampler(model, options: dict):
-    """``sample(logits [B, V]) -> [B]`` tokens as Hugging Face's sampled ``generate`` draws them
-    (the modules backend's): temperature, top-k and top-p (``options``, else the model's generation
-    config, else Hugging Face's defaults) warp the fp32 logits in that order, then
+    """``sample(logits [B, V / shard.size], shard) -> [B]`` tokens as Hugging Face's sampled
+    ``generate`` draws them (the modules backend's): temperature, top-k and top-p (``options``,
+    else the model's generation config, else Hugging Face's defaults) warp the fp32 logits, then
     ``torch.multinomial`` over their softmax, from a generator seeded with ``options["seed"]``
-    (default 0), one draw per row of the batch per step."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    (default 0), one draw per row of the batch per step (``vocab_parallel.sample_rows``: from
+    each rank's vocabulary slice, 2 k numbers per row per rank cross the group)."""
     gc = getattr(model, "generation_config", None)
     odd = sorted(k for k, v in OTHER_WARPERS.items() if gc is not None and getattr(gc, k, v) not in (v, None))
     if odd:
@@ -127,16 +131,10 @@ def sampler(model, options: dict):
                 return v
 
     temperature, top_k, top_p = value("temperature"), value("top_k"), value("top_p")
-    warpers = ([TemperatureLogitsWarper(float(temperature))] if temperature != 1.0 else []) \
-        + ([TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1)] if top_k else []) \
-        + ([TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1)] if top_p < 1.0 else [])
     generator = torch.Generator().manual_seed(options.get("seed", 0))
 
-    def sample(logits: torch.Tensor) -> torch.Tensor:
-        scores = logits.float()
-        for warp in warpers:
-            scores = warp(None, scores)
-        return torch.multinomial(torch.softmax(scores, -1), num_samples=1, generator=generator).squeeze(1)
+    def sample(logits: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+        return sample_rows(logits, shard, temperature, top_k, top_p, generator)
 
     return sample
 
@@ -200,9 +198,11 @@ class CodegenEngine:
         traced = {s: trace_cache_step(self.step, self.plan.batch_size, s, self.max_len) for s in lengths}
         texts = [None] * len(lengths)
         if self.rank == 0:
-            texts = [plan_cache_step(self.step, self.plan.batch_size, s, self.max_len, cluster, traced=traced[s],
-                                     constraints={"tp": self.plan.tp, "dp": 1}, policy="megatron").plan.to_json()
-                     for s in lengths]
+            planned = [plan_cache_step(self.step, self.plan.batch_size, s, self.max_len, cluster, traced=traced[s],
+                                       constraints={"tp": self.plan.tp, "dp": 1}, policy="megatron") for s in lengths]
+            if self.plan.pp == 1:   # the logits as each tp rank's vocabulary slice (module doc, Tokens)
+                planned = [split_vocabulary(ps, self.model) for ps in planned]
+            texts = [ps.plan.to_json() for ps in planned]
         if self.world > 1:
             dist.broadcast_object_list(texts, src=0)
         return {s: PlannedStep(traced[s], Plan.from_json(t)) for s, t in zip(lengths, texts)}

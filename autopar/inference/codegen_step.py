@@ -21,7 +21,11 @@ the model's own modules sliced by tp_shard.py.
 The cost model prices a step as a training step whose parameters are all frozen (no gradient or
 optimizer); the strategies are what matter here. Pipeline stages of these steps are
 autopar/inference/codegen_stages.py's; no data parallelism or mixed precision. ``NewTokens``
-chooses each step's tokens from the whole logits: the argmax, or a sampler the caller gives.
+chooses each step's tokens from the logits: the argmax, or a sampler the caller gives, over the
+runner's ``vocab_shard``. ``split_vocabulary`` makes a planned step's LM head column-parallel, so
+that its programs return each tp rank's vocabulary slice of the logits (``logits_split``), which
+``StepRunner`` then keeps (its ``vocab_shard`` that slice); otherwise the logits are gathered whole
+inside the programs and the shard is of one.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ import torch.nn as nn
 
 from autopar.api import plan as make_plan
 from autopar.frontend.trace import TracedGraph, trace_step
+from autopar.inference.vocab_parallel import VocabShard, greedy_tokens
+from autopar.rules.layout import Layout
 from codegen.per_rank import generate_step
 
 N_STEP_INPUTS = 4   # input_ids, position_ids, cache_position, attention_mask; then the cache tensors
@@ -171,22 +177,99 @@ def plan_cache_step(step: CacheStep, batch: int, seq: int, max_len: int, cluster
     return PlannedStep(traced, plan)
 
 
+# ops the logits pass through from the LM head's linear to the step's output (``[:, -1]``)
+LOGITS_TAIL = ("select", "slice", "copy")
+
+
+def split_vocabulary(ps: PlannedStep, lm: nn.Module) -> PlannedStep:
+    """``ps`` with its plan's LM head made column (vocabulary)-parallel over the ``tp`` axis: the
+    head's weight split on its vocabulary rows, its input gathered whole, the logits output this
+    rank's ``V / tp`` slice of every row (``logits_split``); the ops after the head (the last
+    position's ``select``) keep the split. The planner prices the step with the head as it chose
+    (row-parallel, its partial sums all-reduced): this keeps the program's logits unreduced and
+    ungathered, for autopar/inference/vocab_parallel.py's token choice. ``ps`` itself when the head
+    cannot be split so: one tp rank, a head tied to the embeddings, with a bias, a vocabulary tp
+    does not divide, or logits that reach the output through other ops."""
+    plan, traced = ps.plan, ps.traced
+    mesh = plan.mesh
+    if "tp" not in mesh.names or mesh.shape[mesh.axis("tp")] == 1:
+        return ps
+    axis, tp = mesh.axis("tp"), mesh.shape[mesh.axis("tp")]
+    head, embed = lm.get_output_embeddings(), lm.get_input_embeddings()
+    if head is None or getattr(head, "bias", None) is not None or (embed is not None and head.weight is embed.weight):
+        return ps
+    fqn = next("lm." + n for n, p in lm.named_parameters() if p is head.weight)
+    param = plan.data["params"].get(fqn)
+    if param is None or param.get("tied") or param["shape"][0] % tp:
+        return ps
+    ops = {op["node"]: op for op in plan.ops}
+    users = {n.name: len(n.users) for n in traced.gm.graph.nodes}
+    chain, name = [], traced.outputs[0]
+    while name in ops and ops[name]["rule"] in LOGITS_TAIL and len(ops[name]["args"]) == 1:
+        chain.append(ops[name])
+        name = ops[name]["args"][0]
+        if users.get(name) != 1:
+            return ps
+    linear = ops.get(name)
+    if linear is None or linear["rule"] != "linear" or linear["args"][1:] != [param["node"]]:
+        return ps
+    data = copy.deepcopy(plan.data)
+    ops = {op["node"]: op for op in data["ops"]}
+    x = Layout.from_json(linear["inputs"][0])
+    keep = [tuple(a for a in d if a != axis) for d in x.dims[:-1]]   # the head's input whole on the tp axis
+    splits = [None] * mesh.ndim
+    splits[axis] = "n"
+    out = Layout(tuple(keep) + ((axis,),))
+    ops[name].update(strategy="S(n)@tp", splits=splits, outputs=[out.to_json()],
+                     inputs=[Layout(tuple(keep) + ((),)).to_json(), Layout(((axis,), ())).to_json()])
+    data["params"][fqn]["layout"] = Layout(((axis,), ())).to_json()
+    nodes = {n.name: n for n in traced.gm.graph.nodes}
+    for op in reversed(chain):
+        node, dims = nodes[op["node"]], list(out.dims)
+        if op["rule"] == "select":
+            del dims[node.args[1] % len(dims)]
+        if dims[-1] != (axis,):
+            return ps
+        op_out = Layout(tuple(dims))
+        ops[op["node"]].update(inputs=[out.to_json()], outputs=[op_out.to_json()],
+                               strategy="S(n)@tp", splits=splits)
+        out = op_out
+    return PlannedStep(traced, type(plan)(data), ps.n_inputs)
+
+
+def logits_split(ps: PlannedStep) -> bool:
+    """Whether ``ps``'s plan returns the logits as each tp rank's slice of the vocabulary (the last
+    dim split over the ``tp`` axis alone, no partial sums): ``split_vocabulary``'s layout."""
+    mesh = ps.plan.mesh
+    if "tp" not in mesh.names or mesh.shape[mesh.axis("tp")] == 1:
+        return False
+    op = next((op for op in ps.plan.ops if op["node"] == ps.traced.outputs[0]), None)
+    if op is None:
+        return False
+    lay = Layout.from_json(op["outputs"][0])
+    axis = mesh.axis("tp")
+    return not lay.partial and lay.dims[-1] == (axis,) and all(axis not in d for d in lay.dims[:-1])
+
+
 class NewTokens:
-    """The new tokens of one ``generate``, chosen step by step from whole logits [B, V]: the argmax,
-    or ``sample(logits)`` (a callable returning [B] token ids, e.g. Hugging Face's warpers and a
-    seeded ``torch.multinomial``); a row that chose one of ``eos`` continues with ``pad``, and
-    ``done`` once every row has, as Hugging Face's ``generate``. ``stamps`` (a list) gets
+    """The new tokens of one ``generate``, chosen step by step from the logits [B, V / shard.size]
+    (``shard``: this rank's slice of the vocabulary, default the whole of it): the argmax
+    (``vocab_parallel.greedy_tokens``), or ``sample(logits, shard)`` (a callable returning [B]
+    token ids, e.g. codegen_engine.py's ``sampler``); a row that chose one of ``eos`` continues
+    with ``pad``, and ``done`` once every row has, as Hugging Face's ``generate``. ``stamps`` (a list) gets
     ``time.perf_counter()`` after each new token. ``pick`` needs the logits (a pipeline's last
     stage); ``add`` records the step's tokens (every rank)."""
 
-    def __init__(self, batch: int, eos: tuple = (), pad: int = 0, sample=None, stamps: list | None = None):
+    def __init__(self, batch: int, eos: tuple = (), pad: int = 0, sample=None, stamps: list | None = None,
+                 shard: VocabShard | None = None):
         self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
         self.pad, self.sample, self.stamps = pad, sample, stamps
+        self.shard = shard if shard is not None else VocabShard()
         self.live = torch.ones(batch, dtype=torch.bool)
         self.tokens: list[torch.Tensor] = []
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        tok = self.sample(logits) if self.sample is not None else logits.argmax(-1)
+        tok = self.sample(logits, self.shard) if self.sample is not None else greedy_tokens(logits, self.shard)
         return torch.where(self.live, tok, self.pad)
 
     def add(self, tok: torch.Tensor) -> None:
@@ -279,8 +362,10 @@ class StepRunner(CacheBlocks):
         self.programs, self.params = {}, {}
         read_blocks: dict = {}
         named = {n for n, _ in step.named_parameters(remove_duplicate=False)}   # not buffers ("lm." + lm's FQN)
+        split = all(logits_split(ps) for ps in steps.values())
         for seq, ps in steps.items():
-            prog = generate_step(ps.traced, ps.plan, rank, state=ps.state, whole=(ps.traced.outputs[0],))
+            prog = generate_step(ps.traced, ps.plan, rank, state=ps.state,
+                                 whole=() if split else (ps.traced.outputs[0],))
             self.programs[seq] = prog
             blocks = []
             for n in prog.param_names:
@@ -306,9 +391,16 @@ class StepRunner(CacheBlocks):
         self.dtype = next(n for n in steps[1].traced.gm.graph.nodes
                           if n.name == self.cache_names[0]).meta["val"].dtype
         self.cache: list[torch.Tensor] = []
+        self.vocab_shard = VocabShard()
+        if split:   # each tp rank's slice of the logits (``split_vocabulary``)
+            from runtime import context as RC
+            mesh = steps[1].plan.mesh
+            axis = mesh.axis("tp")
+            self.vocab_shard = VocabShard(mesh.coords(rank)[axis], mesh.shape[axis], RC.group_of(axis)[0])
 
     def run(self, seq: int, *inputs):
-        """One step of length ``seq``: (whole logits of the last position, *this rank's cache blocks)."""
+        """One step of length ``seq``: (the last position's logits, whole or this rank's
+        ``vocab_shard`` slice of them, *this rank's cache blocks)."""
         return self.programs[seq].gm(*self.params[seq], *inputs)
 
     @torch.no_grad()
@@ -320,7 +412,7 @@ class StepRunner(CacheBlocks):
         row that chose one continues with ``pad`` (fed back as its next token) and generation stops
         once every row has, as Hugging Face's ``generate``: then fewer than ``max_new_tokens``
         columns. ``stamps`` (a list) gets ``time.perf_counter()`` after each new token."""
-        chosen = NewTokens(prompts.shape[0], eos, pad, sample, stamps)
+        chosen = NewTokens(prompts.shape[0], eos, pad, sample, stamps, self.vocab_shard)
 
         def step(seq, inputs, cache):
             logits, *new = self.run(seq, *inputs, *cache)
