@@ -24,17 +24,18 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
   device is then given empty storage to trace over (its rotary buffers computed).
 - **Tokens.** The prompt followed by the new tokens on every rank, rows stopping at the
   generation config's end-of-sequence tokens (padded with 0) and generation ending once every
-  row has, as Hugging Face's ``generate``. With ``tp > 1`` (and ``pp`` 1) an untied LM head is
-  vocabulary-parallel, as the modules backend's: the planned steps' head is made column-parallel
-  (``codegen_step.split_vocabulary``) and the programs return each rank's ``V / tp`` slice of the
-  last position's logits, from which autopar/inference/vocab_parallel.py chooses the tokens over
-  the tp group (``runner.vocab_shard``): greedy gathers 2 numbers per row per rank (the global
-  argmax), sampling (``sampler``: temperature, top-k, top-p, seed) the top-k candidates (2 k per
-  row per rank; top_k 0: the whole rows), drawing from a seeded generator the tokens the modules
-  backend's sampled ``generate`` draws with that seed. A head not split so (tied to the
-  embeddings, a vocabulary tp does not divide) keeps the plan's own layout of the logits where
-  that is a vocabulary slice (``codegen_step.logits_split``), else the programs gather them whole
-  (a shard of one), as with one process or pipeline stages: the same tokens.
+  row has, as Hugging Face's ``generate``. With ``tp > 1`` (and ``pp`` 1) the plan chooses the LM
+  head vocabulary-parallel, as the modules backend's: a step's logits output is planned in any
+  layout but a partial sum (autopar/rules/candidates.py), so a column-parallel head on its
+  replicated input (no communication) prices below a row-parallel one and its reduction. The
+  programs then return each rank's ``V / tp`` slice of the last position's logits
+  (``codegen_step.logits_split``), from which autopar/inference/vocab_parallel.py chooses the
+  tokens over the tp group (``runner.vocab_shard``): greedy gathers 2 numbers per row per rank
+  (the global argmax), sampling (``sampler``: temperature, top-k, top-p, seed) the top-k
+  candidates (2 k per row per rank; top_k 0: the whole rows), drawing from a seeded generator the
+  tokens the modules backend's sampled ``generate`` draws with that seed. Logits a plan leaves in
+  another layout (not split over the vocabulary) the programs gather whole (a shard of one), as
+  with one process or pipeline stages: the same tokens.
 - **Sliding windows.** A window at least the cache's length never slides: its layers are full
   attention and run (``codegen_step.full_cache_config``); a shorter window is refused.
 
@@ -56,7 +57,7 @@ import torch.distributed as dist
 from autopar.errors import PlanError
 from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import (CacheStep, PlannedStep, StepRunner, full_cache_config, plan_cache_step,
-                                            split_vocabulary, trace_cache_step)
+                                            trace_cache_step)
 from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
                                              eos_token_ids, fill_buffers, plan_ranks)
 from autopar.inference.inference_plan import InferencePlan
@@ -198,11 +199,9 @@ class CodegenEngine:
         traced = {s: trace_cache_step(self.step, self.plan.batch_size, s, self.max_len) for s in lengths}
         texts = [None] * len(lengths)
         if self.rank == 0:
-            planned = [plan_cache_step(self.step, self.plan.batch_size, s, self.max_len, cluster, traced=traced[s],
-                                       constraints={"tp": self.plan.tp, "dp": 1}, policy="megatron") for s in lengths]
-            if self.plan.pp == 1:   # the logits as each tp rank's vocabulary slice (module doc, Tokens)
-                planned = [split_vocabulary(ps, self.model) for ps in planned]
-            texts = [ps.plan.to_json() for ps in planned]
+            texts = [plan_cache_step(self.step, self.plan.batch_size, s, self.max_len, cluster, traced=traced[s],
+                                     constraints={"tp": self.plan.tp, "dp": 1}, policy="megatron").plan.to_json()
+                     for s in lengths]
         if self.world > 1:
             dist.broadcast_object_list(texts, src=0)
         return {s: PlannedStep(traced[s], Plan.from_json(t)) for s, t in zip(lengths, texts)}

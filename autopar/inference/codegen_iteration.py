@@ -34,15 +34,13 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   ``0 .. n-1``, the padding writing the slots after it, which its next tokens overwrite) and choose
   its first token, then one decode step over every row (free rows at ``rows`` -1: not written), then
   retire the finished (their rows free at the next iteration).
-- **Tokens.** With ``tp > 1`` (and ``pp`` 1) an untied LM head is vocabulary-parallel, as
-  ``IterationEngine``'s: the planned row steps' head is made column-parallel
-  (``codegen_step.split_vocabulary``), the programs return each rank's ``V / tp`` slice of the
-  logits and ``vocab_parallel.next_tokens`` chooses over the tp group (``vocab_shard``, the
-  runner's): greedy 2 numbers per row per rank, top-k sampling 2 k, whole rows for top_k 0, each
-  sequence sampling from its seeded generator, the same on every rank. A head not split so
-  (tied, a vocabulary tp does not divide) keeps the plan's own logits layout where it is a
-  vocabulary slice, else whole logits on every rank (a shard of one), as with one process or
-  pipeline stages.
+- **Tokens.** With ``tp > 1`` (and ``pp`` 1) the plan chooses the LM head vocabulary-parallel, as
+  ``IterationEngine``'s (codegen_engine.py's module doc, Tokens): the programs return each rank's
+  ``V / tp`` slice of the logits (``codegen_step.logits_split``) and ``vocab_parallel.next_tokens``
+  chooses over the tp group (``vocab_shard``, the runner's): greedy 2 numbers per row per rank,
+  top-k sampling 2 k, whole rows for top_k 0, each sequence sampling from its seeded generator,
+  the same on every rank. Logits a plan leaves in another layout are gathered whole on every rank
+  (a shard of one), as with one process or pipeline stages.
 
 Refused (PlanError, naming what runs it): ``dp > 1``, chunked prefill, dtypes other
 than fp32 (``backend="modules"`` runs them all). ``collective_timeout`` (a timedelta) is the
@@ -63,7 +61,7 @@ from autopar.inference.codegen_flights import RowStagesInFlight
 from autopar.inference.codegen_rows import N_ROW_INPUTS, RowCacheStep, RowRunner, plan_row_step, row_chunk, \
     row_step_inputs
 from autopar.inference.codegen_stages import StageStepRunner
-from autopar.inference.codegen_step import PlannedStep, full_cache_config, split_vocabulary
+from autopar.inference.codegen_step import PlannedStep, full_cache_config
 from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, RequestQueue, checkpoint_reader, eos_token_ids, \
     plan_ranks
 from autopar.inference.model_shape import causal_lm
@@ -186,12 +184,9 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
                   for s, b in shapes.items()}
         texts = [None] * len(shapes)
         if self.rank == 0:
-            planned = [plan_row_step(self.step_module, b, s, self.max_len, cluster, traced=traced[s],
-                                     cache_rows=self.slots, constraints={"tp": self.plan.tp, "dp": 1},
-                                     policy="megatron") for s, b in shapes.items()]
-            if self.pp == 1:   # the logits as each tp rank's vocabulary slice (module doc, Tokens)
-                planned = [split_vocabulary(ps, self.model) for ps in planned]
-            texts = [ps.plan.to_json() for ps in planned]
+            texts = [plan_row_step(self.step_module, b, s, self.max_len, cluster, traced=traced[s],
+                                   cache_rows=self.slots, constraints={"tp": self.plan.tp, "dp": 1},
+                                   policy="megatron").plan.to_json() for s, b in shapes.items()]
         if self.world > 1:
             dist.broadcast_object_list(texts, src=0)
         return {s: PlannedStep(traced[s], Plan.from_json(t), N_ROW_INPUTS) for s, t in zip(shapes, texts)}

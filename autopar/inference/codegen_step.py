@@ -22,10 +22,13 @@ The cost model prices a step as a training step whose parameters are all frozen 
 optimizer); the strategies are what matter here. Pipeline stages of these steps are
 autopar/inference/codegen_stages.py's; no data parallelism or mixed precision. ``NewTokens``
 chooses each step's tokens from the logits: the argmax, or a sampler the caller gives, over the
-runner's ``vocab_shard``. ``split_vocabulary`` makes a planned step's LM head column-parallel, so
-that its programs return each tp rank's vocabulary slice of the logits (``logits_split``), which
-``StepRunner`` then keeps (its ``vocab_shard`` that slice); otherwise the logits are gathered whole
-inside the programs and the shard is of one.
+runner's ``vocab_shard``. A step's outputs are planned as values, in any layout but never partial
+sums (autopar/rules/candidates.py: the reduction is priced where it runs), so under tp the planner
+itself chooses a column (vocabulary)-parallel LM head on its replicated input, with no
+communication, over a row-parallel one whose partial logits must be reduced. Where the plan returns
+the logits as each tp rank's vocabulary slice (``logits_split``) ``StepRunner`` keeps them so (its
+``vocab_shard`` that slice); otherwise they are gathered whole inside the programs and the shard is
+of one.
 """
 from __future__ import annotations
 
@@ -177,69 +180,10 @@ def plan_cache_step(step: CacheStep, batch: int, seq: int, max_len: int, cluster
     return PlannedStep(traced, plan)
 
 
-# ops the logits pass through from the LM head's linear to the step's output (``[:, -1]``)
-LOGITS_TAIL = ("select", "slice", "copy")
-
-
-def split_vocabulary(ps: PlannedStep, lm: nn.Module) -> PlannedStep:
-    """``ps`` with its plan's LM head made column (vocabulary)-parallel over the ``tp`` axis: the
-    head's weight split on its vocabulary rows, its input gathered whole, the logits output this
-    rank's ``V / tp`` slice of every row (``logits_split``); the ops after the head (the last
-    position's ``select``) keep the split. The planner prices the step with the head as it chose
-    (row-parallel, its partial sums all-reduced): this keeps the program's logits unreduced and
-    ungathered, for autopar/inference/vocab_parallel.py's token choice. ``ps`` itself when the head
-    cannot be split so: one tp rank, a head tied to the embeddings, with a bias, a vocabulary tp
-    does not divide, or logits that reach the output through other ops."""
-    plan, traced = ps.plan, ps.traced
-    mesh = plan.mesh
-    if "tp" not in mesh.names or mesh.shape[mesh.axis("tp")] == 1:
-        return ps
-    axis, tp = mesh.axis("tp"), mesh.shape[mesh.axis("tp")]
-    head, embed = lm.get_output_embeddings(), lm.get_input_embeddings()
-    if head is None or getattr(head, "bias", None) is not None or (embed is not None and head.weight is embed.weight):
-        return ps
-    fqn = next("lm." + n for n, p in lm.named_parameters() if p is head.weight)
-    param = plan.data["params"].get(fqn)
-    if param is None or param.get("tied") or param["shape"][0] % tp:
-        return ps
-    ops = {op["node"]: op for op in plan.ops}
-    users = {n.name: len(n.users) for n in traced.gm.graph.nodes}
-    chain, name = [], traced.outputs[0]
-    while name in ops and ops[name]["rule"] in LOGITS_TAIL and len(ops[name]["args"]) == 1:
-        chain.append(ops[name])
-        name = ops[name]["args"][0]
-        if users.get(name) != 1:
-            return ps
-    linear = ops.get(name)
-    if linear is None or linear["rule"] != "linear" or linear["args"][1:] != [param["node"]]:
-        return ps
-    data = copy.deepcopy(plan.data)
-    ops = {op["node"]: op for op in data["ops"]}
-    x = Layout.from_json(linear["inputs"][0])
-    keep = [tuple(a for a in d if a != axis) for d in x.dims[:-1]]   # the head's input whole on the tp axis
-    splits = [None] * mesh.ndim
-    splits[axis] = "n"
-    out = Layout(tuple(keep) + ((axis,),))
-    ops[name].update(strategy="S(n)@tp", splits=splits, outputs=[out.to_json()],
-                     inputs=[Layout(tuple(keep) + ((),)).to_json(), Layout(((axis,), ())).to_json()])
-    data["params"][fqn]["layout"] = Layout(((axis,), ())).to_json()
-    nodes = {n.name: n for n in traced.gm.graph.nodes}
-    for op in reversed(chain):
-        node, dims = nodes[op["node"]], list(out.dims)
-        if op["rule"] == "select":
-            del dims[node.args[1] % len(dims)]
-        if dims[-1] != (axis,):
-            return ps
-        op_out = Layout(tuple(dims))
-        ops[op["node"]].update(inputs=[out.to_json()], outputs=[op_out.to_json()],
-                               strategy="S(n)@tp", splits=splits)
-        out = op_out
-    return PlannedStep(traced, type(plan)(data), ps.n_inputs)
-
-
 def logits_split(ps: PlannedStep) -> bool:
     """Whether ``ps``'s plan returns the logits as each tp rank's slice of the vocabulary (the last
-    dim split over the ``tp`` axis alone, no partial sums): ``split_vocabulary``'s layout."""
+    dim split over the ``tp`` axis alone, no partial sums): a column (vocabulary)-parallel LM head's
+    layout, as the planner chose it."""
     mesh = ps.plan.mesh
     if "tp" not in mesh.names or mesh.shape[mesh.axis("tp")] == 1:
         return False
@@ -392,7 +336,7 @@ class StepRunner(CacheBlocks):
                           if n.name == self.cache_names[0]).meta["val"].dtype
         self.cache: list[torch.Tensor] = []
         self.vocab_shard = VocabShard()
-        if split:   # each tp rank's slice of the logits (``split_vocabulary``)
+        if split:   # each tp rank's slice of the logits, as planned (``logits_split``)
             from runtime import context as RC
             mesh = steps[1].plan.mesh
             axis = mesh.axis("tp")

@@ -1,16 +1,17 @@
-"""A vocabulary-parallel LM head in the codegen backend (autopar/inference/codegen_step.py
-``split_vocabulary``, autopar/inference/vocab_parallel.py): on two gloo ranks (tiny Llama, untied
+"""A vocabulary-parallel LM head in the codegen backend, chosen by the planner (a step's outputs
+are planned as no partial sums: autopar/rules/candidates.py; autopar/inference/codegen_step.py
+``logits_split``, autopar/inference/vocab_parallel.py): on two gloo ranks (tiny Llama, untied
 head, tp=2) the static engine's and the continuous engine's programs return each rank's half of
 the vocabulary (the logits output [rows, V / 2], not gathered in the program), and the tokens are
 chosen across the group: greedy tokens equal Hugging Face's ``generate`` while 2 numbers per row
 per rank cross it at each step, and sampled tokens (top_k 10: 2 x 10 per row per rank) equal the
-modules backend's for the same seeds. A head tied to the embeddings keeps its planned layout."""
+modules backend's for the same seeds."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from autopar.inference.codegen_step import CacheStep, plan_cache_step, split_vocabulary
+from autopar.inference.codegen_step import CacheStep, logits_split, plan_cache_step
 from autopar.inference.engine import compile_inference
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.iteration_engine import IterationEngine
@@ -133,12 +134,18 @@ def test_continuous_tp2_sampling_equals_the_modules_engine(iteration_ranks):
         assert got["sampled_decodes"] and all(g == 2 * K * TP * n for n, g in got["sampled_decodes"])
 
 
-def test_a_tied_head_is_left_whole():
-    """GPT-2 ties its head to the token embeddings: its planned step is returned as it was (the
-    runner keeps whatever layout its plan gives the logits: a vocabulary slice, or whole)."""
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
+@pytest.mark.parametrize("seq", [1, 6])
+def test_the_plan_itself_splits_the_vocabulary(name, seq):
+    """Under tp the planned step's LM head is column-parallel on its replicated input (no
+    communication) and returns each rank's vocabulary slice, never partial sums: a row-parallel
+    head's reduction is priced, not left to run after the step. GPT-2's head is tied to the
+    token embeddings: the same."""
     import autopar
-    model = static._model("hf_gpt2")
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    ps = plan_cache_step(CacheStep(model), 1, 1, 4, autopar.Cluster.preset("cpu", devices=TP),
+    model = static._model(name)
+    ps = plan_cache_step(CacheStep(model), 3, seq, 11, autopar.Cluster.preset("cpu", devices=TP),
                          constraints={"tp": TP, "dp": 1}, policy="megatron")
-    assert split_vocabulary(ps, model) is ps
+    assert logits_split(ps)
+    head = next(op for op in ps.plan.ops if op["rule"] == "linear" and op["node"] in
+                {a for o in ps.plan.ops if o["node"] == ps.traced.outputs[0] for a in o["args"]})
+    assert head["strategy"] == "S(n)@tp" and not any(lay["partial"] for lay in head["outputs"])
