@@ -69,6 +69,9 @@ class TracedGraph:
     # Every user output's node name, in the forward's order: ``[output_name]`` for a training
     # trace, all of the step's outputs for ``trace_step``.
     outputs: list[str] = field(default_factory=list)
+    # Traced by ``trace_step``: the outputs are values the step returns (autopar/rules/candidates.py
+    # plans them as no partial sums, the reduction priced where it runs)
+    step: bool = False
     # Memos of what depends on the graph alone (autopar/rules/candidates.py): every mesh's
     # candidates ask for them
     op_specs: dict = field(default_factory=dict, repr=False, compare=False)   # node name -> OpSpec
@@ -223,7 +226,7 @@ def trace_step(module: nn.Module, example_inputs: tuple) -> TracedGraph:
     return TracedGraph(gm=gm, param_fqn=param_fqn, buffers=buffers, tied=tied, input_names=input_names,
                        output_name=outputs[0], source="export", trace_seconds=seconds,
                        fingerprint=fingerprint(gm, param_fqn, buffers), blocks=blocks, block_of=block_of,
-                       constants=constants, frozen=frozen & set(param_fqn), outputs=list(outputs))
+                       constants=constants, frozen=frozen & set(param_fqn), outputs=list(outputs), step=True)
 
 
 def _drop_metadata_asserts(gm: GraphModule) -> None:

@@ -30,14 +30,18 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
   modules backend's in the last bf16 bits.
 - **Tokens.** The prompt followed by the new tokens on every rank, rows stopping at the
   generation config's end-of-sequence tokens (padded with 0) and generation ending once every
-  row has, as Hugging Face's ``generate``. The programs return the last position's logits whole:
-  the step plans make the LM head row-parallel (each rank's logits a partial sum over its share
-  of the hidden dim, all-reduced inside the program), so there are no vocabulary slices for
-  autopar/inference/vocab_parallel.py's distributed argmax; a plan that split the head's
-  vocabulary would have its slices all-gathered inside the program. Greedy takes the argmax;
-  sampling (``sampler``: temperature, top-k, top-p, seed) warps the whole logits with Hugging
-  Face's warpers and draws from a seeded generator, the tokens the modules backend's sampled
-  ``generate`` draws with that seed.
+  row has, as Hugging Face's ``generate``. With ``tp > 1`` (and ``pp`` 1) the plan chooses the LM
+  head vocabulary-parallel, as the modules backend's: a step's logits output is planned in any
+  layout but a partial sum (autopar/rules/candidates.py), so a column-parallel head on its
+  replicated input (no communication) prices below a row-parallel one and its reduction. The
+  programs then return each rank's ``V / tp`` slice of the last position's logits
+  (``codegen_step.logits_split``), from which autopar/inference/vocab_parallel.py chooses the
+  tokens over the tp group (``runner.vocab_shard``): greedy gathers 2 numbers per row per rank
+  (the global argmax), sampling (``sampler``: temperature, top-k, top-p, seed) the top-k
+  candidates (2 k per row per rank; top_k 0: the whole rows), drawing from a seeded generator the
+  tokens the modules backend's sampled ``generate`` draws with that seed. Logits a plan leaves in
+  another layout (not split over the vocabulary) the programs gather whole (a shard of one), as
+  with one process or pipeline stages: the same tokens.
 - **Sliding windows.** A window at least the cache's length never slides: its layers are full
   attention and run (``codegen_step.full_cache_config``); a shorter window is refused.
 
@@ -67,6 +71,7 @@ from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, 
 from autopar.inference.fused_qkv import mapped_read
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
+from autopar.inference.vocab_parallel import VocabShard, sample_rows
 
 MODULES = 'backend="modules" (the default)'
 
@@ -124,12 +129,12 @@ SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 
 def sampler(model, options: dict):
-    """``sample(logits [B, V]) -> [B]`` tokens as Hugging Face's sampled ``generate`` draws them
-    (the modules backend's): temperature, top-k and top-p (``options``, else the model's generation
-    config, else Hugging Face's defaults) warp the fp32 logits in that order, then
+    """``sample(logits [B, V / shard.size], shard) -> [B]`` tokens as Hugging Face's sampled
+    ``generate`` draws them (the modules backend's): temperature, top-k and top-p (``options``,
+    else the model's generation config, else Hugging Face's defaults) warp the fp32 logits, then
     ``torch.multinomial`` over their softmax, from a generator seeded with ``options["seed"]``
-    (default 0), one draw per row of the batch per step."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    (default 0), one draw per row of the batch per step (``vocab_parallel.sample_rows``: from
+    each rank's vocabulary slice, 2 k numbers per row per rank cross the group)."""
     gc = getattr(model, "generation_config", None)
     odd = sorted(k for k, v in OTHER_WARPERS.items() if gc is not None and getattr(gc, k, v) not in (v, None))
     if odd:
@@ -142,16 +147,10 @@ def sampler(model, options: dict):
                 return v
 
     temperature, top_k, top_p = value("temperature"), value("top_k"), value("top_p")
-    warpers = ([TemperatureLogitsWarper(float(temperature))] if temperature != 1.0 else []) \
-        + ([TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1)] if top_k else []) \
-        + ([TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1)] if top_p < 1.0 else [])
     generator = torch.Generator().manual_seed(options.get("seed", 0))
 
-    def sample(logits: torch.Tensor) -> torch.Tensor:
-        scores = logits.float()
-        for warp in warpers:
-            scores = warp(None, scores)
-        return torch.multinomial(torch.softmax(scores, -1), num_samples=1, generator=generator).squeeze(1)
+    def sample(logits: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+        return sample_rows(logits, shard, temperature, top_k, top_p, generator)
 
     return sample
 

@@ -36,9 +36,13 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   ``0 .. n-1``, the padding writing the slots after it, which its next tokens overwrite) and choose
   its first token, then one decode step over every row (free rows at ``rows`` -1: not written), then
   retire the finished (their rows free at the next iteration).
-- **Tokens.** The programs return the last position's logits whole on every rank, so
-  ``vocab_parallel.next_tokens`` runs on a shard of one: greedy, or sampled from each sequence's
-  seeded generator, the same on every rank.
+- **Tokens.** With ``tp > 1`` (and ``pp`` 1) the plan chooses the LM head vocabulary-parallel, as
+  ``IterationEngine``'s (codegen_engine.py's module doc, Tokens): the programs return each rank's
+  ``V / tp`` slice of the logits (``codegen_step.logits_split``) and ``vocab_parallel.next_tokens``
+  chooses over the tp group (``vocab_shard``, the runner's): greedy 2 numbers per row per rank,
+  top-k sampling 2 k, whole rows for top_k 0, each sequence sampling from its seeded generator,
+  the same on every rank. Logits a plan leaves in another layout are gathered whole on every rank
+  (a shard of one), as with one process or pipeline stages.
 
 Refused (PlanError, naming what runs it): ``dp > 1``, chunked prefill, dtypes other
 than fp32, bf16 and fp16, and steps whose plans do not split the cache on its kv heads (a fused
@@ -154,7 +158,7 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
         self.replica, self.replicas = 0, 1
         self.stage, self.tp_rank = divmod(self.rank, plan.tp)
         self.replica_ranks, self.chunk = plan.tp * plan.pp, None
-        self.vocab_shard = VocabShard()          # whole logits on every rank
+        self.vocab_shard = getattr(self.runner, "vocab_shard", None) or VocabShard()   # module doc, Tokens
         self.jobs = None
         if self.world > 1:
             self.jobs = dist.new_group(timeout=IDLE_TIMEOUT)

@@ -45,6 +45,7 @@ from autopar.api import plan as make_plan
 from autopar.frontend.trace import TracedGraph, trace_step
 from autopar.inference.codegen_step import PlannedStep, StepRunner, empty_cache, full_cache_config
 from autopar.inference.fused_qkv import fold_cat_split, split_fused_qkv
+from autopar.inference.vocab_parallel import greedy_tokens
 
 N_ROW_INPUTS = 5   # input_ids, position_ids, cache_position, attention_mask, rows; then the cache tensors
 
@@ -278,12 +279,15 @@ class RowRunner(StepRunner):
     must have run."""
 
     def serve(self, requests, eos: tuple = (), pick=None, log: list | None = None) -> dict:
-        """``serve_rows`` on this rank's programs from a zero cache; the final cache blocks are
+        """``serve_rows`` on this rank's programs from a zero cache (``pick`` by default the argmax
+        over ``vocab_shard``; a given ``pick`` gets this rank's logits); the final cache blocks are
         left in ``self.cache``."""
         prefills = [s for s in self.programs if s > 1]
         rows = {self.programs[s].input_shapes[0][0] for s in prefills}
         if len(rows) != 1:
             raise ValueError(f"the prefill steps are planned over different numbers of rows: {sorted(rows)}")
+        if pick is None:   # the argmax over this rank's vocabulary slice (``StepRunner.vocab_shard``)
+            pick = lambda logits: greedy_tokens(logits, self.vocab_shard)   # noqa: E731
         tokens, self.cache = serve_rows(self.run, self.new_cache(), prefills, self.batch, self.max_len, requests,
                                         eos, pick, log, prefill_rows=rows.pop())
         return tokens

@@ -25,7 +25,13 @@ The cost model prices a step as a training step whose parameters are all frozen 
 optimizer); the strategies are what matter here. Pipeline stages of these steps are
 autopar/inference/codegen_stages.py's; no data parallelism or mixed precision (a bf16 model's step
 runs in bf16 throughout, as its modules do). ``NewTokens`` chooses each step's tokens from the
-whole logits: the argmax, or a sampler the caller gives.
+logits: the argmax, or a sampler the caller gives, over the runner's ``vocab_shard``. A step's
+outputs are planned as values, in any layout but never partial sums (autopar/rules/candidates.py:
+the reduction is priced where it runs), so under tp the planner itself chooses a column
+(vocabulary)-parallel LM head on its replicated input, with no communication, over a row-parallel
+one whose partial logits must be reduced. Where the plan returns the logits as each tp rank's
+vocabulary slice (``logits_split``) ``StepRunner`` keeps them so (its ``vocab_shard`` that slice);
+otherwise they are gathered whole inside the programs and the shard is of one.
 """
 from __future__ import annotations
 
@@ -41,6 +47,8 @@ import torch.nn as nn
 from autopar.api import plan as make_plan
 from autopar.frontend.trace import TracedGraph, trace_step
 from autopar.inference.fused_qkv import fold_cat_split, split_fused_qkv
+from autopar.inference.vocab_parallel import VocabShard, greedy_tokens
+from autopar.rules.layout import Layout
 from codegen.per_rank import generate_step
 
 N_STEP_INPUTS = 4   # input_ids, position_ids, cache_position, attention_mask; then the cache tensors
@@ -189,22 +197,40 @@ def plan_cache_step(step: CacheStep, batch: int, seq: int, max_len: int, cluster
     return PlannedStep(traced, plan)
 
 
+def logits_split(ps: PlannedStep) -> bool:
+    """Whether ``ps``'s plan returns the logits as each tp rank's slice of the vocabulary (the last
+    dim split over the ``tp`` axis alone, no partial sums): a column (vocabulary)-parallel LM head's
+    layout, as the planner chose it."""
+    mesh = ps.plan.mesh
+    if "tp" not in mesh.names or mesh.shape[mesh.axis("tp")] == 1:
+        return False
+    op = next((op for op in ps.plan.ops if op["node"] == ps.traced.outputs[0]), None)
+    if op is None:
+        return False
+    lay = Layout.from_json(op["outputs"][0])
+    axis = mesh.axis("tp")
+    return not lay.partial and lay.dims[-1] == (axis,) and all(axis not in d for d in lay.dims[:-1])
+
+
 class NewTokens:
-    """The new tokens of one ``generate``, chosen step by step from whole logits [B, V]: the argmax,
-    or ``sample(logits)`` (a callable returning [B] token ids, e.g. Hugging Face's warpers and a
-    seeded ``torch.multinomial``); a row that chose one of ``eos`` continues with ``pad``, and
-    ``done`` once every row has, as Hugging Face's ``generate``. ``stamps`` (a list) gets
+    """The new tokens of one ``generate``, chosen step by step from the logits [B, V / shard.size]
+    (``shard``: this rank's slice of the vocabulary, default the whole of it): the argmax
+    (``vocab_parallel.greedy_tokens``), or ``sample(logits, shard)`` (a callable returning [B]
+    token ids, e.g. codegen_engine.py's ``sampler``); a row that chose one of ``eos`` continues
+    with ``pad``, and ``done`` once every row has, as Hugging Face's ``generate``. ``stamps`` (a list) gets
     ``time.perf_counter()`` after each new token. ``pick`` needs the logits (a pipeline's last
     stage); ``add`` records the step's tokens (every rank)."""
 
-    def __init__(self, batch: int, eos: tuple = (), pad: int = 0, sample=None, stamps: list | None = None):
+    def __init__(self, batch: int, eos: tuple = (), pad: int = 0, sample=None, stamps: list | None = None,
+                 shard: VocabShard | None = None):
         self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
         self.pad, self.sample, self.stamps = pad, sample, stamps
+        self.shard = shard if shard is not None else VocabShard()
         self.live = torch.ones(batch, dtype=torch.bool)
         self.tokens: list[torch.Tensor] = []
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        tok = self.sample(logits) if self.sample is not None else logits.argmax(-1)
+        tok = self.sample(logits, self.shard) if self.sample is not None else greedy_tokens(logits, self.shard)
         return torch.where(self.live, tok, self.pad)
 
     def add(self, tok: torch.Tensor) -> None:
@@ -299,8 +325,10 @@ class StepRunner(CacheBlocks):
         self.programs, self.params = {}, {}
         read_blocks: dict = {}
         named = {n for n, _ in step.named_parameters(remove_duplicate=False)}   # not buffers ("lm." + lm's FQN)
+        split = all(logits_split(ps) for ps in steps.values())
         for seq, ps in steps.items():
-            prog = generate_step(ps.traced, ps.plan, rank, state=ps.state, whole=(ps.traced.outputs[0],))
+            prog = generate_step(ps.traced, ps.plan, rank, state=ps.state,
+                                 whole=() if split else (ps.traced.outputs[0],))
             self.programs[seq] = prog
             blocks = []
             for n in prog.param_names:
@@ -326,9 +354,16 @@ class StepRunner(CacheBlocks):
         self.dtype = next(n for n in steps[1].traced.gm.graph.nodes
                           if n.name == self.cache_names[0]).meta["val"].dtype
         self.cache: list[torch.Tensor] = []
+        self.vocab_shard = VocabShard()
+        if split:   # each tp rank's slice of the logits, as planned (``logits_split``)
+            from runtime import context as RC
+            mesh = steps[1].plan.mesh
+            axis = mesh.axis("tp")
+            self.vocab_shard = VocabShard(mesh.coords(rank)[axis], mesh.shape[axis], RC.group_of(axis)[0])
 
     def run(self, seq: int, *inputs):
-        """One step of length ``seq``: (whole logits of the last position, *this rank's cache blocks)."""
+        """One step of length ``seq``: (the last position's logits, whole or this rank's
+        ``vocab_shard`` slice of them, *this rank's cache blocks)."""
         return self.programs[seq].gm(*self.params[seq], *inputs)
 
     @torch.no_grad()
@@ -340,7 +375,7 @@ class StepRunner(CacheBlocks):
         row that chose one continues with ``pad`` (fed back as its next token) and generation stops
         once every row has, as Hugging Face's ``generate``: then fewer than ``max_new_tokens``
         columns. ``stamps`` (a list) gets ``time.perf_counter()`` after each new token."""
-        chosen = NewTokens(prompts.shape[0], eos, pad, sample, stamps)
+        chosen = NewTokens(prompts.shape[0], eos, pad, sample, stamps, self.vocab_shard)
 
         def step(seq, inputs, cache):
             logits, *new = self.run(seq, *inputs, *cache)

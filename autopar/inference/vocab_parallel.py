@@ -19,10 +19,13 @@ gathering the whole logits; only the last position's logits of each row are used
 - **sampling over the whole vocabulary** (top_k 0): the last position's logits are all-gathered
   whole (V numbers per row), then sampled as above.
 
-The continuous-batching engine (autopar/inference/iteration_engine.py) calls ``next_tokens`` for
-every row of a step; the static engine's greedy Hugging Face ``generate`` (autopar/inference/
-engine.py) picks its tokens through ``GreedyOfSlices``, a logits processor (its sampling still
-gathers the whole logits, for Hugging Face's warpers and seeded stream).
+The continuous-batching engines (autopar/inference/iteration_engine.py, codegen_iteration.py)
+call ``next_tokens`` for every row of a step; the static engine's greedy Hugging Face
+``generate`` (autopar/inference/engine.py) picks its tokens through ``GreedyOfSlices``, a logits
+processor (its sampling still gathers the whole logits, for Hugging Face's warpers and seeded
+stream). The static codegen engine (autopar/inference/codegen_engine.py) takes ``greedy_tokens``,
+or ``sample_rows``: a batch step of Hugging Face's sampling from the top-k candidates (2 k
+numbers per row per rank; top_k 0: whole rows), the same draws from the same seeded stream.
 
 One process, or a head kept whole on every rank (tied to the embeddings, or a vocabulary tp does
 not divide), is a shard of one (``VocabShard()``): the same functions with no collective, so tp
@@ -131,6 +134,29 @@ def next_tokens(logits: torch.Tensor, samplings: list[dict], generators: list, s
     return out
 
 
+def sample_rows(logits: torch.Tensor, shard: VocabShard, temperature: float, top_k: int, top_p: float,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row ([rows] int64) of this rank's slices ``logits`` [rows, V / size], drawn
+    as Hugging Face's sampled ``generate`` draws a batch step: the rows' scores [rows, V] (the
+    top-k candidates, ``top_candidates``, -inf elsewhere; with ``top_k`` 0 the logits gathered
+    whole) through the temperature and top-p warpers, a softmax and one ``torch.multinomial`` of
+    the batch with ``generator``. Exactly k are kept (module doc), so the scores are Hugging Face's
+    top-k warped tensor and the draws the same, whatever the tp."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+    rows, vocab = logits.shape[0], logits.shape[-1] * shard.size
+    if top_k:
+        values, index = top_candidates(logits, top_k, shard)
+        scores = torch.full((rows, vocab), float("-inf"), dtype=torch.float32, device=logits.device)
+        scores.scatter_(1, index, values.float())
+    else:
+        scores = shard.gather(logits).permute(1, 0, 2).reshape(rows, vocab).float()   # rank order: vocabulary order
+    if temperature != 1.0:
+        scores = TemperatureLogitsWarper(float(temperature))(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1)(None, scores)
+    return torch.multinomial(torch.softmax(scores, -1), num_samples=1, generator=generator).squeeze(1)
+
+
 class GreedyOfSlices:
     """A Hugging Face logits processor for greedy ``generate`` over a vocabulary-parallel head: from
     this rank's slice of the last position's logits [rows, V / size], a row of V scores, -inf but
@@ -154,4 +180,5 @@ def _sample(values, index, vocab, sampling, generator, default_top_p) -> int:
                         generator)
 
 
-__all__ = ["GreedyOfSlices", "VocabShard", "greedy_tokens", "next_tokens", "sample_token", "top_candidates"]
+__all__ = ["GreedyOfSlices", "VocabShard", "greedy_tokens", "next_tokens", "sample_rows", "sample_token",
+           "top_candidates"]

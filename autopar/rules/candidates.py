@@ -203,11 +203,27 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None, reshar
     needs_grad = _graph_needs_grad(graph, nodes)
     # sequence-parallel modes (autopar/rules/sequence.py)
     sequence.restrict(graph, mesh, nodes, order, policy, needs_grad)
+    if graph.step:
+        _returned_values(graph, nodes)
     roots, root_bytes = storage_roots(gm, lambda n: _returns_input(nodes.get(n.name)))
     cands = Candidates(graph, mesh, nodes, order, [], roots, root_bytes, needs_grad=needs_grad,
                        reshards={} if reshards is None else reshards)
     _assign_representatives(cands)
     return cands
+
+
+def _returned_values(graph: TracedGraph, nodes: dict) -> None:
+    """An inference step's outputs (``trace_step``) are the values it returns, in any layout but
+    never partial sums: a strategy leaving one partial would have its reduction run after the
+    step, unpriced (a row-parallel LM head's all-reduce, cheaper-looking than the column-parallel
+    head that needs none). Only the strategies without a partial output stay, so the reduction a
+    partial producer needs is priced as the reshard into the output's op. Deterministic per spec:
+    every block instance keeps the same list."""
+    for name in graph.outputs:
+        info = nodes.get(name)
+        if info is not None and info.kind == "op":
+            info.strategies = [st for st in info.strategies if not any(o.partial for o in st.outputs)] \
+                or info.strategies
 
 
 def _expanded_to_batch(node, spec, letters: frozenset, out_batch: list, batch: int):

@@ -61,7 +61,7 @@ def _premise(engine):
             "lengths": sorted(runner.programs), "forward_calls": len(calls),
             "held": sum(c.numel() * c.element_size() for c in runner.cache),
             "block_heads": sorted({c.shape[1] for c in runner.cache}),
-            "collectives": all("all_reduce" in c or "reduce_scatter" in c for c in codes)}
+            "collectives": all(any(op in c for op in ("all_reduce", "reduce_scatter", "all_gather")) for c in codes)}
 
 
 def _run(rank, world, name, plan_json, kw):
