@@ -17,6 +17,13 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
   InferencePlan's ``stages`` (layers per stage); global rank ``s * tp + l`` is tp position ``l`` of
   stage ``s``, the hidden states go point to point to the next stage, and the last stage's tokens
   are broadcast, so every rank returns the same tokens.
+- **Replicas.** With ``dp > 1`` (pp = 1) replica ``r`` is ranks ``r * tp`` to ``(r + 1) * tp - 1``,
+  as the modules engine lays them out: every replica runs the same step plans (one replica's
+  ``tp`` ranks at the plan's ``batch_size``, a replica's batch; ``kv_cache_bytes_per_rank`` is a
+  rank of one replica's) on its own process groups (``runtime.context.setup`` given the replicas
+  as its stages, so every axis group stays inside one), decodes its share of the rows
+  (``-(-rows // dp)``, in order), and the new tokens are all-gathered so every rank returns the
+  whole batch.
 - **Plans.** Every rank traces the steps itself (deterministic); rank 0 alone runs the planner and
   broadcasts each plan as JSON, so every rank lowers the same plans.
 - **Weights.** The model's own tensors, or with ``weights=DIR`` (a safetensors checkpoint) each
@@ -45,10 +52,11 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
 - **Sliding windows.** A window at least the cache's length never slides: its layers are full
   attention and run (``codegen_step.full_cache_config``); a shorter window is refused.
 
-What this backend refuses, with the backend that runs it: data-parallel replicas (``dp > 1``),
-dtypes other than fp32, bf16 and fp16, generation-config settings that process whole rows of logits (e.g.
-``repetition_penalty``) or sample with other warpers (``min_p``, ``typical_p``, ...), caches
-whose sliding window is shorter than the cache (or other ring-buffer layers), and steps whose
+What this backend refuses, with the backend that runs it: data-parallel replicas of pipeline
+stages (``dp > 1`` with ``pp > 1``), dtypes other than fp32, bf16 and fp16, generation-config
+settings that process whole rows of logits (e.g. ``repetition_penalty``) or sample with other
+warpers (``min_p``, ``typical_p``, ...), caches whose sliding window is shorter than the cache (or
+other ring-buffer layers), and steps whose
 plan does not hold the cache the InferencePlan priced per rank (a fused qkv projection the steps
 do not split by heads leaves the planned cache whole on every rank). GPT-2's own fused ``c_attn``
 runs split by heads: the step traces a view of the model with q, k and v as three projections and
@@ -92,14 +100,19 @@ def step_cluster(plan: InferencePlan, cluster):
     return cluster
 
 
-def check_codegen_plan(plan: InferencePlan) -> None:
-    """A clear error for what the codegen backend cannot run yet, naming what would."""
+def check_codegen_plan(plan: InferencePlan, replicas: bool = False) -> None:
+    """A clear error for what the codegen backend cannot run yet, naming what would. ``replicas``:
+    the caller runs data-parallel replicas of tp ranks (``CodegenEngine``); without it ``dp > 1``
+    is refused (the continuous engine)."""
     if plan.pp > 1 and len(plan.stages) != plan.pp:
         raise PlanError(f"the plan has pp={plan.pp} but {len(plan.stages)} stages of layers: plan it again "
                         f"(autopar.plan_inference)")
-    if plan.dp > 1:
-        raise PlanError(f'backend="codegen" does not run data-parallel replicas yet (the plan has dp={plan.dp}): '
-                        f"plan with dp=1 (constraints={{'dp': 1}}) or use {MODULES}")
+    if plan.dp > 1 and not replicas:
+        raise PlanError(f'backend="codegen" runs data-parallel replicas only in compile_inference\'s static engine '
+                        f"(the plan has dp={plan.dp}): plan with dp=1 (constraints={{'dp': 1}}) or use {MODULES}")
+    if plan.dp > 1 and plan.pp > 1:
+        raise PlanError(f'backend="codegen" does not run data-parallel replicas of pipeline stages yet (the plan has '
+                        f"dp={plan.dp} x pp={plan.pp}): plan with dp=1 or pp=1 or use {MODULES}")
     if plan.dtype not in STEP_DTYPES:
         raise PlanError(f'backend="codegen" runs {", ".join(STEP_DTYPES)} (the plan is {plan.dtype}): plan with '
                         f"one of them or use {MODULES}")
@@ -164,9 +177,10 @@ class CodegenEngine:
 
     def __init__(self, model, plan: InferencePlan, weights: str | None = None, cluster=None,
                  collective_timeout=None):
-        check_codegen_plan(plan)
+        check_codegen_plan(plan, replicas=True)
         self.plan = plan
         self.world, self.rank = plan_ranks(plan)
+        self.replica, self.local = divmod(self.rank, plan.tp * plan.pp)   # replicas: consecutive rank groups
         self.model = causal_lm(model)
         self.prefill = max(plan.prompt_len, 2)
         self.max_len = plan.prompt_len + plan.max_new_tokens
@@ -189,7 +203,8 @@ class CodegenEngine:
         steps = self.planned_steps(step_cluster(plan, cluster))
         if self.world > 1:   # the programs' process groups (one process: no collectives)
             from runtime import context as RC
-            RC.setup(steps[1].plan.mesh, pp=plan.pp, timeout=collective_timeout)
+            # replicas laid out as setup's stages (dp = 1 or pp = 1): every axis group stays in one
+            RC.setup(steps[1].plan.mesh, pp=plan.pp * plan.dp, timeout=collective_timeout)
         # GPT-2's split q, k, v blocks read from its fused c_attn (fused_qkv.py)
         read = mapped_read(None if self.read is None else (lambda fqn, sl: self.read(fqn, [sl], 0)),
                            self.step.qkv_columns)
@@ -199,7 +214,7 @@ class CodegenEngine:
             layers = unit_stage.count(self.runner.stage)
             largest = max(b - a for a, b in plan.stages)
         else:
-            self.runner = StepRunner(self.step, steps, self.rank, read=read)
+            self.runner = StepRunner(self.step, steps, self.local, read=read)
             layers = largest = 1
         held = self.runner.cache_bytes()
         priced = plan.kv_cache_bytes_per_rank * layers // largest   # the largest stage's, per layer x this stage's
@@ -257,7 +272,13 @@ class CodegenEngine:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         attention_mask = torch.as_tensor(attention_mask, dtype=torch.long)
+        prompts, share = input_ids, -(-input_ids.shape[0] // self.plan.dp)   # this replica's rows (module doc)
+        input_ids, attention_mask = (t[self.replica * share:(self.replica + 1) * share] for t in (input_ids,
+                                                                                                 attention_mask))
         rows = input_ids.shape[0]
+        if rows == 0:   # a replica past the last row: nothing to decode, its peers' rows gathered
+            self.last_timing = {"prefill_s": 0.0, "decode_s": 0.0, "new_tokens": 0}
+            return self.gathered(prompts, None)
         pad = self.plan.batch_size - rows
         ids, mask = input_ids, attention_mask
         if pad > 0:   # the programs are planned for the plan's batch: fill it
@@ -269,4 +290,15 @@ class CodegenEngine:
         first = stamps[0] if stamps else time.perf_counter()
         self.last_timing = {"prefill_s": first - start, "decode_s": stamps[-1] - first if len(stamps) > 1 else 0.0,
                             "new_tokens": len(stamps)}
-        return torch.cat([input_ids, new[:rows]], 1)
+        return self.gathered(prompts, new[:rows])
+
+    def gathered(self, prompts: torch.Tensor, new: torch.Tensor | None) -> torch.Tensor:
+        """``prompts`` followed by every replica's new tokens (this replica's ``new``, [rows, n]; None
+        without rows), on every rank: a replica whose rows all stopped early is padded with 0."""
+        if self.plan.dp > 1:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, (self.replica, self.local, new))
+            pieces = [t for r, local, t in sorted(parts, key=lambda p: p[0]) if local == 0 and t is not None]
+            width = max(t.shape[1] for t in pieces)
+            new = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=0) for t in pieces])
+        return torch.cat([prompts, new], 1)
