@@ -14,14 +14,16 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
   largest stage's: a stage of fewer layers holds its layers' share). Fewer prompts than the batch
   are padded with copies of the first, as the modules engine does.
 - **Stages.** With ``pp > 1`` the steps are planned on one stage's ``tp`` ranks and cut at the
-  InferencePlan's ``stages`` (layers per stage); global rank ``s * tp + l`` is tp position ``l`` of
-  stage ``s``, the hidden states go point to point to the next stage, and the last stage's tokens
-  are broadcast, so every rank returns the same tokens.
-- **Replicas.** With ``dp > 1`` (pp = 1) replica ``r`` is ranks ``r * tp`` to ``(r + 1) * tp - 1``,
-  as the modules engine lays them out: every replica runs the same step plans (one replica's
-  ``tp`` ranks at the plan's ``batch_size``, a replica's batch; ``kv_cache_bytes_per_rank`` is a
-  rank of one replica's) on its own process groups (``runtime.context.setup`` given the replicas
-  as its stages, so every axis group stays inside one), decodes its share of the rows
+  InferencePlan's ``stages`` (layers per stage); rank ``s * tp + l`` of a replica is tp position
+  ``l`` of stage ``s``, the hidden states go point to point to the next stage, and the last
+  stage's tokens are broadcast, so every rank returns the same tokens.
+- **Replicas.** With ``dp > 1`` replica ``r`` is ranks ``r * tp * pp`` to ``(r + 1) * tp * pp - 1``,
+  stage-major inside it, as the modules engine lays them out: every replica runs the same step
+  plans (one stage's ``tp`` ranks at the plan's ``batch_size``, a replica's batch;
+  ``kv_cache_bytes_per_rank`` is a rank of one replica's) on its own process groups
+  (``runtime.context.setup`` given the replicas' stages as its ``pp * dp`` stages, so every axis
+  group stays inside one stage of one replica; with ``pp > 1`` its own pipeline groups, one per
+  tp position, carry its last stage's tokens, ``pipe_group``), decodes its share of the rows
   (``-(-rows // dp)``, in order), and the new tokens are all-gathered so every rank returns the
   whole batch.
 - **Plans.** Every rank traces the steps itself (deterministic); rank 0 alone runs the planner and
@@ -52,9 +54,8 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
 - **Sliding windows.** A window at least the cache's length never slides: its layers are full
   attention and run (``codegen_step.full_cache_config``); a shorter window is refused.
 
-What this backend refuses, with the backend that runs it: data-parallel replicas of pipeline
-stages (``dp > 1`` with ``pp > 1``), dtypes other than fp32, bf16 and fp16, generation-config
-settings that process whole rows of logits (e.g. ``repetition_penalty``) or sample with other
+What this backend refuses, with the backend that runs it: dtypes other than fp32, bf16 and fp16,
+generation-config settings that process whole rows of logits (e.g. ``repetition_penalty``) or sample with other
 warpers (``min_p``, ``typical_p``, ...), caches whose sliding window is shorter than the cache (or
 other ring-buffer layers), and steps whose
 plan does not hold the cache the InferencePlan priced per rank (a fused qkv projection the steps
@@ -102,7 +103,7 @@ def step_cluster(plan: InferencePlan, cluster):
 
 def check_codegen_plan(plan: InferencePlan, replicas: bool = False) -> None:
     """A clear error for what the codegen backend cannot run yet, naming what would. ``replicas``:
-    the caller runs data-parallel replicas of tp ranks (``CodegenEngine``); without it ``dp > 1``
+    the caller runs data-parallel replicas of tp x pp ranks (``CodegenEngine``); without it ``dp > 1``
     is refused (the continuous engine)."""
     if plan.pp > 1 and len(plan.stages) != plan.pp:
         raise PlanError(f"the plan has pp={plan.pp} but {len(plan.stages)} stages of layers: plan it again "
@@ -110,9 +111,6 @@ def check_codegen_plan(plan: InferencePlan, replicas: bool = False) -> None:
     if plan.dp > 1 and not replicas:
         raise PlanError(f'backend="codegen" runs data-parallel replicas only in compile_inference\'s static engine '
                         f"(the plan has dp={plan.dp}): plan with dp=1 (constraints={{'dp': 1}}) or use {MODULES}")
-    if plan.dp > 1 and plan.pp > 1:
-        raise PlanError(f'backend="codegen" does not run data-parallel replicas of pipeline stages yet (the plan has '
-                        f"dp={plan.dp} x pp={plan.pp}): plan with dp=1 or pp=1 or use {MODULES}")
     if plan.dtype not in STEP_DTYPES:
         raise PlanError(f'backend="codegen" runs {", ".join(STEP_DTYPES)} (the plan is {plan.dtype}): plan with '
                         f"one of them or use {MODULES}")
@@ -203,14 +201,16 @@ class CodegenEngine:
         steps = self.planned_steps(step_cluster(plan, cluster))
         if self.world > 1:   # the programs' process groups (one process: no collectives)
             from runtime import context as RC
-            # replicas laid out as setup's stages (dp = 1 or pp = 1): every axis group stays in one
+            # every replica's stages laid out as setup's stages: every axis group stays in one
             RC.setup(steps[1].plan.mesh, pp=plan.pp * plan.dp, timeout=collective_timeout)
         # GPT-2's split q, k, v blocks read from its fused c_attn (fused_qkv.py)
         read = mapped_read(None if self.read is None else (lambda fqn, sl: self.read(fqn, [sl], 0)),
                            self.step.qkv_columns)
         if plan.pp > 1:
             unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]
-            self.runner = StageStepRunner(self.step, steps, self.rank, plan.pp, unit_stage, read=read)
+            self.runner = StageStepRunner(self.step, steps, self.rank, plan.pp, unit_stage, read=read,
+                                          offset=self.replica * plan.tp * plan.pp,
+                                          group=self.pipe_group(collective_timeout))
             layers = unit_stage.count(self.runner.stage)
             largest = max(b - a for a, b in plan.stages)
         else:
@@ -225,6 +225,20 @@ class CodegenEngine:
                             f"steps' plan does not split {type(self.model).__name__}'s cache on its heads (layouts "
                             f"{sorted({str(lay) for lay in self.runner.cache_layouts})}); use {MODULES}")
         self.last_timing: dict = {}
+
+    def pipe_group(self, timeout):
+        """With replicas (``dp > 1``), this rank's pipeline group of its replica: every replica's
+        group of each tp position created on every rank in one order (``dist.new_group`` is
+        collective); None otherwise (the runner takes setup's ``pp_group``)."""
+        tp, pp, mine = self.plan.tp, self.plan.pp, None
+        if self.plan.dp == 1:
+            return None
+        for r in range(self.plan.dp):
+            for t in range(tp):
+                g = dist.new_group([r * tp * pp + s * tp + t for s in range(pp)], timeout=timeout)
+                if (r, t) == (self.replica, self.local % tp):
+                    mine = g
+        return mine
 
     def planned_steps(self, cluster) -> dict[int, PlannedStep]:
         """The decode and prefill steps, traced here and planned on rank 0 (module doc)."""

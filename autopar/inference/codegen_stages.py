@@ -18,8 +18,10 @@ stage from the step inputs, which every rank has.
   tokens. The static engine runs it for plans with ``pp > 1``
   (``compile_inference(..., backend="codegen")``, autopar/inference/codegen_engine.py).
 
-Ranks: global rank ``s * tp + l`` is tp position ``l`` of stage ``s`` (``runtime.context.setup``
-with ``pp``). No micro-batches: one step (``run``) runs the stages one after another. In flight
+Ranks: global rank ``offset + s * tp + l`` is tp position ``l`` of stage ``s``
+(``runtime.context.setup`` with ``pp``; ``offset``: the first rank of this rank's data-parallel
+replica, whose stages are consecutive; the tokens are then broadcast on the replica's own
+pipeline group). No micro-batches: one step (``run``) runs the stages one after another. In flight
 (``in_flight`` set: the continuous engine's virtual engines, autopar/inference/codegen_flights.py)
 ``forward`` runs one forward of this stage and sends its boundary values with ``isend``, waited on
 by ``wait_sends`` at the end of the next tick, and ``share_tokens`` broadcasts the last stage's
@@ -73,18 +75,23 @@ class StageStepRunner(CacheBlocks):
 
     ``steps``: sequence length -> PlannedStep on one stage's sub-mesh (``plan_stage_steps``);
     ``pp``: the stages; ``rank``: this global rank; ``unit_stage``: the stage of each decoder
-    layer (``codegen.stages.pipeline_units`` order; default an even cut).
+    layer (``codegen.stages.pipeline_units`` order; default an even cut). ``offset``: the first
+    rank of this rank's replica (its stage and tp position are of ``rank - offset``; peers are
+    global ranks); ``group``: the replica's pipeline group of this tp position (the last stage's
+    tokens are broadcast over it), default setup's ``pp_group``.
     ``read(fqn, slices)``, when given, returns the block ``slices`` of parameter ``fqn`` (an FQN of
     ``step.lm``) from a checkpoint, as ``StepRunner``'s; buffers still come from the model.
     ``runtime.context.setup(plan.mesh, pp=pp)`` must have run on every rank."""
 
     def __init__(self, step: CacheStep, steps: dict[int, PlannedStep], rank: int, pp: int,
-                 unit_stage: list[int] | None = None, read=None):
+                 unit_stage: list[int] | None = None, read=None, offset: int = 0, group=None):
         if 1 not in steps or len(steps) < 2:
             raise ValueError("StageStepRunner needs the decode step (length 1) and at least one prefill length")
         self.step, self.rank, self.pp = step, rank, pp
         self.tp = steps[1].plan.mesh.size
-        self.stage, self.local = divmod(rank, self.tp)
+        self.stage, self.local = divmod(rank - offset, self.tp)
+        self.source = offset + (pp - 1) * self.tp + self.local   # the last stage's rank of this tp position
+        self.group = group
         self.last = self.stage == pp - 1
         units = len(pipeline_units(steps[1].traced))
         self.unit_stage = list(unit_stage) if unit_stage is not None else even_stages(units, pp)
@@ -177,8 +184,12 @@ class StageStepRunner(CacheBlocks):
         """The last stage's ``tokens`` ([count] int64) on every rank of this rank's pipeline (the
         other stages pass None)."""
         out = tokens.to(torch.int64).contiguous() if self.last else torch.empty(count, dtype=torch.int64)
-        dist.broadcast(out, (self.pp - 1) * self.tp + self.local, group=RC.current().extra["pp_group"])
+        dist.broadcast(out, self.source, group=self.pipe_group())
         return out
+
+    def pipe_group(self):
+        """This rank's pipeline group: ``group``, else ``runtime.context.setup``'s ``pp_group``."""
+        return self.group if self.group is not None else RC.current().extra["pp_group"]
 
     def _recv(self, seq: int, count: int) -> list[torch.Tensor]:
         peer = self.rank - self.tp
@@ -207,7 +218,7 @@ class StageStepRunner(CacheBlocks):
         else:
             tokens = torch.empty(self.batch, dtype=torch.int64)
         if self.pp > 1:
-            dist.broadcast(tokens, (self.pp - 1) * self.tp + self.local, group=RC.current().extra["pp_group"])
+            dist.broadcast(tokens, self.source, group=self.pipe_group())
         return tokens, new
 
     def forward(self, seq: int, inputs: tuple, cache: list[torch.Tensor]):

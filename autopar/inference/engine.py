@@ -215,9 +215,8 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, we
     (torch's default when None; ``autopar serve --collective-timeout``). ``backend``: "modules" (this
     module's ``InferenceEngine``: the model's own modules, sliced) or "codegen" (a ``CodegenEngine``,
     autopar/inference/codegen_engine.py: the steps planned and lowered to autopar's own programs;
-    tp, pp, or dp replicas of tp ranks, fp32 / bf16 / fp16, greedy or sampled; planned here, it pins
-    fp32 on a gloo cluster unless the options say otherwise, and a plan of replicas of pipeline
-    stages is planned again with dp=1 unless dp was pinned)."""
+    tp, pp, and dp replicas of them, fp32 / bf16 / fp16, greedy or sampled; planned here, it pins
+    fp32 on a gloo cluster unless the options say otherwise)."""
     if backend not in BACKENDS:
         raise PlanError(f"backend={backend!r} is not known; use one of {', '.join(map(repr, BACKENDS))}")
     if isinstance(plan, str):
@@ -229,11 +228,6 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, we
         if backend == "codegen" and cluster.backend == "gloo":   # plan for what it runs: fp32 on gloo
             plan_options.setdefault("dtype", "fp32")
         plan = plan_inference(causal_lm(model), cluster=cluster, **plan_options)
-        pins = plan_options.get("constraints")
-        if backend == "codegen" and plan.dp > 1 and plan.pp > 1 and (pins is None or isinstance(pins, dict)) \
-                and "dp" not in (pins or {}):   # no replicas of pipeline stages on codegen: one replica
-            plan = plan_inference(causal_lm(model), cluster=cluster, **{**plan_options,
-                                                                       "constraints": {**(pins or {}), "dp": 1}})
     elif plan_options:
         raise PlanError(f"{sorted(plan_options)}: planning options are for compile_inference without a plan")
     if backend == "codegen":

@@ -181,8 +181,6 @@ def test_what_the_backend_cannot_run_is_a_clear_error():
         compile_inference(lm, plan=InferencePlan(pp=2, stages=[[0, 2]], **base), backend="codegen")
     with pytest.raises(PlanError, match="runs on 2 processes.*launch 2"):
         compile_inference(lm, plan=InferencePlan(pp=2, stages=[[0, 1], [1, 2]], **base), backend="codegen")
-    with pytest.raises(PlanError, match='replicas of pipeline stages.*backend="modules"'):
-        compile_inference(lm, plan=InferencePlan(dp=2, pp=2, stages=[[0, 1], [1, 2]], **base), backend="codegen")
     with pytest.raises(PlanError, match='runs fp32, bf16, fp16 \\(the plan is fp8\\).*backend="modules"'):
         compile_inference(lm, plan=InferencePlan(**{**base, "dtype": "fp8"}), backend="codegen")
     with pytest.raises(PlanError, match=r"cache of 10 positions.*sliding window of 8 positions, shorter than the "
