@@ -36,13 +36,14 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   ``0 .. n-1``, the padding writing the slots after it, which its next tokens overwrite) and choose
   its first token, then one decode step over every row (free rows at ``rows`` -1: not written), then
   retire the finished (their rows free at the next iteration).
-- **Tokens.** With ``tp > 1`` (and ``pp`` 1) the plan chooses the LM head vocabulary-parallel, as
+- **Tokens.** With ``tp > 1`` the plan chooses the LM head vocabulary-parallel, as
   ``IterationEngine``'s (codegen_engine.py's module doc, Tokens): the programs return each rank's
   ``V / tp`` slice of the logits (``codegen_step.logits_split``) and ``vocab_parallel.next_tokens``
   chooses over the tp group (``vocab_shard``, the runner's): greedy 2 numbers per row per rank,
   top-k sampling 2 k, whole rows for top_k 0, each sequence sampling from its seeded generator,
-  the same on every rank. Logits a plan leaves in another layout are gathered whole on every rank
-  (a shard of one), as with one process or pipeline stages.
+  the same on every rank (under pp the last stage's ranks, over its tp group; its tokens are then
+  broadcast). Logits a plan leaves in another layout are gathered whole in the programs (a shard
+  of one), as with one process.
 
 Refused (PlanError, naming what runs it): ``dp > 1``, chunked prefill, dtypes other
 than fp32, bf16 and fp16, and steps whose plans do not split the cache on its kv heads (a fused

@@ -13,9 +13,13 @@ stage from the step inputs, which every rank has.
   same step, planned with the micro-batches the planner asks for).
 - ``StageStepRunner``: one rank's stage programs (a prefill per padded prompt length, the decode
   step), its parameter and cache blocks; ``generate`` runs greedy (or sampled) generation over a
-  left-padded batch, rows stopping at end-of-sequence tokens. The last stage's tokens (chosen
-  from its whole logits) are broadcast over the pipeline group, so every rank returns the same
-  tokens. The static engine runs it for plans with ``pp > 1``
+  left-padded batch, rows stopping at end-of-sequence tokens. The last stage chooses the tokens
+  from its logits: when the plans return them as each tp rank's vocabulary slice
+  (``codegen_step.logits_split``) its programs keep the slices and the choice runs over its tp
+  group (``vocab_shard``, autopar/inference/vocab_parallel.py: greedy 2 numbers per row per rank,
+  top-k 2 k), else its programs gather them whole (a shard of one). The tokens are then
+  broadcast over the pipeline group, so every rank returns the same tokens. The static engine
+  runs it for plans with ``pp > 1``
   (``compile_inference(..., backend="codegen")``, autopar/inference/codegen_engine.py).
 
 Ranks: global rank ``offset + s * tp + l`` is tp position ``l`` of stage ``s``
@@ -35,7 +39,8 @@ import torch.distributed as dist
 
 from autopar.cluster import Cluster
 from autopar.inference.codegen_step import (N_STEP_INPUTS, CacheBlocks, CacheStep, NewTokens, PlannedStep,
-                                            generate_over_steps, plan_cache_step)
+                                            generate_over_steps, logits_split, plan_cache_step)
+from autopar.inference.vocab_parallel import VocabShard, greedy_tokens
 from codegen.per_rank import generate_step
 from codegen.stages import even_stages, pipeline_units, split_step_stages
 from runtime import context as RC
@@ -98,8 +103,10 @@ class StageStepRunner(CacheBlocks):
         self.programs, self.stages, self.params = {}, {}, {}
         blocks: dict[tuple, torch.Tensor] = {}   # (fqn, slices) -> this rank's block, one copy for all programs
         named = {n for n, _ in step.named_parameters(remove_duplicate=False)}   # not buffers ("lm." + lm's FQN)
+        split = all(logits_split(ps) for ps in steps.values())
         for seq, ps in steps.items():
-            prog = generate_step(ps.traced, ps.plan, self.local, state=ps.state, whole=(ps.traced.outputs[0],))
+            prog = generate_step(ps.traced, ps.plan, self.local, state=ps.state,
+                                 whole=() if split else (ps.traced.outputs[0],))
             sp = split_step_stages(prog, ps.traced, self.unit_stage, pp)[self.stage]
             self.programs[seq], self.stages[seq] = prog, sp
             self.params[seq] = []
@@ -131,6 +138,11 @@ class StageStepRunner(CacheBlocks):
         self.dtype = next(n for n in steps[1].traced.gm.graph.nodes
                           if n.name == decode.input_names[N_STEP_INPUTS]).meta["val"].dtype
         self.cache: list[torch.Tensor] = []
+        self.vocab_shard = VocabShard()
+        if split:   # the last stage's logits: each tp rank's vocabulary slice, over this stage's tp group
+            mesh = steps[1].plan.mesh
+            axis = mesh.axis("tp")
+            self.vocab_shard = VocabShard(mesh.coords(self.local)[axis], mesh.shape[axis], RC.group_of(axis)[0])
         self.shapes: dict[tuple, list[tuple]] = {}   # (seq, boundary) -> shapes and dtypes, once known
         self.in_flight = False     # sends by isend (module doc)
         self.sends: list = []      # in flight: this tick's (work, tensor) isends
@@ -211,10 +223,10 @@ class StageStepRunner(CacheBlocks):
     def run(self, seq: int, inputs: tuple, cache: list[torch.Tensor], chosen: NewTokens | None = None):
         """One step of length ``seq`` on this stage: (the step's tokens, every rank the same;
         this rank's new cache blocks). ``inputs``: the step inputs before the cache; ``chosen``
-        picks the tokens from the last stage's logits (default: the argmax)."""
+        picks the tokens from the last stage's logits (default: the argmax over ``vocab_shard``)."""
         logits, new = self.forward(seq, inputs, cache)
         if self.last:
-            tokens = chosen.pick(logits) if chosen is not None else logits.argmax(-1)
+            tokens = chosen.pick(logits) if chosen is not None else greedy_tokens(logits, self.vocab_shard)
         else:
             tokens = torch.empty(self.batch, dtype=torch.int64)
         if self.pp > 1:
@@ -224,7 +236,8 @@ class StageStepRunner(CacheBlocks):
     def forward(self, seq: int, inputs: tuple, cache: list[torch.Tensor]):
         """This stage's part of one step of length ``seq``: the boundary values received from the
         previous stage, its program run, its boundary values sent to the next; (the last-position
-        logits on the last stage, None on the others; this rank's new cache blocks)."""
+        logits on the last stage, whole or this rank's ``vocab_shard`` slice of them, None on the
+        others; this rank's new cache blocks)."""
         sp, prog = self.stages[seq], self.programs[seq]
         received = self._recv(seq, len(sp.received)) if self.stage > 0 else []
         whole = dict(zip(prog.input_names, inputs))
@@ -246,7 +259,7 @@ class StageStepRunner(CacheBlocks):
         rank; this rank's final cache blocks are left in ``self.cache``. ``eos``, ``pad`` and
         ``stamps`` as ``StepRunner.generate``: rows stop at end-of-sequence tokens, and every rank
         stops together (the tokens are broadcast)."""
-        chosen = NewTokens(prompts.shape[0], eos, pad, sample if self.last else None, stamps)
+        chosen = NewTokens(prompts.shape[0], eos, pad, sample if self.last else None, stamps, self.vocab_shard)
         return generate_over_steps(self, prompts, attention_mask, max_new_tokens, chosen,
                                    lambda seq, inputs, cache: self.run(seq, inputs, cache, chosen))
 
