@@ -39,7 +39,7 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
   modules backend's in the last bf16 bits.
 - **Tokens.** The prompt followed by the new tokens on every rank, rows stopping at the
   generation config's end-of-sequence tokens (padded with 0) and generation ending once every
-  row has, as Hugging Face's ``generate``. With ``tp > 1`` (and ``pp`` 1) the plan chooses the LM
+  row has, as Hugging Face's ``generate``. With ``tp > 1`` the plan chooses the LM
   head vocabulary-parallel, as the modules backend's: a step's logits output is planned in any
   layout but a partial sum (autopar/rules/candidates.py), so a column-parallel head on its
   replicated input (no communication) prices below a row-parallel one and its reduction. The
