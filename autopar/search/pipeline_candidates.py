@@ -25,12 +25,14 @@ stages reaches the incumbent, or (W - O) F / p does, O its optimizer step (at mo
 ``outer.optimizer_ceiling``), F the least equal-stage factor of the schedules sharing that inner
 search (``outer.search``'s ``cutoff`` and ``cutoff_fill_drain``). These estimates are not proofs:
 unequal stages can beat the equal-stage fill and drain, and a stage can compute faster than the
-pp=1 plan (less recomputation). ``PROVEN_BOUNDS`` prunes with bounds that hold for any partition
-into chunks of whole blocks instead (``pipeline_bounds.least_pipelined_step`` from the compute and
-block floors; in the inner cutoff the factor that makes it the cut, ``cutoff_factor``); it prunes
-less (interleaving's proven fill and drain is a few blocks, not (p - 1) / (m v) of the work), so
-it searches longer (benchmarks/RESULTS.md section 12), and tests check that it finds the same
-plans as the estimates (tests/search/test_pipeline_bounds.py). With ``MESH_WORK_FLOOR`` the
+pp=1 plan (less recomputation). So by default (``PROVEN_BOUNDS``) the search prunes with bounds
+that hold for any partition into chunks of whole blocks instead (``pipeline_bounds.least_pipelined_step``
+from the compute and block floors, and the schedule order's LP, ``proven_step``; in the inner
+cutoff the factor that makes it the cut, ``cutoff_factor``): the free search then never returns a
+plan slower than one a pin of the same search reaches. It prunes a little less than the
+estimates (1.0-1.2x their CPU time on Narayanan et al.'s Table 1, benchmarks/RESULTS.md section
+12); ``PROVEN_BOUNDS = False`` prunes with the estimates, and tests check that they find the same
+plans (tests/search/test_pipeline_bounds.py). With ``MESH_WORK_FLOOR`` the
 proven prune also tries, where the rest does not prune, ``stage_work_floor``: the candidate's
 stage sub-mesh priced with its micro-batches, each node at its cheapest over the meshes its inner
 search visits (autopar/search/stage_work_floor.py); valid and 1.01-1.02 times the compute floor
@@ -70,7 +72,7 @@ MICRO_FACTORS = (1, 2, 4, 8, 16)   # module doc
 MEGATRON_MBS = (1, 2)
 INNER_CUTOFF = True   # module doc, pruning (tests switch it off to check it changes no plan)
 INNER_FILL_DRAIN = True   # ... with the fill and drain in it (idem)
-PROVEN_BOUNDS = False   # prune with bounds valid for any stage partition, not estimates (module doc)
+PROVEN_BOUNDS = True   # prune with bounds valid for any stage partition, not estimates (module doc)
 ORDER_LP = True   # ... with the schedule order's LP among them (pipeline_bounds.proven_step)
 MESH_WORK_FLOOR = False   # with PROVEN_BOUNDS, also the stage sub-mesh's work floor (module doc; off: it costs more)
 RETRY_BOUND = True   # a checkpointed retry is pruned by its proven bound with recomputation (module doc)

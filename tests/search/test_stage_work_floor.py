@@ -65,6 +65,7 @@ def test_proven_search_with_the_stage_work_floor_finds_the_estimates_plan(monkey
                                vocab=51200)
     cluster = autopar.Cluster.preset("dgx-a100", nodes=3)
     graph = trace(model, batch, kernels=uses_kernels("auto", cluster.backend))   # traced once, for both plans
+    monkeypatch.setattr(pc, "PROVEN_BOUNDS", False)
     estimated = autopar.plan(model, batch, cluster, traced=graph)
     monkeypatch.setattr(pc, "PROVEN_BOUNDS", True)
     monkeypatch.setattr(pc, "MESH_WORK_FLOOR", True)
