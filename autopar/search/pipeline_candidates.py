@@ -8,9 +8,10 @@ micro-batch counts ``pp * MICRO_FACTORS`` dividing the batch together with the c
 Megatron-style runs use (micro-batch size ``MEGATRON_MBS`` with tensor parallelism over a node:
 m = batch / (dp x mbs), dp = a stage's nodes; such counts often have a factor 3 no pp x 2^k
 reaches). Degrees that are not powers of two, or above ``FACTOR_MAX_PP``, get the Megatron-style
-counts only (each (pp, m) costs an inner search on a sub-mesh of its own). A candidate that does
-not fit memory is tried again with every block checkpointed (``CHECKPOINTED``; the same bound:
-recomputation only adds work), so a pin such as Megatron-LM's 1T run (pp=64,
+counts only (each (pp, m) costs an inner search on a sub-mesh of its own). A candidate is also
+tried with every block checkpointed (``CHECKPOINTED``), unless its bound with the recomputation
+(``retry_bound``) reaches the better of the incumbent and its own plan: recomputation frees the
+memory of faster configurations, so a pin such as Megatron-LM's 1T run (pp=64,
 checkpoint="full") is among the free search's candidates. Each is
 ``pipeline.search_pipelined`` with those pins (the inner plan on the stage sub-mesh, the DP
 partition, the simulated schedule); the inner plan depends only on (pp, m) and the other pins, so
@@ -66,7 +67,7 @@ from autopar.search.stage_work_floor import stage_work_floor
 from codegen.stages import pipeline_units
 
 FACTOR_MAX_PP = 16   # degrees above, or not powers of two: the Megatron-style counts only (micro_batch_counts)
-CHECKPOINTED = True   # a candidate that does not fit is tried again with every block checkpointed (module doc)
+CHECKPOINTED = True   # a candidate is tried again with every block checkpointed (module doc)
 SCHEDULES = ("1f1b", "interleaved-1f1b")   # gpipe: 1F1B's time with more memory; zero-bubble: pin it
 MICRO_FACTORS = (1, 2, 4, 8, 16)   # module doc
 MEGATRON_MBS = (1, 2)
@@ -284,24 +285,41 @@ class Pipelined:
         # schedules, so only where every schedule of this object is retried
         lazy = retried and "zero-bubble" not in self.schedules
         try:
+            first_fit = True
             try:
                 # its configurations that no stage partition fits are pruned before their ILP, under
                 # every schedule sharing the inner search (autopar/search/stage_memory_floor.py)
                 first = dict(kw_left, min_peak=False,
                              stage_memory=StageMemory(p, m, self.base.budget, tuple(self.schedules))) \
                     if lazy else kw_left
-                return ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search,
-                                                **first))
+                out = ("ok", *search_pipelined(self.graph, self.cluster, self.base, pins, self.cached_search,
+                                               **first))
             except MemoryBudgetError:
                 if not retried:
                     raise
-                if RETRY_BOUND and best_time < float("inf") and self.retry_bound(p, m, sched) >= best_time:
-                    self.retries_pruned += 1   # recomputing every block cannot beat the incumbent
-                    return ("skip",)
-                # every block recomputed (the same bound: recomputation only adds work): a pin such
-                # as Megatron-LM's 1T run (pp=64, checkpoint="full") is among the candidates
-                return ("ok", *search_pipelined(self.graph, self.cluster, self.base, dict(pins, checkpoint="full"),
-                                                self.cached_search, **kw_left))
+                out, first_fit = None, False
+            except CutOff:
+                if not retried:
+                    raise
+                out = None
+            if not retried:
+                return out
+            # every block recomputed, also where the first attempt fits: recomputation frees the
+            # memory of configurations faster than the first attempt's plan (1T: pp=8 fits without
+            # it under ZeRO-3 at 93 s or more, cut off; with every block recomputed 77.04 s), so a
+            # pin such as Megatron-LM's 1T run (pp=64, checkpoint="full") is among the candidates
+            beat = best_time if out is None else min(best_time, out[3]["step_time"])
+            if RETRY_BOUND and beat < float("inf") and self.retry_bound(p, m, sched) >= beat:
+                self.retries_pruned += 1   # recomputing every block cannot beat it
+                return out if out is not None else ("skip",)
+            try:
+                again = ("ok", *search_pipelined(self.graph, self.cluster, self.base, dict(pins, checkpoint="full"),
+                                                 self.cached_search, **kw_left))
+            except (PlanError, CutOff):   # MemoryBudgetError among them
+                if out is None and not first_fit:
+                    raise
+                return out if out is not None else ("skip",)
+            return again if out is None or again[3]["step_time"] < out[3]["step_time"] else out
         except MemoryBudgetError as e:
             self.errors.append(e)
             if e.budget_bytes == int(self.base.budget) and e.min_peak_bytes is not None:
