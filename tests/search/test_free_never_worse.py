@@ -87,6 +87,28 @@ def test_a_candidate_that_does_not_fit_is_tried_with_every_block_checkpointed(gp
     assert plan().step_time <= plan({"pp": 3, "checkpoint": "full"}).step_time * (1 + 1e-9)
 
 
+def test_a_candidate_cut_off_without_recomputation_is_still_tried_with_it(gpt_3_nodes, monkeypatch):
+    """A candidate whose plan without recomputation fits but cannot beat the incumbent (cut off)
+    is still tried with every block recomputed, which frees the memory of faster configurations
+    (Narayanan's 1T row: pp=8 fits under ZeRO-3 at 93 s or more, 77.04 s with every block
+    recomputed). Here the first attempt is made to cut off: pinning ``pp=3`` still plans, as
+    ``pp=3, checkpoint="full"`` does."""
+    from autopar.search.context import CutOff
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "1")
+    full = _plan(gpt_3_nodes, {"pp": 3, "checkpoint": "full"})
+    search, cut = pc.search_pipelined, []
+
+    def first_attempt_cut_off(graph, cluster, base, pins, cached, **kw):
+        if "checkpoint" not in pins:
+            cut.append(pins)
+            raise CutOff("pp=3: its least work per rank reaches the plan to beat")
+        return search(graph, cluster, base, pins, cached, **kw)
+    with mock.patch.object(pc, "search_pipelined", first_attempt_cut_off):
+        got = _plan(gpt_3_nodes, {"pp": 3})
+    assert cut   # premise: the first attempt was cut off
+    assert got.degrees["checkpoint"] == "full" and got.step_time == full.step_time
+
+
 @pytest.mark.parametrize("pins", [{"pp": 3}, {"pp": 3, "checkpoint": "full"},
                                   {"pp": 3, "pp_schedule": "interleaved-1f1b"}, {"pp": 3, "pp_schedule": "gpipe"}])
 def test_the_stage_cut_off_bound_is_below_every_pipelined_step(gpt_3_nodes, pins, monkeypatch):
