@@ -19,6 +19,7 @@ from runtime.launch import run_local
 from tests.helpers.serving import generate_alone
 from tests.inference.test_codegen_engine import MASK, NEW, PROMPTS, _model
 from tests.inference.test_codegen_iteration import MAX_NEW, PROMPT_LEN, REQUESTS, SLOTS, _serve
+from tests.inference.test_codegen_iteration import _plan as _rows_plan
 from tests.inference.test_codegen_iteration import _model as _spread_model
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
@@ -83,13 +84,7 @@ def test_2_ranks_bf16_equals_the_modules_backend_and_hf(tp, pp):
 
 
 def _iteration_plan(devices, **pins):
-    from autopar.inference.trace import synthetic_trace
-    trace = synthetic_trace(16, rate=4.0, prompt_lens=(2, 6), output_lens=(1, 6), seed=0)
-    plan = plan_inference(_spread_model(), None, autopar.Cluster.preset("cpu", devices=devices), trace=trace,
-                          batching="continuous", constraints=pins, dtype="bf16")
-    plan.batch_size, plan.prompt_len, plan.max_new_tokens = SLOTS, PROMPT_LEN, MAX_NEW   # small programs
-    plan.predictions["kv_cache_tokens_per_replica"] = None
-    return plan
+    return _rows_plan(devices, dtype="bf16", **pins)
 
 
 def _iteration_rank(rank, world, plan_json):

@@ -163,13 +163,19 @@ def _run_from_dir(rank, world, plan_json, directory):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_weights_from_a_checkpoint_directory(tmp_path, tp, pp):
     """tp=2, or pp=2 (each stage reading its layers' blocks only)."""
-    _model("hf_llama").save_pretrained(tmp_path)
-    plan = _plan("hf_llama", 2, tp=tp, pp=pp, dp=1)
-    results = run_local(_run_from_dir, 2, args=(plan.to_json(), str(tmp_path)), timeout=600)
-    total = sum(p.numel() for p in _model("hf_llama").parameters())
+    check_from_dir("hf_llama", tmp_path, tp=tp, pp=pp)
+
+
+def check_from_dir(name, directory, **pins):
+    """``name`` saved to ``directory`` and run on 2 gloo ranks under ``pins`` from it: tokens equal
+    ``generate``, each rank reading its blocks, not the whole checkpoint."""
+    _model(name).save_pretrained(directory)
+    plan = _plan(name, 2, dp=1, **pins)
+    results = run_local(_run_from_dir, 2, args=(plan.to_json(), str(directory)), timeout=600)
+    total = sum(p.numel() for p in _model(name).parameters())
     for tokens, elements in results:
-        assert tokens == _reference("hf_llama").tolist()
-        assert 0 < elements < total        # each rank read its blocks, not the whole checkpoint
+        assert tokens == _reference(name).tolist()
+        assert 0 < elements < total
 
 
 def test_what_the_backend_cannot_run_is_a_clear_error():

@@ -22,7 +22,7 @@ from autopar.inference.iteration_engine import IterationEngine
 from autopar.inference.planner import plan_inference
 from runtime.launch import run_local
 from tests.helpers.serving import generate_alone, spread_model
-from tests.inference.test_codegen_engine import _check, _model, _plan, _reference, _run, _run_from_dir
+from tests.inference.test_codegen_engine import _check, _model, _plan, _reference, _run, check_from_dir
 from tests.inference.test_codegen_iteration import MAX_NEW, PROMPT_LEN, REQUESTS, SLOTS, _serve
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
@@ -107,13 +107,7 @@ def test_tp2_static_equals_hf_generate_and_the_modules_backend_split_by_heads():
 
 @pytest.mark.slow
 def test_tp2_weights_from_a_checkpoint_directory(tmp_path):
-    _model("hf_gpt2").save_pretrained(tmp_path)
-    plan = _plan("hf_gpt2", 2, tp=2, pp=1, dp=1)
-    results = run_local(_run_from_dir, 2, args=(plan.to_json(), str(tmp_path)), timeout=600)
-    total = sum(p.numel() for p in _model("hf_gpt2").parameters())
-    for tokens, elements in results:
-        assert tokens == _reference("hf_gpt2").tolist()
-        assert 0 < elements < total        # each rank read its blocks, not the whole checkpoint
+    check_from_dir("hf_gpt2", tmp_path, tp=2, pp=1)
 
 
 def _iteration_plan():

@@ -38,11 +38,11 @@ def _model():
 _alone = generate_alone
 
 
-def _plan(devices, **pins):
+def _plan(devices, dtype="fp32", **pins):
     from autopar.inference.trace import synthetic_trace
     trace = synthetic_trace(16, rate=4.0, prompt_lens=(2, 6), output_lens=(1, 6), seed=0)
     plan = plan_inference(_model(), None, autopar.Cluster.preset("cpu", devices=devices), trace=trace,
-                          batching="continuous", constraints=pins, dtype="fp32")
+                          batching="continuous", constraints=pins, dtype=dtype)
     plan.batch_size, plan.prompt_len, plan.max_new_tokens = SLOTS, PROMPT_LEN, MAX_NEW   # small programs
     plan.predictions["kv_cache_tokens_per_replica"] = None
     return plan
