@@ -133,7 +133,10 @@ def cmd_serve(args) -> int:
     if args.backend == "codegen":   # what the codegen engines refuse, refused here before any rank starts
         from autopar.inference.codegen_engine import check_codegen_plan
         from autopar.inference.codegen_iteration import check_iteration_plan
-        (check_codegen_plan if batching == "static" else check_iteration_plan)(plan)
+        if batching == "static":   # the static engine runs data-parallel replicas, the iteration engine not
+            check_codegen_plan(plan, replicas=True)
+        else:
+            check_iteration_plan(plan)
     wait_ms = BATCH_WAIT_MS if args.batch_wait_ms is None else args.batch_wait_ms
     if args.collective_timeout is not None and not args.collective_timeout > 0:
         raise PlanError(f"--collective-timeout must be a positive number of seconds, got {args.collective_timeout:g}")
@@ -211,6 +214,6 @@ def add_parsers(sub) -> None:
     sv.add_argument("--backend", choices=("modules", "codegen"), default="modules",
                     help="what runs the generation: modules (the model's own modules, sliced; the default) or "
                          "codegen (autopar's own generated per-rank programs: tp and pp, fp32 / bf16 / fp16, greedy or "
-                         "sampled, static or continuous batching, not chunked or dp; planned here, it plans dp=1; "
-                         "docs/inference.md)")
+                         "sampled, static or continuous batching (dp replicas static only), not chunked; planned "
+                         "here, it plans dp=1 unless --constraint dp=N; docs/inference.md)")
     sv.set_defaults(fn=cmd_serve)

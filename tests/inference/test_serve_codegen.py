@@ -1,8 +1,9 @@
 """``autopar serve --backend codegen``: the server runs autopar's own generated programs (tp=2 on two
-gloo ranks): under continuous batching it answers the same greedy tokens as ``--backend modules``,
-under static batching Hugging Face's ``generate`` (``/metrics`` naming the backend that ran); a
-chunked plan is a clear CLI error; and ``runtime.context.setup(..., timeout=)`` gives its groups
-that timeout: a collective whose peer never joins raises after it rather than waiting for the default group's."""
+gloo ranks, or two data-parallel replicas under static batching): under continuous batching it
+answers the same greedy tokens as ``--backend modules``, under static batching Hugging Face's
+``generate`` (``/metrics`` naming the backend that ran); a chunked plan is a clear CLI error; and
+``runtime.context.setup(..., timeout=)`` gives its groups that timeout: a collective whose peer
+never joins raises after it rather than waiting for the default group's."""
 from __future__ import annotations
 
 import json
@@ -27,14 +28,14 @@ def _trace(tmp_path):
     return str(path)
 
 
-def _plan(tmp_path, batching: str) -> str:
+def _plan(tmp_path, batching: str, tp: int = 2, dp: int = 1) -> str:
     out = tmp_path / f"{batching}.json"
     extra = (["--trace", _trace(tmp_path), "--batching", batching] if batching != "static"
              else ["--prompt-len", "8", "--batch", "2", "--max-new-tokens", "4"])
-    assert main(["plan-inference", "hf_llama", "--devices", "2", "--constraint", "tp=2", "--constraint", "dp=1",
+    assert main(["plan-inference", "hf_llama", "--devices", "2", "--constraint", f"tp={tp}", "--constraint", f"dp={dp}",
                  "--constraint", "batch_size=2", *extra, "-o", str(out)]) == 0
     plan = json.loads(out.read_text())
-    assert (plan["tp"], plan["pp"], plan["dp"]) == (2, 1, 1) and plan["predictions"].get("batching", "static") \
+    assert (plan["tp"], plan["pp"], plan["dp"]) == (tp, 1, dp) and plan["predictions"].get("batching", "static") \
         == batching
     return str(out)
 
@@ -59,11 +60,12 @@ def test_serve_backend_codegen_answers_what_modules_answers(tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_backend_codegen_static_answers_generate(tmp_path):
-    """Static batching: one codegen server, against Hugging Face's greedy generate (what the
-    modules server answers: test_serve_cli.py)."""
+@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)])
+def test_serve_backend_codegen_static_answers_generate(tmp_path, tp, dp):
+    """Static batching, tp=2 or two data-parallel replicas: one codegen server, against Hugging
+    Face's greedy generate (what the modules server answers: test_serve_cli.py)."""
     from autopar.models.hf import hf_llama
-    codegen = _served(_plan(tmp_path, "static"), "codegen")
+    codegen = _served(_plan(tmp_path, "static", tp=tp, dp=dp), "codegen")
     torch.manual_seed(0)   # the zoo factory's weights: the same seed and config as the server's
     ref = hf_llama()[0].model.eval()
     for p, tokens in zip(PROMPTS, codegen):
