@@ -76,7 +76,7 @@ from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import (STEP_DTYPES, CacheStep, PlannedStep, StepRunner, full_cache_config,
                                             plan_cache_step, trace_cache_step)
 from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
-                                             eos_token_ids, fill_buffers, plan_ranks)
+                                             eos_token_ids, fill_buffers, pipeline_group, plan_ranks)
 from autopar.inference.fused_qkv import mapped_read
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
@@ -230,15 +230,9 @@ class CodegenEngine:
         """With replicas (``dp > 1``), this rank's pipeline group of its replica: every replica's
         group of each tp position created on every rank in one order (``dist.new_group`` is
         collective); None otherwise (the runner takes setup's ``pp_group``)."""
-        tp, pp, mine = self.plan.tp, self.plan.pp, None
         if self.plan.dp == 1:
             return None
-        for r in range(self.plan.dp):
-            for t in range(tp):
-                g = dist.new_group([r * tp * pp + s * tp + t for s in range(pp)], timeout=timeout)
-                if (r, t) == (self.replica, self.local % tp):
-                    mine = g
-        return mine
+        return pipeline_group(self.plan, self.replica, self.local % self.plan.tp, timeout)
 
     def planned_steps(self, cluster) -> dict[int, PlannedStep]:
         """The decode and prefill steps, traced here and planned on rank 0 (module doc)."""

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
-                                             fill_buffers, plan_ranks)
+                                             fill_buffers, pipeline_group, plan_ranks)
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.pp_stages import ReceivedLogits, connect_stages, keep_stage_layers, share_cache_layers
@@ -79,10 +79,7 @@ class InferenceEngine:
                     self.group = g
         pipe_ranks = [self.replica * tp * pp + s * tp + self.tp_rank for s in range(pp)]
         if pp > 1:
-            for r, t in ((r, t) for r in range(plan.dp) for t in range(tp)):
-                g = dist.new_group([r * tp * pp + s * tp + t for s in range(pp)], timeout=collective_timeout)
-                if (r, t) == (self.replica, self.tp_rank):
-                    self.pipe_group = g
+            self.pipe_group = pipeline_group(plan, self.replica, self.tp_rank, collective_timeout)
             keep_stage_layers(self.model, tuple(plan.stages[self.stage]))
         self.sharded = shard_for_tp(self.model, self.tp_rank, tp,
                                     lambda t: dist.all_reduce(t, group=self.group), read=self.read,

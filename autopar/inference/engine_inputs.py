@@ -46,6 +46,21 @@ def plan_ranks(plan) -> tuple[int, int]:
     return world, (dist.get_rank() if world > 1 else 0)
 
 
+def pipeline_group(plan, replica: int, tp_rank: int, timeout=None):
+    """The pipeline group of tp position ``tp_rank`` in data-parallel replica ``replica`` of
+    ``plan`` (an InferencePlan laid out as replicas of tp x pp ranks, stage-major): every
+    replica's group of every tp position is created on every rank in one order, since
+    ``dist.new_group`` is collective; this rank's is returned."""
+    import torch.distributed as dist
+    tp, pp, mine = plan.tp, plan.pp, None
+    for r in range(plan.dp):
+        for t in range(tp):
+            g = dist.new_group([r * tp * pp + s * tp + t for s in range(pp)], timeout=timeout)
+            if (r, t) == (replica, tp_rank):
+                mine = g
+    return mine
+
+
 def eos_token_ids(model) -> tuple[int, ...]:
     """The end-of-sequence token ids of ``model``'s generation config (none: ())."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
