@@ -214,6 +214,6 @@ def add_parsers(sub) -> None:
     sv.add_argument("--backend", choices=("modules", "codegen"), default="modules",
                     help="what runs the generation: modules (the model's own modules, sliced; the default) or "
                          "codegen (autopar's own generated per-rank programs: tp and pp, fp32 / bf16 / fp16, greedy or "
-                         "sampled, static or continuous batching (dp replicas static only), not chunked; planned "
+                         "sampled, static, continuous or chunked batching (dp replicas static only); planned "
                          "here, it plans dp=1 unless --constraint dp=N; docs/inference.md)")
     sv.set_defaults(fn=cmd_serve)

@@ -53,7 +53,9 @@ class RowFlight:
     admitted by its turn in flight), ``cache`` this rank's blocks of its rows, ``mask`` / ``length``
     their written slots, ``running`` its running sequences; its turn in flight: ``admitted`` (None:
     no turn in flight), ``forwards`` (step length, inputs, step rows read, their sequences) and, on
-    the last stage, the ``tokens`` chosen so far. ``turns``: turns it has started."""
+    the last stage, the ``tokens`` chosen so far. With a chunk budget, ``chunks``: the turn's prompt
+    chunks (seq, start, end), and ``filling``: its sequences part-way through their prefill (module
+    doc, Chunked prefill). ``turns``: turns it has started."""
     rows: list
     cache: list
     mask: torch.Tensor
@@ -63,6 +65,8 @@ class RowFlight:
     forwards: list = field(default_factory=list)
     tokens: list = field(default_factory=list)
     turns: int = 0
+    chunks: list = field(default_factory=list)
+    filling: list = field(default_factory=list)
 
 
 def _row_of(ve: RowFlight, seq: Sequence) -> int:
@@ -83,7 +87,7 @@ class RowStagesInFlight:
         admitted by a turn in flight or waiting, taken from the virtual engines themselves (not
         only ``running``, set at a tick's end)."""
         out, seen = [], set()
-        in_flight = [s for ve in self.flights for s in ve.running + (ve.admitted or [])]
+        in_flight = [s for ve in self.flights for s in ve.running + (ve.admitted or []) + ve.filling]
         for seq in self.running + in_flight + self.waiting:
             if id(seq) not in seen:
                 seen.add(id(seq))
@@ -103,13 +107,16 @@ class RowStagesInFlight:
             self._work(mine)
         self.runner.wait_sends()
         finished = self._end_turn(end) if end.admitted is not None else []
-        self.running = [s for ve in self.flights for s in ve.running + (ve.admitted or [])]
+        self.running = [s for ve in self.flights for s in ve.running + (ve.admitted or []) + ve.filling]
         return finished
 
     def _start_turn(self, ve: RowFlight) -> None:
         """Stage 0's turn of ``ve``: the waiting sequences it admits into its free rows and the
         turn's forwards (their prefills, then the decode of its running rows); no turn when it has
-        neither."""
+        neither. With a chunk budget (``_start_chunked_turn``): its running rows' decode, then its
+        prompt chunks."""
+        if self.chunk is not None:
+            return self._start_chunked_turn(ve)
         admitted = self._admissions(ve.running)
         if not admitted and not ve.running:
             return
@@ -131,18 +138,53 @@ class RowStagesInFlight:
             forwards.append((self.prefill_len, (every(ids), every(pos), every(slots), ve.mask.clone(), rows),
                              [row], [seq]))
         if ve.running:
-            order = [_row_of(ve, s) for s in ve.running]
-            busy = torch.zeros(self.slots, dtype=torch.bool)
-            busy[order] = True
-            at = torch.where(busy, ve.length, 0)
-            last = torch.zeros(self.slots, dtype=torch.long)
-            last[order] = torch.tensor([s.tokens[-1] for s in ve.running])
-            held = busy.nonzero().flatten()
-            ve.mask[held, ve.length[held]] = 1
-            forwards.append((1, (last[:, None], at[:, None], at[:, None].clone(), ve.mask.clone(),
-                                 torch.where(busy, torch.arange(self.slots), -1)), order, list(ve.running)))
-            ve.length[busy] += 1
+            forwards.append(self._decode_forward(ve))
         ve.admitted, ve.forwards, ve.tokens = admitted, forwards, []
+        ve.turns += 1
+
+    def _decode_forward(self, ve: RowFlight) -> tuple:
+        """The decode step of ``ve``'s running rows, set down (each at its own next slot; the other
+        rows not written), their rows' masks and lengths moved on."""
+        order = [_row_of(ve, s) for s in ve.running]
+        busy = torch.zeros(self.slots, dtype=torch.bool)
+        busy[order] = True
+        at = torch.where(busy, ve.length, 0)
+        last = torch.zeros(self.slots, dtype=torch.long)
+        last[order] = torch.tensor([s.tokens[-1] for s in ve.running])
+        held = busy.nonzero().flatten()
+        ve.mask[held, ve.length[held]] = 1
+        forward = (1, (last[:, None], at[:, None], at[:, None].clone(), ve.mask.clone(),
+                       torch.where(busy, torch.arange(self.slots), -1)), order, list(ve.running))
+        ve.length[busy] += 1
+        return forward
+
+    def _start_chunked_turn(self, ve: RowFlight) -> None:
+        """Stage 0's turn of ``ve`` under a chunk budget (module doc, Chunked prefill): the chunks
+        ``ChunkedPrefill._chunk_plan`` gives it (its filling sequences' next, then the newcomers'
+        first), the turn's forwards its running rows' decode, then one step per chunk over every
+        row writing the chunk's row only (a newcomer's row taken at its first chunk); only the
+        chunks that end a prompt give a token."""
+        admitted, chunks = self._chunk_plan(ve)
+        if not chunks and not ve.running:
+            return
+        forwards = [self._decode_forward(ve)] if ve.running else []
+        every = lambda t: t[None].expand(self.slots, -1).contiguous()   # noqa: E731
+        for seq, start, end in chunks:
+            if start == 0:
+                row = ve.rows.index(None)
+                ve.rows[row] = seq
+                ve.mask[row] = 0
+            else:
+                row = _row_of(ve, seq)
+            ve.mask[row, start:end] = 1
+            ve.length[row] = end
+            ids, pos, slots = row_chunk(torch.tensor(seq.prompt[start:end]), start, self.prefill_len, self.max_len)
+            rows = torch.full((self.slots,), -1)
+            rows[row] = row
+            last = end == len(seq.prompt)
+            forwards.append((self.prefill_len, (every(ids), every(pos), every(slots), ve.mask.clone(), rows),
+                             [row] if last else [], [seq] if last else []))
+        ve.admitted, ve.chunks, ve.forwards, ve.tokens = admitted, chunks, forwards, []
         ve.turns += 1
 
     def _work(self, ve: RowFlight) -> None:
@@ -150,28 +192,35 @@ class RowStagesInFlight:
         for seq_len, inputs, at, seqs in ve.forwards:
             self.calls[seq_len] += 1
             logits, ve.cache = self.runner.forward(seq_len, inputs, ve.cache)
-            if logits is not None:
+            if logits is not None and seqs:   # (a chunk that does not end its prompt gives no token)
                 ve.tokens += self._pick(logits[at], seqs)
 
     def _end_turn(self, ve: RowFlight) -> list[Sequence]:
         """``ve``'s turn done on every stage: the last stage's tokens of its newcomers and running
-        rows broadcast and appended; finished rows free, the other newcomers join."""
-        seqs = ve.admitted + ve.running   # the order of the turn's forwards
+        rows broadcast and appended; finished rows free, the other newcomers join. With a chunk
+        budget the newcomers are the prompts whose last chunk ran; the others go on filling."""
+        if self.chunk is not None:
+            ends = [s for s, _, end in ve.chunks if end == len(s.prompt)]
+            seqs = ve.running + ends   # the order of the turn's forwards
+            ve.filling = [s for s, _, end in ve.chunks if end < len(s.prompt)]
+        else:
+            ends = ve.admitted
+            seqs = ve.admitted + ve.running   # the order of the turn's forwards
         mine = torch.tensor(ve.tokens, dtype=torch.int64) if self.runner.last else None
         tokens = self.runner.share_tokens(mine, len(seqs)).tolist()
         for seq, token in zip(seqs, tokens):
             self._append(seq, token)
         now = time.perf_counter()
         finished = []
-        for seq in ve.admitted:
+        for seq in ends:
             seq.first = now
-        for seq in ve.running + ve.admitted:
+        for seq in ve.running + ends:
             if seq.finished:
                 seq.done = now
                 finished.append(seq)
                 ve.rows[_row_of(ve, seq)] = None
-        ve.running = [s for s in ve.running + ve.admitted if not s.finished]
-        ve.admitted, ve.forwards, ve.tokens = None, [], []
+        ve.running = [s for s in ve.running + ends if not s.finished]
+        ve.admitted, ve.chunks, ve.forwards, ve.tokens = None, [], [], []
         return finished
 
 

@@ -11,7 +11,8 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
 - **Programs.** A ``RowCacheStep`` (autopar/inference/codegen_rows.py) is traced on every rank and
   planned on rank 0 (the plans broadcast as JSON) with the plan's ``tp`` pinned (Megatron
   strategies), at two shapes: the decode step over all ``slots`` rows, and a prefill of
-  ``max(prompt_len, 2)`` tokens over one row of the cache. A ``RowRunner`` holds this rank's
+  ``max(prompt_len, 2)`` tokens over one row of the cache (a chunked plan: a chunk of
+  ``max(min(prompt_len, prefill_chunk), 2)`` tokens, below). A ``RowRunner`` holds this rank's
   programs, parameter blocks and cache blocks.
 - **Stages** (``pp > 1``): the steps are planned on one stage's ``tp`` ranks and cut at the plan's
   ``stages`` (``RowStageRunner``, a ``StageStepRunner`` of codegen_stages.py over the row step's
@@ -36,6 +37,19 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   ``0 .. n-1``, the padding writing the slots after it, which its next tokens overwrite) and choose
   its first token, then one decode step over every row (free rows at ``rows`` -1: not written), then
   retire the finished (their rows free at the next iteration).
+- **Chunked prefill** (a ``batching="chunked"`` plan: ``prefill_chunk`` tokens an iteration). As the
+  modules engine's (autopar/inference/iteration_chunks.py, whose ``ChunkedPrefill._chunk_plan`` and
+  ``_chunked_step`` run here on this engine's ``_chunk_forward`` / ``_decode`` / ``_leave`` /
+  ``_prefilled``): the running rows' decode takes a token each of the budget, the rest goes to
+  prompt chunks, first the sequences part-way through their prefill (``filling``), then waiting
+  sequences admitted (rows and pool, counting the filling ones, which hold their rows from their
+  first chunk) while budget is left. Each chunk is one step of the chunk program over the
+  sequence's row (``row_chunk``: its tokens at their own slots and positions, attending to the
+  slots before; the padding writes the slots after them, or the cache's last slot past its end,
+  which later tokens overwrite); after its last chunk the sequence's first token is chosen from
+  that step's logits, and it decodes from the next iteration. With pp > 1 each virtual engine's
+  turn has its own budget: its rows' decode, then its chunks, each a step over every row with
+  only the chunk's row written (codegen_flights.py); only the chunks that end a prompt give tokens.
 - **Tokens.** With ``tp > 1`` the plan chooses the LM head vocabulary-parallel, as
   ``IterationEngine``'s (codegen_engine.py's module doc, Tokens): the programs return each rank's
   ``V / tp`` slice of the logits (``codegen_step.logits_split``) and ``vocab_parallel.next_tokens``
@@ -45,10 +59,11 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   broadcast). Logits a plan leaves in another layout are gathered whole in the programs (a shard
   of one), as with one process.
 
-Refused (PlanError, naming what runs it): ``dp > 1``, chunked prefill, dtypes other
+Refused (PlanError, naming what runs it): ``dp > 1``, dtypes other
 than fp32, bf16 and fp16, and steps whose plans do not split the cache on its kv heads (a fused
 qkv projection autopar/inference/fused_qkv.py does not split; GPT-2's own it splits by heads)
-(``backend="modules"`` runs them all). ``collective_timeout`` (a timedelta) is the
+(``backend="modules"`` runs them all); and, as the modules engine refuses it, a prefill chunk
+smaller than the slots. ``collective_timeout`` (a timedelta) is the
 programs' groups' timeout (``runtime.context.setup(..., timeout=)``; the default group's when None);
 the jobs group has none, as ``IterationEngine``'s.
 """
@@ -70,6 +85,7 @@ from autopar.inference.codegen_step import STEP_DTYPES, PlannedStep, full_cache_
 from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, RequestQueue, checkpoint_reader, eos_token_ids, \
     plan_ranks
 from autopar.inference.fused_qkv import mapped_read
+from autopar.inference.iteration_chunks import ChunkedPrefill, check_chunk
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.sequence import IDLE_TIMEOUT, Sequence, step_until_idle
 from autopar.inference.vocab_parallel import VocabShard, next_tokens
@@ -87,13 +103,12 @@ class RowStageRunner(StageStepRunner):
 
 def check_iteration_plan(plan) -> None:
     """A clear error for the plans this engine does not run, naming what does."""
-    if plan.predictions.get("batching") == "chunked":
-        raise PlanError(f'backend="codegen" continuous batching prefills each prompt whole, not in chunks: plan '
-                        f'with batching="continuous" or use {MODULES}')
+    if plan.predictions.get("batching") == "chunked":   # a chunk of at least one token per slot
+        check_chunk(plan.batch_size, plan.predictions.get("prefill_chunk"))
     check_codegen_plan(plan)
 
 
-class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
+class CodegenIterationEngine(RequestQueue, ChunkedPrefill, RowStagesInFlight):
     """Continuous batching of an InferencePlan on this rank's codegen programs (module doc)."""
 
     backend = "codegen"
@@ -105,7 +120,11 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
         self.model = causal_lm(model)
         self.slots, self.prompt_len, self.max_new_tokens = plan.batch_size, plan.prompt_len, plan.max_new_tokens
         self.kv_tokens = plan.predictions.get("kv_cache_tokens_per_replica")
-        self.prefill_len = max(plan.prompt_len, 2)
+        # chunked prefill (module doc, Chunked prefill): an iteration's (or a turn's) token budget, and the
+        # prefill program's length that of the longest chunk (a prompt's tokens at most)
+        self.chunk = plan.predictions.get("prefill_chunk") if plan.predictions.get("batching") == "chunked" else None
+        self.most_tokens = 0   # chunked prefill: the most tokens one iteration ran
+        self.prefill_len = max(plan.prompt_len if self.chunk is None else min(plan.prompt_len, self.chunk), 2)
         self.pp = plan.pp
         if self.pp > 1 and self.kv_tokens is not None:
             self.kv_tokens //= self.pp   # each virtual engine's (module doc, Stages)
@@ -158,7 +177,7 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
         # the place of this rank, as IterationEngine.from_plan gives it (one replica)
         self.replica, self.replicas = 0, 1
         self.stage, self.tp_rank = divmod(self.rank, plan.tp)
-        self.replica_ranks, self.chunk = plan.tp * plan.pp, None
+        self.replica_ranks = plan.tp * plan.pp
         self.vocab_shard = getattr(self.runner, "vocab_shard", None) or VocabShard()   # module doc, Tokens
         self.jobs = None
         if self.world > 1:
@@ -168,7 +187,7 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
         self.eos = set(eos_token_ids(self.model))
         self.ids = itertools.count()
         self.waiting: list[Sequence] = []
-        self.filling: list[Sequence] = []        # chunked prefill only: always empty here
+        self.filling: list[Sequence] = []        # chunked prefill: the sequences part-way through their prefill
         self.admitting: list[Sequence] = []
         self.iterations = 0
         self._reset()
@@ -178,7 +197,8 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
         if self.pp > 1:   # the virtual engines' rows (codegen_flights.py)
             self._new_flights()
             return
-        self.rows: list[Sequence | None] = [None] * self.slots     # cache row -> its sequence
+        self.filling = []
+        self.rows: list[Sequence | None] = [None] * self.slots     # cache row -> its sequence (running or filling)
         self.cache = self.runner.new_cache()
         self.mask = torch.zeros(self.slots, self.max_len, dtype=torch.long)
         self.length = torch.zeros(self.slots, dtype=torch.long)    # each row's written slots
@@ -207,14 +227,14 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.filling
 
     def abort(self) -> list[Sequence]:
         """Drop every running and waiting sequence (after a failed step); returns them."""
         if self.pp > 1:
             return self._abort_flights()
         held = {id(s) for s in self.running}
-        out = self.running + [s for s in self.admitting if id(s) not in held] + self.waiting
+        out = self.running + [s for s in self.admitting + self.filling if id(s) not in held] + self.waiting
         self.waiting, self.admitting = [], []
         self._reset()
         return out
@@ -224,25 +244,15 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
 
     # --- the iteration ------------------------------------------------------------------------------
 
-    def _run(self, seq_len: int, seqs: list[Sequence], at: list[int], *inputs) -> list[int]:
-        """The length-``seq_len`` step; the next token of each of ``seqs`` (step rows ``at``)."""
+    def _forward(self, seq_len: int, *inputs) -> torch.Tensor:
+        """The length-``seq_len`` step: its last-position logits (this rank's vocabulary slice)."""
         self.calls[seq_len] += 1
         logits, *self.cache = self.runner.run(seq_len, *inputs, *self.cache)
-        return self._pick(logits[at], seqs)
+        return logits
 
-    def _admissions(self, running: list[Sequence] | None = None) -> list[Sequence]:
-        """The waiting sequences that join ``running`` (default the engine's; with pp > 1 a virtual
-        engine's): oldest first, while a row is free and the pool allows."""
-        running = self.running if running is None else running
-        held = sum(s.need for s in running)
-        out = []
-        while self.waiting and len(running) + len(out) < self.slots:
-            seq = self.waiting[0]
-            if self.kv_tokens is not None and held + seq.need > self.kv_tokens:
-                break   # in order: the first that does not fit blocks the ones behind it
-            held += seq.need
-            out.append(self.waiting.pop(0))
-        return out
+    def _run(self, seq_len: int, seqs: list[Sequence], at: list[int], *inputs) -> list[int]:
+        """The length-``seq_len`` step; the next token of each of ``seqs`` (step rows ``at``)."""
+        return self._pick(self._forward(seq_len, *inputs)[at], seqs)
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         return next_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs], self.vocab_shard,
@@ -277,10 +287,12 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
         return next(r for r, s in enumerate(self.rows) if s is seq)
 
     def _decode(self) -> None:
-        """One token of every occupied row, each at its own next slot; free rows not written."""
-        busy = torch.tensor([s is not None for s in self.rows])
+        """One token of every running row, each at its own next slot; free rows (and those of
+        sequences part-way through a chunked prefill) not written."""
+        busy = torch.zeros(self.slots, dtype=torch.bool)
+        busy[[self._row_of(s) for s in self.running]] = True
         at = torch.where(busy, self.length, 0)
-        last = torch.tensor([s.tokens[-1] if s is not None else 0 for s in self.rows])
+        last = torch.tensor([s.tokens[-1] if s is not None and busy[r] else 0 for r, s in enumerate(self.rows)])
         held = busy.nonzero().flatten()
         self.mask[held, self.length[held]] = 1
         order = [self._row_of(s) for s in self.running]
@@ -290,6 +302,48 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
         for seq, token in zip(self.running, tokens):
             self._append(seq, token)
 
+    # --- chunked prefill (pp = 1): ChunkedPrefill._chunked_step's parts on the cache rows ---------------
+
+    def _chunk_forward(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Prompt tokens [start, end) of ``seq`` into its cache row (a free row taken at start 0) at
+        their own slots and positions, attending to the ``start`` before: its last position's
+        logits [1, V / tp], as a whole-prompt prefill's at that position."""
+        if start == 0:
+            row = self.rows.index(None)
+            self.rows[row] = seq
+            self.mask[row] = 0
+        else:
+            row = self._row_of(seq)
+        self.mask[row, start:end] = 1
+        self.length[row] = end
+        ids, pos, slots = row_chunk(torch.tensor(seq.prompt[start:end]), start, self.prefill_len, self.max_len)
+        return self._forward(self.prefill_len, ids[None], pos[None], slots[None], self.mask[row:row + 1].clone(),
+                             torch.tensor([row]))
+
+    def _next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return self._pick(logits, seqs)
+
+    def _prefilled(self, seq: Sequence, now: float) -> list[Sequence]:
+        """``seq`` has its first token (after its last chunk): finished there (returned, its row
+        free), or it runs from the next iteration."""
+        seq.first = now
+        if seq.finished:
+            seq.done = now
+            self.rows[self._row_of(seq)] = None
+            return [seq]
+        self.running.append(seq)
+        return []
+
+    def _leave(self, batch) -> list[Sequence]:
+        """After a decode step: the finished running sequences leave (returned), their rows free."""
+        now = time.perf_counter()
+        finished = [s for s in self.running if s.finished]
+        for seq in finished:
+            seq.done = now
+            self.rows[self._row_of(seq)] = None
+        self.running = [s for s in self.running if not s.finished]
+        return finished
+
     @torch.no_grad()
     def step(self) -> list[Sequence]:
         """One iteration: admit, prefill the admitted, decode the running one token, retire the
@@ -298,7 +352,9 @@ class CodegenIterationEngine(RequestQueue, RowStagesInFlight):
         if self.pp > 1:
             return self._tick()
         finished = []
-        self.admitting = self._admissions()
+        if self.chunk is not None:
+            return self._chunked_step()   # iteration_chunks.py, on the methods below (module doc)
+        self.admitting = self._admissions(self.running)
         for seq in self.admitting:
             if not self._prefill(seq):
                 finished.append(seq)

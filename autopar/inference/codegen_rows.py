@@ -150,21 +150,27 @@ def plan_row_step(step: RowCacheStep, batch: int, seq: int, max_len: int, cluste
     return PlannedStep(traced, plan, N_ROW_INPUTS)
 
 
-def row_chunk(tokens: torch.Tensor, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def row_chunk(tokens: torch.Tensor, start: int, seq: int,
+              limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One row's (input_ids, position_ids, cache_position), each [seq], of a step that writes
     ``tokens`` (n <= seq of them: a prompt, or a chunk of one) at slots and positions ``start`` ..
     ``start + n - 1``: the tokens last (so the step's last-position logits are the last token's),
     the ``seq - n`` padding before them writing the slots after them (``start + n`` .. ``start +
     seq - 1``, which must lie in the cache: left unmasked they are never attended to, and the row's
-    next tokens overwrite them). Its ``attention_mask`` row marks slots 0 .. ``start + n - 1``."""
+    next tokens overwrite them). With ``limit`` (the cache's slots), padding slots past it write its
+    last slot instead (several pads at one slot: a late chunk of a prompt near the cache's end),
+    which must lie after the tokens. Its ``attention_mask`` row marks slots 0 .. ``start + n - 1``."""
     n = len(tokens)
     if n > seq:
         raise ValueError(f"{n} tokens do not fit a step of {seq}")
+    if limit is not None and start + n >= limit and n < seq:
+        raise ValueError(f"no slot after tokens {start} .. {start + n - 1} in a cache of {limit} for the padding")
     ids = torch.zeros(seq, dtype=torch.long)
     ids[seq - n:] = tokens
     real = torch.arange(start, start + n)
     pos = torch.cat([torch.zeros(seq - n, dtype=torch.long), real])
-    slots = torch.cat([torch.arange(start + n, start + seq), real])
+    pads = torch.arange(start + n, start + seq)
+    slots = torch.cat([pads if limit is None else pads.clamp(max=limit - 1), real])
     return ids, pos, slots
 
 

@@ -73,7 +73,8 @@ class RequestQueue:
     """``check`` and ``add`` of a continuous-batching engine (either backend): a request checked
     against the plan (``check_sequence``: ``prompt_len``, ``max_new_tokens``, ``kv_tokens``, per
     micro-batch in flight when ``pp`` > 1) and queued in ``waiting`` as a ``Sequence`` numbered by
-    ``ids``, sampling with its own generator on ``device`` (cpu when the engine has none)."""
+    ``ids``, sampling with its own generator on ``device`` (cpu when the engine has none); and
+    ``_admissions``, the waiting sequences that join a batch."""
 
     def check(self, prompt: list[int], max_new_tokens: int) -> None:
         check_sequence(prompt, max_new_tokens, self.prompt_len, self.max_new_tokens, self.kv_tokens,
@@ -87,6 +88,23 @@ class RequestQueue:
                               getattr(self, "device", "cpu"))
         self.waiting.append(seq)
         return seq
+
+    def _admissions(self, running: list[Sequence], budget: int | None = None) -> list[Sequence]:
+        """The waiting sequences that join a batch of ``running`` ones (``slots`` rows; with pp > 1
+        a virtual engine's): oldest first, while a row is free and, with ``kv_tokens``, the pool
+        allows (each sequence's ``need``), the first that does not fit blocking the ones behind
+        it; with a ``budget`` of prompt tokens (chunked prefill), only while some of it is left."""
+        held = sum(s.need for s in running)
+        out = []
+        while self.waiting and len(running) + len(out) < self.slots and (budget is None or budget > 0):
+            seq = self.waiting[0]
+            if self.kv_tokens is not None and held + seq.need > self.kv_tokens:
+                break   # in order: the first that does not fit blocks the ones behind it
+            held += seq.need
+            out.append(self.waiting.pop(0))
+            if budget is not None:
+                budget -= len(seq.prompt)
+        return out
 
 
 # generation-config settings under which Hugging Face's greedy generate runs logits processors

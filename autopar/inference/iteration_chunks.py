@@ -29,7 +29,20 @@ import time
 
 import torch
 
+from autopar.errors import PlanError
 from autopar.inference.sequence import Sequence
+
+
+def check_chunk(slots: int, prefill_chunk) -> None:
+    """A PlanError unless ``prefill_chunk`` is a positive integer of at least ``slots`` tokens
+    (each running sequence's decode takes a token of an iteration's budget)."""
+    if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
+        raise PlanError(f"prefill chunk={prefill_chunk!r} must be a positive integer (tokens an "
+                        f"iteration runs)")
+    if slots > prefill_chunk:
+        raise PlanError(f"{slots} slots are more than the prefill chunk of {prefill_chunk} tokens: each "
+                        f"running sequence's decode takes a token of an iteration's budget; use a chunk of "
+                        f"at least {slots} tokens or fewer slots")
 
 
 class ChunkedPrefill:
@@ -93,4 +106,4 @@ class ChunkedPrefill:
         return finished
 
 
-__all__ = ["ChunkedPrefill"]
+__all__ = ["ChunkedPrefill", "check_chunk"]

@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.inference.engine_inputs import RequestQueue, eos_token_ids
-from autopar.inference.iteration_chunks import ChunkedPrefill
+from autopar.inference.iteration_chunks import ChunkedPrefill, check_chunk
 from autopar.inference.iteration_stages import StagesInFlight
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.sequence import IDLE_TIMEOUT, Sequence, step_until_idle
@@ -84,13 +84,7 @@ class IterationEngine(RequestQueue, ChunkedPrefill, StagesInFlight):
         if slots < 1:
             raise PlanError(f"an iteration engine needs at least one slot, got {slots}")
         if prefill_chunk is not None:
-            if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
-                raise PlanError(f"prefill chunk={prefill_chunk!r} must be a positive integer (tokens an "
-                                f"iteration runs)")
-            if slots > prefill_chunk:
-                raise PlanError(f"{slots} slots are more than the prefill chunk of {prefill_chunk} tokens: each "
-                                f"running sequence's decode takes a token of an iteration's budget; use a chunk of "
-                                f"at least {slots} tokens or fewer slots")
+            check_chunk(slots, prefill_chunk)
         self.chunk = prefill_chunk
         self.filling: list[Sequence] = []     # chunked prefill (pp = 1): the sequence part-way through its prefill
         self.most_tokens = 0                  # chunked prefill: the most tokens one iteration (or turn) ran
@@ -199,21 +193,6 @@ class IterationEngine(RequestQueue, ChunkedPrefill, StagesInFlight):
     def run_until_idle(self) -> list[Sequence]:
         """Step until nothing is running or waiting; the sequences in the order they finished."""
         return step_until_idle(self)
-
-    def _admissions(self, running: list[Sequence], budget: int | None = None) -> list[Sequence]:
-        """The waiting sequences that join a batch of ``running`` ones (module doc, admit); with a
-        ``budget`` of prompt tokens (chunked prefill), only while some of it is left."""
-        held = sum(s.need for s in running)
-        out = []
-        while self.waiting and len(running) + len(out) < self.slots and (budget is None or budget > 0):
-            seq = self.waiting[0]
-            if self.kv_tokens is not None and held + seq.need > self.kv_tokens:
-                break   # in order: the first that does not fit blocks the ones behind it
-            held += seq.need
-            out.append(self.waiting.pop(0))
-            if budget is not None:
-                budget -= len(seq.prompt)
-        return out
 
     def _leave(self, batch) -> list[Sequence]:
         """After a decode step of ``batch``'s rows: the finished leave (returned)."""

@@ -1,7 +1,8 @@
 """``autopar serve --backend codegen``: the server runs autopar's own generated programs (tp=2 on two
 gloo ranks, or two data-parallel replicas under static batching): under continuous batching it
 answers the same greedy tokens as ``--backend modules``, under static batching Hugging Face's
-``generate`` (``/metrics`` naming the backend that ran); a chunked plan is a clear CLI error; and
+``generate`` (``/metrics`` naming the backend that ran), under chunked batching (prompts longer than
+the chunk prefilled in chunks) ``generate`` too; and
 ``runtime.context.setup(..., timeout=)`` gives its groups that timeout: a collective whose peer
 never joins raises after it rather than waiting for the default group's."""
 from __future__ import annotations
@@ -32,6 +33,8 @@ def _plan(tmp_path, batching: str, tp: int = 2, dp: int = 1) -> str:
     out = tmp_path / f"{batching}.json"
     extra = (["--trace", _trace(tmp_path), "--batching", batching] if batching != "static"
              else ["--prompt-len", "8", "--batch", "2", "--max-new-tokens", "4"])
+    if batching == "chunked":   # a chunk of 4 tokens: PROMPTS[1] takes two
+        extra += ["--prefill-chunk", "4"]
     assert main(["plan-inference", "hf_llama", "--devices", "2", "--constraint", f"tp={tp}", "--constraint", f"dp={dp}",
                  "--constraint", "batch_size=2", *extra, "-o", str(out)]) == 0
     plan = json.loads(out.read_text())
@@ -73,13 +76,19 @@ def test_serve_backend_codegen_static_answers_generate(tmp_path, tp, dp):
         assert tokens == want[0, len(p):].tolist()
 
 
-def test_serve_backend_codegen_refuses_a_chunked_plan(tmp_path, capsys):
-    out = tmp_path / "chunked.json"
-    assert main(["plan-inference", "hf_llama", "--devices", "2", "--constraint", "tp=2", "--constraint", "dp=1",
-                 "--trace", _trace(tmp_path), "--batching", "chunked", "--prefill-chunk", "4", "-o", str(out)]) == 0
-    capsys.readouterr()
-    assert main(["serve", "hf_llama", "--devices", "2", "--plan", str(out), "--backend", "codegen"]) == 2
-    assert "not in chunks" in capsys.readouterr().err
+@pytest.mark.slow
+def test_serve_backend_codegen_chunked_answers_generate(tmp_path):
+    """Chunked batching at tp=2 (a chunk of 4 tokens, 2 slots): one codegen server, against Hugging
+    Face's greedy generate (the engine's chunk schedule: tests/inference/test_codegen_iteration_chunked.py)."""
+    from autopar.models.hf import hf_llama
+    plan = _plan(tmp_path, "chunked")
+    assert json.loads(open(plan).read())["predictions"]["prefill_chunk"] == 4
+    codegen = _served(plan, "codegen")
+    torch.manual_seed(0)   # the zoo factory's weights: the same seed and config as the server's
+    ref = hf_llama()[0].model.eval()
+    for p, tokens in zip(PROMPTS, codegen):
+        want = ref.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert tokens == want[0, len(p):].tolist()
 
 
 def _skip_a_collective(rank, world, seconds):
