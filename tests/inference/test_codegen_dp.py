@@ -5,8 +5,8 @@ too: the second replica then has no rows); each replica decoded only its
 share of the prompts (its runner's batch the plan's per-replica ``batch_size``), its programs'
 process groups hold its own ranks only (with pp, its stage's; its pipeline group its two stages),
 each rank holds its stage's layers only, and each rank's cache is its kv heads of its layers for
-its replica's batch, the InferencePlan's ``kv_cache_bytes_per_rank``. The continuous engine
-refuses replicas."""
+its replica's batch, the InferencePlan's ``kv_cache_bytes_per_rank``. (The continuous engine's
+replicas: test_codegen_iteration_dp.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -98,11 +98,9 @@ def test_replicas_of_pipeline_stages_equal_hf_generate_and_the_modules_backend()
         assert got["block_shapes"] == [(plan.batch_size, kv_heads)]
 
 
-def test_replicas_run_on_the_static_engine_only():
+def test_replicas_are_not_refused_but_need_their_ranks():
     base = dict(prompt_len=6, max_new_tokens=2, batch_size=1, dtype="fp32", cluster={"name": "cpu"})
     plan = InferencePlan(dp=2, pp=2, stages=[[0, 1], [1, 2]], **base)
-    check_codegen_plan(plan, replicas=True)                              # the static engine runs it
-    with pytest.raises(PlanError, match="only in compile_inference's static engine.*dp=2"):
-        check_codegen_plan(plan)
+    check_codegen_plan(plan)   # both engines run it (the continuous one: test_codegen_iteration_dp.py)
     with pytest.raises(PlanError, match="runs on 4 processes.*launch 4"):
         compile_inference(_model("hf_llama"), plan=plan, backend="codegen")
