@@ -9,7 +9,7 @@ its replica's batch, the InferencePlan's ``kv_cache_bytes_per_rank``. Sampled (t
 top-p, a seed) under dp=2 and dp=2 x tp=2, every rank's tokens equal the modules backend's with the
 same seed and plan: each replica draws its own rows (padded to its batch) from a stream seeded with
 the seed, so they are also what one process's Hugging Face ``generate`` samples for that replica's
-rows with that seed. The continuous engine refuses replicas."""
+rows with that seed. (The continuous engine's replicas: test_codegen_iteration_dp.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -166,11 +166,9 @@ def test_replicas_sample_what_the_modules_backend_samples(tp):
             assert sampled and len(ids) == plan.batch_size and ids[:len(mine)] == mine
 
 
-def test_replicas_run_on_the_static_engine_only():
+def test_replicas_are_not_refused_but_need_their_ranks():
     base = dict(prompt_len=6, max_new_tokens=2, batch_size=1, dtype="fp32", cluster={"name": "cpu"})
     plan = InferencePlan(dp=2, pp=2, stages=[[0, 1], [1, 2]], **base)
-    check_codegen_plan(plan, replicas=True)                              # the static engine runs it
-    with pytest.raises(PlanError, match="only in compile_inference's static engine.*dp=2"):
-        check_codegen_plan(plan)
+    check_codegen_plan(plan)   # both engines run it (the continuous one: test_codegen_iteration_dp.py)
     with pytest.raises(PlanError, match="runs on 4 processes.*launch 4"):
         compile_inference(_model("hf_llama"), plan=plan, backend="codegen")
