@@ -53,12 +53,8 @@ def _inference_plan(args, model, cluster):
     import torch
     if getattr(args, "plan", None):
         return InferencePlan.load(args.plan)
-    codegen = getattr(args, "backend", "modules") == "codegen"
-    # serve --backend codegen runs no replicas: plan for that unless told otherwise
     dtype = args.dtype or ("fp32" if cluster.backend == "gloo" else "bf16")
     constraints = parse_pairs(args.constraint, "--constraint")
-    if codegen and isinstance(constraints, dict):
-        constraints.setdefault("dp", 1)
     trace = getattr(args, "trace", None)
     if getattr(args, "prefill_chunk", None) and (not trace or args.batching != "chunked"):
         raise PlanError(f"--prefill-chunk {args.prefill_chunk} applies to serving a --trace with --batching chunked "
@@ -133,8 +129,8 @@ def cmd_serve(args) -> int:
     if args.backend == "codegen":   # what the codegen engines refuse, refused here before any rank starts
         from autopar.inference.codegen_engine import check_codegen_plan
         from autopar.inference.codegen_iteration import check_iteration_plan
-        if batching == "static":   # the static engine runs data-parallel replicas, the iteration engine not
-            check_codegen_plan(plan, replicas=True)
+        if batching == "static":
+            check_codegen_plan(plan)
         else:
             check_iteration_plan(plan)
     wait_ms = BATCH_WAIT_MS if args.batch_wait_ms is None else args.batch_wait_ms
@@ -213,7 +209,6 @@ def add_parsers(sub) -> None:
                          f"answers 503 and stops")
     sv.add_argument("--backend", choices=("modules", "codegen"), default="modules",
                     help="what runs the generation: modules (the model's own modules, sliced; the default) or "
-                         "codegen (autopar's own generated per-rank programs: tp and pp, fp32 / bf16 / fp16, greedy or "
-                         "sampled, static, continuous or chunked batching (dp replicas static only); planned "
-                         "here, it plans dp=1 unless --constraint dp=N; docs/inference.md)")
+                         "codegen (autopar's own generated per-rank programs: tp, pp and dp, fp32 / bf16 / fp16, "
+                         "greedy or sampled, static, continuous or chunked batching; docs/inference.md)")
     sv.set_defaults(fn=cmd_serve)

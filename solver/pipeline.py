@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
 from solver.ilp import _input_error
 
 StageCost = Callable[[int, int, int], "tuple[float, float]"]
@@ -93,6 +95,33 @@ def _min_sum(table, num_blocks, num_stages, total_devices, cap, items=None):
     return total, stages[::-1]
 
 
+def _min_sum_one_option(times: np.ndarray, d: int, num_blocks: int, num_stages: int, cap: float):
+    """``_min_sum`` where every stage takes the one device count ``d`` (and the devices suffice for
+    every stage): the state is (blocks covered, stages), one array operation per stage. ``times``:
+    (n + 1) x (n + 1), range [i, j)'s time, inf where it does not fit. Same sums (acc + t), same
+    ties (the smallest i) as ``_min_sum``."""
+    n = num_blocks
+    allowed = np.where(times <= cap, times, np.inf)
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cols = np.arange(n + 1)
+    parents = []
+    for k in range(num_stages):
+        total = best[:, None] + allowed
+        arg = np.argmin(total, axis=0)
+        best = total[arg, cols]
+        best[n - (num_stages - k - 1) + 1:] = np.inf   # leave at least one block for each stage to come
+        parents.append(arg)
+    if not math.isfinite(best[n]):
+        return None
+    stages, j = [], n
+    for arg in reversed(parents):
+        i = int(arg[j])
+        stages.append((i, j, d))
+        j = i
+    return float(best[n]), stages[::-1]
+
+
 def partition(num_blocks: int, num_stages: int, micro_batches: int, cost: StageCost,
               device_options: Sequence[int] = (1,), total_devices: int | None = None,
               memory_budget: float = math.inf) -> PipelinePlan:
@@ -110,6 +139,16 @@ def partition(num_blocks: int, num_stages: int, micro_batches: int, cost: StageC
     table = _table(num_blocks, device_options, cost, memory_budget)
     best = None
     items = sorted(table.items())
+    if len(device_options) == 1 and total_devices >= num_stages * device_options[0]:   # one array DP per stage
+        times = np.full((num_blocks + 1, num_blocks + 1), np.inf)
+        for (i, j, _d), t in items:
+            times[i, j] = t
+
+        def solve(cap):
+            return _min_sum_one_option(times, device_options[0], num_blocks, num_stages, cap)
+    else:
+        def solve(cap):
+            return _min_sum(table, num_blocks, num_stages, total_devices, cap, items)
     caps = sorted(set(table.values()))
     # Whether some split has every stage <= cap only grows with cap: the smallest such cap by
     # bisection, so the caps below it do not each cost a DP (GPT-3 175B's 29 partitions: most
@@ -117,18 +156,18 @@ def partition(num_blocks: int, num_stages: int, micro_batches: int, cost: StageC
     lo, hi = 0, len(caps)
     while lo < hi:
         mid = (lo + hi) // 2
-        if _min_sum(table, num_blocks, num_stages, total_devices, caps[mid], items) is None:
+        if solve(caps[mid]) is None:
             lo = mid + 1
         else:
             hi = mid
     # No cap's sum of stage times is below the unconstrained least sum (the largest cap's), so a
     # cap whose score cannot go under the best one even with that sum ends the walk.
-    least = _min_sum(table, num_blocks, num_stages, total_devices, caps[-1], items) if caps else None
+    least = solve(caps[-1]) if caps else None
     floor = least[0] if least is not None else 0.0
     for cap in caps[lo:]:
         if best is not None and max(micro_batches * cap, floor + (micro_batches - 1) * cap) >= best[0]:
             break
-        found = _min_sum(table, num_blocks, num_stages, total_devices, cap, items)
+        found = solve(cap)
         if found is not None:
             score = found[0] + (micro_batches - 1) * cap
             if best is None or score < best[0]:

@@ -92,6 +92,8 @@ class SimulatedSchedule:
     peak_alive: dict[int, int]             # stage -> most micro-batches' activations alive at once
     held_for_weight: dict[int, int]        # stage -> most micro-batches between their I and W
     alive: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # stage -> [(from, to)]
+    # rank -> its stages' alive changes in time order, [(stage, +1 | -1)]; None: read off ``alive``
+    rank_events: dict | None = None
 
     @property
     def ranks(self) -> list[int]:
@@ -106,6 +108,15 @@ class SimulatedSchedule:
         With interleaving one rank holds several stages whose peaks need not coincide, so the
         rank's peak is taken over time here, not summed from per-stage peaks.
         """
+        if self.rank_events is not None:   # a rank's events in its own order are their order in time
+            out = {}
+            for rank, seq in self.rank_events.items():
+                cur = best = 0.0
+                for stage, d in seq:
+                    cur += d * float(per_micro_batch[stage])
+                    best = max(best, cur)
+                out[rank] = best
+            return {r: v for r, v in out.items() if self.rank_events[r]}
         events: dict[int, list[tuple[float, int, float]]] = {}
         for stage, spans in self.alive.items():
             w = float(per_micro_batch[stage])
@@ -170,106 +181,209 @@ def _check(orders, durations: StageDurations):
     return n, stage_rank
 
 
+class _Program(NamedTuple):
+    """One orders object under the dependency model, durations aside (``_compiled``): its actions
+    in an order where every action comes after those it waits for; per action its rank's index,
+    its cost's index (4 x stage + kind), and up to two actions it waits for (-1: none), each with
+    the transfer in between (0: none, or free on one rank; 1 + s: boundary s's activation; n + s:
+    its gradient). ``alive`` / ``held``: per stage, (action starting, action ending) each
+    micro-batch's span; ``events`` / ``held_events``: per rank, its stages' counts changing in the
+    rank's own order ((stage, +1) at an F's start, (stage, -1) at the end of the B or W freeing it;
+    held: an I's end to its W's end), their order in time when every action takes time."""
+    ranks: list
+    acts: list
+    rank: list
+    cost: list
+    dep1: list
+    x1: list
+    dep2: list
+    x2: list
+    alive: dict
+    held: dict
+    events: dict
+    held_events: dict
+
+
+_COMPILED: dict[int, tuple] = {}   # id(orders) -> (orders, _Program)
+
+
+def _compiled(orders, n: int, stage_rank: dict) -> _Program:
+    """The orders' ``_Program``, once per orders object (runtime/pipeline_orders.py caches them)."""
+    hit = _COMPILED.get(id(orders))
+    if hit is not None and hit[0] is orders:
+        return hit[1]
+    ranks = list(orders)
+    M = 1 + max((m for seq in orders.values() for _k, _s, m in seq), default=0)
+    F, B, I, W, G = (k * n * M for k in range(5))   # an action (kind, s, m) is kind's base + s M + m
+    base = {"F": F, "B": B, "I": I, "W": W}
+    kind_index = {k: i for i, k in enumerate(KINDS)}
+    act_x = [0 if stage_rank[s] == stage_rank[s + 1] else 1 + s for s in range(n - 1)]
+    grad_x = [0 if stage_rank[s] == stage_rank[s + 1] else n + s for s in range(n - 1)]
+    index = [-1] * (5 * n * M)   # action id -> its place in the program
+    acts, rank, cost, dep1, x1, dep2, x2 = [], [], [], [], [], [], []
+    # Event-driven: a blocked rank waits on the one dependency it lacks and is woken when that
+    # action is placed, so the work is linear in the number of actions.
+    pos = [0] * len(ranks)
+    seqs = [[(base[k], kind_index[k], s, m) for k, s, m in orders[r]] for r in ranks]
+    waiting: dict[int, list] = {}
+    queue = deque(range(len(ranks)))
+    while queue:
+        r = queue.popleft()
+        seq = seqs[r]
+        while pos[r] < len(seq):
+            kb, ki, s, m = seq[pos[r]]
+            sm = s * M + m
+            d1 = d2 = -1
+            c1 = c2 = 0
+            missing = -1
+            if kb == F:   # F(s, m) waits for F(s-1, m) and the activation's transfer
+                if s:
+                    d1, c1 = index[F + sm - M], act_x[s - 1]
+                    if d1 < 0:
+                        missing = F + sm - M
+            elif kb == W:   # W waits for its I
+                d1 = index[I + sm]
+                if d1 < 0:
+                    missing = I + sm
+            else:   # B / I wait for their F and, below the last stage, stage s+1's B or I ("G")
+                d1 = index[F + sm]
+                if d1 < 0:
+                    missing = F + sm
+                elif s < n - 1:
+                    d2, c2 = index[G + sm + M], grad_x[s]
+                    if d2 < 0:
+                        missing = G + sm + M
+            if missing >= 0:
+                waiting.setdefault(missing, []).append(r)
+                break
+            i = len(acts)
+            acts.append((KINDS[ki], s, m))
+            rank.append(r)
+            cost.append(4 * s + ki)
+            dep1.append(d1)
+            x1.append(c1)
+            dep2.append(d2)
+            x2.append(c2)
+            index[kb + sm] = i
+            pos[r] += 1
+            woken = waiting.pop(kb + sm, None)
+            if woken:
+                queue.extend(woken)
+            if kb == B or kb == I:
+                index[G + sm] = i
+                woken = waiting.pop(G + sm, None)
+                if woken:
+                    queue.extend(woken)
+    if any(pos[r] < len(seqs[r]) for r in range(len(ranks))):
+        stuck = {ranks[r]: tuple(orders[ranks[r]][pos[r]]) for r in range(len(ranks)) if pos[r] < len(seqs[r])}
+        raise PlanError(f"pipeline order deadlocks: each rank's next action waits on another: {stuck}")
+    alive: dict[int, list] = {s: [] for s in range(n)}
+    held: dict[int, list] = {s: [] for s in range(n)}
+    frees, held_frees = {}, {}
+    for i, (kind, s, m) in enumerate(acts):
+        sm = s * M + m
+        if kind == "F":
+            b = index[B + sm] if index[B + sm] >= 0 else index[W + sm]
+            alive[s].append((i, b))
+            frees[b] = s
+        elif kind == "I":
+            b = index[W + sm]
+            held[s].append((i, b))
+            held_frees[b] = s
+    events: dict = {r: [] for r in ranks}
+    held_events: dict = {r: [] for r in ranks}
+    for r, seq in zip(ranks, seqs):
+        ev, hev = events[r], held_events[r]
+        for kb, _ki, s, m in seq:
+            i = index[kb + s * M + m]
+            if kb == F:
+                ev.append((s, 1))
+            elif kb == I:
+                hev.append((s, 1))
+            if i in frees:
+                ev.append((frees[i], -1))
+            if i in held_frees:
+                hev.append((held_frees[i], -1))
+    prog = _Program(ranks, acts, rank, cost, dep1, x1, dep2, x2, alive, held, events, held_events)
+    if len(_COMPILED) > 256:
+        _COMPILED.clear()
+    _COMPILED[id(orders)] = (orders, prog)
+    return prog
+
+
+def _ordered_peaks(events: dict, n: int) -> dict[int, int]:
+    """Each stage's largest count, its rank's changes taken in the rank's order (``_Program``)."""
+    best = {s: 0 for s in range(n)}
+    for seq in events.values():
+        cur: dict[int, int] = {}
+        for s, d in seq:
+            c = cur[s] = cur.get(s, 0) + d
+            if c > best[s]:
+                best[s] = c
+    return best
+
+
 def simulate(orders: Mapping[int, Sequence[Sequence]], durations: StageDurations,
              timeline: bool = True) -> SimulatedSchedule:
     """Run the orders under the dependency model in the module docstring.
 
     ``timeline=False`` leaves ``intervals`` and ``transfers`` empty (a planner pricing many
-    candidates needs only the step time, bubble and memory; about half the work at scale).
+    candidates needs only the step time, bubble and memory). The dependencies are read once per
+    orders object (``_compiled``); each simulation is then one pass over the actions.
     """
     n, stage_rank = _check(orders, durations)
+    prog = _compiled(orders, n, stage_rank)
     act = list(durations.p2p_activation) or [0.0] * max(n - 1, 0)
     grad = list(durations.p2p_gradient) if durations.p2p_gradient else act
-
-    def xfer(times, s):  # boundary s (stage s <-> s+1); free when both stages share a rank
-        return 0.0 if stage_rank[s] == stage_rank[s + 1] else float(times[s])
-
-    costs = {}
+    xt = [0.0] + [float(a) for a in act] + [float(g) for g in grad]   # transfer codes 1 + s, n + s
+    table = []
     for s in range(n):
         fi, fw = float(durations.backward_input[s]), float(durations.backward_weight[s])
-        costs.update({("F", s): float(durations.forward[s]), ("I", s): fi, ("W", s): fw, ("B", s): fi + fw})
-
-    done: dict[tuple[str, int, int], tuple[float, float]] = {}   # action -> (start, end)
-    transfers: list[Transfer] = []
-
-    def ready(kind, s, m):
-        """(earliest start allowed by dependencies, None) or (None, the missing dependency)."""
-        if kind == "F":
-            if s == 0:
-                return 0.0, None
-            prev = done.get(("F", s - 1, m))
-            return (None, ("F", s - 1, m)) if prev is None else (prev[1] + xfer(act, s - 1), None)
-        if kind == "W":
-            i = done.get(("I", s, m))
-            return (None, ("I", s, m)) if i is None else (i[1], None)
-        f = done.get(("F", s, m))
-        if f is None:
-            return None, ("F", s, m)
-        if s == n - 1:
-            return f[1], None
-        nxt = done.get(("G", s + 1, m))   # stage s+1's input gradient: its B or I
-        return (None, ("G", s + 1, m)) if nxt is None else (max(f[1], nxt[1] + xfer(grad, s)), None)
-
-    # Event-driven: a blocked rank waits on the one dependency it lacks and is woken when that
-    # action finishes, so the work is linear in the number of actions.
-    pos = {r: 0 for r in orders}
-    free_at = {r: 0.0 for r in orders}
-    busy = {r: 0.0 for r in orders}
+        table.extend((float(durations.forward[s]), fi + fw, fi, fw))   # KINDS order: F, B, I, W
+    costs = [table[c] for c in prog.cost]
+    N, R = len(costs), len(prog.ranks)
+    start, end = [0.0] * N, [0.0] * N
+    free, busy = [0.0] * R, [0.0] * R
+    for i, (r, c, d1, c1, d2, c2) in enumerate(zip(prog.rank, costs, prog.dep1, prog.x1, prog.dep2, prog.x2)):
+        t = free[r]   # each action as soon as its rank is free and its inputs exist
+        if d1 >= 0:
+            e = end[d1] + xt[c1]
+            if e > t:
+                t = e
+        if d2 >= 0:
+            e = end[d2] + xt[c2]
+            if e > t:
+                t = e
+        start[i] = t
+        free[r] = end[i] = e = t + c
+        busy[r] += e - t
+    ranks = prog.ranks
     intervals: list[Interval] = []
-    waiting: dict[tuple, list] = {}
-    queue = deque(orders)
-    while queue:
-        r = queue.popleft()
-        acts = orders[r]
-        while pos[r] < len(acts):
-            kind, s, m = acts[pos[r]]
-            t, missing = ready(kind, s, m)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(r)
-                break
-            start = max(free_at[r], t)
-            end = start + costs[(kind, s)]
-            done[(kind, s, m)] = (start, end)
-            finished = [(kind, s, m)]
-            if kind in ("B", "I"):
-                done[("G", s, m)] = (start, end)
-                finished.append(("G", s, m))
-            busy[r] += end - start
-            if timeline:
-                intervals.append(Interval(r, kind, s, m, start, end))
-            free_at[r] = end
-            pos[r] += 1
-            for key in finished:
-                queue.extend(waiting.pop(key, ()))
-    if any(pos[r] < len(orders[r]) for r in orders):
-        stuck = {r: tuple(orders[r][pos[r]]) for r in orders if pos[r] < len(orders[r])}
-        raise PlanError(f"pipeline order deadlocks: each rank's next action waits on another: {stuck}")
-    done = {k: v for k, v in done.items() if k[0] != "G"}
-
-    for (kind, s, m), (_a, end) in (done.items() if timeline else ()):
-        if kind == "F" and s < n - 1 and stage_rank[s] != stage_rank[s + 1]:
-            transfers.append(Transfer("activation", s, s + 1, m, stage_rank[s], stage_rank[s + 1],
-                                      end, end + xfer(act, s)))
-        if kind in ("B", "I") and s > 0 and stage_rank[s] != stage_rank[s - 1]:
-            transfers.append(Transfer("gradient", s, s - 1, m, stage_rank[s], stage_rank[s - 1],
-                                      end, end + xfer(grad, s - 1)))
-
-    step = max(free_at.values(), default=0.0)
-    bubble = sum(step - b for b in busy.values())
-    alive: dict[int, list[tuple[float, float]]] = {s: [] for s in range(n)}
-    held: dict[int, list[tuple[float, float]]] = {s: [] for s in range(n)}
-    for (kind, s, m), (a, end) in done.items():
-        if kind == "F":
-            freed = done.get(("B", s, m)) or done[("W", s, m)]
-            alive[s].append((a, freed[1]))
-        elif kind == "I":
-            held[s].append((end, done[("W", s, m)][1]))
-
-    def peaks(spans):
-        return {s: int(round(_peak([e for a, b in v for e in ((a, 1, 1.0), (b, 0, -1.0))]))) for s, v in spans.items()}
-
+    transfers: list[Transfer] = []
+    if timeline:
+        intervals = [Interval(ranks[r], k, s, m, a, b) for (k, s, m), r, a, b in zip(prog.acts, prog.rank, start, end)]
+        for (kind, s, m), b in zip(prog.acts, end):
+            if kind == "F" and s < n - 1 and stage_rank[s] != stage_rank[s + 1]:
+                transfers.append(Transfer("activation", s, s + 1, m, stage_rank[s], stage_rank[s + 1], b,
+                                          b + xt[1 + s]))
+            if kind in ("B", "I") and s > 0 and stage_rank[s] != stage_rank[s - 1]:
+                transfers.append(Transfer("gradient", s, s - 1, m, stage_rank[s], stage_rank[s - 1], b,
+                                          b + xt[n + s - 1]))
+    step = max(free, default=0.0)
+    bubble = sum(step - b for b in busy)
+    alive = {s: [(start[a], end[b]) for a, b in v] for s, v in prog.alive.items()}
+    positive = min(costs, default=1.0) > 0.0
+    if positive:   # every action takes time: a rank's changes come in its own order
+        peak_alive, held = _ordered_peaks(prog.events, n), _ordered_peaks(prog.held_events, n)
+    else:   # at equal times a free is counted before an allocation
+        def peaks(spans):
+            return {s: int(round(_peak([e for a, b in v for e in ((a, 1, 1.0), (b, 0, -1.0))])))
+                    for s, v in spans.items()}
+        peak_alive = peaks(alive)
+        held = peaks({s: [(end[a], end[b]) for a, b in v] for s, v in prog.held.items()})
     return SimulatedSchedule(
         step_time=step, intervals=sorted(intervals, key=lambda i: (i.rank, i.start)),
-        transfers=sorted(transfers, key=lambda t: t.start), stage_rank=stage_rank, busy=busy,
+        transfers=sorted(transfers, key=lambda t: t.start), stage_rank=stage_rank,
+        busy={ranks[r]: busy[r] for r in range(R)},
         bubble_time=bubble, bubble_fraction=bubble / (len(orders) * step) if step > 0 else 0.0,
-        peak_alive=peaks(alive), held_for_weight=peaks(held), alive=alive)
+        peak_alive=peak_alive, held_for_weight=held, alive=alive, rank_events=prog.events if positive else None)

@@ -101,16 +101,12 @@ def step_cluster(plan: InferencePlan, cluster):
     return cluster
 
 
-def check_codegen_plan(plan: InferencePlan, replicas: bool = False) -> None:
-    """A clear error for what the codegen backend cannot run yet, naming what would. ``replicas``:
-    the caller runs data-parallel replicas of tp x pp ranks (``CodegenEngine``); without it ``dp > 1``
-    is refused (the continuous engine)."""
+def check_codegen_plan(plan: InferencePlan) -> None:
+    """A clear error for what the codegen backend cannot run yet, naming what would (both its
+    engines run data-parallel replicas of tp x pp ranks)."""
     if plan.pp > 1 and len(plan.stages) != plan.pp:
         raise PlanError(f"the plan has pp={plan.pp} but {len(plan.stages)} stages of layers: plan it again "
                         f"(autopar.plan_inference)")
-    if plan.dp > 1 and not replicas:
-        raise PlanError(f'backend="codegen" runs data-parallel replicas only in compile_inference\'s static engine '
-                        f"(the plan has dp={plan.dp}): plan with dp=1 (constraints={{'dp': 1}}) or use {MODULES}")
     if plan.dtype not in STEP_DTYPES:
         raise PlanError(f'backend="codegen" runs {", ".join(STEP_DTYPES)} (the plan is {plan.dtype}): plan with '
                         f"one of them or use {MODULES}")
@@ -175,7 +171,7 @@ class CodegenEngine:
 
     def __init__(self, model, plan: InferencePlan, weights: str | None = None, cluster=None,
                  collective_timeout=None):
-        check_codegen_plan(plan, replicas=True)
+        check_codegen_plan(plan)
         self.plan = plan
         self.world, self.rank = plan_ranks(plan)
         self.replica, self.local = divmod(self.rank, plan.tp * plan.pp)   # replicas: consecutive rank groups

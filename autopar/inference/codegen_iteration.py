@@ -16,13 +16,23 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   programs, parameter blocks and cache blocks.
 - **Stages** (``pp > 1``): the steps are planned on one stage's ``tp`` ranks and cut at the plan's
   ``stages`` (``RowStageRunner``, a ``StageStepRunner`` of codegen_stages.py over the row step's
-  inputs: global rank ``s * tp + l`` is tp position ``l`` of stage ``s``, the hidden states go point
+  inputs: rank ``s * tp + l`` of a replica is tp position ``l`` of stage ``s``, the hidden states go point
   to point to the next stage, and the last stage's tokens are broadcast so every rank appends the
   same tokens). The prefill step is then planned over every row of the cache (only the admitted
   row written: ``rows`` -1 elsewhere).
   The stages work in flight, as the modules engine's: ``pp`` virtual engines, each with its own
   cache block of ``slots`` rows and ``kv_tokens // pp`` of the pool, one turn per stage at a time,
   a ``step`` one tick of the stages (autopar/inference/codegen_flights.py).
+- **Replicas** (``dp > 1``): replica ``r`` is ranks ``r * tp * pp`` to ``(r + 1) * tp * pp - 1``,
+  stage-major inside it, as the modules engine lays them out (and the static engine,
+  codegen_engine.py): every replica runs the same step plans (planned once, on rank 0, for one
+  stage's ``tp`` ranks) on its own process groups (``runtime.context.setup`` given the replicas'
+  stages as its ``pp * dp`` stages, so every axis group stays inside one stage of one replica; with
+  ``pp > 1`` its own pipeline groups, ``engine_inputs.pipeline_group``, carry its last stage's
+  tokens) and holds its own ``slots`` rows and KV-token pool (``kv_cache_tokens_per_replica``). The
+  engine of a rank is its replica's: which replica serves a request, and the gather of the
+  replicas' finished sequences, are ``LeaderIterations`` / ``follow_iterations``'s
+  (iteration_ranks.py), as for the modules engine.
 - **Cache.** One fixed block per layer, ``[slots, kv_heads, prompt_len + max_new_tokens,
   head_dim]`` split on the kv heads as the plans say; a sequence owns one row of it from admission
   to retirement, its token ``i`` at slot ``i`` (position ``i``), under a ``[slots, max_len]`` mask of
@@ -59,7 +69,7 @@ sequences, ``slots`` / ``prompt_len`` / ``max_new_tokens`` / ``kv_tokens``, and 
   broadcast). Logits a plan leaves in another layout are gathered whole in the programs (a shard
   of one), as with one process.
 
-Refused (PlanError, naming what runs it): ``dp > 1``, dtypes other
+Refused (PlanError, naming what runs it): dtypes other
 than fp32, bf16 and fp16, and steps whose plans do not split the cache on its kv heads (a fused
 qkv projection autopar/inference/fused_qkv.py does not split; GPT-2's own it splits by heads)
 (``backend="modules"`` runs them all); and, as the modules engine refuses it, a prefill chunk
@@ -83,7 +93,7 @@ from autopar.inference.codegen_rows import N_ROW_INPUTS, RowCacheStep, RowRunner
 from autopar.inference.codegen_stages import StageStepRunner
 from autopar.inference.codegen_step import STEP_DTYPES, PlannedStep, full_cache_config
 from autopar.inference.engine_inputs import WHOLE_ROW_SETTINGS, RequestQueue, checkpoint_reader, eos_token_ids, \
-    plan_ranks
+    pipeline_group, plan_ranks
 from autopar.inference.fused_qkv import mapped_read
 from autopar.inference.iteration_chunks import ChunkedPrefill, check_chunk
 from autopar.inference.model_shape import causal_lm
@@ -95,8 +105,8 @@ class RowStageRunner(StageStepRunner):
     """One rank's stage of a RowCacheStep's programs: a ``StageStepRunner`` whose cache dtype is
     read past the row step's inputs (``rows`` included)."""
 
-    def __init__(self, step, steps, rank, pp, unit_stage=None, read=None):
-        super().__init__(step, steps, rank, pp, unit_stage, read)
+    def __init__(self, step, steps, rank, pp, unit_stage=None, read=None, offset=0, group=None):
+        super().__init__(step, steps, rank, pp, unit_stage, read, offset=offset, group=group)
         first = self.programs[1].input_names[N_ROW_INPUTS]   # the first cache tensor (not ``rows``)
         self.dtype = next(n for n in steps[1].traced.gm.graph.nodes if n.name == first).meta["val"].dtype
 
@@ -117,6 +127,11 @@ class CodegenIterationEngine(RequestQueue, ChunkedPrefill, RowStagesInFlight):
         check_iteration_plan(plan)
         self.plan = plan
         self.world, self.rank = plan_ranks(plan)
+        # this rank's place, as IterationEngine.from_plan gives it: replica r is a consecutive block
+        # of tp x pp ranks, stage-major inside it (module doc, Replicas)
+        self.replicas = plan.dp
+        self.replica, self.local = divmod(self.rank, plan.tp * plan.pp)
+        self.stage, self.tp_rank = divmod(self.local, plan.tp)
         self.model = causal_lm(model)
         self.slots, self.prompt_len, self.max_new_tokens = plan.batch_size, plan.prompt_len, plan.max_new_tokens
         self.kv_tokens = plan.predictions.get("kv_cache_tokens_per_replica")
@@ -153,17 +168,20 @@ class CodegenIterationEngine(RequestQueue, ChunkedPrefill, RowStagesInFlight):
         steps = self.planned_steps(step_cluster(plan, cluster))
         if self.world > 1:   # the programs' process groups
             from runtime import context as RC
-            RC.setup(steps[1].plan.mesh, pp=plan.pp, timeout=collective_timeout)
+            # every replica's stages laid out as setup's stages: every axis group stays in one
+            RC.setup(steps[1].plan.mesh, pp=plan.pp * plan.dp, timeout=collective_timeout)
         # GPT-2's split q, k, v blocks read from its fused c_attn (fused_qkv.py)
         blocks = mapped_read(None if read is None else (lambda fqn, sl: read(fqn, [sl], 0)),
                              self.step_module.qkv_columns)
         try:   # a runner refuses steps whose plans hold the cache in different layouts
             if plan.pp > 1:
                 unit_stage = [k for k, (a, b) in enumerate(plan.stages) for _ in range(a, b)]
-                self.runner = RowStageRunner(self.step_module, steps, self.rank, plan.pp, unit_stage, read=blocks)
+                group = None if plan.dp == 1 else pipeline_group(plan, self.replica, self.tp_rank, collective_timeout)
+                self.runner = RowStageRunner(self.step_module, steps, self.rank, plan.pp, unit_stage, read=blocks,
+                                             offset=self.replica * plan.tp * plan.pp, group=group)
                 self.runner.in_flight = True
             else:
-                self.runner = RowRunner(self.step_module, steps, self.rank, read=blocks)
+                self.runner = RowRunner(self.step_module, steps, self.local, read=blocks)
         except ValueError as e:
             raise PlanError(f'backend="codegen" cannot run {type(self.model).__name__}\'s planned row steps: {e}; '
                             f"use {MODULES}") from None
@@ -174,9 +192,6 @@ class CodegenIterationEngine(RequestQueue, ChunkedPrefill, RowStagesInFlight):
                             f"{sorted({str(lay) for lay in self.runner.cache_layouts})}), more than the plan priced; "
                             f"use {MODULES}")
         self.calls = {s: 0 for s in steps}       # program runs per step length (1: decode)
-        # the place of this rank, as IterationEngine.from_plan gives it (one replica)
-        self.replica, self.replicas = 0, 1
-        self.stage, self.tp_rank = divmod(self.rank, plan.tp)
         self.replica_ranks = plan.tp * plan.pp
         self.vocab_shard = getattr(self.runner, "vocab_shard", None) or VocabShard()   # module doc, Tokens
         self.jobs = None

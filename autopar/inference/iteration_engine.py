@@ -128,7 +128,7 @@ class IterationEngine(RequestQueue, ChunkedPrefill, StagesInFlight):
         jobs travel on a group of their own without one (the other ranks wait there, however long
         the server is idle). ``backend="codegen"``: a ``CodegenIterationEngine`` running autopar's
         own generated programs instead of the model's modules (autopar/inference/codegen_iteration.py;
-        tp and pp, not dp)."""
+        tp, pp and dp)."""
         if backend == "codegen":
             from autopar.inference.codegen_iteration import CodegenIterationEngine
             return CodegenIterationEngine(model, plan, weights=weights, collective_timeout=collective_timeout)

@@ -90,8 +90,8 @@ def test_backend_is_checked():
     with pytest.raises(PlanError, match="not an iteration engine backend"):
         IterationEngine.from_plan(_model(), plan, backend="nope")
     dp2 = InferencePlan.from_json(plan.to_json())
-    dp2.dp = 2
-    with pytest.raises(PlanError, match="dp=2"):
+    dp2.dp = 2   # replicas run (tests/inference/test_codegen_iteration_dp.py), on the plan's ranks only
+    with pytest.raises(PlanError, match="runs on 2 processes.*dp=2"):
         IterationEngine.from_plan(_model(), dp2, backend="codegen")
 
 

@@ -5,9 +5,10 @@ some shorter) added a few iterations apart are prefilled in chunks of the plan's
 cache rows, one chunk per iteration per filling sequence, beside the running rows' decode, as the
 modules engine schedules them (autopar/inference/iteration_chunks.py); each gets the tokens of
 Hugging Face's ``generate`` on its prompt alone and of the modules engine's chunked run, in one
-process and on tp=2 gloo ranks (every rank adding, or rank 0 leading), while no decoder layer
-module of the model ever runs. Premises: a long prompt ran several chunks (the chunk program ran
-once per chunk), sequences were ``filling`` across iterations while others decoded."""
+process, on tp=2 gloo ranks (every rank adding, or rank 0 leading), at pp=2 and on two
+data-parallel replicas (dp=2, rank 0 leading), while no decoder layer module of the model ever
+runs. Premises: a long prompt ran several chunks (the chunk program ran once per chunk), sequences
+were ``filling`` across iterations while others decoded."""
 from __future__ import annotations
 
 import pytest
@@ -216,3 +217,42 @@ def _modules_pp_rank(rank, world, plan_json):
     engine = IterationEngine.from_plan(_model(), InferencePlan.from_json(plan_json))
     seqs, _ = _serve(engine)
     return [s.tokens for s in seqs], [s.chunks for s in seqs]
+
+
+def _dp_rank(rank, world, plan_json):
+    plan = InferencePlan.from_json(plan_json)
+    model = _model()
+    engine = IterationEngine.from_plan(model, plan, backend="codegen")
+    fired = _no_module_runs(model)
+    mine = []   # the sequences this rank's replica added (their chunks are its engine's)
+    add = engine.add
+    engine.add = lambda *a, **k: mine.append(add(*a, **k)) or mine[-1]
+    tokens = None
+    if rank == 0:
+        leader = LeaderIterations(engine)
+        seqs, _ = _serve(leader)
+        leader.stop()
+        tokens = [s.tokens for s in seqs]
+    else:
+        follow_iterations(engine)
+    return tokens, engine.replica, [(list(s.prompt), s.chunks) for s in mine], engine.calls, len(fired)
+
+
+@pytest.mark.slow
+def test_dp2_chunked_codegen_engine_equals_generate_alone():
+    """Two data-parallel replicas (dp=2 on 2 gloo ranks, rank 0 leading) of a chunked plan: each
+    replica schedules the chunks of the requests assigned to it on its own rows; every request's
+    tokens equal ``generate`` of its prompt alone. Premises: both replicas served some, each request
+    once, each replica's chunk program ran once per chunk of its requests, a long prompt took
+    several chunks of at most the plan's chunk, no decoder layer ran."""
+    plan = _plan(2, dp=2)
+    assert (plan.tp, plan.pp, plan.dp) == (1, 1, 2)
+    results = run_local(_dp_rank, 2, args=(plan.to_json(),), timeout=600)
+    assert results[0][0] == _wants()
+    assert [r[1] for r in results] == [0, 1]
+    shares = [r[2] for r in results]
+    assert all(shares) and sorted(p for s in shares for p, _ in s) == sorted(p for p, _, _ in REQUESTS)
+    for _, _, share, calls, fired in results:
+        assert fired == 0 and calls[1] > 0 and calls[CHUNK] == sum(len(c) for _, c in share)   # premise
+        assert all(sum(c) == len(p) and max(c) <= CHUNK for p, c in share)
+    assert max(len(c) for s in shares for _, c in s) >= 3   # premise: the 9-token prompt took 3 chunks

@@ -1,8 +1,8 @@
 """``autopar serve --backend codegen``: the server runs autopar's own generated programs (tp=2 on two
-gloo ranks, or two data-parallel replicas under static batching): under continuous batching it
-answers the same greedy tokens as ``--backend modules``, under static batching Hugging Face's
-``generate`` (``/metrics`` naming the backend that ran), under chunked batching (prompts longer than
-the chunk prefilled in chunks) ``generate`` too; and
+gloo ranks, or two data-parallel replicas): under continuous batching it answers the same greedy
+tokens as ``--backend modules`` (tp=2) and Hugging Face's ``generate`` (dp=2), under static batching
+Hugging Face's ``generate`` (``/metrics`` naming the backend that ran), under chunked batching (prompts
+longer than the chunk prefilled in chunks) ``generate`` too; and
 ``runtime.context.setup(..., timeout=)`` gives its groups that timeout: a collective whose peer
 never joins raises after it rather than waiting for the default group's."""
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from autopar.cli import main
 from autopar.inference.serve_process import serve_process
+from tests.helpers.serving import assert_served_like_generate
 from runtime.launch import run_local
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]
@@ -89,6 +90,19 @@ def test_serve_backend_codegen_chunked_answers_generate(tmp_path):
     for p, tokens in zip(PROMPTS, codegen):
         want = ref.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert tokens == want[0, len(p):].tolist()
+
+
+@pytest.mark.slow
+def test_serve_backend_codegen_continuous_replicas_answer_generate(tmp_path):
+    """Continuous batching on two data-parallel replicas (dp=2, tp=1): concurrent requests, each
+    answered with Hugging Face's greedy ``generate`` of its prompt alone (the engine's replicas:
+    test_codegen_iteration_dp.py)."""
+    plan = _plan(tmp_path, "continuous", tp=1, dp=2)
+    prompts = PROMPTS + [[1, 2], [40, 41, 42, 43]]
+    with serve_process(["hf_llama", "--devices", "2", "--plan", plan, "--backend", "codegen"]) as url:
+        assert_served_like_generate(url, prompts, [3, 2, 4, 1])
+        metrics = httpx.get(f"{url}/metrics", timeout=10).json()
+    assert metrics["backend"] == "codegen" and metrics["requests"] == len(prompts)   # the premise: codegen answered
 
 
 def _skip_a_collective(rank, world, seconds):
