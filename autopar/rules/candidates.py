@@ -151,6 +151,7 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None, reshar
             for a, b in zip(group.instances[0], inst):
                 first_of[b] = a
     memo: dict = {}
+    param_strategies: dict = {}   # shape -> a parameter's strategies
     same_spec: dict = {}   # _enumeration_key -> strategies: ops with equal specs enumerate once per mesh
     specs = _graph_specs(graph)
     input_batch = dict(zip(graph.input_names, graph_batch_dims(graph)))
@@ -162,8 +163,11 @@ def candidates(graph: TracedGraph, mesh: Mesh, policy: str | None = None, reshar
                 continue
             shape = tensor_shape(val)
             if node.name in graph.param_fqn:
-                layouts = _layout_choices(shape, mesh, model_axes)
-                strategies = [_leaf_strategy(l.describe(mesh.names), l, mesh) for l in layouts]
+                # parameters of one shape have the same layouts (each block's weights: one list)
+                if shape not in param_strategies:
+                    param_strategies[shape] = [_leaf_strategy(l.describe(mesh.names), l, mesh)
+                                               for l in _layout_choices(shape, mesh, model_axes)]
+                strategies = list(param_strategies[shape])
                 nodes[node.name] = NodeInfo(node.name, "param", node, strategies, batch_dims=(frozenset(),))
                 batch_of[node.name] = (frozenset(),)
             else:

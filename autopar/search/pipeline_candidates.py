@@ -312,9 +312,15 @@ class Pipelined:
             if RETRY_BOUND and beat < float("inf") and self.retry_bound(p, m, sched) >= beat:
                 self.retries_pruned += 1   # recomputing every block cannot beat it
                 return out if out is not None else ("skip",)
+            # with a plan in hand (``beat``) nobody reads the retry's smallest peak (only a search
+            # with no plan at all names it): its configurations that no stage partition fits are
+            # pruned before their ILP, as the first attempt's
+            again_kw = dict(kw_left, min_peak=False,
+                            stage_memory=StageMemory(p, m, self.base.budget, tuple(self.schedules))) \
+                if beat < float("inf") and "zero-bubble" not in self.schedules else kw_left
             try:
                 again = ("ok", *search_pipelined(self.graph, self.cluster, self.base, dict(pins, checkpoint="full"),
-                                                 self.cached_search, **kw_left))
+                                                 self.cached_search, **again_kw))
             except (PlanError, CutOff):   # MemoryBudgetError among them
                 if out is None and not first_fit:
                     raise

@@ -32,8 +32,11 @@ _TORCH_NAME = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved-1f1b": "interleave
 WEIGHT_GRAD_SHARE = 0.5
 
 
+@functools.lru_cache(maxsize=64)
 def orders_for(schedule: str, pp: int, m: int) -> dict:
-    """rank -> the compute actions torch's schedule runs (runtime/pipeline_orders.py)."""
+    """rank -> the compute actions torch's schedule runs (runtime/pipeline_orders.py). One object
+    per (schedule, pp, m), read only: the simulator reads its dependencies once per object
+    (solver/pipeline_schedule.py ``_compiled``)."""
     try:
         return pipeline_orders(_TORCH_NAME[schedule], pp, m, virtual_stages(schedule))
     except ValueError as e:
