@@ -63,33 +63,33 @@ def test_serve_backend_codegen_answers_what_modules_answers(tmp_path):
     assert codegen == _served(plan, "modules")
 
 
+def _assert_generate(served):
+    """Each prompt's served tokens are Hugging Face's greedy ``generate`` of it (3 new tokens)."""
+    from autopar.models.hf import hf_llama
+    torch.manual_seed(0)   # the zoo factory's weights: the same seed and config as the server's
+    ref = hf_llama()[0].model.eval()
+    for p, tokens in zip(PROMPTS, served):
+        want = ref.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert tokens == want[0, len(p):].tolist()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)])
 def test_serve_backend_codegen_static_answers_generate(tmp_path, tp, dp):
     """Static batching, tp=2 or two data-parallel replicas: one codegen server, against Hugging
     Face's greedy generate (what the modules server answers: test_serve_cli.py)."""
-    from autopar.models.hf import hf_llama
     codegen = _served(_plan(tmp_path, "static", tp=tp, dp=dp), "codegen")
-    torch.manual_seed(0)   # the zoo factory's weights: the same seed and config as the server's
-    ref = hf_llama()[0].model.eval()
-    for p, tokens in zip(PROMPTS, codegen):
-        want = ref.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, pad_token_id=0)
-        assert tokens == want[0, len(p):].tolist()
+    _assert_generate(codegen)
 
 
 @pytest.mark.slow
 def test_serve_backend_codegen_chunked_answers_generate(tmp_path):
     """Chunked batching at tp=2 (a chunk of 4 tokens, 2 slots): one codegen server, against Hugging
     Face's greedy generate (the engine's chunk schedule: tests/inference/test_codegen_iteration_chunked.py)."""
-    from autopar.models.hf import hf_llama
     plan = _plan(tmp_path, "chunked")
     assert json.loads(open(plan).read())["predictions"]["prefill_chunk"] == 4
     codegen = _served(plan, "codegen")
-    torch.manual_seed(0)   # the zoo factory's weights: the same seed and config as the server's
-    ref = hf_llama()[0].model.eval()
-    for p, tokens in zip(PROMPTS, codegen):
-        want = ref.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, pad_token_id=0)
-        assert tokens == want[0, len(p):].tolist()
+    _assert_generate(codegen)
 
 
 @pytest.mark.slow
