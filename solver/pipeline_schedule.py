@@ -279,36 +279,49 @@ def _compiled(orders, n: int, stage_rank: dict) -> _Program:
         raise PlanError(f"pipeline order deadlocks: each rank's next action waits on another: {stuck}")
     alive: dict[int, list] = {s: [] for s in range(n)}
     held: dict[int, list] = {s: [] for s in range(n)}
-    frees, held_frees = {}, {}
     for i, (kind, s, m) in enumerate(acts):
         sm = s * M + m
         if kind == "F":
-            b = index[B + sm] if index[B + sm] >= 0 else index[W + sm]
-            alive[s].append((i, b))
-            frees[b] = s
+            alive[s].append((i, index[B + sm] if index[B + sm] >= 0 else index[W + sm]))
         elif kind == "I":
-            b = index[W + sm]
-            held[s].append((i, b))
-            held_frees[b] = s
-    events: dict = {r: [] for r in ranks}
-    held_events: dict = {r: [] for r in ranks}
-    for r, seq in zip(ranks, seqs):
-        ev, hev = events[r], held_events[r]
-        for kb, _ki, s, m in seq:
-            i = index[kb + s * M + m]
-            if kb == F:
-                ev.append((s, 1))
-            elif kb == I:
-                hev.append((s, 1))
-            if i in frees:
-                ev.append((frees[i], -1))
-            if i in held_frees:
-                hev.append((held_frees[i], -1))
+            held[s].append((i, index[W + sm]))
+    events, held_events = rank_alive_changes(orders)
     prog = _Program(ranks, acts, rank, cost, dep1, x1, dep2, x2, alive, held, events, held_events)
     if len(_COMPILED) > 256:
         _COMPILED.clear()
     _COMPILED[id(orders)] = (orders, prog)
     return prog
+
+
+def rank_alive_changes(orders) -> tuple[dict, dict]:
+    """Per rank, its stages' counts of micro-batches alive changing in the rank's own order:
+    ``[(stage, +1)]`` at each F (its start), ``[(stage, -1)]`` at the end of the B freeing it (or of
+    its W under split backward); and the same for the micro-batches between an I's end and its
+    W's end (``held_for_weight``). A rank runs one action at a time, so when every action takes
+    time this is their order in time and a simulation's counts (``peak_alive``) follow from the
+    orders alone, without the durations (each rank's actions in one pass)."""
+    events: dict = {}
+    held: dict = {}
+    for r, acts in orders.items():
+        ev = events[r] = []
+        hev = held[r] = []
+        for k, s, m in acts:
+            if k == "F":
+                ev.append((s, 1))
+            elif k == "B":
+                ev.append((s, -1))
+            elif k == "I":
+                hev.append((s, 1))
+            elif k == "W":   # split backward: no B, its W frees the micro-batch
+                hev.append((s, -1))
+                ev.append((s, -1))
+    return events, held
+
+
+def peak_alive_counts(orders, n: int) -> dict[int, int]:
+    """stage -> most micro-batches alive at once under ``orders`` when every action takes time
+    (``rank_alive_changes``): what ``simulate(...).peak_alive`` gives for any positive durations."""
+    return _ordered_peaks(rank_alive_changes(orders)[0], n)
 
 
 def _ordered_peaks(events: dict, n: int) -> dict[int, int]:

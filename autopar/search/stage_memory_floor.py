@@ -54,7 +54,8 @@ import numpy as np
 from autopar.pricing.price import device_static
 from autopar.search.pipeline_pins import virtual_stages
 from autopar.search.stage_costs import shared_roots
-from autopar.search.stage_plan import alive, simulate_stages
+from autopar.search.stage_plan import alive, orders_for
+from solver.pipeline_schedule import rank_alive_changes
 from codegen.stages import pipeline_units
 
 # Schedules whose alive counts depend on the action order alone (``alive``; zero-bubble's stage 0
@@ -198,15 +199,18 @@ def rank_alive_vectors(schedule: str, pp: int, m: int) -> tuple:
     one of its actions, read off the equal-stage simulation (module doc: they depend on the order
     only)."""
     V = pp * virtual_stages(schedule)
-    sim = simulate_stages(schedule, pp, m, [1.0] * V, [2.0] * V)
+    orders = orders_for(schedule, pp, m)
+    changes, _ = rank_alive_changes(orders)   # in the rank's order: its order in time
+    rank_of = {k: r for r, acts in orders.items() for _a, k, _m in acts}
     out = []
     for r in range(pp):
         ks = list(range(r, V, pp))
-        events = sorted((t, o, j) for j, k in enumerate(ks) for a, b in sim.alive[k] for t, o in ((a, 1), (b, 0)))
+        slot = {k: j for j, k in enumerate(ks)}
         cur, seen = [0] * len(ks), set()
-        for _t, o, j in events:   # at equal times a free before an allocation, as the simulation counts
-            cur[j] += 1 if o else -1
-            if o:
+        assert all(rank_of[k] == rank_of[ks[0]] for k in ks), "stages r, r + pp, ... on one rank"
+        for k, d in changes[rank_of[ks[0]]]:
+            cur[slot[k]] += d
+            if d > 0:
                 seen.add(tuple(cur))
         out.append(tuple(sorted(v for v in seen if not any(w != v and all(x >= y for x, y in zip(w, v))
                                                            for w in seen))))

@@ -17,7 +17,7 @@ from autopar.search.pipeline_pins import virtual_stages
 from autopar.search.stage_costs import stage_costs
 from runtime.pipeline_orders import pipeline_orders
 from solver.pipeline import partition
-from solver.pipeline_schedule import StageDurations, simulate
+from solver.pipeline_schedule import StageDurations, peak_alive_counts, simulate
 
 
 def alive_micro_batches(schedule: str, stage: int, pp: int, m: int) -> int:
@@ -74,10 +74,11 @@ def _uniform_alive(schedule: str, pp: int, m: int) -> tuple[int, ...]:
 
 
 def simulated_alive(schedule: str, pp: int, m: int) -> tuple[int, ...]:
-    """``alive`` read off the simulation of torch's order with equal stages."""
+    """``alive`` read off torch's order: what its simulation with any stage times counts
+    (solver/pipeline_schedule.py ``peak_alive_counts``)."""
     V = pp * virtual_stages(schedule)
-    sim = simulate_stages(schedule, pp, m, [1.0] * V, [2.0] * V)
-    return tuple(sim.peak_alive[k] for k in range(V))
+    peak = peak_alive_counts(orders_for(schedule, pp, m), V)
+    return tuple(peak[k] for k in range(V))
 
 
 def least_step_time(c, result, pp: int, schedule: str) -> float:

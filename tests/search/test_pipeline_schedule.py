@@ -12,7 +12,7 @@ from autopar.hardware import Device, Link
 from autopar.errors import PlanError
 from autopar.pricing.pipeline_cost import boundary_p2p_time, crosses_nodes, p2p_time
 from runtime.pipeline_orders import SCHEDULES, pipeline_orders, stage_ranks
-from solver.pipeline_schedule import StageDurations, simulate
+from solver.pipeline_schedule import StageDurations, peak_alive_counts, simulate
 
 
 def _sim(schedule, p, m, v=1, f=1.0, bi=1.0, bw=1.0, p2p=0.0):
@@ -156,6 +156,32 @@ def test_without_timeline_the_figures_are_the_same():
     assert lean.intervals == [] and lean.transfers == [] and full.intervals and full.transfers
     for f in ("step_time", "busy", "bubble_time", "peak_alive", "held_for_weight", "alive"):
         assert getattr(lean, f) == getattr(full, f), f
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 3, 5, 1), ("1f1b", 4, 7, 1), ("interleaved-1f1b", 4, 6, 2),
+                                             ("zero-bubble", 4, 8, 2), ("zbv", 2, 4, 2)])
+def test_alive_counts_follow_from_the_orders_alone(schedule, p, m, v):
+    """With every action taking time, the micro-batches alive (per stage, and a rank's total
+    weighted over its stages) do not depend on the durations: ``peak_alive_counts`` reads them off
+    the orders, and simulations with unequal random stage times and transfers count the same, the
+    time-ordered span count (stage times with zeros) included."""
+    import random
+    rng = random.Random(p * 100 + m)
+    orders = pipeline_orders(schedule, p, m, v)
+    V = p * v
+    want = peak_alive_counts(orders, V)
+    weights = {k: rng.uniform(1, 3) for k in range(V)}
+    ranks = None
+    for _ in range(3):
+        d = StageDurations([rng.uniform(0.1, 2) for _ in range(V)], [rng.uniform(0.1, 2) for _ in range(V)],
+                           [rng.uniform(0.1, 1) for _ in range(V)], [rng.uniform(0, 0.5) for _ in range(V - 1)])
+        sim = simulate(orders, d)
+        assert sim.peak_alive == want
+        per_rank = sim.peak_rank_memory(weights)
+        assert ranks is None or per_rank == pytest.approx(ranks)
+        ranks = per_rank
+    sim.rank_events = None   # the time-ordered count over the spans gives the same peaks
+    assert sim.peak_rank_memory(weights) == pytest.approx(ranks)
 
 
 def test_v_shape_boundary_on_one_rank_is_free():
