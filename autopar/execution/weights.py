@@ -423,7 +423,10 @@ def _best_prefix(model_keys: set[str], ckpt_keys: set[str]) -> str:
 
 class DcpWeights:
     """Blocks from a ``compiled.save`` directory: only the block, through ``torch.distributed.checkpoint``
-    (which reshards: any saving plan; autopar/execution/checkpoint_io.py ``Pieces``)."""
+    (which reshards: any saving plan; autopar/execution/checkpoint_io.py ``Pieces``). Names are
+    mapped as the checkpoint spells them: as is, or across a wrapper's prefix (a zoo ``LossWrapper``
+    trained and saved, its Hugging Face model read for inference: ``model.`` added), tied aliases
+    resolved (``traced.tied``)."""
 
     def __init__(self, directory: str, traced, model):
         import torch.distributed.checkpoint as dcp
@@ -432,11 +435,20 @@ class DcpWeights:
         meta = dcp.FileSystemReader(directory).read_metadata()
         self.saved = {k[len("model."):]: v for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
         persistent = model.state_dict(keep_vars=True)
-        missing = sorted(set(persistent) - set(self.saved))
-        extra = sorted(set(self.saved) - set(persistent))
-        bad = sorted(f"{k} {tuple(self.saved[k].size)} (this model: {tuple(persistent[k].shape)})"
-                     for k in set(persistent) & set(self.saved)
-                     if tuple(self.saved[k].size) != tuple(persistent[k].shape))
+        rename = _name_map(set(persistent), set(self.saved))
+        tied = getattr(traced, "tied", {}) or {}
+        self.name_of = {}   # model FQN -> checkpoint name
+        for fqn in persistent:
+            hit = next((rename(a) for a in tied.get(fqn, [fqn]) if rename(a) in self.saved), None)
+            if hit is None and rename(fqn) in self.saved:
+                hit = rename(fqn)
+            if hit is not None:
+                self.name_of[fqn] = hit
+        missing = sorted(rename(k) for k in persistent if k not in self.name_of)
+        extra = sorted(set(self.saved) - set(self.name_of.values()) - {rename(k) for k in persistent})
+        bad = sorted(f"{self.name_of[k]} {tuple(self.saved[self.name_of[k]].size)} (this model: "
+                     f"{tuple(persistent[k].shape)})"
+                     for k in self.name_of if tuple(self.saved[self.name_of[k]].size) != tuple(persistent[k].shape))
         if missing or extra or bad:
             parts = ([f"missing from the checkpoint: {', '.join(missing[:6])}"] if missing else []) + \
                     ([f"not in this model: {', '.join(extra[:6])}"] if extra else []) + \
@@ -445,25 +457,35 @@ class DcpWeights:
                                  "): nothing was loaded")
 
     def has(self, fqn) -> bool:
-        return fqn in self.saved
+        return fqn in self.name_of
 
     def block(self, fqn: str, slices, device) -> torch.Tensor:
-        m = self.saved[fqn]
+        name = self.name_of[fqn]
+        m = self.saved[name]
         size = tuple(m.size)
         start = [s.indices(n)[0] for s, n in zip(slices, size)]
         block = torch.empty([len(range(*s.indices(n))) for s, n in zip(slices, size)], dtype=m.properties.dtype)
         want = Pieces(size, m.properties.dtype)
         want.add(start, block)
         # no_dist: every rank reads on its own (no collective per tensor); only the block is read
-        read({"model": {fqn: want}}, self.dir, no_dist=True)
+        read({"model": {name: want}}, self.dir, no_dist=True)
         return _fp(block).to(device, copy=True).contiguous()
 
 
-def open_weights(weights, traced, model):
-    """The source for a PATH: a compiled.save (dcp) directory or a Hugging Face checkpoint directory."""
+def _name_map(model_keys: set[str], ckpt_keys: set[str]):
+    """model FQN -> checkpoint name, whichever matches most: as is, a wrapper's prefix stripped from
+    the model's FQNs, or one added to them (the checkpoint saved from a wrapper of this model)."""
+    strip, add = _best_prefix(model_keys, ckpt_keys), _best_prefix(ckpt_keys, model_keys)
+    cands = [lambda k: k, lambda k: k[len(strip):] if strip and k.startswith(strip) else k, lambda k: add + k]
+    return max(cands, key=lambda f: sum(f(k) in ckpt_keys for k in model_keys))   # the first best: as is
+
+
+def open_weights(weights, traced, model, options: str = OPTIONS):
+    """The source for a PATH: a compiled.save (dcp) directory or a Hugging Face checkpoint directory.
+    ``options``: what the caller accepts, named in its errors (compile's by default)."""
     path = os.fspath(weights)
     if not os.path.isdir(path):
-        raise ExecutionError(f"weights={path!r}: no such directory. Options: {OPTIONS}")
+        raise ExecutionError(f"weights={path!r}: no such directory. Options: {options}")
     if os.path.exists(os.path.join(path, POINTER)):   # compiled.save(): its committed generation
         path = committed_path(path)
         check_complete(path)
@@ -480,7 +502,7 @@ def open_weights(weights, traced, model):
         return SafetensorsWeights(path, traced, model)
     raise ExecutionError(f"weights={path!r}: neither a Hugging Face checkpoint (model.safetensors or "
                          f"model.safetensors.index.json) nor a compiled.save() directory (.metadata). "
-                         f"Options: {OPTIONS}")
+                         f"Options: {options}")
 
 
 def weight_source(model, traced, prog, choice, dev, init_rng_state=None, mine=None):

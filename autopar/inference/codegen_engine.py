@@ -28,8 +28,9 @@ pinned (Megatron strategies), lowered to this rank's codegen programs and run by
   whole batch.
 - **Plans.** Every rank traces the steps itself (deterministic); rank 0 alone runs the planner and
   broadcasts each plan as JSON, so every rank lowers the same plans.
-- **Weights.** The model's own tensors, or with ``weights=DIR`` (a safetensors checkpoint) each
-  rank's parameter blocks are read from the checkpoint block by block; a model built on the meta
+- **Weights.** The model's own tensors, or with ``weights=DIR`` (a Hugging Face safetensors checkpoint
+  or a ``compiled.save`` training checkpoint: engine_inputs.py ``checkpoint_reader``) each rank's
+  parameter blocks are read from the checkpoint block by block; a model built on the meta
   device is then given empty storage to trace over (its rotary buffers computed).
 - **Dtype.** The model is cast in place to the plan's dtype (fp32, bf16 or fp16), as the modules
   backend casts it (``cast_to_plan``); the steps are traced, planned (the planner's precision: bf16
@@ -189,7 +190,8 @@ class CodegenEngine:
         if any(p.is_meta for p in self.model.parameters()):
             if self.read is None:
                 raise PlanError("the model's parameters are on the meta device: give weights=DIR (a Hugging Face "
-                                "safetensors checkpoint directory), or build the model with its weights")
+                                "safetensors checkpoint directory or a compiled.save() directory), or build "
+                                "the model with its weights")
             meta_to_storage(self.model)
             cast_to_plan(self.model, plan)   # the buffers computed
         self.model.eval()

@@ -160,7 +160,8 @@ class CodegenIterationEngine(RequestQueue, ChunkedPrefill, RowStagesInFlight):
         if any(p.is_meta for p in self.model.parameters()):
             if read is None:
                 raise PlanError("the model's parameters are on the meta device: give weights=DIR (a Hugging Face "
-                                "safetensors checkpoint directory), or build the model with its weights")
+                                "safetensors checkpoint directory or a compiled.save() directory), or build "
+                                "the model with its weights")
             meta_to_storage(self.model)
             cast_to_plan(self.model, plan)   # the buffers computed
         self.model.eval()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from autopar.errors import PlanError
 from autopar.inference.engine_inputs import (WHOLE_ROW_SETTINGS, check_request, check_sampling, checkpoint_reader,
-                                             fill_buffers, pipeline_group, plan_ranks)
+                                             drop_parameters, fill_buffers, pipeline_group, plan_ranks)
 from autopar.inference.inference_plan import InferencePlan
 from autopar.inference.model_shape import causal_lm
 from autopar.inference.pp_stages import ReceivedLogits, connect_stages, keep_stage_layers, share_cache_layers
@@ -66,7 +66,10 @@ class InferenceEngine:
         self.read = checkpoint_reader(self.model, weights) if weights is not None else None
         if self.read is None and any(p.is_meta for p in self.model.parameters()):
             raise PlanError("the model's parameters are on the meta device: give weights=DIR (a Hugging Face "
-                            "safetensors checkpoint directory), or build the model with its weights")
+                            "safetensors checkpoint directory or a compiled.save() directory), or build the "
+                            "model with its weights")
+        if self.read is not None:
+            drop_parameters(self.model)   # every value from the checkpoint, each rank its blocks
         # replicas: consecutive groups of tp x pp ranks; in a replica, stage-major (module doc)
         tp, pp = plan.tp, plan.pp
         self.replica, within = divmod(self.rank, tp * pp)
@@ -205,9 +208,12 @@ def compile_inference(model, cluster=None, plan: InferencePlan | None = None, we
                       collective_timeout=None, backend: str = "modules", **plan_options):
     """The engine for ``model`` under ``plan`` (an InferencePlan, or a file written by
     ``autopar plan-inference``); without one, ``plan_inference(model, cluster=cluster, **plan_options)``
-    plans it (``example_prompt`` and ``max_new_tokens`` then required). ``weights``: a Hugging Face
-    safetensors checkpoint directory each rank reads only its shards from (the model may then be
-    built on the meta device, e.g. ``autopar.models.from_hf_config``). ``collective_timeout`` (a
+    plans it (``example_prompt`` and ``max_new_tokens`` then required). ``weights``: a checkpoint
+    directory each rank reads only its shards from, every parameter's value taken from it: a
+    Hugging Face safetensors directory (``save_pretrained``) or a training checkpoint written by
+    ``compiled.save(DIR)`` (autopar/execution/weights.py ``open_weights``; a zoo wrapper's
+    ``model.`` prefix is mapped); the model may then be built on the meta device, e.g.
+    ``autopar.models.from_hf_config``. A directory that is neither is an ExecutionError. ``collective_timeout`` (a
     timedelta): how long the tensor-parallel and pipeline groups' collectives wait for a peer
     (torch's default when None; ``autopar serve --collective-timeout``). ``backend``: "modules" (this
     module's ``InferenceEngine``: the model's own modules, sliced) or "codegen" (a ``CodegenEngine``,

@@ -1,9 +1,10 @@
 """What the static engines (engine.py, codegen_engine.py) take from their caller, checked the same
 way: ``check_sampling`` (the sampling options ``generate`` accepts), ``WHOLE_ROW_SETTINGS`` (the
 generation-config settings under which greedy generation processes whole rows of logits) and
-``checkpoint_reader`` (a Hugging Face safetensors directory read block by block); and for the
-continuous-batching engines (iteration_engine.py, codegen_iteration.py) ``check_sequence`` and
-``RequestQueue``, their ``check`` and ``add``.
+``checkpoint_reader`` (a Hugging Face safetensors directory or a ``compiled.save`` training
+checkpoint, read block by block; ``drop_parameters``); and for the continuous-batching engines
+(iteration_engine.py, codegen_iteration.py) ``check_sequence`` and ``RequestQueue``, their
+``check`` and ``add``.
 """
 from __future__ import annotations
 
@@ -152,17 +153,28 @@ WHOLE_ROW_SETTINGS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad
                       "sequence_bias": None, "encoder_repetition_penalty": 1.0}
 
 
+WEIGHTS = ("weights=None (the model's own tensors) or weights=DIR: a Hugging Face safetensors checkpoint "
+           "directory (model.safetensors or model.safetensors.index.json) or a training checkpoint written by "
+           "compiled.save(DIR) (torch.distributed.checkpoint: .metadata, or its committed generation)")
+
+
 def checkpoint_reader(model, directory: str):
-    """``read(fqn, pieces, dim)`` of a Hugging Face safetensors checkpoint directory: each rank reads
-    only its blocks (autopar/execution/weights.py ``SafetensorsWeights``); counts what it read."""
+    """``read(fqn, pieces, dim)`` of a checkpoint directory, either a Hugging Face safetensors one or
+    a training checkpoint written by ``compiled.save`` (autopar/execution/weights.py ``open_weights``:
+    ``SafetensorsWeights`` or ``DcpWeights``, names mapped across a training wrapper's prefix, tied
+    aliases resolved): each rank reads only its blocks; counts what it read (``read.elements``).
+    ExecutionError naming both formats for a directory that is neither."""
     from types import SimpleNamespace
 
-    from autopar.execution.weights import SafetensorsWeights
+    from autopar.execution.weights import open_weights
+    if not isinstance(directory, (str, bytes)) and not hasattr(directory, "__fspath__"):
+        from autopar.errors import ExecutionError
+        raise ExecutionError(f"weights={directory!r}: options are {WEIGHTS}")
     aliases: dict[int, list[str]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(fqn)
     tied = {fqn: names for names in aliases.values() if len(names) > 1 for fqn in names}
-    source = SafetensorsWeights(directory, SimpleNamespace(tied=tied), model)
+    source = open_weights(directory, SimpleNamespace(tied=tied), model, options=WEIGHTS)
     dtypes = dict((n, p.dtype) for n, p in model.named_parameters(remove_duplicate=False))
 
     def read(fqn: str, pieces: list[tuple], dim: int) -> torch.Tensor:
@@ -171,7 +183,21 @@ def checkpoint_reader(model, directory: str):
         out = torch.cat(blocks, dim=dim) if len(blocks) > 1 else blocks[0]
         return out.to(dtypes.get(fqn, out.dtype))
     read.elements = 0
+    read.source = source
     return read
+
+
+def drop_parameters(model) -> None:
+    """Every parameter of ``model`` moved to the meta device (tied aliases stay one tensor), so that
+    with ``weights=DIR`` each value comes from the checkpoint, not from the model's own tensors."""
+    import torch.nn as nn
+    on_meta: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and not p.is_meta:
+                if id(p) not in on_meta:
+                    on_meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                module._parameters[name] = on_meta[id(p)]
 
 
 def fill_buffers(model, values: dict | None = None) -> None:
