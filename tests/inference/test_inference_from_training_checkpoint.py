@@ -7,8 +7,8 @@ prefix mapped to the Hugging Face model that generates). The model given to ``co
 is built on the meta device or freshly initialized (other values than the trained ones): greedy
 tokens equal Hugging Face ``generate`` of the trained model (its gathered state dict loaded into a
 plain model), on the modules backend (one process, tp=2 on gloo ranks) and the codegen backend
-(one process, tp=2); the values read are the trained ones, and each rank reads only its blocks
-(``read.elements``). A directory that is neither format is a clear error naming both."""
+(one process, tp=2), the modules backend also pp=2; the values read are the trained ones, and each
+rank reads only its blocks (``read.elements``). A directory that is neither format is a clear error naming both."""
 from __future__ import annotations
 
 import pytest
@@ -130,17 +130,22 @@ def _modules_tp(rank, world, name, plan_json, directory):
 
 
 @pytest.mark.slow
-def test_modules_tp2_each_rank_reads_its_blocks(tmp_path_factory):
+@pytest.mark.parametrize("pins", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_modules_tp2_or_pp2_each_rank_reads_its_blocks(pins, tmp_path_factory):
+    """tp=2 (each rank its column / row blocks) or pp=2 (each stage its layers)."""
     name = "hf_llama"
     directory, ref = trained(name, tmp_path_factory)
-    plan = _plan(name, 2, tp=2)
-    assert plan.tp == 2
+    plan = _plan(name, 2, **pins)
+    assert (plan.tp, plan.pp) == (pins.get("tp", 1), pins.get("pp", 1))
     results = run_local(_modules_tp, 2, args=(name, plan.to_json(), directory), timeout=400)
     want, full = _reference(ref), dict(ref.named_parameters())
     for rank, (out, elements, local, held) in enumerate(results):
         assert out == want
-        assert _blocks_are_trained(local, full, rank, 2) == []
-        assert elements == held < _params(ref)   # exactly what it holds: its blocks, not the whole tensors
+        assert _blocks_are_trained(local, full, rank if plan.tp > 1 else 0, plan.tp) == []
+        if plan.pp == 1:
+            assert elements == held < _params(ref)   # exactly what it holds: its blocks, not the whole tensors
+        else:   # its stage's layers (the stage's ends swap the embedding or head for pass-throughs after reading)
+            assert held <= elements < _params(ref)
     assert sum(r[1] for r in results) < 2 * _params(ref)
 
 
