@@ -154,12 +154,17 @@ def test_sampled_tokens_equal_the_modules_engine_with_the_same_seeds():
     assert got[0] == got[1] and got[0] != [_alone(_model(), p, n) for p, n, _ in REQUESTS]
 
 
-def _pp_rank(rank, world, plan_json, lead):
-    plan = InferencePlan.from_json(plan_json)
+def watched_stage_engine(plan_json):
+    """A rank's codegen engine of a pp plan, the hooks that record any decoder layer running, and
+    what its stages in flight did: ``flights()`` = (overlaps, each virtual engine's turns, iterations)."""
     model = _model()
-    engine = IterationEngine.from_plan(model, plan, backend="codegen")
+    engine = IterationEngine.from_plan(model, InferencePlan.from_json(plan_json), backend="codegen")
     fired = _no_module_runs(model)
-    flights = lambda: (engine.overlaps, [ve.turns for ve in engine.flights], engine.iterations)   # noqa: E731
+    return engine, fired, lambda: (engine.overlaps, [ve.turns for ve in engine.flights], engine.iterations)
+
+
+def _pp_rank(rank, world, plan_json, lead):
+    engine, fired, flights = watched_stage_engine(plan_json)
     if lead and rank > 0:
         follow_iterations(engine)
         return None, None, engine.calls, len(fired), engine.stage, *flights()

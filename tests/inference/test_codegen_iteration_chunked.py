@@ -24,7 +24,7 @@ from autopar.inference.iteration_ranks import LeaderIterations, follow_iteration
 from autopar.inference.planner import plan_inference
 from runtime.launch import run_local
 from tests.helpers.serving import generate_alone
-from tests.inference.test_codegen_iteration import SAMPLING, _model, _no_module_runs
+from tests.inference.test_codegen_iteration import SAMPLING, _model, _no_module_runs, watched_stage_engine
 
 torch.set_num_threads(1)   # forked ranks deadlock in OpenMP if the parent ran multi-threaded ops
 
@@ -172,11 +172,7 @@ def test_tp2_chunked_codegen_engine_equals_generate_alone(lead):
 
 
 def _pp_rank(rank, world, plan_json, lead):
-    plan = InferencePlan.from_json(plan_json)
-    model = _model()
-    engine = IterationEngine.from_plan(model, plan, backend="codegen")
-    fired = _no_module_runs(model)
-    flights = lambda: (engine.overlaps, [ve.turns for ve in engine.flights], engine.iterations)   # noqa: E731
+    engine, fired, flights = watched_stage_engine(plan_json)
     if lead and rank > 0:
         follow_iterations(engine)
         return None, None, None, engine.calls, len(fired), *flights()
