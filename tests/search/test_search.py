@@ -336,22 +336,24 @@ def test_least_collective_price_on_at_least_some_bytes(preset, kw):
             assert least(2.0**20, axis) > 0.0
 
 
-def test_planning_collects_garbage_less_often_and_restores_the_collector(monkeypatch):
-    """autopar.plan raises the collector's thresholds while it searches (api.GC_THRESHOLDS: a fifth
-    of a large search was collections walking the memoised prices) and puts back the caller's."""
+def test_planning_pauses_the_cyclic_collector_and_restores_it(monkeypatch):
+    """autopar.plan turns the cyclic collector off while it searches (every collection walked the
+    memoised prices: api.plan's comment) and puts the caller's state back, enabled or not, with
+    nothing left frozen."""
     import gc
 
-    import autopar.api as A
     import autopar.search.pipeline_search as PS
     seen = []
     real = PS.plan_search
-    monkeypatch.setattr(PS, "plan_search", lambda *a, **k: seen.append((gc.get_threshold(), gc.isenabled()))
-                        or real(*a, **k))
-    before = gc.get_threshold()
+    monkeypatch.setattr(PS, "plan_search", lambda *a, **k: seen.append(gc.isenabled()) or real(*a, **k))
     model, inputs = ZOO["mlp"]()
-    autopar.plan(model, inputs, autopar.Cluster.preset("cpu", devices=4))
-    assert seen and all(t >= g for t, g in zip(seen[0][0], A.GC_THRESHOLDS)) and seen[0][1]
-    assert gc.get_threshold() == before
+    for caller_enabled in (True, False):
+        (gc.enable if caller_enabled else gc.disable)()
+        try:
+            autopar.plan(model, inputs, autopar.Cluster.preset("cpu", devices=4))
+            assert seen[-1] is False and gc.isenabled() is caller_enabled and gc.get_freeze_count() == 0
+        finally:
+            gc.enable()
 
 
 @pytest.mark.slow   # three llama searches, two at a tight budget: minutes of CPU
